@@ -1,0 +1,1 @@
+"""Scheduler side: pure Python, never imports Paddle or CuPy (enforced by a test)."""
