@@ -1,0 +1,545 @@
+"""One Python API over the compiled KV swap ops: Paddle custom ops and a ctypes C ABI.
+
+Both faces call the same C++ core (``custom_ops/csrc``), so validation, run merging and
+path selection behave identically whichever one a caller uses:
+
+* The **Paddle ops** (``swap_cache_per_layer`` and friends) take ``paddle.Tensor`` caches
+  and are what an engine's worker calls.  They are built by ``setup_ops.py`` into
+  ``build/paddle_ops`` and loaded lazily, so importing this module never imports Paddle.
+* The **C ABI** (:func:`load_capi`) takes raw pointers, for callers without Paddle (CuPy
+  or torch memory on the GPU; numpy memory with the CPU build), and for the GPU tests.
+
+Every op validates its ids before touching memory: ids in range, equal lengths, no
+duplicate destination ids.  A violation raises :class:`SwapOpError` naming the op, the
+argument and the index, and nothing has been written.
+
+See ``docs/ops.md`` for semantics, stream behaviour and which copy path runs when.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from fastdeploy_kvcache import envs
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MODE_D2H",
+    "MODE_H2D",
+    "PATH_MEMCPY",
+    "PATH_KERNEL",
+    "PATH_DMA",
+    "PATH_CPU",
+    "SwapOpError",
+    "OpsNotBuiltError",
+    "CApi",
+    "load_capi",
+    "paddle_ops_available",
+    "cuda_host_alloc",
+    "cuda_host_free",
+    "swap_cache_per_layer",
+    "swap_cache_per_layer_async",
+    "swap_cache_all_layers",
+    "swap_cache_layout",
+]
+
+MODE_D2H = 0
+"""``mode`` value: copy device blocks to host blocks (evict / back up)."""
+MODE_H2D = 1
+"""``mode`` value: copy host blocks to device blocks (load / swap in)."""
+
+# Bits of CApi.last_path(): which copy paths the calling thread's last op used.
+PATH_MEMCPY = 1
+PATH_KERNEL = 2
+PATH_DMA = 4
+PATH_CPU = 8
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+_BUILD_HINT = "run `bash build.sh` (CPU) or `bash build.sh gpu` (CUDA C ABI) from the repository root"
+
+IdsLike = Union[Sequence[int], Any]  # list/tuple/range of ints or a 1-D integer numpy array
+StreamLike = Union[int, Any, None]
+
+
+class SwapOpError(ValueError):
+    """Bad arguments to a swap op.  Raised before anything is written.
+
+    ``op``, ``argument`` and ``index`` name the offending op, argument and position
+    (``index`` is ``None`` when the problem is not tied to one position, e.g. a bad mode).
+    """
+
+    _PATTERN = re.compile(r"^(?P<op>[A-Za-z_]\w*): (?P<arg>[A-Za-z_]\w*)(?:\[(?P<idx>\d+)\])?")
+
+    def __init__(self, message: str, op: str = "", argument: str = "", index: Optional[int] = None):
+        super().__init__(message)
+        self.op = op
+        self.argument = argument
+        self.index = index
+
+    @classmethod
+    def from_message(cls, message: str) -> "SwapOpError":
+        """Build from the core's message, whose format is ``op: argument[index] ...``."""
+        match = cls._PATTERN.match(message)
+        if not match:
+            return cls(message)
+        idx = match.group("idx")
+        return cls(message, match.group("op"), match.group("arg"), int(idx) if idx is not None else None)
+
+
+class OpsNotBuiltError(RuntimeError):
+    """The compiled library is missing: the message says which build command makes it."""
+
+
+# --------------------------------------------------------------------------- helpers
+def _stream_handle(stream: StreamLike) -> int:
+    """Raw ``cudaStream_t`` of an int, a CuPy stream (``.ptr``) or a Paddle stream."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    for attr in ("ptr", "cuda_stream"):
+        value = getattr(stream, attr, None)
+        if isinstance(value, int):
+            return value
+    base = getattr(stream, "stream_base", None)
+    if base is not None:
+        raw = getattr(base, "raw_stream", None) or getattr(base, "cuda_stream", None)
+        if isinstance(raw, int):
+            return raw
+    raise TypeError(f"cannot get a CUDA stream handle from {type(stream).__name__}")
+
+
+def _id_list(ids: IdsLike) -> list[int]:
+    """Ids as a list of Python ints (the Paddle attr type ``std::vector<int64_t>``)."""
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return [int(i) for i in ids]
+
+
+# --------------------------------------------------------------------------- C ABI
+_ERR_OK, _ERR_INVALID = 0, 1
+_C_INT64_P = ctypes.POINTER(ctypes.c_int64)
+
+
+def _find_capi(path: Optional[str]) -> Path:
+    candidates: list[Path] = []
+    if path:
+        candidates.append(Path(path))
+    env_path = str(envs.get("FDKV_OPS_LIB"))
+    if env_path:
+        candidates.append(Path(env_path))
+    candidates += [Path(__file__).resolve().parent / "libfdkv_capi.so", _REPO_ROOT / "build" / "libfdkv_capi.so"]
+    for cand in candidates:
+        if cand.is_file():
+            return cand
+    raise OpsNotBuiltError(
+        f"libfdkv_capi.so not found (looked in {', '.join(str(c) for c in candidates)}); {_BUILD_HINT}"
+    )
+
+
+def _declare_abi(lib: ctypes.CDLL) -> None:
+    """Set argtypes/restype of every exported function (keeps ctypes from truncating)."""
+    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    pp = ctypes.POINTER(ctypes.c_void_p)
+    lib.fdkv_last_error.restype = ctypes.c_char_p
+    lib.fdkv_last_error.argtypes = []
+    lib.fdkv_is_cuda.restype = i32
+    lib.fdkv_is_cuda.argtypes = []
+    lib.fdkv_host_alloc.restype = i32
+    lib.fdkv_host_alloc.argtypes = [ctypes.c_size_t, ctypes.c_uint, pp]
+    lib.fdkv_host_free.restype = i32
+    lib.fdkv_host_free.argtypes = [vp]
+    swap_args = [
+        pp, _C_INT64_P, _C_INT64_P, i64,  # dev ptrs, per-tensor dev blocks, block bytes, tensors
+        pp, i64,                          # host ptrs (one for layout), host blocks
+        _C_INT64_P, i64, _C_INT64_P, i64,  # dev ids, count, host ids, count
+        i32, vp, i32,                     # mode, stream, sync
+    ]
+    for name in ("fdkv_swap_layers", "fdkv_swap_layout"):
+        fn = getattr(lib, name)
+        fn.restype = i32
+        fn.argtypes = [ctypes.c_char_p] + swap_args
+    lib.fdkv_set_option.restype = i32
+    lib.fdkv_set_option.argtypes = [ctypes.c_char_p, i64]
+    lib.fdkv_get_option.restype = i32
+    lib.fdkv_get_option.argtypes = [ctypes.c_char_p, _C_INT64_P]
+    lib.fdkv_last_path.restype = i32
+    lib.fdkv_last_path.argtypes = []
+    lib.fdkv_stream_synchronize.restype = i32
+    lib.fdkv_stream_synchronize.argtypes = [vp]
+
+
+class CApi:
+    """ctypes wrapper of ``libfdkv_capi.so`` (or of the Paddle extension, which exports
+    the same ABI).  Pointers are Python ints; ids are sequences or int64 numpy arrays.
+
+    With the CPU build (``is_cuda`` False) "device" pointers are ordinary host memory, so
+    the whole ABI can be exercised with numpy arrays.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self._lib = lib
+        self.path = path
+        _declare_abi(lib)
+        self.is_cuda: bool = bool(lib.fdkv_is_cuda())
+
+    # ---------------------------------------------------------------- errors
+    def _check(self, rc: int) -> None:
+        if rc == _ERR_OK:
+            return
+        message = (self._lib.fdkv_last_error() or b"unknown error").decode("utf-8", "replace")
+        if rc == _ERR_INVALID:
+            raise SwapOpError.from_message(message)
+        raise RuntimeError(message)
+
+    # ---------------------------------------------------------------- pinned memory
+    def host_alloc(self, nbytes: int, flags: int = 0) -> int:
+        """Pinned host memory (``cudaHostAlloc``), or 4 KiB-aligned memory without CUDA."""
+        out = ctypes.c_void_p()
+        self._check(self._lib.fdkv_host_alloc(int(nbytes), int(flags), ctypes.byref(out)))
+        return int(out.value or 0)
+
+    def host_free(self, ptr: int) -> None:
+        """Free memory from :meth:`host_alloc` (0 is a no-op)."""
+        self._check(self._lib.fdkv_host_free(ctypes.c_void_p(int(ptr))))
+
+    # ---------------------------------------------------------------- options
+    def set_option(self, name: str, value: int) -> None:
+        """Set a process-wide copy option: copy_grid, copy_path, dma_min_bytes, merge_min_bytes."""
+        self._check(self._lib.fdkv_set_option(name.encode(), int(value)))
+
+    def get_option(self, name: str) -> int:
+        out = ctypes.c_int64()
+        self._check(self._lib.fdkv_get_option(name.encode(), ctypes.byref(out)))
+        return int(out.value)
+
+    def last_path(self) -> int:
+        """Bit mask (PATH_*) of the copy paths the calling thread's last swap used."""
+        return int(self._lib.fdkv_last_path())
+
+    def stream_synchronize(self, stream: StreamLike = 0) -> None:
+        self._check(self._lib.fdkv_stream_synchronize(ctypes.c_void_p(_stream_handle(stream))))
+
+    # ---------------------------------------------------------------- swaps
+    @staticmethod
+    def _ids(ids: IdsLike) -> tuple[Any, Any, int]:
+        import numpy as np  # numpy is a core dependency; imported here to keep import light
+
+        arr = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
+        return arr, arr.ctypes.data_as(_C_INT64_P), int(arr.size)
+
+    @staticmethod
+    def _per_tensor(value: Union[int, Sequence[int]], count: int, name: str) -> Any:
+        if isinstance(value, int) or hasattr(value, "__index__"):
+            values = [int(value)] * count
+        else:
+            values = [int(v) for v in value]
+            if len(values) != count:
+                raise SwapOpError(
+                    f"capi: {name} has {len(values)} entries but there are {count} tensors", "capi", name, None
+                )
+        return (ctypes.c_int64 * max(count, 1))(*values)
+
+    def _swap(
+        self,
+        entry: str,
+        op: str,
+        dev_ptrs: Sequence[int],
+        num_dev_blocks: Union[int, Sequence[int]],
+        block_bytes: Union[int, Sequence[int]],
+        host_ptrs: Sequence[int],
+        num_host_blocks: int,
+        dev_ids: IdsLike,
+        host_ids: IdsLike,
+        mode: int,
+        stream: StreamLike,
+        sync: bool,
+    ) -> None:
+        count = len(dev_ptrs)
+        dev_arr = (ctypes.c_void_p * max(count, 1))(*[int(p) for p in dev_ptrs])
+        host_arr = (ctypes.c_void_p * max(len(host_ptrs), 1))(*[int(p) for p in host_ptrs])
+        nblk = self._per_tensor(num_dev_blocks, count, "num_dev_blocks")
+        bbytes = self._per_tensor(block_bytes, count, "block_bytes")
+        d_keep, d_ptr, d_n = self._ids(dev_ids)
+        h_keep, h_ptr, h_n = self._ids(host_ids)
+        rc = getattr(self._lib, entry)(
+            op.encode(),
+            ctypes.cast(dev_arr, ctypes.POINTER(ctypes.c_void_p)),
+            nblk,
+            bbytes,
+            count,
+            ctypes.cast(host_arr, ctypes.POINTER(ctypes.c_void_p)),
+            int(num_host_blocks),
+            d_ptr,
+            d_n,
+            h_ptr,
+            h_n,
+            int(mode),
+            ctypes.c_void_p(_stream_handle(stream)),
+            1 if sync else 0,
+        )
+        del d_keep, h_keep
+        self._check(rc)
+
+    def swap_per_layer(
+        self,
+        dev_ptr: int,
+        num_dev_blocks: int,
+        block_bytes: int,
+        host_ptr: int,
+        num_host_blocks: int,
+        dev_ids: IdsLike,
+        host_ids: IdsLike,
+        mode: int,
+        stream: StreamLike = 0,
+        sync: bool = False,
+    ) -> None:
+        """Copy blocks of one cache tensor: ``dev[dev_ids[i]] <-> host[host_ids[i]]``.
+
+        ``mode`` 0 copies device to host, 1 host to device.  Asynchronous on ``stream``
+        unless ``sync``.
+        """
+        self._swap("fdkv_swap_layers", "swap_per_layer", [dev_ptr], num_dev_blocks, block_bytes,
+                   [host_ptr], num_host_blocks, dev_ids, host_ids, mode, stream, sync)
+
+    def swap_all_layers(
+        self,
+        dev_ptrs: Sequence[int],
+        host_ptrs: Sequence[int],
+        num_dev_blocks: Union[int, Sequence[int]],
+        block_bytes: Union[int, Sequence[int]],
+        num_host_blocks: int,
+        dev_ids: IdsLike,
+        host_ids: IdsLike,
+        mode: int,
+        stream: StreamLike = 0,
+        sync: bool = False,
+    ) -> None:
+        """Copy the same block ids of many cache tensors in one launch.
+
+        ``host_ptrs[t]`` is tensor t's host cache (``num_host_blocks`` blocks of
+        ``block_bytes[t]``).  ``block_bytes`` / ``num_dev_blocks`` may be one int or one
+        per tensor, so K/V caches and their scale caches can go in one call.
+        """
+        if len(host_ptrs) != len(dev_ptrs):
+            raise SwapOpError(
+                f"swap_all_layers: host_ptrs has {len(host_ptrs)} entries but dev_ptrs has {len(dev_ptrs)}",
+                "swap_all_layers", "host_ptrs", None,
+            )
+        self._swap("fdkv_swap_layers", "swap_all_layers", dev_ptrs, num_dev_blocks, block_bytes,
+                   host_ptrs, num_host_blocks, dev_ids, host_ids, mode, stream, sync)
+
+    def swap_layout(
+        self,
+        dev_ptrs: Sequence[int],
+        num_dev_blocks: Union[int, Sequence[int]],
+        block_bytes: Union[int, Sequence[int]],
+        host_ptr: int,
+        num_host_blocks: int,
+        dev_ids: IdsLike,
+        host_ids: IdsLike,
+        mode: int,
+        stream: StreamLike = 0,
+        sync: bool = False,
+    ) -> None:
+        """Gather (mode 0) device blocks into, or scatter (mode 1) from, a block-major host
+        buffer ``[host_block][tensor][block_bytes[tensor]]``: one contiguous object per block.
+        Pass tensors in ``[layer][k, v]`` order to get the ``[block][layer][k|v][...]`` layout.
+        """
+        self._swap("fdkv_swap_layout", "swap_layout", dev_ptrs, num_dev_blocks, block_bytes,
+                   [host_ptr], num_host_blocks, dev_ids, host_ids, mode, stream, sync)
+
+
+_capi_lock = threading.Lock()
+_capi_cache: dict[str, CApi] = {}
+
+
+def load_capi(path: Optional[str] = None) -> CApi:
+    """Load (once per path) the C ABI library: ``path``, ``$FDKV_OPS_LIB``, the package
+    folder or ``build/``.  Raises :class:`OpsNotBuiltError` if none exists."""
+    lib_path = str(_find_capi(path).resolve())
+    with _capi_lock:
+        api = _capi_cache.get(lib_path)
+        if api is None:
+            api = CApi(ctypes.CDLL(lib_path), lib_path)
+            logger.debug("loaded C ABI %s (cuda=%s)", lib_path, api.is_cuda)
+            _capi_cache[lib_path] = api
+        return api
+
+
+# --------------------------------------------------------------------------- Paddle ops
+_PADDLE_SO_NAME = "fdkv_paddle_ops"
+_paddle_lock = threading.Lock()
+_paddle_state: dict[str, Any] = {}
+
+
+def _paddle_so_path() -> Path:
+    return _REPO_ROOT / "build" / "paddle_ops" / f"{_PADDLE_SO_NAME}.so"
+
+
+def _load_paddle_ops() -> Any:
+    """Register the custom ops with Paddle once and return ``paddle._C_ops``."""
+    with _paddle_lock:
+        if "c_ops" in _paddle_state:
+            return _paddle_state["c_ops"]
+        so_path = _paddle_so_path()
+        if not so_path.is_file():
+            raise OpsNotBuiltError(f"Paddle custom ops not built ({so_path} missing); {_BUILD_HINT}")
+        import paddle  # lazy: the scheduler side must not pay for Paddle
+        from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
+
+        load_op_meta_info_and_register_op(str(so_path))
+        from paddle import _C_ops
+
+        _paddle_state["c_ops"] = _C_ops
+        _paddle_state["capi"] = CApi(ctypes.CDLL(str(so_path)), str(so_path))
+        logger.debug("registered Paddle ops from %s (paddle %s)", so_path, paddle.__version__)
+        return _C_ops
+
+
+def paddle_ops_available() -> bool:
+    """True if the Paddle extension is built (does not import Paddle)."""
+    return _paddle_so_path().is_file()
+
+
+_TAG = "[fdkv:invalid] "
+
+
+def _run(name: str, *args: Any) -> Any:
+    """Run a custom op, turning the core's tagged validation errors into SwapOpError."""
+    c_ops = _load_paddle_ops()
+    try:
+        return c_ops._run_custom_op(name, *args)
+    except Exception as exc:  # Paddle reports C++ errors as OSError with the message
+        text = str(exc)
+        pos = text.find(_TAG)
+        if pos < 0:
+            raise
+        message = text[pos + len(_TAG):].split("\n", 1)[0].strip()
+        raise SwapOpError.from_message(message) from None
+
+
+def _host_api() -> CApi:
+    """The ABI used for pinned memory: the Paddle extension's if built (it matches the
+    installed Paddle, CUDA or not), else the standalone C ABI library."""
+    if paddle_ops_available():
+        _load_paddle_ops()
+        return _paddle_state["capi"]
+    return load_capi()
+
+
+def cuda_host_alloc(nbytes: int, flags: int = 0) -> int:
+    """Allocate ``nbytes`` of pinned host memory and return its address.
+
+    With CUDA this is ``cudaHostAlloc(nbytes, flags)`` (pinned, so device copies run at
+    full PCIe speed and the copy kernel can read it directly); without CUDA it is a
+    4 KiB-aligned allocation, so the CPU paths and tests work unchanged.
+    """
+    return _host_api().host_alloc(nbytes, flags)
+
+
+def cuda_host_free(ptr: int) -> None:
+    """Free memory returned by :func:`cuda_host_alloc`."""
+    _host_api().host_free(ptr)
+
+
+def swap_cache_per_layer(
+    cache_gpu: Any,
+    cache_cpu_ptr: int,
+    max_block_num_cpu: int,
+    swap_block_ids_gpu: IdsLike,
+    swap_block_ids_cpu: IdsLike,
+    rank: int,
+    mode: int,
+) -> Any:
+    """Copy blocks of one cache tensor between device and host, then wait for the copy.
+
+    ``cache_gpu[swap_block_ids_gpu[i]]`` is paired with host block
+    ``swap_block_ids_cpu[i]`` at ``cache_cpu_ptr`` (``max_block_num_cpu`` blocks of
+    ``prod(cache_gpu.shape[1:]) * itemsize`` bytes).  mode 0: device to host; 1: host to
+    device.  In place: returns ``cache_gpu`` itself (same storage).  Runs on the tensor's
+    current stream and synchronizes it, which is why engines use the async variant.
+    """
+    return _run(
+        "swap_cache_per_layer", cache_gpu, int(cache_cpu_ptr), int(max_block_num_cpu),
+        _id_list(swap_block_ids_gpu), _id_list(swap_block_ids_cpu), int(rank), int(mode),
+    )[0]
+
+
+def swap_cache_per_layer_async(
+    cache_gpu: Any,
+    cache_cpu_ptr: int,
+    max_block_num_cpu: int,
+    swap_block_ids_gpu: IdsLike,
+    swap_block_ids_cpu: IdsLike,
+    rank: int,
+    mode: int,
+    stream: StreamLike = 0,
+) -> Any:
+    """Like :func:`swap_cache_per_layer` but never synchronizes: the copy is enqueued on
+    ``stream`` (0: the tensor's current stream) so it overlaps compute on other streams.
+    The caller tracks completion with an event recorded on ``stream``, and must keep the
+    host buffer alive and untouched until then.
+    """
+    return _run(
+        "swap_cache_per_layer_async", cache_gpu, int(cache_cpu_ptr), int(max_block_num_cpu),
+        _id_list(swap_block_ids_gpu), _id_list(swap_block_ids_cpu), int(rank), int(mode),
+        _stream_handle(stream),
+    )[0]
+
+
+def swap_cache_all_layers(
+    cache_gpu_tensors: Sequence[Any],
+    cache_cpu_ptrs: Sequence[int],
+    max_block_num_cpu: int,
+    swap_block_ids_gpu: IdsLike,
+    swap_block_ids_cpu: IdsLike,
+    rank: int,
+    mode: int,
+    stream: StreamLike = 0,
+) -> list[Any]:
+    """Copy the same block ids of every tensor in ``cache_gpu_tensors`` in one launch
+    (one pointer table on the device), asynchronously on ``stream`` (0: the first
+    tensor's current stream).  ``cache_cpu_ptrs[t]`` is tensor t's host cache; tensors
+    may have different block sizes (fp32 scale caches next to K/V).  In place.
+    """
+    return list(_run(
+        "swap_cache_all_layers", list(cache_gpu_tensors), [int(p) for p in cache_cpu_ptrs],
+        int(max_block_num_cpu), _id_list(swap_block_ids_gpu), _id_list(swap_block_ids_cpu),
+        int(rank), int(mode), _stream_handle(stream),
+    ))
+
+
+def swap_cache_layout(
+    cache_gpu_tensors: Sequence[Any],
+    cache_cpu_ptr: int,
+    cache_shape: Sequence[int],
+    gpu_block_ids: IdsLike,
+    cpu_block_ids: IdsLike,
+    rank: int,
+    mode: int,
+    stream: StreamLike = 0,
+    max_block_num_cpu: int = -1,
+) -> list[Any]:
+    """Gather device blocks into (mode 0), or scatter them from (mode 1), a block-major
+    host buffer ``[cpu_block][tensor][block bytes]``; passing tensors as
+    ``[k0, v0, k1, v1, ...]`` gives ``[block][layer][k|v][...]``: one contiguous object per
+    block, for the storage tier and prefill/decode hand-off.
+
+    ``cache_shape`` is the shape every tensor must have (empty: each tensor's own shape,
+    which lets scale tensors join).  ``max_block_num_cpu`` (blocks in the host buffer)
+    enables the range check of ``cpu_block_ids``; -1 checks only that they are >= 0.
+    Asynchronous on ``stream`` (0: the first tensor's current stream).  In place.
+    """
+    return list(_run(
+        "swap_cache_layout", list(cache_gpu_tensors), int(cache_cpu_ptr), [int(s) for s in cache_shape],
+        _id_list(gpu_block_ids), _id_list(cpu_block_ids), int(rank), int(mode), _stream_handle(stream),
+        int(max_block_num_cpu),
+    ))
