@@ -1,0 +1,52 @@
+// C ABI of the fastdeploy_kvcache swap ops (see docs/ops.md).  All pointers are raw
+// addresses: device memory with the CUDA build, host memory with the CPU build.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define FDKV_API __attribute__((visibility("default")))
+
+// Status codes.  On failure fdkv_last_error() returns the calling thread's message; for
+// FDKV_ERR_INVALID_ARGUMENT it starts with "<op>: <argument>[<index>]" and nothing was
+// written.
+#define FDKV_OK 0
+#define FDKV_ERR_INVALID_ARGUMENT 1
+#define FDKV_ERR_CUDA 2
+#define FDKV_ERR_OTHER 3
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+FDKV_API const char* fdkv_last_error(void);
+FDKV_API int fdkv_is_cuda(void);
+FDKV_API int fdkv_host_alloc(size_t nbytes, unsigned flags, void** out);
+FDKV_API int fdkv_host_free(void* ptr);
+
+// Tensor t's block dev_ids[i] <-> host_ptrs[t]'s block host_ids[i], every tensor.
+// mode 0: device -> host, 1: host -> device.  Enqueued on `stream`; sync != 0 waits.
+FDKV_API int fdkv_swap_layers(const char* op, void* const* dev_ptrs, const int64_t* num_dev_blocks,
+                              const int64_t* block_bytes, int64_t num_tensors, void* const* host_ptrs,
+                              int64_t num_host_blocks, const int64_t* dev_ids, int64_t num_dev_ids,
+                              const int64_t* host_ids, int64_t num_host_ids, int mode, void* stream,
+                              int sync);
+
+// Block-major host buffer host_ptr[0]: host block h = [tensor 0 block | tensor 1 block | ...].
+FDKV_API int fdkv_swap_layout(const char* op, void* const* dev_ptrs, const int64_t* num_dev_blocks,
+                              const int64_t* block_bytes, int64_t num_tensors, void* const* host_ptr,
+                              int64_t num_host_blocks, const int64_t* dev_ids, int64_t num_dev_ids,
+                              const int64_t* host_ids, int64_t num_host_ids, int mode, void* stream,
+                              int sync);
+
+// Options: "copy_grid", "copy_path" (0 auto, 1 kernel, 2 dma), "dma_min_bytes",
+// "merge_min_bytes".  Process-wide.
+FDKV_API int fdkv_set_option(const char* name, int64_t value);
+FDKV_API int fdkv_get_option(const char* name, int64_t* value);
+// Bit mask of the paths the calling thread's last swap used: 1 memcpy, 2 kernel, 4 DMA, 8 CPU.
+FDKV_API int fdkv_last_path(void);
+FDKV_API int fdkv_stream_synchronize(void* stream);
+
+#ifdef __cplusplus
+}
+#endif

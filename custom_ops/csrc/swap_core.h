@@ -1,0 +1,144 @@
+// Framework-neutral core of the KV swap ops.
+//
+// Everything Paddle- or ctypes-specific lives in the bindings (custom_ops/paddle,
+// custom_ops/capi); this header is what both of them call.  The core:
+//   * validates ids (range, equal lengths, unique destinations) before any byte moves,
+//   * plans the copy (merges consecutive src/dst runs, picks a path),
+//   * executes it on the CPU (memcpy) or on a CUDA stream (merged cudaMemcpyAsync,
+//     a small-grid vectorized copy kernel, or one cudaMemcpyBatchAsync DMA batch).
+//
+// Build switches: FDKV_WITH_CUDA=1 compiles the CUDA paths (nvcc); without it only the
+// CPU paths exist and "device" pointers are host memory.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifndef FDKV_WITH_CUDA
+#define FDKV_WITH_CUDA 0
+#endif
+
+namespace fdkv {
+
+enum Mode : int { kDeviceToHost = 0, kHostToDevice = 1 };
+
+// Which copy paths a call used (bit mask; reported by LastPath() for tests/benchmarks).
+enum PathBits : int { kPathMemcpy = 1, kPathKernel = 2, kPathDma = 4, kPathCpu = 8 };
+
+// copy_path option values.
+enum CopyPath : int { kCopyAuto = 0, kCopyKernel = 1, kCopyDma = 2 };
+
+// Bad arguments.  The message always starts with "<op>: <argument>[<index>]" (index
+// omitted when not tied to a position) so that Python can recover the three fields.
+class InvalidArgument : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A CUDA runtime call failed (message names the call and the CUDA error string).
+class CudaFailure : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One cache tensor: one layer's K or V cache, or a scale cache.  dim 0 is the block.
+struct TensorDesc {
+  void* dev = nullptr;         // device base (host memory for CPU execution)
+  int64_t num_blocks = 0;      // dim 0 of the tensor
+  int64_t block_bytes = 0;     // prod(shape[1:]) * itemsize
+};
+
+// A list of block ids plus the argument name used in error messages.
+struct IdSpan {
+  const int64_t* data = nullptr;
+  int64_t size = 0;
+  const char* name = "";
+};
+
+// Where and how to run.
+struct ExecTarget {
+  bool cuda = false;       // false: CPU memcpy (CPU tensors, or a build without CUDA)
+  void* stream = nullptr;  // cudaStream_t when cuda
+  bool sync = false;       // synchronize the stream before returning
+};
+
+// Process-wide tunables (initialised from the environment, settable through the C ABI).
+struct Options {
+  int64_t copy_grid;        // FDKV_COPY_GRID: max CTAs of the copy kernel
+  int64_t copy_path;        // FDKV_COPY_PATH: CopyPath
+  int64_t dma_min_bytes;    // FDKV_DMA_MIN_BYTES: auto picks DMA when copies are >= this
+  int64_t merge_min_bytes;  // FDKV_MERGE_MIN_BYTES: merged runs >= this use cudaMemcpyAsync
+};
+Options GetOptions();
+// Returns false if the name is unknown or the value invalid.
+bool SetOption(const std::string& name, int64_t value);
+bool GetOption(const std::string& name, int64_t* value);
+
+// Bit mask of PathBits used by the calling thread's last swap.
+int LastPath();
+
+// Per-tensor block copy: tensor t's block dev_ids[i] <-> host_ptrs[t] block host_ids[i].
+// mode kDeviceToHost copies device -> host, kHostToDevice the reverse.  Host block size
+// of tensor t equals its device block size.
+void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
+                const std::vector<void*>& host_ptrs, int64_t num_host_blocks,
+                IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target,
+                const char* host_ptr_name = "cache_cpu_ptrs");
+
+// Block-major layout copy: host block h is one contiguous object holding every tensor's
+// block in tensor order: [h][t][block_bytes[t]].  num_host_blocks < 0 means unknown
+// (host ids are then only checked to be >= 0).
+void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* host_ptr,
+                int64_t num_host_blocks, IdSpan dev_ids, IdSpan host_ids, int mode,
+                const ExecTarget& target);
+
+// Pinned host memory: cudaHostAlloc with CUDA, else 4 KiB-aligned aligned_alloc.
+void* HostAlloc(size_t nbytes, unsigned flags);
+void HostFree(void* ptr);
+
+bool BuiltWithCuda();
+void StreamSynchronize(void* stream);
+
+// ---------------------------------------------------------------- internals, exposed
+// for the CUDA translation unit and unit-level reuse.
+
+// One copy "lane": a tensor as seen from the source and destination side.  Block k of
+// the source starts at src + k * src_stride; block k of the destination at
+// dst + k * dst_stride; each copy moves `bytes`.
+struct LaneDesc {
+  const char* src;
+  char* dst;
+  int64_t src_stride;
+  int64_t dst_stride;
+  int64_t bytes;
+};
+
+// A maximal run of consecutive pairs: src_id..src_id+count-1 -> dst_id..dst_id+count-1.
+struct Run {
+  int64_t src_id;
+  int64_t dst_id;
+  int64_t count;
+};
+
+// Merge consecutive (src, dst) pairs into runs.  O(n).
+std::vector<Run> PlanRuns(const int64_t* src_ids, const int64_t* dst_ids, int64_t n);
+
+// Validate ids; throws InvalidArgument naming op, argument and index.  O(n) time,
+// O(num destination blocks / 8) scratch for the duplicate check.
+void ValidateIds(const char* op, IdSpan dev_ids, int64_t num_dev_blocks, IdSpan host_ids,
+                 int64_t num_host_blocks, int mode);
+
+#if FDKV_WITH_CUDA
+// Run a planned copy on a CUDA stream (swap_cuda.cu).  `mergeable` says whether a run of
+// consecutive ids is contiguous on both sides for every lane (false for the layout op).
+int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids,
+                const int64_t* dst_ids, int64_t n, bool mergeable, int mode, void* stream);
+void CudaHostAlloc(void** ptr, size_t nbytes, unsigned flags);
+void CudaHostFree(void* ptr);
+void CudaStreamSynchronize(void* stream);
+#endif
+
+}  // namespace fdkv

@@ -1,0 +1,409 @@
+// CUDA execution of a planned swap: merged cudaMemcpyAsync runs, a small-grid vectorized
+// copy kernel for scattered blocks, and a cudaMemcpyBatchAsync DMA batch.
+//
+// Validation happened in swap_core.cc before anything here runs; this file only plans
+// the path and launches.  Nothing on this path calls cudaMalloc per call: id and lane
+// tables travel through a grow-only ring of (pinned staging, device buffer, event)
+// slots per device, reused once the event says the previous user is done.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "swap_core.h"
+
+namespace fdkv {
+
+#define FDKV_CUDA_CHECK(call)                                                          \
+  do {                                                                                 \
+    cudaError_t _e = (call);                                                           \
+    if (_e != cudaSuccess) {                                                           \
+      throw CudaFailure(std::string("fdkv: ") + #call + " failed: " +                  \
+                        cudaGetErrorName(_e) + " (" + cudaGetErrorString(_e) + ")");   \
+    }                                                                                  \
+  } while (0)
+
+// ------------------------------------------------------------------------ kernel
+namespace {
+
+constexpr int kThreads = 512;           // 16 warps per CTA
+constexpr int kUnroll = 8;              // vectors in flight per lane
+constexpr int64_t kChunkBytes = 8192;   // one warp work item (a block or a slice of one)
+
+struct KLane {
+  const char* src;
+  char* dst;
+  int64_t src_stride;
+  int64_t dst_stride;
+  int64_t bytes;
+  int64_t chunks;  // ceil(bytes / kChunkBytes)
+};
+
+// NOTE: loads and stores use the .cs (streaming, evict-first) cache hint: each byte is
+// touched once, and keeping it out of L2 leaves the cache to the concurrent forward pass.
+template <typename V>
+__device__ __forceinline__ V LoadStream(const V* p) { return __ldcs(p); }
+template <typename V>
+__device__ __forceinline__ void StoreStream(V* p, V v) { __stcs(p, v); }
+
+// Copy `nv` vectors of type V with one warp; kUnroll loads are issued before the first
+// store so each lane keeps kUnroll * sizeof(V) bytes in flight (PCIe latency is ~1-2 us).
+template <typename V>
+__device__ __forceinline__ void WarpCopy(const V* __restrict__ src, V* __restrict__ dst,
+                                         int64_t nv, int lane) {
+  for (int64_t base = 0; base < nv; base += 32 * kUnroll) {
+    V r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < nv) r[u] = LoadStream(src + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < nv) StoreStream(dst + i, r[u]);
+    }
+  }
+}
+
+// Work item g (one warp) = (lane l, pair p, chunk c), flattened lane-major.  Warps walk
+// g in a grid-stride loop; since g only grows, the lane cursor only moves forward.
+template <typename V>
+__global__ void __launch_bounds__(kThreads)
+SwapCopyKernel(const KLane* __restrict__ lanes, int num_lanes, const int64_t* __restrict__ src_ids,
+               const int64_t* __restrict__ dst_ids, int64_t n, int64_t total_items) {
+  const int lane_id = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  int l = 0;
+  KLane cur = lanes[0];
+  int64_t lane_begin = 0;
+  int64_t lane_end = n * cur.chunks;
+  for (int64_t g = warp; g < total_items; g += num_warps) {
+    while (g >= lane_end && l + 1 < num_lanes) {
+      ++l;
+      cur = lanes[l];
+      lane_begin = lane_end;
+      lane_end += n * cur.chunks;
+    }
+    const int64_t local = g - lane_begin;
+    const int64_t pair = local / cur.chunks;
+    const int64_t chunk = local - pair * cur.chunks;
+    const int64_t off = chunk * kChunkBytes;
+    const int64_t len = min(kChunkBytes, cur.bytes - off);
+    const char* s = cur.src + src_ids[pair] * cur.src_stride + off;
+    char* d = cur.dst + dst_ids[pair] * cur.dst_stride + off;
+    WarpCopy<V>(reinterpret_cast<const V*>(s), reinterpret_cast<V*>(d),
+                len / static_cast<int64_t>(sizeof(V)), lane_id);
+  }
+}
+
+// Widest access (16, 8, 4, 2 or 1 bytes) that every base, stride and size allows.  Block
+// sizes that are not a multiple of 16 bytes take a narrower, still correct, width.
+int VectorWidth(const std::vector<LaneDesc>& lanes) {
+  uint64_t bits = 0;
+  for (const LaneDesc& l : lanes) {
+    bits |= reinterpret_cast<uintptr_t>(l.src) | reinterpret_cast<uintptr_t>(l.dst) |
+            static_cast<uint64_t>(l.src_stride) | static_cast<uint64_t>(l.dst_stride) |
+            static_cast<uint64_t>(l.bytes);
+  }
+  for (int w : {16, 8, 4, 2}) {
+    if ((bits & static_cast<uint64_t>(w - 1)) == 0) return w;
+  }
+  return 1;
+}
+
+// ------------------------------------------------------------------------ scratch ring
+// NOTE: a slot is reused only after its event (recorded after the kernel that reads it)
+// has completed, so calls on different streams never overwrite each other's tables.  When
+// every slot is still in flight the ring grows instead of blocking the host; it is
+// bounded (kMaxSlots) and only then waits.  After warm-up the hot path allocates nothing.
+struct ScratchSlot {
+  char* host = nullptr;   // pinned staging
+  char* dev = nullptr;    // device copy read by the kernel
+  size_t capacity = 0;
+  cudaEvent_t done = nullptr;
+  bool busy = false;      // between Acquire and Release (host side)
+};
+
+class ScratchRing {
+ public:
+  static constexpr size_t kMaxSlots = 256;
+  static constexpr size_t kMinBytes = 64 << 10;
+
+  ScratchSlot* Acquire(size_t bytes) {
+    ScratchSlot* slot = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t k = 0; k < slots_.size() && slot == nullptr; ++k) {
+        ScratchSlot* s = slots_[(next_ + k) % slots_.size()].get();
+        if (!s->busy && cudaEventQuery(s->done) == cudaSuccess) slot = s;
+      }
+      if (slot == nullptr && slots_.size() < kMaxSlots) {
+        slots_.emplace_back(new ScratchSlot());
+        slot = slots_.back().get();
+        FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&slot->done, cudaEventDisableTiming));
+      }
+      if (slot == nullptr) {  // ring full and all in flight: wait for the oldest
+        for (size_t k = 0; k < slots_.size() && slot == nullptr; ++k) {
+          ScratchSlot* s = slots_[(next_ + k) % slots_.size()].get();
+          if (!s->busy) slot = s;
+        }
+        if (slot == nullptr) throw CudaFailure("fdkv: scratch ring exhausted by concurrent callers");
+        FDKV_CUDA_CHECK(cudaEventSynchronize(slot->done));
+      }
+      slot->busy = true;
+      next_ = (next_ + 1) % slots_.size();
+    }
+    if (slot->capacity < bytes) {
+      try {
+        Grow(slot, bytes);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu_);
+        slot->busy = false;
+        throw;
+      }
+    }
+    return slot;
+  }
+
+  void Release(ScratchSlot* slot, cudaStream_t stream) {
+    cudaError_t e = cudaEventRecord(slot->done, stream);
+    std::lock_guard<std::mutex> lock(mu_);
+    slot->busy = false;
+    if (e != cudaSuccess) {
+      throw CudaFailure(std::string("fdkv: cudaEventRecord failed: ") + cudaGetErrorString(e));
+    }
+  }
+
+ private:
+  static void Grow(ScratchSlot* slot, size_t bytes) {
+    size_t cap = std::max({bytes, slot->capacity * 2, kMinBytes});
+    // The slot's event has completed, so its old buffers are idle.  cudaFree syncs the
+    // device, which is acceptable on this rare (warm-up) path.
+    if (slot->host != nullptr) FDKV_CUDA_CHECK(cudaFreeHost(slot->host));
+    if (slot->dev != nullptr) FDKV_CUDA_CHECK(cudaFree(slot->dev));
+    slot->host = nullptr;
+    slot->dev = nullptr;
+    slot->capacity = 0;
+    FDKV_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&slot->host), cap, cudaHostAllocDefault));
+    FDKV_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&slot->dev), cap));
+    slot->capacity = cap;
+  }
+
+  std::mutex mu_;
+  std::vector<std::unique_ptr<ScratchSlot>> slots_;
+  size_t next_ = 0;
+};
+
+ScratchRing& RingForCurrentDevice() {
+  constexpr int kMaxDevices = 64;
+  static ScratchRing* rings[kMaxDevices] = {};
+  static std::mutex mu;
+  int dev = 0;
+  FDKV_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) throw CudaFailure("fdkv: device ordinal out of range");
+  std::lock_guard<std::mutex> lock(mu);
+  // NOTE: rings live for the whole process (never destroyed): freeing CUDA memory from a
+  // static destructor after the runtime has shut down is undefined.
+  if (rings[dev] == nullptr) rings[dev] = new ScratchRing();
+  return *rings[dev];
+}
+
+size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// ------------------------------------------------------------------------ launchers
+void LaunchKernel(const std::vector<LaneDesc>& lanes, const int64_t* src_ids,
+                  const int64_t* dst_ids, int64_t n, cudaStream_t stream, int64_t grid_cap) {
+  const size_t lane_bytes = AlignUp(lanes.size() * sizeof(KLane), 16);
+  const size_t ids_bytes = static_cast<size_t>(n) * sizeof(int64_t);
+  const size_t total = lane_bytes + 2 * AlignUp(ids_bytes, 16);
+  ScratchRing& ring = RingForCurrentDevice();
+  ScratchSlot* slot = ring.Acquire(total);
+
+  KLane* h_lanes = reinterpret_cast<KLane*>(slot->host);
+  int64_t total_items = 0;
+  for (size_t i = 0; i < lanes.size(); ++i) {
+    const LaneDesc& l = lanes[i];
+    const int64_t chunks = (l.bytes + kChunkBytes - 1) / kChunkBytes;
+    h_lanes[i] = KLane{l.src, l.dst, l.src_stride, l.dst_stride, l.bytes, chunks};
+    total_items += n * chunks;
+  }
+  char* h_src = slot->host + lane_bytes;
+  char* h_dst = h_src + AlignUp(ids_bytes, 16);
+  std::memcpy(h_src, src_ids, ids_bytes);
+  std::memcpy(h_dst, dst_ids, ids_bytes);
+
+  const int64_t warps_per_cta = kThreads / 32;
+  const int64_t want = (total_items + warps_per_cta - 1) / warps_per_cta;
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min(grid_cap, want)));
+  const int width = VectorWidth(lanes);
+
+  try {
+    FDKV_CUDA_CHECK(cudaMemcpyAsync(slot->dev, slot->host, total, cudaMemcpyHostToDevice, stream));
+    const KLane* d_lanes = reinterpret_cast<const KLane*>(slot->dev);
+    const int64_t* d_src = reinterpret_cast<const int64_t*>(slot->dev + lane_bytes);
+    const int64_t* d_dst = reinterpret_cast<const int64_t*>(slot->dev + lane_bytes + AlignUp(ids_bytes, 16));
+    const int nl = static_cast<int>(lanes.size());
+    switch (width) {
+      case 16: SwapCopyKernel<int4><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, total_items); break;
+      case 8: SwapCopyKernel<long long><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, total_items); break;
+      case 4: SwapCopyKernel<int><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, total_items); break;
+      case 2: SwapCopyKernel<short><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, total_items); break;
+      default: SwapCopyKernel<char><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, total_items); break;
+    }
+    FDKV_CUDA_CHECK(cudaGetLastError());
+  } catch (...) {
+    ring.Release(slot, stream);
+    throw;
+  }
+  ring.Release(slot, stream);
+}
+
+struct Copy {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
+bool DmaBatchAvailable(cudaStream_t stream) {
+#if CUDART_VERSION >= 12080
+  // The batch API rejects the legacy default stream.
+  return stream != nullptr && stream != cudaStreamLegacy;
+#else
+  (void)stream;
+  return false;
+#endif
+}
+
+void LaunchDmaBatch(const std::vector<Copy>& copies, int mode, cudaStream_t stream) {
+#if CUDART_VERSION >= 12080
+  thread_local std::vector<void*> dsts;
+  thread_local std::vector<const void*> srcs;
+  thread_local std::vector<size_t> sizes;
+  int dev = 0;
+  FDKV_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaMemcpyAttributes attr = {};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  cudaMemLocation host_loc = {};
+  host_loc.type = cudaMemLocationTypeHost;
+  cudaMemLocation dev_loc = {};
+  dev_loc.type = cudaMemLocationTypeDevice;
+  dev_loc.id = dev;
+  attr.srcLocHint = mode == kDeviceToHost ? dev_loc : host_loc;
+  attr.dstLocHint = mode == kDeviceToHost ? host_loc : dev_loc;
+  size_t attr_idx = 0;
+  // NOTE: batches are issued in slices so one huge call cannot hit a driver limit.
+  constexpr size_t kSlice = 8192;
+  for (size_t begin = 0; begin < copies.size(); begin += kSlice) {
+    const size_t count = std::min(kSlice, copies.size() - begin);
+    dsts.resize(count);
+    srcs.resize(count);
+    sizes.resize(count);
+    for (size_t i = 0; i < count; ++i) {
+      dsts[i] = copies[begin + i].dst;
+      srcs[i] = copies[begin + i].src;
+      sizes[i] = copies[begin + i].bytes;
+    }
+#if CUDART_VERSION >= 13000
+    FDKV_CUDA_CHECK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), count, &attr,
+                                         &attr_idx, 1, stream));
+#else
+    size_t fail_idx = 0;
+    FDKV_CUDA_CHECK(cudaMemcpyBatchAsync(const_cast<void**>(dsts.data()), const_cast<void**>(srcs.data()),
+                                         sizes.data(), count, &attr, &attr_idx, 1, &fail_idx, stream));
+#endif
+  }
+#else
+  (void)copies;
+  (void)mode;
+  (void)stream;
+  throw CudaFailure("fdkv: cudaMemcpyBatchAsync needs CUDA >= 12.8");
+#endif
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------ planning
+int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
+                int64_t n, bool mergeable, int mode, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const Options opts = GetOptions();
+
+  // Runs of consecutive ids: one copy each when every lane is contiguous across blocks.
+  std::vector<Run> runs = mergeable ? PlanRuns(src_ids, dst_ids, n) : std::vector<Run>();
+  if (!mergeable) {
+    runs.reserve(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) runs.push_back(Run{src_ids[i], dst_ids[i], 1});
+  }
+  int64_t min_lane_bytes = lanes.front().bytes;
+  int64_t total_bytes = 0;
+  for (const LaneDesc& l : lanes) {
+    min_lane_bytes = std::min(min_lane_bytes, l.bytes);
+    total_bytes += l.bytes * n;
+  }
+  const int64_t num_copies = static_cast<int64_t>(runs.size() * lanes.size());
+  const int64_t avg_copy_bytes = total_bytes / std::max<int64_t>(1, num_copies);
+
+  int64_t path = opts.copy_path;
+  if (path == kCopyAuto) path = avg_copy_bytes >= opts.dma_min_bytes ? kCopyDma : kCopyKernel;
+  if (path == kCopyDma && !DmaBatchAvailable(stream)) path = kCopyKernel;
+
+  if (path == kCopyDma) {
+    thread_local std::vector<Copy> copies;
+    copies.clear();
+    copies.reserve(static_cast<size_t>(num_copies));
+    for (const LaneDesc& l : lanes) {
+      for (const Run& r : runs) {
+        copies.push_back(Copy{l.dst + r.dst_id * l.dst_stride, l.src + r.src_id * l.src_stride,
+                              static_cast<size_t>(r.count * l.bytes)});
+      }
+    }
+    LaunchDmaBatch(copies, mode, stream);
+    return kPathDma;
+  }
+
+  // Kernel path: long merged runs go to cudaMemcpyAsync (copy engine at full speed, no
+  // SMs); everything else is gathered into one kernel launch over all lanes.
+  int used = 0;
+  thread_local std::vector<int64_t> k_src, k_dst;
+  k_src.clear();
+  k_dst.clear();
+  for (const Run& r : runs) {
+    if (mergeable && r.count * min_lane_bytes >= opts.merge_min_bytes) {
+      for (const LaneDesc& l : lanes) {
+        FDKV_CUDA_CHECK(cudaMemcpyAsync(l.dst + r.dst_id * l.dst_stride, l.src + r.src_id * l.src_stride,
+                                        static_cast<size_t>(r.count * l.bytes), cudaMemcpyDefault, stream));
+      }
+      used |= kPathMemcpy;
+    } else {
+      for (int64_t k = 0; k < r.count; ++k) {
+        k_src.push_back(r.src_id + k);
+        k_dst.push_back(r.dst_id + k);
+      }
+    }
+  }
+  if (!k_src.empty()) {
+    LaunchKernel(lanes, k_src.data(), k_dst.data(), static_cast<int64_t>(k_src.size()), stream,
+                 opts.copy_grid);
+    used |= kPathKernel;
+  }
+  return used;
+}
+
+void CudaHostAlloc(void** ptr, size_t nbytes, unsigned flags) {
+  FDKV_CUDA_CHECK(cudaHostAlloc(ptr, nbytes, flags));
+}
+
+void CudaHostFree(void* ptr) { FDKV_CUDA_CHECK(cudaFreeHost(ptr)); }
+
+void CudaStreamSynchronize(void* stream) {
+  FDKV_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+
+}  // namespace fdkv
