@@ -65,6 +65,12 @@ ENV_VARS: dict[str, EnvVar] = {
             float,
         ),
         EnvVar(
+            "FDKV_UNSAFE_DISABLE_ORDERING",
+            "",
+            "Comma-separated worker ordering rules (1-5) whose fences are switched off. "
+            "Only for the race tests that prove each fence is needed; never in serving.",
+        ),
+        EnvVar(
             "FDKV_SOAK",
             "0",
             "1 runs the long hypothesis soak (many more examples and steps).",

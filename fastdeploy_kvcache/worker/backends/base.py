@@ -1,0 +1,294 @@
+"""What the transfer manager needs from a framework: memory, streams, events and the copy op.
+
+Three backends implement it (``cupy``, ``paddle``, ``cpu``).  The transfer manager is written
+once against this interface, so the ordering rules are enforced by one piece of code whatever
+runs underneath.
+
+Host-thread streams
+-------------------
+Without a GPU there are no CUDA streams, but the worker's ordering logic is the same, so the
+CPU paths emulate them: a :class:`HostStream` is a FIFO worker thread (work submitted to it
+runs in order, concurrently with the caller and with other streams), a :class:`HostEvent` is
+set when the stream reaches the point where it was recorded, and "stream waits on event" is a
+task that blocks that thread.  The caller's own thread plays the compute stream
+(:data:`CALLER_STREAM`): recording on it yields an already-set event and waiting on it blocks
+the caller.  A synchronous ``HostStream`` runs each task inline, which gives a deterministic
+mode for simple tests.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+# Copy direction, as the ops spell it.
+MODE_D2H = 0
+MODE_H2D = 1
+
+ErrorSink = Callable[[BaseException], None]
+
+
+class Backend(abc.ABC):
+    """Framework adapter used by ``TransferManager`` and ``CacheController``.
+
+    Streams and events are opaque objects of the backend.  ``launch`` runs ``fn`` "on" a
+    stream: a GPU backend calls it at once (it only enqueues device work); a host-thread
+    backend queues it on the stream's thread.  An exception from ``fn`` goes to ``on_error``
+    (for a GPU backend synchronously, for a thread later), never to the forward pass.
+    """
+
+    name: str = "base"
+    #: True when device memory is a GPU's and copies are asynchronous on CUDA streams.
+    is_cuda: bool = False
+
+    def __init__(self, device_id: int = 0) -> None:
+        self.device_id = device_id
+
+    # ------------------------------------------------------------------ memory
+    @abc.abstractmethod
+    def alloc_device(self, shape: Sequence[int], dtype: str) -> Any:
+        """A zero-filled device array of the cache dtype (bf16 may be stored as uint16)."""
+
+    @abc.abstractmethod
+    def fill_zero(self, array: Any) -> None:
+        """Zero a device array in place (reset_cache)."""
+
+    def release_device(self, arrays: Sequence[Any]) -> None:  # noqa: B027 - optional hook
+        """Give device memory back to the framework's allocator where it has a way to."""
+
+    @abc.abstractmethod
+    def host_alloc(self, nbytes: int) -> int:
+        """Pinned host memory (an aligned allocation without CUDA); returns the address."""
+
+    @abc.abstractmethod
+    def host_free(self, ptr: int) -> None:
+        """Free memory from :meth:`host_alloc`."""
+
+    # ------------------------------------------------------------------ streams and events
+    @abc.abstractmethod
+    def create_stream(self) -> Any:
+        """A stream that does not synchronize with the compute stream or any other."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Any:
+        """The stream the calling thread's compute runs on."""
+
+    @abc.abstractmethod
+    def record_event(self, stream: Any, timing: bool = False) -> Any:
+        """A new event recorded on ``stream`` (``timing`` asks for one usable in elapsed_s)."""
+
+    @abc.abstractmethod
+    def stream_wait_event(self, stream: Any, event: Any, timeout_s: Optional[float] = None) -> None:
+        """Make later work on ``stream`` wait for ``event``.
+
+        A device-side wait on GPUs (returns at once, ``timeout_s`` unused); on the caller
+        stream of a host-thread backend, a blocking wait that raises TimeoutError.
+        """
+
+    @abc.abstractmethod
+    def event_done(self, event: Any) -> bool:
+        """Non-blocking completion query; raises if the device reported an error."""
+
+    @abc.abstractmethod
+    def event_wait_host(self, event: Any, timeout_s: float) -> bool:
+        """Block the host until ``event`` completes; False on timeout."""
+
+    @abc.abstractmethod
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        """Seconds between two completed timing events."""
+
+    @abc.abstractmethod
+    def launch(self, stream: Any, fn: Callable[[], None], on_error: ErrorSink) -> None:
+        """Run ``fn`` on ``stream``; exceptions go to ``on_error``."""
+
+    def synchronize(self) -> None:  # noqa: B027 - optional hook
+        """Wait for all device work (shutdown and tests only)."""
+
+    # ------------------------------------------------------------------ copy
+    def prepare_ids(self, ids: Sequence[int]) -> Any:
+        """Convert a block-id list once per task into what :meth:`swap_blocks` takes."""
+        return list(ids)
+
+    @abc.abstractmethod
+    def swap_blocks(
+        self,
+        device_arrays: Sequence[Any],
+        host_ptrs: Sequence[int],
+        num_host_blocks: int,
+        device_ids: Any,
+        host_ids: Any,
+        mode: int,
+        stream: Any,
+    ) -> None:
+        """Copy blocks between each device array and its host buffer, in one op launch.
+
+        ``device_ids[j]`` of every array pairs with ``host_ids[j]`` of its host buffer (ids
+        as returned by :meth:`prepare_ids`).  Arrays may differ in block size (K/V versus
+        scales).  Enqueued on ``stream``; never synchronizes the host on a GPU.
+        """
+
+
+# ---------------------------------------------------------------------- host-thread streams
+class HostEvent:
+    """A point on a :class:`HostStream`: set once the stream has run everything before it."""
+
+    __slots__ = ("_flag", "t")
+
+    def __init__(self, already_set: bool = False) -> None:
+        self._flag = threading.Event()
+        self.t = 0.0
+        if already_set:
+            self.set()
+
+    def set(self) -> None:
+        self.t = time.perf_counter()
+        self._flag.set()
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    def wait(self, timeout_s: Optional[float]) -> bool:
+        return self._flag.wait(timeout_s)
+
+
+class _CallerStream:
+    """The calling thread, which is the compute stream of a host-thread backend."""
+
+    def __repr__(self) -> str:
+        return "CALLER_STREAM"
+
+
+CALLER_STREAM = _CallerStream()
+
+
+class HostStream:
+    """An in-order queue of work run by one daemon thread (or inline when synchronous).
+
+    ``pause()`` / ``resume()`` hold the thread between tasks; tests use them to widen race
+    windows deterministically, the way a spin kernel does on a GPU.
+    """
+
+    def __init__(self, name: str, synchronous: bool = False) -> None:
+        self.name = name
+        self.synchronous = synchronous
+        self._gate = threading.Event()
+        self._gate.set()
+        self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        if not synchronous:
+            self._thread = threading.Thread(target=self._run, name=f"fdkv-{name}", daemon=True)
+            self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        if self.synchronous:
+            fn()
+        else:
+            self._queue.put(fn)
+
+    def pause(self) -> None:
+        """Hold the stream: the next task waits until :meth:`resume` (tests only)."""
+        if self.synchronous:
+            raise RuntimeError("a synchronous HostStream cannot be paused")
+        self._gate.clear()
+
+    def resume(self) -> None:
+        self._gate.set()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._gate.set()
+            self._queue.put(None)
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            if fn is None:
+                return
+            self._gate.wait()
+            try:
+                fn()
+            except BaseException:  # noqa: BLE001 - tasks route their own errors; keep serving
+                logger.exception("unhandled error on host stream %s", self.name)
+
+    def __repr__(self) -> str:
+        mode = "sync" if self.synchronous else "thread"
+        return f"HostStream({self.name}, {mode})"
+
+
+class HostThreadBackend(Backend):
+    """Shared stream/event emulation of the CPU backends (``cpu`` and CPU ``paddle``)."""
+
+    is_cuda = False
+
+    def __init__(self, device_id: int = 0, threaded: bool = True) -> None:
+        super().__init__(device_id)
+        self.threaded = threaded
+        self._tls = threading.local()
+        self._streams: list[HostStream] = []
+
+    # NOTE: tests may run "compute" on a HostStream of its own (use_compute_stream) so that
+    # ordering rule 1 (copy after the compute that wrote the block) is observable on CPU too.
+    def use_compute_stream(self, stream: Optional[HostStream]) -> None:
+        """Make ``stream`` the calling thread's compute stream (None: the caller itself)."""
+        self._tls.stream = stream
+
+    def create_stream(self) -> HostStream:
+        stream = HostStream(f"stream{len(self._streams)}", synchronous=not self.threaded)
+        self._streams.append(stream)
+        return stream
+
+    def current_stream(self) -> Any:
+        return getattr(self._tls, "stream", None) or CALLER_STREAM
+
+    def record_event(self, stream: Any, timing: bool = False) -> HostEvent:
+        if stream is CALLER_STREAM:
+            return HostEvent(already_set=True)
+        event = HostEvent()
+        stream.submit(event.set)
+        return event
+
+    def stream_wait_event(self, stream: Any, event: Any, timeout_s: Optional[float] = None) -> None:
+        if stream is CALLER_STREAM:
+            if not event.wait(timeout_s):
+                raise TimeoutError(f"event not reached within {timeout_s}s")
+            return
+        if stream.synchronous:
+            # Inline streams run everything at submit; an unset event here would deadlock.
+            if not event.wait(timeout_s):
+                raise TimeoutError(f"event not reached within {timeout_s}s")
+            return
+        stream.submit(lambda: event.wait(None))
+
+    def event_done(self, event: Any) -> bool:
+        return event.is_set()
+
+    def event_wait_host(self, event: Any, timeout_s: float) -> bool:
+        return event.wait(timeout_s)
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        return max(0.0, end.t - start.t)
+
+    def launch(self, stream: Any, fn: Callable[[], None], on_error: ErrorSink) -> None:
+        def task() -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - reported to the task's metadata
+                on_error(exc)
+
+        if stream is CALLER_STREAM:
+            task()
+        else:
+            stream.submit(task)
+
+    def close_streams(self) -> None:
+        for stream in self._streams:
+            stream.close()
+        self._streams.clear()

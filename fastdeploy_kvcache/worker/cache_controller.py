@@ -1,0 +1,396 @@
+"""Worker-side owner of the KV cache memory: device caches, pinned host caches, swap tasks.
+
+The controller decides nothing.  The scheduler (``core.CacheManager``) says which blocks move
+where; the controller allocates the memory those block ids index, hands each step's metadata to
+the :class:`~fastdeploy_kvcache.worker.transfer_manager.TransferManager`, and hands finished
+metadata back (:meth:`CacheController.collect_finished`) so the engine can pass each one to
+``CacheManager.complete_swap``.
+
+Per step, the engine does::
+
+    counter = controller.submit_swap_tasks(batch.cache_evict_metadata, batch.cache_swap_metadata)
+    model.forward(batch, layer_done=counter)      # calls counter.wait_for_layer(i) per layer
+    for meta in controller.collect_finished():
+        cache_manager.complete_swap(meta)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import platform
+import subprocess
+import threading
+from typing import Any, Optional, Union
+
+from fastdeploy_kvcache.config import CacheConfig
+from fastdeploy_kvcache.core.metadata import CacheSwapMetadata
+from fastdeploy_kvcache.worker.backends import Backend, make_backend
+from fastdeploy_kvcache.worker.layer_done import LayerDoneCounter
+from fastdeploy_kvcache.worker.transfer_manager import CacheLayout, TransferManager
+
+logger = logging.getLogger(__name__)
+
+CACHE_KINDS = ("key", "value", "key_scale", "value_scale")
+
+
+class CacheController:
+    """Allocates and frees the caches of one worker and carries out the swap metadata.
+
+    Args:
+        config: cache shape and policy (``total_layers`` includes extra draft layers).
+        local_rank: the worker's rank; cache names use ``local_rank % tensor_parallel_size``.
+        device_id: the GPU (or pseudo device) this worker drives.
+        backend: ``"auto"``, ``"cupy"``, ``"paddle"``, ``"cpu"`` or a Backend instance.
+        threaded: host-thread backends only: run copies concurrently (True) or inline.
+        disabled_rules: ordering fences to switch off (race tests only).
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        local_rank: int = 0,
+        device_id: int = 0,
+        backend: Union[str, Backend] = "auto",
+        *,
+        threaded: bool = True,
+        disabled_rules: Optional[set[int]] = None,
+    ) -> None:
+        self.config = config
+        self.local_rank = local_rank
+        self.device_id = device_id
+        self.backend = make_backend(backend, device_id, threaded=threaded)
+        self.transfer_manager = TransferManager(self.backend, disabled_rules=disabled_rules)
+        self.cache_kvs_map: dict[str, Any] = {}
+        self.host_cache_kvs_map: dict[str, int] = {}
+        self._host_nbytes: dict[str, int] = {}
+        self.num_gpu_blocks = 0
+        self.num_host_blocks = 0
+        self.numa_node: Optional[int] = None
+        self._layer_done_counter: Optional[LayerDoneCounter] = None
+        self._lock = threading.RLock()
+        logger.info(
+            "CacheController rank=%d device=%d backend=%s layers=%d (+%d extra) dtype=%s",
+            local_rank, device_id, self.backend.name, config.num_layers, config.num_extra_layers, config.dtype,
+        )
+
+    # ------------------------------------------------------------------ names and shapes
+    @property
+    def num_layers(self) -> int:
+        """Cache layers: model layers plus extra (draft) layers."""
+        return self.config.total_layers
+
+    @property
+    def quantized(self) -> bool:
+        return self.config.kv_cache_quant is not None
+
+    def cache_names(self, layer: int) -> dict[str, str]:
+        """Names of layer ``layer``'s caches, ``key_caches_{layer}_rank{r}.device{d}`` etc."""
+        rank = self.local_rank % self.config.tensor_parallel_size
+        suffix = f"{layer}_rank{rank}.device{self.device_id}"
+        return {
+            "key": f"key_caches_{suffix}",
+            "value": f"value_caches_{suffix}",
+            "key_scale": f"key_cache_scales_{suffix}",
+            "value_scale": f"value_cache_scales_{suffix}",
+        }
+
+    def _kinds(self) -> tuple[str, ...]:
+        return CACHE_KINDS if self.quantized else CACHE_KINDS[:2]
+
+    def _shape(self, kind: str, num_blocks: int) -> tuple[list[int], str]:
+        heads, block_size, head_dim = self.config.block_shape
+        if kind.endswith("scale"):
+            return [num_blocks, heads, block_size], "float32"
+        return [num_blocks, heads, block_size, head_dim], self.config.dtype
+
+    # ------------------------------------------------------------------ device cache
+    def initialize_kv_cache(self, num_gpu_blocks: Optional[int] = None) -> list[Any]:
+        """Allocate every layer's key/value cache (and fp32 scales for uint8 caches).
+
+        Layers ``[num_layers, total_layers)`` are the extra (draft) layers; they share the
+        block ids of the main model, so every swap moves them too.  Returns the caches in
+        ``[key_0, value_0, (key_scale_0, value_scale_0,) key_1, ...]`` order.
+        """
+        blocks = self.config.num_gpu_blocks if num_gpu_blocks is None else num_gpu_blocks
+        if blocks <= 0:
+            raise ValueError(f"initialize_kv_cache needs num_gpu_blocks > 0, got {blocks}")
+        with self._lock:
+            if self.cache_kvs_map:
+                raise RuntimeError("the device KV cache is already initialized; free_cache() first")
+            caches: list[Any] = []
+            for layer in range(self.num_layers):
+                names = self.cache_names(layer)
+                for kind in self._kinds():
+                    shape, dtype = self._shape(kind, blocks)
+                    array = self.backend.alloc_device(shape, dtype)
+                    self.cache_kvs_map[names[kind]] = array
+                    caches.append(array)
+            self.num_gpu_blocks = blocks
+            per_layer = 2 * (self.config.bytes_per_layer_block + self.config.scale_bytes_per_layer_block)
+            logger.info(
+                "device KV cache: %d layers x %d blocks, %.3f GiB",
+                self.num_layers, blocks, per_layer * blocks * self.num_layers / (1 << 30),
+            )
+            self._update_layout()
+            return caches
+
+    def get_kv_caches(self) -> dict[str, Any]:
+        """Device caches by name (the forward pass indexes them by layer)."""
+        return self.cache_kvs_map
+
+    def layer_caches(self, layer: int) -> list[Any]:
+        """Layer ``layer``'s device arrays: key, value (, key scale, value scale)."""
+        names = self.cache_names(layer)
+        return [self.cache_kvs_map[names[kind]] for kind in self._kinds()]
+
+    # ------------------------------------------------------------------ host cache
+    def initialize_host_cache(self, num_host_blocks: Optional[int] = None) -> None:
+        """Allocate pinned host caches (one buffer per device cache) for the host tier.
+
+        Allocated on the GPU's NUMA node when it can be found: pinned pages are placed by the
+        allocating thread's memory policy, and a remote node costs host->device bandwidth.
+        Binding is best effort, logged, and never fatal.
+        """
+        blocks = self.config.host_block_count if num_host_blocks is None else num_host_blocks
+        if blocks <= 0:
+            raise ValueError(f"initialize_host_cache needs num_host_blocks > 0, got {blocks}")
+        with self._lock:
+            if self.host_cache_kvs_map:
+                raise RuntimeError("the host cache is already initialized; free_cache() first")
+            node = self._gpu_numa_node()
+            self.numa_node = node
+            with _preferred_numa_node(node):
+                try:
+                    for layer in range(self.num_layers):
+                        names = self.cache_names(layer)
+                        for kind in self._kinds():
+                            nbytes = blocks * self._block_bytes(kind)
+                            self.host_cache_kvs_map[names[kind]] = self.backend.host_alloc(nbytes)
+                            self._host_nbytes[names[kind]] = nbytes
+                except Exception:
+                    self._free_host()
+                    raise
+            self.num_host_blocks = blocks
+            logger.info(
+                "host KV cache: %d blocks, %.3f GiB pinned, NUMA node %s",
+                blocks, blocks * self.config.bytes_per_block / (1 << 30), node if node is not None else "unknown",
+            )
+            self._update_layout()
+
+    def _block_bytes(self, kind: str) -> int:
+        if kind.endswith("scale"):
+            return self.config.scale_bytes_per_layer_block
+        return self.config.bytes_per_layer_block
+
+    def get_host_cache_kvs_map(self) -> dict[str, int]:
+        """Host buffer addresses by cache name."""
+        return self.host_cache_kvs_map
+
+    def _update_layout(self) -> None:
+        if not self.cache_kvs_map or not self.host_cache_kvs_map:
+            self.transfer_manager.set_layout(None)
+            return
+        device, host = [], []
+        for layer in range(self.num_layers):
+            names = self.cache_names(layer)
+            device.append([self.cache_kvs_map[names[k]] for k in self._kinds()])
+            host.append([self.host_cache_kvs_map[names[k]] for k in self._kinds()])
+        self.transfer_manager.set_layout(
+            CacheLayout(device, host, self.num_gpu_blocks, self.num_host_blocks, self.config.bytes_per_block)
+        )
+
+    # ------------------------------------------------------------------ NUMA
+    def _gpu_numa_node(self) -> Optional[int]:
+        """NUMA node of this worker's GPU from sysfs (via its PCI bus id), or None."""
+        if not self.backend.is_cuda:
+            return None
+        try:
+            bus_id = _pci_bus_id(self.backend, self.device_id)
+            if bus_id:
+                path = f"/sys/bus/pci/devices/{bus_id.lower()}/numa_node"
+                if os.path.exists(path):
+                    with open(path) as fh:
+                        node = int(fh.read().strip())
+                    return node if node >= 0 else None
+            # NOTE: without a bus id, fall back to the first NVIDIA PCI function's node;
+            # right on single-socket and single-GPU hosts, a guess elsewhere (logged).
+            for path in sorted(glob.glob("/sys/bus/pci/devices/*/vendor")):
+                with open(path) as fh:
+                    if fh.read().strip() == "0x10de":
+                        with open(os.path.join(os.path.dirname(path), "numa_node")) as fn:
+                            node = int(fn.read().strip())
+                        logger.info("GPU %d bus id unknown; using the first NVIDIA device's NUMA node", self.device_id)
+                        return node if node >= 0 else None
+        except Exception:  # noqa: BLE001 - best effort
+            logger.warning("could not find the NUMA node of GPU %d", self.device_id, exc_info=True)
+        return None
+
+    # ------------------------------------------------------------------ swaps
+    def submit_swap_tasks(
+        self,
+        evict_metadata: Optional[CacheSwapMetadata],
+        swap_in_metadata: Optional[CacheSwapMetadata],
+    ) -> Optional[LayerDoneCounter]:
+        """Start this step's copies; returns the load's LayerDoneCounter (None without one).
+
+        Call it before the step's forward pass is enqueued: the device->host copy must read
+        its blocks before this step's compute writes any of them (ordering rules 1 and 2).
+        The forward pass calls ``counter.wait_for_layer(i)`` before layer ``i`` reads the
+        cache.  Failures do not raise here: the metadata comes back through
+        :meth:`collect_finished` with ``success=False``, and waits on a failed load raise
+        ``LayerSwapError``.
+        """
+        with self._lock:
+            counter = self.transfer_manager.submit(evict_metadata, swap_in_metadata)
+            self._layer_done_counter = counter
+            return counter
+
+    @property
+    def swap_layer_done_counter(self) -> Optional[LayerDoneCounter]:
+        """The counter of the last submitted load (None if the last step had none)."""
+        return self._layer_done_counter
+
+    def collect_finished(self, wait: bool = False, timeout_s: Optional[float] = None) -> list[CacheSwapMetadata]:
+        """Finished metadata (success or failure) to hand to ``CacheManager.complete_swap``.
+
+        Non-blocking by default: only copies whose done event has completed are returned, so
+        nothing is reported as moved before its bytes have.  ``wait=True`` drains first.
+        """
+        if wait:
+            return self.transfer_manager.drain(timeout_s)
+        return self.transfer_manager.poll()
+
+    def synchronize(self, timeout_s: Optional[float] = None) -> list[CacheSwapMetadata]:
+        """Wait for every in-flight copy; returns the finished metadata (see collect_finished)."""
+        return self.transfer_manager.drain(timeout_s)
+
+    # ------------------------------------------------------------------ lifecycle
+    def reset_cache(self) -> list[CacheSwapMetadata]:
+        """Drain in-flight copies, then zero every device and host cache (memory is kept).
+
+        Returns the metadata that finished during the drain so the caller can still hand it
+        back; after a reset no block holds KV, so the scheduler must be reset too.
+        """
+        with self._lock:
+            finished = self.transfer_manager.drain()
+            for array in self.cache_kvs_map.values():
+                self.backend.fill_zero(array)
+            for name, ptr in self.host_cache_kvs_map.items():
+                ctypes.memset(ptr, 0, self._host_nbytes[name])
+            self.transfer_manager.reset_stats()
+            self._layer_done_counter = None
+            return finished
+
+    def free_cache(self) -> list[CacheSwapMetadata]:
+        """Drain in-flight copies, then release device and pinned host memory."""
+        with self._lock:
+            # NOTE: a drain that times out raises and frees nothing: releasing memory that a
+            # copy engine is still reading or writing would be a use-after-free.
+            finished = self.transfer_manager.drain()
+            self.transfer_manager.set_layout(None)
+            arrays = list(self.cache_kvs_map.values())
+            self.cache_kvs_map.clear()
+            self.backend.release_device(arrays)
+            del arrays
+            self._free_host()
+            self.num_gpu_blocks = 0
+            self._layer_done_counter = None
+            return finished
+
+    def _free_host(self) -> None:
+        for name, ptr in list(self.host_cache_kvs_map.items()):
+            try:
+                self.backend.host_free(ptr)
+            except Exception:  # noqa: BLE001 - keep freeing the rest
+                logger.warning("failed to free host cache %s", name, exc_info=True)
+        self.host_cache_kvs_map.clear()
+        self._host_nbytes.clear()
+        self.num_host_blocks = 0
+
+    def close(self) -> None:
+        """free_cache() and stop the streams' threads (host-thread backends)."""
+        self.free_cache()
+        self.transfer_manager.close()
+
+    def get_stats(self) -> dict[str, Any]:
+        """Bytes and seconds per direction, failures, and the tasks still in flight."""
+        stats = self.transfer_manager.get_stats()
+        stats.update(
+            backend=self.backend.name,
+            num_layers=self.num_layers,
+            num_gpu_blocks=self.num_gpu_blocks,
+            num_host_blocks=self.num_host_blocks,
+            numa_node=self.numa_node,
+        )
+        return stats
+
+
+# ---------------------------------------------------------------------- NUMA helpers
+def _pci_bus_id(backend: Backend, device_id: int) -> Optional[str]:
+    """``0000:3b:00.0``-style bus id of the GPU, through CuPy or nvidia-smi."""
+    if backend.name == "cupy":
+        try:
+            import cupy
+
+            return str(cupy.cuda.runtime.deviceGetPCIBusId(device_id))
+        except Exception:  # noqa: BLE001
+            logger.debug("cupy could not give the PCI bus id", exc_info=True)
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", str(device_id)],
+            capture_output=True, text=True, timeout=5, check=True,
+        ).stdout.strip()
+        # nvidia-smi prints an 8-digit domain (00000000:3B:00.0); sysfs uses 4 digits.
+        if out:
+            domain, rest = out.split(":", 1)
+            return f"{int(domain, 16):04x}:{rest}"
+    except Exception:  # noqa: BLE001
+        logger.debug("nvidia-smi could not give the PCI bus id", exc_info=True)
+    return None
+
+
+_MPOL_DEFAULT = 0
+_MPOL_PREFERRED = 1
+_SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
+
+
+class _preferred_numa_node:
+    """Context manager: prefer ``node`` for this thread's new pages, then restore default.
+
+    Uses the ``set_mempolicy`` system call directly, so libnuma is not required.
+    """
+
+    def __init__(self, node: Optional[int]) -> None:
+        self.node = node
+        self.bound = False
+
+    def __enter__(self) -> "_preferred_numa_node":
+        if self.node is None:
+            logger.info("NUMA binding skipped: the GPU's NUMA node is unknown")
+            return self
+        number = _SYS_SET_MEMPOLICY.get(platform.machine())
+        if number is None or self.node >= 64:
+            logger.info("NUMA binding skipped on %s (node %d)", platform.machine(), self.node)
+            return self
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            mask = ctypes.c_ulong(1 << self.node)
+            if libc.syscall(number, _MPOL_PREFERRED, ctypes.byref(mask), 65) != 0:
+                logger.warning("set_mempolicy(node %d) failed: errno %d", self.node, ctypes.get_errno())
+            else:
+                self.bound = True
+                logger.info("host cache pages preferred on NUMA node %d", self.node)
+        except Exception:  # noqa: BLE001 - best effort
+            logger.warning("NUMA binding to node %d failed", self.node, exc_info=True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bound:
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.syscall(_SYS_SET_MEMPOLICY[platform.machine()], _MPOL_DEFAULT, None, 0)
+            except Exception:  # noqa: BLE001
+                logger.warning("could not restore the default memory policy", exc_info=True)

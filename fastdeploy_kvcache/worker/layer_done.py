@@ -1,0 +1,188 @@
+"""Per-layer completion of one host-to-device load: ``LayerDoneCounter``.
+
+A swap-in is issued layer by layer on the input stream, and an event is recorded after each
+layer's copy.  The forward pass calls :meth:`LayerDoneCounter.wait_for_layer` right before
+layer ``i``'s attention reads the cache; on a GPU backend that enqueues a wait *on the compute
+stream* (``cudaStreamWaitEvent``), so the host never blocks and nothing polls, and layer
+``i``'s attention starts as soon as layer ``i``'s blocks have landed while later layers are
+still in flight.
+
+The counter owns its events for its whole lifetime.  A peer implementation dropped the
+events when the copy thread finished, so a forward pass that reached ``wait_for_layer`` late
+found no event and silently read half-loaded blocks.  Here the events die with the counter,
+i.e. only once the transfer manager (which keeps it until the copy is confirmed) and every
+forward pass holding it have let it go.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from fastdeploy_kvcache import envs
+
+if TYPE_CHECKING:
+    from fastdeploy_kvcache.worker.backends.base import Backend
+
+logger = logging.getLogger(__name__)
+
+
+class LayerSwapError(RuntimeError):
+    """A load failed: its blocks do not hold valid KV and must not be read."""
+
+    def __init__(self, layer: int, task_id: int, error: str) -> None:
+        super().__init__(f"host->device load of task {task_id} failed (layer {layer}): {error}")
+        self.layer = layer
+        self.task_id = task_id
+        self.error = error
+
+
+class LayerSwapTimeoutError(TimeoutError):
+    """A host-side wait on a layer's load ran past its limit."""
+
+    def __init__(self, layer: int, task_id: int, timeout_s: float) -> None:
+        super().__init__(
+            f"layer {layer} of host->device task {task_id} not done after {timeout_s:.3f}s "
+            f"(FDKV_LAYER_WAIT_TIMEOUT_S)"
+        )
+        self.layer = layer
+        self.task_id = task_id
+        self.timeout_s = timeout_s
+
+
+def default_timeout_s() -> float:
+    return float(envs.get("FDKV_LAYER_WAIT_TIMEOUT_S"))  # type: ignore[arg-type]
+
+
+class LayerDoneCounter:
+    """Events of one layer-by-layer load, one per layer, plus the load's outcome.
+
+    The transfer manager creates it, fills in each layer's event as soon as that layer's copy
+    has been enqueued (:meth:`set_layer_event`) and records a failure with :meth:`fail`.
+    Consumers only wait.  With the synchronous GPU submission used here every event exists
+    before ``submit_swap_tasks`` returns; the interface still allows an event to arrive later
+    (a threaded submitter), in which case a wait first blocks on a condition variable until it
+    is set, bounded by the timeout.
+    """
+
+    def __init__(
+        self,
+        task_id: int,
+        num_layers: int,
+        backend: "Backend",
+        timeout_s: Optional[float] = None,
+        enforce: bool = True,
+    ) -> None:
+        self.task_id = task_id
+        self.num_layers = num_layers
+        self._backend = backend
+        self._timeout_s = default_timeout_s() if timeout_s is None else timeout_s
+        # NOTE: ``enforce=False`` exists only so the GPU race test for ordering rule 3 can
+        # show the corruption that appears without the wait; never set it in serving.
+        self._enforce = enforce
+        self._events: list[Any] = [None] * num_layers
+        self._error: Optional[str] = None
+        self._failed_layer: int = -1
+        self._cond = threading.Condition()
+
+    # ------------------------------------------------------------------ producer side
+    def set_layer_event(self, layer: int, event: Any) -> None:
+        """Attach the event recorded after ``layer``'s copy (called by the transfer manager)."""
+        with self._cond:
+            self._events[layer] = event
+            self._cond.notify_all()
+
+    def fail(self, layer: int, error: str) -> None:
+        """Record that the load failed at ``layer``; every later wait raises LayerSwapError."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+                self._failed_layer = layer
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    @property
+    def error(self) -> Optional[str]:
+        return self._error
+
+    def is_layer_done(self, layer: int) -> bool:
+        """Non-blocking: has layer ``layer``'s copy completed?  (False if failed.)"""
+        self._check_layer(layer)
+        if self._error is not None:
+            return False
+        event = self._events[layer]
+        return event is not None and self._backend.event_done(event)
+
+    def all_done(self) -> bool:
+        return all(self.is_layer_done(i) for i in range(self.num_layers))
+
+    # ------------------------------------------------------------------ consumer side
+    def wait_for_layer(self, layer: int, stream: Any = None) -> None:
+        """Order the compute stream after layer ``layer``'s copy.
+
+        GPU backends: ``stream`` (default: the current compute stream) waits on the layer's
+        event on the device; this returns at once.  Host-thread backends: the calling thread
+        is the compute stream, so it blocks until the layer is copied (bounded by the timeout).
+        Raises LayerSwapError if the load failed, so a failed copy is never read as KV.
+        """
+        event = self._event_for(layer)
+        if not self._enforce:
+            return
+        if stream is None:
+            stream = self._backend.current_stream()
+        try:
+            self._backend.stream_wait_event(stream, event, self._timeout_s)
+        except TimeoutError:
+            raise LayerSwapTimeoutError(layer, self.task_id, self._timeout_s) from None
+        if self._error is not None:  # a host-thread copy may fail while we waited
+            raise LayerSwapError(self._failed_layer, self.task_id, self._error)
+
+    def synchronize_layer(self, layer: int, timeout_s: Optional[float] = None) -> None:
+        """Block the host until layer ``layer`` is copied (for host-side consumers)."""
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        event = self._event_for(layer, deadline)
+        remaining = max(0.0, deadline - time.monotonic())
+        if not self._backend.event_wait_host(event, remaining):
+            raise LayerSwapTimeoutError(layer, self.task_id, timeout)
+        if self._error is not None:
+            raise LayerSwapError(self._failed_layer, self.task_id, self._error)
+
+    def wait_all(self, timeout_s: Optional[float] = None) -> None:
+        """Block the host until every layer is copied; raises on failure or timeout."""
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        for layer in range(self.num_layers):
+            self.synchronize_layer(layer, max(0.0, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------------ helpers
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers}) for task {self.task_id}")
+
+    def _event_for(self, layer: int, deadline: Optional[float] = None) -> Any:
+        """The layer's event, waiting (bounded) for the producer to attach it."""
+        self._check_layer(layer)
+        if deadline is None:
+            deadline = time.monotonic() + self._timeout_s
+        with self._cond:
+            while self._events[layer] is None and self._error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise LayerSwapTimeoutError(layer, self.task_id, self._timeout_s)
+                self._cond.wait(remaining)
+            if self._error is not None:
+                # Even if this layer's copy landed, the task as a whole failed and the
+                # scheduler will recompute all of its blocks: no layer of it may be served.
+                raise LayerSwapError(self._failed_layer, self.task_id, self._error)
+            return self._events[layer]
+
+    def __repr__(self) -> str:
+        state = "failed" if self.failed else "ok"
+        return f"LayerDoneCounter(task={self.task_id}, layers={self.num_layers}, {state})"

@@ -1,0 +1,433 @@
+"""Dual-stream block copies between the device cache and the pinned host cache.
+
+Two streams, created once and owned here:
+
+* the **output stream** runs device->host copies (write_back evictions and write-through
+  backups), all layers in one op launch per task;
+* the **input stream** runs host->device loads, one launch per layer, with an event after each
+  layer so the forward pass can start layer ``i`` as soon as its blocks have landed.
+
+Neither stream synchronizes with the compute stream or with the other except through the
+events listed below, which implement the ordering rules of ``docs/architecture_worker.md``:
+
+1. A device->host copy starts after the compute that wrote its blocks: an event recorded on the
+   compute stream at submit time, waited on by the output stream.
+2. Nothing overwrites a device block an in-flight device->host copy still reads.  For an
+   eviction (its device blocks were freed and may be handed out again in this very step) the
+   compute stream waits on the copy's done event; a load whose destination overlaps an
+   in-flight copy's source makes the input stream wait too.  Backups of blocks that stay
+   cached need no fence: the scheduler never rewrites a full cached block, nor frees one
+   while its copy is in flight.
+3. Layer ``i``'s attention reads its blocks after layer ``i``'s load: the compute stream
+   waits on the layer's event (``LayerDoneCounter.wait_for_layer``).
+4. A host block an in-flight load reads is not overwritten: the scheduler does not reallocate
+   it before ``complete_swap``, and as a cheap second guard a device->host copy into such a
+   block makes the output stream wait on that load.
+5. A load from host blocks that an in-flight device->host copy writes (a write_back eviction of
+   this step or an earlier one) starts after that copy: the input stream waits on its event.
+
+Fences 2, 4 and 5 are per block: a stream waits only on in-flight tasks of the other stream
+that share a block with the new one, so unrelated loads and evictions keep overlapping.
+
+All launches happen on the calling thread.  They only enqueue device work (about 10 us per
+layer), so the forward pass can start right after ``submit`` returns, and every layer event
+exists before the first ``wait_for_layer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from fastdeploy_kvcache import envs
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.worker.backends.base import MODE_D2H, MODE_H2D, Backend
+from fastdeploy_kvcache.worker.layer_done import (
+    LayerDoneCounter,
+    LayerSwapTimeoutError,
+    default_timeout_s,
+)
+
+logger = logging.getLogger(__name__)
+
+D2H = "d2h"
+H2D = "h2d"
+
+ORDERING_RULES: dict[int, str] = {
+    1: "device->host copy waits for the compute that wrote its blocks",
+    2: "no write to a device block an in-flight device->host copy reads",
+    3: "layer i's compute waits for layer i's load",
+    4: "no device->host write into a host block an in-flight load reads",
+    5: "a load waits for in-flight device->host copies into its host blocks",
+}
+
+#: Test hook signature: (direction, layer or -1 for all layers, metadata) -> None; may raise.
+FaultInjector = Callable[[str, int, CacheSwapMetadata], None]
+
+
+def parse_disabled_rules(value: Optional[str] = None) -> frozenset[int]:
+    """Parse FDKV_UNSAFE_DISABLE_ORDERING ("2,5") into rule numbers; validates them."""
+    if value is None:
+        value = str(envs.get("FDKV_UNSAFE_DISABLE_ORDERING"))
+    rules: set[int] = set()
+    for part in value.replace(" ", "").split(","):
+        if not part:
+            continue
+        if not part.isdigit() or int(part) not in ORDERING_RULES:
+            raise ValueError(f"FDKV_UNSAFE_DISABLE_ORDERING: {part!r} is not a rule number 1-5")
+        rules.add(int(part))
+    return frozenset(rules)
+
+
+@dataclass
+class CacheLayout:
+    """The caches a transfer moves: per layer, the device arrays and their host buffers.
+
+    ``device[l]`` lists layer ``l``'s arrays (key, value, then key/value scales when the
+    cache is quantized) and ``host[l]`` the matching pinned buffers, each holding
+    ``num_host_blocks`` blocks of the same per-block size as its device array.
+    """
+
+    device: list[list[Any]]
+    host: list[list[int]]
+    num_device_blocks: int
+    num_host_blocks: int
+    bytes_per_block: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.device)
+
+
+class _Task:
+    """One CacheSwapMetadata being carried out."""
+
+    __slots__ = (
+        "meta", "direction", "device_ids", "host_ids", "counter", "error", "start_event",
+        "done_event", "submitted", "_lock",
+    )
+
+    def __init__(self, meta: CacheSwapMetadata, direction: str, counter: Optional[LayerDoneCounter]) -> None:
+        self.meta = meta
+        self.direction = direction
+        if direction == D2H:
+            self.device_ids = frozenset(meta.src_block_ids)
+            self.host_ids = frozenset(meta.dst_block_ids)
+        else:
+            self.device_ids = frozenset(meta.dst_block_ids)
+            self.host_ids = frozenset(meta.src_block_ids)
+        self.counter = counter
+        self.error: Optional[str] = None
+        self.start_event: Any = None
+        self.done_event: Any = None
+        self.submitted = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def fail(self, error: Any, layer: int = -1) -> None:
+        """Record the first failure (thread-safe: host-thread streams call this)."""
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = text
+        logger.error("%s task %d failed at layer %d: %s", self.direction, self.meta.task_id, layer, text)
+        if self.counter is not None:
+            self.counter.fail(layer, text)
+
+
+@dataclass
+class _DirectionStats:
+    tasks: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    failed: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        gbps = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return {"tasks": self.tasks, "blocks": self.blocks, "bytes": self.bytes,
+                "seconds": self.seconds, "failed": self.failed, "GB_per_s": gbps}
+
+
+class TransferManager:
+    """Carries out swap metadata on the input/output streams and reports completions.
+
+    Args:
+        backend: framework adapter (streams, events, the copy op).
+        disabled_rules: ordering rules whose fences are switched off (race tests only);
+            defaults to FDKV_UNSAFE_DISABLE_ORDERING.
+        timeout_s: limit of host-side waits (default FDKV_LAYER_WAIT_TIMEOUT_S).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        disabled_rules: Optional[Iterable[int]] = None,
+        timeout_s: Optional[float] = None,
+    ) -> None:
+        self.backend = backend
+        self.disabled_rules = parse_disabled_rules() if disabled_rules is None else frozenset(disabled_rules)
+        for rule in self.disabled_rules:
+            if rule not in ORDERING_RULES:
+                raise ValueError(f"unknown ordering rule {rule}; expected 1-5")
+        if self.disabled_rules:
+            logger.warning(
+                "worker ordering fences DISABLED for rules %s: KV may be corrupted (tests only)",
+                sorted(self.disabled_rules),
+            )
+        self.timeout_s = default_timeout_s() if timeout_s is None else timeout_s
+        self.input_stream = backend.create_stream()
+        self.output_stream = backend.create_stream()
+        self.layout: Optional[CacheLayout] = None
+        self.fault_injector: Optional[FaultInjector] = None
+        self._inflight: list[_Task] = []
+        self._finished: list[CacheSwapMetadata] = []
+        self._stats = {D2H: _DirectionStats(), H2D: _DirectionStats()}
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ setup
+    def set_layout(self, layout: Optional[CacheLayout]) -> None:
+        """Attach (or, with None, detach) the caches; only with nothing in flight."""
+        with self._lock:
+            if self._inflight:
+                raise RuntimeError("cannot change the cache layout with copies in flight; drain() first")
+            self.layout = layout
+
+    # ------------------------------------------------------------------ submit
+    def submit(
+        self,
+        evict_metadata: Optional[CacheSwapMetadata],
+        swap_in_metadata: Optional[CacheSwapMetadata],
+    ) -> Optional[LayerDoneCounter]:
+        """Enqueue this step's device->host task, then its host->device task.
+
+        Returns the load's LayerDoneCounter (None without a load).  The device->host task is
+        enqueued first so that rule 5 can order a load after an eviction of the same step.
+        """
+        with self._lock:
+            self._reap()
+            compute = self.backend.current_stream()
+            evict_task: Optional[_Task] = None
+            counter: Optional[LayerDoneCounter] = None
+            if evict_metadata is not None:
+                evict_task = self._submit_d2h(evict_metadata, compute)
+            if swap_in_metadata is not None:
+                counter = self._submit_h2d(swap_in_metadata)
+            if (
+                evict_task is not None
+                and evict_task.done_event is not None
+                and evict_metadata is not None
+                and evict_metadata.kind != TransferKind.BACKUP
+                and 2 not in self.disabled_rules
+            ):
+                # Rule 2: blocks of an eviction were freed by the scheduler and may be written
+                # by this step's compute; the compute stream waits for the copy to read them.
+                try:
+                    self.backend.stream_wait_event(compute, evict_task.done_event, self.timeout_s)
+                except TimeoutError:
+                    raise LayerSwapTimeoutError(-1, evict_task.meta.task_id, self.timeout_s) from None
+            return counter
+
+    def _validate(self, meta: CacheSwapMetadata, direction: str) -> Optional[str]:
+        """Reason the metadata cannot be carried out, or None.  Nothing is launched if bad."""
+        layout = self.layout
+        if layout is None:
+            return "the host cache is not initialized (initialize_kv_cache/initialize_host_cache)"
+        want = (CacheLevel.DEVICE, CacheLevel.HOST) if direction == D2H else (CacheLevel.HOST, CacheLevel.DEVICE)
+        if (meta.src_type, meta.dst_type) != want:
+            return f"{direction} task expects {want[0].name}->{want[1].name}, got {meta.src_type.name}->{meta.dst_type.name}"
+        if len(meta.src_block_ids) != len(meta.dst_block_ids):
+            return f"src_block_ids has {len(meta.src_block_ids)} ids, dst_block_ids {len(meta.dst_block_ids)}"
+        dev_ids, host_ids = (
+            (meta.src_block_ids, meta.dst_block_ids) if direction == D2H else (meta.dst_block_ids, meta.src_block_ids)
+        )
+        for name, ids, limit in (("device", dev_ids, layout.num_device_blocks), ("host", host_ids, layout.num_host_blocks)):
+            for index, block in enumerate(ids):
+                if not isinstance(block, int) or not 0 <= block < limit:
+                    return f"{name} block id {block!r} at index {index} is out of range [0, {limit})"
+        if len(set(meta.dst_block_ids)) != len(meta.dst_block_ids):
+            seen: set[int] = set()
+            for index, block in enumerate(meta.dst_block_ids):
+                if block in seen:
+                    return f"duplicate destination block id {block} at index {index}"
+                seen.add(block)
+        return None
+
+    def _wait_on_conflicts(self, stream: Any, task: _Task, rules: dict[str, int]) -> None:
+        """Make ``stream`` wait for in-flight tasks of the other direction sharing blocks.
+
+        ``rules`` maps "device"/"host" to the ordering rule that guards overlaps on that tier;
+        a disabled rule's overlaps are ignored.
+        """
+        other = H2D if task.direction == D2H else D2H
+        for prior in self._inflight:
+            if prior.direction != other or prior.done_event is None:
+                continue
+            hit = (rules["device"] not in self.disabled_rules and not task.device_ids.isdisjoint(prior.device_ids)) or (
+                rules["host"] not in self.disabled_rules and not task.host_ids.isdisjoint(prior.host_ids)
+            )
+            if hit:
+                self.backend.stream_wait_event(stream, prior.done_event, self.timeout_s)
+
+    def _submit_d2h(self, meta: CacheSwapMetadata, compute: Any) -> _Task:
+        task = _Task(meta, D2H, None)
+        self._stats[D2H].tasks += 1
+        if meta.is_empty:
+            self._finish(task)
+            return task
+        error = self._validate(meta, D2H)
+        if error is not None:
+            task.fail(error)
+            self._finish(task)
+            return task
+        layout = self.layout
+        assert layout is not None
+        out = self.output_stream
+        if 1 not in self.disabled_rules:
+            # Rule 1: the compute that wrote these blocks was enqueued before this submit.
+            self.backend.stream_wait_event(out, self.backend.record_event(compute), self.timeout_s)
+        # Rule 2 (a load still writing a block we read) and rule 4 (a load still reading a
+        # host block we are about to overwrite).
+        self._wait_on_conflicts(out, task, {"device": 2, "host": 4})
+        dev_ids = self.backend.prepare_ids(meta.src_block_ids)
+        host_ids = self.backend.prepare_ids(meta.dst_block_ids)
+        arrays = [a for layer in layout.device for a in layer]
+        ptrs = [p for layer in layout.host for p in layer]
+        task.start_event = self.backend.record_event(out, timing=True)
+
+        def run() -> None:
+            if self.fault_injector is not None:
+                self.fault_injector(D2H, -1, meta)
+            self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, MODE_D2H, out)
+
+        # NOTE: one launch moves every layer (a pointer table), so an eviction costs one
+        # launch whatever the depth of the model.
+        self.backend.launch(out, run, lambda exc: task.fail(exc, -1))
+        task.done_event = self.backend.record_event(out, timing=True)
+        self._inflight.append(task)
+        return task
+
+    def _submit_h2d(self, meta: CacheSwapMetadata) -> Optional[LayerDoneCounter]:
+        layout = self.layout
+        num_layers = layout.num_layers if layout is not None else 0
+        counter = LayerDoneCounter(
+            meta.task_id, max(num_layers, 1), self.backend, self.timeout_s, enforce=3 not in self.disabled_rules
+        )
+        task = _Task(meta, H2D, counter)
+        self._stats[H2D].tasks += 1
+        if meta.is_empty:
+            self._finish(task)
+            return None
+        error = self._validate(meta, H2D)
+        if error is not None:
+            task.fail(error)
+            self._finish(task)
+            return counter
+        assert layout is not None
+        inp = self.input_stream
+        # Rule 5 (an in-flight device->host copy still writing a host block we read) and
+        # rule 2 (one still reading a device block we are about to overwrite).
+        self._wait_on_conflicts(inp, task, {"device": 2, "host": 5})
+        dev_ids = self.backend.prepare_ids(meta.dst_block_ids)
+        host_ids = self.backend.prepare_ids(meta.src_block_ids)
+        task.start_event = self.backend.record_event(inp, timing=True)
+        for layer in range(num_layers):
+            arrays, ptrs = layout.device[layer], layout.host[layer]
+
+            def run(layer: int = layer, arrays: Sequence[Any] = arrays, ptrs: Sequence[int] = ptrs) -> None:
+                if task.error is not None:  # an earlier layer failed: the task is void
+                    return
+                if self.fault_injector is not None:
+                    self.fault_injector(H2D, layer, meta)
+                self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, MODE_H2D, inp)
+
+            self.backend.launch(inp, run, lambda exc, layer=layer: task.fail(exc, layer))
+            counter.set_layer_event(layer, self.backend.record_event(inp))
+        task.done_event = self.backend.record_event(inp, timing=True)
+        self._inflight.append(task)
+        return counter
+
+    # ------------------------------------------------------------------ completion
+    def _finish(self, task: _Task) -> None:
+        """Mark the metadata (only now, after the bytes moved) and queue it for the engine."""
+        stats = self._stats[task.direction]
+        ok = task.error is None
+        task.meta.mark_done(ok, task.error)
+        if ok:
+            nbytes = len(task.meta) * (self.layout.bytes_per_block if self.layout is not None else 0)
+            stats.blocks += len(task.meta)
+            stats.bytes += nbytes
+            if task.start_event is not None and task.done_event is not None:
+                try:
+                    stats.seconds += self.backend.elapsed_s(task.start_event, task.done_event)
+                except Exception:  # noqa: BLE001 - statistics must never fail a copy
+                    logger.debug("elapsed time unavailable for task %d", task.meta.task_id, exc_info=True)
+        else:
+            stats.failed += 1
+        self._finished.append(task.meta)
+
+    def _reap(self) -> None:
+        """Move completed in-flight tasks to the finished list (non-blocking)."""
+        still: list[_Task] = []
+        for task in self._inflight:
+            try:
+                done = self.backend.event_done(task.done_event)
+            except Exception as exc:  # noqa: BLE001 - a CUDA error surfaces here
+                task.fail(exc)
+                done = True
+            if done:
+                self._finish(task)
+            else:
+                still.append(task)
+        self._inflight = still
+
+    def poll(self) -> list[CacheSwapMetadata]:
+        """Metadata whose copies finished since the last call, marked success or failure."""
+        with self._lock:
+            self._reap()
+            finished, self._finished = self._finished, []
+            return finished
+
+    def drain(self, timeout_s: Optional[float] = None) -> list[CacheSwapMetadata]:
+        """Wait (host-side) for every in-flight task, then return all finished metadata."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            for task in list(self._inflight):
+                try:
+                    ok = self.backend.event_wait_host(task.done_event, max(0.0, deadline - time.monotonic()))
+                except Exception as exc:  # noqa: BLE001
+                    task.fail(exc)
+                    continue
+                if not ok:
+                    layers = self.layout.num_layers if self.layout is not None else 0
+                    raise LayerSwapTimeoutError(layers - 1, task.meta.task_id, timeout)
+            return self.poll()
+
+    # ------------------------------------------------------------------ introspection
+    def in_flight_tasks(self) -> list[int]:
+        with self._lock:
+            return [t.meta.task_id for t in self._inflight]
+
+    def get_stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                D2H: self._stats[D2H].as_dict(),
+                H2D: self._stats[H2D].as_dict(),
+                "in_flight": len(self._inflight),
+                "in_flight_tasks": [t.meta.task_id for t in self._inflight],
+                "disabled_rules": sorted(self.disabled_rules),
+            }
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stats = {D2H: _DirectionStats(), H2D: _DirectionStats()}
+
+    def close(self) -> None:
+        """Stop host-thread streams (GPU streams are released with the object)."""
+        close = getattr(self.backend, "close_streams", None)
+        if close is not None:
+            close()

@@ -1,0 +1,351 @@
+"""CacheController + TransferManager on the CPU backends, with real bytes.
+
+Covers allocation (names, shapes, quantized scales, extra draft layers), round trips,
+statistics, id validation, injected failures, reset/free, and one deterministic race test
+per ordering rule: a paused host-thread stream widens the race window the way a spin kernel
+does on a GPU, and each test shows the corruption without the rule's fence and its absence
+with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.worker import LayerSwapError
+from fastdeploy_kvcache.worker.transfer_manager import parse_disabled_rules
+
+from worker_helpers import block_seed, device_block_bytes, fill_block, host_block_bytes
+
+
+def evict(dev: list[int], host: list[int], kind: TransferKind = TransferKind.EVICT) -> CacheSwapMetadata:
+    return CacheSwapMetadata(list(dev), list(host), CacheLevel.DEVICE, CacheLevel.HOST, kind=kind)
+
+
+def backup(dev: list[int], host: list[int]) -> CacheSwapMetadata:
+    return evict(dev, host, TransferKind.BACKUP)
+
+
+def swap_in(host: list[int], dev: list[int]) -> CacheSwapMetadata:
+    return CacheSwapMetadata(list(host), list(dev), CacheLevel.HOST, CacheLevel.DEVICE, kind=TransferKind.SWAP_IN)
+
+
+# ---------------------------------------------------------------------- allocation
+def test_names_shapes_and_extra_draft_layers(make_controller) -> None:
+    ctrl = make_controller(num_layers=2, num_extra_layers=1)
+    assert ctrl.num_layers == 3
+    names = ctrl.cache_names(2)
+    assert names["key"] == "key_caches_2_rank0.device0"
+    assert names["value"] == "value_caches_2_rank0.device0"
+    caches = ctrl.get_kv_caches()
+    assert set(caches) == {ctrl.cache_names(l)[k] for l in range(3) for k in ("key", "value")}
+    assert caches[names["key"]].shape == (8, 2, 4, 8)
+    assert len(ctrl.host_cache_kvs_map) == 6
+
+
+def test_quantized_cache_has_fp32_scales_that_travel(make_controller) -> None:
+    ctrl = make_controller(dtype="uint8", kv_cache_quant="int8", num_extra_layers=1)
+    names = ctrl.cache_names(0)
+    scale = ctrl.get_kv_caches()[names["key_scale"]]
+    assert scale.shape == (8, 2, 4) and str(scale.dtype) == "float32"
+    assert names["value_scale"] == "value_cache_scales_0_rank0.device0"
+    fill_block(ctrl, 1, seed=11)
+    ctrl.submit_swap_tasks(backup([1], [5]), None)
+    assert [m.success for m in ctrl.collect_finished(wait=True)] == [True]
+    counter = ctrl.submit_swap_tasks(None, swap_in([5], [6]))
+    counter.wait_all()
+    assert block_seed(ctrl, 6) == 11  # K, V and both scales of all 3 layers
+    assert device_block_bytes(ctrl, 6) == device_block_bytes(ctrl, 1)
+
+
+def test_rank_in_names_is_modulo_tensor_parallel(make_controller) -> None:
+    from fastdeploy_kvcache.worker import CacheController
+    from worker_helpers import capi_or_skip, small_config
+
+    capi_or_skip()
+    ctrl = CacheController(small_config(tensor_parallel_size=2), local_rank=3, device_id=1, backend="cpu")
+    assert ctrl.cache_names(0)["key"] == "key_caches_0_rank1.device1"
+    ctrl.close()
+
+
+# ---------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("threaded", [False, True])
+def test_evict_then_load_round_trip_and_stats(make_controller, threaded: bool) -> None:
+    ctrl = make_controller(threaded=threaded)
+    for block, seed in ((0, 3), (2, 4), (3, 5)):
+        fill_block(ctrl, block, seed)
+    ctrl.submit_swap_tasks(evict([0, 2, 3], [7, 1, 2]), None)
+    done = ctrl.collect_finished(wait=True)
+    assert [m.success for m in done] == [True]
+    assert host_block_bytes(ctrl, 7) == device_block_bytes(ctrl, 0)
+    counter = ctrl.submit_swap_tasks(None, swap_in([1, 2, 7], [5, 6, 4]))
+    for layer in range(ctrl.num_layers):
+        counter.wait_for_layer(layer)
+    assert [block_seed(ctrl, b) for b in (5, 6, 4)] == [4, 5, 3]
+    done = ctrl.collect_finished(wait=True)
+    assert [m.success for m in done] == [True]
+    stats = ctrl.get_stats()
+    per_block = ctrl.config.bytes_per_block
+    assert stats["d2h"]["bytes"] == 3 * per_block and stats["h2d"]["bytes"] == 3 * per_block
+    assert stats["d2h"]["tasks"] == 1 and stats["h2d"]["blocks"] == 3
+    assert stats["in_flight"] == 0 and stats["d2h"]["seconds"] >= 0
+
+
+def test_nothing_is_reported_before_its_bytes_moved(make_controller) -> None:
+    ctrl = make_controller()
+    ctrl.transfer_manager.output_stream.pause()
+    meta = backup([1], [1])
+    ctrl.submit_swap_tasks(meta, None)
+    assert ctrl.collect_finished() == [] and not meta.success
+    assert ctrl.get_stats()["in_flight_tasks"] == [meta.task_id]
+    ctrl.transfer_manager.output_stream.resume()
+    assert ctrl.collect_finished(wait=True) == [meta] and meta.success
+
+
+def test_empty_metadata_completes_without_a_counter(make_controller) -> None:
+    ctrl = make_controller()
+    assert ctrl.submit_swap_tasks(evict([], []), swap_in([], [])) is None
+    assert all(m.success for m in ctrl.collect_finished(wait=True))
+
+
+# ---------------------------------------------------------------------- failures
+@pytest.mark.parametrize(
+    "meta, match",
+    [
+        (swap_in([8], [0]), "host block id 8 at index 0 is out of range"),
+        (swap_in([0, 1], [3, 3]), "duplicate destination block id 3 at index 1"),
+        (evict([9], [0]), "device block id 9 at index 0"),
+        (CacheSwapMetadata([0], [0], CacheLevel.HOST, CacheLevel.HOST), "expects"),
+    ],
+)
+def test_bad_ids_fail_the_metadata_and_write_nothing(make_controller, meta, match) -> None:
+    ctrl = make_controller()
+    fill_block(ctrl, 3, seed=9)
+    before = [device_block_bytes(ctrl, b) for b in range(8)]
+    if meta.dst_type is CacheLevel.DEVICE:
+        counter = ctrl.submit_swap_tasks(None, meta)
+        with pytest.raises(LayerSwapError, match=match):
+            counter.wait_for_layer(0)
+    else:
+        ctrl.submit_swap_tasks(meta, None)
+    done = ctrl.collect_finished(wait=True)
+    assert done == [meta] and meta.success is False and match.split(" at")[0] in meta.error_message
+    assert [device_block_bytes(ctrl, b) for b in range(8)] == before
+    assert ctrl.get_stats()["d2h" if meta.dst_type is CacheLevel.HOST else "h2d"]["failed"] == 1
+
+
+def test_injected_op_failure_on_a_load_layer(make_controller) -> None:
+    ctrl = make_controller(num_layers=3)
+    fill_block(ctrl, 0, seed=1)
+    ctrl.submit_swap_tasks(backup([0], [0]), None)
+    ctrl.collect_finished(wait=True)
+
+    def inject(direction: str, layer: int, meta: CacheSwapMetadata) -> None:
+        if direction == "h2d" and layer == 1:
+            raise RuntimeError("injected CUDA error: an illegal memory access was encountered")
+
+    ctrl.transfer_manager.fault_injector = inject
+    bad = swap_in([0], [4])
+    counter = ctrl.submit_swap_tasks(None, bad)
+    with pytest.raises(LayerSwapError, match="illegal memory access"):
+        counter.wait_for_layer(2)
+    done = ctrl.collect_finished(wait=True)
+    assert done == [bad] and not bad.success and "illegal memory access" in bad.error_message
+    # Later tasks are unaffected.
+    ctrl.transfer_manager.fault_injector = None
+    good = swap_in([0], [5])
+    ctrl.submit_swap_tasks(None, good).wait_all()
+    assert ctrl.collect_finished(wait=True) == [good] and good.success and block_seed(ctrl, 5) == 1
+
+
+def test_injected_op_failure_on_an_eviction(make_controller) -> None:
+    ctrl = make_controller()
+
+    def inject(direction: str, layer: int, meta: CacheSwapMetadata) -> None:
+        if direction == "d2h":
+            raise MemoryError("injected")
+
+    ctrl.transfer_manager.fault_injector = inject
+    meta = evict([1, 2], [3, 4])
+    ctrl.submit_swap_tasks(meta, None)
+    assert ctrl.collect_finished(wait=True) == [meta]
+    assert meta.success is False and "MemoryError: injected" in meta.error_message
+
+
+def test_a_failed_copy_is_reported_failed_even_if_the_op_ran_partly(make_controller) -> None:
+    ctrl = make_controller()
+    calls = []
+
+    def inject(direction: str, layer: int, meta: CacheSwapMetadata) -> None:
+        calls.append(layer)
+        if layer == 1:
+            raise RuntimeError("second layer")
+
+    ctrl.transfer_manager.fault_injector = inject
+    meta = swap_in([0], [1])
+    ctrl.submit_swap_tasks(None, meta)
+    ctrl.collect_finished(wait=True)
+    assert calls == [0, 1] and not meta.success
+
+
+# ---------------------------------------------------------------------- lifecycle
+def test_reset_zeroes_and_free_releases(make_controller) -> None:
+    ctrl = make_controller()
+    fill_block(ctrl, 2, seed=4)
+    ctrl.submit_swap_tasks(backup([2], [2]), None)
+    ctrl.reset_cache()
+    assert all(not np.frombuffer(x, np.uint8).any() for x in device_block_bytes(ctrl, 2))
+    assert all(not np.frombuffer(x, np.uint8).any() for x in host_block_bytes(ctrl, 2))
+    assert ctrl.get_stats()["d2h"]["bytes"] == 0
+    ctrl.free_cache()
+    assert ctrl.get_kv_caches() == {} and ctrl.host_cache_kvs_map == {}
+    meta = swap_in([0], [0])
+    counter = ctrl.submit_swap_tasks(None, meta)
+    with pytest.raises(LayerSwapError, match="not initialized"):
+        counter.wait_for_layer(0)
+
+
+def test_disabled_rules_parsing() -> None:
+    assert parse_disabled_rules("1, 5") == frozenset({1, 5})
+    assert parse_disabled_rules("") == frozenset()
+    with pytest.raises(ValueError, match="'6'"):
+        parse_disabled_rules("6")
+
+
+# ---------------------------------------------------------------------- ordering rules
+# Each test builds the race with paused streams and runs twice: with the rule's fence (data
+# correct) and with it disabled (the corruption the fence prevents must appear).
+ENFORCED = [pytest.param(True, id="enforced"), pytest.param(False, id="disabled")]
+
+
+def _race(ctrl, enforced: bool, paused, victim, *others) -> None:
+    """Let the race play out: ``paused`` holds the copy the fence orders ``victim`` after.
+
+    With the fence, work on ``victim`` cannot get past the paused stream; without it, it runs
+    ahead (we wait until it has), and only then is ``paused`` released.
+    """
+    backend = ctrl.backend
+    victim_reached = backend.record_event(victim)
+    if enforced:
+        assert not victim_reached.wait(0.05), "the fence did not hold the victim stream back"
+    else:
+        assert victim_reached.wait(10), "without the fence the victim should run ahead"
+    paused.resume()
+    ctrl.collect_finished(wait=True)
+    for stream in (paused, victim, *others):
+        assert backend.record_event(stream).wait(10)
+
+
+@pytest.mark.parametrize("enforced", ENFORCED)
+def test_rule1_copy_waits_for_the_compute_that_wrote_the_block(make_controller, enforced) -> None:
+    ctrl = make_controller(disabled_rules=set() if enforced else {1})
+    backend = ctrl.backend
+    compute = backend.create_stream()
+    backend.use_compute_stream(compute)
+    try:
+        fill_block(ctrl, 1, seed=1)
+        compute.pause()
+        compute.submit(lambda: fill_block(ctrl, 1, seed=2))  # this step's compute writes block 1
+        ctrl.submit_swap_tasks(backup([1], [4]), None)
+        _race(ctrl, enforced, compute, ctrl.transfer_manager.output_stream)
+    finally:
+        backend.use_compute_stream(None)
+    host_seed = host_block_bytes(ctrl, 4) == device_block_bytes(ctrl, 1)
+    assert host_seed is enforced  # disabled: the copy read the block before compute wrote it
+
+
+@pytest.mark.parametrize("enforced", ENFORCED)
+def test_rule2_compute_does_not_overwrite_a_block_being_evicted(make_controller, enforced) -> None:
+    ctrl = make_controller(disabled_rules=set() if enforced else {2})
+    backend = ctrl.backend
+    compute = backend.create_stream()
+    backend.use_compute_stream(compute)
+    try:
+        fill_block(ctrl, 1, seed=1)
+        expected = device_block_bytes(ctrl, 1)
+        ctrl.transfer_manager.output_stream.pause()
+        ctrl.submit_swap_tasks(evict([1], [4]), None)  # block 1 is freed ...
+        compute.submit(lambda: fill_block(ctrl, 1, seed=2))  # ... and reused in the same step
+        _race(ctrl, enforced, ctrl.transfer_manager.output_stream, compute)
+    finally:
+        backend.use_compute_stream(None)
+    assert (host_block_bytes(ctrl, 4) == expected) is enforced
+    assert block_seed(ctrl, 1) == 2
+
+
+@pytest.mark.parametrize("enforced", ENFORCED)
+def test_rule2_load_does_not_overwrite_a_block_being_evicted(make_controller, enforced) -> None:
+    ctrl = make_controller(disabled_rules=set() if enforced else {2})
+    fill_block(ctrl, 0, seed=3)
+    ctrl.submit_swap_tasks(backup([0], [6]), None)
+    ctrl.collect_finished(wait=True)
+    fill_block(ctrl, 1, seed=1)
+    expected = device_block_bytes(ctrl, 1)
+    ctrl.transfer_manager.output_stream.pause()
+    # write_back eviction of block 1, and a load into the freed block 1, in one step.
+    ctrl.submit_swap_tasks(backup([1], [4]), swap_in([6], [1]))
+    _race(ctrl, enforced, ctrl.transfer_manager.output_stream, ctrl.transfer_manager.input_stream)
+    assert (host_block_bytes(ctrl, 4) == expected) is enforced
+    assert block_seed(ctrl, 1) == 3
+
+
+@pytest.mark.parametrize("enforced", ENFORCED)
+def test_rule3_compute_reads_a_layer_only_after_its_load(make_controller, enforced) -> None:
+    ctrl = make_controller(disabled_rules=set() if enforced else {3})
+    backend = ctrl.backend
+    fill_block(ctrl, 0, seed=5)
+    ctrl.submit_swap_tasks(backup([0], [2]), None)
+    ctrl.collect_finished(wait=True)
+    compute = backend.create_stream()
+    seen: list = []
+    ctrl.transfer_manager.input_stream.pause()
+    backend.use_compute_stream(compute)
+    try:
+        counter = ctrl.submit_swap_tasks(None, swap_in([2], [3]))
+        for layer in range(ctrl.num_layers):
+            counter.wait_for_layer(layer)  # on the compute stream: the caller never blocks
+            compute.submit(lambda layer=layer: seen.append(ctrl.layer_caches(layer)[0][3].copy()))
+        _race(ctrl, enforced, ctrl.transfer_manager.input_stream, compute)
+    finally:
+        backend.use_compute_stream(None)
+    read_loaded = all(np.array_equal(s, ctrl.layer_caches(l)[0][3]) for l, s in enumerate(seen))
+    assert read_loaded is enforced
+
+
+@pytest.mark.parametrize("enforced", ENFORCED)
+def test_rule4_host_block_read_by_a_load_is_not_overwritten(make_controller, enforced) -> None:
+    ctrl = make_controller(disabled_rules=set() if enforced else {4})
+    fill_block(ctrl, 0, seed=6)
+    ctrl.submit_swap_tasks(backup([0], [3]), None)
+    ctrl.collect_finished(wait=True)
+    fill_block(ctrl, 1, seed=7)
+    ctrl.transfer_manager.input_stream.pause()
+    ctrl.submit_swap_tasks(None, swap_in([3], [5]))  # step k: load reads host block 3
+    ctrl.submit_swap_tasks(backup([1], [3]), None)  # step k+1: host block 3 written again
+    _race(ctrl, enforced, ctrl.transfer_manager.input_stream, ctrl.transfer_manager.output_stream)
+    assert (block_seed(ctrl, 5) == 6) is enforced
+
+
+@pytest.mark.parametrize("enforced", ENFORCED)
+def test_rule5_load_reads_host_blocks_after_the_eviction_into_them(make_controller, enforced) -> None:
+    ctrl = make_controller(disabled_rules=set() if enforced else {5})
+    fill_block(ctrl, 1, seed=8)
+    ctrl.transfer_manager.output_stream.pause()
+    # write_back: block 1 is evicted to host 4 and, in the same step, host 4 loaded into 2.
+    ctrl.submit_swap_tasks(backup([1], [4]), swap_in([4], [2]))
+    _race(ctrl, enforced, ctrl.transfer_manager.output_stream, ctrl.transfer_manager.input_stream)
+    assert (block_seed(ctrl, 2) == 8) is enforced
+
+
+def test_unrelated_copies_do_not_wait_on_each_other(make_controller) -> None:
+    ctrl = make_controller()
+    fill_block(ctrl, 0, seed=2)
+    ctrl.submit_swap_tasks(backup([0], [0]), None)
+    ctrl.collect_finished(wait=True)
+    ctrl.transfer_manager.output_stream.pause()
+    ctrl.submit_swap_tasks(backup([1], [1]), None)  # stuck behind the paused output stream
+    counter = ctrl.submit_swap_tasks(None, swap_in([0], [2]))  # shares no block: not fenced
+    counter.wait_all(timeout_s=10)
+    assert block_seed(ctrl, 2) == 2
+    ctrl.transfer_manager.output_stream.resume()

@@ -1,0 +1,141 @@
+"""LayerDoneCounter on the host-thread backend: waits, late events, failures, timeouts."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from fastdeploy_kvcache.worker.backends.base import CALLER_STREAM, HostEvent, HostStream, HostThreadBackend
+from fastdeploy_kvcache.worker.layer_done import LayerDoneCounter, LayerSwapError, LayerSwapTimeoutError
+
+
+class _Backend(HostThreadBackend):
+    """Host-thread streams and events only; these tests never copy."""
+
+    name = "test"
+
+    def alloc_device(self, shape, dtype):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def fill_zero(self, array):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def host_alloc(self, nbytes):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def host_free(self, ptr):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def swap_blocks(self, *args, **kwargs):  # pragma: no cover - unused
+        raise NotImplementedError
+
+
+@pytest.fixture
+def backend():
+    b = _Backend()
+    yield b
+    b.close_streams()
+
+
+def test_wait_for_layer_returns_only_after_that_layer_is_done(backend) -> None:
+    stream = backend.create_stream()
+    stream.pause()
+    counter = LayerDoneCounter(task_id=7, num_layers=3, backend=backend, timeout_s=10)
+    events = [backend.record_event(stream) for _ in range(3)]
+    for i, ev in enumerate(events):
+        counter.set_layer_event(i, ev)
+    assert not counter.is_layer_done(0)
+    order: list[str] = []
+
+    def consumer() -> None:
+        counter.wait_for_layer(2)  # the caller thread is the compute stream: it blocks
+        order.append("layer2 consumed")
+
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    thread.join(0.05)
+    assert order == [] and thread.is_alive()
+    stream.resume()
+    thread.join(10)
+    assert order == ["layer2 consumed"]
+    assert counter.all_done()
+    counter.wait_all()
+
+
+def test_wait_on_a_compute_host_stream_does_not_block_the_caller(backend) -> None:
+    loads, compute = backend.create_stream(), backend.create_stream()
+    loads.pause()
+    counter = LayerDoneCounter(task_id=1, num_layers=1, backend=backend, timeout_s=10)
+    counter.set_layer_event(0, backend.record_event(loads))
+    seen: list[int] = []
+    counter.wait_for_layer(0, stream=compute)  # enqueues a wait on the compute stream
+    compute.submit(lambda: seen.append(1))
+    done = backend.record_event(compute)
+    assert not done.wait(0.05) and seen == []
+    loads.resume()
+    assert done.wait(10) and seen == [1]
+
+
+def test_event_attached_later_is_waited_for(backend) -> None:
+    counter = LayerDoneCounter(task_id=3, num_layers=2, backend=backend, timeout_s=10)
+    timer = threading.Timer(0.02, lambda: counter.set_layer_event(1, HostEvent(already_set=True)))
+    timer.start()
+    counter.wait_for_layer(1)  # blocks on the condition until the producer attaches it
+    assert counter.is_layer_done(1)
+    timer.join()
+
+
+def test_timeout_names_layer_and_task(backend) -> None:
+    stream = backend.create_stream()
+    stream.pause()
+    counter = LayerDoneCounter(task_id=42, num_layers=2, backend=backend, timeout_s=0.01)
+    counter.set_layer_event(0, backend.record_event(stream))
+    with pytest.raises(LayerSwapTimeoutError, match=r"layer 0 .*task 42") as info:
+        counter.wait_for_layer(0)
+    assert info.value.layer == 0 and info.value.task_id == 42
+    # A layer whose event never arrives times out too (no silent skip).
+    with pytest.raises(LayerSwapTimeoutError, match=r"layer 1 .*task 42"):
+        counter.wait_for_layer(1)
+    with pytest.raises(LayerSwapTimeoutError):
+        counter.wait_all(timeout_s=0.01)
+    stream.resume()
+
+
+def test_failed_load_is_never_served(backend) -> None:
+    counter = LayerDoneCounter(task_id=5, num_layers=3, backend=backend, timeout_s=10)
+    counter.set_layer_event(0, HostEvent(already_set=True))
+    counter.fail(1, "injected")
+    for layer in range(3):  # even layer 0, whose bytes landed: the task is void as a whole
+        with pytest.raises(LayerSwapError, match="task 5 failed .*injected"):
+            counter.wait_for_layer(layer)
+    with pytest.raises(LayerSwapError):
+        counter.wait_all()
+    assert counter.failed and not counter.is_layer_done(0)
+
+
+def test_failure_while_waiting_wakes_the_waiter(backend) -> None:
+    counter = LayerDoneCounter(task_id=9, num_layers=1, backend=backend, timeout_s=10)
+    threading.Timer(0.02, lambda: counter.fail(0, "boom")).start()
+    with pytest.raises(LayerSwapError, match="boom"):
+        counter.wait_for_layer(0)
+
+
+def test_layer_out_of_range(backend) -> None:
+    counter = LayerDoneCounter(task_id=1, num_layers=2, backend=backend, timeout_s=1)
+    with pytest.raises(IndexError, match="layer 2 out of range"):
+        counter.wait_for_layer(2)
+
+
+def test_synchronous_host_stream_runs_inline() -> None:
+    stream = HostStream("s", synchronous=True)
+    ran: list[int] = []
+    stream.submit(lambda: ran.append(1))
+    assert ran == [1]
+    with pytest.raises(RuntimeError):
+        stream.pause()
+
+
+def test_caller_stream_events_are_complete_at_once(backend) -> None:
+    event = backend.record_event(CALLER_STREAM)
+    assert backend.event_done(event)
