@@ -128,19 +128,30 @@ _ERR_OK, _ERR_INVALID = 0, 1
 _C_INT64_P = ctypes.POINTER(ctypes.c_int64)
 
 
-def _find_capi(path: Optional[str]) -> Path:
+_CAPI_NAMES = {"cuda": "libfdkv_capi.so", "cpu": "libfdkv_capi_cpu.so"}
+
+
+def _find_capi(path: Optional[str], variant: Optional[str]) -> Path:
+    """Locate the C ABI library: an explicit path, ``$FDKV_OPS_LIB``, then the CUDA build
+    (``bash build.sh gpu``) before the CPU build, in the package folder or ``build/``."""
+    if variant not in (None, "cuda", "cpu"):
+        raise ValueError(f"variant must be None, 'cuda' or 'cpu', got {variant!r}")
     candidates: list[Path] = []
     if path:
         candidates.append(Path(path))
     env_path = str(envs.get("FDKV_OPS_LIB"))
-    if env_path:
+    if env_path and not path and variant is None:
         candidates.append(Path(env_path))
-    candidates += [Path(__file__).resolve().parent / "libfdkv_capi.so", _REPO_ROOT / "build" / "libfdkv_capi.so"]
+    names = [_CAPI_NAMES[variant]] if variant else [_CAPI_NAMES["cuda"], _CAPI_NAMES["cpu"]]
+    if not path:
+        for name in names:
+            candidates += [Path(__file__).resolve().parent / name, _REPO_ROOT / "build" / name]
     for cand in candidates:
         if cand.is_file():
             return cand
+    hint = "`bash build.sh gpu`" if variant == "cuda" else _BUILD_HINT
     raise OpsNotBuiltError(
-        f"libfdkv_capi.so not found (looked in {', '.join(str(c) for c in candidates)}); {_BUILD_HINT}"
+        f"C ABI library not found (looked in {', '.join(str(c) for c in candidates)}); {hint}"
     )
 
 
@@ -361,10 +372,15 @@ _capi_lock = threading.Lock()
 _capi_cache: dict[str, CApi] = {}
 
 
-def load_capi(path: Optional[str] = None) -> CApi:
-    """Load (once per path) the C ABI library: ``path``, ``$FDKV_OPS_LIB``, the package
-    folder or ``build/``.  Raises :class:`OpsNotBuiltError` if none exists."""
-    lib_path = str(_find_capi(path).resolve())
+def load_capi(path: Optional[str] = None, variant: Optional[str] = None) -> CApi:
+    """Load (once per path) the C ABI library and return its wrapper.
+
+    ``variant`` picks a build: ``"cuda"`` (``build/libfdkv_capi.so``, real device
+    memory), ``"cpu"`` (``build/libfdkv_capi_cpu.so``, host memory stands in for the
+    device), or None: ``path``, then ``$FDKV_OPS_LIB``, then CUDA before CPU.  Raises
+    :class:`OpsNotBuiltError` if nothing is found.
+    """
+    lib_path = str(_find_capi(path, variant).resolve())
     with _capi_lock:
         api = _capi_cache.get(lib_path)
         if api is None:

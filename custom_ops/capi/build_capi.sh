@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# Build the C ABI library build/libfdkv_capi.so from one translation unit.
-#   cpu: g++, no CUDA ("device" pointers are host memory; CI tests it with numpy)
-#   gpu: nvcc, sm_90a machine code plus compute_90 PTX for other/newer GPUs
+# Build the C ABI library from one translation unit.
+#   cpu: build/libfdkv_capi_cpu.so with g++, no CUDA ("device" pointers are host memory,
+#        so CI tests the ABI with numpy arrays)
+#   gpu: build/libfdkv_capi.so with nvcc: sm_90a machine code plus compute_90 PTX that the
+#        driver can compile for other GPUs
+# The two can coexist: fastdeploy_kvcache.ops.load_capi() prefers the CUDA one.
 # Needs no venv.  Idempotent: rebuilds only when a source is newer than the library.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 kind=${1:-cpu}
-out=build/libfdkv_capi.so
-stamp=build/.capi_kind
+case "$kind" in cpu) out=build/libfdkv_capi_cpu.so ;; *) out=build/libfdkv_capi.so ;; esac
 mkdir -p build
 srcs=(custom_ops/capi/fdkv_capi.cc custom_ops/capi/fdkv_capi.h custom_ops/csrc/swap_core.h
       custom_ops/csrc/swap_core.cc custom_ops/csrc/swap_cuda.cu custom_ops/capi/build_capi.sh)
 up_to_date() {
-  [ -f "$out" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$kind" ] || return 1
+  [ -f "$out" ] || return 1
   for s in "${srcs[@]}"; do [ "$s" -nt "$out" ] && return 1; done
   return 0
 }
@@ -32,5 +34,4 @@ case "$kind" in
     echo "usage: build_capi.sh {cpu|gpu}" >&2; exit 2 ;;
 esac
 mv -f "$out.tmp" "$out"
-echo "$kind" > "$stamp"
 echo "[build_capi] built $out ($kind)" >&2

@@ -1,0 +1,69 @@
+"""Fixtures for the CPU op tests: the C ABI library built without CUDA (numpy memory
+stands in for device memory) and the Paddle ops on CPU tensors."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from fastdeploy_kvcache import ops
+
+
+@pytest.fixture(scope="session")
+def capi_cpu() -> ops.CApi:
+    """The CPU build of the C ABI (``bash build.sh`` makes build/libfdkv_capi_cpu.so)."""
+    try:
+        return ops.load_capi(variant="cpu")
+    except ops.OpsNotBuiltError as exc:
+        pytest.skip(f"needs build/libfdkv_capi_cpu.so from `bash build.sh`: {exc}")
+
+
+@pytest.fixture(scope="session")
+def paddle_ops():
+    """Paddle (CPU) with the custom ops registered; returns the paddle module."""
+    paddle = pytest.importorskip("paddle", reason="needs paddlepaddle (installed by `bash build.sh`)")
+    if not ops.paddle_ops_available():
+        pytest.skip("needs the Paddle ops built into build/paddle_ops by `bash build.sh`")
+    ops._load_paddle_ops()
+    return paddle
+
+
+@pytest.fixture
+def host_buffer() -> Iterator[Callable[[int], np.ndarray]]:
+    """Allocate pinned (or aligned) host memory through ops.cuda_host_alloc, viewed as a
+    uint8 numpy array filled with random bytes; freed at teardown."""
+    ptrs: list[int] = []
+
+    def make(nbytes: int) -> np.ndarray:
+        ptr = ops.cuda_host_alloc(nbytes)
+        ptrs.append(ptr)
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+        arr[:] = np.random.default_rng(ptr & 0xFFFF).integers(0, 256, nbytes, dtype=np.uint8)
+        return arr
+
+    yield make
+    for p in ptrs:
+        ops.cuda_host_free(p)
+
+
+def id_patterns(num_dev: int, num_host: int, rng: np.random.Generator) -> dict[str, tuple[list[int], list[int]]]:
+    """Named (dev_ids, host_ids) cases: consecutive, scattered, reversed, single, empty,
+    and a mix of consecutive runs and singletons (exercises run merging)."""
+    n = min(num_dev, num_host) // 2
+    return {
+        "consecutive": (list(range(1, 1 + n)), list(range(2, 2 + n))),
+        "scattered": (
+            rng.choice(num_dev, n, replace=False).tolist(),
+            rng.choice(num_host, n, replace=False).tolist(),
+        ),
+        "reversed": (list(range(n - 1, -1, -1)), list(range(num_host - 1, num_host - 1 - n, -1))),
+        "single": ([num_dev - 1], [0]),
+        "empty": ([], []),
+        "runs": ([0, 1, 2, 7, 5, 6], [3, 4, 5, 0, 9, 10][: 6] if num_host > 10 else [3, 4, 5, 0, 1, 2]),
+    }
+
+
+PATTERNS = ["consecutive", "scattered", "reversed", "single", "empty", "runs"]

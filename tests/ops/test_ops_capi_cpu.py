@@ -1,0 +1,135 @@
+"""Round trips of every C ABI op on numpy memory (CPU build: host memory plays device)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastdeploy_kvcache import ops
+
+from conftest import PATTERNS, id_patterns
+
+NUM_DEV, NUM_HOST = 12, 16
+# 16-byte multiples take the vector path on a GPU; the others the narrower fallback.
+BLOCK_BYTES = [4096, 256, 24, 6, 1, 4100]
+
+
+def _rand(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("block_bytes", BLOCK_BYTES)
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+def test_per_layer_round_trip(capi_cpu: ops.CApi, block_bytes: int, pattern: str, mode: int) -> None:
+    rng = np.random.default_rng(block_bytes * 7 + mode)
+    dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, rng)[pattern]
+    dev = _rand((NUM_DEV, block_bytes), 1)
+    host = _rand((NUM_HOST, block_bytes), 2)
+    want_dev, want_host = dev.copy(), host.copy()
+    if mode == ops.MODE_D2H:
+        want_host[host_ids] = dev[dev_ids]
+    else:
+        want_dev[dev_ids] = host[host_ids]
+    capi_cpu.swap_per_layer(dev.ctypes.data, NUM_DEV, block_bytes, host.ctypes.data, NUM_HOST,
+                            dev_ids, host_ids, mode)
+    np.testing.assert_array_equal(dev, want_dev)
+    np.testing.assert_array_equal(host, want_host)
+    assert capi_cpu.last_path() == (ops.PATH_CPU if dev_ids else 0)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_per_layer_d2h_then_h2d_restores_blocks(capi_cpu: ops.CApi, pattern: str) -> None:
+    """Evict blocks, clobber them on the device, load them back: the originals return."""
+    rng = np.random.default_rng(5)
+    dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, rng)[pattern]
+    dev = _rand((NUM_DEV, 64), 3)
+    host = np.zeros((NUM_HOST, 64), np.uint8)
+    original = dev.copy()
+    capi_cpu.swap_per_layer(dev.ctypes.data, NUM_DEV, 64, host.ctypes.data, NUM_HOST, dev_ids, host_ids, 0)
+    dev[:] = 0xAB
+    capi_cpu.swap_per_layer(dev.ctypes.data, NUM_DEV, 64, host.ctypes.data, NUM_HOST, dev_ids, host_ids, 1)
+    np.testing.assert_array_equal(dev[dev_ids], original[dev_ids])
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+def test_all_layers_mixed_block_sizes(capi_cpu: ops.CApi, pattern: str, mode: int) -> None:
+    """K/V caches (256 B blocks) and their scale caches (12 B blocks) in one call."""
+    rng = np.random.default_rng(11 + mode)
+    dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, rng)[pattern]
+    sizes = [256, 256, 12, 12, 256, 256]
+    devs = [_rand((NUM_DEV, b), 10 + i) for i, b in enumerate(sizes)]
+    hosts = [_rand((NUM_HOST, b), 20 + i) for i, b in enumerate(sizes)]
+    want_devs = [d.copy() for d in devs]
+    want_hosts = [h.copy() for h in hosts]
+    for d, h, wd, wh in zip(devs, hosts, want_devs, want_hosts):
+        if mode == ops.MODE_D2H:
+            wh[host_ids] = d[dev_ids]
+        else:
+            wd[dev_ids] = h[host_ids]
+    capi_cpu.swap_all_layers([d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], NUM_DEV, sizes,
+                             NUM_HOST, np.asarray(dev_ids, np.int64), np.asarray(host_ids, np.int64), mode)
+    for got, want in zip(devs + hosts, want_devs + want_hosts):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_layout_gather_scatter_round_trip(capi_cpu: ops.CApi, pattern: str) -> None:
+    """Gather into [block][tensor][bytes], check the layout, scatter into fresh tensors."""
+    rng = np.random.default_rng(17)
+    dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, rng)[pattern]
+    sizes = [128, 128, 8, 8]  # k0 v0 and two scale tensors
+    stride = sum(sizes)
+    devs = [_rand((NUM_DEV, b), 30 + i) for i, b in enumerate(sizes)]
+    host = _rand((NUM_HOST, stride), 40)
+    want_host = host.copy()
+    offsets = np.cumsum([0] + sizes[:-1])
+    for d, off, b in zip(devs, offsets, sizes):
+        want_host[host_ids, off:off + b] = d[dev_ids]
+    capi_cpu.swap_layout([d.ctypes.data for d in devs], NUM_DEV, sizes, host.ctypes.data, NUM_HOST,
+                         dev_ids, host_ids, ops.MODE_D2H)
+    np.testing.assert_array_equal(host, want_host)
+
+    fresh = [_rand((NUM_DEV, b), 50 + i) for i, b in enumerate(sizes)]
+    want_fresh = [f.copy() for f in fresh]
+    for wf, d in zip(want_fresh, devs):
+        wf[dev_ids] = d[dev_ids]
+    capi_cpu.swap_layout([f.ctypes.data for f in fresh], NUM_DEV, sizes, host.ctypes.data, NUM_HOST,
+                         dev_ids, host_ids, ops.MODE_H2D)
+    for got, want in zip(fresh, want_fresh):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_sync_flag_and_stream_are_accepted_on_cpu(capi_cpu: ops.CApi) -> None:
+    dev = _rand((4, 32), 1)
+    host = np.zeros((4, 32), np.uint8)
+    capi_cpu.swap_per_layer(dev.ctypes.data, 4, 32, host.ctypes.data, 4, [0, 1], [1, 0], 0, stream=0, sync=True)
+    np.testing.assert_array_equal(host[[1, 0]], dev[[0, 1]])
+    capi_cpu.stream_synchronize(0)
+
+
+def test_options_round_trip_and_reject_bad_values(capi_cpu: ops.CApi) -> None:
+    before = {k: capi_cpu.get_option(k) for k in ("copy_grid", "copy_path", "dma_min_bytes", "merge_min_bytes")}
+    assert before["copy_grid"] >= 1
+    try:
+        capi_cpu.set_option("copy_grid", 4)
+        assert capi_cpu.get_option("copy_grid") == 4
+        with pytest.raises(ops.SwapOpError):
+            capi_cpu.set_option("copy_grid", 0)
+        with pytest.raises(ops.SwapOpError):
+            capi_cpu.set_option("copy_path", 7)
+        with pytest.raises(ops.SwapOpError):
+            capi_cpu.get_option("no_such_option")
+    finally:
+        for k, v in before.items():
+            capi_cpu.set_option(k, v)
+
+
+def test_capi_is_cpu_build(capi_cpu: ops.CApi) -> None:
+    assert capi_cpu.is_cuda is False
+
+
+def test_missing_library_raises_clear_error(tmp_path) -> None:
+    with pytest.raises(ops.OpsNotBuiltError, match="build.sh"):
+        ops.load_capi(path=str(tmp_path / "nope.so"))
