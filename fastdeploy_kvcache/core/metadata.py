@@ -78,6 +78,38 @@ class CacheSwapMetadata:
         self.success = success
         self.error_message = None if success else (error_message or "unknown transfer error")
 
+    def extend(self, other: "CacheSwapMetadata") -> None:
+        """Append ``other``'s copies to this one (same direction required).
+
+        Used by ``BatchRequest`` to merge per-request metadata into one object per
+        direction, so the worker launches one copy per step and direction.  The kind
+        of a device -> host merge becomes EVICT as soon as one eviction is in it
+        (evictions and write-through backups travel together); completion is
+        resolved per block anyway, so the merged kind is informational.
+        """
+        if (other.src_type, other.dst_type) != (self.src_type, self.dst_type):
+            raise ValueError(
+                f"cannot merge {other.src_type.name}->{other.dst_type.name} metadata into "
+                f"{self.src_type.name}->{self.dst_type.name} metadata"
+            )
+        self.src_block_ids.extend(other.src_block_ids)
+        self.dst_block_ids.extend(other.dst_block_ids)
+        self.hash_values.extend(other.hash_values)
+        if other.kind is TransferKind.EVICT:
+            self.kind = TransferKind.EVICT
+
+    @classmethod
+    def merged(cls, items: "list[CacheSwapMetadata]") -> "Optional[CacheSwapMetadata]":
+        """One new metadata object holding all non-empty ``items`` (None if there are none)."""
+        items = [m for m in items if m is not None and not m.is_empty]
+        if not items:
+            return None
+        first = items[0]
+        out = cls(src_type=first.src_type, dst_type=first.dst_type, kind=first.kind)
+        for meta in items:
+            out.extend(meta)
+        return out
+
 
 @dataclass
 class StorageMetadata:
@@ -103,3 +135,207 @@ class TransferResult:
     nbytes: int = 0
     seconds: float = 0.0
     error_message: Optional[str] = None
+
+
+# ---------------------------------------------------------------------------
+# Scheduler-private structures.  Nothing below is sent to workers: a BlockNode
+# links to its parent and children, so pickling one would drag the whole tree.
+# ---------------------------------------------------------------------------
+
+
+class NodeState(enum.Enum):
+    """Where a tree node's KV bytes are, derived from its fields (see ``BlockNode.state``).
+
+    The transitions are drawn in ``docs/architecture.md``.  The ``*_TO_*`` and
+    ``BACKUP_TO_HOST`` states are "in flight": the copy has been emitted but the
+    worker has not confirmed it, so the node may be neither evicted nor read on the
+    destination tier.
+    """
+
+    DEVICE = "device"  # device copy only
+    HOST = "host"  # host copy only
+    DEVICE_AND_HOST = "device+host"  # both copies valid
+    SWAP_TO_DEVICE = "swap_to_device"  # host -> device load in flight (host is the source)
+    SWAP_TO_HOST = "swap_to_host"  # write_back eviction in flight; device block already released
+    BACKUP_TO_HOST = "backup_to_host"  # write-through backup in flight; device copy stays
+    STORAGE = "storage"  # only the storage tier holds it (later issue)
+    LOADING_FROM_STORAGE = "loading_from_storage"  # storage -> host/device (later issue)
+    EMPTY = "empty"  # no copy anywhere; only transiently, before the node is removed
+
+
+class BlockNode:
+    """One full KV block in the prefix tree, keyed by its chained block hash.
+
+    A node records which tiers hold its bytes (``device_block_id``,
+    ``host_block_id``, ``on_storage``), the copy in flight for it, if any
+    (``pending``), how many running requests use its device copy (``ref_count``),
+    and how hot it is (``hit_count``, ``last_access``) for the write-through
+    threshold and LRU eviction.
+
+    ``num_device_children`` / ``num_host_children`` count children holding a copy on
+    that tier, so "is this node a leaf of tier T" is O(1): eviction only ever takes
+    tier leaves, which is what keeps subtrees from being orphaned.
+    """
+
+    __slots__ = (
+        "hash_value",
+        "parent",
+        "children",
+        "depth",
+        "device_block_id",
+        "host_block_id",
+        "on_storage",
+        "pending",
+        "ref_count",
+        "hit_count",
+        "last_access",
+        "num_device_children",
+        "num_host_children",
+        "backup_queued",
+        "detached",
+        "heap_version",
+        "heap_key",
+        "__weakref__",
+    )
+
+    def __init__(self, hash_value: int, parent: Optional["BlockNode"] = None, depth: int = 0) -> None:
+        self.hash_value = hash_value
+        self.parent = parent
+        self.children: dict[int, BlockNode] = {}
+        self.depth = depth  # block index in the sequence (root: -1)
+        self.device_block_id: Optional[int] = None
+        self.host_block_id: Optional[int] = None
+        self.on_storage = False
+        self.pending: Optional[TransferKind] = None
+        self.ref_count = 0
+        self.hit_count = 0
+        self.last_access = 0
+        self.num_device_children = 0
+        self.num_host_children = 0
+        self.backup_queued = False
+        self.detached = False  # removed from the tree while a copy was still in flight
+        # Lazy-deletion bookkeeping of the per-tier eviction heaps (index: CacheLevel).
+        self.heap_version = [0, 0]
+        self.heap_key: list[Optional[int]] = [None, None]
+
+    # -- derived ----------------------------------------------------------------
+    @property
+    def is_in_flight(self) -> bool:
+        return self.pending is not None
+
+    @property
+    def device_valid(self) -> bool:
+        """The device copy exists and its bytes are there (no load in flight into it)."""
+        return self.device_block_id is not None and self.pending is not TransferKind.SWAP_IN
+
+    @property
+    def host_valid(self) -> bool:
+        """The host copy exists and is not the destination of a copy in flight."""
+        return self.host_block_id is not None and self.pending not in (TransferKind.EVICT, TransferKind.BACKUP)
+
+    @property
+    def state(self) -> NodeState:
+        pending = self.pending
+        if pending is TransferKind.SWAP_IN:
+            return NodeState.SWAP_TO_DEVICE
+        if pending is TransferKind.EVICT:
+            return NodeState.SWAP_TO_HOST
+        if pending is TransferKind.BACKUP:
+            return NodeState.BACKUP_TO_HOST
+        if pending is TransferKind.STORAGE_LOAD:
+            return NodeState.LOADING_FROM_STORAGE
+        dev = self.device_block_id is not None
+        host = self.host_block_id is not None
+        if dev and host:
+            return NodeState.DEVICE_AND_HOST
+        if dev:
+            return NodeState.DEVICE
+        if host:
+            return NodeState.HOST
+        if self.on_storage:
+            return NodeState.STORAGE
+        return NodeState.EMPTY
+
+    def __reduce__(self):  # pragma: no cover - defensive
+        raise TypeError("BlockNode is scheduler-private and must not be pickled (it links the whole tree)")
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockNode(hash={self.hash_value:#x}, depth={self.depth}, state={self.state.value}, "
+            f"dev={self.device_block_id}, host={self.host_block_id}, ref={self.ref_count}, "
+            f"hits={self.hit_count})"
+        )
+
+
+@dataclass
+class MatchResult:
+    """The longest cached prefix of a request, split by the tier each block is on.
+
+    ``nodes[i]`` is block ``i`` of the request and ``tiers[i]`` the tier it will be
+    served from: DEVICE blocks are reused in place, HOST blocks need a host -> device
+    swap-in.  Normally all DEVICE blocks come first, but after a failed load a HOST
+    block can precede DEVICE ones, so consumers should not assume one split point.
+
+    ``storage_hashes`` are the hashes of the blocks that follow the tree match and
+    that the storage tier may hold.  It is the hook for the storage issue: today it
+    is always empty, and nothing is prefetched.
+
+    Never pickled: it holds tree nodes.  ``Request.__getstate__`` drops it.
+    """
+
+    block_size: int = 0
+    nodes: list[BlockNode] = field(default_factory=list)
+    tiers: list[CacheLevel] = field(default_factory=list)
+    storage_hashes: list[int] = field(default_factory=list)
+
+    @property
+    def device_nodes(self) -> list[BlockNode]:
+        return [n for n, t in zip(self.nodes, self.tiers) if t is CacheLevel.DEVICE]
+
+    @property
+    def host_nodes(self) -> list[BlockNode]:
+        return [n for n, t in zip(self.nodes, self.tiers) if t is CacheLevel.HOST]
+
+    @property
+    def device_block_ids(self) -> list[int]:
+        return [n.device_block_id for n in self.device_nodes]  # type: ignore[misc]
+
+    @property
+    def host_block_ids(self) -> list[int]:
+        return [n.host_block_id for n in self.host_nodes]  # type: ignore[misc]
+
+    @property
+    def num_device_blocks(self) -> int:
+        return sum(1 for t in self.tiers if t is CacheLevel.DEVICE)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return sum(1 for t in self.tiers if t is CacheLevel.HOST)
+
+    @property
+    def num_storage_blocks(self) -> int:
+        return len(self.storage_hashes)
+
+    @property
+    def num_matched_blocks(self) -> int:
+        """Blocks served from the tree (device + host); storage hits are not counted yet."""
+        return len(self.nodes)
+
+    @property
+    def num_matched_tokens(self) -> int:
+        return len(self.nodes) * self.block_size
+
+    @property
+    def num_device_tokens(self) -> int:
+        return self.num_device_blocks * self.block_size
+
+    @property
+    def num_host_tokens(self) -> int:
+        return self.num_host_blocks * self.block_size
+
+    @property
+    def num_storage_tokens(self) -> int:
+        return self.num_storage_blocks * self.block_size
+
+    def __reduce__(self):  # pragma: no cover - defensive
+        raise TypeError("MatchResult holds tree nodes and must not be pickled")

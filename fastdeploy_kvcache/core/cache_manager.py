@@ -1,0 +1,968 @@
+"""The scheduler-side cache manager: where every KV block lives, decided in Python.
+
+It owns the device and host ``BlockPool``s and the ``RadixTree`` of cached blocks,
+and it turns scheduling events into copy metadata for the worker:
+
+* ``match_prefix``        longest cached prefix over device and host (storage: hook)
+* ``allocate_device_blocks``  refs device hits, turns host hits into swap-ins,
+  allocates new blocks, evicting LRU device leaves by the write policy
+* ``request_finish`` / ``preempt_request``  insert the request's full blocks, drop refs
+* ``issue_pending_backup_to_batch_request``  this step's device -> host copies
+* ``complete_swap``       the worker's verdict on each copy, block by block
+
+Nothing here touches KV bytes.  A copy is "in flight" from the moment its metadata
+is emitted until ``complete_swap`` sees it come back; in flight, the node can be
+neither evicted nor served from the copy's destination.
+
+Ownership of a block, per pool (the invariant ``check_invariants`` verifies):
+free (in the pool), owned (in a running request's block table, or held by a
+detached node whose copy is still in flight) or cached (a tree node's copy with no
+running request on it).  free + owned + cached = total.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fastdeploy_kvcache.config import CacheConfig
+from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError
+from fastdeploy_kvcache.core.metadata import (
+    BlockNode,
+    CacheLevel,
+    CacheSwapMetadata,
+    MatchResult,
+    TransferKind,
+)
+from fastdeploy_kvcache.core.radix_tree import RadixTree
+from fastdeploy_kvcache.core.request import Request
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CacheManager", "CacheManagerError", "UnknownRequestError", "NoFreeBlocksError"]
+
+_DEV = CacheLevel.DEVICE
+_HOST = CacheLevel.HOST
+
+
+class CacheManagerError(ValueError):
+    """Bad input to the cache manager; raised before any state is changed."""
+
+
+class UnknownRequestError(CacheManagerError, KeyError):
+    """The request is not running in this manager (never allocated, or already finished)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass
+class _RequestState:
+    """What the manager remembers of a running request.
+
+    ``nodes[i]`` is the tree node whose device copy is ``block_ids[i]`` (the request
+    holds a ref on it), or None for a private block that only this request uses.
+    ``block_ids`` is the manager's own copy of the block table, so a block table an
+    engine edited by mistake is caught instead of freeing foreign ids.
+    """
+
+    request: Request
+    nodes: list[Optional[BlockNode]] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _InFlight:
+    """One block of an emitted, not yet confirmed copy."""
+
+    node: BlockNode
+    kind: TransferKind
+    src: int
+    dst: int
+    request_id: Optional[str] = None  # swap-ins: the request that will read the block
+
+
+class CacheManager:
+    """Tiered (device / host; storage later) prefix cache for one model's KV blocks.
+
+    Write policies (``config.write_policy``):
+
+    * ``write_through``: every block is copied to host as soon as it becomes cached
+      (``request_finish``).  Host is inclusive of device once backups land; device
+      eviction then never copies.
+    * ``write_through_selective``: a cached block is copied once it has been hit
+      ``write_through_threshold`` times.  Host holds the hot subset (inclusive for
+      those blocks); cold blocks are dropped on eviction.
+    * ``write_back``: a block is copied to host only when it is evicted from device,
+      and its host copy is released once a load back to device is confirmed, so the
+      two tiers are (mostly) exclusive.
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        if not isinstance(config, CacheConfig):
+            raise CacheManagerError(f"CacheManager needs a CacheConfig, got {type(config).__name__}")
+        config.validate()  # fields may have been changed after construction
+        if config.num_gpu_blocks <= 0:
+            raise CacheManagerError(
+                f"CacheConfig.num_gpu_blocks must be > 0 for the cache manager, got {config.num_gpu_blocks}"
+            )
+        self.config = config
+        self.block_size = config.block_size
+        self.write_policy = config.write_policy
+        self.write_through_threshold = config.write_through_threshold
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.bytes_per_block = config.bytes_per_block
+        self.device_pool = BlockPool(config.num_gpu_blocks, _DEV)
+        self.host_pool = BlockPool(config.host_block_count, _HOST)
+        self._write_back = self.write_policy == "write_back"
+        self.tree = RadixTree(device_evicts_interior_with_copy=self._write_back and self.host_pool.num_blocks > 0)
+        self._requests: dict[str, _RequestState] = {}
+        self._inflight: dict[tuple[int, int, int], _InFlight] = {}
+        self._backup_queue: deque[BlockNode] = deque()
+        # Device -> host evictions not yet handed to a request or batch.
+        self._pending_evictions: list[CacheSwapMetadata] = []
+        # Evictions made during the current allocate call.
+        self._call_evictions: list[tuple[int, int, int]] = []
+        # Nodes cut out of the tree that still hold blocks (a copy in flight, or refs).
+        self._detached: set[BlockNode] = set()
+        self._stats: dict[str, int] = {}
+        self._reset_stats()
+        logger.info(
+            "CacheManager: %d device blocks, %d host blocks, block_size=%d, policy=%s",
+            self.device_pool.num_blocks,
+            self.host_pool.num_blocks,
+            self.block_size,
+            self.write_policy,
+        )
+
+    # ================================================================== matching
+    def match_prefix(self, request: Request) -> MatchResult:
+        """Longest cached prefix of ``request`` over all tiers; stored on the request.
+
+        Takes no refs and changes nothing: ``allocate_device_blocks`` re-checks the
+        match when it applies it, so a block evicted in between is simply not reused.
+        At least the last token is always left to compute (the forward pass needs
+        one token to produce logits), so at most ``(num_tokens - 1) // block_size``
+        blocks match.
+        """
+        self._check_request(request)
+        st = self._requests.get(request.request_id)
+        if st is not None and st.block_ids:
+            raise CacheManagerError(
+                f"request {request.request_id} already holds {len(st.block_ids)} blocks; "
+                "finish or preempt it before matching again"
+            )
+        bs = self.block_size
+        num_tokens = request.num_total_tokens
+        max_blocks = (num_tokens - 1) // bs
+        hashes = request.block_hashes(bs, num_tokens)
+        if self.enable_prefix_caching:
+            nodes, tiers = self.tree.match(hashes, max_blocks)
+        else:
+            nodes, tiers = [], []
+        result = MatchResult(block_size=bs, nodes=nodes, tiers=tiers)
+        result.storage_hashes = self._match_storage(hashes[len(nodes) : max_blocks])
+        request._match_result = result
+        return result
+
+    def _match_storage(self, hashes: list[int]) -> list[int]:
+        """Hook for the storage tier: the leading ``hashes`` that storage holds.
+
+        NOTE: not implemented in this issue.  A storage connector will answer an
+        exists() query here; ``allocate_device_blocks`` will then allocate
+        destination blocks for those hashes and emit ``StorageMetadata`` load jobs
+        (TransferKind.STORAGE_LOAD), and the nodes will sit in
+        NodeState.LOADING_FROM_STORAGE until confirmed, like swap-ins do.
+        """
+        return []
+
+    # ================================================================== allocation
+    def get_num_free_device_blocks(self) -> int:
+        return self.device_pool.num_free
+
+    def can_allocate_device_blocks(self, n: int) -> bool:
+        """Whether ``n`` new device blocks can be had, counting evictable cached blocks.
+
+        NOTE: an upper bound, O(1).  It counts every cached device block nobody is
+        using; a few of those may turn out not to be reclaimable (a copy of theirs is
+        in flight, or under write_back the host tier is pinned full), in which case
+        ``allocate_device_blocks`` raises NoFreeBlocksError without changing the
+        request.  An exact answer would need a dry-run eviction.
+        """
+        if not isinstance(n, int) or n < 0:
+            raise CacheManagerError(f"block count must be an int >= 0, got {n!r}")
+        return n <= self.device_pool.num_free + self._num_unreferenced_cached_device()
+
+    def _num_unreferenced_cached_device(self) -> int:
+        # Tracked incrementally via the live count of the device heap would miss
+        # interior nodes; keep an explicit counter instead.
+        return self._stats_cached_device
+
+    def allocate_device_blocks(self, request: Request, n: int) -> list[int]:
+        """Give ``request`` ``n`` more device blocks; return the new ids, in table order.
+
+        On the first call for a request, its match (from ``match_prefix``) is
+        applied: device hits go into the block table as they are (ref taken), and
+        the first of the ``n`` new blocks become the destinations of host -> device
+        swap-ins for the host hits, in order (a swap-in ``CacheSwapMetadata`` is
+        appended to ``request.cache_swap_metadata``).  Host hits beyond ``n`` are
+        not used.  ``num_cached_tokens`` / ``num_computed_tokens`` are set to the
+        matched length.
+
+        When the pool is short, LRU device leaves are evicted by the write policy;
+        write_back evictions emit device -> host copies, which go on
+        ``request.cache_evict_metadata``.  Raises NoFreeBlocksError, with the
+        request unchanged, when not enough blocks can be freed.
+        """
+        self._check_request(request)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise CacheManagerError(f"block count must be an int >= 0, got {n!r}")
+        rid = request.request_id
+        st = self._requests.get(rid)
+        if st is not None and st.request is not request:
+            raise CacheManagerError(f"another request object with id {rid} is already running")
+        self._call_evictions = []
+        if st is not None and not st.block_ids:
+            del self._requests[rid]  # allocated nothing so far: apply the match now
+            st = None
+        if st is None:
+            ids = self._allocate_first(request, n)
+        else:
+            self._check_block_table(st)
+            try:
+                self._reclaim_device(n)
+            except NoFreeBlocksError:
+                self._stash_call_evictions()
+                raise
+            ids = self.device_pool.allocate(n)
+            st.block_ids.extend(ids)
+            st.nodes.extend([None] * n)
+            request.block_tables.extend(ids)
+        # Evictions made for this call travel with this request; earlier ones that
+        # no request took yet travel with it too, so they reach this step's batch.
+        evict = self._make_evict_metadata(self._call_evictions)
+        self._call_evictions = []
+        if self._pending_evictions:
+            request.cache_evict_metadata.extend(self._pending_evictions)
+            self._pending_evictions = []
+        if evict is not None:
+            request.cache_evict_metadata.append(evict)
+        return ids
+
+    def _allocate_first(self, request: Request, n: int) -> list[int]:
+        bs = self.block_size
+        match = request._match_result
+        nodes: list[BlockNode] = []
+        tiers: list[CacheLevel] = []
+        if match is not None and match.nodes and self.enable_prefix_caching:
+            # Re-walk: the tree may have changed since match_prefix.
+            hashes = request.block_hashes(bs, request.num_total_tokens)
+            nodes, tiers = self.tree.match(hashes, min(len(match.nodes), (request.num_total_tokens - 1) // bs))
+            # Host hits need one of the n new blocks each; cut where they run out.
+            used = 0
+            for i, tier in enumerate(tiers):
+                if tier is _HOST:
+                    if used == n:
+                        del nodes[i:], tiers[i:]
+                        break
+                    used += 1
+        num_swap = sum(1 for t in tiers if t is _HOST)
+        # Refs first: they keep the matched copies from being evicted to make room.
+        for node in nodes:
+            self._ref(node)
+        try:
+            self._reclaim_device(n)
+        except NoFreeBlocksError:
+            for node in nodes:
+                self._unref(node)
+            self._stash_call_evictions()
+            raise
+        ids = self.device_pool.allocate(n)
+        swap_dst = ids[:num_swap]
+        fresh = ids[num_swap:]
+        table: list[int] = []
+        src: list[int] = []
+        hv: list[int] = []
+        k = 0
+        for node, tier in zip(nodes, tiers):
+            node.hit_count += 1
+            self.tree.touch(node)
+            if tier is _HOST:
+                d = swap_dst[k]
+                k += 1
+                node.pending = TransferKind.SWAP_IN
+                self.tree.set_device(node, d)
+                assert node.host_block_id is not None
+                self._inflight[(_HOST, _DEV, d)] = _InFlight(node, TransferKind.SWAP_IN, node.host_block_id, d, request.request_id)
+                src.append(node.host_block_id)
+                hv.append(node.hash_value)
+                table.append(d)
+            else:
+                table.append(node.device_block_id)  # type: ignore[arg-type]
+            self._maybe_queue_backup(node)
+        table.extend(fresh)
+        st = _RequestState(request, list(nodes) + [None] * len(fresh), list(table))
+        self._requests[request.request_id] = st
+        request.block_tables = list(table)
+        request.num_cached_tokens = len(nodes) * bs
+        request.num_computed_tokens = len(nodes) * bs
+        request._match_result = MatchResult(block_size=bs, nodes=list(nodes), tiers=list(tiers))
+        if src:
+            request.cache_swap_metadata.append(
+                CacheSwapMetadata(src, list(swap_dst), _HOST, _DEV, hv, kind=TransferKind.SWAP_IN)
+            )
+        s = self._stats
+        s["num_requests"] += 1
+        s["query_tokens"] += request.num_total_tokens
+        s["matched_tokens_device"] += (len(nodes) - num_swap) * bs
+        s["matched_tokens_host"] += num_swap * bs
+        s["swap_in_blocks_issued"] += num_swap
+        # Only what is returned is "new": device hits were already the request's data.
+        return list(swap_dst) + list(fresh)
+
+    def _reclaim_device(self, n: int) -> None:
+        """Evict LRU device leaves until ``n`` blocks are free, following the write policy."""
+        short = n - self.device_pool.num_free
+        if short <= 0:
+            return
+        tree = self.tree
+        skipped: list[BlockNode] = []
+        try:
+            while short > 0:
+                node = tree.device_heap.pop()
+                if node is None:
+                    break
+                if node.host_block_id is not None and node.pending is None:
+                    # Already on host (backed up, or loaded under a through policy):
+                    # dropping the device copy costs nothing.
+                    self._drop_device(node)
+                    self._stats["device_evictions"] += 1
+                    short -= 1
+                    continue
+                if self._write_back and self.host_pool.num_blocks:
+                    h = self._allocate_host_block()
+                    if h is None:
+                        if node.children:
+                            skipped.append(node)  # can't copy it and can't drop it
+                            continue
+                        self._drop_device(node)  # a leaf: its data just goes
+                    else:
+                        self._evict_to_host(node, h)
+                    self._stats["device_evictions"] += 1
+                    short -= 1
+                    continue
+                # Through policies never copy on eviction; the heap only offers such
+                # a node when it has no children, so it simply goes.
+                self._drop_device(node)
+                self._stats["device_evictions"] += 1
+                short -= 1
+        finally:
+            for node in skipped:
+                tree.offer(node)
+        if short > 0:
+            raise NoFreeBlocksError(
+                f"need {n} device blocks: {self.device_pool.num_free} free and nothing more is evictable"
+            )
+
+    def _evict_to_host(self, node: BlockNode, host_block: int) -> None:
+        """write_back: copy a device leaf to a host block and release the device block now.
+
+        The device block may be reused in this very step: the worker runs the step's
+        device -> host copies before its compute, so the copy reads the old bytes first.
+        """
+        d = node.device_block_id
+        assert d is not None
+        node.pending = TransferKind.EVICT
+        self.tree.clear_device(node)
+        self._dec_cached_device()
+        self.device_pool.free_one(d)
+        self.tree.set_host(node, host_block)
+        self._inflight[(_DEV, _HOST, host_block)] = _InFlight(node, TransferKind.EVICT, d, host_block)
+        self._call_evictions.append((d, host_block, node.hash_value))
+        self._stats["write_back_blocks_issued"] += 1
+
+    def _drop_device(self, node: BlockNode) -> None:
+        """Release a cached node's device copy (no copy); remove the node if it is now empty."""
+        d = self.tree.clear_device(node)
+        self._dec_cached_device()
+        self.device_pool.free_one(d)
+        if node.host_block_id is None and not node.children:
+            self.tree.remove(node)
+
+    def _allocate_host_block(self) -> Optional[int]:
+        """One host block, evicting the LRU host leaf if the pool is full; None if impossible."""
+        pool = self.host_pool
+        if pool.num_free == 0:
+            victim = self.tree.host_heap.pop()
+            if victim is None:
+                return None
+            h = self.tree.clear_host(victim)
+            pool.free_one(h)
+            self._stats["host_evictions"] += 1
+            if victim.device_block_id is None:
+                self.tree.remove(victim)
+        return pool.allocate_one()
+
+    def _make_evict_metadata(self, items: list[tuple[int, int, int]]) -> Optional[CacheSwapMetadata]:
+        if not items:
+            return None
+        return CacheSwapMetadata(
+            [d for d, _, _ in items],
+            [h for _, h, _ in items],
+            _DEV,
+            _HOST,
+            [hv for _, _, hv in items],
+            kind=TransferKind.EVICT,
+        )
+
+    def _stash_call_evictions(self) -> None:
+        meta = self._make_evict_metadata(self._call_evictions)
+        self._call_evictions = []
+        if meta is not None:
+            self._pending_evictions.append(meta)
+
+    # ================================================================== refs
+    def _ref(self, node: BlockNode) -> None:
+        if node.ref_count == 0 and node.device_block_id is not None:
+            self._dec_cached_device()
+        node.ref_count += 1
+
+    def _unref(self, node: BlockNode) -> None:
+        node.ref_count -= 1
+        assert node.ref_count >= 0, node
+        if node.ref_count == 0:
+            if node.detached:
+                self._release_detached(node)
+                return
+            if node.device_block_id is not None:
+                self._stats_cached_device += 1
+        self.tree.offer(node)
+
+    def _dec_cached_device(self) -> None:
+        self._stats_cached_device -= 1
+
+    # ================================================================== finish / preempt
+    def request_finish(self, request: Request) -> None:
+        """Insert the request's computed full blocks into the tree and drop its refs.
+
+        Full blocks up to ``num_computed_tokens`` (prompt and, with
+        ``cache_output_tokens``, output) become cached; a block whose hash is
+        already cached on device is a duplicate and goes back to the pool, as do the
+        partial last block and blocks never computed.  The block table is cleared.
+        """
+        st = self._lookup(request)
+        self._release(st, insert=True)
+        request.block_tables = []
+        request._match_result = None
+
+    def preempt_request(self, request: Request) -> None:
+        """Take a running request off the device, keeping what it computed cached.
+
+        Its computed full blocks are inserted like on finish, so resuming it later
+        (``match_prefix`` + ``allocate_device_blocks`` again) reuses them unless they
+        were evicted meanwhile.  The request's cache fields are reset.
+        """
+        st = self._lookup(request)
+        self._release(st, insert=True)
+        request.block_tables = []
+        request.num_cached_tokens = 0
+        request.num_computed_tokens = 0
+        request._match_result = None
+
+    def _lookup(self, request: Request) -> _RequestState:
+        self._check_request(request)
+        st = self._requests.get(request.request_id)
+        if st is None:
+            raise UnknownRequestError(
+                f"request {request.request_id} is not running in this cache manager "
+                "(never allocated, or already finished/preempted)"
+            )
+        if st.request is not request:
+            raise CacheManagerError(f"request {request.request_id}: a different request object holds this id")
+        self._check_block_table(st)
+        return st
+
+    def _check_block_table(self, st: _RequestState) -> None:
+        if st.request.block_tables != st.block_ids:
+            foreign = sorted(set(st.request.block_tables) - set(st.block_ids))
+            raise CacheManagerError(
+                f"request {st.request.request_id}: block_tables was modified outside the cache manager "
+                f"(ids not owned by it: {foreign})"
+            )
+
+    def _release(self, st: _RequestState, insert: bool) -> None:
+        req = st.request
+        del self._requests[req.request_id]
+        bs = self.block_size
+        # Swap-ins never handed to a batch will never run: take them back.
+        cancelled: set[int] = set()
+        for meta in req.cache_swap_metadata:
+            for d in meta.dst_block_ids:
+                inf = self._inflight.pop((_HOST, _DEV, d))
+                node = inf.node
+                node.pending = None
+                i = st.block_ids.index(d)
+                st.nodes[i] = None
+                self.tree.clear_device(node)
+                self._unref_no_count(node)
+                cancelled.add(i)
+        req.cache_swap_metadata = []
+        # Evictions never handed to a batch must still reach the worker.
+        if req.cache_evict_metadata:
+            self._pending_evictions.extend(req.cache_evict_metadata)
+            req.cache_evict_metadata = []
+
+        num_full = 0
+        hashes: list[int] = []
+        if insert and self.enable_prefix_caching:
+            limit = req.num_total_tokens if self.config.cache_output_tokens else req.num_prompt_tokens
+            num_full = min(req.num_computed_tokens, limit) // bs
+            if num_full:
+                hashes = req.block_hashes(bs, num_full * bs)
+        tree = self.tree
+        parent = tree.root
+        chain = num_full > 0
+        to_free: list[int] = []
+        for i, blk in enumerate(st.block_ids):
+            node = st.nodes[i]
+            if node is not None:
+                if chain and i < num_full and node.parent is parent and not node.detached:
+                    parent = node
+                else:
+                    chain = False
+                self._unref(node)
+                continue
+            if not chain or i >= num_full or i in cancelled:
+                chain = False
+                to_free.append(blk)
+                continue
+            h = hashes[i]
+            child = parent.children.get(h)
+            if child is None:
+                child = tree.add_child(parent, h)
+                tree.set_device(child, blk)
+                self._stats_cached_device += 1
+                self._stats["inserted_blocks"] += 1
+                if self.write_policy == "write_through":
+                    self._queue_backup(child)
+                parent = child
+            elif child.device_block_id is None and child.pending is None and child.ref_count == 0:
+                # Host-only (or failed-load) node: this request's copy becomes its device copy.
+                tree.set_device(child, blk)
+                tree.touch(child)
+                tree.offer(child)
+                self._stats_cached_device += 1
+                self._stats["inserted_blocks"] += 1
+                parent = child
+            else:
+                to_free.append(blk)  # duplicate: the tree already has (or is getting) it
+                self._stats["duplicate_blocks"] += 1
+                if child.device_block_id is None:
+                    chain = False  # its only copy is in flight; don't hang device copies below
+                else:
+                    parent = child
+        if to_free:
+            self.device_pool.free(to_free)
+
+    def _unref_no_count(self, node: BlockNode) -> None:
+        """Drop a ref on a node whose device copy was just cleared (no cached count change)."""
+        node.ref_count -= 1
+        if node.ref_count == 0 and node.detached:
+            self._release_detached(node)
+        else:
+            self.tree.offer(node)
+
+    # ================================================================== write-through backups
+    def _maybe_queue_backup(self, node: BlockNode) -> None:
+        if self.write_policy == "write_through_selective" and node.hit_count >= self.write_through_threshold:
+            self._queue_backup(node)
+
+    def _queue_backup(self, node: BlockNode) -> None:
+        if not node.backup_queued and self.host_pool.num_blocks and self._needs_backup(node):
+            node.backup_queued = True
+            self._backup_queue.append(node)
+
+    @staticmethod
+    def _needs_backup(node: BlockNode) -> bool:
+        return not node.detached and node.device_block_id is not None and node.host_block_id is None and node.pending is None
+
+    def issue_pending_backup_to_batch_request(self) -> Optional[CacheSwapMetadata]:
+        """This step's device -> host copies as one ``CacheSwapMetadata`` (None if none).
+
+        It holds the queued write-through backups plus any write_back evictions no
+        request carried (made by an allocation that then failed, or left by a
+        preempted request).  Call it once per step, after the step's last
+        allocation, and append the result with ``BatchRequest.append_evict_metadata``.
+        Only queued candidates are visited: never a scan of the cache.
+        """
+        metas = self._pending_evictions
+        self._pending_evictions = []
+        src: list[int] = []
+        dst: list[int] = []
+        hv: list[int] = []
+        queue = self._backup_queue
+        while queue:
+            node = queue[0]
+            if not self._needs_backup(node):
+                queue.popleft()
+                node.backup_queued = False
+                continue
+            h = self._allocate_host_block()
+            if h is None:
+                break  # host pinned full: try again next step
+            queue.popleft()
+            node.backup_queued = False
+            node.pending = TransferKind.BACKUP
+            self.tree.set_host(node, h)
+            d = node.device_block_id
+            assert d is not None
+            self._inflight[(_DEV, _HOST, h)] = _InFlight(node, TransferKind.BACKUP, d, h)
+            src.append(d)
+            dst.append(h)
+            hv.append(node.hash_value)
+        if src:
+            metas.append(CacheSwapMetadata(src, dst, _DEV, _HOST, hv, kind=TransferKind.BACKUP))
+            self._stats["backup_blocks_issued"] += len(src)
+        return CacheSwapMetadata.merged(metas)
+
+    # ================================================================== completion
+    def complete_swap(self, meta: Optional[CacheSwapMetadata]) -> list[str]:
+        """Apply the worker's verdict on a returned copy; return the affected request ids.
+
+        ``meta`` may be any grouping of emitted copies (one request's, a merged
+        batch's): each block is resolved on its own by (src tier, dst tier, dst
+        block id) and checked against its ``src_block_ids`` and ``hash_values``
+        entries.  A block that is not in flight raises CacheManagerError before
+        anything changes.
+
+        On success the destination copy becomes valid.  On failure the data stays
+        where it was: a failed backup frees its host block; a failed load leaves
+        the host copy, and each running request that was going to read the block
+        now owns it privately and must recompute it -- its ``num_cached_tokens``
+        and ``num_computed_tokens`` are lowered to the start of that block, and its
+        id is in the returned list.  A failed write_back eviction loses the block
+        (its device block was already released), so the node and its subtree leave
+        the tree.
+        """
+        if meta is None:
+            return []
+        if not isinstance(meta, CacheSwapMetadata):
+            raise CacheManagerError(f"complete_swap needs a CacheSwapMetadata, got {type(meta).__name__}")
+        n = len(meta.dst_block_ids)
+        if len(meta.src_block_ids) != n or (meta.hash_values and len(meta.hash_values) != n):
+            raise CacheManagerError(
+                f"complete_swap: task {meta.task_id} has {len(meta.src_block_ids)} src ids, {n} dst ids and "
+                f"{len(meta.hash_values)} hashes"
+            )
+        st, dt = CacheLevel(meta.src_type), CacheLevel(meta.dst_type)
+        entries: list[_InFlight] = []
+        seen: set[int] = set()
+        for i, dst in enumerate(meta.dst_block_ids):
+            key = (st, dt, dst)
+            inf = self._inflight.get(key)
+            if inf is None or dst in seen:
+                raise CacheManagerError(
+                    f"complete_swap: task {meta.task_id} block {i} ({st.name} {meta.src_block_ids[i]} -> "
+                    f"{dt.name} {dst}) is not a copy in flight (foreign id, or completed twice)"
+                )
+            if inf.src != meta.src_block_ids[i] or (meta.hash_values and meta.hash_values[i] != inf.node.hash_value):
+                raise CacheManagerError(
+                    f"complete_swap: task {meta.task_id} block {i}: in-flight copy to {dt.name} {dst} reads "
+                    f"{inf.src} for hash {inf.node.hash_value:#x}, the metadata says {meta.src_block_ids[i]}"
+                    + (f" / {meta.hash_values[i]:#x}" if meta.hash_values else "")
+                )
+            seen.add(dst)
+            entries.append(inf)
+        ok = bool(meta.success)
+        if not ok:
+            logger.warning(
+                "copy task %d (%s -> %s, %d blocks) failed: %s", meta.task_id, st.name, dt.name, n, meta.error_message
+            )
+            self._stats["failed_blocks"] += n
+        affected: set[str] = set()
+        for inf in entries:
+            del self._inflight[(st, dt, inf.dst)]
+            if inf.kind is TransferKind.SWAP_IN:
+                self._complete_swap_in(inf, ok, affected)
+            elif inf.kind is TransferKind.EVICT:
+                self._complete_evict(inf, ok)
+            else:
+                self._complete_backup(inf, ok)
+        return sorted(affected)
+
+    def _complete_swap_in(self, inf: _InFlight, ok: bool, affected: set[str]) -> None:
+        node = inf.node
+        node.pending = None
+        if not ok:
+            self._fail_swap_in(inf, affected)
+            return
+        self._stats["swap_in_blocks"] += 1
+        if node.detached:
+            self._release_detached(node)
+            return
+        if self._write_back and node.host_block_id is not None:
+            # Exclusive tiers: the host copy has done its job.
+            self.host_pool.free_one(self.tree.clear_host(node))
+        self.tree.offer(node)
+
+    def _fail_swap_in(self, inf: _InFlight, affected: set[str]) -> None:
+        node = inf.node
+        d = inf.dst
+        st = self._requests.get(inf.request_id) if inf.request_id is not None else None
+        idx = None
+        if st is not None:
+            for i, (b, nd) in enumerate(zip(st.block_ids, st.nodes)):
+                if b == d and nd is node:
+                    idx = i
+                    break
+        self.tree.clear_device(node)
+        if st is not None and idx is not None:
+            # The request keeps the block as its own and recomputes from it.
+            st.nodes[idx] = None
+            self._unref_no_count(node)
+            req = st.request
+            start = idx * self.block_size
+            req.num_cached_tokens = min(req.num_cached_tokens, start)
+            req.num_computed_tokens = min(req.num_computed_tokens, start)
+            affected.add(req.request_id)
+        else:
+            # Its request is gone; the block was counted as cached (ref 0, in the tree).
+            if not node.detached and node.ref_count == 0:
+                self._dec_cached_device()
+            self.device_pool.free_one(d)
+        if node.detached:
+            self._release_detached(node)
+        else:
+            self.tree.offer(node)
+
+    def _complete_evict(self, inf: _InFlight, ok: bool) -> None:
+        node = inf.node
+        node.pending = None
+        if ok:
+            self._stats["write_back_blocks"] += 1
+        if node.detached:
+            self._release_detached(node)
+            return
+        if ok:
+            self.tree.offer(node)
+            return
+        # The device block was released when the eviction was issued: the data is gone.
+        self.host_pool.free_one(self.tree.clear_host(node))
+        lost = self.tree.detach_subtree(node)
+        logger.warning("write_back eviction of block %#x failed: dropping it and %d descendants", node.hash_value, len(lost) - 1)
+        for n in lost:
+            if n.device_block_id is not None and n.ref_count == 0:
+                self._dec_cached_device()
+            self._release_detached(n)
+
+    def _complete_backup(self, inf: _InFlight, ok: bool) -> None:
+        node = inf.node
+        node.pending = None
+        if ok:
+            self._stats["backup_blocks"] += 1
+        if node.detached:
+            self._release_detached(node)
+            return
+        if not ok:
+            self.host_pool.free_one(self.tree.clear_host(node))
+        self.tree.offer(node)
+
+    def _release_detached(self, node: BlockNode) -> None:
+        """Free what a detached node holds once nobody reads it and no copy is in flight."""
+        if node.ref_count or node.pending is not None:
+            self._detached.add(node)
+            return
+        self._detached.discard(node)
+        if node.device_block_id is not None:
+            self.device_pool.free_one(node.device_block_id)
+            node.device_block_id = None
+        if node.host_block_id is not None:
+            self.host_pool.free_one(node.host_block_id)
+            node.host_block_id = None
+
+    # ================================================================== reset / stats
+    def reset_cache(self) -> None:
+        """Drop every cached block (e.g. after a weight update).  No request may be running.
+
+        Copies still in flight keep their blocks until ``complete_swap`` returns
+        them; un-issued evictions are cancelled.
+        """
+        if self._requests:
+            raise CacheManagerError(
+                f"reset_cache with {len(self._requests)} running requests; finish or preempt them first"
+            )
+        for meta in self._pending_evictions:
+            for h in meta.dst_block_ids:
+                inf = self._inflight.pop((_DEV, _HOST, h))
+                inf.node.pending = None
+        self._pending_evictions = []
+        nodes = list(self.tree.iter_nodes())
+        self.tree.reset()
+        for node in nodes:
+            node.parent = None
+            node.children = {}
+            self._release_detached(node)
+        self._backup_queue.clear()
+        self._stats_cached_device = 0
+        logger.info("cache reset: %d nodes dropped, %d copies still in flight", len(nodes), len(self._inflight))
+
+    def _reset_stats(self) -> None:
+        self._stats = {
+            k: 0
+            for k in (
+                "num_requests",
+                "query_tokens",
+                "matched_tokens_device",
+                "matched_tokens_host",
+                "matched_tokens_storage",
+                "device_evictions",
+                "host_evictions",
+                "write_back_blocks_issued",
+                "write_back_blocks",
+                "backup_blocks_issued",
+                "backup_blocks",
+                "swap_in_blocks_issued",
+                "swap_in_blocks",
+                "failed_blocks",
+                "inserted_blocks",
+                "duplicate_blocks",
+            )
+        }
+        self._stats_cached_device = 0
+
+    def get_stats(self) -> dict[str, Any]:
+        """Counters since construction, plus current pool occupancy."""
+        s: dict[str, Any] = dict(self._stats)
+        matched = s["matched_tokens_device"] + s["matched_tokens_host"] + s["matched_tokens_storage"]
+        s["matched_tokens"] = matched
+        s["hit_rate"] = matched / s["query_tokens"] if s["query_tokens"] else 0.0
+        bpb = self.bytes_per_block
+        s["swap_in_bytes"] = s["swap_in_blocks"] * bpb
+        s["swap_out_blocks"] = s["write_back_blocks"] + s["backup_blocks"]
+        s["swap_out_bytes"] = s["swap_out_blocks"] * bpb
+        dev_total = self.device_pool.num_blocks
+        dev_free = self.device_pool.num_free
+        dev_cached = self._stats_cached_device
+        s.update(
+            device_blocks_total=dev_total,
+            device_blocks_free=dev_free,
+            device_blocks_cached=dev_cached,
+            device_blocks_owned=dev_total - dev_free - dev_cached,
+            device_usage=self.device_pool.usage(),
+            host_blocks_total=self.host_pool.num_blocks,
+            host_blocks_free=self.host_pool.num_free,
+            host_usage=self.host_pool.usage(),
+            num_running_requests=len(self._requests),
+            num_cached_nodes=self.tree.num_nodes,
+            num_copies_in_flight=len(self._inflight),
+            write_policy=self.write_policy,
+        )
+        return s
+
+    # ================================================================== helpers
+    @staticmethod
+    def _check_request(request: Request) -> None:
+        if not isinstance(request, Request):
+            raise CacheManagerError(f"expected a Request, got {type(request).__name__}")
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_copies_in_flight(self) -> int:
+        return len(self._inflight)
+
+    def check_invariants(self) -> dict[str, int]:
+        """Verify every bookkeeping invariant; O(cache size), for tests and debugging.
+
+        Raises AssertionError naming the first violation; returns per-pool counts.
+        """
+        dev_total, host_total = self.device_pool.num_blocks, self.host_pool.num_blocks
+        dev_claims: dict[int, str] = {}
+        host_claims: dict[int, str] = {}
+
+        def claim(claims: dict[int, str], bid: int, who: str) -> None:
+            assert bid not in claims, f"block {bid} claimed by {claims[bid]} and {who}"
+            claims[bid] = who
+
+        refs: dict[int, int] = {}
+        dev_owned = 0
+        for rid, st in self._requests.items():
+            req = st.request
+            assert req.block_tables == st.block_ids, f"{rid}: block table diverged"
+            assert len(st.nodes) == len(st.block_ids)
+            for i, (b, node) in enumerate(zip(st.block_ids, st.nodes)):
+                if node is None:
+                    claim(dev_claims, b, f"request {rid}[{i}]")
+                    dev_owned += 1
+                else:
+                    assert node.device_block_id == b, f"{rid}[{i}]: node {node} is not on block {b}"
+                    refs[id(node)] = refs.get(id(node), 0) + 1
+                    if node.detached:
+                        assert node in self._detached, f"{rid}[{i}]: detached node not tracked: {node}"
+        dev_cached = 0
+        host_cached = 0
+        for node in self.tree.iter_nodes():
+            assert not node.detached, node
+            assert node.device_block_id is not None or node.host_block_id is not None, f"empty node {node}"
+            assert node.ref_count == refs.pop(id(node), 0), f"ref count of {node}"
+            nd = sum(1 for c in node.children.values() if c.device_block_id is not None)
+            nh = sum(1 for c in node.children.values() if c.host_block_id is not None)
+            assert node.num_device_children == nd and node.num_host_children == nh, f"child counts of {node}"
+            for c in node.children.values():
+                assert c.parent is node and c.depth == node.depth + 1
+            if node.device_block_id is not None:
+                claim(dev_claims, node.device_block_id, f"node {node.hash_value:#x}")
+                if node.ref_count:
+                    dev_owned += 1
+                else:
+                    dev_cached += 1
+            else:
+                assert node.ref_count == 0, f"referenced node without device copy: {node}"
+            if node.host_block_id is not None:
+                claim(host_claims, node.host_block_id, f"node {node.hash_value:#x}")
+                host_cached += 1
+            if node.pending is not None:
+                assert any(inf.node is node for inf in self._inflight.values()), f"pending without copy: {node}"
+        root = self.tree.root
+        assert self.tree.num_nodes == sum(1 for _ in self.tree.iter_nodes()), "node count"
+        assert root.num_device_children == sum(1 for c in root.children.values() if c.device_block_id is not None)
+        assert root.num_host_children == sum(1 for c in root.children.values() if c.host_block_id is not None)
+        host_owned = 0
+        for node in self._detached:
+            assert node.detached and (node.ref_count or node.pending is not None), node
+            assert node.ref_count == refs.pop(id(node), 0), f"ref count of detached {node}"
+            if node.device_block_id is not None:
+                claim(dev_claims, node.device_block_id, f"detached {node.hash_value:#x}")
+                dev_owned += 1
+            if node.host_block_id is not None:
+                claim(host_claims, node.host_block_id, f"detached {node.hash_value:#x}")
+                host_owned += 1
+        for (stier, dtier, dst), inf in self._inflight.items():
+            assert inf.node.pending is inf.kind, f"in-flight {inf.kind.name} but node says {inf.node.pending}"
+            if dtier is _DEV:
+                assert inf.node.device_block_id == dst
+            else:
+                assert inf.node.host_block_id == dst
+        assert not refs, f"{len(refs)} referenced nodes are neither in the tree nor tracked as detached"
+        dev_free = set(self.device_pool.free_ids())
+        host_free = set(self.host_pool.free_ids())
+        assert not dev_free & dev_claims.keys(), f"free device blocks also in use: {sorted(dev_free & dev_claims.keys())}"
+        assert not host_free & host_claims.keys(), f"free host blocks also in use: {sorted(host_free & host_claims.keys())}"
+        assert len(dev_free) + dev_owned + dev_cached == dev_total, (
+            f"device: free {len(dev_free)} + owned {dev_owned} + cached {dev_cached} != {dev_total}"
+        )
+        assert len(host_free) + host_owned + host_cached == host_total, (
+            f"host: free {len(host_free)} + owned {host_owned} + cached {host_cached} != {host_total}"
+        )
+        assert dev_cached == self._stats_cached_device, f"cached counter {self._stats_cached_device} != {dev_cached}"
+        return {
+            "device_free": len(dev_free),
+            "device_owned": dev_owned,
+            "device_cached": dev_cached,
+            "host_free": len(host_free),
+            "host_owned": host_owned,
+            "host_cached": host_cached,
+        }

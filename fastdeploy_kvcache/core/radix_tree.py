@@ -1,0 +1,318 @@
+"""Prefix tree over chained block hashes, with per-tier LRU eviction of leaves.
+
+One node per full block.  Because a block hash already chains its whole prefix,
+each edge is a single hash and lookups are dict hits; there is no token-level
+radix splitting to do.
+
+The tree owns the *structure* (parent/children, per-tier child counts) and the
+eviction order.  It does not decide policy: the cache manager says which copies
+exist, and tells the tree through :meth:`set_device` / :meth:`clear_device` /
+:meth:`set_host` / :meth:`clear_host`, which keep the counts right and re-offer the
+node and its parent to the eviction heaps.
+
+Eviction candidates of a tier are its *leaves*: nodes whose children hold no copy
+on that tier.  Only those are ever offered, so interior nodes are never evicted
+and a subtree is never cut off from the root.  Each tier keeps a min-heap keyed by
+last access with lazy deletion (a node carries a version per tier; an entry whose
+version is old is skipped when popped).  Push and pop are O(log n); stale entries
+are compacted away once they outnumber live ones, which keeps it amortized O(log n)
+with no scan per eviction.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from typing import Callable, Iterator, Optional, Sequence
+
+from fastdeploy_kvcache.core.hashing import ROOT_HASH
+from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, TransferKind
+
+logger = logging.getLogger(__name__)
+
+_DEVICE = int(CacheLevel.DEVICE)
+_HOST = int(CacheLevel.HOST)
+
+
+class LRULeafHeap:
+    """Min-heap of (last_access, seq) over the evictable leaves of one tier."""
+
+    # NOTE: a heap rather than an intrusive LRU list because a node can become a
+    # leaf long after its last access (its last child was evicted); a list would
+    # have to insert it in the middle, the heap just pushes it with its old key.
+
+    def __init__(self, tier: int, eligible: Callable[[BlockNode], bool]) -> None:
+        self.tier = tier
+        self.eligible = eligible
+        self._entries: list[tuple[int, int, int, BlockNode]] = []
+        self._seq = itertools.count()
+        self._live = 0  # nodes whose heap_key[tier] is set (one current entry each)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_live(self) -> int:
+        return self._live
+
+    def offer(self, node: BlockNode) -> None:
+        """Push ``node`` if it is evictable now and not already in with its current key."""
+        t = self.tier
+        if not self.eligible(node):
+            return
+        key = node.last_access
+        if node.heap_key[t] == key:
+            return
+        if node.heap_key[t] is None:
+            self._live += 1
+        node.heap_version[t] += 1
+        node.heap_key[t] = key
+        heapq.heappush(self._entries, (key, next(self._seq), node.heap_version[t], node))
+        if len(self._entries) > 2 * self._live + 64:
+            self._compact()
+
+    def forget(self, node: BlockNode) -> None:
+        """Invalidate ``node``'s entry (the node left the tree or lost its copy)."""
+        t = self.tier
+        if node.heap_key[t] is not None:
+            node.heap_key[t] = None
+            node.heap_version[t] += 1
+            self._live -= 1
+
+    def pop(self) -> Optional[BlockNode]:
+        """Remove and return the least recently used evictable leaf, or None."""
+        t = self.tier
+        entries = self._entries
+        while entries:
+            _, _, version, node = heapq.heappop(entries)
+            if version != node.heap_version[t]:
+                continue  # superseded entry
+            node.heap_key[t] = None
+            self._live -= 1
+            if self.eligible(node):
+                return node
+        return None
+
+    def _compact(self) -> None:
+        t = self.tier
+        kept = []
+        for entry in self._entries:
+            node = entry[3]
+            if entry[2] != node.heap_version[t]:
+                continue
+            if not self.eligible(node):
+                node.heap_key[t] = None
+                self._live -= 1
+                continue
+            kept.append(entry)
+        heapq.heapify(kept)
+        self._entries = kept
+
+    def clear(self) -> None:
+        for _, _, version, node in self._entries:
+            if version == node.heap_version[self.tier]:
+                node.heap_key[self.tier] = None
+        self._entries = []
+        self._live = 0
+
+
+class RadixTree:
+    """The prefix tree of cached blocks, shared by all tiers.
+
+    ``device_evicts_interior_with_copy`` says whether a device leaf that still has
+    children (they live on host) may lose its device copy when it has no host copy:
+    true under write_back, where eviction copies it to host first; false under the
+    write-through policies, which never copy on eviction, so such a node has to
+    wait until it is backed up or its children are gone.
+    """
+
+    def __init__(self, device_evicts_interior_with_copy: bool = False) -> None:
+        self.root = BlockNode(ROOT_HASH, None, depth=-1)
+        self.root.ref_count = 1  # never evicted
+        self.num_nodes = 0
+        self.device_evicts_interior_with_copy = device_evicts_interior_with_copy
+        self._clock = 0
+        self.device_heap = LRULeafHeap(_DEVICE, self._device_evictable)
+        self.host_heap = LRULeafHeap(_HOST, self._host_evictable)
+
+    # ------------------------------------------------------------------ eligibility
+    def _device_evictable(self, node: BlockNode) -> bool:
+        return (
+            node.device_block_id is not None
+            and node.ref_count == 0
+            and node.pending is None
+            and not node.detached
+            and node.num_device_children == 0
+            and (
+                node.host_block_id is not None
+                or not node.children
+                or self.device_evicts_interior_with_copy
+            )
+        )
+
+    @staticmethod
+    def _host_evictable(node: BlockNode) -> bool:
+        return (
+            node.host_block_id is not None
+            and node.pending is None
+            and not node.detached
+            and node.num_host_children == 0
+            # Dropping the only copy removes the node, so it must have no children;
+            # a host-only node referenced by a request is about to be loaded.
+            and (node.device_block_id is not None or (not node.children and node.ref_count == 0))
+        )
+
+    def offer(self, node: BlockNode) -> None:
+        """Re-offer ``node`` to both heaps after any change that may make it evictable."""
+        if node is self.root:
+            return
+        self.device_heap.offer(node)
+        self.host_heap.offer(node)
+
+    # ------------------------------------------------------------------ structure
+    def tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def touch(self, node: BlockNode) -> None:
+        node.last_access = self.tick()
+
+    def child(self, parent: BlockNode, hash_value: int) -> Optional[BlockNode]:
+        return parent.children.get(hash_value)
+
+    def add_child(self, parent: BlockNode, hash_value: int) -> BlockNode:
+        if hash_value in parent.children:
+            raise ValueError(f"node {hash_value:#x} already exists under {parent!r}")
+        node = BlockNode(hash_value, parent, parent.depth + 1)
+        node.last_access = self.tick()
+        parent.children[hash_value] = node
+        self.num_nodes += 1
+        return node
+
+    def remove(self, node: BlockNode) -> None:
+        """Unlink a node that holds no copy and has no children."""
+        if node.children or node.device_block_id is not None or node.host_block_id is not None:
+            raise AssertionError(f"refusing to remove {node!r}: it still has children or data")
+        if node.ref_count:
+            raise AssertionError(f"refusing to remove {node!r}: it is referenced")
+        self.device_heap.forget(node)
+        self.host_heap.forget(node)
+        parent = node.parent
+        if parent is not None and not node.detached:
+            del parent.children[node.hash_value]
+            self.num_nodes -= 1
+            node.detached = True
+            self.offer(parent)
+        node.parent = None
+
+    def detach_subtree(self, node: BlockNode) -> list[BlockNode]:
+        """Cut ``node`` and its descendants out of the tree; return them (pre-order).
+
+        The caller releases their blocks (or leaves in-flight ones to complete).  Used
+        when a node's only copy is lost (a failed write_back eviction): its
+        descendants can no longer be reached, so they go too rather than be orphaned.
+        """
+        out: list[BlockNode] = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        parent = node.parent
+        if parent is not None and not node.detached:
+            del parent.children[node.hash_value]
+            if node.device_block_id is not None:
+                parent.num_device_children -= 1
+            if node.host_block_id is not None:
+                parent.num_host_children -= 1
+            self.offer(parent)
+        for n in out:
+            self.device_heap.forget(n)
+            self.host_heap.forget(n)
+            n.detached = True
+            self.num_nodes -= 1
+        return out
+
+    # ------------------------------------------------------------------ copies
+    def set_device(self, node: BlockNode, block_id: int) -> None:
+        assert node.device_block_id is None, node
+        node.device_block_id = block_id
+        if node.parent is not None and not node.detached:
+            node.parent.num_device_children += 1
+        self.offer(node)
+
+    def clear_device(self, node: BlockNode) -> int:
+        block_id = node.device_block_id
+        assert block_id is not None, node
+        node.device_block_id = None
+        self.device_heap.forget(node)
+        parent = node.parent
+        if parent is not None and not node.detached:
+            parent.num_device_children -= 1
+            self.offer(parent)
+        self.offer(node)
+        return block_id
+
+    def set_host(self, node: BlockNode, block_id: int) -> None:
+        assert node.host_block_id is None, node
+        node.host_block_id = block_id
+        if node.parent is not None and not node.detached:
+            node.parent.num_host_children += 1
+        self.offer(node)
+
+    def clear_host(self, node: BlockNode) -> int:
+        block_id = node.host_block_id
+        assert block_id is not None, node
+        node.host_block_id = None
+        self.host_heap.forget(node)
+        parent = node.parent
+        if parent is not None and not node.detached:
+            parent.num_host_children -= 1
+            self.offer(parent)
+        self.offer(node)
+        return block_id
+
+    # ------------------------------------------------------------------ lookup
+    def match(self, hashes: Sequence[int], max_blocks: int) -> tuple[list[BlockNode], list[CacheLevel]]:
+        """Walk ``hashes`` from the root; stop at the first block with no usable copy.
+
+        A block is usable on device if its device copy is valid (a load into it that
+        is still in flight does not count: the request that issued it is the only
+        one allowed to rely on it) and on host if its host copy is valid and not the
+        destination of a copy in flight.  Nothing is changed.
+        """
+        nodes: list[BlockNode] = []
+        tiers: list[CacheLevel] = []
+        node = self.root
+        for h in itertools.islice(hashes, max_blocks):
+            node = node.children.get(h)  # type: ignore[assignment]
+            if node is None:
+                break
+            pending = node.pending
+            if node.device_block_id is not None and pending is not TransferKind.SWAP_IN:
+                tiers.append(CacheLevel.DEVICE)
+            elif node.host_block_id is not None and pending is None:
+                tiers.append(CacheLevel.HOST)
+            else:
+                break
+            nodes.append(node)
+        return nodes, tiers
+
+    def iter_nodes(self) -> Iterator[BlockNode]:
+        """Every node but the root, pre-order (O(n): tests, stats and reset only)."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def reset(self) -> None:
+        self.device_heap.clear()
+        self.host_heap.clear()
+        for node in list(self.iter_nodes()):
+            node.detached = True
+        self.root.children.clear()
+        self.root.num_device_children = 0
+        self.root.num_host_children = 0
+        self.num_nodes = 0

@@ -1,0 +1,194 @@
+"""The cache fields of a request, and the per-step ``BatchRequest`` sent to workers.
+
+``Request`` carries only what the cache manager needs (an engine subclasses it or
+copies these fields into its own request type).  ``BatchRequest`` is the whole
+scheduler -> worker contract of one step: the requests, one merged host -> device
+``CacheSwapMetadata``, one merged device -> host ``CacheSwapMetadata`` (write_back
+evictions and write-through backups together) and the storage jobs.  It pickles and
+holds no tree node.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+from fastdeploy_kvcache.core.hashing import BlockHasher, MMItem
+from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, MatchResult, StorageMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class Request:
+    """A generation request as the cache manager sees it.
+
+    Engine-maintained fields: ``output_token_ids`` (append-only) and
+    ``num_computed_tokens`` (tokens whose KV has been written; advance it after each
+    forward).  Manager-maintained: ``block_tables``, ``num_cached_tokens`` (tokens
+    served from the cache), the metadata lists, the match result.
+
+    ``cache_swap_metadata`` holds host -> device loads and ``cache_evict_metadata``
+    device -> host copies that the manager emitted for this request; both lists are
+    emptied when the request is added to a ``BatchRequest``.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Optional[Sequence[int]] = None,
+        *,
+        mm_items: Sequence[MMItem] = (),
+        lora_id: Optional[Union[int, str]] = None,
+        cache_salt: Optional[str] = None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {request_id}: empty prompt")
+        self.output_token_ids: list[int] = list(output_token_ids or ())
+        # Extra hash keys (see hashing.py): multimodal items, adapter, salt.
+        self.mm_items: tuple[MMItem, ...] = tuple(mm_items)
+        self.lora_id = lora_id
+        self.cache_salt = cache_salt
+
+        self.block_tables: list[int] = []
+        self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
+        self.cache_swap_metadata: list[CacheSwapMetadata] = []
+        self.cache_evict_metadata: list[CacheSwapMetadata] = []
+        self._match_result: Optional[MatchResult] = None
+        self._hasher: Optional[BlockHasher] = None
+
+    # ------------------------------------------------------------------ tokens / hashes
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def _get_hasher(self, block_size: int) -> BlockHasher:
+        hasher = self._hasher
+        if hasher is None or hasher.block_size != block_size:
+            hasher = self._hasher = BlockHasher(block_size, self.mm_items, self.lora_id, self.cache_salt)
+        return hasher
+
+    def block_hashes(self, block_size: int, num_tokens: Optional[int] = None) -> list[int]:
+        """Chained hashes of the full blocks among the first ``num_tokens`` tokens.
+
+        Computed lazily and cached: a decoding request only hashes its new blocks.
+        The returned list is the cache itself; do not mutate it.
+        """
+        n = self.num_total_tokens if num_tokens is None else num_tokens
+        hasher = self._get_hasher(block_size)
+        if n // block_size <= len(hasher.hashes):
+            return hasher.hashes
+        if n <= len(self.prompt_token_ids):
+            hasher.extend(self.prompt_token_ids, n)
+        else:
+            hasher.extend(self.all_token_ids, n)
+        return hasher.hashes
+
+    @property
+    def prompt_hashes(self) -> list[int]:
+        """Hashes of the prompt's full blocks (needs a block size: set by the manager)."""
+        if self._hasher is None:
+            raise RuntimeError(f"request {self.request_id}: no block size yet; call CacheManager.match_prefix first")
+        bs = self._hasher.block_size
+        return self.block_hashes(bs, len(self.prompt_token_ids))[: len(self.prompt_token_ids) // bs]
+
+    def partial_block_key(self, block_size: int) -> Optional[str]:
+        """Storage key of the trailing partial block (``<hash>:partial:<n>``), if any."""
+        return self._get_hasher(block_size).partial_key(self.all_token_ids)
+
+    @property
+    def match_result(self) -> Optional[MatchResult]:
+        return self._match_result
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict:
+        # The match result holds tree nodes (and through them the whole tree).
+        state = self.__dict__.copy()
+        state["_match_result"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._match_result = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, prompt={len(self.prompt_token_ids)}, "
+            f"output={len(self.output_token_ids)}, blocks={len(self.block_tables)}, "
+            f"cached={self.num_cached_tokens}, computed={self.num_computed_tokens})"
+        )
+
+
+class BatchRequest:
+    """One step's requests plus their merged cache metadata.
+
+    Merging matters: the worker launches one host -> device copy and one
+    device -> host copy per step, and merged runs of consecutive ids become single
+    DMA runs.  Completion does not depend on the grouping: the scheduler resolves a
+    returned metadata object block by block (``CacheManager.complete_swap``).
+    """
+
+    def __init__(self, requests: Optional[Iterable[Request]] = None) -> None:
+        self.requests: list[Request] = []
+        self.cache_swap_metadata: Optional[CacheSwapMetadata] = None  # host -> device
+        self.cache_evict_metadata: Optional[CacheSwapMetadata] = None  # device -> host
+        self.storage_metadata: list[StorageMetadata] = []  # storage tier (later issue)
+        for req in requests or ():
+            self.add_request(req)
+
+    def add_request(self, request: Request) -> None:
+        """Add ``request`` and move its pending metadata into the merged objects."""
+        self.requests.append(request)
+        for meta in request.cache_evict_metadata:
+            self.append_evict_metadata(meta)
+        for meta in request.cache_swap_metadata:
+            self.append_swap_metadata(meta)
+        request.cache_evict_metadata = []
+        request.cache_swap_metadata = []
+
+    @staticmethod
+    def _merge(into: Optional[CacheSwapMetadata], meta: Optional[CacheSwapMetadata]) -> Optional[CacheSwapMetadata]:
+        if meta is None or meta.is_empty:
+            return into
+        if into is None:
+            into = CacheSwapMetadata(src_type=meta.src_type, dst_type=meta.dst_type, kind=meta.kind)
+        into.extend(meta)
+        return into
+
+    def append_swap_metadata(self, meta: Optional[CacheSwapMetadata]) -> None:
+        """Merge a host -> device metadata object into ``cache_swap_metadata``."""
+        self.cache_swap_metadata = self._merge(self.cache_swap_metadata, meta)
+
+    def append_evict_metadata(self, meta: Optional[CacheSwapMetadata]) -> None:
+        """Merge a device -> host metadata object into ``cache_evict_metadata``."""
+        self.cache_evict_metadata = self._merge(self.cache_evict_metadata, meta)
+
+    def append_storage_metadata(self, meta: StorageMetadata) -> None:
+        self.storage_metadata.append(meta)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self.requests)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __getitem__(self, i: int) -> Request:
+        return self.requests[i]
+
+    def __repr__(self) -> str:
+        sw = len(self.cache_swap_metadata) if self.cache_swap_metadata else 0
+        ev = len(self.cache_evict_metadata) if self.cache_evict_metadata else 0
+        return f"BatchRequest({len(self.requests)} requests, swap_in={sw}, device_to_host={ev})"

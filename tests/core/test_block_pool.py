@@ -1,0 +1,79 @@
+import pytest
+
+from fastdeploy_kvcache.core.block_pool import BlockPool, BlockPoolError, NoFreeBlocksError, consecutive_share
+from fastdeploy_kvcache.core.metadata import CacheLevel
+
+
+def test_allocates_lowest_ids_ascending():
+    pool = BlockPool(200)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(70) == list(range(3, 73))  # crosses a 64-id bucket
+    pool.free([5, 1, 70])
+    assert pool.allocate(4) == [1, 5, 70, 73]
+    assert pool.num_free == 200 - 74
+
+
+def test_free_then_allocate_is_consecutive_again():
+    pool = BlockPool(128)
+    ids = pool.allocate(128)
+    pool.free(ids[40:50][::-1])  # freed in reverse: a LIFO list would hand them back reversed
+    assert pool.allocate(10) == list(range(40, 50))
+
+
+def test_double_free_and_foreign_id_raise_without_change():
+    pool = BlockPool(10, CacheLevel.HOST)
+    ids = pool.allocate(4)
+    with pytest.raises(BlockPoolError, match="twice"):
+        pool.free([ids[0], 7])  # 7 is free already
+    assert pool.num_free == 6 and not pool.is_free(ids[0])
+    with pytest.raises(BlockPoolError, match="twice"):
+        pool.free([ids[1], ids[1]])
+    with pytest.raises(BlockPoolError, match="not in this pool"):
+        pool.free([ids[2], 10])
+    with pytest.raises(BlockPoolError):
+        pool.free([-1])
+    assert pool.num_free == 6
+    pool.free(ids)
+    assert pool.num_free == 10 and pool.free_ids() == list(range(10))
+
+
+def test_exhaustion_takes_nothing():
+    pool = BlockPool(5)
+    pool.allocate(3)
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(3)
+    assert pool.num_free == 2
+    with pytest.raises(ValueError):
+        pool.allocate(-1)
+
+
+def test_empty_pool_and_bad_size():
+    assert BlockPool(0).num_free == 0
+    with pytest.raises(ValueError):
+        BlockPool(-1)
+
+
+def test_invariant_under_random_traffic():
+    import random
+
+    rng = random.Random(0)
+    pool = BlockPool(300)
+    held: set[int] = set()
+    for _ in range(3000):
+        if held and rng.random() < 0.5:
+            out = rng.sample(sorted(held), rng.randint(1, min(5, len(held))))
+            pool.free(out)
+            held.difference_update(out)
+        else:
+            n = rng.randint(0, min(7, pool.num_free))
+            got = pool.allocate(n)
+            assert got == sorted(got) and not held & set(got)
+            free_before = set(pool.free_ids()) | set(got)
+            assert got == sorted(free_before)[:n]  # the lowest free ids
+            held.update(got)
+        assert pool.num_free + len(held) == 300
+
+
+def test_consecutive_share():
+    assert consecutive_share([]) == 1.0
+    assert consecutive_share([1, 2, 3, 7]) == pytest.approx(2 / 3)

@@ -1,0 +1,415 @@
+import pytest
+
+from fastdeploy_kvcache.config import CacheConfig
+from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
+from fastdeploy_kvcache.core.cache_manager import CacheManager, CacheManagerError, UnknownRequestError
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, NodeState, TransferKind
+from fastdeploy_kvcache.core.request import BatchRequest, Request
+
+from ._shadow import ShadowMemory
+
+BS = 4
+
+
+def make(policy="write_back", dev=16, host=16, **kw):
+    cfg = CacheConfig(block_size=BS, num_gpu_blocks=dev, num_host_blocks=host, write_policy=policy, **kw)
+    mgr = CacheManager(cfg)
+    return mgr, ShadowMemory(dev, host, BS)
+
+
+def blocks_for(req):
+    return -(-req.num_total_tokens // BS)
+
+
+def admit(mgr, req):
+    """match + allocate what the whole request needs; returns the MatchResult."""
+    m = mgr.match_prefix(req)
+    mgr.allocate_device_blocks(req, blocks_for(req) - m.num_device_blocks)
+    return m
+
+
+def step(mgr, shadow, reqs, evict_ok=True, swap_ok=True, complete=True):
+    batch = BatchRequest(reqs)
+    batch.append_evict_metadata(mgr.issue_pending_backup_to_batch_request())
+    done = shadow.run_step(batch, evict_ok, swap_ok)
+    affected = []
+    if complete:
+        for meta in done:
+            affected += mgr.complete_swap(meta)
+    mgr.check_invariants()
+    return batch, done, affected
+
+
+def snapshot(mgr):
+    return (mgr.check_invariants(), {k: v for k, v in mgr.get_stats().items()})
+
+
+def test_match_leaves_last_token():
+    mgr, sh = make()
+    a = Request("a", list(range(8)))  # exactly two blocks
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    b = Request("b", list(range(8)))
+    m = mgr.match_prefix(b)
+    assert m.num_matched_blocks == 1 and m.num_matched_tokens == 4
+    c = Request("c", list(range(9)))
+    assert mgr.match_prefix(c).num_matched_tokens == 8
+
+
+def test_device_hits_are_shared_and_duplicates_freed():
+    mgr, sh = make()
+    a = Request("a", list(range(10)))
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    b, c = Request("b", list(range(12)) + [99]), Request("c", list(range(8)) + [5, 5])
+    admit(mgr, b)
+    admit(mgr, c)
+    assert b.block_tables[:2] == c.block_tables[:2]
+    assert b.num_cached_tokens == 8 and c.num_cached_tokens == 8
+    node = b.match_result.nodes[0]
+    assert node.ref_count == 2
+    step(mgr, sh, [b, c])
+    sh.check_request(b)
+    sh.check_request(c)
+    # d computes blocks 0-1 itself while nothing is cached yet for it -> duplicates on finish
+    d = Request("d", list(range(10)))
+    mgr.allocate_device_blocks(d, 3)  # no match_prefix: no reuse
+    step(mgr, sh, [d])
+    free_before = mgr.device_pool.num_free
+    mgr.request_finish(d)
+    assert mgr.device_pool.num_free == free_before + 3  # 2 duplicates + the partial block
+    assert mgr.get_stats()["duplicate_blocks"] == 2
+    mgr.request_finish(b)
+    mgr.request_finish(c)
+    assert node.ref_count == 0
+    mgr.check_invariants()
+
+
+def test_write_back_evicts_then_swaps_in():
+    mgr, sh = make("write_back", dev=4, host=8)
+    a = Request("a", list(range(13)))  # 3 full blocks + 1 token
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)  # 3 cached device blocks, 1 free
+    b = Request("b", list(range(100, 115)))  # needs 4 blocks -> evict 3
+    admit(mgr, b)
+    evict = b.cache_evict_metadata[0]
+    assert evict.kind is TransferKind.EVICT and len(evict) == 3
+    assert (evict.src_type, evict.dst_type) == (CacheLevel.DEVICE, CacheLevel.HOST)
+    nodes = list(mgr.tree.iter_nodes())
+    assert {n.state for n in nodes if n.host_block_id is not None} == {NodeState.SWAP_TO_HOST}
+    # in flight: not matchable from host yet
+    assert mgr.match_prefix(Request("x", list(range(13)))).num_matched_blocks == 0
+    _, done, _ = step(mgr, sh, [b], complete=False)
+    for meta in done:
+        mgr.complete_swap(meta)
+    assert {n.state for n in nodes if n.host_block_id is not None} == {NodeState.HOST}
+    mgr.request_finish(b)
+    c = Request("c", list(range(13)) + [7])
+    m = mgr.match_prefix(c)
+    assert (m.num_device_blocks, m.num_host_blocks) == (0, 3)
+    mgr.allocate_device_blocks(c, 4)
+    swap = c.cache_swap_metadata[0]
+    assert swap.src_block_ids == m.host_block_ids and swap.dst_block_ids == c.block_tables[:3]
+    assert swap.dst_block_ids == sorted(swap.dst_block_ids)
+    assert c.num_cached_tokens == 12
+    step(mgr, sh, [c])
+    sh.check_request(c)
+    # write_back is exclusive: host copies released once the loads are confirmed
+    assert all(n.host_block_id is None for n in c.match_result.nodes)
+    assert mgr.get_stats()["swap_in_blocks"] == 3
+
+
+def test_failed_swap_in_reports_affected_requests():
+    mgr, sh = make("write_back", dev=4, host=8)
+    a = Request("a", list(range(13)))
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    b = Request("b", list(range(100, 115)))
+    admit(mgr, b)
+    step(mgr, sh, [b])
+    mgr.request_finish(b)
+    c = Request("c", list(range(13)) + [7])
+    admit(mgr, c)
+    assert c.num_cached_tokens == 12
+    _, done, affected = step(mgr, sh, [c], swap_ok=False)
+    assert affected == ["c"]
+    assert c.num_cached_tokens == 0 and c.num_computed_tokens == 0
+    # the host copies are still there and matchable
+    assert mgr.match_prefix(Request("y", list(range(13)))).num_host_blocks == 3
+    step(mgr, sh, [c])  # recompute
+    sh.check_request(c)
+    mgr.request_finish(c)  # donates its recomputed blocks to the host-only nodes
+    m = mgr.match_prefix(Request("z", list(range(13))))
+    assert m.num_device_blocks == 3
+    assert mgr.get_stats()["failed_blocks"] == 3
+
+
+def test_failed_write_back_eviction_drops_the_block():
+    mgr, sh = make("write_back", dev=4, host=8)
+    a = Request("a", list(range(13)))
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    b = Request("b", list(range(100, 115)))
+    admit(mgr, b)
+    step(mgr, sh, [b], evict_ok=False)
+    assert mgr.tree.num_nodes == 0 and mgr.host_pool.num_free == 8
+    assert mgr.match_prefix(Request("x", list(range(13)))).num_matched_blocks == 0
+
+
+def test_write_through_backup_in_flight_until_confirmed():
+    mgr, sh = make("write_through", dev=4, host=8)
+    a = Request("a", list(range(9)))
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    meta = mgr.issue_pending_backup_to_batch_request()
+    assert meta.kind is TransferKind.BACKUP and len(meta) == 2
+    assert mgr.issue_pending_backup_to_batch_request() is None  # issued once
+    nodes = list(mgr.tree.iter_nodes())
+    assert all(n.state is NodeState.BACKUP_TO_HOST for n in nodes)
+    # device copies of in-flight nodes cannot be evicted: only 2 blocks are available
+    assert not mgr.can_allocate_device_blocks(5)
+    with pytest.raises(NoFreeBlocksError):
+        mgr.allocate_device_blocks(Request("big", list(range(50, 65))), 4)
+    mgr.check_invariants()
+    sh.copy(meta, True)
+    mgr.complete_swap(meta)
+    assert all(n.state is NodeState.DEVICE_AND_HOST for n in nodes)
+    b = Request("b", list(range(50, 65)))
+    admit(mgr, b)  # evicts by dropping device copies: no copy needed
+    assert b.cache_evict_metadata == []
+    assert all(n.state is NodeState.HOST for n in nodes)
+    step(mgr, sh, [b])
+
+
+def test_failed_backup_leaves_device_copy():
+    mgr, sh = make("write_through", dev=4, host=8)
+    a = Request("a", list(range(9)))
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    meta = mgr.issue_pending_backup_to_batch_request()
+    sh.copy(meta, False)
+    assert mgr.complete_swap(meta) == []
+    assert all(n.state is NodeState.DEVICE for n in mgr.tree.iter_nodes())
+    assert mgr.host_pool.num_free == 8
+
+
+def test_selective_threshold():
+    mgr, sh = make("write_through_selective", write_through_threshold=2)
+    a = Request("a", list(range(9)))
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    for i in range(2):
+        assert mgr.issue_pending_backup_to_batch_request() is None
+        r = Request(f"r{i}", list(range(9)) + [i])
+        admit(mgr, r)
+        step(mgr, sh, [r])
+        mgr.request_finish(r)
+    # the second hit crossed the threshold; step() above already issued and completed it
+    assert mgr.get_stats()["backup_blocks"] == 2
+
+
+def test_interior_nodes_are_never_evicted():
+    mgr, sh = make("write_through", dev=6, host=0)
+    a = Request("a", list(range(17)))  # 4 full blocks + 1
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    b = Request("b", list(range(100, 103)))
+    mgr.allocate_device_blocks(b, 4)  # 2 free + needs 2 evictions: the two deepest
+    depths = sorted(n.depth for n in mgr.tree.iter_nodes())
+    assert depths == [0, 1]
+    mgr.check_invariants()
+
+
+def test_preempt_keeps_cache_and_resets_request():
+    mgr, sh = make()
+    a = Request("a", list(range(10)))
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    a.output_token_ids += [1, 2, 3]
+    mgr.allocate_device_blocks(a, 1)
+    step(mgr, sh, [a])
+    mgr.preempt_request(a)
+    assert a.block_tables == [] and a.num_cached_tokens == 0 and a.num_computed_tokens == 0
+    m = mgr.match_prefix(a)
+    assert m.num_matched_tokens == 12  # 13 tokens: 3 full blocks, the last token left to compute
+    admit_blocks = blocks_for(a) - m.num_device_blocks
+    mgr.allocate_device_blocks(a, admit_blocks)
+    step(mgr, sh, [a])
+    sh.check_request(a)
+
+
+def test_unissued_swap_in_is_cancelled_on_preempt():
+    mgr, sh = make("write_back", dev=4, host=8)
+    a = Request("a", list(range(13)))
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    b = Request("b", list(range(100, 115)))
+    admit(mgr, b)
+    step(mgr, sh, [b])
+    mgr.request_finish(b)
+    c = Request("c", list(range(13)) + [1])
+    admit(mgr, c)
+    # 3 loads for c, and b's 3 blocks being written back to make room
+    assert c.cache_swap_metadata and mgr.num_copies_in_flight == 6
+    mgr.preempt_request(c)  # never batched: its loads are taken back, the evictions are kept
+    assert mgr.num_copies_in_flight == 3
+    mgr.check_invariants()
+    evict = mgr.issue_pending_backup_to_batch_request()
+    assert evict.kind is TransferKind.EVICT and len(evict) == 3
+    sh.copy(evict, True)
+    mgr.complete_swap(evict)
+    assert mgr.match_prefix(Request("d", list(range(13)))).num_host_blocks == 3
+
+
+def test_no_free_blocks_leaves_request_unchanged():
+    mgr, sh = make(dev=4, host=0)
+    a = Request("a", list(range(13)))
+    admit(mgr, a)
+    b = Request("b", list(range(100, 110)))
+    assert not mgr.can_allocate_device_blocks(3)
+    with pytest.raises(NoFreeBlocksError):
+        mgr.allocate_device_blocks(b, 3)
+    assert b.block_tables == [] and not mgr.is_running("b")
+    mgr.check_invariants()
+
+
+def test_bad_input_raises_and_changes_nothing():
+    mgr, sh = make()
+    a = Request("a", list(range(10)))
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    before = snapshot(mgr)
+    with pytest.raises(UnknownRequestError):
+        mgr.request_finish(Request("ghost", [1, 2, 3]))
+    with pytest.raises(CacheManagerError):
+        mgr.allocate_device_blocks(a, -1)
+    with pytest.raises(CacheManagerError):
+        mgr.allocate_device_blocks(Request("a", [1]), 1)  # another object, same id
+    with pytest.raises(CacheManagerError):
+        mgr.match_prefix(a)  # already running
+    with pytest.raises(CacheManagerError):
+        mgr.request_finish("a")
+    a.block_tables.append(15)  # an id a does not own
+    with pytest.raises(CacheManagerError, match="not owned"):
+        mgr.request_finish(a)
+    a.block_tables.pop()
+    foreign = CacheSwapMetadata([0], [3], CacheLevel.HOST, CacheLevel.DEVICE, [123])
+    foreign.mark_done(True)
+    with pytest.raises(CacheManagerError, match="not a copy in flight"):
+        mgr.complete_swap(foreign)
+    with pytest.raises(CacheManagerError):
+        mgr.reset_cache()  # a is running
+    assert snapshot(mgr) == before
+    mgr.request_finish(a)
+    with pytest.raises(UnknownRequestError, match="already finished"):
+        mgr.request_finish(a)
+
+
+def test_complete_twice_raises():
+    mgr, sh = make("write_through")
+    a = Request("a", list(range(9)))
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    meta = mgr.issue_pending_backup_to_batch_request()
+    sh.copy(meta, True)
+    mgr.complete_swap(meta)
+    before = snapshot(mgr)
+    with pytest.raises(CacheManagerError, match="completed twice"):
+        mgr.complete_swap(meta)
+    assert snapshot(mgr) == before
+
+
+def test_completion_resolved_per_block_in_any_grouping():
+    mgr, sh = make("write_through", dev=8, host=8)
+    rs = [Request(f"r{i}", [i] * 9) for i in range(2)]
+    for r in rs:
+        admit(mgr, r)
+    step(mgr, sh, rs)
+    for r in rs:
+        mgr.request_finish(r)
+    meta = mgr.issue_pending_backup_to_batch_request()
+    assert len(meta) == 4
+    sh.copy(meta, True)
+    # the worker hands it back split in two, in reverse order, with hashes
+    parts = [CacheSwapMetadata(meta.src_block_ids[k:k + 2], meta.dst_block_ids[k:k + 2], meta.src_type,
+                               meta.dst_type, meta.hash_values[k:k + 2]) for k in (2, 0)]
+    bad = CacheSwapMetadata(meta.src_block_ids[:1], meta.dst_block_ids[:1], meta.src_type, meta.dst_type, [42])
+    with pytest.raises(CacheManagerError):
+        mgr.complete_swap(bad)
+    for p in parts:
+        p.mark_done(True)
+        mgr.complete_swap(p)
+    assert mgr.num_copies_in_flight == 0
+    assert all(n.state is NodeState.DEVICE_AND_HOST for n in mgr.tree.iter_nodes())
+
+
+def test_bad_config():
+    with pytest.raises(ValueError):
+        CacheConfig(block_size=0, num_gpu_blocks=4)
+    with pytest.raises(ValueError):
+        CacheConfig(num_gpu_blocks=4, write_policy="write_sometimes")
+    with pytest.raises(ValueError):
+        CacheConfig(num_gpu_blocks=4, write_through_threshold=0)
+    with pytest.raises(CacheManagerError):
+        CacheManager(CacheConfig(num_gpu_blocks=0))
+    cfg = CacheConfig(num_gpu_blocks=4)
+    cfg.write_policy = "nope"  # mutated after validation
+    with pytest.raises(ValueError):
+        CacheManager(cfg)
+    with pytest.raises(CacheManagerError):
+        CacheManager({"num_gpu_blocks": 4})
+
+
+def test_reset_cache_and_stats():
+    mgr, sh = make("write_through")
+    a = Request("a", list(range(9)))
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    meta = mgr.issue_pending_backup_to_batch_request()  # left in flight over the reset
+    mgr.reset_cache()
+    assert mgr.tree.num_nodes == 0
+    assert mgr.device_pool.num_free == 16 - 2  # still held by the in-flight backup
+    sh.copy(meta, True)
+    mgr.complete_swap(meta)
+    assert mgr.device_pool.num_free == 16 and mgr.host_pool.num_free == 16
+    mgr.check_invariants()
+    s = mgr.get_stats()
+    for key in ("hit_rate", "matched_tokens_device", "matched_tokens_host", "device_evictions",
+                "swap_in_blocks", "swap_in_bytes", "swap_out_blocks", "swap_out_bytes", "device_usage", "host_usage"):
+        assert key in s
+    assert s["swap_out_bytes"] == 2 * mgr.bytes_per_block
+
+
+def test_prefix_caching_disabled():
+    mgr, sh = make(enable_prefix_caching=False)
+    a = Request("a", list(range(9)))
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    assert mgr.tree.num_nodes == 0 and mgr.device_pool.num_free == 16
+    assert mgr.match_prefix(Request("b", list(range(9)))).num_matched_blocks == 0
+
+
+def test_output_tokens_cached_only_when_configured():
+    for flag, expect in ((True, 3), (False, 2)):
+        mgr, sh = make(cache_output_tokens=flag)
+        a = Request("a", list(range(9)))
+        admit(mgr, a)
+        step(mgr, sh, [a])
+        a.output_token_ids += [1, 2, 3, 4]
+        mgr.allocate_device_blocks(a, 1)
+        step(mgr, sh, [a])
+        mgr.request_finish(a)
+        assert mgr.tree.num_nodes == expect
