@@ -1,0 +1,351 @@
+"""Bandwidth of the KV swap ops on a GPU (CuPy memory + the CUDA C ABI).
+
+64 layers, random block ids, block sizes 4 KiB .. 2 MiB; per-layer calls (one per layer,
+as a layer-by-layer load issues them) and all-layers calls (one per step); host to
+device, device to host, and both at once on two streams; scattered and fully
+consecutive ids; every copy path (auto, kernel at several grid sizes, DMA batch).
+
+Every figure is reported as a ratio to limits measured in the same run: one contiguous
+1 GiB pinned ``cudaMemcpyAsync`` per direction, and both directions at once on two
+streams.
+
+    python benchmarks/bench_swap.py [--quick] [--out DIR]
+
+Writes ``bench_swap.json`` and ``bench_swap.md`` under ``--out`` (default ``$OUT`` or
+``build/bench``).  Exits 0 with a message when no GPU / CuPy / CUDA library is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fastdeploy_kvcache import ops  # noqa: E402
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+PATH_NAMES = {0: "-", ops.PATH_MEMCPY: "memcpy", ops.PATH_KERNEL: "kernel", ops.PATH_DMA: "dma",
+              ops.PATH_MEMCPY | ops.PATH_KERNEL: "memcpy+kernel"}
+COPY_PATH = {"auto": 0, "kernel": 1, "dma": 2}
+KERNEL_CHUNK, KERNEL_WARPS_PER_CTA = 8192, 16  # mirror swap_cuda.cu, for the CTA count
+
+
+@dataclass
+class Row:
+    block_bytes: int
+    ids: str            # scattered | consecutive
+    api: str            # all_layers | per_layer
+    path: str           # requested: auto | kernel | dma
+    grid: int           # kernel grid cap for this row
+    direction: str      # h2d | d2h | both
+    used: str = ""      # path(s) the op reported
+    ctas: int = 0       # CTAs (= SMs at most) the kernel launched; 0 for DMA / memcpy
+    gbps: float = 0.0
+    ratio: float = 0.0  # to the one-direction (or bidirectional) limit of this run
+    ms: float = 0.0
+    nbytes: int = 0
+
+
+@dataclass
+class Report:
+    device: str
+    sms: int
+    date: str
+    layers: int
+    call_bytes: int
+    reference: dict = field(default_factory=dict)
+    rows: list = field(default_factory=list)
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    for suffix, mult in (("KIB", KiB), ("K", KiB), ("MIB", MiB), ("M", MiB), ("GIB", GiB), ("G", GiB)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * mult)
+    return int(text)
+
+
+class Timer:
+    """Times work enqueued on several streams between two events on the first one."""
+
+    def __init__(self, cp, streams):
+        self.cp = cp
+        self.streams = streams
+
+    def run(self, issue: Callable[[], None], warmup: int, iters: int) -> float:
+        cp = self.cp
+        main = self.streams[0]
+        times = []
+        for i in range(warmup + iters):
+            start = cp.cuda.Event()
+            start.record(main)
+            for s in self.streams[1:]:
+                s.wait_event(start)
+            issue()
+            for s in self.streams[1:]:
+                main.wait_event(s.record())
+            end = cp.cuda.Event()
+            end.record(main)
+            end.synchronize()
+            if i >= warmup:
+                times.append(cp.cuda.get_elapsed_time(start, end))
+        return statistics.median(times)
+
+
+def measure_reference(cp, capi, nbytes: int, warmup: int, iters: int) -> dict:
+    """Contiguous pinned cudaMemcpyAsync: each direction alone, then both on two streams."""
+    rt = cp.cuda.runtime
+    dev_a = cp.empty(nbytes, dtype=cp.uint8)
+    dev_b = cp.empty(nbytes, dtype=cp.uint8)
+    dev_a[:] = 1
+    dev_b[:] = 2
+    host_a = capi.host_alloc(nbytes)
+    host_b = capi.host_alloc(nbytes)
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    try:
+        t1 = Timer(cp, [s1])
+        h2d = t1.run(lambda: rt.memcpyAsync(dev_a.data.ptr, host_a, nbytes, rt.memcpyHostToDevice, s1.ptr), warmup, iters)
+        d2h = t1.run(lambda: rt.memcpyAsync(host_a, dev_a.data.ptr, nbytes, rt.memcpyDeviceToHost, s1.ptr), warmup, iters)
+        t2 = Timer(cp, [s1, s2])
+
+        def both() -> None:
+            rt.memcpyAsync(dev_a.data.ptr, host_a, nbytes, rt.memcpyHostToDevice, s1.ptr)
+            rt.memcpyAsync(host_b, dev_b.data.ptr, nbytes, rt.memcpyDeviceToHost, s2.ptr)
+
+        bidir = t2.run(both, warmup, iters)
+    finally:
+        cp.cuda.runtime.deviceSynchronize()
+        capi.host_free(host_a)
+        capi.host_free(host_b)
+    del dev_a, dev_b
+    return {
+        "bytes": nbytes,
+        "h2d_gbps": nbytes / (h2d * 1e-3) / 1e9,
+        "d2h_gbps": nbytes / (d2h * 1e-3) / 1e9,
+        "both_gbps": 2 * nbytes / (bidir * 1e-3) / 1e9,
+    }
+
+
+class SizeBench:
+    """Buffers for one block size: L device layers and L pinned host layers, each a pool of
+    blocks; two disjoint id sets so the two directions of a 'both' case never overlap."""
+
+    def __init__(self, cp, capi, layers: int, block_bytes: int, call_bytes: int, seed: int):
+        self.cp, self.capi, self.layers, self.bb = cp, capi, layers, block_bytes
+        self.n = max(1, call_bytes // (layers * block_bytes))
+        self.pool = max(4 * self.n, self.n * 2 + 8)
+        self.dev = cp.random.randint(0, 256, (layers, self.pool, block_bytes), dtype=cp.uint8)
+        self.host_ptr = capi.host_alloc(layers * self.pool * block_bytes)
+        self.host = np.ctypeslib.as_array(
+            (ctypes.c_uint8 * (layers * self.pool * block_bytes)).from_address(self.host_ptr)
+        ).reshape(layers, self.pool, block_bytes)
+        # Fill host memory from random device data (fast) rather than numpy's generator.
+        cp.cuda.runtime.memcpy(self.host_ptr, self.dev.data.ptr, self.host.nbytes, cp.cuda.runtime.memcpyDeviceToHost)
+        self.dev_ptrs = [int(self.dev[l].data.ptr) for l in range(layers)]
+        self.host_ptrs = [self.host_ptr + l * self.pool * block_bytes for l in range(layers)]
+        rng = np.random.default_rng(seed)
+        dp, hp = rng.permutation(self.pool), rng.permutation(self.pool)
+        n = self.n
+        self.ids = {
+            "scattered": ((dp[:n], hp[:n]), (dp[n:2 * n], hp[n:2 * n])),
+            "consecutive": ((np.arange(n), np.arange(n) + n), (np.arange(n) + 2 * n, np.arange(n) + 3 * n)),
+        }
+        if 4 * n > self.pool:  # keep the consecutive sets inside the pool
+            self.ids["consecutive"] = ((np.arange(n), np.arange(n)), (np.arange(n) + n, np.arange(n) + n))
+
+    def close(self) -> None:
+        self.cp.cuda.runtime.deviceSynchronize()
+        self.capi.host_free(self.host_ptr)
+        del self.dev
+
+    def issue(self, api: str, direction: str, ids: str, s_h2d, s_d2h) -> Callable[[], int]:
+        """Return a callable that enqueues one measured unit and returns the path mask."""
+        capi, L = self.capi, self.layers
+        (d_a, h_a), (d_b, h_b) = self.ids[ids]
+        jobs = []  # (mode, dev ids, host ids, stream)
+        if direction in ("h2d", "both"):
+            jobs.append((ops.MODE_H2D, d_a, h_a, s_h2d))
+        if direction in ("d2h", "both"):
+            jobs.append((ops.MODE_D2H, d_b if direction == "both" else d_a, h_b if direction == "both" else h_a, s_d2h))
+
+        if api == "all_layers":
+            def run() -> int:
+                used = 0
+                for mode, d, h, s in jobs:
+                    capi.swap_all_layers(self.dev_ptrs, self.host_ptrs, self.pool, self.bb, self.pool, d, h, mode,
+                                         stream=s.ptr)
+                    used |= capi.last_path()
+                return used
+        else:
+            def run() -> int:
+                used = 0
+                for l in range(L):  # layer by layer, interleaving the directions
+                    for mode, d, h, s in jobs:
+                        capi.swap_per_layer(self.dev_ptrs[l], self.pool, self.bb, self.host_ptrs[l], self.pool, d, h,
+                                            mode, stream=s.ptr)
+                        used |= capi.last_path()
+                return used
+        return run
+
+    def check(self, ids: str) -> None:
+        """Spot check of correctness after a D2H: host blocks equal device blocks."""
+        (d_a, h_a), _ = self.ids[ids]
+        got = self.host[:8, h_a[:2]]
+        want = self.cp.asnumpy(self.dev[:8, self.cp.asarray(d_a[:2])])
+        if not np.array_equal(got, want):
+            raise AssertionError(f"bench_swap: data mismatch at block size {self.bb} ({ids})")
+
+
+def kernel_ctas(api: str, n: int, layers: int, bb: int, grid: int) -> int:
+    items = n * math.ceil(bb / KERNEL_CHUNK) * (layers if api == "all_layers" else 1)
+    return min(grid, math.ceil(items / KERNEL_WARPS_PER_CTA))
+
+
+def run(args: argparse.Namespace) -> Optional[Report]:
+    try:
+        import cupy as cp
+    except ImportError:
+        print("bench_swap: skipped (needs CuPy and a CUDA GPU)")
+        return None
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no device")
+    except Exception:
+        print("bench_swap: skipped (no CUDA GPU visible)")
+        return None
+    try:
+        capi = ops.load_capi(variant="cuda")
+    except ops.OpsNotBuiltError:
+        print("bench_swap: skipped (needs build/libfdkv_capi.so from `bash build.sh gpu`)")
+        return None
+
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    report = Report(device=name, sms=int(props["multiProcessorCount"]), date=_dt.date.today().isoformat(),
+                    layers=args.layers, call_bytes=args.call_bytes)
+    report.reference = measure_reference(cp, capi, args.ref_bytes, args.warmup, args.iters)
+    ref = report.reference
+    print(f"device: {name}, {report.sms} SMs; reference (contiguous pinned cudaMemcpyAsync, "
+          f"{args.ref_bytes / GiB:.2f} GiB): H2D {ref['h2d_gbps']:.1f} GB/s, D2H {ref['d2h_gbps']:.1f} GB/s, "
+          f"both {ref['both_gbps']:.1f} GB/s", flush=True)
+
+    saved = {k: capi.get_option(k) for k in ("copy_path", "copy_grid")}
+    s_h2d, s_d2h = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    limits = {"h2d": ref["h2d_gbps"], "d2h": ref["d2h_gbps"], "both": ref["both_gbps"]}
+    try:
+        for bb in args.sizes:
+            bench = SizeBench(cp, capi, args.layers, bb, args.call_bytes, seed=bb)
+            configs = [(p, args.grid) for p in ("auto", "kernel", "dma")]
+            configs += [("kernel", g) for g in args.grid_sweep if g != args.grid]
+            for path, grid in configs:
+                capi.set_option("copy_path", COPY_PATH[path])
+                capi.set_option("copy_grid", grid)
+                sweep = grid != args.grid
+                for ids in ("scattered", "consecutive"):
+                    if sweep and ids != "scattered":
+                        continue
+                    for api in ("all_layers", "per_layer"):
+                        if sweep and api != "all_layers":
+                            continue
+                        for direction in ("h2d", "d2h", "both"):
+                            issue = bench.issue(api, direction, ids, s_h2d, s_d2h)
+                            streams = [s_h2d, s_d2h] if direction == "both" else [s_h2d if direction == "h2d" else s_d2h]
+                            used = issue()
+                            cp.cuda.runtime.deviceSynchronize()
+                            if direction == "d2h" and api == "all_layers":
+                                bench.check(ids)
+                            ms = Timer(cp, streams).run(issue, args.warmup, args.iters)
+                            nbytes = bench.n * bb * args.layers * (2 if direction == "both" else 1)
+                            gbps = nbytes / (ms * 1e-3) / 1e9
+                            row = Row(bb, ids, api, path, grid, direction, PATH_NAMES.get(used, str(used)),
+                                      kernel_ctas(api, bench.n, args.layers, bb, grid) if used & ops.PATH_KERNEL else 0,
+                                      gbps, gbps / limits[direction], ms, nbytes)
+                            report.rows.append(asdict(row))
+                            print(f"{bb // KiB:>5} KiB {ids:<11} {api:<10} {path:<6} grid={grid:<3} {direction:<4} "
+                                  f"used={row.used:<13} ctas={row.ctas:<3} {gbps:7.1f} GB/s  ratio {row.ratio:5.3f}",
+                                  flush=True)
+            bench.close()
+    finally:
+        for k, v in saved.items():
+            capi.set_option(k, v)
+    return report
+
+
+def to_markdown(report: Report) -> str:
+    ref = report.reference
+    lines = [
+        f"Device: {report.device} ({report.sms} SMs), {report.date}; {report.layers} layers, "
+        f"~{report.call_bytes / MiB:.0f} MiB per direction per measurement, median of events.",
+        "",
+        f"Limits measured in the same run (contiguous pinned `cudaMemcpyAsync`, {ref['bytes'] / GiB:.0f} GiB): "
+        f"H2D {ref['h2d_gbps']:.1f} GB/s, D2H {ref['d2h_gbps']:.1f} GB/s, both directions on two streams "
+        f"{ref['both_gbps']:.1f} GB/s.",
+        "",
+        "| block | ids | api | path (used) | grid cap / CTAs | H2D GB/s (ratio) | D2H GB/s (ratio) | both GB/s (ratio) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple, dict] = {}
+    for r in report.rows:
+        key = (r["block_bytes"], r["ids"], r["api"], r["path"], r["grid"])
+        groups.setdefault(key, {})[r["direction"]] = r
+    for (bb, ids, api, path, grid), by_dir in groups.items():
+        used = "/".join(sorted({r["used"] for r in by_dir.values()}))
+        ctas = max(r["ctas"] for r in by_dir.values())
+        size = f"{bb // MiB} MiB" if bb >= MiB else f"{bb // KiB} KiB"
+        cells = []
+        for d in ("h2d", "d2h", "both"):
+            r = by_dir.get(d)
+            cells.append(f"{r['gbps']:.1f} ({r['ratio']:.3f})" if r else "-")
+        lines.append(f"| {size} | {ids} | {api} | {path} ({used}) | {grid} / {ctas} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=64)
+    parser.add_argument("--sizes", default="4K,8K,32K,128K,512K,2M")
+    parser.add_argument("--call-bytes", default="256M", help="bytes per direction per measured unit")
+    parser.add_argument("--ref-bytes", default="1G")
+    parser.add_argument("--grid", type=int, default=8, help="kernel grid cap (FDKV_COPY_GRID) for the main rows")
+    parser.add_argument("--grid-sweep", default="4,16,32", help="extra kernel grid caps (all-layers, scattered)")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (smoke run)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "build/bench")
+    args = parser.parse_args(argv)
+    args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    args.call_bytes = parse_size(args.call_bytes)
+    args.ref_bytes = parse_size(args.ref_bytes)
+    args.grid_sweep = [int(g) for g in args.grid_sweep.split(",") if g]
+    if args.quick:
+        args.sizes, args.iters, args.grid_sweep = [8 * KiB, 512 * KiB], 3, []
+        args.call_bytes, args.ref_bytes = 64 * MiB, 256 * MiB
+
+    t0 = time.time()
+    report = run(args)
+    if report is None:
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_swap.json").write_text(json.dumps(asdict(report), indent=1))
+    md = to_markdown(report)
+    (out / "bench_swap.md").write_text(md)
+    print(f"\n{md}\nwrote {out / 'bench_swap.json'} and {out / 'bench_swap.md'} in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
