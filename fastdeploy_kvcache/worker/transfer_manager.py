@@ -11,7 +11,9 @@ Neither stream synchronizes with the compute stream or with the other except thr
 events listed below, which implement the ordering rules of ``docs/architecture_worker.md``:
 
 1. A device->host copy starts after the compute that wrote its blocks: an event recorded on the
-   compute stream at submit time, waited on by the output stream.
+   compute stream at submit time, waited on by the output stream.  Loads wait on the same
+   event, so a load never overwrites a block that compute enqueued earlier still reads
+   (a block a finished request read in the previous step may be the load's destination).
 2. Nothing overwrites a device block an in-flight device->host copy still reads.  For an
    eviction (its device blocks were freed and may be handed out again in this very step) the
    compute stream waits on the copy's done event; a load whose destination overlaps an
@@ -210,12 +212,16 @@ class TransferManager:
         with self._lock:
             self._reap()
             compute = self.backend.current_stream()
+            # Rule 1: one event marks "all compute enqueued so far"; both copy streams wait on it.
+            compute_done = None
+            if 1 not in self.disabled_rules and (evict_metadata is not None or swap_in_metadata is not None):
+                compute_done = self.backend.record_event(compute)
             evict_task: Optional[_Task] = None
             counter: Optional[LayerDoneCounter] = None
             if evict_metadata is not None:
-                evict_task = self._submit_d2h(evict_metadata, compute)
+                evict_task = self._submit_d2h(evict_metadata, compute_done)
             if swap_in_metadata is not None:
-                counter = self._submit_h2d(swap_in_metadata)
+                counter = self._submit_h2d(swap_in_metadata, compute_done)
             if (
                 evict_task is not None
                 and evict_task.done_event is not None
@@ -272,7 +278,7 @@ class TransferManager:
             if hit:
                 self.backend.stream_wait_event(stream, prior.done_event, self.timeout_s)
 
-    def _submit_d2h(self, meta: CacheSwapMetadata, compute: Any) -> _Task:
+    def _submit_d2h(self, meta: CacheSwapMetadata, compute_done: Any) -> _Task:
         task = _Task(meta, D2H, None)
         self._stats[D2H].tasks += 1
         if meta.is_empty:
@@ -286,9 +292,9 @@ class TransferManager:
         layout = self.layout
         assert layout is not None
         out = self.output_stream
-        if 1 not in self.disabled_rules:
+        if compute_done is not None:
             # Rule 1: the compute that wrote these blocks was enqueued before this submit.
-            self.backend.stream_wait_event(out, self.backend.record_event(compute), self.timeout_s)
+            self.backend.stream_wait_event(out, compute_done, self.timeout_s)
         # Rule 2 (a load still writing a block we read) and rule 4 (a load still reading a
         # host block we are about to overwrite).
         self._wait_on_conflicts(out, task, {"device": 2, "host": 4})
@@ -310,7 +316,7 @@ class TransferManager:
         self._inflight.append(task)
         return task
 
-    def _submit_h2d(self, meta: CacheSwapMetadata) -> Optional[LayerDoneCounter]:
+    def _submit_h2d(self, meta: CacheSwapMetadata, compute_done: Any) -> Optional[LayerDoneCounter]:
         layout = self.layout
         num_layers = layout.num_layers if layout is not None else 0
         counter = LayerDoneCounter(
@@ -328,6 +334,9 @@ class TransferManager:
             return counter
         assert layout is not None
         inp = self.input_stream
+        if compute_done is not None:
+            # Rule 1 for loads: earlier compute may still read a block this load overwrites.
+            self.backend.stream_wait_event(inp, compute_done, self.timeout_s)
         # Rule 5 (an in-flight device->host copy still writing a host block we read) and
         # rule 2 (one still reading a device block we are about to overwrite).
         self._wait_on_conflicts(inp, task, {"device": 2, "host": 5})

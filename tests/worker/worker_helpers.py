@@ -16,7 +16,7 @@ def capi_or_skip() -> None:
     from fastdeploy_kvcache import ops
 
     try:
-        capi = ops.load_capi()
+        capi = ops.load_capi(variant="cpu")
     except ops.OpsNotBuiltError as exc:
         pytest.skip(f"needs the CPU C ABI library (run `bash build.sh`): {exc}")
     if capi.is_cuda:

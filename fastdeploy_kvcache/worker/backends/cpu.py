@@ -28,7 +28,7 @@ def numpy_dtype(dtype: str) -> str:
 
 
 class CpuBackend(HostThreadBackend):
-    """numpy arrays + ``ops.load_capi()`` (CPU build) on host-thread streams."""
+    """numpy arrays + ``ops.load_capi(variant="cpu")`` (CPU build) on host-thread streams."""
 
     name = "cpu"
 
@@ -38,7 +38,7 @@ class CpuBackend(HostThreadBackend):
 
         from fastdeploy_kvcache import ops
 
-        self._capi = ops.load_capi()
+        self._capi = ops.load_capi(variant="cpu")
         if self._capi.is_cuda:
             # NOTE: a CUDA build would treat numpy addresses as device pointers.
             raise RuntimeError(

@@ -21,7 +21,7 @@ _CUPY_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"
 
 
 class CupyBackend(Backend):
-    """CuPy memory, streams and events; ``ops.load_capi()`` (CUDA build) for the copies."""
+    """CuPy memory, streams and events; ``ops.load_capi(variant="cuda")`` (CUDA build) for the copies."""
 
     name = "cupy"
     is_cuda = True
@@ -33,7 +33,7 @@ class CupyBackend(Backend):
         from fastdeploy_kvcache import ops
 
         self._cp = cupy
-        self._capi = ops.load_capi()
+        self._capi = ops.load_capi(variant="cuda")
         if not self._capi.is_cuda:
             raise RuntimeError(
                 "the cupy backend needs the CUDA build of libfdkv_capi (bash build.sh gpu); the "

@@ -1,0 +1,252 @@
+"""Layer-by-layer load/compute overlap of the worker (GPU, CuPy backend).
+
+A synthetic forward pass of ``--layers`` layers: each layer's "attention" is a CuPy fp16
+matmul whose size is calibrated in the run so that one layer's compute takes about as long as
+one layer's host->device load.  Measured on the compute stream (CUDA events), median of
+``--reps`` repetitions:
+
+* ``T_c``: compute alone;
+* ``T_l``: loading alone (submit + per-layer waits, no compute);
+* ``T_o``: load and compute overlapped (compute layer i waits on load event i);
+* hidden fraction ``(T_c + T_l - T_o) / min(T_c, T_l)`` (target >= 0.9);
+* compute slowdown while device->host backups run at full rate on the output stream
+  (target <= 3%), and the delay a write_back eviction's rule-2 fence adds to compute;
+* the contiguous pinned host->device bandwidth measured in the same run (1 GiB
+  ``cudaMemcpyAsync``) and the load's ratio to it.
+
+Usage (on the device tool, after ``bash build.sh gpu``)::
+
+    python benchmarks/bench_overlap.py --layers 48 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fastdeploy_kvcache.config import CacheConfig  # noqa: E402
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind  # noqa: E402
+
+logger = logging.getLogger("bench_overlap")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=48, help="model layers (32-64 per the issue)")
+    p.add_argument("--blocks", type=int, default=64, help="blocks loaded per step (scattered ids)")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--copy-paths", default="auto", help="comma list of copy paths to run: auto,kernel,dma")
+    p.add_argument("--fence-blocks", type=int, default=8, help="blocks of the write_back eviction fence row")
+    p.add_argument("--json", default="", help="write the results here too")
+    return p.parse_args()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args()
+    import cupy as cp
+    import numpy as np
+
+    from fastdeploy_kvcache import ops
+    from fastdeploy_kvcache.worker import CacheController
+
+    capi = ops.load_capi(variant="cuda")
+    if not capi.is_cuda:
+        print("bench_overlap needs the CUDA C ABI library: run `bash build.sh gpu` on a GPU machine")
+        return 2
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+    n_blocks = args.blocks
+    config = CacheConfig(num_layers=args.layers, num_kv_heads=args.heads, block_size=args.block_size,
+                         head_dim=args.head_dim, dtype="float16")
+    total_blocks = 3 * n_blocks + args.fence_blocks
+    ctrl = CacheController(config, backend="cupy")
+    ctrl.initialize_kv_cache(total_blocks)
+    ctrl.initialize_host_cache(total_blocks)
+    tm = ctrl.transfer_manager
+    rng = np.random.default_rng(0)
+    # Scattered ids, as a long-running server's pools look: no long consecutive runs.
+    load_dev = rng.permutation(total_blocks)[:n_blocks].tolist()
+    load_host = rng.permutation(total_blocks)[:n_blocks].tolist()
+    spare = [b for b in range(total_blocks) if b not in set(load_dev)]
+    evict_dev = spare[:n_blocks]
+    evict_host = rng.permutation(total_blocks)[:n_blocks].tolist()
+    fence_dev = spare[n_blocks:n_blocks + args.fence_blocks]
+    fence_host = rng.permutation(total_blocks)[:args.fence_blocks].tolist()
+    load_bytes = n_blocks * config.bytes_per_block
+
+    compute = cp.cuda.Stream(non_blocking=True)
+
+    def timed(body: Callable[[], None]) -> float:
+        """Seconds on the compute stream from before ``body`` to after it (median of reps)."""
+        samples = []
+        for _ in range(args.reps + 1):
+            cp.cuda.runtime.deviceSynchronize()
+            ctrl.collect_finished()
+            with compute:
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                start.record(compute)
+                body()
+                end.record(compute)
+            end.synchronize()
+            samples.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        cp.cuda.runtime.deviceSynchronize()
+        ctrl.collect_finished(wait=True)
+        return statistics.median(samples[1:])  # the first run warms up
+
+    def load_meta() -> CacheSwapMetadata:
+        return CacheSwapMetadata(list(load_host), list(load_dev), CacheLevel.HOST, CacheLevel.DEVICE)
+
+    # ---- contiguous pinned reference, measured in this run
+    ref_bytes = 1 << 30
+    host_ref = capi.host_alloc(ref_bytes)
+    dev_ref = cp.empty(ref_bytes, dtype=cp.uint8)
+    ref_samples = []
+    for _ in range(4):
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        s.record(compute)
+        cp.cuda.runtime.memcpyAsync(dev_ref.data.ptr, host_ref, ref_bytes, cp.cuda.runtime.memcpyHostToDevice,
+                                    compute.ptr)
+        e.record(compute)
+        e.synchronize()
+        ref_samples.append(cp.cuda.get_elapsed_time(s, e) / 1e3)
+    contiguous_h2d = ref_bytes / statistics.median(ref_samples[1:]) / 1e9
+    del dev_ref
+    capi.host_free(host_ref)
+
+    results: dict[str, Any] = {
+        "device": device_name, "date": time.strftime("%Y-%m-%d"), "layers": args.layers,
+        "blocks_loaded": n_blocks, "bytes_per_block_all_layers": config.bytes_per_block,
+        "layer_load_bytes": n_blocks * 2 * config.bytes_per_layer_block,
+        "contiguous_pinned_h2d_GBps": contiguous_h2d, "runs": [],
+    }
+
+    for path in args.copy_paths.split(","):
+        path_code = {"auto": 0, "kernel": 1, "dma": 2}[path]
+        capi.set_option("copy_path", path_code)
+
+        def load_only() -> None:
+            counter = ctrl.submit_swap_tasks(None, load_meta())
+            for layer in range(args.layers):
+                counter.wait_for_layer(layer)
+
+        t_l = timed(load_only)
+        per_layer_load = t_l / args.layers
+
+        # ---- calibrate the matmul so one layer's compute ~ one layer's load
+        def matmul_time(n: int) -> float:
+            a = cp.ones((n, n), dtype=cp.float16)
+            with compute:
+                a @ a
+                s, e = cp.cuda.Event(), cp.cuda.Event()
+                s.record(compute)
+                for _ in range(10):
+                    a @ a
+                e.record(compute)
+            e.synchronize()
+            return cp.cuda.get_elapsed_time(s, e) / 1e3 / 10
+
+        lo, hi = 256, 16384
+        while hi - lo > 64:
+            mid = (lo + hi) // 2 // 64 * 64
+            if matmul_time(mid) < per_layer_load:
+                lo = mid
+            else:
+                hi = mid
+        n = hi
+        mats = [cp.ones((n, n), dtype=cp.float16) * 0.001 for _ in range(2)]
+        out = cp.empty((n, n), dtype=cp.float16)
+
+        def layer_compute(layer: int) -> None:
+            cp.matmul(mats[layer % 2], mats[(layer + 1) % 2], out=out)
+
+        def compute_only() -> None:
+            for layer in range(args.layers):
+                layer_compute(layer)
+
+        def overlapped() -> None:
+            counter = ctrl.submit_swap_tasks(None, load_meta())
+            for layer in range(args.layers):
+                counter.wait_for_layer(layer)
+                layer_compute(layer)
+
+        t_c = timed(compute_only)
+        t_o = timed(overlapped)
+        hidden = (t_c + t_l - t_o) / min(t_c, t_l)
+
+        # ---- compute while device->host backups run at full rate (no rule-2 fence: BACKUP)
+        def backup_meta() -> CacheSwapMetadata:
+            return CacheSwapMetadata(list(evict_dev), list(evict_host), CacheLevel.DEVICE, CacheLevel.HOST,
+                                     kind=TransferKind.BACKUP)
+
+        def evict_only() -> None:
+            ctrl.submit_swap_tasks(backup_meta(), None)
+            copied = cp.cuda.Event(disable_timing=True)
+            copied.record(tm.output_stream)
+            compute.wait_event(copied)  # so the compute-stream timer spans the copy
+
+        t_e = timed(evict_only)
+        n_evicts = int(t_c / t_e) + 2  # enough queued copies to outlast the compute
+
+        def compute_under_evictions() -> None:
+            for _ in range(n_evicts):
+                ctrl.submit_swap_tasks(backup_meta(), None)
+            compute_only()
+
+        t_ce = timed(compute_under_evictions)
+        slowdown = t_ce / t_c - 1.0
+
+        # ---- the rule-2 fence: a write_back eviction of a few blocks ahead of the compute
+        def fenced_step() -> None:
+            meta = CacheSwapMetadata(list(fence_dev), list(fence_host), CacheLevel.DEVICE, CacheLevel.HOST,
+                                     kind=TransferKind.EVICT)
+            ctrl.submit_swap_tasks(meta, None)
+            compute_only()
+
+        t_fence = timed(fenced_step)
+
+        run = {
+            "copy_path": path, "matmul_n": n, "T_c_ms": t_c * 1e3, "T_l_ms": t_l * 1e3, "T_o_ms": t_o * 1e3,
+            "hidden_fraction": hidden, "load_GBps": load_bytes / t_l / 1e9,
+            "load_ratio_to_contiguous": load_bytes / t_l / 1e9 / contiguous_h2d,
+            "evict_GBps": n_blocks * config.bytes_per_block / t_e / 1e9,
+            "evictions_queued": n_evicts, "T_c_under_evictions_ms": t_ce * 1e3,
+            "compute_slowdown_under_evictions": slowdown,
+            "fence_blocks": args.fence_blocks, "T_step_with_writeback_fence_ms": t_fence * 1e3,
+            "fence_delay_ms": (t_fence - t_c) * 1e3,
+        }
+        results["runs"].append(run)
+
+    capi.set_option("copy_path", 0)
+    ctrl.close()
+
+    print(f"# bench_overlap on {device_name}, {results['date']}")
+    print(f"layers={args.layers} blocks/step={n_blocks} layer load={results['layer_load_bytes'] / 2**20:.1f} MiB "
+          f"contiguous pinned H2D (1 GiB cudaMemcpyAsync, this run) = {contiguous_h2d:.1f} GB/s")
+    cols = ["copy_path", "matmul_n", "T_c_ms", "T_l_ms", "T_o_ms", "hidden_fraction", "load_GBps",
+            "load_ratio_to_contiguous", "evict_GBps", "compute_slowdown_under_evictions",
+            "fence_delay_ms"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for run in results["runs"]:
+        cells = [f"{run[c]:.3f}" if isinstance(run[c], float) else str(run[c]) for c in cols]
+        print("| " + " | ".join(cells) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
