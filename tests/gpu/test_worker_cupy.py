@@ -17,6 +17,9 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import shutil
+import subprocess
+import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -412,6 +415,23 @@ def test_short_run_for_sanitizers(compute) -> None:
     ctrl.close()
 
 
-if os.environ.get("FDKV_GPU_DEBUG"):
-    def test_backend_reports_device() -> None:  # pragma: no cover - diagnostics only
-        print(cp.cuda.runtime.getDeviceProperties(0)["name"])
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_on_a_short_worker_run(tool: str) -> None:
+    """compute-sanitizer finds no error on a short worker run (worker_sanitizer_smoke.py)."""
+    exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(exe):
+        pytest.skip("needs compute-sanitizer (CUDA toolkit) on PATH or in /usr/local/cuda/bin")
+    script = os.path.join(os.path.dirname(__file__), "worker_sanitizer_smoke.py")
+    proc = subprocess.run([exe, "--tool", tool, "--error-exitcode", "99", sys.executable, script],
+                          capture_output=True, text=True, timeout=500)
+    out = proc.stdout + proc.stderr
+    log_dir = os.environ.get("FDKV_SANITIZER_LOG_DIR")
+    if log_dir:
+        with open(os.path.join(log_dir, f"worker_sanitizer_{tool}.log"), "w") as fh:
+            fh.write(out)
+    assert proc.returncode == 0, out[-4000:]
+    assert "worker sanitizer smoke: ok" in out
+    if tool == "memcheck":
+        assert "ERROR SUMMARY: 0 errors" in out, out[-4000:]
+    else:
+        assert "RACECHECK SUMMARY: 0 hazards" in out or "hazard" not in out.lower(), out[-4000:]
