@@ -530,6 +530,11 @@ class CacheManager:
             if node is not None:
                 if chain and i < num_full and node.parent is parent and not node.detached:
                     parent = node
+                    if node.pending is TransferKind.SWAP_IN:
+                        # NOTE: this request's later blocks were computed on top of a
+                        # load nobody has confirmed yet; if it failed they hold wrong
+                        # KV, so they must not become shared.  Losing them is cheap.
+                        chain = False
                 else:
                     chain = False
                 self._unref(node)
