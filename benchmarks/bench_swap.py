@@ -40,7 +40,7 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PATH_NAMES = {0: "-", ops.PATH_MEMCPY: "memcpy", ops.PATH_KERNEL: "kernel", ops.PATH_DMA: "dma",
               ops.PATH_MEMCPY | ops.PATH_KERNEL: "memcpy+kernel"}
 COPY_PATH = {"auto": 0, "kernel": 1, "dma": 2}
-KERNEL_CHUNK, KERNEL_WARPS_PER_CTA = 8192, 16  # mirror swap_cuda.cu, for the CTA count
+KERNEL_CHUNK, KERNEL_WARPS_PER_CTA, TMA_CHUNK = 8192, 16, 16384  # mirror swap_cuda.cu (CTA counts)
 
 
 @dataclass
@@ -50,6 +50,8 @@ class Row:
     api: str            # all_layers | per_layer
     path: str           # requested: auto | kernel | dma
     grid: int           # kernel grid cap for this row
+    kernel: int         # kernel variant (copy_kernel option)
+    slice: int          # copies per cudaMemcpyBatchAsync call (dma_slice option)
     direction: str      # h2d | d2h | both
     used: str = ""      # path(s) the op reported
     ctas: int = 0       # CTAs (= SMs at most) the kernel launched; 0 for DMA / memcpy
@@ -209,9 +211,11 @@ class SizeBench:
             raise AssertionError(f"bench_swap: data mismatch at block size {self.bb} ({ids})")
 
 
-def kernel_ctas(api: str, n: int, layers: int, bb: int, grid: int) -> int:
-    items = n * math.ceil(bb / KERNEL_CHUNK) * (layers if api == "all_layers" else 1)
-    return min(grid, math.ceil(items / KERNEL_WARPS_PER_CTA))
+def kernel_ctas(api: str, n: int, layers: int, bb: int, grid: int, variant: int) -> int:
+    """CTAs the launcher starts (one CTA per SM at these sizes): mirrors swap_cuda.cu."""
+    chunk, per_cta = (TMA_CHUNK, 1) if variant == 3 and bb % 16 == 0 else (KERNEL_CHUNK, KERNEL_WARPS_PER_CTA)
+    items = n * math.ceil(bb / chunk) * (layers if api == "all_layers" else 1)
+    return min(grid, math.ceil(items / per_cta))
 
 
 def run(args: argparse.Namespace) -> Optional[Report]:
@@ -242,24 +246,27 @@ def run(args: argparse.Namespace) -> Optional[Report]:
           f"{args.ref_bytes / GiB:.2f} GiB): H2D {ref['h2d_gbps']:.1f} GB/s, D2H {ref['d2h_gbps']:.1f} GB/s, "
           f"both {ref['both_gbps']:.1f} GB/s", flush=True)
 
-    saved = {k: capi.get_option(k) for k in ("copy_path", "copy_grid")}
+    option_names = ("copy_path", "copy_grid", "copy_kernel", "dma_slice")
+    saved = {k: capi.get_option(k) for k in option_names}
+    base_kernel, base_slice = saved["copy_kernel"], saved["dma_slice"]
     s_h2d, s_d2h = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     limits = {"h2d": ref["h2d_gbps"], "d2h": ref["d2h_gbps"], "both": ref["both_gbps"]}
+    # (path, grid, kernel variant, dma slice, full matrix?)  Sweeps run only all-layers
+    # with scattered ids.
+    configs = [(p, args.grid, base_kernel, base_slice, True) for p in ("auto", "kernel", "dma")]
+    configs += [("kernel", g, base_kernel, base_slice, False) for g in args.grid_sweep if g != args.grid]
+    configs += [("kernel", args.grid, v, base_slice, False) for v in args.kernel_variants if v != base_kernel]
+    configs += [("dma", args.grid, base_kernel, sl, False) for sl in args.dma_slices if sl != base_slice]
     try:
         for bb in args.sizes:
             bench = SizeBench(cp, capi, args.layers, bb, args.call_bytes, seed=bb)
-            configs = [(p, args.grid) for p in ("auto", "kernel", "dma")]
-            configs += [("kernel", g) for g in args.grid_sweep if g != args.grid]
-            for path, grid in configs:
+            for path, grid, variant, dslice, full in configs:
                 capi.set_option("copy_path", COPY_PATH[path])
                 capi.set_option("copy_grid", grid)
-                sweep = grid != args.grid
-                for ids in ("scattered", "consecutive"):
-                    if sweep and ids != "scattered":
-                        continue
-                    for api in ("all_layers", "per_layer"):
-                        if sweep and api != "all_layers":
-                            continue
+                capi.set_option("copy_kernel", variant)
+                capi.set_option("dma_slice", dslice)
+                for ids in ("scattered", "consecutive") if full else ("scattered",):
+                    for api in ("all_layers", "per_layer") if full else ("all_layers",):
                         for direction in ("h2d", "d2h", "both"):
                             issue = bench.issue(api, direction, ids, s_h2d, s_d2h)
                             streams = [s_h2d, s_d2h] if direction == "both" else [s_h2d if direction == "h2d" else s_d2h]
@@ -270,13 +277,15 @@ def run(args: argparse.Namespace) -> Optional[Report]:
                             ms = Timer(cp, streams).run(issue, args.warmup, args.iters)
                             nbytes = bench.n * bb * args.layers * (2 if direction == "both" else 1)
                             gbps = nbytes / (ms * 1e-3) / 1e9
-                            row = Row(bb, ids, api, path, grid, direction, PATH_NAMES.get(used, str(used)),
-                                      kernel_ctas(api, bench.n, args.layers, bb, grid) if used & ops.PATH_KERNEL else 0,
-                                      gbps, gbps / limits[direction], ms, nbytes)
+                            ctas = 0
+                            if used & ops.PATH_KERNEL:
+                                ctas = kernel_ctas(api, bench.n, args.layers, bb, grid, variant)
+                            row = Row(bb, ids, api, path, grid, variant, dslice, PATH_NAMES.get(used, str(used)),
+                                      ctas, gbps, gbps / limits[direction], ms, nbytes)
                             report.rows.append(asdict(row))
-                            print(f"{bb // KiB:>5} KiB {ids:<11} {api:<10} {path:<6} grid={grid:<3} {direction:<4} "
-                                  f"used={row.used:<13} ctas={row.ctas:<3} {gbps:7.1f} GB/s  ratio {row.ratio:5.3f}",
-                                  flush=True)
+                            print(f"{bb // KiB:>5} KiB {ids:<11} {api:<10} {path:<6} grid={grid:<3} k={variant} "
+                                  f"slice={dslice:<5} {direction:<4} used={row.used:<13} ctas={row.ctas:<3} "
+                                  f"{gbps:7.1f} GB/s  ratio {row.ratio:5.3f}", flush=True)
             bench.close()
     finally:
         for k, v in saved.items():
@@ -299,9 +308,9 @@ def to_markdown(report: Report) -> str:
     ]
     groups: dict[tuple, dict] = {}
     for r in report.rows:
-        key = (r["block_bytes"], r["ids"], r["api"], r["path"], r["grid"])
+        key = (r["block_bytes"], r["ids"], r["api"], r["path"], r["grid"], r["kernel"], r["slice"])
         groups.setdefault(key, {})[r["direction"]] = r
-    for (bb, ids, api, path, grid), by_dir in groups.items():
+    for (bb, ids, api, path, grid, variant, dslice), by_dir in groups.items():
         used = "/".join(sorted({r["used"] for r in by_dir.values()}))
         ctas = max(r["ctas"] for r in by_dir.values())
         size = f"{bb // MiB} MiB" if bb >= MiB else f"{bb // KiB} KiB"
@@ -309,7 +318,9 @@ def to_markdown(report: Report) -> str:
         for d in ("h2d", "d2h", "both"):
             r = by_dir.get(d)
             cells.append(f"{r['gbps']:.1f} ({r['ratio']:.3f})" if r else "-")
-        lines.append(f"| {size} | {ids} | {api} | {path} ({used}) | {grid} / {ctas} | " + " | ".join(cells) + " |")
+        knobs = f"k{variant}" if "kernel" in used else (f"slice {dslice}" if "dma" in used else "")
+        lines.append(f"| {size} | {ids} | {api} | {path} ({used}) {knobs} | {grid} / {ctas} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -321,6 +332,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ref-bytes", default="1G")
     parser.add_argument("--grid", type=int, default=8, help="kernel grid cap (FDKV_COPY_GRID) for the main rows")
     parser.add_argument("--grid-sweep", default="4,16,32", help="extra kernel grid caps (all-layers, scattered)")
+    parser.add_argument("--kernel-variants", default="", help="extra kernel variants to sweep, e.g. 1,2,3")
+    parser.add_argument("--dma-slices", default="", help="extra DMA slice sizes to sweep, e.g. 32,8192")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (smoke run)")
@@ -330,6 +343,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.call_bytes = parse_size(args.call_bytes)
     args.ref_bytes = parse_size(args.ref_bytes)
     args.grid_sweep = [int(g) for g in args.grid_sweep.split(",") if g]
+    args.kernel_variants = [int(v) for v in args.kernel_variants.split(",") if v]
+    args.dma_slices = [int(v) for v in args.dma_slices.split(",") if v]
     if args.quick:
         args.sizes, args.iters, args.grid_sweep = [8 * KiB, 512 * KiB], 3, []
         args.call_bytes, args.ref_bytes = 64 * MiB, 256 * MiB

@@ -18,6 +18,8 @@ std::atomic<int64_t> g_copy_grid{-1};
 std::atomic<int64_t> g_copy_path{-1};
 std::atomic<int64_t> g_dma_min_bytes{-1};
 std::atomic<int64_t> g_merge_min_bytes{-1};
+std::atomic<int64_t> g_copy_kernel{-1};
+std::atomic<int64_t> g_dma_slice{-1};
 std::once_flag g_env_once;
 thread_local int t_last_path = 0;
 
@@ -40,8 +42,10 @@ int64_t ParseCopyPath(const char* raw) {
 // Defaults.  NOTE: dma_min_bytes and merge_min_bytes were set from the measurements in
 // docs/benchmarks.md (H100 PCIe Gen5); FDKV_* environment variables override them.
 constexpr int64_t kDefaultGrid = 8;
-constexpr int64_t kDefaultDmaMinBytes = 1 << 20;
-constexpr int64_t kDefaultMergeMinBytes = 256 << 10;
+constexpr int64_t kDefaultDmaMinBytes = 64 << 10;
+constexpr int64_t kDefaultMergeMinBytes = 1 << 20;
+constexpr int64_t kDefaultCopyKernel = 0;
+constexpr int64_t kDefaultDmaSlice = 256;
 
 void InitFromEnv() {
   std::call_once(g_env_once, [] {
@@ -52,6 +56,10 @@ void InitFromEnv() {
     g_dma_min_bytes.store(dma >= 0 ? dma : kDefaultDmaMinBytes);
     int64_t merge = EnvInt("FDKV_MERGE_MIN_BYTES", kDefaultMergeMinBytes);
     g_merge_min_bytes.store(merge >= 0 ? merge : kDefaultMergeMinBytes);
+    int64_t kernel = EnvInt("FDKV_COPY_KERNEL", kDefaultCopyKernel);
+    g_copy_kernel.store(kernel >= 0 && kernel <= 3 ? kernel : kDefaultCopyKernel);
+    int64_t slice = EnvInt("FDKV_DMA_SLICE", kDefaultDmaSlice);
+    g_dma_slice.store(slice >= 1 ? slice : kDefaultDmaSlice);
   });
 }
 
@@ -60,7 +68,7 @@ void InitFromEnv() {
 Options GetOptions() {
   InitFromEnv();
   return Options{g_copy_grid.load(), g_copy_path.load(), g_dma_min_bytes.load(),
-                 g_merge_min_bytes.load()};
+                 g_merge_min_bytes.load(), g_copy_kernel.load(), g_dma_slice.load()};
 }
 
 bool SetOption(const std::string& name, int64_t value) {
@@ -77,6 +85,12 @@ bool SetOption(const std::string& name, int64_t value) {
   } else if (name == "merge_min_bytes") {
     if (value < 0) return false;
     g_merge_min_bytes.store(value);
+  } else if (name == "copy_kernel") {
+    if (value < 0 || value > 3) return false;
+    g_copy_kernel.store(value);
+  } else if (name == "dma_slice") {
+    if (value < 1) return false;
+    g_dma_slice.store(value);
   } else {
     return false;
   }
@@ -89,6 +103,8 @@ bool GetOption(const std::string& name, int64_t* value) {
   else if (name == "copy_path") *value = o.copy_path;
   else if (name == "dma_min_bytes") *value = o.dma_min_bytes;
   else if (name == "merge_min_bytes") *value = o.merge_min_bytes;
+  else if (name == "copy_kernel") *value = o.copy_kernel;
+  else if (name == "dma_slice") *value = o.dma_slice;
   else return false;
   return true;
 }

@@ -71,6 +71,9 @@ struct Options {
   int64_t copy_path;        // FDKV_COPY_PATH: CopyPath
   int64_t dma_min_bytes;    // FDKV_DMA_MIN_BYTES: auto picks DMA when copies are >= this
   int64_t merge_min_bytes;  // FDKV_MERGE_MIN_BYTES: merged runs >= this use cudaMemcpyAsync
+  int64_t copy_kernel;      // FDKV_COPY_KERNEL: kernel variant (0 streaming warp, 1 nc+L2 256B
+                            // prefetch warp, 2 default-cached warp, 3 bulk-copy/TMA pipeline)
+  int64_t dma_slice;        // FDKV_DMA_SLICE: copies per cudaMemcpyBatchAsync call
 };
 Options GetOptions();
 // Returns false if the name is unknown or the value invalid.

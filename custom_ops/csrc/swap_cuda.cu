@@ -27,12 +27,25 @@ namespace fdkv {
     }                                                                                  \
   } while (0)
 
-// ------------------------------------------------------------------------ kernel
+// ------------------------------------------------------------------------ kernels
 namespace {
 
 constexpr int kThreads = 512;           // 16 warps per CTA
 constexpr int kUnroll = 8;              // vectors in flight per lane
 constexpr int64_t kChunkBytes = 8192;   // one warp work item (a block or a slice of one)
+
+// Bulk-copy (TMA) pipeline: one thread per CTA streams chunks through shared memory.
+constexpr int kTmaStages = 8;
+constexpr int64_t kTmaChunkBytes = 16384;
+constexpr int kTmaSmemBytes = kTmaStages * static_cast<int>(kTmaChunkBytes);
+
+// Kernel variants (option "copy_kernel"): how the scattered-block kernel moves bytes.
+enum KernelVariant : int {
+  kWarpStreaming = 0,  // warp per chunk, ld.global.cs / st.global.cs
+  kWarpNcL2Prefetch = 1,  // warp per chunk, ld.global.nc.L1::no_allocate.L2::256B / st.global.cs
+  kWarpDefault = 2,    // warp per chunk, default-cached ld / st
+  kBulkTma = 3,        // cp.async.bulk global->shared->global pipeline, one thread per CTA
+};
 
 struct KLane {
   const char* src;
@@ -40,19 +53,38 @@ struct KLane {
   int64_t src_stride;
   int64_t dst_stride;
   int64_t bytes;
-  int64_t chunks;  // ceil(bytes / kChunkBytes)
 };
 
-// NOTE: loads and stores use the .cs (streaming, evict-first) cache hint: each byte is
-// touched once, and keeping it out of L2 leaves the cache to the concurrent forward pass.
-template <typename V>
-__device__ __forceinline__ V LoadStream(const V* p) { return __ldcs(p); }
-template <typename V>
-__device__ __forceinline__ void StoreStream(V* p, V v) { __stcs(p, v); }
+template <typename V, int kVariant>
+__device__ __forceinline__ V LoadV(const V* p) {
+  if constexpr (kVariant == kWarpStreaming) {
+    return __ldcs(p);
+  } else {
+    return *p;
+  }
+}
+
+template <>
+__device__ __forceinline__ int4 LoadV<int4, kWarpNcL2Prefetch>(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+template <typename V, int kVariant>
+__device__ __forceinline__ void StoreV(V* p, V v) {
+  if constexpr (kVariant == kWarpDefault) {
+    *p = v;
+  } else {
+    __stcs(p, v);
+  }
+}
 
 // Copy `nv` vectors of type V with one warp; kUnroll loads are issued before the first
 // store so each lane keeps kUnroll * sizeof(V) bytes in flight (PCIe latency is ~1-2 us).
-template <typename V>
+template <typename V, int kVariant>
 __device__ __forceinline__ void WarpCopy(const V* __restrict__ src, V* __restrict__ dst,
                                          int64_t nv, int lane) {
   for (int64_t base = 0; base < nv; base += 32 * kUnroll) {
@@ -60,46 +92,151 @@ __device__ __forceinline__ void WarpCopy(const V* __restrict__ src, V* __restric
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * 32 + lane;
-      if (i < nv) r[u] = LoadStream(src + i);
+      if (i < nv) r[u] = LoadV<V, kVariant>(src + i);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * 32 + lane;
-      if (i < nv) StoreStream(dst + i, r[u]);
+      if (i < nv) StoreV<V, kVariant>(dst + i, r[u]);
     }
   }
 }
 
-// Work item g (one warp) = (lane l, pair p, chunk c), flattened lane-major.  Warps walk
-// g in a grid-stride loop; since g only grows, the lane cursor only moves forward.
-template <typename V>
+// Walks work items (lane l, pair p, chunk c), flattened lane-major, in increasing order;
+// since a caller's items only grow, the lane cursor only moves forward.
+template <int64_t kChunk>
+struct ItemCursor {
+  const KLane* lanes;
+  int num_lanes;
+  int64_t n;
+  int l = 0;
+  KLane cur;
+  int64_t chunks = 1;
+  int64_t begin = 0;
+  int64_t end = 0;
+
+  __device__ ItemCursor(const KLane* lanes_, int num_lanes_, int64_t n_)
+      : lanes(lanes_), num_lanes(num_lanes_), n(n_) {
+    cur = lanes[0];
+    chunks = (cur.bytes + kChunk - 1) / kChunk;
+    end = n * chunks;
+  }
+
+  // Source, destination and length of item g.
+  __device__ __forceinline__ void Locate(int64_t g, const int64_t* __restrict__ src_ids,
+                                         const int64_t* __restrict__ dst_ids, const char** s, char** d,
+                                         int64_t* len) {
+    while (g >= end && l + 1 < num_lanes) {
+      ++l;
+      cur = lanes[l];
+      begin = end;
+      chunks = (cur.bytes + kChunk - 1) / kChunk;
+      end += n * chunks;
+    }
+    const int64_t local = g - begin;
+    const int64_t pair = local / chunks;
+    const int64_t off = (local - pair * chunks) * kChunk;
+    *len = min(kChunk, cur.bytes - off);
+    *s = cur.src + src_ids[pair] * cur.src_stride + off;
+    *d = cur.dst + dst_ids[pair] * cur.dst_stride + off;
+  }
+};
+
+template <typename V, int kVariant>
 __global__ void __launch_bounds__(kThreads)
 SwapCopyKernel(const KLane* __restrict__ lanes, int num_lanes, const int64_t* __restrict__ src_ids,
                const int64_t* __restrict__ dst_ids, int64_t n, int64_t total_items) {
   const int lane_id = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
-  int l = 0;
-  KLane cur = lanes[0];
-  int64_t lane_begin = 0;
-  int64_t lane_end = n * cur.chunks;
+  ItemCursor<kChunkBytes> cursor(lanes, num_lanes, n);
   for (int64_t g = warp; g < total_items; g += num_warps) {
-    while (g >= lane_end && l + 1 < num_lanes) {
-      ++l;
-      cur = lanes[l];
-      lane_begin = lane_end;
-      lane_end += n * cur.chunks;
-    }
-    const int64_t local = g - lane_begin;
-    const int64_t pair = local / cur.chunks;
-    const int64_t chunk = local - pair * cur.chunks;
-    const int64_t off = chunk * kChunkBytes;
-    const int64_t len = min(kChunkBytes, cur.bytes - off);
-    const char* s = cur.src + src_ids[pair] * cur.src_stride + off;
-    char* d = cur.dst + dst_ids[pair] * cur.dst_stride + off;
-    WarpCopy<V>(reinterpret_cast<const V*>(s), reinterpret_cast<V*>(d),
-                len / static_cast<int64_t>(sizeof(V)), lane_id);
+    const char* s;
+    char* d;
+    int64_t len;
+    cursor.Locate(g, src_ids, dst_ids, &s, &d, &len);
+    WarpCopy<V, kVariant>(reinterpret_cast<const V*>(s), reinterpret_cast<V*>(d),
+                          len / static_cast<int64_t>(sizeof(V)), lane_id);
   }
+}
+
+// ---- bulk-copy (TMA) pipeline.  Needs 16-byte aligned addresses and sizes.
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// One thread per CTA: kTmaStages chunks in flight from source to shared memory, each
+// drained by a bulk store to the destination as soon as it lands.  Few threads, deep
+// pipeline: the bytes in flight come from the copy engine, not from registers.
+__global__ void __launch_bounds__(32)
+SwapCopyKernelTma(const KLane* __restrict__ lanes, int num_lanes, const int64_t* __restrict__ src_ids,
+                  const int64_t* __restrict__ dst_ids, int64_t n, int64_t total_items) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) char smem[];
+  __shared__ __align__(8) uint64_t bars[kTmaStages];
+  __shared__ char* st_dst[kTmaStages];
+  __shared__ uint32_t st_len[kTmaStages];
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < kTmaStages; ++i) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SmemAddr(&bars[i])));
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+
+  ItemCursor<kTmaChunkBytes> cursor(lanes, num_lanes, n);
+  const int64_t first = blockIdx.x;
+  const int64_t step = gridDim.x;
+  const int64_t count = first < total_items ? (total_items - first + step - 1) / step : 0;
+  uint32_t phase_bits = 0;
+
+  auto issue_load = [&](int64_t k) {
+    const int stage = static_cast<int>(k % kTmaStages);
+    const char* s;
+    char* d;
+    int64_t len;
+    cursor.Locate(first + k * step, src_ids, dst_ids, &s, &d, &len);
+    st_dst[stage] = d;
+    st_len[stage] = static_cast<uint32_t>(len);
+    const uint32_t bar = SmemAddr(&bars[stage]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(static_cast<uint32_t>(len))
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            SmemAddr(smem + stage * kTmaChunkBytes)),
+        "l"(s), "r"(static_cast<uint32_t>(len)), "r"(bar)
+        : "memory");
+  };
+
+  const int64_t prologue = count < kTmaStages ? count : kTmaStages;
+  for (int64_t k = 0; k < prologue; ++k) issue_load(k);
+  for (int64_t k = 0; k < count; ++k) {
+    const int stage = static_cast<int>(k % kTmaStages);
+    const uint32_t bar = SmemAddr(&bars[stage]);
+    const uint32_t parity = (phase_bits >> stage) & 1u;
+    uint32_t done = 0;
+    while (!done) {
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(bar), "r"(parity)
+          : "memory");
+    }
+    phase_bits ^= 1u << stage;
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(st_dst[stage]),
+                 "r"(SmemAddr(smem + stage * kTmaChunkBytes)), "r"(st_len[stage])
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    // Refill the previous stage once its store has finished reading shared memory.
+    if (k >= 1 && k - 1 + kTmaStages < count) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      issue_load(k - 1 + kTmaStages);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#else
+  (void)lanes; (void)num_lanes; (void)src_ids; (void)dst_ids; (void)n; (void)total_items;
+  __trap();  // launcher never selects this variant below sm_90
+#endif
 }
 
 // Widest access (16, 8, 4, 2 or 1 bytes) that every base, stride and size allows.  Block
@@ -217,31 +354,64 @@ ScratchRing& RingForCurrentDevice() {
 size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 // ------------------------------------------------------------------------ launchers
-void LaunchKernel(const std::vector<LaneDesc>& lanes, const int64_t* src_ids,
-                  const int64_t* dst_ids, int64_t n, cudaStream_t stream, int64_t grid_cap) {
+bool TmaSupportedOnCurrentDevice() {
+  static int cached[64] = {};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  FDKV_CUDA_CHECK(cudaGetDevice(&dev));
+  int& c = cached[dev & 63];
+  if (c == 0) {
+    int major = 0;
+    FDKV_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    bool ok = major >= 9;
+    if (ok) {
+      ok = cudaFuncSetAttribute(SwapCopyKernelTma, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmemBytes) ==
+           cudaSuccess;
+      (void)cudaGetLastError();
+    }
+    c = ok ? 1 : 2;
+  }
+  return c == 1;
+}
+
+template <int kVariant>
+void LaunchWarpKernel(int width, int grid, cudaStream_t stream, const KLane* d_lanes, int nl,
+                      const int64_t* d_src, const int64_t* d_dst, int64_t n, int64_t items) {
+  switch (width) {
+    case 16: SwapCopyKernel<int4, kVariant><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, items); break;
+    case 8: SwapCopyKernel<long long, kVariant><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, items); break;
+    case 4: SwapCopyKernel<int, kVariant><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, items); break;
+    case 2: SwapCopyKernel<short, kVariant><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, items); break;
+    default: SwapCopyKernel<char, kVariant><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, items); break;
+  }
+}
+
+int64_t CountItems(const std::vector<LaneDesc>& lanes, int64_t n, int64_t chunk) {
+  int64_t items = 0;
+  for (const LaneDesc& l : lanes) items += n * ((l.bytes + chunk - 1) / chunk);
+  return items;
+}
+
+void LaunchKernel(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
+                  int64_t n, cudaStream_t stream, int64_t grid_cap, int64_t variant) {
   const size_t lane_bytes = AlignUp(lanes.size() * sizeof(KLane), 16);
   const size_t ids_bytes = static_cast<size_t>(n) * sizeof(int64_t);
   const size_t total = lane_bytes + 2 * AlignUp(ids_bytes, 16);
+  const int width = VectorWidth(lanes);
+  // NOTE: the bulk-copy variant needs 16-byte granularity and sm_90; anything else takes
+  // the warp kernel, which handles every width.
+  if (variant == kBulkTma && (width != 16 || !TmaSupportedOnCurrentDevice())) variant = kWarpStreaming;
+
   ScratchRing& ring = RingForCurrentDevice();
   ScratchSlot* slot = ring.Acquire(total);
-
   KLane* h_lanes = reinterpret_cast<KLane*>(slot->host);
-  int64_t total_items = 0;
   for (size_t i = 0; i < lanes.size(); ++i) {
     const LaneDesc& l = lanes[i];
-    const int64_t chunks = (l.bytes + kChunkBytes - 1) / kChunkBytes;
-    h_lanes[i] = KLane{l.src, l.dst, l.src_stride, l.dst_stride, l.bytes, chunks};
-    total_items += n * chunks;
+    h_lanes[i] = KLane{l.src, l.dst, l.src_stride, l.dst_stride, l.bytes};
   }
   char* h_src = slot->host + lane_bytes;
   char* h_dst = h_src + AlignUp(ids_bytes, 16);
   std::memcpy(h_src, src_ids, ids_bytes);
   std::memcpy(h_dst, dst_ids, ids_bytes);
-
-  const int64_t warps_per_cta = kThreads / 32;
-  const int64_t want = (total_items + warps_per_cta - 1) / warps_per_cta;
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min(grid_cap, want)));
-  const int width = VectorWidth(lanes);
 
   try {
     FDKV_CUDA_CHECK(cudaMemcpyAsync(slot->dev, slot->host, total, cudaMemcpyHostToDevice, stream));
@@ -249,12 +419,22 @@ void LaunchKernel(const std::vector<LaneDesc>& lanes, const int64_t* src_ids,
     const int64_t* d_src = reinterpret_cast<const int64_t*>(slot->dev + lane_bytes);
     const int64_t* d_dst = reinterpret_cast<const int64_t*>(slot->dev + lane_bytes + AlignUp(ids_bytes, 16));
     const int nl = static_cast<int>(lanes.size());
-    switch (width) {
-      case 16: SwapCopyKernel<int4><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, total_items); break;
-      case 8: SwapCopyKernel<long long><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, total_items); break;
-      case 4: SwapCopyKernel<int><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, total_items); break;
-      case 2: SwapCopyKernel<short><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, total_items); break;
-      default: SwapCopyKernel<char><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, total_items); break;
+    if (variant == kBulkTma) {
+      const int64_t items = CountItems(lanes, n, kTmaChunkBytes);
+      const int grid = static_cast<int>(std::max<int64_t>(1, std::min(grid_cap, items)));
+      SwapCopyKernelTma<<<grid, 32, kTmaSmemBytes, stream>>>(d_lanes, nl, d_src, d_dst, n, items);
+    } else {
+      const int64_t items = CountItems(lanes, n, kChunkBytes);
+      const int64_t warps_per_cta = kThreads / 32;
+      const int grid = static_cast<int>(
+          std::max<int64_t>(1, std::min(grid_cap, (items + warps_per_cta - 1) / warps_per_cta)));
+      if (variant == kWarpNcL2Prefetch) {
+        LaunchWarpKernel<kWarpNcL2Prefetch>(width, grid, stream, d_lanes, nl, d_src, d_dst, n, items);
+      } else if (variant == kWarpDefault) {
+        LaunchWarpKernel<kWarpDefault>(width, grid, stream, d_lanes, nl, d_src, d_dst, n, items);
+      } else {
+        LaunchWarpKernel<kWarpStreaming>(width, grid, stream, d_lanes, nl, d_src, d_dst, n, items);
+      }
     }
     FDKV_CUDA_CHECK(cudaGetLastError());
   } catch (...) {
@@ -280,7 +460,7 @@ bool DmaBatchAvailable(cudaStream_t stream) {
 #endif
 }
 
-void LaunchDmaBatch(const std::vector<Copy>& copies, int mode, cudaStream_t stream) {
+void LaunchDmaBatch(const std::vector<Copy>& copies, int mode, cudaStream_t stream, size_t slice) {
 #if CUDART_VERSION >= 12080
   thread_local std::vector<void*> dsts;
   thread_local std::vector<const void*> srcs;
@@ -298,8 +478,9 @@ void LaunchDmaBatch(const std::vector<Copy>& copies, int mode, cudaStream_t stre
   attr.srcLocHint = mode == kDeviceToHost ? dev_loc : host_loc;
   attr.dstLocHint = mode == kDeviceToHost ? host_loc : dev_loc;
   size_t attr_idx = 0;
-  // NOTE: batches are issued in slices so one huge call cannot hit a driver limit.
-  constexpr size_t kSlice = 8192;
+  // NOTE: the batch is issued in slices: the copy engines start on the first slice while
+  // the driver still processes the next, instead of waiting for one huge call.
+  const size_t kSlice = std::max<size_t>(1, slice);
   for (size_t begin = 0; begin < copies.size(); begin += kSlice) {
     const size_t count = std::min(kSlice, copies.size() - begin);
     dsts.resize(count);
@@ -323,6 +504,7 @@ void LaunchDmaBatch(const std::vector<Copy>& copies, int mode, cudaStream_t stre
   (void)copies;
   (void)mode;
   (void)stream;
+  (void)slice;
   throw CudaFailure("fdkv: cudaMemcpyBatchAsync needs CUDA >= 12.8");
 #endif
 }
@@ -364,7 +546,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
                               static_cast<size_t>(r.count * l.bytes)});
       }
     }
-    LaunchDmaBatch(copies, mode, stream);
+    LaunchDmaBatch(copies, mode, stream, static_cast<size_t>(opts.dma_slice));
     return kPathDma;
   }
 
@@ -390,7 +572,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   }
   if (!k_src.empty()) {
     LaunchKernel(lanes, k_src.data(), k_dst.data(), static_cast<int64_t>(k_src.size()), stream,
-                 opts.copy_grid);
+                 opts.copy_grid, opts.copy_kernel);
     used |= kPathKernel;
   }
   return used;

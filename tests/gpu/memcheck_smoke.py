@@ -19,8 +19,10 @@ def main() -> int:
     stream = cp.cuda.Stream(non_blocking=True)
     num_dev, num_host = 16, 20
     ptrs = []
-    for path in (1, 2, 0):  # kernel, dma, auto
+    # (copy_path, copy_kernel): every kernel variant, the DMA batch, and auto.
+    for path, kernel in ((1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (0, 0)):
         capi.set_option("copy_path", path)
+        capi.set_option("copy_kernel", kernel)
         for bb in (4096, 24, 6, 1 << 20):
             dev = cp.asarray(rng.integers(0, 256, (num_dev, bb), dtype=np.uint8))
             hp = capi.host_alloc(num_host * bb)
