@@ -176,8 +176,12 @@ def main() -> int:
             for layer in range(args.layers):
                 layer_compute(layer)
 
+        submit_s: list[float] = []
+
         def overlapped() -> None:
+            t0 = time.perf_counter()
             counter = ctrl.submit_swap_tasks(None, load_meta())
+            submit_s.append(time.perf_counter() - t0)
             for layer in range(args.layers):
                 counter.wait_for_layer(layer)
                 layer_compute(layer)
@@ -220,6 +224,7 @@ def main() -> int:
         run = {
             "copy_path": path, "matmul_n": n, "T_c_ms": t_c * 1e3, "T_l_ms": t_l * 1e3, "T_o_ms": t_o * 1e3,
             "hidden_fraction": hidden, "load_GBps": load_bytes / t_l / 1e9,
+            "submit_host_us_per_layer": statistics.median(submit_s) / args.layers * 1e6,
             "load_ratio_to_contiguous": load_bytes / t_l / 1e9 / contiguous_h2d,
             "evict_GBps": n_blocks * config.bytes_per_block / t_e / 1e9,
             "evictions_queued": n_evicts, "T_c_under_evictions_ms": t_ce * 1e3,
@@ -237,7 +242,7 @@ def main() -> int:
           f"contiguous pinned H2D (1 GiB cudaMemcpyAsync, this run) = {contiguous_h2d:.1f} GB/s")
     cols = ["copy_path", "matmul_n", "T_c_ms", "T_l_ms", "T_o_ms", "hidden_fraction", "load_GBps",
             "load_ratio_to_contiguous", "evict_GBps", "compute_slowdown_under_evictions",
-            "fence_delay_ms"]
+            "fence_delay_ms", "submit_host_us_per_layer"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for run in results["runs"]:

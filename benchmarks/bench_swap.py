@@ -52,6 +52,7 @@ class Row:
     grid: int           # kernel grid cap for this row
     kernel: int         # kernel variant (copy_kernel option)
     slice: int          # copies per cudaMemcpyBatchAsync call (dma_slice option)
+    tables: int         # kernel_tables option (0 device copy, 1 read from pinned memory)
     direction: str      # h2d | d2h | both
     used: str = ""      # path(s) the op reported
     ctas: int = 0       # CTAs (= SMs at most) the kernel launched; 0 for DMA / memcpy
@@ -240,33 +241,45 @@ def run(args: argparse.Namespace) -> Optional[Report]:
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     report = Report(device=name, sms=int(props["multiProcessorCount"]), date=_dt.date.today().isoformat(),
                     layers=args.layers, call_bytes=args.call_bytes)
-    report.reference = measure_reference(cp, capi, args.ref_bytes, args.warmup, args.iters)
+    # NOTE: the link's speed drifts by a few percent between measurements, so the limit is
+    # the median of three reference runs, and it is measured again at the end to show drift.
+    refs = [measure_reference(cp, capi, args.ref_bytes, args.warmup, args.iters) for _ in range(3)]
+    report.reference = {k: statistics.median(r[k] for r in refs) for k in refs[0]}
+    report.reference["runs"] = refs
     ref = report.reference
     print(f"device: {name}, {report.sms} SMs; reference (contiguous pinned cudaMemcpyAsync, "
           f"{args.ref_bytes / GiB:.2f} GiB): H2D {ref['h2d_gbps']:.1f} GB/s, D2H {ref['d2h_gbps']:.1f} GB/s, "
           f"both {ref['both_gbps']:.1f} GB/s", flush=True)
 
-    option_names = ("copy_path", "copy_grid", "copy_kernel", "dma_slice")
+    option_names = ("copy_path", "copy_grid", "copy_kernel", "dma_slice", "kernel_tables")
     saved = {k: capi.get_option(k) for k in option_names}
-    base_kernel, base_slice = saved["copy_kernel"], saved["dma_slice"]
+    base_kernel, base_slice, base_tables = saved["copy_kernel"], saved["dma_slice"], saved["kernel_tables"]
     s_h2d, s_d2h = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     limits = {"h2d": ref["h2d_gbps"], "d2h": ref["d2h_gbps"], "both": ref["both_gbps"]}
-    # (path, grid, kernel variant, dma slice, full matrix?)  Sweeps run only all-layers
-    # with scattered ids.
-    configs = [(p, args.grid, base_kernel, base_slice, True) for p in ("auto", "kernel", "dma")]
-    configs += [("kernel", g, base_kernel, base_slice, False) for g in args.grid_sweep if g != args.grid]
-    configs += [("kernel", args.grid, v, base_slice, False) for v in args.kernel_variants if v != base_kernel]
-    configs += [("dma", args.grid, base_kernel, sl, False) for sl in args.dma_slices if sl != base_slice]
+    # (path, grid, kernel variant, dma slice, kernel tables, scope)  scope "full" runs the
+    # whole matrix; sweeps run scattered ids, all-layers (the table sweep: per-layer too).
+    configs = [(p, args.grid, base_kernel, base_slice, base_tables, "full") for p in ("auto", "kernel", "dma")]
+    configs += [("kernel", g, base_kernel, base_slice, base_tables, "sweep") for g in args.grid_sweep
+                if g != args.grid]
+    configs += [("kernel", args.grid, v, base_slice, base_tables, "sweep") for v in args.kernel_variants
+                if v != base_kernel]
+    configs += [("dma", args.grid, base_kernel, sl, base_tables, "sweep") for sl in args.dma_slices
+                if sl != base_slice]
+    if args.tables_sweep:
+        configs += [("kernel", args.grid, base_kernel, base_slice, 1 - base_tables, "per_layer")]
     try:
         for bb in args.sizes:
             bench = SizeBench(cp, capi, args.layers, bb, args.call_bytes, seed=bb)
-            for path, grid, variant, dslice, full in configs:
+            for path, grid, variant, dslice, tables, scope in configs:
+                if scope != "full" and path == "kernel" and bb >= args.kernel_max_bytes:
+                    continue  # kernel sweeps only where auto picks the kernel
                 capi.set_option("copy_path", COPY_PATH[path])
                 capi.set_option("copy_grid", grid)
                 capi.set_option("copy_kernel", variant)
                 capi.set_option("dma_slice", dslice)
-                for ids in ("scattered", "consecutive") if full else ("scattered",):
-                    for api in ("all_layers", "per_layer") if full else ("all_layers",):
+                capi.set_option("kernel_tables", tables)
+                for ids in ("scattered", "consecutive") if scope == "full" else ("scattered",):
+                    for api in ("all_layers", "per_layer") if scope in ("full", "per_layer") else ("all_layers",):
                         for direction in ("h2d", "d2h", "both"):
                             issue = bench.issue(api, direction, ids, s_h2d, s_d2h)
                             streams = [s_h2d, s_d2h] if direction == "both" else [s_h2d if direction == "h2d" else s_d2h]
@@ -280,37 +293,47 @@ def run(args: argparse.Namespace) -> Optional[Report]:
                             ctas = 0
                             if used & ops.PATH_KERNEL:
                                 ctas = kernel_ctas(api, bench.n, args.layers, bb, grid, variant)
-                            row = Row(bb, ids, api, path, grid, variant, dslice, PATH_NAMES.get(used, str(used)),
-                                      ctas, gbps, gbps / limits[direction], ms, nbytes)
+                            row = Row(bb, ids, api, path, grid, variant, dslice, tables, direction,
+                                      PATH_NAMES.get(used, str(used)), ctas, gbps, gbps / limits[direction], ms,
+                                      nbytes)
                             report.rows.append(asdict(row))
                             print(f"{bb // KiB:>5} KiB {ids:<11} {api:<10} {path:<6} grid={grid:<3} k={variant} "
-                                  f"slice={dslice:<5} {direction:<4} used={row.used:<13} ctas={row.ctas:<3} "
+                                  f"slice={dslice:<5} t={tables} {direction:<4} used={row.used:<13} ctas={row.ctas:<3} "
                                   f"{gbps:7.1f} GB/s  ratio {row.ratio:5.3f}", flush=True)
             bench.close()
     finally:
         for k, v in saved.items():
             capi.set_option(k, v)
+    end_ref = measure_reference(cp, capi, args.ref_bytes, args.warmup, args.iters)
+    report.reference["end"] = end_ref
+    print(f"reference again at the end: H2D {end_ref['h2d_gbps']:.1f}, D2H {end_ref['d2h_gbps']:.1f}, "
+          f"both {end_ref['both_gbps']:.1f} GB/s", flush=True)
     return report
 
 
 def to_markdown(report: Report) -> str:
     ref = report.reference
+    runs = ref.get("runs", [])
+    spread = ", ".join(f"{r['h2d_gbps']:.1f}/{r['d2h_gbps']:.1f}/{r['both_gbps']:.1f}" for r in runs)
+    end = ref.get("end")
     lines = [
         f"Device: {report.device} ({report.sms} SMs), {report.date}; {report.layers} layers, "
         f"~{report.call_bytes / MiB:.0f} MiB per direction per measurement, median of events.",
         "",
         f"Limits measured in the same run (contiguous pinned `cudaMemcpyAsync`, {ref['bytes'] / GiB:.0f} GiB): "
         f"H2D {ref['h2d_gbps']:.1f} GB/s, D2H {ref['d2h_gbps']:.1f} GB/s, both directions on two streams "
-        f"{ref['both_gbps']:.1f} GB/s.",
+        f"{ref['both_gbps']:.1f} GB/s (3 runs H2D/D2H/both: {spread}"
+        + (f"; again at the end: {end['h2d_gbps']:.1f}/{end['d2h_gbps']:.1f}/{end['both_gbps']:.1f}" if end else "")
+        + ").",
         "",
         "| block | ids | api | path (used) | grid cap / CTAs | H2D GB/s (ratio) | D2H GB/s (ratio) | both GB/s (ratio) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple, dict] = {}
     for r in report.rows:
-        key = (r["block_bytes"], r["ids"], r["api"], r["path"], r["grid"], r["kernel"], r["slice"])
+        key = (r["block_bytes"], r["ids"], r["api"], r["path"], r["grid"], r["kernel"], r["slice"], r["tables"])
         groups.setdefault(key, {})[r["direction"]] = r
-    for (bb, ids, api, path, grid, variant, dslice), by_dir in groups.items():
+    for (bb, ids, api, path, grid, variant, dslice, tables), by_dir in groups.items():
         used = "/".join(sorted({r["used"] for r in by_dir.values()}))
         ctas = max(r["ctas"] for r in by_dir.values())
         size = f"{bb // MiB} MiB" if bb >= MiB else f"{bb // KiB} KiB"
@@ -318,7 +341,7 @@ def to_markdown(report: Report) -> str:
         for d in ("h2d", "d2h", "both"):
             r = by_dir.get(d)
             cells.append(f"{r['gbps']:.1f} ({r['ratio']:.3f})" if r else "-")
-        knobs = f"k{variant}" if "kernel" in used else (f"slice {dslice}" if "dma" in used else "")
+        knobs = f"k{variant} t{tables}" if "kernel" in used else (f"slice {dslice}" if "dma" in used else "")
         lines.append(f"| {size} | {ids} | {api} | {path} ({used}) {knobs} | {grid} / {ctas} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -334,7 +357,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--grid-sweep", default="4,16,32", help="extra kernel grid caps (all-layers, scattered)")
     parser.add_argument("--kernel-variants", default="", help="extra kernel variants to sweep, e.g. 1,2,3")
     parser.add_argument("--dma-slices", default="", help="extra DMA slice sizes to sweep, e.g. 32,8192")
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--tables-sweep", action="store_true", help="also time the other kernel_tables mode")
+    parser.add_argument("--kernel-max-bytes", default="64K", help="skip kernel sweeps at block sizes >= this")
+    parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (smoke run)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "build/bench")
@@ -342,6 +367,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     args.call_bytes = parse_size(args.call_bytes)
     args.ref_bytes = parse_size(args.ref_bytes)
+    args.kernel_max_bytes = parse_size(args.kernel_max_bytes)
     args.grid_sweep = [int(g) for g in args.grid_sweep.split(",") if g]
     args.kernel_variants = [int(v) for v in args.kernel_variants.split(",") if v]
     args.dma_slices = [int(v) for v in args.dma_slices.split(",") if v]

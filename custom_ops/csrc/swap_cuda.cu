@@ -392,7 +392,7 @@ int64_t CountItems(const std::vector<LaneDesc>& lanes, int64_t n, int64_t chunk)
 }
 
 void LaunchKernel(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
-                  int64_t n, cudaStream_t stream, int64_t grid_cap, int64_t variant) {
+                  int64_t n, cudaStream_t stream, int64_t grid_cap, int64_t variant, bool tables_in_host) {
   const size_t lane_bytes = AlignUp(lanes.size() * sizeof(KLane), 16);
   const size_t ids_bytes = static_cast<size_t>(n) * sizeof(int64_t);
   const size_t total = lane_bytes + 2 * AlignUp(ids_bytes, 16);
@@ -414,10 +414,17 @@ void LaunchKernel(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, co
   std::memcpy(h_dst, dst_ids, ids_bytes);
 
   try {
-    FDKV_CUDA_CHECK(cudaMemcpyAsync(slot->dev, slot->host, total, cudaMemcpyHostToDevice, stream));
-    const KLane* d_lanes = reinterpret_cast<const KLane*>(slot->dev);
-    const int64_t* d_src = reinterpret_cast<const int64_t*>(slot->dev + lane_bytes);
-    const int64_t* d_dst = reinterpret_cast<const int64_t*>(slot->dev + lane_bytes + AlignUp(ids_bytes, 16));
+    // The kernel reads its lane and id tables either from a device copy (one extra small
+    // cudaMemcpyAsync ahead of it on the stream) or straight from the pinned staging
+    // buffer (no copy: each warp pays one PCIe round trip per item for its ids).
+    const char* tables = slot->host;
+    if (!tables_in_host) {
+      FDKV_CUDA_CHECK(cudaMemcpyAsync(slot->dev, slot->host, total, cudaMemcpyHostToDevice, stream));
+      tables = slot->dev;
+    }
+    const KLane* d_lanes = reinterpret_cast<const KLane*>(tables);
+    const int64_t* d_src = reinterpret_cast<const int64_t*>(tables + lane_bytes);
+    const int64_t* d_dst = reinterpret_cast<const int64_t*>(tables + lane_bytes + AlignUp(ids_bytes, 16));
     const int nl = static_cast<int>(lanes.size());
     if (variant == kBulkTma) {
       const int64_t items = CountItems(lanes, n, kTmaChunkBytes);
@@ -572,7 +579,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   }
   if (!k_src.empty()) {
     LaunchKernel(lanes, k_src.data(), k_dst.data(), static_cast<int64_t>(k_src.size()), stream,
-                 opts.copy_grid, opts.copy_kernel);
+                 opts.copy_grid, opts.copy_kernel, opts.kernel_tables != 0);
     used |= kPathKernel;
   }
   return used;

@@ -16,7 +16,7 @@ NUM_DEV, NUM_HOST = 40, 48
 
 @pytest.fixture
 def options(capi):
-    names = ("copy_path", "copy_kernel", "copy_grid", "dma_slice")
+    names = ("copy_path", "copy_kernel", "copy_grid", "dma_slice", "kernel_tables")
     saved = {k: capi.get_option(k) for k in names}
     yield capi.set_option
     for k, v in saved.items():
@@ -27,8 +27,11 @@ def options(capi):
 @pytest.mark.parametrize("block_bytes", [4096, 16400, 24, 256 << 10])
 @pytest.mark.parametrize("grid", [1, 8])
 @pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
-def test_kernel_variants_all_layers(cupy, capi, pinned, cuda_stream, options, variant, block_bytes, grid, mode) -> None:
+@pytest.mark.parametrize("tables", [0, 1])
+def test_kernel_variants_all_layers(cupy, capi, pinned, cuda_stream, options, variant, block_bytes, grid, mode,
+                                    tables) -> None:
     options("copy_path", 1)
+    options("kernel_tables", tables)
     options("copy_kernel", variant)
     options("copy_grid", grid)
     rng = np.random.default_rng(variant * 100 + grid)

@@ -1,0 +1,430 @@
+"""Scheduler-side cost of the cache manager (CPU only; no Paddle, no GPU).
+
+Workload: multi-turn conversations that share a handful of system prompts.  Each
+request is one turn: the conversation so far plus a new user message, 1k to 32k
+tokens, block size 64.  A simple engine loop admits requests (match_prefix +
+allocate_device_blocks), decodes one block per step per request (another
+allocate_device_blocks call each time a block fills up), finishes them
+(request_finish), and acts as a worker that confirms every copy (complete_swap).
+Device and host are sized so that the conversations do not fit on device: cold
+turns are evicted, then come back as host hits.
+
+Reported, all from the same run:
+* microseconds per match_prefix (with and without the lazy hashing), per
+  allocate_device_blocks and per request_finish (mean and p99);
+* eviction cost per evicted block with 10k and with 100k cached blocks, and their
+  ratio (must be <= 1.5: the LRU leaf heap is O(log n), no scan);
+* hashing throughput of the chained xxh3-128 block hash against pickle + sha256 over
+  the same tokens (target >= 5x);
+* the share of swap ids that continue a consecutive run, per direction.
+
+Usage: python benchmarks/bench_scheduler.py [--requests 10000] [--docs docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import logging
+import pickle
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from fastdeploy_kvcache.config import CacheConfig  # noqa: E402
+from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError, consecutive_share  # noqa: E402
+from fastdeploy_kvcache.core.cache_manager import CacheManager  # noqa: E402
+from fastdeploy_kvcache.core.hashing import ROOT_HASH, BlockHasher  # noqa: E402
+from fastdeploy_kvcache.core.metadata import CacheLevel  # noqa: E402
+from fastdeploy_kvcache.core.request import BatchRequest, Request  # noqa: E402
+
+BLOCK = 64
+VOCAB = 32000
+
+
+# ---------------------------------------------------------------------- workload
+@dataclass
+class Conversation:
+    cid: int
+    tokens: list[int]
+    turns: int = 0
+
+
+@dataclass
+class Timings:
+    match: list[float] = field(default_factory=list)
+    match_hash: list[float] = field(default_factory=list)
+    alloc: list[float] = field(default_factory=list)
+    finish: list[float] = field(default_factory=list)
+    swap_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_swap_runs: dict[str, int] = field(default_factory=dict)
+
+
+def _rand_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def _record_ids(t: Timings, key: str, ids: list[int]) -> None:
+    if ids:
+        t.swap_ids.setdefault(key, []).extend(ids)
+        # a run boundary between copies of different steps does not count as a break
+        t.num_swap_runs[key] = t.num_swap_runs.get(key, 0) + 1
+
+
+def _id_share(t: Timings, key: str) -> float:
+    """Consecutive pairs / (ids - copies): the share of ids that extend their run."""
+    ids = t.swap_ids.get(key, [])
+    if len(ids) < 2:
+        return float("nan")
+    # recompute per copy so that the boundary between two copies is not counted
+    return t._shares[key] if hasattr(t, "_shares") else consecutive_share(ids)
+
+
+def run_workload(args: argparse.Namespace, policy: str, log: logging.Logger) -> tuple[Timings, dict, float]:
+    rng = random.Random(args.seed)
+    cfg = CacheConfig(
+        block_size=BLOCK,
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        num_gpu_blocks=args.device_blocks,
+        num_host_blocks=args.host_blocks,
+        write_policy=policy,
+        write_through_threshold=2,
+    )
+    mgr = CacheManager(cfg)
+    system_prompts = [_rand_tokens(rng, rng.randint(1024, 4096)) for _ in range(args.system_prompts)]
+    next_cid = 0
+
+    def new_conversation() -> Conversation:
+        nonlocal next_cid
+        next_cid += 1
+        sp = system_prompts[rng.randrange(len(system_prompts))]
+        return Conversation(next_cid, list(sp))
+
+    idle: list[Conversation] = [new_conversation() for _ in range(args.conversations)]
+    waiting: list[tuple[Request, Conversation, int]] = []
+    running: dict[str, tuple[Request, Conversation, int]] = {}
+    t = Timings()
+    copy_pairs: dict[str, list[list[int]]] = {}
+    issued = 0
+    finished = 0
+    step = 0
+    t0 = time.perf_counter()
+    pc = time.perf_counter_ns
+
+    def complete(meta) -> None:
+        if meta is None:
+            return
+        key = f"{meta.src_type.name}->{meta.dst_type.name}"
+        copy_pairs.setdefault(key + " src", []).append(list(meta.src_block_ids))
+        copy_pairs.setdefault(key + " dst", []).append(list(meta.dst_block_ids))
+        meta.mark_done(True)
+        mgr.complete_swap(meta)
+
+    while finished < args.requests:
+        # New turns from idle conversations.
+        while issued < args.requests and idle and len(waiting) < args.max_running:
+            conv = idle.pop(rng.randrange(len(idle)))
+            user = _rand_tokens(rng, rng.randint(128, 2048))
+            prompt = conv.tokens + user
+            if len(prompt) > 32 * 1024 - 1024:
+                conv = new_conversation()
+                prompt = conv.tokens + user
+            out_len = rng.randint(64, 768)
+            issued += 1
+            waiting.append((Request(f"c{conv.cid}t{conv.turns}", prompt), conv, out_len))
+        # Admit.
+        still = []
+        for item in waiting:
+            req = item[0]
+            if len(running) >= args.max_running:
+                still.append(item)
+                continue
+            if not req._hasher:  # time one match including the lazy hashing
+                a = pc()
+                m = mgr.match_prefix(req)
+                t.match_hash.append(pc() - a)
+            a = pc()
+            m = mgr.match_prefix(req)
+            t.match.append(pc() - a)
+            n = -(-req.num_total_tokens // BLOCK) - m.num_device_blocks
+            if not mgr.can_allocate_device_blocks(n):
+                still.append(item)
+                continue
+            try:
+                a = pc()
+                mgr.allocate_device_blocks(req, n)
+                t.alloc.append(pc() - a)
+            except NoFreeBlocksError:
+                still.append(item)
+                continue
+            req.num_computed_tokens = req.num_total_tokens  # prefill in this step
+            running[req.request_id] = item
+        waiting = still
+        # Decode: one block of output per running request per step.
+        done = []
+        for rid, (req, conv, out_len) in running.items():
+            if req.num_computed_tokens < req.num_total_tokens:
+                continue  # admitted this step
+            add = min(BLOCK, out_len - len(req.output_token_ids))
+            if add <= 0:
+                done.append(rid)
+                continue
+            req.output_token_ids.extend(_rand_tokens(rng, add))
+            need = -(-req.num_total_tokens // BLOCK) - len(req.block_tables)
+            if need > 0:
+                try:
+                    a = pc()
+                    mgr.allocate_device_blocks(req, need)
+                    t.alloc.append(pc() - a)
+                except NoFreeBlocksError:
+                    req.output_token_ids = req.output_token_ids[:-add]
+                    done.append(rid)  # cut the answer short rather than preempt
+                    continue
+            req.num_computed_tokens = req.num_total_tokens - 1  # the last token's KV comes next step
+        batch = BatchRequest(r for r, _, _ in running.values())
+        batch.append_evict_metadata(mgr.issue_pending_backup_to_batch_request())
+        complete(batch.cache_evict_metadata)
+        complete(batch.cache_swap_metadata)
+        for rid in done:
+            req, conv, _ = running.pop(rid)
+            a = pc()
+            mgr.request_finish(req)
+            t.finish.append(pc() - a)
+            conv.tokens = req.all_token_ids
+            conv.turns += 1
+            idle.append(conv)
+            finished += 1
+        step += 1
+        if step % 500 == 0:
+            log.info("step %d: %d/%d finished, stats %s", step, finished, args.requests,
+                     {k: v for k, v in mgr.get_stats().items() if k in ("hit_rate", "device_evictions", "swap_in_blocks")})
+    elapsed = time.perf_counter() - t0
+    # Consecutive share per direction: within each copy, pairs (i, i+1) with id+1.
+    shares = {}
+    for key, copies in copy_pairs.items():
+        pairs = sum(max(len(c) - 1, 0) for c in copies)
+        cont = sum(1 for c in copies for x, y in zip(c, c[1:]) if y == x + 1)
+        shares[key] = (cont / pairs if pairs else float("nan"), sum(len(c) for c in copies), len(copies))
+    t._shares = shares  # type: ignore[attr-defined]
+    stats = mgr.get_stats()
+    mgr.check_invariants()
+    return t, stats, elapsed
+
+
+# ---------------------------------------------------------------------- eviction scaling
+def eviction_cost(num_cached: int, policy: str, evictions: int, seed: int) -> float:
+    """Microseconds per evicted block with ``num_cached`` cached device blocks."""
+    rng = random.Random(seed)
+    chain_blocks = 64
+    num_chains = num_cached // chain_blocks
+    total = num_chains * chain_blocks
+    cfg = CacheConfig(block_size=BLOCK, num_gpu_blocks=total + chain_blocks, num_host_blocks=2 * total,
+                      write_policy=policy)
+    mgr = CacheManager(cfg)
+    for c in range(num_chains):
+        # distinct conversations sharing nothing, so every chain is a 64-node path
+        req = Request(f"fill{c}", [c * 100003 + i for i in range(chain_blocks * BLOCK)])
+        mgr.allocate_device_blocks(req, chain_blocks)
+        req.num_computed_tokens = req.num_total_tokens
+        mgr.request_finish(req)
+    # reorder the LRU: hit a random half of the chains again (no new blocks)
+    for c in rng.sample(range(num_chains), num_chains // 2):
+        req = Request(f"hit{c}", [c * 100003 + i for i in range(chain_blocks * BLOCK)] + [1])
+        m = mgr.match_prefix(req)
+        mgr.allocate_device_blocks(req, 1)
+        req.num_computed_tokens = m.num_matched_tokens
+        mgr.request_finish(req)
+    meta = mgr.issue_pending_backup_to_batch_request()
+    while meta is not None:
+        meta.mark_done(True)
+        mgr.complete_swap(meta)
+        meta = mgr.issue_pending_backup_to_batch_request()
+    assert mgr.get_stats()["device_blocks_cached"] >= total - 1
+    # Fill the free blocks so every further block costs one eviction.
+    filler = Request("filler", [7] * (mgr.device_pool.num_free * BLOCK))
+    mgr.allocate_device_blocks(filler, mgr.device_pool.num_free)
+    per_call = 16
+    calls = evictions // per_call
+    reqs = [Request(f"ev{i}", [3, i]) for i in range(calls)]
+    gc.collect()
+    gc.disable()
+    try:
+        before = mgr.get_stats()["device_evictions"]
+        a = time.perf_counter_ns()
+        for req in reqs:
+            mgr.allocate_device_blocks(req, per_call)
+        elapsed = time.perf_counter_ns() - a
+    finally:
+        gc.enable()
+    done = mgr.get_stats()["device_evictions"] - before
+    assert done == calls * per_call, (done, calls * per_call)
+    return elapsed / done / 1000.0
+
+
+# ---------------------------------------------------------------------- hashing
+def hashing_throughput(num_tokens: int, seed: int) -> tuple[float, float]:
+    """Tokens/s of the chained xxh3 hasher and of pickle + sha256 on the same tokens."""
+    rng = random.Random(seed)
+    tokens = _rand_tokens(rng, num_tokens)
+    # ours
+    best = float("inf")
+    for _ in range(3):
+        a = time.perf_counter()
+        BlockHasher(BLOCK).extend(tokens)
+        best = min(best, time.perf_counter() - a)
+    ours = num_tokens / best
+    # reference: what peers shipped (pickle the tuple, sha256 it), chained the same way
+    best = float("inf")
+    for _ in range(3):
+        a = time.perf_counter()
+        parent: bytes = ROOT_HASH.to_bytes(16, "little")
+        out = []
+        for i in range(0, num_tokens - BLOCK + 1, BLOCK):
+            parent = hashlib.sha256(pickle.dumps((parent, tuple(tokens[i : i + BLOCK]), None))).digest()
+            out.append(parent)
+        best = min(best, time.perf_counter() - a)
+    ref = num_tokens / best
+    return ours, ref
+
+
+# ---------------------------------------------------------------------- report
+def _us(ns: list[float]) -> tuple[float, float]:
+    if not ns:
+        return float("nan"), float("nan")
+    xs = sorted(ns)
+    return statistics.fmean(xs) / 1000.0, xs[min(len(xs) - 1, int(0.99 * len(xs)))] / 1000.0
+
+
+def machine_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def render(args, results, evict_rows, hash_row, machine, date) -> str:
+    lines = []
+    lines.append(
+        f"Machine: {machine}, 1 core used (pure Python {platform.python_version()}); date {date}. "
+        f"Workload: {args.requests} requests (turns of multi-turn conversations over "
+        f"{args.system_prompts} shared system prompts, {args.conversations} conversations alive), "
+        f"1k-32k tokens, block size {BLOCK}, {args.device_blocks} device / {args.host_blocks} host blocks, "
+        f"every copy confirmed. Reproduce: `python benchmarks/bench_scheduler.py --docs docs/benchmarks.md`."
+    )
+    lines.append("")
+    lines.append("| policy | match_prefix µs (mean / p99) | match_prefix incl. hashing µs | allocate_device_blocks µs | "
+                 "request_finish µs | hit rate (device / host) | swap-in blocks | device->host blocks | wall s |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for policy, (t, stats, wall) in results.items():
+        m, m99 = _us(t.match)
+        mh, mh99 = _us(t.match_hash)
+        al, al99 = _us(t.alloc)
+        fi, fi99 = _us(t.finish)
+        q = stats["query_tokens"] or 1
+        lines.append(
+            f"| {policy} | {m:.1f} / {m99:.1f} | {mh:.0f} / {mh99:.0f} | {al:.1f} / {al99:.1f} | {fi:.0f} / {fi99:.0f} | "
+            f"{stats['hit_rate']:.1%} ({stats['matched_tokens_device'] / q:.1%} / {stats['matched_tokens_host'] / q:.1%}) | "
+            f"{stats['swap_in_blocks']} | {stats['swap_out_blocks']} | {wall:.0f} |"
+        )
+    lines.append("")
+    lines.append("Eviction cost per evicted block (LRU leaf heap), same run:")
+    lines.append("")
+    lines.append("| policy | 10k cached blocks µs | 100k cached blocks µs | ratio 100k / 10k (limit 1.5) |")
+    lines.append("|---|---|---|---|")
+    for policy, small, large in evict_rows:
+        lines.append(f"| {policy} | {small:.2f} | {large:.2f} | {large / small:.2f} {'✓' if large / small <= 1.5 else '✗'} |")
+    lines.append("")
+    ours, ref = hash_row
+    lines.append("Block hashing, chained over 64-token blocks, same tokens, same run:")
+    lines.append("")
+    lines.append("| hasher | Mtokens/s | ratio (target >= 5x) |")
+    lines.append("|---|---|---|")
+    lines.append(f"| xxh3-128 over packed int64 (ours) | {ours / 1e6:.1f} | {ours / ref:.1f}x {'✓' if ours / ref >= 5 else '✗'} |")
+    lines.append(f"| pickle + sha256 (reference) | {ref / 1e6:.2f} | 1.0x |")
+    lines.append("")
+    lines.append("Share of swap ids that continue a consecutive run (within one merged copy; "
+                 "1.0 means every copy is a single run). Allocation hands out the lowest free ids "
+                 "(bucketed bitmap free list), so destination ids are mostly consecutive; source ids "
+                 "are wherever the blocks were cached:")
+    lines.append("")
+    lines.append("| policy | direction | ids | copies | consecutive share |")
+    lines.append("|---|---|---|---|---|")
+    for policy, (t, _, _) in results.items():
+        for key in sorted(t._shares):
+            share, n, copies = t._shares[key]
+            lines.append(f"| {policy} | {key} | {n} | {copies} | {share:.1%} |")
+    return "\n".join(lines)
+
+
+def write_docs(path: Path, body: str) -> None:
+    """Replace the body of the '## Scheduler' section only (others edit other sections)."""
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    start = next(i for i, l in enumerate(lines) if l.startswith("## Scheduler"))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    new = lines[: start + 1] + ["\n", body.rstrip() + "\n", "\n"] + lines[end:]
+    path.write_text("".join(new))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--conversations", type=int, default=256)
+    parser.add_argument("--system-prompts", type=int, default=8)
+    parser.add_argument("--max-running", type=int, default=32)
+    parser.add_argument("--device-blocks", type=int, default=40_000)
+    parser.add_argument("--host-blocks", type=int, default=120_000)
+    parser.add_argument("--policies", default="write_through_selective,write_through,write_back")
+    parser.add_argument("--evictions", type=int, default=20_000, help="evictions timed per eviction row")
+    parser.add_argument("--hash-tokens", type=int, default=2_000_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="1000 requests, smaller pools (smoke run)")
+    parser.add_argument("--date", default=time.strftime("%Y-%m-%d"))
+    parser.add_argument("--docs", type=Path, default=None, help="update the '## Scheduler' section of this file")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.conversations, args.evictions, args.hash_tokens = 1000, 64, 4000, 200_000
+        args.device_blocks, args.host_blocks = 10_000, 30_000
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    log = logging.getLogger("bench_scheduler")
+    logging.getLogger("fastdeploy_kvcache").setLevel(logging.WARNING)
+
+    machine = machine_name()
+    ours, ref = hashing_throughput(args.hash_tokens, args.seed)
+    log.info("hashing: ours %.1f Mtok/s, pickle+sha256 %.2f Mtok/s (%.1fx)", ours / 1e6, ref / 1e6, ours / ref)
+    evict_rows = []
+    for policy in ("write_through", "write_back"):
+        small = eviction_cost(10_000, policy, args.evictions, args.seed)
+        large = eviction_cost(100_000, policy, args.evictions, args.seed)
+        log.info("eviction %s: %.2f us @10k, %.2f us @100k (ratio %.2f)", policy, small, large, large / small)
+        evict_rows.append((policy, small, large))
+    results = {}
+    for policy in args.policies.split(","):
+        log.info("workload, policy %s", policy)
+        results[policy] = run_workload(args, policy, log)
+    body = render(args, results, evict_rows, (ours, ref), machine, args.date)
+    print(body)
+    if args.docs is not None:
+        write_docs(args.docs, body)
+        log.info("wrote the Scheduler section of %s", args.docs)
+
+
+if __name__ == "__main__":
+    main()
