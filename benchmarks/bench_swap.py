@@ -51,7 +51,7 @@ class Row:
     path: str           # requested: auto | kernel | dma
     grid: int           # kernel grid cap for this row
     kernel: int         # kernel variant (copy_kernel option)
-    slice: int          # copies per cudaMemcpyBatchAsync call (dma_slice option)
+    slice: int          # bytes per cudaMemcpyBatchAsync call (dma_slice_bytes option)
     tables: int         # kernel_tables option (0 device copy, 1 read from pinned memory)
     direction: str      # h2d | d2h | both
     used: str = ""      # path(s) the op reported
@@ -251,9 +251,9 @@ def run(args: argparse.Namespace) -> Optional[Report]:
           f"{args.ref_bytes / GiB:.2f} GiB): H2D {ref['h2d_gbps']:.1f} GB/s, D2H {ref['d2h_gbps']:.1f} GB/s, "
           f"both {ref['both_gbps']:.1f} GB/s", flush=True)
 
-    option_names = ("copy_path", "copy_grid", "copy_kernel", "dma_slice", "kernel_tables")
+    option_names = ("copy_path", "copy_grid", "copy_kernel", "dma_slice_bytes", "kernel_tables")
     saved = {k: capi.get_option(k) for k in option_names}
-    base_kernel, base_slice, base_tables = saved["copy_kernel"], saved["dma_slice"], saved["kernel_tables"]
+    base_kernel, base_slice, base_tables = saved["copy_kernel"], saved["dma_slice_bytes"], saved["kernel_tables"]
     s_h2d, s_d2h = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     limits = {"h2d": ref["h2d_gbps"], "d2h": ref["d2h_gbps"], "both": ref["both_gbps"]}
     # (path, grid, kernel variant, dma slice, kernel tables, scope)  scope "full" runs the
@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> Optional[Report]:
                 capi.set_option("copy_path", COPY_PATH[path])
                 capi.set_option("copy_grid", grid)
                 capi.set_option("copy_kernel", variant)
-                capi.set_option("dma_slice", dslice)
+                capi.set_option("dma_slice_bytes", dslice)
                 capi.set_option("kernel_tables", tables)
                 for ids in ("scattered", "consecutive") if scope == "full" else ("scattered",):
                     for api in ("all_layers", "per_layer") if scope in ("full", "per_layer") else ("all_layers",):
@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> Optional[Report]:
                                       nbytes)
                             report.rows.append(asdict(row))
                             print(f"{bb // KiB:>5} KiB {ids:<11} {api:<10} {path:<6} grid={grid:<3} k={variant} "
-                                  f"slice={dslice:<5} t={tables} {direction:<4} used={row.used:<13} ctas={row.ctas:<3} "
+                                  f"slice={dslice // MiB:<3}M t={tables} {direction:<4} used={row.used:<13} ctas={row.ctas:<3} "
                                   f"{gbps:7.1f} GB/s  ratio {row.ratio:5.3f}", flush=True)
             bench.close()
     finally:
@@ -341,7 +341,7 @@ def to_markdown(report: Report) -> str:
         for d in ("h2d", "d2h", "both"):
             r = by_dir.get(d)
             cells.append(f"{r['gbps']:.1f} ({r['ratio']:.3f})" if r else "-")
-        knobs = f"k{variant} t{tables}" if "kernel" in used else (f"slice {dslice}" if "dma" in used else "")
+        knobs = f"k{variant} t{tables}" if "kernel" in used else (f"slice {dslice // MiB} MiB" if "dma" in used else "")
         lines.append(f"| {size} | {ids} | {api} | {path} ({used}) {knobs} | {grid} / {ctas} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -356,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--grid", type=int, default=8, help="kernel grid cap (FDKV_COPY_GRID) for the main rows")
     parser.add_argument("--grid-sweep", default="4,16,32", help="extra kernel grid caps (all-layers, scattered)")
     parser.add_argument("--kernel-variants", default="", help="extra kernel variants to sweep, e.g. 1,2,3")
-    parser.add_argument("--dma-slices", default="", help="extra DMA slice sizes to sweep, e.g. 32,8192")
+    parser.add_argument("--dma-slices", default="", help="extra DMA slice sizes (bytes) to sweep, e.g. 4M,64M")
     parser.add_argument("--tables-sweep", action="store_true", help="also time the other kernel_tables mode")
     parser.add_argument("--kernel-max-bytes", default="64K", help="skip kernel sweeps at block sizes >= this")
     parser.add_argument("--iters", type=int, default=20)
@@ -370,7 +370,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.kernel_max_bytes = parse_size(args.kernel_max_bytes)
     args.grid_sweep = [int(g) for g in args.grid_sweep.split(",") if g]
     args.kernel_variants = [int(v) for v in args.kernel_variants.split(",") if v]
-    args.dma_slices = [int(v) for v in args.dma_slices.split(",") if v]
+    args.dma_slices = [parse_size(v) for v in args.dma_slices.split(",") if v]
     if args.quick:
         args.sizes, args.iters, args.grid_sweep = [8 * KiB, 512 * KiB], 3, []
         args.call_bytes, args.ref_bytes = 64 * MiB, 256 * MiB

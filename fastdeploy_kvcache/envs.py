@@ -58,6 +58,43 @@ ENV_VARS: dict[str, EnvVar] = {
             "Copy path for scattered blocks: auto, kernel or dma (cudaMemcpyBatchAsync).",
         ),
         EnvVar(
+            "FDKV_DMA_MIN_BYTES",
+            str(64 << 10),
+            "auto copy path: use the cudaMemcpyBatchAsync DMA batch when the average copy "
+            "(merged run of one tensor) is at least this many bytes, else the copy kernel "
+            "(measured crossover on H100 PCIe: between 32 and 128 KiB).",
+            int,
+        ),
+        EnvVar(
+            "FDKV_MERGE_MIN_BYTES",
+            str(1 << 20),
+            "Kernel path: merged runs of consecutive ids at least this long go to one "
+            "cudaMemcpyAsync each instead of the kernel.",
+            int,
+        ),
+        EnvVar(
+            "FDKV_DMA_SLICE_BYTES",
+            str(16 << 20),
+            "DMA path: bytes per cudaMemcpyBatchAsync call (slices let the copy engines start "
+            "while the driver prepares the next slice).",
+            int,
+        ),
+        EnvVar(
+            "FDKV_COPY_KERNEL",
+            "0",
+            "Copy kernel variant: 0 warp copy with streaming cache hints, 1 warp copy with "
+            "L2 256B prefetch loads, 2 warp copy with default caching, 3 bulk-copy (TMA) "
+            "pipeline (sm_90, 16-byte multiples only).",
+            int,
+        ),
+        EnvVar(
+            "FDKV_KERNEL_TABLES",
+            "1",
+            "Copy kernel reads its id tables from pinned host memory (1, no extra memcpy "
+            "per call) or from a device copy (0).",
+            int,
+        ),
+        EnvVar(
             "FDKV_LAYER_WAIT_TIMEOUT_S",
             "60",
             "Seconds a host-side wait on a layer's load may take before "

@@ -19,7 +19,7 @@ std::atomic<int64_t> g_copy_path{-1};
 std::atomic<int64_t> g_dma_min_bytes{-1};
 std::atomic<int64_t> g_merge_min_bytes{-1};
 std::atomic<int64_t> g_copy_kernel{-1};
-std::atomic<int64_t> g_dma_slice{-1};
+std::atomic<int64_t> g_dma_slice_bytes{-1};
 std::atomic<int64_t> g_kernel_tables{-1};
 std::once_flag g_env_once;
 thread_local int t_last_path = 0;
@@ -46,8 +46,8 @@ constexpr int64_t kDefaultGrid = 8;
 constexpr int64_t kDefaultDmaMinBytes = 64 << 10;
 constexpr int64_t kDefaultMergeMinBytes = 1 << 20;
 constexpr int64_t kDefaultCopyKernel = 0;
-constexpr int64_t kDefaultDmaSlice = 32;
-constexpr int64_t kDefaultKernelTables = 0;
+constexpr int64_t kDefaultDmaSliceBytes = 16 << 20;
+constexpr int64_t kDefaultKernelTables = 1;
 
 void InitFromEnv() {
   std::call_once(g_env_once, [] {
@@ -60,8 +60,8 @@ void InitFromEnv() {
     g_merge_min_bytes.store(merge >= 0 ? merge : kDefaultMergeMinBytes);
     int64_t kernel = EnvInt("FDKV_COPY_KERNEL", kDefaultCopyKernel);
     g_copy_kernel.store(kernel >= 0 && kernel <= 3 ? kernel : kDefaultCopyKernel);
-    int64_t slice = EnvInt("FDKV_DMA_SLICE", kDefaultDmaSlice);
-    g_dma_slice.store(slice >= 1 ? slice : kDefaultDmaSlice);
+    int64_t slice = EnvInt("FDKV_DMA_SLICE_BYTES", kDefaultDmaSliceBytes);
+    g_dma_slice_bytes.store(slice >= 1 ? slice : kDefaultDmaSliceBytes);
     int64_t tables = EnvInt("FDKV_KERNEL_TABLES", kDefaultKernelTables);
     g_kernel_tables.store(tables == 0 || tables == 1 ? tables : kDefaultKernelTables);
   });
@@ -72,7 +72,7 @@ void InitFromEnv() {
 Options GetOptions() {
   InitFromEnv();
   return Options{g_copy_grid.load(), g_copy_path.load(), g_dma_min_bytes.load(),
-                 g_merge_min_bytes.load(), g_copy_kernel.load(), g_dma_slice.load(), g_kernel_tables.load()};
+                 g_merge_min_bytes.load(), g_copy_kernel.load(), g_dma_slice_bytes.load(), g_kernel_tables.load()};
 }
 
 bool SetOption(const std::string& name, int64_t value) {
@@ -92,9 +92,9 @@ bool SetOption(const std::string& name, int64_t value) {
   } else if (name == "copy_kernel") {
     if (value < 0 || value > 3) return false;
     g_copy_kernel.store(value);
-  } else if (name == "dma_slice") {
+  } else if (name == "dma_slice_bytes") {
     if (value < 1) return false;
-    g_dma_slice.store(value);
+    g_dma_slice_bytes.store(value);
   } else if (name == "kernel_tables") {
     if (value != 0 && value != 1) return false;
     g_kernel_tables.store(value);
@@ -111,7 +111,7 @@ bool GetOption(const std::string& name, int64_t* value) {
   else if (name == "dma_min_bytes") *value = o.dma_min_bytes;
   else if (name == "merge_min_bytes") *value = o.merge_min_bytes;
   else if (name == "copy_kernel") *value = o.copy_kernel;
-  else if (name == "dma_slice") *value = o.dma_slice;
+  else if (name == "dma_slice_bytes") *value = o.dma_slice_bytes;
   else if (name == "kernel_tables") *value = o.kernel_tables;
   else return false;
   return true;

@@ -73,7 +73,7 @@ struct Options {
   int64_t merge_min_bytes;  // FDKV_MERGE_MIN_BYTES: merged runs >= this use cudaMemcpyAsync
   int64_t copy_kernel;      // FDKV_COPY_KERNEL: kernel variant (0 streaming warp, 1 nc+L2 256B
                             // prefetch warp, 2 default-cached warp, 3 bulk-copy/TMA pipeline)
-  int64_t dma_slice;        // FDKV_DMA_SLICE: copies per cudaMemcpyBatchAsync call
+  int64_t dma_slice_bytes;  // FDKV_DMA_SLICE_BYTES: bytes per cudaMemcpyBatchAsync call
   int64_t kernel_tables;    // FDKV_KERNEL_TABLES: 0 kernel reads id tables from a device
                             // copy, 1 straight from pinned host memory (no extra memcpy)
 };

@@ -16,7 +16,7 @@ NUM_DEV, NUM_HOST = 40, 48
 
 @pytest.fixture
 def options(capi):
-    names = ("copy_path", "copy_kernel", "copy_grid", "dma_slice", "kernel_tables")
+    names = ("copy_path", "copy_kernel", "copy_grid", "dma_slice_bytes", "kernel_tables")
     saved = {k: capi.get_option(k) for k in names}
     yield capi.set_option
     for k, v in saved.items():
@@ -58,10 +58,11 @@ def test_kernel_variants_all_layers(cupy, capi, pinned, cuda_stream, options, va
         np.testing.assert_array_equal(h, wh)
 
 
-@pytest.mark.parametrize("dma_slice", [1, 7, 256])
-def test_dma_slices(cupy, capi, pinned, cuda_stream, options, dma_slice) -> None:
+@pytest.mark.parametrize("copies_per_slice", [1, 7, 256])
+def test_dma_slices(cupy, capi, pinned, cuda_stream, options, copies_per_slice) -> None:
     options("copy_path", 2)
-    options("dma_slice", dma_slice)
+    options("dma_slice_bytes", copies_per_slice * 8192)
+    dma_slice = copies_per_slice
     rng = np.random.default_rng(dma_slice)
     bb = 8192
     dev = cupy.asarray(rng.integers(0, 256, (NUM_DEV, bb), dtype=np.uint8))
