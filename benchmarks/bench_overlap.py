@@ -37,6 +37,9 @@ from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, Tran
 
 logger = logging.getLogger("bench_overlap")
 
+# Untimed repetitions first: they warm CuPy's kernel cache, cuBLAS and the ops' scratch ring.
+WARMUP = 2
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,7 +95,7 @@ def main() -> int:
     def timed(body: Callable[[], None]) -> float:
         """Seconds on the compute stream from before ``body`` to after it (median of reps)."""
         samples = []
-        for _ in range(args.reps + 1):
+        for _ in range(args.reps + WARMUP):
             cp.cuda.runtime.deviceSynchronize()
             ctrl.collect_finished()
             with compute:
@@ -104,7 +107,7 @@ def main() -> int:
             samples.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
         cp.cuda.runtime.deviceSynchronize()
         ctrl.collect_finished(wait=True)
-        return statistics.median(samples[1:])  # the first run warms up
+        return statistics.median(samples[WARMUP:])
 
     def load_meta() -> CacheSwapMetadata:
         return CacheSwapMetadata(list(load_host), list(load_dev), CacheLevel.HOST, CacheLevel.DEVICE)
@@ -197,6 +200,7 @@ def main() -> int:
 
         def evict_only() -> None:
             ctrl.submit_swap_tasks(backup_meta(), None)
+            tm.flush_launches()  # the launcher thread has enqueued the copy
             copied = cp.cuda.Event(disable_timing=True)
             copied.record(tm.output_stream)
             compute.wait_event(copied)  # so the compute-stream timer spans the copy
@@ -204,9 +208,13 @@ def main() -> int:
         t_e = timed(evict_only)
         n_evicts = int(t_c / t_e) + 2  # enough queued copies to outlast the compute
 
+        evict_submit_s: list[float] = []
+
         def compute_under_evictions() -> None:
+            t0 = time.perf_counter()
             for _ in range(n_evicts):
                 ctrl.submit_swap_tasks(backup_meta(), None)
+            evict_submit_s.append(time.perf_counter() - t0)
             compute_only()
 
         t_ce = timed(compute_under_evictions)
@@ -221,6 +229,32 @@ def main() -> int:
 
         t_fence = timed(fenced_step)
 
+        # ---- host cost of one op launch, straight through the C ABI (no worker code)
+        layer0 = tm.layout.device[0]
+        host0 = tm.layout.host[0]
+        ids_dev = np.asarray(load_dev, dtype=np.int64)
+        ids_host = np.asarray(load_host, dtype=np.int64)
+        all_dev = [a for layer in tm.layout.device for a in layer]
+        all_host = [p for layer in tm.layout.host for p in layer]
+        ev_dev = np.asarray(evict_dev, dtype=np.int64)
+        ev_host = np.asarray(evict_host, dtype=np.int64)
+
+        def capi_call_us(arrays: list, ptrs: list, d_ids: Any, h_ids: Any, mode: int, stream: Any, n: int) -> float:
+            cp.cuda.runtime.deviceSynchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                capi.swap_all_layers([a.data.ptr for a in arrays], ptrs, [a.shape[0] for a in arrays],
+                                     [a.nbytes // a.shape[0] for a in arrays], total_blocks, d_ids, h_ids,
+                                     mode, stream=stream.ptr)
+            dt = (time.perf_counter() - t0) / n
+            cp.cuda.runtime.deviceSynchronize()
+            return dt * 1e6
+
+        capi_call_us(layer0, host0, ids_dev, ids_host, 1, tm.input_stream, 5)
+        capi_layer_us = capi_call_us(layer0, host0, ids_dev, ids_host, 1, tm.input_stream, 48)
+        capi_call_us(all_dev, all_host, ev_dev, ev_host, 0, tm.output_stream, 2)
+        capi_evict_us = capi_call_us(all_dev, all_host, ev_dev, ev_host, 0, tm.output_stream, 4)
+
         run = {
             "copy_path": path, "matmul_n": n, "T_c_ms": t_c * 1e3, "T_l_ms": t_l * 1e3, "T_o_ms": t_o * 1e3,
             "hidden_fraction": hidden, "load_GBps": load_bytes / t_l / 1e9,
@@ -231,6 +265,9 @@ def main() -> int:
             "compute_slowdown_under_evictions": slowdown,
             "fence_blocks": args.fence_blocks, "T_step_with_writeback_fence_ms": t_fence * 1e3,
             "fence_delay_ms": (t_fence - t_c) * 1e3,
+            "evict_submits_host_ms": statistics.median(evict_submit_s) * 1e3,
+            "capi_host_us_per_layer_load_call": capi_layer_us,
+            "capi_host_us_per_eviction_call_back_to_back": capi_evict_us,
         }
         results["runs"].append(run)
 
@@ -242,7 +279,8 @@ def main() -> int:
           f"contiguous pinned H2D (1 GiB cudaMemcpyAsync, this run) = {contiguous_h2d:.1f} GB/s")
     cols = ["copy_path", "matmul_n", "T_c_ms", "T_l_ms", "T_o_ms", "hidden_fraction", "load_GBps",
             "load_ratio_to_contiguous", "evict_GBps", "compute_slowdown_under_evictions",
-            "fence_delay_ms", "submit_host_us_per_layer"]
+            "fence_delay_ms", "submit_host_us_per_layer", "capi_host_us_per_layer_load_call",
+            "capi_host_us_per_eviction_call_back_to_back", "evict_submits_host_ms"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for run in results["runs"]:

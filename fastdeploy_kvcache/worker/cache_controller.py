@@ -46,6 +46,8 @@ class CacheController:
         backend: ``"auto"``, ``"cupy"``, ``"paddle"``, ``"cpu"`` or a Backend instance.
         threaded: host-thread backends only: run copies concurrently (True) or inline.
         disabled_rules: ordering fences to switch off (race tests only).
+        async_launch: launch copies from a launcher thread so the forward pass need not
+            wait for all layers' launches (default: on GPU backends).
     """
 
     def __init__(
@@ -57,12 +59,13 @@ class CacheController:
         *,
         threaded: bool = True,
         disabled_rules: Optional[set[int]] = None,
+        async_launch: Optional[bool] = None,
     ) -> None:
         self.config = config
         self.local_rank = local_rank
         self.device_id = device_id
         self.backend = make_backend(backend, device_id, threaded=threaded)
-        self.transfer_manager = TransferManager(self.backend, disabled_rules=disabled_rules)
+        self.transfer_manager = TransferManager(self.backend, disabled_rules=disabled_rules, async_launch=async_launch)
         self.cache_kvs_map: dict[str, Any] = {}
         self.host_cache_kvs_map: dict[str, int] = {}
         self._host_nbytes: dict[str, int] = {}

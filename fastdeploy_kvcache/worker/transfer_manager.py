@@ -31,13 +31,18 @@ events listed below, which implement the ordering rules of ``docs/architecture_w
 Fences 2, 4 and 5 are per block: a stream waits only on in-flight tasks of the other stream
 that share a block with the new one, so unrelated loads and evictions keep overlapping.
 
-All launches happen on the calling thread.  They only enqueue device work (about 10 us per
-layer), so the forward pass can start right after ``submit`` returns, and every layer event
-exists before the first ``wait_for_layer``.
+Launches.  On GPU backends the copies are launched by one launcher thread, in submit order,
+so ``submit`` returns at once and the forward pass can start while later layers are still
+being launched; a ``wait_for_layer(i)`` that arrives before layer ``i``'s event exists waits on
+a condition variable (no polling) until the launcher records it, then enqueues the device-side
+wait.  This matters because one op launch costs tens of microseconds of host time: launching
+all layers before the forward starts would delay compute by the sum.  ``async_launch=False``
+launches on the calling thread instead (the default for the host-thread CPU backends).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -46,7 +51,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
-from fastdeploy_kvcache.worker.backends.base import MODE_D2H, MODE_H2D, Backend
+from fastdeploy_kvcache.worker.backends.base import MODE_D2H, MODE_H2D, Backend, HostEvent, HostStream
 from fastdeploy_kvcache.worker.layer_done import (
     LayerDoneCounter,
     LayerSwapTimeoutError,
@@ -108,13 +113,14 @@ class _Task:
     """One CacheSwapMetadata being carried out."""
 
     __slots__ = (
-        "meta", "direction", "device_ids", "host_ids", "counter", "error", "start_event",
-        "done_event", "submitted", "_lock",
+        "meta", "direction", "seq", "device_ids", "host_ids", "counter", "error", "start_event",
+        "done_event", "launched", "_lock",
     )
 
-    def __init__(self, meta: CacheSwapMetadata, direction: str, counter: Optional[LayerDoneCounter]) -> None:
+    def __init__(self, meta: CacheSwapMetadata, direction: str, seq: int, counter: Optional[LayerDoneCounter]) -> None:
         self.meta = meta
         self.direction = direction
+        self.seq = seq
         if direction == D2H:
             self.device_ids = frozenset(meta.src_block_ids)
             self.host_ids = frozenset(meta.dst_block_ids)
@@ -125,11 +131,12 @@ class _Task:
         self.error: Optional[str] = None
         self.start_event: Any = None
         self.done_event: Any = None
-        self.submitted = time.perf_counter()
+        # Set by the launcher once every launch and event of the task has been enqueued.
+        self.launched = threading.Event()
         self._lock = threading.Lock()
 
     def fail(self, error: Any, layer: int = -1) -> None:
-        """Record the first failure (thread-safe: host-thread streams call this)."""
+        """Record the first failure (thread-safe: launcher and stream threads call this)."""
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         with self._lock:
             if self.error is not None:
@@ -162,6 +169,7 @@ class TransferManager:
         disabled_rules: ordering rules whose fences are switched off (race tests only);
             defaults to FDKV_UNSAFE_DISABLE_ORDERING.
         timeout_s: limit of host-side waits (default FDKV_LAYER_WAIT_TIMEOUT_S).
+        async_launch: launch copies from a launcher thread (default: on GPU backends).
     """
 
     def __init__(
@@ -169,6 +177,7 @@ class TransferManager:
         backend: Backend,
         disabled_rules: Optional[Iterable[int]] = None,
         timeout_s: Optional[float] = None,
+        async_launch: Optional[bool] = None,
     ) -> None:
         self.backend = backend
         self.disabled_rules = parse_disabled_rules() if disabled_rules is None else frozenset(disabled_rules)
@@ -189,6 +198,12 @@ class TransferManager:
         self._finished: list[CacheSwapMetadata] = []
         self._stats = {D2H: _DirectionStats(), H2D: _DirectionStats()}
         self._lock = threading.RLock()
+        self._seq = itertools.count()
+        self.async_launch = backend.is_cuda if async_launch is None else bool(async_launch)
+        self._launcher: Optional[HostStream] = None
+        if self.async_launch:
+            self._launcher = HostStream("launcher")
+            self._launcher.submit(backend.bind_thread)
 
     # ------------------------------------------------------------------ setup
     def set_layout(self, layout: Optional[CacheLayout]) -> None:
@@ -222,20 +237,31 @@ class TransferManager:
                 evict_task = self._submit_d2h(evict_metadata, compute_done)
             if swap_in_metadata is not None:
                 counter = self._submit_h2d(swap_in_metadata, compute_done)
-            if (
-                evict_task is not None
-                and evict_task.done_event is not None
-                and evict_metadata is not None
-                and evict_metadata.kind != TransferKind.BACKUP
-                and 2 not in self.disabled_rules
-            ):
-                # Rule 2: blocks of an eviction were freed by the scheduler and may be written
-                # by this step's compute; the compute stream waits for the copy to read them.
+        if (
+            evict_task is not None
+            and evict_metadata is not None
+            and evict_metadata.kind != TransferKind.BACKUP
+            and 2 not in self.disabled_rules
+        ):
+            # Rule 2: blocks of an eviction were freed by the scheduler and may be written by
+            # this step's compute; the compute stream waits for the copy to have read them.
+            # (Outside the lock: the launcher needs it to record the event we wait for.)
+            task_id = evict_task.meta.task_id
+            if not evict_task.launched.wait(self.timeout_s):
+                raise LayerSwapTimeoutError(-1, task_id, self.timeout_s)
+            if evict_task.done_event is not None:
                 try:
                     self.backend.stream_wait_event(compute, evict_task.done_event, self.timeout_s)
                 except TimeoutError:
-                    raise LayerSwapTimeoutError(-1, evict_task.meta.task_id, self.timeout_s) from None
-            return counter
+                    raise LayerSwapTimeoutError(-1, task_id, self.timeout_s) from None
+        return counter
+
+    def _dispatch(self, job: Callable[[], None]) -> None:
+        """Run a launch job on the launcher thread (in submit order) or right here."""
+        if self._launcher is not None:
+            self._launcher.submit(job)
+        else:
+            job()
 
     def _validate(self, meta: CacheSwapMetadata, direction: str) -> Optional[str]:
         """Reason the metadata cannot be carried out, or None.  Nothing is launched if bad."""
@@ -263,23 +289,32 @@ class TransferManager:
         return None
 
     def _wait_on_conflicts(self, stream: Any, task: _Task, rules: dict[str, int]) -> None:
-        """Make ``stream`` wait for in-flight tasks of the other direction sharing blocks.
+        """Make ``stream`` wait for earlier in-flight tasks of the other direction sharing blocks.
 
         ``rules`` maps "device"/"host" to the ordering rule that guards overlaps on that tier;
-        a disabled rule's overlaps are ignored.
+        a disabled rule's overlaps are ignored.  Runs on the launcher, which handles tasks in
+        submit order, so every earlier task's done event exists by now.
         """
         other = H2D if task.direction == D2H else D2H
-        for prior in self._inflight:
-            if prior.direction != other or prior.done_event is None:
-                continue
-            hit = (rules["device"] not in self.disabled_rules and not task.device_ids.isdisjoint(prior.device_ids)) or (
-                rules["host"] not in self.disabled_rules and not task.host_ids.isdisjoint(prior.host_ids)
-            )
-            if hit:
-                self.backend.stream_wait_event(stream, prior.done_event, self.timeout_s)
+        check_dev = rules["device"] not in self.disabled_rules
+        check_host = rules["host"] not in self.disabled_rules
+        with self._lock:
+            events = [
+                prior.done_event
+                for prior in self._inflight
+                if prior.seq < task.seq
+                and prior.direction == other
+                and prior.done_event is not None
+                and (
+                    (check_dev and not task.device_ids.isdisjoint(prior.device_ids))
+                    or (check_host and not task.host_ids.isdisjoint(prior.host_ids))
+                )
+            ]
+        for event in events:
+            self.backend.stream_wait_event(stream, event, self.timeout_s)
 
     def _submit_d2h(self, meta: CacheSwapMetadata, compute_done: Any) -> _Task:
-        task = _Task(meta, D2H, None)
+        task = _Task(meta, D2H, next(self._seq), None)
         self._stats[D2H].tasks += 1
         if meta.is_empty:
             self._finish(task)
@@ -292,29 +327,45 @@ class TransferManager:
         layout = self.layout
         assert layout is not None
         out = self.output_stream
-        if compute_done is not None:
-            # Rule 1: the compute that wrote these blocks was enqueued before this submit.
-            self.backend.stream_wait_event(out, compute_done, self.timeout_s)
-        # Rule 2 (a load still writing a block we read) and rule 4 (a load still reading a
-        # host block we are about to overwrite).
-        self._wait_on_conflicts(out, task, {"device": 2, "host": 4})
-        dev_ids = self.backend.prepare_ids(meta.src_block_ids)
-        host_ids = self.backend.prepare_ids(meta.dst_block_ids)
         arrays = [a for layer in layout.device for a in layer]
         ptrs = [p for layer in layout.host for p in layer]
-        task.start_event = self.backend.record_event(out, timing=True)
+        self._inflight.append(task)
 
         def run() -> None:
             if self.fault_injector is not None:
                 self.fault_injector(D2H, -1, meta)
             self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, MODE_D2H, out)
 
-        # NOTE: one launch moves every layer (a pointer table), so an eviction costs one
-        # launch whatever the depth of the model.
-        self.backend.launch(out, run, lambda exc: task.fail(exc, -1))
-        task.done_event = self.backend.record_event(out, timing=True)
-        self._inflight.append(task)
+        def job() -> None:
+            try:
+                if compute_done is not None:
+                    # Rule 1: the compute that wrote these blocks was enqueued before submit.
+                    self.backend.stream_wait_event(out, compute_done, self.timeout_s)
+                # Rule 2 (a load still writing a block we read) and rule 4 (a load still
+                # reading a host block we are about to overwrite).
+                self._wait_on_conflicts(out, task, {"device": 2, "host": 4})
+                task.start_event = self.backend.record_event(out, timing=True)
+                # NOTE: one launch moves every layer (a pointer table), so an eviction costs
+                # one launch whatever the depth of the model.
+                self.backend.launch(out, run, lambda exc: task.fail(exc, -1))
+            except Exception as exc:  # noqa: BLE001 - an event/stream error fails the task
+                task.fail(exc, -1)
+            finally:
+                self._close_task(task, out)
+
+        dev_ids = self.backend.prepare_ids(meta.src_block_ids)
+        host_ids = self.backend.prepare_ids(meta.dst_block_ids)
+        self._dispatch(job)
         return task
+
+    def _close_task(self, task: _Task, stream: Any) -> None:
+        """Record the task's done event (even after a failure, so fences stay valid)."""
+        try:
+            task.done_event = self.backend.record_event(stream, timing=True)
+        except Exception as exc:  # noqa: BLE001
+            task.fail(exc)
+        finally:
+            task.launched.set()
 
     def _submit_h2d(self, meta: CacheSwapMetadata, compute_done: Any) -> Optional[LayerDoneCounter]:
         layout = self.layout
@@ -322,7 +373,7 @@ class TransferManager:
         counter = LayerDoneCounter(
             meta.task_id, max(num_layers, 1), self.backend, self.timeout_s, enforce=3 not in self.disabled_rules
         )
-        task = _Task(meta, H2D, counter)
+        task = _Task(meta, H2D, next(self._seq), counter)
         self._stats[H2D].tasks += 1
         if meta.is_empty:
             self._finish(task)
@@ -334,34 +385,46 @@ class TransferManager:
             return counter
         assert layout is not None
         inp = self.input_stream
-        if compute_done is not None:
-            # Rule 1 for loads: earlier compute may still read a block this load overwrites.
-            self.backend.stream_wait_event(inp, compute_done, self.timeout_s)
-        # Rule 5 (an in-flight device->host copy still writing a host block we read) and
-        # rule 2 (one still reading a device block we are about to overwrite).
-        self._wait_on_conflicts(inp, task, {"device": 2, "host": 5})
         dev_ids = self.backend.prepare_ids(meta.dst_block_ids)
         host_ids = self.backend.prepare_ids(meta.src_block_ids)
-        task.start_event = self.backend.record_event(inp, timing=True)
-        for layer in range(num_layers):
-            arrays, ptrs = layout.device[layer], layout.host[layer]
-
-            def run(layer: int = layer, arrays: Sequence[Any] = arrays, ptrs: Sequence[int] = ptrs) -> None:
-                if task.error is not None:  # an earlier layer failed: the task is void
-                    return
-                if self.fault_injector is not None:
-                    self.fault_injector(H2D, layer, meta)
-                self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, MODE_H2D, inp)
-
-            self.backend.launch(inp, run, lambda exc, layer=layer: task.fail(exc, layer))
-            counter.set_layer_event(layer, self.backend.record_event(inp))
-        task.done_event = self.backend.record_event(inp, timing=True)
         self._inflight.append(task)
+
+        def job() -> None:
+            layer = -1
+            try:
+                if compute_done is not None:
+                    # Rule 1 for loads: earlier compute may still read a block we overwrite.
+                    self.backend.stream_wait_event(inp, compute_done, self.timeout_s)
+                # Rule 5 (an in-flight device->host copy still writing a host block we read)
+                # and rule 2 (one still reading a device block we are about to overwrite).
+                self._wait_on_conflicts(inp, task, {"device": 2, "host": 5})
+                task.start_event = self.backend.record_event(inp, timing=True)
+                for layer in range(num_layers):
+                    if task.error is not None:
+                        break  # an earlier layer failed: the task is void, the counter failed
+                    arrays, ptrs = layout.device[layer], layout.host[layer]
+
+                    def run(layer: int = layer, arrays: Sequence[Any] = arrays, ptrs: Sequence[int] = ptrs) -> None:
+                        if task.error is not None:
+                            return
+                        if self.fault_injector is not None:
+                            self.fault_injector(H2D, layer, meta)
+                        self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, MODE_H2D, inp)
+
+                    self.backend.launch(inp, run, lambda exc, layer=layer: task.fail(exc, layer))
+                    counter.set_layer_event(layer, self.backend.record_event(inp))
+            except Exception as exc:  # noqa: BLE001 - an event/stream error fails the task
+                task.fail(exc, layer)
+            finally:
+                self._close_task(task, inp)
+
+        self._dispatch(job)
         return counter
 
     # ------------------------------------------------------------------ completion
     def _finish(self, task: _Task) -> None:
         """Mark the metadata (only now, after the bytes moved) and queue it for the engine."""
+        task.launched.set()  # a task rejected before launch has nothing left to wait for
         stats = self._stats[task.direction]
         ok = task.error is None
         task.meta.mark_done(ok, task.error)
@@ -382,11 +445,17 @@ class TransferManager:
         """Move completed in-flight tasks to the finished list (non-blocking)."""
         still: list[_Task] = []
         for task in self._inflight:
-            try:
-                done = self.backend.event_done(task.done_event)
-            except Exception as exc:  # noqa: BLE001 - a CUDA error surfaces here
-                task.fail(exc)
-                done = True
+            if not task.launched.is_set():
+                still.append(task)  # the launcher has not enqueued all of it yet
+                continue
+            if task.done_event is None:
+                done = True  # failed before anything was enqueued
+            else:
+                try:
+                    done = self.backend.event_done(task.done_event)
+                except Exception as exc:  # noqa: BLE001 - a CUDA error surfaces here
+                    task.fail(exc)
+                    done = True
             if done:
                 self._finish(task)
             else:
@@ -400,21 +469,38 @@ class TransferManager:
             finished, self._finished = self._finished, []
             return finished
 
+    def flush_launches(self, timeout_s: Optional[float] = None) -> None:
+        """Block until every submitted task is enqueued on its stream (tests, shutdown).
+
+        Not needed for correctness: waits on a task's events already wait for its launch.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self._launcher is None:
+            return
+        idle = HostEvent()
+        self._launcher.submit(idle.set)
+        if not idle.wait(timeout_s):
+            raise LayerSwapTimeoutError(-1, -1, timeout_s)
+
     def drain(self, timeout_s: Optional[float] = None) -> list[CacheSwapMetadata]:
         """Wait (host-side) for every in-flight task, then return all finished metadata."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
+        self.flush_launches(timeout)  # outside the lock: launch jobs take it
         with self._lock:
-            for task in list(self._inflight):
-                try:
-                    ok = self.backend.event_wait_host(task.done_event, max(0.0, deadline - time.monotonic()))
-                except Exception as exc:  # noqa: BLE001
-                    task.fail(exc)
-                    continue
-                if not ok:
-                    layers = self.layout.num_layers if self.layout is not None else 0
-                    raise LayerSwapTimeoutError(layers - 1, task.meta.task_id, timeout)
-            return self.poll()
+            tasks = list(self._inflight)
+        for task in tasks:
+            if task.done_event is None:
+                continue
+            try:
+                ok = self.backend.event_wait_host(task.done_event, max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001
+                task.fail(exc)
+                continue
+            if not ok:
+                layers = self.layout.num_layers if self.layout is not None else 0
+                raise LayerSwapTimeoutError(layers - 1, task.meta.task_id, timeout)
+        return self.poll()
 
     # ------------------------------------------------------------------ introspection
     def in_flight_tasks(self) -> list[int]:
@@ -436,7 +522,10 @@ class TransferManager:
             self._stats = {D2H: _DirectionStats(), H2D: _DirectionStats()}
 
     def close(self) -> None:
-        """Stop host-thread streams (GPU streams are released with the object)."""
+        """Stop the launcher and host-thread streams (GPU streams go with the object)."""
+        if self._launcher is not None:
+            self._launcher.close()
+            self._launcher = None
         close = getattr(self.backend, "close_streams", None)
         if close is not None:
             close()

@@ -16,14 +16,15 @@ def make_controller() -> Iterator[Any]:
 
     made: list[Any] = []
 
-    def factory(backend: str = "cpu", threaded: bool = True, disabled_rules: Any = frozenset(), **cfg: Any) -> Any:
+    def factory(backend: str = "cpu", threaded: bool = True, disabled_rules: Any = frozenset(),
+                async_launch: Any = None, **cfg: Any) -> Any:
         if backend == "cpu":
             capi_or_skip()
         elif backend == "paddle":
             paddle_ops_or_skip()
         config = small_config(**cfg)
         ctrl = CacheController(config, local_rank=0, device_id=0, backend=backend, threaded=threaded,
-                               disabled_rules=set(disabled_rules))
+                               disabled_rules=set(disabled_rules), async_launch=async_launch)
         ctrl.initialize_kv_cache()
         ctrl.initialize_host_cache()
         made.append(ctrl)

@@ -71,10 +71,11 @@ def test_rank_in_names_is_modulo_tensor_parallel(make_controller) -> None:
 
 
 # ---------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("launch", [False, True])
 @pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("backend", ["cpu", "paddle"])
-def test_evict_then_load_round_trip_and_stats(make_controller, backend: str, threaded: bool) -> None:
-    ctrl = make_controller(backend=backend, threaded=threaded)
+def test_evict_then_load_round_trip_and_stats(make_controller, backend: str, threaded: bool, launch: bool) -> None:
+    ctrl = make_controller(backend=backend, threaded=threaded, async_launch=launch)
     for block, seed in ((0, 3), (2, 4), (3, 5)):
         fill_block(ctrl, block, seed)
     ctrl.submit_swap_tasks(evict([0, 2, 3], [7, 1, 2]), None)
@@ -139,7 +140,7 @@ def test_bad_ids_fail_the_metadata_and_write_nothing(make_controller, meta, matc
 
 @pytest.mark.parametrize("backend", ["cpu", "paddle"])
 def test_injected_op_failure_on_a_load_layer(make_controller, backend: str) -> None:
-    ctrl = make_controller(backend=backend, num_layers=3)
+    ctrl = make_controller(backend=backend, num_layers=3, async_launch=backend == "paddle")
     fill_block(ctrl, 0, seed=1)
     ctrl.submit_swap_tasks(backup([0], [0]), None)
     ctrl.collect_finished(wait=True)
@@ -220,6 +221,8 @@ def test_disabled_rules_parsing() -> None:
 # Each test builds the race with paused streams and runs twice: with the rule's fence (data
 # correct) and with it disabled (the corruption the fence prevents must appear).
 ENFORCED = [pytest.param(True, id="enforced"), pytest.param(False, id="disabled")]
+# Copies launched on the calling thread, or by the launcher thread the GPU backends use.
+LAUNCH = [pytest.param(False, id="inline-launch"), pytest.param(True, id="launcher-thread")]
 
 
 def _race(ctrl, enforced: bool, paused, victim, *others) -> None:
@@ -229,6 +232,7 @@ def _race(ctrl, enforced: bool, paused, victim, *others) -> None:
     ahead (we wait until it has), and only then is ``paused`` released.
     """
     backend = ctrl.backend
+    ctrl.transfer_manager.flush_launches(10)  # the launcher thread has enqueued everything
     victim_reached = backend.record_event(victim)
     if enforced:
         assert not victim_reached.wait(0.05), "the fence did not hold the victim stream back"
@@ -240,9 +244,10 @@ def _race(ctrl, enforced: bool, paused, victim, *others) -> None:
         assert backend.record_event(stream).wait(10)
 
 
+@pytest.mark.parametrize("launch", LAUNCH)
 @pytest.mark.parametrize("enforced", ENFORCED)
-def test_rule1_copy_waits_for_the_compute_that_wrote_the_block(make_controller, enforced) -> None:
-    ctrl = make_controller(disabled_rules=set() if enforced else {1})
+def test_rule1_copy_waits_for_the_compute_that_wrote_the_block(make_controller, enforced, launch) -> None:
+    ctrl = make_controller(disabled_rules=set() if enforced else {1}, async_launch=launch)
     backend = ctrl.backend
     compute = backend.create_stream()
     backend.use_compute_stream(compute)
@@ -258,9 +263,10 @@ def test_rule1_copy_waits_for_the_compute_that_wrote_the_block(make_controller, 
     assert host_seed is enforced  # disabled: the copy read the block before compute wrote it
 
 
+@pytest.mark.parametrize("launch", LAUNCH)
 @pytest.mark.parametrize("enforced", ENFORCED)
-def test_rule2_compute_does_not_overwrite_a_block_being_evicted(make_controller, enforced) -> None:
-    ctrl = make_controller(disabled_rules=set() if enforced else {2})
+def test_rule2_compute_does_not_overwrite_a_block_being_evicted(make_controller, enforced, launch) -> None:
+    ctrl = make_controller(disabled_rules=set() if enforced else {2}, async_launch=launch)
     backend = ctrl.backend
     compute = backend.create_stream()
     backend.use_compute_stream(compute)
@@ -277,9 +283,10 @@ def test_rule2_compute_does_not_overwrite_a_block_being_evicted(make_controller,
     assert block_seed(ctrl, 1) == 2
 
 
+@pytest.mark.parametrize("launch", LAUNCH)
 @pytest.mark.parametrize("enforced", ENFORCED)
-def test_rule2_load_does_not_overwrite_a_block_being_evicted(make_controller, enforced) -> None:
-    ctrl = make_controller(disabled_rules=set() if enforced else {2})
+def test_rule2_load_does_not_overwrite_a_block_being_evicted(make_controller, enforced, launch) -> None:
+    ctrl = make_controller(disabled_rules=set() if enforced else {2}, async_launch=launch)
     fill_block(ctrl, 0, seed=3)
     ctrl.submit_swap_tasks(backup([0], [6]), None)
     ctrl.collect_finished(wait=True)
@@ -293,9 +300,10 @@ def test_rule2_load_does_not_overwrite_a_block_being_evicted(make_controller, en
     assert block_seed(ctrl, 1) == 3
 
 
+@pytest.mark.parametrize("launch", LAUNCH)
 @pytest.mark.parametrize("enforced", ENFORCED)
-def test_rule3_compute_reads_a_layer_only_after_its_load(make_controller, enforced) -> None:
-    ctrl = make_controller(disabled_rules=set() if enforced else {3})
+def test_rule3_compute_reads_a_layer_only_after_its_load(make_controller, enforced, launch) -> None:
+    ctrl = make_controller(disabled_rules=set() if enforced else {3}, async_launch=launch)
     backend = ctrl.backend
     fill_block(ctrl, 0, seed=5)
     ctrl.submit_swap_tasks(backup([0], [2]), None)
@@ -316,9 +324,10 @@ def test_rule3_compute_reads_a_layer_only_after_its_load(make_controller, enforc
     assert read_loaded is enforced
 
 
+@pytest.mark.parametrize("launch", LAUNCH)
 @pytest.mark.parametrize("enforced", ENFORCED)
-def test_rule4_host_block_read_by_a_load_is_not_overwritten(make_controller, enforced) -> None:
-    ctrl = make_controller(disabled_rules=set() if enforced else {4})
+def test_rule4_host_block_read_by_a_load_is_not_overwritten(make_controller, enforced, launch) -> None:
+    ctrl = make_controller(disabled_rules=set() if enforced else {4}, async_launch=launch)
     fill_block(ctrl, 0, seed=6)
     ctrl.submit_swap_tasks(backup([0], [3]), None)
     ctrl.collect_finished(wait=True)
@@ -330,9 +339,10 @@ def test_rule4_host_block_read_by_a_load_is_not_overwritten(make_controller, enf
     assert (block_seed(ctrl, 5) == 6) is enforced
 
 
+@pytest.mark.parametrize("launch", LAUNCH)
 @pytest.mark.parametrize("enforced", ENFORCED)
-def test_rule5_load_reads_host_blocks_after_the_eviction_into_them(make_controller, enforced) -> None:
-    ctrl = make_controller(disabled_rules=set() if enforced else {5})
+def test_rule5_load_reads_host_blocks_after_the_eviction_into_them(make_controller, enforced, launch) -> None:
+    ctrl = make_controller(disabled_rules=set() if enforced else {5}, async_launch=launch)
     fill_block(ctrl, 1, seed=8)
     ctrl.transfer_manager.output_stream.pause()
     # write_back: block 1 is evicted to host 4 and, in the same step, host 4 loaded into 2.

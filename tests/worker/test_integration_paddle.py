@@ -94,7 +94,7 @@ def _blocks_for(req: Any) -> int:
     return -(-req.num_total_tokens // BS)
 
 
-def run_trace(policy: str, seed: int, steps: int, fail_p: float, quant: bool) -> dict[str, int]:
+def run_trace(policy: str, seed: int, steps: int, fail_p: float, quant: bool, async_launch: bool = False) -> dict[str, int]:
     from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
     from fastdeploy_kvcache.core.cache_manager import CacheManager
     from fastdeploy_kvcache.core.request import BatchRequest, Request
@@ -111,7 +111,7 @@ def run_trace(policy: str, seed: int, steps: int, fail_p: float, quant: bool) ->
         cfg_kwargs.update(dtype="float32")
     cfg = CacheConfig(**cfg_kwargs)
     mgr = CacheManager(cfg)
-    ctrl = CacheController(cfg, backend="paddle", threaded=True)
+    ctrl = CacheController(cfg, backend="paddle", threaded=True, async_launch=async_launch)
     ctrl.initialize_kv_cache()
     ctrl.initialize_host_cache()
     model = Model(ctrl)
@@ -201,7 +201,8 @@ def run_trace(policy: str, seed: int, steps: int, fail_p: float, quant: bool) ->
 @pytest.mark.parametrize("seed", [0, 1] if not SOAK else list(range(12)))
 def test_random_traces_keep_every_running_request_exact(policy: str, seed: int) -> None:
     paddle_ops_or_skip()
-    counts = run_trace(policy, seed, steps=40 if not SOAK else 200, fail_p=0.0, quant=seed % 2 == 1)
+    counts = run_trace(policy, seed, steps=40 if not SOAK else 200, fail_p=0.0, quant=seed % 2 == 1,
+                       async_launch=seed % 2 == 1)
     assert counts["steps"] > 0 and counts["failed"] == 0
     # The trace must actually move data, or it proves nothing.
     assert counts["d2h_blocks"] > 0
@@ -210,7 +211,8 @@ def test_random_traces_keep_every_running_request_exact(policy: str, seed: int) 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 def test_injected_copy_failures_are_recomputed_never_served(policy: str) -> None:
     paddle_ops_or_skip()
-    counts = run_trace(policy, seed=7, steps=50 if not SOAK else 300, fail_p=0.35, quant=False)
+    counts = run_trace(policy, seed=7, steps=50 if not SOAK else 300, fail_p=0.35, quant=False,
+                       async_launch=policy == "write_back")
     assert counts["failed"] > 0
 
 

@@ -110,6 +110,9 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:  # noqa: B027 - optional hook
         """Wait for all device work (shutdown and tests only)."""
 
+    def bind_thread(self) -> None:  # noqa: B027 - optional hook
+        """Make the calling thread use this backend's device (run first on the launcher)."""
+
     # ------------------------------------------------------------------ copy
     def prepare_ids(self, ids: Sequence[int]) -> Any:
         """Convert a block-id list once per task into what :meth:`swap_blocks` takes."""

@@ -105,6 +105,10 @@ class CupyBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - routed to the task's metadata
             on_error(exc)
 
+    def bind_thread(self) -> None:
+        # CuPy's current device is per thread; the launcher records events on our device.
+        self._device.use()
+
     def synchronize(self) -> None:
         with self._device:
             self._cp.cuda.runtime.deviceSynchronize()

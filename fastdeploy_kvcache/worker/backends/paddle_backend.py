@@ -148,6 +148,9 @@ class PaddleGpuBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - routed to the task's metadata
             on_error(exc)
 
+    def bind_thread(self) -> None:
+        self._paddle.device.set_device(f"gpu:{self.device_id}")
+
     def synchronize(self) -> None:
         self._paddle.device.synchronize()
 
