@@ -122,7 +122,7 @@ def run_trace(policy: str, seed: int, steps: int, fail_p: float, quant: bool, as
             raise RuntimeError(f"injected failure of task {meta.task_id} at layer {layer}")
 
     ctrl.transfer_manager.fault_injector = inject
-    families = [[rng.randrange(1000) for _ in range(20)] for _ in range(3)]
+    families = [[rng.randrange(1000) for _ in range(20)] for _ in range(2)]
     running: list[Any] = []
     counts = {"steps": 0, "swap_in_blocks": 0, "d2h_blocks": 0, "failed": 0, "redone": 0}
     next_id = 0
@@ -143,7 +143,7 @@ def run_trace(policy: str, seed: int, steps: int, fail_p: float, quant: bool, as
                 elif r < 0.17:
                     mgr.preempt_request(req)
                     running.remove(req)
-            for _ in range(rng.randint(0, 2)):
+            for _ in range(rng.randint(0, 3)):
                 fam = rng.choice(families)
                 prompt = fam[: rng.randint(2, 20)] + [rng.randrange(1000) for _ in range(rng.randint(0, 6))]
                 req = Request(f"r{next_id}", prompt)
