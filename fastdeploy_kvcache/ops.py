@@ -223,7 +223,13 @@ class CApi:
 
     # ---------------------------------------------------------------- options
     def set_option(self, name: str, value: int) -> None:
-        """Set a process-wide copy option: copy_grid, copy_path, dma_min_bytes, merge_min_bytes."""
+        """Set a process-wide copy option of this library (defaults come from the FDKV_*
+        environment variables, see envs.py): ``copy_grid`` (kernel CTAs), ``copy_path``
+        (0 auto, 1 kernel, 2 dma), ``dma_min_bytes``, ``merge_min_bytes``,
+        ``dma_slice_bytes``, ``copy_kernel`` (0-3), ``kernel_tables`` (0/1).
+
+        Meant for benchmarks and tests; an engine sets the environment instead.
+        """
         self._check(self._lib.fdkv_set_option(name.encode(), int(value)))
 
     def get_option(self, name: str) -> int:
