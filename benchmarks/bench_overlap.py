@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--reps", type=int, default=9)
     p.add_argument("--copy-paths", default="auto", help="comma list of copy paths to run: auto,kernel,dma")
     p.add_argument("--fence-blocks", type=int, default=8, help="blocks of the write_back eviction fence row")
     p.add_argument("--json", default="", help="write the results here too")
@@ -92,22 +92,30 @@ def main() -> int:
 
     compute = cp.cuda.Stream(non_blocking=True)
 
-    def timed(body: Callable[[], None]) -> float:
-        """Seconds on the compute stream from before ``body`` to after it (median of reps)."""
-        samples = []
-        for _ in range(args.reps + WARMUP):
-            cp.cuda.runtime.deviceSynchronize()
-            ctrl.collect_finished()
-            with compute:
-                start, end = cp.cuda.Event(), cp.cuda.Event()
-                start.record(compute)
-                body()
-                end.record(compute)
-            end.synchronize()
-            samples.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    def run_once(body: Callable[[], None]) -> float:
+        """Seconds on the compute stream from before ``body`` to after it."""
+        cp.cuda.runtime.deviceSynchronize()
+        ctrl.collect_finished()
+        with compute:
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(compute)
+            body()
+            end.record(compute)
+        end.synchronize()
+        elapsed = cp.cuda.get_elapsed_time(start, end) / 1e3
         cp.cuda.runtime.deviceSynchronize()
         ctrl.collect_finished(wait=True)
-        return statistics.median(samples[WARMUP:])
+        return elapsed
+
+    def timed(*bodies: Callable[[], None]) -> list[float]:
+        """Median seconds of each body; the bodies alternate, so drifts hit all alike."""
+        samples: list[list[float]] = [[] for _ in bodies]
+        for rep in range(args.reps + WARMUP):
+            for i, body in enumerate(bodies):
+                t = run_once(body)
+                if rep >= WARMUP:
+                    samples[i].append(t)
+        return [statistics.median(x) for x in samples]
 
     def load_meta() -> CacheSwapMetadata:
         return CacheSwapMetadata(list(load_host), list(load_dev), CacheLevel.HOST, CacheLevel.DEVICE)
@@ -145,7 +153,7 @@ def main() -> int:
             for layer in range(args.layers):
                 counter.wait_for_layer(layer)
 
-        t_l = timed(load_only)
+        (t_l,) = timed(load_only)
         per_layer_load = t_l / args.layers
 
         # ---- calibrate the matmul so one layer's compute ~ one layer's load
@@ -189,8 +197,7 @@ def main() -> int:
                 counter.wait_for_layer(layer)
                 layer_compute(layer)
 
-        t_c = timed(compute_only)
-        t_o = timed(overlapped)
+        t_c, t_o = timed(compute_only, overlapped)
         hidden = (t_c + t_l - t_o) / min(t_c, t_l)
 
         # ---- compute while device->host backups run at full rate (no rule-2 fence: BACKUP)
@@ -205,7 +212,7 @@ def main() -> int:
             copied.record(tm.output_stream)
             compute.wait_event(copied)  # so the compute-stream timer spans the copy
 
-        t_e = timed(evict_only)
+        (t_e,) = timed(evict_only)
         n_evicts = int(t_c / t_e) + 2  # enough queued copies to outlast the compute
 
         evict_submit_s: list[float] = []
@@ -217,8 +224,8 @@ def main() -> int:
             evict_submit_s.append(time.perf_counter() - t0)
             compute_only()
 
-        t_ce = timed(compute_under_evictions)
-        slowdown = t_ce / t_c - 1.0
+        t_c2, t_ce = timed(compute_only, compute_under_evictions)
+        slowdown = t_ce / t_c2 - 1.0
 
         # ---- the rule-2 fence: a write_back eviction of a few blocks ahead of the compute
         def fenced_step() -> None:
@@ -227,7 +234,14 @@ def main() -> int:
             ctrl.submit_swap_tasks(meta, None)
             compute_only()
 
-        t_fence = timed(fenced_step)
+        t_c3, t_fence = timed(compute_only, fenced_step)
+
+        # ---- a mixed step: this step's write-through backups plus the layer-by-layer load
+        def overlapped_with_backups() -> None:
+            ctrl.submit_swap_tasks(backup_meta(), None)
+            overlapped()
+
+        (t_ob,) = timed(overlapped_with_backups)
 
         # ---- host cost of one op launch, straight through the C ABI (no worker code)
         layer0 = tm.layout.device[0]
@@ -261,10 +275,12 @@ def main() -> int:
             "submit_host_us_per_layer": statistics.median(submit_s) / args.layers * 1e6,
             "load_ratio_to_contiguous": load_bytes / t_l / 1e9 / contiguous_h2d,
             "evict_GBps": n_blocks * config.bytes_per_block / t_e / 1e9,
-            "evictions_queued": n_evicts, "T_c_under_evictions_ms": t_ce * 1e3,
+            "evictions_queued": n_evicts, "T_c_alone_paired_ms": t_c2 * 1e3, "T_c_under_evictions_ms": t_ce * 1e3,
             "compute_slowdown_under_evictions": slowdown,
             "fence_blocks": args.fence_blocks, "T_step_with_writeback_fence_ms": t_fence * 1e3,
-            "fence_delay_ms": (t_fence - t_c) * 1e3,
+            "fence_delay_ms": (t_fence - t_c3) * 1e3,
+            "T_o_with_backups_ms": t_ob * 1e3,
+            "hidden_fraction_with_backups": (t_c + t_l - t_ob) / min(t_c, t_l),
             "evict_submits_host_ms": statistics.median(evict_submit_s) * 1e3,
             "capi_host_us_per_layer_load_call": capi_layer_us,
             "capi_host_us_per_eviction_call_back_to_back": capi_evict_us,
@@ -277,7 +293,7 @@ def main() -> int:
     print(f"# bench_overlap on {device_name}, {results['date']}")
     print(f"layers={args.layers} blocks/step={n_blocks} layer load={results['layer_load_bytes'] / 2**20:.1f} MiB "
           f"contiguous pinned H2D (1 GiB cudaMemcpyAsync, this run) = {contiguous_h2d:.1f} GB/s")
-    cols = ["copy_path", "matmul_n", "T_c_ms", "T_l_ms", "T_o_ms", "hidden_fraction", "load_GBps",
+    cols = ["copy_path", "matmul_n", "T_c_ms", "T_l_ms", "T_o_ms", "hidden_fraction", "hidden_fraction_with_backups", "load_GBps",
             "load_ratio_to_contiguous", "evict_GBps", "compute_slowdown_under_evictions",
             "fence_delay_ms", "submit_host_us_per_layer", "capi_host_us_per_layer_load_call",
             "capi_host_us_per_eviction_call_back_to_back", "evict_submits_host_ms"]

@@ -31,19 +31,21 @@ events listed below, which implement the ordering rules of ``docs/architecture_w
 Fences 2, 4 and 5 are per block: a stream waits only on in-flight tasks of the other stream
 that share a block with the new one, so unrelated loads and evictions keep overlapping.
 
-Launches.  On GPU backends the copies are launched by one launcher thread, in submit order,
-so ``submit`` returns at once and the forward pass can start while later layers are still
-being launched; a ``wait_for_layer(i)`` that arrives before layer ``i``'s event exists waits on
-a condition variable (no polling) until the launcher records it, then enqueues the device-side
-wait.  This matters because one op launch costs tens of microseconds of host time: launching
-all layers before the forward starts would delay compute by the sum.  ``async_launch=False``
-launches on the calling thread instead (the default for the host-thread CPU backends).
+Launches.  On GPU backends the copies are launched by two launcher threads, one per
+direction, each in submit order, so ``submit`` returns at once and the forward pass can start
+while later layers are still being launched.  A ``wait_for_layer(i)`` that arrives before
+layer ``i``'s event exists waits on a condition variable (no polling) until the launcher
+records it, then enqueues the device-side wait.  This matters because one op launch costs
+tens to hundreds of microseconds of host time: launching every layer before the forward
+starts would delay compute by the sum.  ``async_launch=False`` launches on the calling
+thread instead (the default for the host-thread CPU backends).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import threading
 import time
 from dataclasses import dataclass, field
@@ -200,10 +202,16 @@ class TransferManager:
         self._lock = threading.RLock()
         self._seq = itertools.count()
         self.async_launch = backend.is_cuda if async_launch is None else bool(async_launch)
-        self._launcher: Optional[HostStream] = None
+        # NOTE: one launcher per direction, so that a slow eviction launch (a DMA batch of
+        # thousands of copies costs milliseconds of host time) never delays the launches of
+        # a load the forward pass is waiting for.  Cross-direction order is kept per task:
+        # a task waits only for the launch of earlier other-direction tasks it conflicts with.
+        self._launchers: dict[str, HostStream] = {}
         if self.async_launch:
-            self._launcher = HostStream("launcher")
-            self._launcher.submit(backend.bind_thread)
+            for direction in (D2H, H2D):
+                launcher = HostStream(f"launch-{direction}")
+                launcher.submit(backend.bind_thread)
+                self._launchers[direction] = launcher
 
     # ------------------------------------------------------------------ setup
     def set_layout(self, layout: Optional[CacheLayout]) -> None:
@@ -256,10 +264,11 @@ class TransferManager:
                     raise LayerSwapTimeoutError(-1, task_id, self.timeout_s) from None
         return counter
 
-    def _dispatch(self, job: Callable[[], None]) -> None:
-        """Run a launch job on the launcher thread (in submit order) or right here."""
-        if self._launcher is not None:
-            self._launcher.submit(job)
+    def _dispatch(self, direction: str, job: Callable[[], None]) -> None:
+        """Run a launch job on the direction's launcher thread (in submit order) or right here."""
+        launcher = self._launchers.get(direction)
+        if launcher is not None:
+            launcher.submit(job)
         else:
             job()
 
@@ -278,7 +287,7 @@ class TransferManager:
         )
         for name, ids, limit in (("device", dev_ids, layout.num_device_blocks), ("host", host_ids, layout.num_host_blocks)):
             for index, block in enumerate(ids):
-                if not isinstance(block, int) or not 0 <= block < limit:
+                if not isinstance(block, numbers.Integral) or isinstance(block, bool) or not 0 <= block < limit:
                     return f"{name} block id {block!r} at index {index} is out of range [0, {limit})"
         if len(set(meta.dst_block_ids)) != len(meta.dst_block_ids):
             seen: set[int] = set()
@@ -292,26 +301,30 @@ class TransferManager:
         """Make ``stream`` wait for earlier in-flight tasks of the other direction sharing blocks.
 
         ``rules`` maps "device"/"host" to the ordering rule that guards overlaps on that tier;
-        a disabled rule's overlaps are ignored.  Runs on the launcher, which handles tasks in
-        submit order, so every earlier task's done event exists by now.
+        a disabled rule's overlaps are ignored.  Runs on this direction's launcher.  A
+        conflicting earlier task may still be in the other launcher's hands: we wait (host)
+        for its launch first.  No cycle is possible: that task only ever waits for tasks
+        older than itself, and this launcher handled those before the current one.
         """
         other = H2D if task.direction == D2H else D2H
         check_dev = rules["device"] not in self.disabled_rules
         check_host = rules["host"] not in self.disabled_rules
         with self._lock:
-            events = [
-                prior.done_event
+            priors = [
+                prior
                 for prior in self._inflight
                 if prior.seq < task.seq
                 and prior.direction == other
-                and prior.done_event is not None
                 and (
                     (check_dev and not task.device_ids.isdisjoint(prior.device_ids))
                     or (check_host and not task.host_ids.isdisjoint(prior.host_ids))
                 )
             ]
-        for event in events:
-            self.backend.stream_wait_event(stream, event, self.timeout_s)
+        for prior in priors:
+            if not prior.launched.wait(self.timeout_s):
+                raise LayerSwapTimeoutError(-1, prior.meta.task_id, self.timeout_s)
+            if prior.done_event is not None:
+                self.backend.stream_wait_event(stream, prior.done_event, self.timeout_s)
 
     def _submit_d2h(self, meta: CacheSwapMetadata, compute_done: Any) -> _Task:
         task = _Task(meta, D2H, next(self._seq), None)
@@ -355,7 +368,7 @@ class TransferManager:
 
         dev_ids = self.backend.prepare_ids(meta.src_block_ids)
         host_ids = self.backend.prepare_ids(meta.dst_block_ids)
-        self._dispatch(job)
+        self._dispatch(D2H, job)
         return task
 
     def _close_task(self, task: _Task, stream: Any) -> None:
@@ -418,7 +431,7 @@ class TransferManager:
             finally:
                 self._close_task(task, inp)
 
-        self._dispatch(job)
+        self._dispatch(H2D, job)
         return counter
 
     # ------------------------------------------------------------------ completion
@@ -475,12 +488,12 @@ class TransferManager:
         Not needed for correctness: waits on a task's events already wait for its launch.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if self._launcher is None:
-            return
-        idle = HostEvent()
-        self._launcher.submit(idle.set)
-        if not idle.wait(timeout_s):
-            raise LayerSwapTimeoutError(-1, -1, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for launcher in self._launchers.values():
+            idle = HostEvent()
+            launcher.submit(idle.set)
+            if not idle.wait(max(0.0, deadline - time.monotonic())):
+                raise LayerSwapTimeoutError(-1, -1, timeout_s)
 
     def drain(self, timeout_s: Optional[float] = None) -> list[CacheSwapMetadata]:
         """Wait (host-side) for every in-flight task, then return all finished metadata."""
@@ -523,9 +536,9 @@ class TransferManager:
 
     def close(self) -> None:
         """Stop the launcher and host-thread streams (GPU streams go with the object)."""
-        if self._launcher is not None:
-            self._launcher.close()
-            self._launcher = None
+        for launcher in self._launchers.values():
+            launcher.close()
+        self._launchers.clear()
         close = getattr(self.backend, "close_streams", None)
         if close is not None:
             close()
