@@ -4,6 +4,7 @@
 #   bash build.sh          venv + pip packages + Paddle custom ops + C ABI (CPU) library
 #   bash build.sh test     the above, then the whole test suite (GPU tests skip with reasons)
 #   bash build.sh gpu      build the CUDA C ABI library with nvcc (no venv or Paddle needed)
+#   bash build.sh gpu-test build it, then run tests/gpu with the system python3 (CuPy, pytest)
 #   bash build.sh bench    run the benchmarks (GPU ones need `bash build.sh gpu` first)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -36,22 +37,32 @@ setup_venv() {
 
 build_capi_cpu() { bash custom_ops/capi/build_capi.sh cpu; }
 build_capi_gpu() { bash custom_ops/capi/build_capi.sh gpu; }
+# On a machine with a GPU and nvcc, `build`/`test` also build the CUDA C ABI so that
+# tests/gpu run instead of skipping.
+build_capi_gpu_if_possible() {
+  if have_gpu && { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; }; then build_capi_gpu; fi
+}
 build_paddle_ops() { "$PY" setup_ops.py; }
 
 cmd=${1:-build}
 case "$cmd" in
   build)
-    setup_venv; build_capi_cpu; build_paddle_ops ;;
+    setup_venv; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops ;;
   test)
-    setup_venv; build_capi_cpu; build_paddle_ops
+    setup_venv; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops
     shift || true
     # -rs prints every skipped test with its reason (the GPU tests say what they need).
     "$PY" -m pytest -q -rs tests "$@" ;;
   gpu)
     build_capi_gpu ;;
+  gpu-test)
+    # On a GPU machine without the venv (the device machine): system python3 with CuPy.
+    build_capi_gpu
+    shift || true
+    PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "${GPU_PY:-python3}" -m pytest -q -rs -p no:cacheprovider tests/gpu "$@" ;;
   bench)
     shift || true
     for b in benchmarks/bench_*.py; do log "running $b"; "${BENCH_PY:-$PY}" "$b" "$@"; done ;;
   *)
-    echo "usage: bash build.sh [build|test|gpu|bench]" >&2; exit 2 ;;
+    echo "usage: bash build.sh [build|test|gpu|gpu-test|bench]" >&2; exit 2 ;;
 esac

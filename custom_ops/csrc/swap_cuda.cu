@@ -66,11 +66,15 @@ __device__ __forceinline__ V LoadV(const V* p) {
 
 template <>
 __device__ __forceinline__ int4 LoadV<int4, kWarpNcL2Prefetch>(const int4* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   int4 v;
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
+#else
+  return __ldg(p);  // the L2 prefetch-size hint needs sm_80
+#endif
 }
 
 template <typename V, int kVariant>
