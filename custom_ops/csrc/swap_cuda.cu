@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <unordered_set>
 #include <string>
 #include <vector>
 
@@ -527,6 +528,30 @@ void LaunchDmaBatch(const std::vector<Copy>& copies, int mode, cudaStream_t stre
 
 }  // namespace
 
+// The copy kernel dereferences host memory from the GPU, which works only for pinned
+// (page-locked, mapped) memory; pageable memory would fault and poison the context.
+// Known-good bases are cached, so the check costs a hash lookup per tensor per call.
+bool HostSideIsPinned(const std::vector<LaneDesc>& lanes, int mode) {
+  static std::mutex mu;
+  static std::unordered_set<uintptr_t> pinned;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const LaneDesc& l : lanes) {
+    const void* host = mode == kDeviceToHost ? static_cast<const void*>(l.dst) : static_cast<const void*>(l.src);
+    const uintptr_t key = reinterpret_cast<uintptr_t>(host);
+    if (pinned.count(key) != 0) continue;
+    cudaPointerAttributes attr = {};
+    if (cudaPointerGetAttributes(&attr, host) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    if (attr.type != cudaMemoryTypeHost || attr.devicePointer != host) return false;
+    // NOTE: bounded: a process that cycles through many host buffers re-checks them.
+    if (pinned.size() > 65536) pinned.clear();
+    pinned.insert(key);
+  }
+  return true;
+}
+
 // ------------------------------------------------------------------------ planning
 int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
                 int64_t n, bool mergeable, int mode, void* stream_ptr) {
@@ -551,6 +576,9 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   int64_t path = opts.copy_path;
   if (path == kCopyAuto) path = avg_copy_bytes >= opts.dma_min_bytes ? kCopyDma : kCopyKernel;
   if (path == kCopyDma && !DmaBatchAvailable(stream)) path = kCopyKernel;
+  // Pageable host memory never reaches the kernel: one cudaMemcpyAsync per run instead
+  // (staged by the driver; slow but correct).
+  const bool kernel_ok = path != kCopyKernel || HostSideIsPinned(lanes, mode);
 
   if (path == kCopyDma) {
     thread_local std::vector<Copy> copies;
@@ -573,7 +601,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   k_src.clear();
   k_dst.clear();
   for (const Run& r : runs) {
-    if (mergeable && r.count * min_lane_bytes >= opts.merge_min_bytes) {
+    if (!kernel_ok || (mergeable && r.count * min_lane_bytes >= opts.merge_min_bytes)) {
       for (const LaneDesc& l : lanes) {
         FDKV_CUDA_CHECK(cudaMemcpyAsync(l.dst + r.dst_id * l.dst_stride, l.src + r.src_id * l.src_stride,
                                         static_cast<size_t>(r.count * l.bytes), cudaMemcpyDefault, stream));

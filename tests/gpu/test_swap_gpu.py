@@ -298,3 +298,32 @@ def test_compute_sanitizer_memcheck_is_clean(capi) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "ERROR SUMMARY: 0 errors" in out, out[-4000:]
+
+
+@pytest.mark.parametrize("entry", ["per_layer", "all_layers", "layout"])
+@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+def test_pageable_host_memory_never_reaches_the_kernel(cupy, capi, cuda_stream, copy_path, entry, mode) -> None:
+    """numpy (pageable) host buffers: the kernel cannot dereference them, so the op falls
+    back to one cudaMemcpyAsync per run and the bytes still arrive."""
+    copy_path("kernel")
+    bb = 4096
+    dev = _dev_random(cupy, (NUM_DEV, bb), 8)
+    host = np.random.default_rng(8).integers(0, 256, (NUM_HOST, bb), dtype=np.uint8)
+    dev_ids, host_ids = [3, 9, 4, 20], [7, 0, 31, 2]
+    want_dev, want_host = cupy.asnumpy(dev), host.copy()
+    if mode == ops.MODE_D2H:
+        want_host[host_ids] = want_dev[dev_ids]
+    else:
+        want_dev[dev_ids] = host[host_ids]
+    s = cuda_stream()
+    if entry == "per_layer":
+        capi.swap_per_layer(dev.data.ptr, NUM_DEV, bb, host.ctypes.data, NUM_HOST, dev_ids, host_ids, mode, stream=s)
+    elif entry == "all_layers":
+        capi.swap_all_layers([dev.data.ptr], [host.ctypes.data], NUM_DEV, bb, NUM_HOST, dev_ids, host_ids, mode,
+                             stream=s)
+    else:
+        capi.swap_layout([dev.data.ptr], NUM_DEV, bb, host.ctypes.data, NUM_HOST, dev_ids, host_ids, mode, stream=s)
+    assert capi.last_path() == ops.PATH_MEMCPY
+    s.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(dev), want_dev)
+    np.testing.assert_array_equal(host, want_host)
