@@ -286,6 +286,12 @@ class TransferManager:
             (meta.src_block_ids, meta.dst_block_ids) if direction == D2H else (meta.dst_block_ids, meta.src_block_ids)
         )
         for name, ids, limit in (("device", dev_ids, layout.num_device_blocks), ("host", host_ids, layout.num_host_blocks)):
+            try:
+                fine = not ids or (min(ids) >= 0 and max(ids) < limit)  # O(n) in C, the common case
+            except TypeError:
+                fine = False
+            if fine and all(type(b) is int for b in ids):
+                continue
             for index, block in enumerate(ids):
                 if not isinstance(block, numbers.Integral) or isinstance(block, bool) or not 0 <= block < limit:
                     return f"{name} block id {block!r} at index {index} is out of range [0, {limit})"
