@@ -62,7 +62,8 @@ def id_patterns(num_dev: int, num_host: int, rng: np.random.Generator) -> dict[s
         "reversed": (list(range(n - 1, -1, -1)), list(range(num_host - 1, num_host - 1 - n, -1))),
         "single": ([num_dev - 1], [0]),
         "empty": ([], []),
-        "runs": ([0, 1, 2, 7, 5, 6], [3, 4, 5, 0, 9, 10][: 6] if num_host > 10 else [3, 4, 5, 0, 1, 2]),
+        # two runs of consecutive pairs around a singleton (num_host must exceed 10)
+        "runs": ([0, 1, 2, 7, 5, 6], [3, 4, 5, 0, 9, 10]),
     }
 
 

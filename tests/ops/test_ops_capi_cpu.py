@@ -110,7 +110,9 @@ def test_sync_flag_and_stream_are_accepted_on_cpu(capi_cpu: ops.CApi) -> None:
 
 
 def test_options_round_trip_and_reject_bad_values(capi_cpu: ops.CApi) -> None:
-    before = {k: capi_cpu.get_option(k) for k in ("copy_grid", "copy_path", "dma_min_bytes", "merge_min_bytes")}
+    names = ("copy_grid", "copy_path", "dma_min_bytes", "merge_min_bytes", "dma_slice_bytes", "copy_kernel",
+             "kernel_tables")
+    before = {k: capi_cpu.get_option(k) for k in names}
     assert before["copy_grid"] >= 1
     try:
         capi_cpu.set_option("copy_grid", 4)
@@ -121,6 +123,11 @@ def test_options_round_trip_and_reject_bad_values(capi_cpu: ops.CApi) -> None:
             capi_cpu.set_option("copy_path", 7)
         with pytest.raises(ops.SwapOpError):
             capi_cpu.get_option("no_such_option")
+        for name, good, bad in (("copy_kernel", 3, 4), ("kernel_tables", 0, 2), ("dma_slice_bytes", 1 << 20, 0)):
+            capi_cpu.set_option(name, good)
+            assert capi_cpu.get_option(name) == good
+            with pytest.raises(ops.SwapOpError):
+                capi_cpu.set_option(name, bad)
     finally:
         for k, v in before.items():
             capi_cpu.set_option(k, v)
