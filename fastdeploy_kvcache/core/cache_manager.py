@@ -124,7 +124,7 @@ class CacheManager:
         # Device -> host evictions not yet handed to a request or batch.
         self._pending_evictions: list[CacheSwapMetadata] = []
         # Evictions made during the current allocate call.
-        self._call_evictions: list[tuple[int, int, int]] = []
+        self._call_evictions: list[tuple[int, int, int, BlockNode]] = []  # (device, host, hash, node)
         # Nodes cut out of the tree that still hold blocks (a copy in flight, or refs).
         self._detached: set[BlockNode] = set()
         self._stats: dict[str, int] = {}
@@ -329,6 +329,7 @@ class CacheManager:
             return
         tree = self.tree
         skipped: list[BlockNode] = []
+        first = len(self._call_evictions)
         try:
             while short > 0:
                 node = tree.device_heap.pop()
@@ -361,6 +362,7 @@ class CacheManager:
         finally:
             for node in skipped:
                 tree.offer(node)
+            self._pair_evictions_ascending(first)
         if short > 0:
             raise NoFreeBlocksError(
                 f"need {n} device blocks: {self.device_pool.num_free} free and nothing more is evictable"
@@ -380,7 +382,7 @@ class CacheManager:
         self.device_pool.free_one(d)
         self.tree.set_host(node, host_block)
         self._inflight[(_DEV, _HOST, host_block)] = _InFlight(node, TransferKind.EVICT, d, host_block)
-        self._call_evictions.append((d, host_block, node.hash_value))
+        self._call_evictions.append((d, host_block, node.hash_value, node))
         self._stats["write_back_blocks_issued"] += 1
 
     def _drop_device(self, node: BlockNode) -> None:
@@ -405,17 +407,41 @@ class CacheManager:
                 self.tree.remove(victim)
         return pool.allocate_one()
 
-    def _make_evict_metadata(self, items: list[tuple[int, int, int]]) -> Optional[CacheSwapMetadata]:
+    def _make_evict_metadata(self, items: list[tuple[int, int, int, BlockNode]]) -> Optional[CacheSwapMetadata]:
         if not items:
             return None
         return CacheSwapMetadata(
-            [d for d, _, _ in items],
-            [h for _, h, _ in items],
+            [d for d, _, _, _ in items],
+            [h for _, h, _, _ in items],
             _DEV,
             _HOST,
-            [hv for _, _, hv in items],
+            [hv for _, _, hv, _ in items],
             kind=TransferKind.EVICT,
         )
+
+    def _pair_evictions_ascending(self, first: int) -> None:
+        """Re-pair this reclaim's evictions so device and host ids ascend together.
+
+        LRU leaves come out deepest first, so a chain's device ids are evicted in
+        descending order while host ids are handed out ascending: every pair would
+        start a new copy run, and the later load back (root to leaf) too.  The host
+        blocks of this batch are just relabelled among its nodes (sorted by device
+        id), so both sides become consecutive where the device ids are.  Nothing has
+        been emitted yet, and the relabelling changes no counts.
+        """
+        batch = self._call_evictions[first:]
+        if len(batch) < 2:
+            return
+        hosts = sorted(h for _, h, _, _ in batch)
+        batch.sort(key=lambda e: e[0])
+        for _, h, _, _ in batch:
+            del self._inflight[(_DEV, _HOST, h)]
+        out = []
+        for (d, _, hv, node), h in zip(batch, hosts):
+            node.host_block_id = h
+            self._inflight[(_DEV, _HOST, h)] = _InFlight(node, TransferKind.EVICT, d, h)
+            out.append((d, h, hv, node))
+        self._call_evictions[first:] = out
 
     def _stash_call_evictions(self) -> None:
         meta = self._make_evict_metadata(self._call_evictions)
@@ -695,7 +721,47 @@ class CacheManager:
                 self._complete_evict(inf, ok)
             else:
                 self._complete_backup(inf, ok)
+        for rid in affected:
+            rst = self._requests[rid]
+            self._privatize_tail(rst, rst.request.num_computed_tokens // self.block_size)
         return sorted(affected)
+
+    def _privatize_tail(self, st: _RequestState, start: int) -> None:
+        """Give a request that must recompute from block ``start`` private blocks there.
+
+        Its later blocks may be shared cached blocks (device hits, or loads that did
+        land).  Recomputing into them would rewrite blocks other requests read and a
+        backup may be copying, so each is swapped for a fresh private block.  The
+        evictions this needs travel with the next step (pending evictions).
+        """
+        idxs = [i for i in range(start, len(st.nodes)) if st.nodes[i] is not None and st.nodes[i].pending is None]
+        if not idxs:
+            return
+        saved, self._call_evictions = self._call_evictions, []
+        try:
+            self._reclaim_device(len(idxs))
+        except NoFreeBlocksError:
+            # NOTE: fallback when the pool is exhausted: the request recomputes into
+            # the shared blocks; the KV it writes there equals what they hold.
+            self._stats["shared_recompute_fallbacks"] += 1
+            logger.warning(
+                "request %s: no free blocks to recompute privately; recomputing into %d shared blocks",
+                st.request.request_id,
+                len(idxs),
+            )
+            return
+        finally:
+            self._stash_call_evictions()
+            self._call_evictions = saved
+        new = self.device_pool.allocate(len(idxs))
+        req = st.request
+        for i, b in zip(idxs, new):
+            node = st.nodes[i]
+            assert node is not None
+            st.nodes[i] = None
+            st.block_ids[i] = b
+            req.block_tables[i] = b
+            self._unref(node)
 
     def _complete_swap_in(self, inf: _InFlight, ok: bool, affected: set[str]) -> None:
         node = inf.node
@@ -833,6 +899,7 @@ class CacheManager:
                 "failed_blocks",
                 "inserted_blocks",
                 "duplicate_blocks",
+                "shared_recompute_fallbacks",
             )
         }
         self._stats_cached_device = 0

@@ -193,7 +193,6 @@ class BlockNode:
         "num_host_children",
         "backup_queued",
         "detached",
-        "heap_version",
         "heap_key",
         "__weakref__",
     )
@@ -214,8 +213,8 @@ class BlockNode:
         self.num_host_children = 0
         self.backup_queued = False
         self.detached = False  # removed from the tree while a copy was still in flight
-        # Lazy-deletion bookkeeping of the per-tier eviction heaps (index: CacheLevel).
-        self.heap_version = [0, 0]
+        # Key of this node's current entry in each tier's eviction heap (index:
+        # CacheLevel), None if it has none; older entries are skipped lazily.
         self.heap_key: list[Optional[int]] = [None, None]
 
     # -- derived ----------------------------------------------------------------

@@ -35,18 +35,29 @@ _DEVICE = int(CacheLevel.DEVICE)
 _HOST = int(CacheLevel.HOST)
 
 
+_SEQ_BITS = 32
+_SEQ_MASK = (1 << _SEQ_BITS) - 1
+
+
 class LRULeafHeap:
-    """Min-heap of (last_access, seq) over the evictable leaves of one tier."""
+    """Min-heap over the evictable leaves of one tier, least recently used first.
+
+    An entry is ``(key, node)`` with ``key = last_access << 32 | push_seq``: one int,
+    unique per push, so heap comparisons never reach the node, and "is this entry
+    current" is ``node.heap_key[tier] == key`` (no separate version field).
+    """
 
     # NOTE: a heap rather than an intrusive LRU list because a node can become a
     # leaf long after its last access (its last child was evicted); a list would
     # have to insert it in the middle, the heap just pushes it with its old key.
+    # Entries are 2-tuples of (int, node) to keep the heap small and the compares
+    # cheap: at 100k entries memory traffic, not the log n, is what costs.
 
     def __init__(self, tier: int, eligible: Callable[[BlockNode], bool]) -> None:
         self.tier = tier
         self.eligible = eligible
-        self._entries: list[tuple[int, int, int, BlockNode]] = []
-        self._seq = itertools.count()
+        self._entries: list[tuple[int, BlockNode]] = []
+        self._seq = 0
         self._live = 0  # nodes whose heap_key[tier] is set (one current entry each)
 
     def __len__(self) -> int:
@@ -59,16 +70,17 @@ class LRULeafHeap:
     def offer(self, node: BlockNode) -> None:
         """Push ``node`` if it is evictable now and not already in with its current key."""
         t = self.tier
+        current = node.heap_key[t]
+        if current is not None and current >> _SEQ_BITS == node.last_access:
+            return  # already in with this access time
         if not self.eligible(node):
             return
-        key = node.last_access
-        if node.heap_key[t] == key:
-            return
-        if node.heap_key[t] is None:
+        if current is None:
             self._live += 1
-        node.heap_version[t] += 1
+        self._seq = (self._seq + 1) & _SEQ_MASK
+        key = node.last_access << _SEQ_BITS | self._seq
         node.heap_key[t] = key
-        heapq.heappush(self._entries, (key, next(self._seq), node.heap_version[t], node))
+        heapq.heappush(self._entries, (key, node))
         if len(self._entries) > 2 * self._live + 64:
             self._compact()
 
@@ -77,17 +89,17 @@ class LRULeafHeap:
         t = self.tier
         if node.heap_key[t] is not None:
             node.heap_key[t] = None
-            node.heap_version[t] += 1
             self._live -= 1
 
     def pop(self) -> Optional[BlockNode]:
         """Remove and return the least recently used evictable leaf, or None."""
         t = self.tier
         entries = self._entries
+        pop = heapq.heappop
         while entries:
-            _, _, version, node = heapq.heappop(entries)
-            if version != node.heap_version[t]:
-                continue  # superseded entry
+            key, node = pop(entries)
+            if node.heap_key[t] != key:
+                continue  # superseded or forgotten entry
             node.heap_key[t] = None
             self._live -= 1
             if self.eligible(node):
@@ -98,8 +110,8 @@ class LRULeafHeap:
         t = self.tier
         kept = []
         for entry in self._entries:
-            node = entry[3]
-            if entry[2] != node.heap_version[t]:
+            node = entry[1]
+            if node.heap_key[t] != entry[0]:
                 continue
             if not self.eligible(node):
                 node.heap_key[t] = None
@@ -110,8 +122,8 @@ class LRULeafHeap:
         self._entries = kept
 
     def clear(self) -> None:
-        for _, _, version, node in self._entries:
-            if version == node.heap_version[self.tier]:
+        for key, node in self._entries:
+            if node.heap_key[self.tier] == key:
                 node.heap_key[self.tier] = None
         self._entries = []
         self._live = 0
@@ -167,8 +179,12 @@ class RadixTree:
         """Re-offer ``node`` to both heaps after any change that may make it evictable."""
         if node is self.root:
             return
-        self.device_heap.offer(node)
-        self.host_heap.offer(node)
+        # Cheap pre-filters: most nodes offered are interior ones (a finishing request
+        # releases its whole path), and those are never leaves.
+        if node.device_block_id is not None and not node.num_device_children:
+            self.device_heap.offer(node)
+        if node.host_block_id is not None and not node.num_host_children:
+            self.host_heap.offer(node)
 
     # ------------------------------------------------------------------ structure
     def tick(self) -> int:

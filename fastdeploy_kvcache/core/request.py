@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
-from fastdeploy_kvcache.core.hashing import BlockHasher, MMItem
+from fastdeploy_kvcache.core.hashing import BlockHasher, MMItem, pack_array
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, MatchResult, StorageMetadata
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,9 @@ class Request:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         self.request_id = request_id
-        self.prompt_token_ids: list[int] = list(prompt_token_ids)
-        if not self.prompt_token_ids:
+        # Kept as given (a list, or an int array: then hashing skips the int64 packing).
+        self.prompt_token_ids: Sequence[int] = prompt_token_ids if hasattr(prompt_token_ids, "dtype") else list(prompt_token_ids)
+        if len(self.prompt_token_ids) == 0:
             raise ValueError(f"request {request_id}: empty prompt")
         self.output_token_ids: list[int] = list(output_token_ids or ())
         # Extra hash keys (see hashing.py): multimodal items, adapter, salt.
@@ -73,7 +74,7 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return list(self.prompt_token_ids) + list(self.output_token_ids)
 
     def _get_hasher(self, block_size: int) -> BlockHasher:
         hasher = self._hasher
@@ -87,15 +88,23 @@ class Request:
         Computed lazily and cached: a decoding request only hashes its new blocks.
         The returned list is the cache itself; do not mutate it.
         """
-        n = self.num_total_tokens if num_tokens is None else num_tokens
+        n = self.num_total_tokens if num_tokens is None else min(num_tokens, self.num_total_tokens)
         hasher = self._get_hasher(block_size)
-        if n // block_size <= len(hasher.hashes):
+        done = len(hasher.hashes) * block_size
+        end = n // block_size * block_size
+        if end <= done:
             return hasher.hashes
-        if n <= len(self.prompt_token_ids):
-            hasher.extend(self.prompt_token_ids, n)
-        else:
-            hasher.extend(self.all_token_ids, n)
+        hasher.extend_packed(pack_array(self._token_slice(done, end)), done)
         return hasher.hashes
+
+    def _token_slice(self, start: int, end: int) -> Sequence[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return list(self.prompt_token_ids[start:]) + list(self.output_token_ids[: end - p])
 
     @property
     def prompt_hashes(self) -> list[int]:

@@ -413,3 +413,22 @@ def test_output_tokens_cached_only_when_configured():
         step(mgr, sh, [a])
         mgr.request_finish(a)
         assert mgr.tree.num_nodes == expect
+
+
+def test_write_back_evictions_pair_ids_ascending():
+    mgr, sh = make("write_back", dev=9, host=16)
+    a = Request("a", list(range(33)))  # 8 full blocks + 1 token
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)  # 8 cached, 1 free
+    b = Request("b", list(range(100, 133)))
+    admit(mgr, b)  # needs 9: evicts the whole chain, deepest first
+    ev = b.cache_evict_metadata[0]
+    assert ev.src_block_ids == sorted(ev.src_block_ids)
+    assert ev.dst_block_ids == list(range(ev.dst_block_ids[0], ev.dst_block_ids[0] + len(ev)))
+    step(mgr, sh, [b])  # the shadow checks every pair's content
+    mgr.request_finish(b)
+    c = Request("c", list(range(33)) + [5])
+    m = mgr.match_prefix(c)
+    assert m.num_host_blocks == 8
+    assert m.host_block_ids == sorted(m.host_block_ids)  # the load back is one run too

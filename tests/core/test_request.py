@@ -76,3 +76,17 @@ def test_batch_pickles_without_tree_nodes():
     with pytest.raises(TypeError):
         pickle.dumps(b.match_result.nodes[0])
     assert isinstance(b.match_result.nodes[0], BlockNode)
+
+
+def test_numpy_prompt_hashes_like_a_list():
+    import numpy as np
+
+    toks = list(range(5, 5 + 70))
+    a = Request("a", toks, [1, 2, 3])
+    b = Request("b", np.asarray(toks, dtype=np.int32), [1, 2, 3])
+    assert a.block_hashes(8) == b.block_hashes(8) == compute_block_hashes(toks + [1, 2, 3], 8)
+    # incremental across the prompt/output boundary
+    c = Request("c", toks)
+    c.block_hashes(8)
+    c.output_token_ids += [1, 2, 3]
+    assert c.block_hashes(8) == a.block_hashes(8)
