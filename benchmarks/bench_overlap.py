@@ -17,6 +17,8 @@ one layer's host->device load.  Measured on the compute stream (CUDA events), me
 Usage (on the device tool, after ``bash build.sh gpu``)::
 
     python benchmarks/bench_overlap.py --layers 48 --json out.json
+    python benchmarks/bench_overlap.py --layers 48 --heads 1 --blocks 512   # 16 KiB blocks
+    python benchmarks/bench_overlap.py --sm-check   # copy kernel vs DMA next to GEMMs
 """
 
 from __future__ import annotations
@@ -52,12 +54,96 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--copy-paths", default="auto", help="comma list of copy paths to run: auto,kernel,dma")
     p.add_argument("--fence-blocks", type=int, default=8, help="blocks of the write_back eviction fence row")
     p.add_argument("--json", default="", help="write the results here too")
+    p.add_argument("--sm-check", action="store_true",
+                   help="only run the SM-sharing check: cuBLAS GEMMs and elementwise kernels, alone and "
+                        "while device->host copies run through the copy kernel or the DMA batch")
     return p.parse_args()
+
+
+def _skip_reason() -> "str | None":
+    """Why this GPU benchmark cannot run here (None if it can)."""
+    try:
+        import cupy as cp
+    except ImportError:
+        return "needs CuPy and a CUDA GPU"
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA GPU visible"
+    except Exception:  # noqa: BLE001 - no driver
+        return "no CUDA GPU visible"
+    from fastdeploy_kvcache import ops
+
+    try:
+        if not ops.load_capi(variant="cuda").is_cuda:
+            return "needs build/libfdkv_capi.so from `bash build.sh gpu`"
+    except ops.OpsNotBuiltError:
+        return "needs build/libfdkv_capi.so from `bash build.sh gpu`"
+    return None
+
+
+def sm_sharing_check() -> int:
+    """Why the copy kernel path slows GEMMs far more than its 8 SMs would suggest.
+
+    A GEMM and an elementwise kernel are timed alone and while all-layer device->host copies
+    (96 tensors x 512 scattered 16 KiB blocks) run on another stream through each copy path.
+    """
+    import cupy as cp
+    import numpy as np
+
+    from fastdeploy_kvcache import ops
+
+    capi = ops.load_capi(variant="cuda")
+    tensors, nblocks, block_bytes = 96, 512, 16384
+    dev = [cp.zeros(nblocks * block_bytes, dtype=cp.uint8) for _ in range(tensors)]
+    host = [capi.host_alloc(nblocks * block_bytes) for _ in range(tensors)]
+    ids = np.random.default_rng(0).permutation(nblocks).astype(np.int64)
+    copy_stream, compute = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    mat = cp.ones((4928, 4928), cp.float16)
+    vec = cp.ones(1 << 27, cp.float32)
+
+    def copies(path: int) -> None:
+        capi.set_option("copy_path", path)
+        for _ in range(3):
+            capi.swap_all_layers([d.data.ptr for d in dev], host, nblocks, block_bytes, nblocks, ids, ids, 0,
+                                 stream=copy_stream.ptr)
+
+    def time_ms(work: Callable[[], None], path: int, with_copies: bool) -> float:
+        cp.cuda.runtime.deviceSynchronize()
+        if with_copies:
+            copies(path)
+        with compute:
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(compute)
+            work()
+            end.record(compute)
+        end.synchronize()
+        cp.cuda.runtime.deviceSynchronize()
+        return cp.cuda.get_elapsed_time(start, end)
+
+    works = {"gemm (cuBLAS)": lambda: [mat @ mat for _ in range(20)],
+             "elementwise": lambda: [vec * 1.0001 + 0.5 for _ in range(40)]}
+    for name, work in works.items():
+        for path, path_name in ((1, "kernel"), (2, "dma")):
+            alone = statistics.median(time_ms(work, path, False) for _ in range(5))
+            loaded = statistics.median(time_ms(work, path, True) for _ in range(5))
+            print(f"{name:14s} copy path={path_name:6s} alone={alone:7.2f} ms  with copies={loaded:7.2f} ms  "
+                  f"slowdown={loaded / alone - 1:+.1%}")
+    capi.set_option("copy_path", 0)
+    cp.cuda.runtime.deviceSynchronize()
+    for ptr in host:
+        capi.host_free(ptr)
+    return 0
 
 
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args()
+    reason = _skip_reason()
+    if reason is not None:
+        print(f"bench_overlap: skipped ({reason})")
+        return 0
+    if args.sm_check:
+        return sm_sharing_check()
     import cupy as cp
     import numpy as np
 
@@ -65,9 +151,6 @@ def main() -> int:
     from fastdeploy_kvcache.worker import CacheController
 
     capi = ops.load_capi(variant="cuda")
-    if not capi.is_cuda:
-        print("bench_overlap needs the CUDA C ABI library: run `bash build.sh gpu` on a GPU machine")
-        return 2
     props = cp.cuda.runtime.getDeviceProperties(0)
     device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
 
