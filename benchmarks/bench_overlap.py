@@ -234,7 +234,7 @@ def main() -> int:
         "device": device_name, "date": time.strftime("%Y-%m-%d"), "layers": args.layers,
         "blocks_loaded": n_blocks, "bytes_per_block_all_layers": config.bytes_per_block,
         "layer_load_bytes": n_blocks * 2 * config.bytes_per_layer_block,
-        "contiguous_pinned_h2d_GBps": contiguous_h2d, "runs": [],
+        "contiguous_pinned_h2d_GBps": contiguous_h2d, "host_cache_numa_node": ctrl.numa_node, "runs": [],
     }
 
     for path in args.copy_paths.split(","):
