@@ -12,6 +12,12 @@ free ids (a Python int), and the lowest free id of a bucket is one bit trick
 (``mask & -mask``).  A small heap orders the non-empty buckets, so switching to the
 next bucket costs O(log(num_blocks / 64)) -- 11 levels for 100k blocks -- once per
 64 allocations at most.  Freeing sets one bit.
+
+``allocate(n, contiguous=True)`` is for copy destinations (swap-ins): it prefers one
+run of ``n`` consecutive ids over the lowest ids.  It takes wholly free buckets (a
+second heap tracks them) and looks for a run of the remaining length in a bounded
+number of candidate buckets (a shift-and of the mask), so it stays O(1); when no run
+is found it falls back to the lowest ids.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ logger = logging.getLogger(__name__)
 _BUCKET_BITS = 6
 _BUCKET = 1 << _BUCKET_BITS
 _BUCKET_MASK = _BUCKET - 1
+_RUN_SEARCH = 8  # candidate buckets a contiguous allocation looks at (keeps it O(1))
 
 
 class BlockPoolError(ValueError):
@@ -52,6 +59,9 @@ class BlockPool:
         self._masks: list[int] = []
         self._heap: list[int] = []  # bucket indices with at least one free id
         self._in_heap: list[bool] = []
+        self._full_heap: list[int] = []  # bucket indices that were wholly free when pushed
+        self._in_full: list[bool] = []
+        self._full_masks: list[int] = []
         self._num_free = 0
         self.reset()
 
@@ -64,6 +74,9 @@ class BlockPool:
             self._masks[-1] = (1 << (self.num_blocks & _BUCKET_MASK)) - 1
         self._heap = list(range(nb))  # already a heap (sorted)
         self._in_heap = [True] * nb
+        self._full_masks = list(self._masks)
+        self._full_heap = list(range(nb))
+        self._in_full = [True] * nb
         self._num_free = self.num_blocks
 
     # ------------------------------------------------------------------ queries
@@ -83,12 +96,27 @@ class BlockPool:
         return self.num_used / self.num_blocks if self.num_blocks else 0.0
 
     # ------------------------------------------------------------------ allocate / free
-    def allocate(self, n: int) -> list[int]:
-        """Take the ``n`` lowest free ids, ascending.  Raises NoFreeBlocksError, taking none."""
+    def allocate(self, n: int, contiguous: bool = False) -> list[int]:
+        """Take ``n`` free ids.  Raises NoFreeBlocksError, taking none.
+
+        Default: the ``n`` lowest free ids, ascending.  ``contiguous=True``: prefer
+        consecutive ids (for the destinations of one copy), see the module docstring.
+        """
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"cannot allocate {n!r} blocks")
         if n > self._num_free:
             raise NoFreeBlocksError(f"{self.level.name} pool: need {n} blocks, {self._num_free} free")
+        if contiguous and n > 1:
+            out = self._take_runs(n)
+            if len(out) < n:
+                out.extend(self._take_lowest(n - len(out)))
+            self._num_free -= n
+            return out
+        out = self._take_lowest(n)
+        self._num_free -= n
+        return out
+
+    def _take_lowest(self, n: int) -> list[int]:
         out: list[int] = []
         masks = self._masks
         heap = self._heap
@@ -110,7 +138,54 @@ class BlockPool:
             if not mask:
                 heapq.heappop(heap)
                 self._in_heap[b] = False
-        self._num_free -= n
+        return out
+
+    def _take_bits(self, b: int, start: int, length: int) -> list[int]:
+        bits = ((1 << length) - 1) << start
+        self._masks[b] &= ~bits
+        base = (b << _BUCKET_BITS) + start
+        return list(range(base, base + length))
+
+    def _take_runs(self, n: int) -> list[int]:
+        """Up to ``n`` ids as few consecutive runs as cheaply possible (may return fewer)."""
+        out: list[int] = []
+        masks, full_masks, full_heap = self._masks, self._full_masks, self._full_heap
+        # 1. wholly free buckets, lowest first, while at least a bucket's worth is left
+        while n - len(out) >= _BUCKET and full_heap:
+            b = full_heap[0]
+            if masks[b] != full_masks[b] or full_masks[b] != (1 << _BUCKET) - 1:
+                heapq.heappop(full_heap)
+                self._in_full[b] = False
+                continue
+            heapq.heappop(full_heap)
+            self._in_full[b] = False
+            out.extend(self._take_bits(b, 0, _BUCKET))
+        rest = n - len(out)
+        if rest <= 0:
+            return out
+        # 2. continue the run into the next bucket, if its low bits are free
+        if out:
+            b = (out[-1] >> _BUCKET_BITS) + 1
+            want = (1 << rest) - 1
+            if b < len(masks) and masks[b] & want == want:
+                return out + self._take_bits(b, 0, rest)
+        # 3. a run of `rest` ids inside one of a few candidate buckets
+        if rest < _BUCKET:
+            # the top of the bucket heap: low, non-empty (or stale, then skipped) buckets
+            candidates = self._heap[:_RUN_SEARCH]
+            if full_heap:
+                candidates.append(full_heap[0])
+            for b in candidates:
+                mask = masks[b]
+                starts = mask
+                span = 1
+                while span < rest and starts:  # positions with `rest` free bits above them
+                    step = min(span, rest - span)
+                    starts &= starts >> step
+                    span += step
+                if starts:
+                    start = (starts & -starts).bit_length() - 1
+                    return out + self._take_bits(b, start, rest)
         return out
 
     def allocate_one(self) -> int:
@@ -132,6 +207,9 @@ class BlockPool:
             if not self._in_heap[b]:
                 heapq.heappush(self._heap, b)
                 self._in_heap[b] = True
+            if masks[b] == self._full_masks[b] and not self._in_full[b]:
+                heapq.heappush(self._full_heap, b)
+                self._in_full[b] = True
         self._num_free += len(ids)
 
     def free_one(self, block_id: int) -> None:

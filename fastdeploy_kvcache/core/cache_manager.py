@@ -279,9 +279,12 @@ class CacheManager:
                 self._unref(node)
             self._stash_call_evictions()
             raise
-        ids = self.device_pool.allocate(n)
-        swap_dst = ids[:num_swap]
-        fresh = ids[num_swap:]
+        # Swap-in destinations as one run if possible: the load is then one DMA run
+        # per layer where the host side is consecutive too.
+        # Fresh blocks as runs too: this request's blocks are copied together later
+        # (backups, evictions), and then their device side is consecutive as well.
+        swap_dst = self.device_pool.allocate(num_swap, contiguous=True)
+        fresh = self.device_pool.allocate(n - num_swap, contiguous=True)
         table: list[int] = []
         src: list[int] = []
         hv: list[int] = []
@@ -407,6 +410,19 @@ class CacheManager:
                 self.tree.remove(victim)
         return pool.allocate_one()
 
+    def _allocate_host_blocks(self, k: int) -> list[int]:
+        """Up to ``k`` host blocks, ascending and as runs, evicting host LRU leaves as needed."""
+        pool = self.host_pool
+        while pool.num_free < k:
+            victim = self.tree.host_heap.pop()
+            if victim is None:
+                break
+            pool.free_one(self.tree.clear_host(victim))
+            self._stats["host_evictions"] += 1
+            if victim.device_block_id is None:
+                self.tree.remove(victim)
+        return sorted(pool.allocate(min(k, pool.num_free), contiguous=True))
+
     def _make_evict_metadata(self, items: list[tuple[int, int, int, BlockNode]]) -> Optional[CacheSwapMetadata]:
         if not items:
             return None
@@ -432,7 +448,10 @@ class CacheManager:
         batch = self._call_evictions[first:]
         if len(batch) < 2:
             return
-        hosts = sorted(h for _, h, _, _ in batch)
+        # Swap the batch's host blocks for a run, if the pool has one.
+        pool = self.host_pool
+        pool.free([h for _, h, _, _ in batch])
+        hosts = sorted(pool.allocate(len(batch), contiguous=True))
         batch.sort(key=lambda e: e[0])
         for _, h, _, _ in batch:
             del self._inflight[(_DEV, _HOST, h)]
@@ -634,17 +653,18 @@ class CacheManager:
         dst: list[int] = []
         hv: list[int] = []
         queue = self._backup_queue
+        todo: list[BlockNode] = []
         while queue:
-            node = queue[0]
-            if not self._needs_backup(node):
-                queue.popleft()
-                node.backup_queued = False
-                continue
-            h = self._allocate_host_block()
-            if h is None:
-                break  # host pinned full: try again next step
-            queue.popleft()
+            node = queue.popleft()
             node.backup_queued = False
+            if self._needs_backup(node):
+                todo.append(node)
+        hosts = self._allocate_host_blocks(len(todo))
+        for node in reversed(todo[len(hosts) :]):  # host pinned full: try again next step
+            node.backup_queued = True
+            queue.appendleft(node)
+        todo = sorted(todo[: len(hosts)], key=lambda nd: nd.device_block_id)  # type: ignore[arg-type,return-value]
+        for node, h in zip(todo, hosts):
             node.pending = TransferKind.BACKUP
             self.tree.set_host(node, h)
             d = node.device_block_id

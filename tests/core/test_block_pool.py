@@ -77,3 +77,39 @@ def test_invariant_under_random_traffic():
 def test_consecutive_share():
     assert consecutive_share([]) == 1.0
     assert consecutive_share([1, 2, 3, 7]) == pytest.approx(2 / 3)
+
+
+def test_contiguous_allocation_prefers_a_run():
+    pool = BlockPool(256)
+    ids = pool.allocate(256)
+    # free a scattered set in bucket 0 and a 10-run in bucket 1, and all of bucket 3
+    pool.free([1, 3, 5, 7, 9])
+    pool.free(list(range(70, 80)))
+    pool.free(list(range(192, 256)))
+    assert pool.allocate(4, contiguous=True) == [70, 71, 72, 73]
+    assert pool.allocate(70, contiguous=True)[:64] == list(range(192, 256))  # whole bucket first
+    assert pool.num_free == 5 + 10 + 64 - 4 - 70
+    assert pool.allocate(2) == [1, 3]  # the default stays lowest-first
+    rest = pool.free_ids()
+    pool.free([i for i in ids if i not in rest and i not in (1, 3)])
+    assert pool.num_free == 254
+
+
+def test_contiguous_falls_back_and_keeps_counts():
+    import random
+
+    rng = random.Random(1)
+    pool = BlockPool(500)
+    held: set[int] = set()
+    for _ in range(2000):
+        if held and rng.random() < 0.5:
+            out = rng.sample(sorted(held), rng.randint(1, min(40, len(held))))
+            pool.free(out)
+            held.difference_update(out)
+        else:
+            n = rng.randint(0, min(100, pool.num_free))
+            got = pool.allocate(n, contiguous=rng.random() < 0.5)
+            assert len(got) == len(set(got)) == n and not held & set(got)
+            held.update(got)
+        assert pool.num_free + len(held) == 500
+        assert set(pool.free_ids()) == set(range(500)) - held
