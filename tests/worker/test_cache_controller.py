@@ -380,3 +380,15 @@ def test_unknown_backend_is_rejected() -> None:
 
     with pytest.raises(ValueError, match="unknown worker backend 'tpu'"):
         make_backend("tpu")
+
+
+def test_numa_binding_is_best_effort_and_never_raises() -> None:
+    from fastdeploy_kvcache.worker.cache_controller import _preferred_numa_node
+
+    with _preferred_numa_node(None) as binding:
+        assert not binding.bound
+    with _preferred_numa_node(0) as binding:  # node 0 exists on any Linux host; may be refused
+        data = bytearray(1 << 20)  # an allocation under the policy works either way
+        assert len(data) == 1 << 20
+    with _preferred_numa_node(10_000) as binding:  # out of the syscall's mask: skipped, logged
+        assert not binding.bound
