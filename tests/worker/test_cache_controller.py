@@ -194,8 +194,9 @@ def test_a_failed_copy_is_reported_failed_even_if_the_op_ran_partly(make_control
 
 
 # ---------------------------------------------------------------------- lifecycle
-def test_reset_zeroes_and_free_releases(make_controller) -> None:
-    ctrl = make_controller()
+@pytest.mark.parametrize("backend", ["cpu", "paddle"])
+def test_reset_zeroes_and_free_releases(make_controller, backend: str) -> None:
+    ctrl = make_controller(backend=backend)
     fill_block(ctrl, 2, seed=4)
     ctrl.submit_swap_tasks(backup([2], [2]), None)
     ctrl.reset_cache()
