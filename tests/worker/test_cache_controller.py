@@ -393,3 +393,23 @@ def test_numa_binding_is_best_effort_and_never_raises() -> None:
         assert len(data) == 1 << 20
     with _preferred_numa_node(10_000) as binding:  # out of the syscall's mask: skipped, logged
         assert not binding.bound
+
+
+def test_cuda_error_surfacing_at_completion_fails_the_metadata(make_controller, monkeypatch) -> None:
+    """An asynchronous device error shows up when the done event is queried: the task fails."""
+    ctrl = make_controller()
+    fill_block(ctrl, 1, seed=3)
+    meta = backup([1], [2])
+    ctrl.submit_swap_tasks(meta, None)
+    ctrl.transfer_manager.flush_launches(10)
+    real_done = ctrl.backend.event_done
+
+    def poisoned(event):
+        if event is ctrl.transfer_manager._inflight[0].done_event:
+            raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
+        return real_done(event)
+
+    monkeypatch.setattr(ctrl.backend, "event_done", poisoned)
+    assert ctrl.collect_finished() == [meta]
+    assert meta.success is False and "unspecified launch failure" in meta.error_message
+    assert ctrl.get_stats()["d2h"]["failed"] == 1
