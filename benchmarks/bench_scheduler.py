@@ -70,6 +70,31 @@ class Timings:
     finish: list[float] = field(default_factory=list)
     # direction -> (share of ids continuing a run within their copy, ids, copies)
     shares: dict[str, tuple[float, int, int]] = field(default_factory=dict)
+    gc_seconds: float = 0.0
+    gc_full: int = 0
+
+
+class GcMeter:
+    """Time spent in CPython's cyclic GC during a run (it is what the p99 columns show)."""
+
+    def __init__(self, t: Timings) -> None:
+        self.t = t
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.t.gc_seconds += time.perf_counter() - self._start
+            if info.get("generation") == 2:
+                self.t.gc_full += 1
+
+    def __enter__(self) -> "GcMeter":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
 
 
 def _rand_tokens(rng: random.Random, n: int) -> list[int]:
@@ -118,6 +143,8 @@ def run_workload(args: argparse.Namespace, policy: str, log: logging.Logger) -> 
         meta.mark_done(True)
         mgr.complete_swap(meta)
 
+    meter = GcMeter(t)
+    meter.__enter__()
     while finished < args.requests:
         # New turns from idle conversations.
         while issued < args.requests and idle and len(waiting) < args.max_running:
@@ -199,14 +226,61 @@ def run_workload(args: argparse.Namespace, policy: str, log: logging.Logger) -> 
             log.info("step %d: %d/%d finished, stats %s", step, finished, args.requests,
                      {k: v for k, v in mgr.get_stats().items() if k in ("hit_rate", "device_evictions", "swap_in_blocks")})
     elapsed = time.perf_counter() - t0
+    meter.__exit__()
     # Consecutive share per direction: within each copy, pairs (i, i+1) with id+1.
     for key, copies in copy_pairs.items():
         pairs = sum(max(len(c) - 1, 0) for c in copies)
         cont = sum(consecutive_share(c) * (len(c) - 1) for c in copies if len(c) > 1)
         t.shares[key] = (cont / pairs if pairs else float("nan"), sum(len(c) for c in copies), len(copies))
+    # Both sides at once: what lets a copy op merge a pair into one DMA run.
+    for direction in {k.rsplit(" ", 1)[0] for k in copy_pairs}:
+        srcs, dsts = copy_pairs[direction + " src"], copy_pairs[direction + " dst"]
+        pairs = cont = 0
+        for sc, dc in zip(srcs, dsts):
+            pairs += max(len(sc) - 1, 0)
+            cont += sum(1 for i in range(1, len(sc)) if sc[i] == sc[i - 1] + 1 and dc[i] == dc[i - 1] + 1)
+        t.shares[direction + " both"] = (cont / pairs if pairs else float("nan"), sum(map(len, srcs)), len(srcs))
     stats = mgr.get_stats()
     mgr.check_invariants()
     return t, stats, elapsed
+
+
+class LifoPool:
+    """The classic O(1) free list (a stack): what the consecutive-id numbers compare to."""
+
+    def __init__(self, num_blocks: int, level=None) -> None:
+        self.num_blocks = num_blocks
+        self.level = level
+        self._stack = list(range(num_blocks - 1, -1, -1))
+        self._free = set(self._stack)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._stack)
+
+    def usage(self) -> float:
+        return 1 - len(self._stack) / self.num_blocks if self.num_blocks else 0.0
+
+    def allocate(self, n: int, contiguous: bool = False) -> list[int]:
+        if n > len(self._stack):
+            raise NoFreeBlocksError(f"need {n}, {len(self._stack)} free")
+        out = [self._stack.pop() for _ in range(n)]
+        self._free.difference_update(out)
+        return out
+
+    def allocate_one(self) -> int:
+        return self.allocate(1)[0]
+
+    def free(self, ids) -> None:
+        ids = list(ids)
+        self._stack.extend(ids)
+        self._free.update(ids)
+
+    def free_one(self, block_id: int) -> None:
+        self.free((block_id,))
+
+    def free_ids(self) -> list[int]:
+        return sorted(self._free)
 
 
 # ---------------------------------------------------------------------- eviction scaling
@@ -347,9 +421,12 @@ def render(args, results, evict_rows, hash_row, machine, date) -> str:
     )
     lines.append("")
     lines.append("| policy | match_prefix µs (mean / p99) | match_prefix incl. hashing µs | allocate_device_blocks µs | "
-                 "request_finish µs | hit rate (device / host) | swap-in blocks | device->host blocks | wall s |")
+                 "request_finish µs | hit rate (device / host) | swap-in blocks | device->host blocks | wall s "
+                 "(of which GC; full GCs) |")
     lines.append("|---|---|---|---|---|---|---|---|---|")
     for policy, (t, stats, wall) in results.items():
+        if "LIFO" in policy:
+            continue
         m, m99 = _us(t.match)
         mh, mh99 = _us(t.match_hash)
         al, al99 = _us(t.alloc)
@@ -358,8 +435,16 @@ def render(args, results, evict_rows, hash_row, machine, date) -> str:
         lines.append(
             f"| {policy} | {m:.1f} / {m99:.1f} | {mh:.0f} / {mh99:.0f} | {al:.1f} / {al99:.1f} | {fi:.0f} / {fi99:.0f} | "
             f"{stats['hit_rate']:.1%} ({stats['matched_tokens_device'] / q:.1%} / {stats['matched_tokens_host'] / q:.1%}) | "
-            f"{stats['swap_in_blocks']} | {stats['swap_out_blocks']} | {wall:.0f} |"
+            f"{stats['swap_in_blocks']} | {stats['swap_out_blocks']} | {wall:.0f} ({t.gc_seconds:.1f}; {t.gc_full}) |"
         )
+    lines.append("")
+    lines.append("Timings are per call, with CPython's default GC on (as an engine would run it). Match "
+                 "cost is one dict lookup per block (up to 512 per request); 'incl. hashing' is the first "
+                 "match of a request, which packs and hashes its prompt. allocate_device_blocks includes "
+                 "the evictions it makes (up to hundreds of blocks for a long prompt); request_finish walks "
+                 "the request's whole block table. The p99 tails are mostly full GC passes (last column) "
+                 "landing inside the call: an engine with a large cache should raise gc thresholds or "
+                 "gc.freeze() after warm-up.")
     lines.append("")
     lines.append(f"Eviction cost per evicted block (LRU leaf heap), steady state at 10k and at 100k cached "
                  f"device blocks, {args.evictions} evictions per run (16 per allocate call), median of "
@@ -386,17 +471,24 @@ def render(args, results, evict_rows, hash_row, machine, date) -> str:
                  "each token is packed once per request (the hasher is incremental), and a prompt given as an "
                  "int array is not packed at all.")
     lines.append("")
-    lines.append("Share of swap ids that continue a consecutive run (within one merged copy; "
-                 "1.0 means every copy is a single run). Allocation hands out the lowest free ids "
-                 "(bucketed bitmap free list), so destination ids are mostly consecutive; source ids "
-                 "are wherever the blocks were cached:")
+    lines.append("Share of swap ids that continue a consecutive run: pairs (i, i+1) inside one merged copy "
+                 "with id[i+1] == id[i] + 1, on the source side, the destination side, and both at once "
+                 "(what a copy op can merge into one DMA run). Pools hand out the lowest free ids, "
+                 "and runs for multi-block allocations (whole free 64-id buckets, else a run found "
+                 "in a few candidate buckets); write_back evictions and backups are paired by "
+                 "ascending device id. The LIFO row reruns write_back with a plain stack free list:")
     lines.append("")
-    lines.append("| policy | direction | ids | copies | consecutive share |")
-    lines.append("|---|---|---|---|---|")
+    lines.append("| policy | copies | H2D src | H2D dst | H2D both | D2H src | D2H dst | D2H both |")
+    lines.append("|---|---|---|---|---|---|---|---|")
     for policy, (t, _, _) in results.items():
-        for key in sorted(t.shares):
-            share, n, copies = t.shares[key]
-            lines.append(f"| {policy} | {key} | {n} | {copies} | {share:.1%} |")
+        def g(key: str) -> str:
+            v = t.shares.get(key)
+            return "-" if v is None else f"{v[0]:.1%}"
+
+        n_copies = sum(v[2] for k, v in t.shares.items() if k.endswith(" both"))
+        lines.append(f"| {policy} | {n_copies} | {g('HOST->DEVICE src')} | {g('HOST->DEVICE dst')} | "
+                     f"{g('HOST->DEVICE both')} | {g('DEVICE->HOST src')} | {g('DEVICE->HOST dst')} | "
+                     f"{g('DEVICE->HOST both')} |")
     return "\n".join(lines)
 
 
@@ -423,6 +515,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats of each eviction row")
     parser.add_argument("--hash-tokens", type=int, default=2_000_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lifo-baseline", default="write_back",
+                        help="rerun this policy with a LIFO free list for comparison ('' to skip)")
     parser.add_argument("--quick", action="store_true", help="1000 requests, smaller pools (smoke run)")
     parser.add_argument("--date", default=time.strftime("%Y-%m-%d"))
     parser.add_argument("--docs", type=Path, default=None, help="update the '## Scheduler' section of this file")
@@ -452,6 +546,16 @@ def main() -> None:
     for policy in args.policies.split(","):
         log.info("workload, policy %s", policy)
         results[policy] = run_workload(args, policy, log)
+    if args.lifo_baseline:
+        from fastdeploy_kvcache.core import cache_manager as cm
+
+        policy = args.lifo_baseline
+        log.info("workload, policy %s with a LIFO free list (baseline for the id shares)", policy)
+        saved, cm.BlockPool = cm.BlockPool, LifoPool  # type: ignore[misc]
+        try:
+            results[f"{policy} (LIFO pool)"] = run_workload(args, policy, log)
+        finally:
+            cm.BlockPool = saved  # type: ignore[misc]
     body = render(args, results, evict_rows, hash_row, machine, args.date)
     print(body)
     if args.docs is not None:

@@ -13,11 +13,14 @@ free ids (a Python int), and the lowest free id of a bucket is one bit trick
 next bucket costs O(log(num_blocks / 64)) -- 11 levels for 100k blocks -- once per
 64 allocations at most.  Freeing sets one bit.
 
-``allocate(n, contiguous=True)`` is for copy destinations (swap-ins): it prefers one
-run of ``n`` consecutive ids over the lowest ids.  It takes wholly free buckets (a
-second heap tracks them) and looks for a run of the remaining length in a bounded
-number of candidate buckets (a shift-and of the mask), so it stays O(1); when no run
-is found it falls back to the lowest ids.
+``allocate(n, contiguous=True)`` is for multi-block allocations (a request's blocks,
+the destinations of one copy): it prefers runs of consecutive ids over the lowest
+ids.  It takes wholly free buckets (a second heap tracks them) and looks for a run
+of the remaining length in a bounded number of candidate buckets (a shift-and of
+the mask), so it stays O(1) per id; when no run is found it falls back to the lowest
+ids.  When the free set is small compared to ``n`` (a full pool, where eviction just
+released about ``n`` ids), it lists the free set and takes the longest runs first,
+which costs about as much as handing out the ``n`` ids does.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ _BUCKET_BITS = 6
 _BUCKET = 1 << _BUCKET_BITS
 _BUCKET_MASK = _BUCKET - 1
 _RUN_SEARCH = 8  # candidate buckets a contiguous allocation looks at (keeps it O(1))
+_SMALL_POOL_MIN = 8  # contiguous allocations this big may list a small free set
 
 
 class BlockPoolError(ValueError):
@@ -107,9 +111,12 @@ class BlockPool:
         if n > self._num_free:
             raise NoFreeBlocksError(f"{self.level.name} pool: need {n} blocks, {self._num_free} free")
         if contiguous and n > 1:
-            out = self._take_runs(n)
-            if len(out) < n:
-                out.extend(self._take_lowest(n - len(out)))
+            if n >= _SMALL_POOL_MIN and self._num_free <= 2 * n + _BUCKET:
+                out = self._take_longest_runs(n)
+            else:
+                out = self._take_runs(n)
+                if len(out) < n:
+                    out.extend(self._take_lowest(n - len(out)))
             self._num_free -= n
             return out
         out = self._take_lowest(n)
@@ -145,6 +152,48 @@ class BlockPool:
         self._masks[b] &= ~bits
         base = (b << _BUCKET_BITS) + start
         return list(range(base, base + length))
+
+    def _take_longest_runs(self, n: int) -> list[int]:
+        """``n`` ids from the longest free runs, when the free set is small (steady state).
+
+        Under memory pressure the free set is mostly what eviction just released,
+        about ``n`` ids, so listing it costs about what allocating it does
+        (O(free + non-empty buckets)).  Taking the longest runs first, instead of
+        the lowest ids, keeps a copy's destinations in few runs.
+        """
+        ids: list[int] = []
+        masks = self._masks
+        for b in sorted(set(self._heap)):
+            mask = masks[b]
+            base = b << _BUCKET_BITS
+            while mask:
+                low = mask & -mask
+                ids.append(base + low.bit_length() - 1)
+                mask ^= low
+        runs: list[tuple[int, int]] = []  # (start, length)
+        start = prev = ids[0]
+        for i in ids[1:]:
+            if i != prev + 1:
+                runs.append((start, prev - start + 1))
+                start = i
+            prev = i
+        runs.append((start, prev - start + 1))
+        runs.sort(key=lambda r: (-r[1], r[0]))
+        chosen: list[tuple[int, int]] = []
+        left = n
+        for start, length in runs:
+            take = min(length, left)
+            chosen.append((start, take))
+            left -= take
+            if not left:
+                break
+        chosen.sort()
+        out: list[int] = []
+        for start, take in chosen:
+            out.extend(range(start, start + take))
+        for bid in out:
+            masks[bid >> _BUCKET_BITS] &= ~(1 << (bid & _BUCKET_MASK))
+        return out
 
     def _take_runs(self, n: int) -> list[int]:
         """Up to ``n`` ids as few consecutive runs as cheaply possible (may return fewer)."""

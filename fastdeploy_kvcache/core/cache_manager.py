@@ -193,12 +193,9 @@ class CacheManager:
         """
         if not isinstance(n, int) or n < 0:
             raise CacheManagerError(f"block count must be an int >= 0, got {n!r}")
-        return n <= self.device_pool.num_free + self._num_unreferenced_cached_device()
-
-    def _num_unreferenced_cached_device(self) -> int:
-        # Tracked incrementally via the live count of the device heap would miss
-        # interior nodes; keep an explicit counter instead.
-        return self._stats_cached_device
+        # The counter covers interior nodes too (they become leaves as their children
+        # go), which the eviction heap's size would not.
+        return n <= self.device_pool.num_free + self._stats_cached_device
 
     def allocate_device_blocks(self, request: Request, n: int) -> list[int]:
         """Give ``request`` ``n`` more device blocks; return the new ids, in table order.
@@ -236,7 +233,7 @@ class CacheManager:
             except NoFreeBlocksError:
                 self._stash_call_evictions()
                 raise
-            ids = self.device_pool.allocate(n)
+            ids = self.device_pool.allocate(n, contiguous=True)
             st.block_ids.extend(ids)
             st.nodes.extend([None] * n)
             request.block_tables.extend(ids)
@@ -280,9 +277,8 @@ class CacheManager:
             self._stash_call_evictions()
             raise
         # Swap-in destinations as one run if possible: the load is then one DMA run
-        # per layer where the host side is consecutive too.
-        # Fresh blocks as runs too: this request's blocks are copied together later
-        # (backups, evictions), and then their device side is consecutive as well.
+        # per layer where the host side is consecutive too.  Fresh blocks as runs
+        # too: they are copied together later (backups, evictions).
         swap_dst = self.device_pool.allocate(num_swap, contiguous=True)
         fresh = self.device_pool.allocate(n - num_swap, contiguous=True)
         table: list[int] = []

@@ -193,7 +193,8 @@ class BlockNode:
         "num_host_children",
         "backup_queued",
         "detached",
-        "heap_key",
+        "dev_heap_key",
+        "host_heap_key",
         "__weakref__",
     )
 
@@ -213,9 +214,10 @@ class BlockNode:
         self.num_host_children = 0
         self.backup_queued = False
         self.detached = False  # removed from the tree while a copy was still in flight
-        # Key of this node's current entry in each tier's eviction heap (index:
-        # CacheLevel), None if it has none; older entries are skipped lazily.
-        self.heap_key: list[Optional[int]] = [None, None]
+        # Key of this node's current entry in each tier's eviction heap, None if it
+        # has none; older entries are skipped lazily (see radix_tree.LRULeafHeap).
+        self.dev_heap_key: Optional[int] = None
+        self.host_heap_key: Optional[int] = None
 
     # -- derived ----------------------------------------------------------------
     @property

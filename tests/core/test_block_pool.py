@@ -79,6 +79,14 @@ def test_consecutive_share():
     assert consecutive_share([1, 2, 3, 7]) == pytest.approx(2 / 3)
 
 
+def test_contiguous_allocation_prefers_whole_buckets_when_plenty_is_free():
+    pool = BlockPool(1024)
+    pool.allocate(3)
+    got = pool.allocate(100, contiguous=True)
+    assert got[:64] == list(range(64, 128))  # a wholly free bucket, not 3..66
+    assert len(set(got)) == 100 and pool.num_free == 1024 - 103
+
+
 def test_contiguous_allocation_prefers_a_run():
     pool = BlockPool(256)
     ids = pool.allocate(256)
@@ -87,7 +95,8 @@ def test_contiguous_allocation_prefers_a_run():
     pool.free(list(range(70, 80)))
     pool.free(list(range(192, 256)))
     assert pool.allocate(4, contiguous=True) == [70, 71, 72, 73]
-    assert pool.allocate(70, contiguous=True)[:64] == list(range(192, 256))  # whole bucket first
+    # a nearly full pool: the longest runs win over the lowest ids (the scattered 1..9 stay)
+    assert pool.allocate(70, contiguous=True) == list(range(74, 80)) + list(range(192, 256))
     assert pool.num_free == 5 + 10 + 64 - 4 - 70
     assert pool.allocate(2) == [1, 3]  # the default stays lowest-first
     rest = pool.free_ids()
