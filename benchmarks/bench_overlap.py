@@ -19,6 +19,11 @@ Usage (on the device tool, after ``bash build.sh gpu``)::
     python benchmarks/bench_overlap.py --layers 48 --json out.json
     python benchmarks/bench_overlap.py --layers 48 --heads 1 --blocks 512   # 16 KiB blocks
     python benchmarks/bench_overlap.py --sm-check   # copy kernel vs DMA next to GEMMs
+
+``--copy-paths`` sets the process-wide ``copy_path`` option, which the loads follow; the
+worker's device->host copies take their own per-call path (``--d2h-copy-path``, default
+FDKV_D2H_COPY_PATH = dma).  ``--d2h-copy-path process`` gives the behaviour before the
+per-call path existed (evictions on the process-wide rule too).
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--reps", type=int, default=11)
     p.add_argument("--copy-paths", default="auto", help="comma list of copy paths to run: auto,kernel,dma")
+    p.add_argument("--d2h-copy-path", default=None, choices=["dma", "auto", "kernel", "process"],
+                   help="the worker's device->host copy path (default: FDKV_D2H_COPY_PATH, i.e. dma); "
+                        "'process' follows --copy-paths like loads do")
     p.add_argument("--fence-blocks", type=int, default=8, help="blocks of the write_back eviction fence row")
     p.add_argument("--json", default="", help="write the results here too")
     p.add_argument("--sm-check", action="store_true",
@@ -102,10 +110,9 @@ def sm_sharing_check() -> int:
     vec = cp.ones(1 << 27, cp.float32)
 
     def copies(path: int) -> None:
-        capi.set_option("copy_path", path)
-        for _ in range(3):
+        for _ in range(3):  # the call's own path: the process-wide option is left alone
             capi.swap_all_layers([d.data.ptr for d in dev], host, nblocks, block_bytes, nblocks, ids, ids, 0,
-                                 stream=copy_stream.ptr)
+                                 stream=copy_stream.ptr, path=path)
 
     def time_ms(work: Callable[[], None], path: int, with_copies: bool) -> float:
         cp.cuda.runtime.deviceSynchronize()
@@ -128,7 +135,6 @@ def sm_sharing_check() -> int:
             loaded = statistics.median(time_ms(work, path, True) for _ in range(5))
             print(f"{name:14s} copy path={path_name:6s} alone={alone:7.2f} ms  with copies={loaded:7.2f} ms  "
                   f"slowdown={loaded / alone - 1:+.1%}")
-    capi.set_option("copy_path", 0)
     cp.cuda.runtime.deviceSynchronize()
     for ptr in host:
         capi.host_free(ptr)
@@ -158,7 +164,7 @@ def main() -> int:
     config = CacheConfig(num_layers=args.layers, num_kv_heads=args.heads, block_size=args.block_size,
                          head_dim=args.head_dim, dtype="float16")
     total_blocks = 3 * n_blocks + 2 * args.fence_blocks
-    ctrl = CacheController(config, backend="cupy")
+    ctrl = CacheController(config, backend="cupy", d2h_copy_path=args.d2h_copy_path)
     ctrl.initialize_kv_cache(total_blocks)
     ctrl.initialize_host_cache(total_blocks)
     tm = ctrl.transfer_manager
@@ -234,12 +240,18 @@ def main() -> int:
         "device": device_name, "date": time.strftime("%Y-%m-%d"), "layers": args.layers,
         "blocks_loaded": n_blocks, "bytes_per_block_all_layers": config.bytes_per_block,
         "layer_load_bytes": n_blocks * 2 * config.bytes_per_layer_block,
-        "contiguous_pinned_h2d_GBps": contiguous_h2d, "host_cache_numa_node": ctrl.numa_node, "runs": [],
+        "contiguous_pinned_h2d_GBps": contiguous_h2d, "host_cache_numa_node": ctrl.numa_node,
+        "d2h_copy_path": tm.d2h_copy_path, "runs": [],
     }
+    path_names = {ops.PATH_MEMCPY: "memcpy", ops.PATH_KERNEL: "kernel", ops.PATH_DMA: "dma", ops.PATH_CPU: "cpu"}
+
+    def paths_str(bits: int) -> str:
+        return "+".join(name for bit, name in path_names.items() if bits & bit) or "-"
 
     for path in args.copy_paths.split(","):
         path_code = {"auto": 0, "kernel": 1, "dma": 2}[path]
         capi.set_option("copy_path", path_code)
+        tm.reset_stats()  # the paths each direction used, per run
 
         def load_only() -> None:
             counter = ctrl.submit_swap_tasks(None, load_meta())
@@ -347,24 +359,31 @@ def main() -> int:
         ev_dev = np.asarray(evict_dev, dtype=np.int64)
         ev_host = np.asarray(evict_host, dtype=np.int64)
 
-        def capi_call_us(arrays: list, ptrs: list, d_ids: Any, h_ids: Any, mode: int, stream: Any, n: int) -> float:
+        d2h_code = ops.copy_path_code(tm.d2h_copy_path)  # the eviction call as the worker makes it
+
+        def capi_call_us(arrays: list, ptrs: list, d_ids: Any, h_ids: Any, mode: int, stream: Any, n: int,
+                         path: int = ops.COPY_PATH_PROCESS) -> float:
             cp.cuda.runtime.deviceSynchronize()
             t0 = time.perf_counter()
             for _ in range(n):
                 capi.swap_all_layers([a.data.ptr for a in arrays], ptrs, [a.shape[0] for a in arrays],
                                      [a.nbytes // a.shape[0] for a in arrays], total_blocks, d_ids, h_ids,
-                                     mode, stream=stream.ptr)
+                                     mode, stream=stream.ptr, path=path)
             dt = (time.perf_counter() - t0) / n
             cp.cuda.runtime.deviceSynchronize()
             return dt * 1e6
 
         capi_call_us(layer0, host0, ids_dev, ids_host, 1, tm.input_stream, 5)
         capi_layer_us = capi_call_us(layer0, host0, ids_dev, ids_host, 1, tm.input_stream, 48)
-        capi_call_us(all_dev, all_host, ev_dev, ev_host, 0, tm.output_stream, 2)
-        capi_evict_us = capi_call_us(all_dev, all_host, ev_dev, ev_host, 0, tm.output_stream, 4)
+        capi_call_us(all_dev, all_host, ev_dev, ev_host, 0, tm.output_stream, 2, d2h_code)
+        capi_evict_us = capi_call_us(all_dev, all_host, ev_dev, ev_host, 0, tm.output_stream, 4, d2h_code)
 
+        ctrl.collect_finished(wait=True)
+        stats = ctrl.get_stats()
         run = {
-            "copy_path": path, "matmul_n": n, "T_c_ms": t_c * 1e3, "T_l_ms": t_l * 1e3, "T_o_ms": t_o * 1e3,
+            "copy_path": path, "d2h_copy_path": tm.d2h_copy_path,
+            "h2d_paths_used": paths_str(stats["h2d"]["paths"]), "d2h_paths_used": paths_str(stats["d2h"]["paths"]),
+            "matmul_n": n, "T_c_ms": t_c * 1e3, "T_l_ms": t_l * 1e3, "T_o_ms": t_o * 1e3,
             "hidden_fraction": hidden, "load_GBps": load_bytes / t_l / 1e9,
             "submit_host_us_per_layer": statistics.median(submit_s) / args.layers * 1e6,
             "load_ratio_to_contiguous": load_bytes / t_l / 1e9 / contiguous_h2d,
@@ -387,7 +406,7 @@ def main() -> int:
     print(f"# bench_overlap on {device_name}, {results['date']}")
     print(f"layers={args.layers} blocks/step={n_blocks} layer load={results['layer_load_bytes'] / 2**20:.1f} MiB "
           f"contiguous pinned H2D (1 GiB cudaMemcpyAsync, this run) = {contiguous_h2d:.1f} GB/s")
-    cols = ["copy_path", "matmul_n", "T_c_ms", "T_l_ms", "T_o_ms", "hidden_fraction", "hidden_fraction_with_backups", "load_GBps",
+    cols = ["copy_path", "d2h_copy_path", "h2d_paths_used", "d2h_paths_used", "matmul_n", "T_c_ms", "T_l_ms", "T_o_ms", "hidden_fraction", "hidden_fraction_with_backups", "load_GBps",
             "load_ratio_to_contiguous", "evict_GBps", "compute_slowdown_under_evictions",
             "fence_delay_ms", "submit_host_us_per_layer", "capi_host_us_per_layer_load_call",
             "capi_host_us_per_eviction_call_back_to_back", "evict_submit_host_us"]

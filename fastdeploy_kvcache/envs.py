@@ -30,6 +30,16 @@ def _bool(value: str) -> bool:
     raise ValueError(f"expected a boolean (0/1/true/false), got {value!r}")
 
 
+COPY_PATH_NAMES = ("process", "auto", "kernel", "dma")
+
+
+def _copy_path(value: str) -> str:
+    lowered = value.strip().lower()
+    if lowered not in COPY_PATH_NAMES:
+        raise ValueError(f"expected one of {', '.join(COPY_PATH_NAMES)}, got {value!r}")
+    return lowered
+
+
 ENV_VARS: dict[str, EnvVar] = {
     v.name: v
     for v in (
@@ -56,6 +66,17 @@ ENV_VARS: dict[str, EnvVar] = {
             "FDKV_COPY_PATH",
             "auto",
             "Copy path for scattered blocks: auto, kernel or dma (cudaMemcpyBatchAsync).",
+        ),
+        EnvVar(
+            "FDKV_D2H_COPY_PATH",
+            "dma",
+            "Copy path of the worker's device->host copies (write_back evictions and "
+            "write-through backups), per call: dma (default), auto, kernel, or process (the "
+            "process-wide FDKV_COPY_PATH).  Host->device loads always follow FDKV_COPY_PATH. "
+            "dma because this traffic runs beside the forward pass: the copy kernel's "
+            "long-running CTAs slowed a full-wave cuBLAS GEMM by ~3x on an H100, the DMA "
+            "batch (copy engines, no SMs) by ~1.6% (docs/benchmarks.md).",
+            _copy_path,
         ),
         EnvVar(
             "FDKV_DMA_MIN_BYTES",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import numbers
 import os
 import re
 import threading
@@ -37,11 +38,18 @@ __all__ = [
     "PATH_KERNEL",
     "PATH_DMA",
     "PATH_CPU",
+    "COPY_PATH_PROCESS",
+    "COPY_PATH_AUTO",
+    "COPY_PATH_KERNEL",
+    "COPY_PATH_DMA",
+    "COPY_PATHS",
+    "copy_path_code",
     "SwapOpError",
     "OpsNotBuiltError",
     "CApi",
     "load_capi",
     "paddle_ops_available",
+    "paddle_ops_capi",
     "cuda_host_alloc",
     "cuda_host_free",
     "swap_cache_per_layer",
@@ -60,6 +68,21 @@ PATH_MEMCPY = 1
 PATH_KERNEL = 2
 PATH_DMA = 4
 PATH_CPU = 8
+
+# Per-call copy path (the ``path`` argument of every swap): which path this one call takes,
+# whatever the process-wide ``copy_path`` option says.  See docs/ops.md, "Which path runs when".
+COPY_PATH_PROCESS = -1
+"""Follow the process-wide ``copy_path`` option (FDKV_COPY_PATH / ``set_option``); the default."""
+COPY_PATH_AUTO = 0
+"""The size rule: DMA batch for average copies >= dma_min_bytes, else the copy kernel."""
+COPY_PATH_KERNEL = 1
+"""The copy kernel (<= FDKV_COPY_GRID CTAs); merged runs >= merge_min_bytes still use memcpy."""
+COPY_PATH_DMA = 2
+"""The cudaMemcpyBatchAsync DMA batch: copy engines, no SMs (kernel on the legacy stream)."""
+COPY_PATHS: dict[str, int] = {
+    "process": COPY_PATH_PROCESS, "auto": COPY_PATH_AUTO, "kernel": COPY_PATH_KERNEL, "dma": COPY_PATH_DMA,
+}
+_ABI_VERSION = 2  # fdkv_abi_version() of libraries that take the per-call `path`
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _BUILD_HINT = "run `bash build.sh` (CPU) or `bash build.sh gpu` (CUDA C ABI) from the repository root"
@@ -116,6 +139,28 @@ def _stream_handle(stream: StreamLike) -> int:
     raise TypeError(f"cannot get a CUDA stream handle from {type(stream).__name__}")
 
 
+def copy_path_code(path: Union[int, str, None], op: str = "swap") -> int:
+    """The C value of a per-call copy path: None or "process" -> -1, "auto" -> 0,
+    "kernel" -> 1, "dma" -> 2; an int is passed through for the core to check (it accepts
+    -1..2 and names ``path`` otherwise).  Raises :class:`SwapOpError` naming ``path``.
+    """
+    if path is None:
+        return COPY_PATH_PROCESS
+    if isinstance(path, str):
+        code = COPY_PATHS.get(path.strip().lower())
+        if code is not None:
+            return code
+    elif isinstance(path, numbers.Integral) and not isinstance(path, bool):
+        value = int(path)
+        if -(1 << 31) <= value < (1 << 31):  # a C int; the core checks the range of values
+            return value
+    raise SwapOpError(
+        f"{op}: path = {path!r} must be None/-1/'process' (the process-wide copy_path option), "
+        f"0/'auto', 1/'kernel' or 2/'dma'",
+        op, "path", None,
+    )
+
+
 def _id_list(ids: IdsLike) -> list[int]:
     """Ids as a list of Python ints (the Paddle attr type ``std::vector<int64_t>``)."""
     if hasattr(ids, "tolist"):
@@ -163,6 +208,8 @@ def _declare_abi(lib: ctypes.CDLL) -> None:
     lib.fdkv_last_error.argtypes = []
     lib.fdkv_is_cuda.restype = i32
     lib.fdkv_is_cuda.argtypes = []
+    lib.fdkv_abi_version.restype = i32
+    lib.fdkv_abi_version.argtypes = []
     lib.fdkv_host_alloc.restype = i32
     lib.fdkv_host_alloc.argtypes = [ctypes.c_size_t, ctypes.c_uint, pp]
     lib.fdkv_host_free.restype = i32
@@ -171,7 +218,7 @@ def _declare_abi(lib: ctypes.CDLL) -> None:
         pp, _C_INT64_P, _C_INT64_P, i64,  # dev ptrs, per-tensor dev blocks, block bytes, tensors
         pp, i64,                          # host ptrs (one for layout), host blocks
         _C_INT64_P, i64, _C_INT64_P, i64,  # dev ids, count, host ids, count
-        i32, vp, i32,                     # mode, stream, sync
+        i32, vp, i32, i32,                # mode, stream, sync, path (ABI version 2)
     ]
     for name in ("fdkv_swap_layers", "fdkv_swap_layout"):
         fn = getattr(lib, name)
@@ -198,6 +245,14 @@ class CApi:
     def __init__(self, lib: ctypes.CDLL, path: str):
         self._lib = lib
         self.path = path
+        # NOTE: a library built from older sources would silently ignore the trailing `path`
+        # argument of the swaps (ctypes passes it, the C function never reads it): refuse it.
+        version = int(lib.fdkv_abi_version()) if hasattr(lib, "fdkv_abi_version") else 1
+        if version < _ABI_VERSION:
+            raise OpsNotBuiltError(
+                f"{path} has C ABI version {version}, this package needs {_ABI_VERSION} "
+                f"(per-call copy path); rebuild it: {_BUILD_HINT}"
+            )
         _declare_abi(lib)
         self.is_cuda: bool = bool(lib.fdkv_is_cuda())
 
@@ -278,7 +333,9 @@ class CApi:
         mode: int,
         stream: StreamLike,
         sync: bool,
+        path: Union[int, str, None] = None,
     ) -> None:
+        code = copy_path_code(path, op)
         count = len(dev_ptrs)
         dev_arr = (ctypes.c_void_p * max(count, 1))(*[int(p) for p in dev_ptrs])
         host_arr = (ctypes.c_void_p * max(len(host_ptrs), 1))(*[int(p) for p in host_ptrs])
@@ -301,6 +358,7 @@ class CApi:
             int(mode),
             ctypes.c_void_p(_stream_handle(stream)),
             1 if sync else 0,
+            code,
         )
         del d_keep, h_keep
         self._check(rc)
@@ -317,14 +375,17 @@ class CApi:
         mode: int,
         stream: StreamLike = 0,
         sync: bool = False,
+        path: Union[int, str, None] = None,
     ) -> None:
         """Copy blocks of one cache tensor: ``dev[dev_ids[i]] <-> host[host_ids[i]]``.
 
         ``mode`` 0 copies device to host, 1 host to device.  Asynchronous on ``stream``
-        unless ``sync``.
+        unless ``sync``.  ``path`` picks this call's copy path (None: the process-wide
+        ``copy_path`` option; "auto", "kernel", "dma" or the COPY_PATH_* ints); the CPU
+        build checks it and ignores it.
         """
         self._swap("fdkv_swap_layers", "swap_per_layer", [dev_ptr], num_dev_blocks, block_bytes,
-                   [host_ptr], num_host_blocks, dev_ids, host_ids, mode, stream, sync)
+                   [host_ptr], num_host_blocks, dev_ids, host_ids, mode, stream, sync, path)
 
     def swap_all_layers(
         self,
@@ -338,12 +399,14 @@ class CApi:
         mode: int,
         stream: StreamLike = 0,
         sync: bool = False,
+        path: Union[int, str, None] = None,
     ) -> None:
         """Copy the same block ids of many cache tensors in one launch.
 
         ``host_ptrs[t]`` is tensor t's host cache (``num_host_blocks`` blocks of
         ``block_bytes[t]``).  ``block_bytes`` / ``num_dev_blocks`` may be one int or one
-        per tensor, so K/V caches and their scale caches can go in one call.
+        per tensor, so K/V caches and their scale caches can go in one call.  ``path``: as
+        in :meth:`swap_per_layer`.
         """
         if len(host_ptrs) != len(dev_ptrs):
             raise SwapOpError(
@@ -351,7 +414,7 @@ class CApi:
                 "swap_all_layers", "host_ptrs", None,
             )
         self._swap("fdkv_swap_layers", "swap_all_layers", dev_ptrs, num_dev_blocks, block_bytes,
-                   host_ptrs, num_host_blocks, dev_ids, host_ids, mode, stream, sync)
+                   host_ptrs, num_host_blocks, dev_ids, host_ids, mode, stream, sync, path)
 
     def swap_layout(
         self,
@@ -365,13 +428,15 @@ class CApi:
         mode: int,
         stream: StreamLike = 0,
         sync: bool = False,
+        path: Union[int, str, None] = None,
     ) -> None:
         """Gather (mode 0) device blocks into, or scatter (mode 1) from, a block-major host
         buffer ``[host_block][tensor][block_bytes[tensor]]``: one contiguous object per block.
         Pass tensors in ``[layer][k, v]`` order to get the ``[block][layer][k|v][...]`` layout.
+        ``path``: as in :meth:`swap_per_layer` (the layout op never merges runs).
         """
         self._swap("fdkv_swap_layout", "swap_layout", dev_ptrs, num_dev_blocks, block_bytes,
-                   [host_ptr], num_host_blocks, dev_ids, host_ids, mode, stream, sync)
+                   [host_ptr], num_host_blocks, dev_ids, host_ids, mode, stream, sync, path)
 
 
 _capi_lock = threading.Lock()
@@ -424,6 +489,13 @@ def _load_paddle_ops() -> Any:
         _paddle_state["capi"] = CApi(ctypes.CDLL(str(so_path)), str(so_path))
         logger.debug("registered Paddle ops from %s (paddle %s)", so_path, paddle.__version__)
         return _C_ops
+
+
+def paddle_ops_capi() -> CApi:
+    """The C ABI exported by the Paddle extension (registers the ops first).  Its
+    ``last_path()`` reports the paths of the calling thread's last Paddle op."""
+    _load_paddle_ops()
+    return _paddle_state["capi"]
 
 
 def paddle_ops_available() -> bool:
@@ -480,6 +552,8 @@ def swap_cache_per_layer(
     swap_block_ids_cpu: IdsLike,
     rank: int,
     mode: int,
+    *,
+    path: Union[int, str, None] = None,
 ) -> Any:
     """Copy blocks of one cache tensor between device and host, then wait for the copy.
 
@@ -488,10 +562,15 @@ def swap_cache_per_layer(
     ``prod(cache_gpu.shape[1:]) * itemsize`` bytes).  mode 0: device to host; 1: host to
     device.  In place: returns ``cache_gpu`` itself (same storage).  Runs on the tensor's
     current stream and synchronizes it, which is why engines use the async variant.
+
+    ``path`` (keyword, every Paddle op): this call's copy path, as in
+    :meth:`CApi.swap_per_layer`; None follows the process-wide option.  Passed as the op's
+    optional trailing attribute ``path``; ignored on CPU tensors.
     """
     return _run(
         "swap_cache_per_layer", cache_gpu, int(cache_cpu_ptr), int(max_block_num_cpu),
         _id_list(swap_block_ids_gpu), _id_list(swap_block_ids_cpu), int(rank), int(mode),
+        copy_path_code(path, "swap_cache_per_layer"),
     )[0]
 
 
@@ -504,6 +583,8 @@ def swap_cache_per_layer_async(
     rank: int,
     mode: int,
     stream: StreamLike = 0,
+    *,
+    path: Union[int, str, None] = None,
 ) -> Any:
     """Like :func:`swap_cache_per_layer` but never synchronizes: the copy is enqueued on
     ``stream`` (0: the tensor's current stream) so it overlaps compute on other streams.
@@ -513,7 +594,7 @@ def swap_cache_per_layer_async(
     return _run(
         "swap_cache_per_layer_async", cache_gpu, int(cache_cpu_ptr), int(max_block_num_cpu),
         _id_list(swap_block_ids_gpu), _id_list(swap_block_ids_cpu), int(rank), int(mode),
-        _stream_handle(stream),
+        _stream_handle(stream), copy_path_code(path, "swap_cache_per_layer_async"),
     )[0]
 
 
@@ -526,6 +607,8 @@ def swap_cache_all_layers(
     rank: int,
     mode: int,
     stream: StreamLike = 0,
+    *,
+    path: Union[int, str, None] = None,
 ) -> list[Any]:
     """Copy the same block ids of every tensor in ``cache_gpu_tensors`` in one launch
     (one pointer table on the device), asynchronously on ``stream`` (0: the first
@@ -535,7 +618,7 @@ def swap_cache_all_layers(
     return list(_run(
         "swap_cache_all_layers", list(cache_gpu_tensors), [int(p) for p in cache_cpu_ptrs],
         int(max_block_num_cpu), _id_list(swap_block_ids_gpu), _id_list(swap_block_ids_cpu),
-        int(rank), int(mode), _stream_handle(stream),
+        int(rank), int(mode), _stream_handle(stream), copy_path_code(path, "swap_cache_all_layers"),
     ))
 
 
@@ -549,6 +632,8 @@ def swap_cache_layout(
     mode: int,
     stream: StreamLike = 0,
     max_block_num_cpu: int = -1,
+    *,
+    path: Union[int, str, None] = None,
 ) -> list[Any]:
     """Gather device blocks into (mode 0), or scatter them from (mode 1), a block-major
     host buffer ``[cpu_block][tensor][block bytes]``; passing tensors as
@@ -563,5 +648,5 @@ def swap_cache_layout(
     return list(_run(
         "swap_cache_layout", list(cache_gpu_tensors), int(cache_cpu_ptr), [int(s) for s in cache_shape],
         _id_list(gpu_block_ids), _id_list(cpu_block_ids), int(rank), int(mode), _stream_handle(stream),
-        int(max_block_num_cpu),
+        int(max_block_num_cpu), copy_path_code(path, "swap_cache_layout"),
     ))

@@ -64,6 +64,8 @@ FDKV_API const char* fdkv_last_error(void) { return t_last_error.c_str(); }
 
 FDKV_API int fdkv_is_cuda(void) { return fdkv::BuiltWithCuda() ? 1 : 0; }
 
+FDKV_API int fdkv_abi_version(void) { return FDKV_ABI_VERSION; }
+
 FDKV_API int fdkv_host_alloc(size_t nbytes, unsigned flags, void** out) {
   if (out == nullptr) return Fail(FDKV_ERR_INVALID_ARGUMENT, "cuda_host_alloc: out is a null pointer");
   *out = nullptr;
@@ -78,7 +80,7 @@ FDKV_API int fdkv_swap_layers(const char* op, void* const* dev_ptrs, const int64
                               const int64_t* block_bytes, int64_t num_tensors, void* const* host_ptrs,
                               int64_t num_host_blocks, const int64_t* dev_ids, int64_t num_dev_ids,
                               const int64_t* host_ids, int64_t num_host_ids, int mode, void* stream,
-                              int sync) {
+                              int sync, int path) {
   return Guard([&] {
     const char* name = (op != nullptr && *op != '\0') ? op : "swap_all_layers";
     if (num_tensors <= 0 || dev_ptrs == nullptr || host_ptrs == nullptr) {
@@ -86,7 +88,7 @@ FDKV_API int fdkv_swap_layers(const char* op, void* const* dev_ptrs, const int64
     }
     std::vector<fdkv::TensorDesc> tensors = Tensors(dev_ptrs, num_dev_blocks, block_bytes, num_tensors);
     std::vector<void*> hosts(host_ptrs, host_ptrs + num_tensors);
-    fdkv::ExecTarget target{fdkv::BuiltWithCuda(), stream, sync != 0};
+    fdkv::ExecTarget target{fdkv::BuiltWithCuda(), stream, sync != 0, path};
     fdkv::SwapLayers(name, tensors, hosts, num_host_blocks,
                      fdkv::IdSpan{dev_ids, num_dev_ids, "dev_ids"},
                      fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, target, "host_ptrs");
@@ -97,14 +99,14 @@ FDKV_API int fdkv_swap_layout(const char* op, void* const* dev_ptrs, const int64
                               const int64_t* block_bytes, int64_t num_tensors, void* const* host_ptr,
                               int64_t num_host_blocks, const int64_t* dev_ids, int64_t num_dev_ids,
                               const int64_t* host_ids, int64_t num_host_ids, int mode, void* stream,
-                              int sync) {
+                              int sync, int path) {
   return Guard([&] {
     const char* name = (op != nullptr && *op != '\0') ? op : "swap_layout";
     if (num_tensors <= 0 || dev_ptrs == nullptr || host_ptr == nullptr) {
       throw fdkv::InvalidArgument(std::string(name) + ": dev_ptrs is empty; pass at least one tensor");
     }
     std::vector<fdkv::TensorDesc> tensors = Tensors(dev_ptrs, num_dev_blocks, block_bytes, num_tensors);
-    fdkv::ExecTarget target{fdkv::BuiltWithCuda(), stream, sync != 0};
+    fdkv::ExecTarget target{fdkv::BuiltWithCuda(), stream, sync != 0, path};
     fdkv::SwapLayout(name, tensors, host_ptr[0], num_host_blocks,
                      fdkv::IdSpan{dev_ids, num_dev_ids, "dev_ids"},
                      fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, target);

@@ -24,23 +24,33 @@ FDKV_API int fdkv_is_cuda(void);
 FDKV_API int fdkv_host_alloc(size_t nbytes, unsigned flags, void** out);
 FDKV_API int fdkv_host_free(void* ptr);
 
+// ABI version: 2 added the trailing `path` argument of the swap functions.  ops.py checks
+// it, so a library built from older sources fails loudly instead of ignoring `path`.
+#define FDKV_ABI_VERSION 2
+FDKV_API int fdkv_abi_version(void);
+
 // Tensor t's block dev_ids[i] <-> host_ptrs[t]'s block host_ids[i], every tensor.
 // mode 0: device -> host, 1: host -> device.  Enqueued on `stream`; sync != 0 waits.
+// path: copy path of this call only: -1 the process-wide "copy_path" option, 0 auto,
+// 1 kernel, 2 dma (anything else is FDKV_ERR_INVALID_ARGUMENT naming "path").  A forced
+// dma falls back to the kernel on the legacy default stream or before CUDA 12.8.  The
+// CPU build validates it and ignores it (one path: memcpy).
 FDKV_API int fdkv_swap_layers(const char* op, void* const* dev_ptrs, const int64_t* num_dev_blocks,
                               const int64_t* block_bytes, int64_t num_tensors, void* const* host_ptrs,
                               int64_t num_host_blocks, const int64_t* dev_ids, int64_t num_dev_ids,
                               const int64_t* host_ids, int64_t num_host_ids, int mode, void* stream,
-                              int sync);
+                              int sync, int path);
 
 // Block-major host buffer host_ptr[0]: host block h = [tensor 0 block | tensor 1 block | ...].
 FDKV_API int fdkv_swap_layout(const char* op, void* const* dev_ptrs, const int64_t* num_dev_blocks,
                               const int64_t* block_bytes, int64_t num_tensors, void* const* host_ptr,
                               int64_t num_host_blocks, const int64_t* dev_ids, int64_t num_dev_ids,
                               const int64_t* host_ids, int64_t num_host_ids, int mode, void* stream,
-                              int sync);
+                              int sync, int path);
 
 // Options: "copy_grid", "copy_path" (0 auto, 1 kernel, 2 dma), "dma_min_bytes",
-// "merge_min_bytes".  Process-wide.
+// "merge_min_bytes", "dma_slice_bytes", "copy_kernel", "kernel_tables".  Process-wide; a
+// swap call's `path` argument overrides "copy_path" for that call.
 FDKV_API int fdkv_set_option(const char* name, int64_t value);
 FDKV_API int fdkv_get_option(const char* name, int64_t* value);
 // Bit mask of the paths the calling thread's last swap used: 1 memcpy, 2 kernel, 4 DMA, 8 CPU.

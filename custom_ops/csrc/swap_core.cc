@@ -179,6 +179,13 @@ void CheckUnique(const char* op, IdSpan ids) {
 
 }  // namespace
 
+void CheckCopyPath(const char* op, int64_t copy_path) {
+  if (copy_path < kCopyProcess || copy_path > kCopyDma) {
+    Fail(op, "path = " + std::to_string(copy_path) +
+                 " must be -1 (the process-wide copy_path option), 0 (auto), 1 (kernel) or 2 (dma)");
+  }
+}
+
 void ValidateIds(const char* op, IdSpan dev_ids, int64_t num_dev_blocks, IdSpan host_ids,
                  int64_t num_host_blocks, int mode) {
   if (mode != kDeviceToHost && mode != kHostToDevice) {
@@ -258,11 +265,13 @@ void Execute(const std::vector<LaneDesc>& lanes, IdSpan dev_ids, IdSpan host_ids
   if (n > 0) {
     if (target.cuda) {
 #if FDKV_WITH_CUDA
-      t_last_path = ExecuteCuda(lanes, src_ids, dst_ids, n, LanesMergeable(lanes), mode, target.stream);
+      t_last_path = ExecuteCuda(lanes, src_ids, dst_ids, n, LanesMergeable(lanes), mode, target.stream,
+                                target.copy_path);
 #else
       throw CudaFailure("fdkv: CUDA execution requested but the library was built without CUDA");
 #endif
     } else {
+      // NOTE: target.copy_path is ignored here: the CPU implementation has one path.
       ExecuteCpu(lanes, src_ids, dst_ids, n);
       t_last_path = kPathCpu;
     }
@@ -305,6 +314,7 @@ void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
   if (num_host_blocks < 0) {
     Fail(op, "max_block_num_cpu = " + std::to_string(num_host_blocks) + " must be >= 0");
   }
+  CheckCopyPath(op, target.copy_path);
   ValidateIds(op, dev_ids, MinBlocks(tensors), host_ids, num_host_blocks, mode);
 
   std::vector<LaneDesc> lanes;
@@ -324,6 +334,7 @@ void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* ho
                 const ExecTarget& target) {
   CheckTensors(op, tensors, "cache_gpu_tensors");
   if (host_ptr == nullptr) Fail(op, "cache_cpu_ptr is a null pointer");
+  CheckCopyPath(op, target.copy_path);
   ValidateIds(op, dev_ids, MinBlocks(tensors), host_ids, num_host_blocks, mode);
 
   int64_t host_block_bytes = 0;

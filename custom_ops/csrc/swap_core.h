@@ -28,8 +28,9 @@ enum Mode : int { kDeviceToHost = 0, kHostToDevice = 1 };
 // Which copy paths a call used (bit mask; reported by LastPath() for tests/benchmarks).
 enum PathBits : int { kPathMemcpy = 1, kPathKernel = 2, kPathDma = 4, kPathCpu = 8 };
 
-// copy_path option values.
-enum CopyPath : int { kCopyAuto = 0, kCopyKernel = 1, kCopyDma = 2 };
+// copy_path option values.  A per-call override (ExecTarget::copy_path) uses the same
+// values, plus kCopyProcess: "use the process-wide copy_path option".
+enum CopyPath : int { kCopyProcess = -1, kCopyAuto = 0, kCopyKernel = 1, kCopyDma = 2 };
 
 // Bad arguments.  The message always starts with "<op>: <argument>[<index>]" (index
 // omitted when not tied to a position) so that Python can recover the three fields.
@@ -63,7 +64,16 @@ struct ExecTarget {
   bool cuda = false;       // false: CPU memcpy (CPU tensors, or a build without CUDA)
   void* stream = nullptr;  // cudaStream_t when cuda
   bool sync = false;       // synchronize the stream before returning
+  // Per-call copy path (CopyPath): kCopyProcess follows the process-wide option, the
+  // others override it for this call only.  NOTE: per call, not process-wide, because the
+  // worker issues loads and evictions from two launcher threads at once and wants them on
+  // different paths.  Validated (CheckCopyPath) with the other arguments; ignored by the
+  // CPU implementation, which has one path.
+  int copy_path = kCopyProcess;
 };
+
+// Throws InvalidArgument ("<op>: path = <v> must be ...") unless -1 <= copy_path <= 2.
+void CheckCopyPath(const char* op, int64_t copy_path);
 
 // Process-wide tunables (initialised from the environment, settable through the C ABI).
 struct Options {
@@ -139,8 +149,10 @@ void ValidateIds(const char* op, IdSpan dev_ids, int64_t num_dev_blocks, IdSpan 
 #if FDKV_WITH_CUDA
 // Run a planned copy on a CUDA stream (swap_cuda.cu).  `mergeable` says whether a run of
 // consecutive ids is contiguous on both sides for every lane (false for the layout op).
+// `copy_path` is the call's CopyPath (kCopyProcess: the process-wide option).
 int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids,
-                const int64_t* dst_ids, int64_t n, bool mergeable, int mode, void* stream);
+                const int64_t* dst_ids, int64_t n, bool mergeable, int mode, void* stream,
+                int copy_path);
 void CudaHostAlloc(void** ptr, size_t nbytes, unsigned flags);
 void CudaHostFree(void* ptr);
 void CudaStreamSynchronize(void* stream);

@@ -554,7 +554,7 @@ bool HostSideIsPinned(const std::vector<LaneDesc>& lanes, int mode) {
 
 // ------------------------------------------------------------------------ planning
 int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
-                int64_t n, bool mergeable, int mode, void* stream_ptr) {
+                int64_t n, bool mergeable, int mode, void* stream_ptr, int copy_path) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const Options opts = GetOptions();
 
@@ -573,7 +573,8 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   const int64_t num_copies = static_cast<int64_t>(runs.size() * lanes.size());
   const int64_t avg_copy_bytes = total_bytes / std::max<int64_t>(1, num_copies);
 
-  int64_t path = opts.copy_path;
+  // The call's own path wins over the process-wide option (see ExecTarget::copy_path).
+  int64_t path = copy_path == kCopyProcess ? opts.copy_path : copy_path;
   if (path == kCopyAuto) path = avg_copy_bytes >= opts.dma_min_bytes ? kCopyDma : kCopyKernel;
   if (path == kCopyDma && !DmaBatchAvailable(stream)) path = kCopyKernel;
   // Pageable host memory never reaches the kernel: one cudaMemcpyAsync per run instead

@@ -69,9 +69,10 @@ class DeviceGuard {
 // Where the tensors live decides CPU vs CUDA execution; `stream` 0 means the first
 // tensor's current stream.
 fdkv::ExecTarget Target(const std::vector<paddle::Tensor>& tensors, const char* op, int64_t stream,
-                        bool sync) {
+                        bool sync, int path) {
   fdkv::ExecTarget target;
   target.sync = sync;
+  target.copy_path = path;  // validated by the core; ignored on CPU tensors
   const bool gpu = tensors.front().is_gpu();
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].is_gpu() != gpu || (gpu && tensors[i].place() != tensors.front().place())) {
@@ -117,12 +118,12 @@ void Run(const std::vector<paddle::Tensor>& tensors, Fn&& fn) {
 
 void PerLayer(const char* op, const paddle::Tensor& cache_gpu, int64_t cache_cpu_ptr,
               int64_t max_block_num_cpu, const std::vector<int64_t>& ids_gpu,
-              const std::vector<int64_t>& ids_cpu, int mode, int64_t stream, bool sync) {
+              const std::vector<int64_t>& ids_cpu, int mode, int64_t stream, bool sync, int path) {
   const std::vector<paddle::Tensor> tensors{cache_gpu};
   Run(tensors, [&] {
     std::vector<fdkv::TensorDesc> descs{Describe(cache_gpu, op, "cache_gpu", 0)};
     std::vector<void*> hosts{reinterpret_cast<void*>(cache_cpu_ptr)};
-    fdkv::ExecTarget target = Target(tensors, op, stream, sync);
+    fdkv::ExecTarget target = Target(tensors, op, stream, sync, path);
     fdkv::SwapLayers(op, descs, hosts, max_block_num_cpu,
                      fdkv::IdSpan{ids_gpu.data(), static_cast<int64_t>(ids_gpu.size()), "swap_block_ids_gpu"},
                      fdkv::IdSpan{ids_cpu.data(), static_cast<int64_t>(ids_cpu.size()), "swap_block_ids_cpu"},
@@ -135,25 +136,26 @@ void PerLayer(const char* op, const paddle::Tensor& cache_gpu, int64_t cache_cpu
 // ------------------------------------------------------------------------ kernels
 void SwapCachePerLayer(const paddle::Tensor& cache_gpu, int64_t cache_cpu_ptr, int64_t max_block_num_cpu,
                        const std::vector<int64_t>& swap_block_ids_gpu,
-                       const std::vector<int64_t>& swap_block_ids_cpu, int rank, int mode) {
+                       const std::vector<int64_t>& swap_block_ids_cpu, int rank, int mode, int path) {
   (void)rank;  // the device comes from the tensor's place
   PerLayer("swap_cache_per_layer", cache_gpu, cache_cpu_ptr, max_block_num_cpu, swap_block_ids_gpu,
-           swap_block_ids_cpu, mode, /*stream=*/0, /*sync=*/true);
+           swap_block_ids_cpu, mode, /*stream=*/0, /*sync=*/true, path);
 }
 
 void SwapCachePerLayerAsync(const paddle::Tensor& cache_gpu, int64_t cache_cpu_ptr, int64_t max_block_num_cpu,
                             const std::vector<int64_t>& swap_block_ids_gpu,
                             const std::vector<int64_t>& swap_block_ids_cpu, int rank, int mode,
-                            int64_t stream) {
+                            int64_t stream, int path) {
   (void)rank;
   PerLayer("swap_cache_per_layer_async", cache_gpu, cache_cpu_ptr, max_block_num_cpu, swap_block_ids_gpu,
-           swap_block_ids_cpu, mode, stream, /*sync=*/false);
+           swap_block_ids_cpu, mode, stream, /*sync=*/false, path);
 }
 
 void SwapCacheAllLayers(const std::vector<paddle::Tensor>& cache_gpu_tensors,
                         const std::vector<int64_t>& cache_cpu_ptrs, int64_t max_block_num_cpu,
                         const std::vector<int64_t>& swap_block_ids_gpu,
-                        const std::vector<int64_t>& swap_block_ids_cpu, int rank, int mode, int64_t stream) {
+                        const std::vector<int64_t>& swap_block_ids_cpu, int rank, int mode, int64_t stream,
+                        int path) {
   (void)rank;
   const char* op = "swap_cache_all_layers";
   Run(cache_gpu_tensors, [&] {
@@ -166,7 +168,7 @@ void SwapCacheAllLayers(const std::vector<paddle::Tensor>& cache_gpu_tensors,
     }
     std::vector<void*> hosts;
     for (int64_t p : cache_cpu_ptrs) hosts.push_back(reinterpret_cast<void*>(p));
-    fdkv::ExecTarget target = Target(cache_gpu_tensors, op, stream, /*sync=*/false);
+    fdkv::ExecTarget target = Target(cache_gpu_tensors, op, stream, /*sync=*/false, path);
     fdkv::SwapLayers(op, descs, hosts, max_block_num_cpu,
                      fdkv::IdSpan{swap_block_ids_gpu.data(), static_cast<int64_t>(swap_block_ids_gpu.size()),
                                   "swap_block_ids_gpu"},
@@ -179,7 +181,7 @@ void SwapCacheAllLayers(const std::vector<paddle::Tensor>& cache_gpu_tensors,
 void SwapCacheLayout(const std::vector<paddle::Tensor>& cache_gpu_tensors, int64_t cache_cpu_ptr,
                      const std::vector<int64_t>& cache_shape, const std::vector<int64_t>& gpu_block_ids,
                      const std::vector<int64_t>& cpu_block_ids, int rank, int mode, int64_t stream,
-                     int64_t max_block_num_cpu) {
+                     int64_t max_block_num_cpu, int path) {
   (void)rank;
   const char* op = "swap_cache_layout";
   Run(cache_gpu_tensors, [&] {
@@ -194,7 +196,7 @@ void SwapCacheLayout(const std::vector<paddle::Tensor>& cache_gpu_tensors, int64
       }
       descs.push_back(Describe(cache_gpu_tensors[i], op, "cache_gpu_tensors", i));
     }
-    fdkv::ExecTarget target = Target(cache_gpu_tensors, op, stream, /*sync=*/false);
+    fdkv::ExecTarget target = Target(cache_gpu_tensors, op, stream, /*sync=*/false, path);
     fdkv::SwapLayout(op, descs, reinterpret_cast<void*>(cache_cpu_ptr), max_block_num_cpu,
                      fdkv::IdSpan{gpu_block_ids.data(), static_cast<int64_t>(gpu_block_ids.size()), "gpu_block_ids"},
                      fdkv::IdSpan{cpu_block_ids.data(), static_cast<int64_t>(cpu_block_ids.size()), "cpu_block_ids"},
@@ -203,12 +205,15 @@ void SwapCacheLayout(const std::vector<paddle::Tensor>& cache_gpu_tensors, int64
 }
 
 // ------------------------------------------------------------------------ registration
+// Attribute lists follow the FastDeploy design (DESIGN.md), each with one optional trailing
+// attribute `path` (the call's copy path: -1 the process-wide option, 0 auto, 1 kernel,
+// 2 dma; ignored on CPU tensors) that ops.py fills with -1 unless the caller passes one.
 PD_BUILD_STATIC_OP(swap_cache_per_layer)
     .Inputs({"cache_gpu"})
     .Outputs({"cache_dst_out"})
     .Attrs({"cache_cpu_ptr: int64_t", "max_block_num_cpu: int64_t",
             "swap_block_ids_gpu: std::vector<int64_t>", "swap_block_ids_cpu: std::vector<int64_t>",
-            "rank: int", "mode: int"})
+            "rank: int", "mode: int", "path: int"})
     .SetInplaceMap({{"cache_gpu", "cache_dst_out"}})
     .SetKernelFn(PD_KERNEL(SwapCachePerLayer));
 
@@ -217,7 +222,7 @@ PD_BUILD_STATIC_OP(swap_cache_per_layer_async)
     .Outputs({"cache_dst_out"})
     .Attrs({"cache_cpu_ptr: int64_t", "max_block_num_cpu: int64_t",
             "swap_block_ids_gpu: std::vector<int64_t>", "swap_block_ids_cpu: std::vector<int64_t>",
-            "rank: int", "mode: int", "stream: int64_t"})
+            "rank: int", "mode: int", "stream: int64_t", "path: int"})
     .SetInplaceMap({{"cache_gpu", "cache_dst_out"}})
     .SetKernelFn(PD_KERNEL(SwapCachePerLayerAsync));
 
@@ -226,7 +231,7 @@ PD_BUILD_STATIC_OP(swap_cache_all_layers)
     .Outputs({paddle::Vec("cache_dst_outs")})
     .Attrs({"cache_cpu_ptrs: std::vector<int64_t>", "max_block_num_cpu: int64_t",
             "swap_block_ids_gpu: std::vector<int64_t>", "swap_block_ids_cpu: std::vector<int64_t>",
-            "rank: int", "mode: int", "stream: int64_t"})
+            "rank: int", "mode: int", "stream: int64_t", "path: int"})
     .SetInplaceMap({{paddle::Vec("cache_gpu_tensors"), paddle::Vec("cache_dst_outs")}})
     .SetKernelFn(PD_KERNEL(SwapCacheAllLayers));
 
@@ -235,6 +240,6 @@ PD_BUILD_STATIC_OP(swap_cache_layout)
     .Outputs({paddle::Vec("cache_dst_outs")})
     .Attrs({"cache_cpu_ptr: int64_t", "cache_shape: std::vector<int64_t>",
             "gpu_block_ids: std::vector<int64_t>", "cpu_block_ids: std::vector<int64_t>", "rank: int",
-            "mode: int", "stream: int64_t", "max_block_num_cpu: int64_t"})
+            "mode: int", "stream: int64_t", "max_block_num_cpu: int64_t", "path: int"})
     .SetInplaceMap({{paddle::Vec("cache_gpu_tensors"), paddle::Vec("cache_dst_outs")}})
     .SetKernelFn(PD_KERNEL(SwapCacheLayout));

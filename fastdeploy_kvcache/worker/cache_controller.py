@@ -48,6 +48,8 @@ class CacheController:
         disabled_rules: ordering fences to switch off (race tests only).
         async_launch: launch copies from a launcher thread so the forward pass need not
             wait for all layers' launches (default: on GPU backends).
+        d2h_copy_path: copy path of evictions and backups ("dma", "auto", "kernel",
+            "process"); default FDKV_D2H_COPY_PATH ("dma"), see TransferManager.
     """
 
     def __init__(
@@ -60,12 +62,15 @@ class CacheController:
         threaded: bool = True,
         disabled_rules: Optional[set[int]] = None,
         async_launch: Optional[bool] = None,
+        d2h_copy_path: Optional[str] = None,
     ) -> None:
         self.config = config
         self.local_rank = local_rank
         self.device_id = device_id
         self.backend = make_backend(backend, device_id, threaded=threaded)
-        self.transfer_manager = TransferManager(self.backend, disabled_rules=disabled_rules, async_launch=async_launch)
+        self.transfer_manager = TransferManager(
+            self.backend, disabled_rules=disabled_rules, async_launch=async_launch, d2h_copy_path=d2h_copy_path
+        )
         self.cache_kvs_map: dict[str, Any] = {}
         self.host_cache_kvs_map: dict[str, int] = {}
         self._host_nbytes: dict[str, int] = {}

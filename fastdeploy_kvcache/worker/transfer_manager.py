@@ -39,6 +39,11 @@ records it, then enqueues the device-side wait.  This matters because one op lau
 tens to hundreds of microseconds of host time: launching every layer before the forward
 starts would delay compute by the sum.  ``async_launch=False`` launches on the calling
 thread instead (the default for the host-thread CPU backends).
+
+Copy paths.  Device->host copies name their copy path per call (``FDKV_D2H_COPY_PATH``,
+default the DMA batch); loads follow the process-wide ``FDKV_COPY_PATH`` rule.  The two
+launcher threads issue both directions at once, which is why the choice travels with each
+call instead of through the process-wide option.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from fastdeploy_kvcache import envs
+from fastdeploy_kvcache import envs, ops
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
 from fastdeploy_kvcache.worker.backends.base import MODE_D2H, MODE_H2D, Backend, HostEvent, HostStream
 from fastdeploy_kvcache.worker.layer_done import (
@@ -116,7 +121,7 @@ class _Task:
 
     __slots__ = (
         "meta", "direction", "seq", "device_ids", "host_ids", "counter", "error", "start_event",
-        "done_event", "launched", "_lock",
+        "done_event", "launched", "paths", "_lock",
     )
 
     def __init__(self, meta: CacheSwapMetadata, direction: str, seq: int, counter: Optional[LayerDoneCounter]) -> None:
@@ -135,6 +140,8 @@ class _Task:
         self.done_event: Any = None
         # Set by the launcher once every launch and event of the task has been enqueued.
         self.launched = threading.Event()
+        # ops.PATH_* bits of the copy paths the task's launches used (0: unknown/none).
+        self.paths = 0
         self._lock = threading.Lock()
 
     def fail(self, error: Any, layer: int = -1) -> None:
@@ -156,11 +163,12 @@ class _DirectionStats:
     bytes: int = 0
     seconds: float = 0.0
     failed: int = 0
+    paths: int = 0  # ops.PATH_* bits of every finished task's launches
 
     def as_dict(self) -> dict[str, float]:
         gbps = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
         return {"tasks": self.tasks, "blocks": self.blocks, "bytes": self.bytes,
-                "seconds": self.seconds, "failed": self.failed, "GB_per_s": gbps}
+                "seconds": self.seconds, "failed": self.failed, "GB_per_s": gbps, "paths": self.paths}
 
 
 class TransferManager:
@@ -172,6 +180,9 @@ class TransferManager:
             defaults to FDKV_UNSAFE_DISABLE_ORDERING.
         timeout_s: limit of host-side waits (default FDKV_LAYER_WAIT_TIMEOUT_S).
         async_launch: launch copies from a launcher thread (default: on GPU backends).
+        d2h_copy_path: copy path of device->host copies, "dma", "auto", "kernel" or
+            "process" (the process-wide option); default FDKV_D2H_COPY_PATH ("dma").
+            Loads always follow the process-wide option.
     """
 
     def __init__(
@@ -180,8 +191,24 @@ class TransferManager:
         disabled_rules: Optional[Iterable[int]] = None,
         timeout_s: Optional[float] = None,
         async_launch: Optional[bool] = None,
+        d2h_copy_path: Optional[str] = None,
     ) -> None:
         self.backend = backend
+        # NOTE: evictions and write-through backups take the DMA batch by default, whatever
+        # the block size.  They are background traffic beside the forward pass, and the copy
+        # kernel (what the auto rule picks below 64 KiB) keeps its CTAs resident for the
+        # whole copy: on an H100 a full-wave cuBLAS GEMM ran ~3x slower next to it at 16 KiB
+        # blocks, against +1.6% next to the DMA batch, which uses copy engines and no SMs.
+        # The price is D2H bandwidth at small blocks (~0.47 of the link at 16 KiB), which
+        # only delays when a host copy is ready, and a write_back eviction's rule-2 fence.
+        # Loads stay on the process-wide rule: the forward pass waits for them.
+        name = str(envs.get("FDKV_D2H_COPY_PATH")) if d2h_copy_path is None else str(d2h_copy_path).strip().lower()
+        if name not in envs.COPY_PATH_NAMES:
+            raise ValueError(
+                f"d2h_copy_path / FDKV_D2H_COPY_PATH: {d2h_copy_path!r} is not one of {', '.join(envs.COPY_PATH_NAMES)}"
+            )
+        self.d2h_copy_path = name
+        self._d2h_path_code = ops.copy_path_code(name)
         self.disabled_rules = parse_disabled_rules() if disabled_rules is None else frozenset(disabled_rules)
         for rule in self.disabled_rules:
             if rule not in ORDERING_RULES:
@@ -353,7 +380,9 @@ class TransferManager:
         def run() -> None:
             if self.fault_injector is not None:
                 self.fault_injector(D2H, -1, meta)
-            self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, MODE_D2H, out)
+            self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, MODE_D2H, out,
+                                     path=self._d2h_path_code)
+            task.paths |= self.backend.last_path()
 
         def job() -> None:
             try:
@@ -428,7 +457,9 @@ class TransferManager:
                             return
                         if self.fault_injector is not None:
                             self.fault_injector(H2D, layer, meta)
-                        self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, MODE_H2D, inp)
+                        self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, MODE_H2D, inp,
+                                                 path=ops.COPY_PATH_PROCESS)
+                        task.paths |= self.backend.last_path()
 
                     self.backend.launch(inp, run, lambda exc, layer=layer: task.fail(exc, layer))
                     counter.set_layer_event(layer, self.backend.record_event(inp))
@@ -449,6 +480,7 @@ class TransferManager:
         task.meta.mark_done(ok, task.error)
         if ok:
             nbytes = len(task.meta) * (self.layout.bytes_per_block if self.layout is not None else 0)
+            stats.paths |= task.paths
             stats.blocks += len(task.meta)
             stats.bytes += nbytes
             if task.start_event is not None and task.done_event is not None:
@@ -534,6 +566,7 @@ class TransferManager:
                 "in_flight": len(self._inflight),
                 "in_flight_tasks": [t.meta.task_id for t in self._inflight],
                 "disabled_rules": sorted(self.disabled_rules),
+                "d2h_copy_path": self.d2h_copy_path,
             }
 
     def reset_stats(self) -> None:

@@ -128,13 +128,19 @@ class Backend(abc.ABC):
         host_ids: Any,
         mode: int,
         stream: Any,
+        path: Optional[int] = None,
     ) -> None:
         """Copy blocks between each device array and its host buffer, in one op launch.
 
         ``device_ids[j]`` of every array pairs with ``host_ids[j]`` of its host buffer (ids
         as returned by :meth:`prepare_ids`).  Arrays may differ in block size (K/V versus
-        scales).  Enqueued on ``stream``; never synchronizes the host on a GPU.
+        scales).  Enqueued on ``stream``; never synchronizes the host on a GPU.  ``path`` is
+        the op's per-call copy path (``ops.COPY_PATH_*``; None: the process-wide option).
         """
+
+    def last_path(self) -> int:
+        """``ops.PATH_*`` bits of the calling thread's last :meth:`swap_blocks` (0: unknown)."""
+        return 0
 
 
 # ---------------------------------------------------------------------- host-thread streams

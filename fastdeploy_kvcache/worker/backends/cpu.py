@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from fastdeploy_kvcache.worker.backends.base import HostThreadBackend
 
@@ -76,7 +76,9 @@ class CpuBackend(HostThreadBackend):
         host_ids: Any,
         mode: int,
         stream: Any,
+        path: Optional[int] = None,
     ) -> None:
+        # `path` is checked and ignored by the CPU build (one path: memcpy).
         self._capi.swap_all_layers(
             [a.ctypes.data for a in device_arrays],
             list(host_ptrs),
@@ -88,4 +90,8 @@ class CpuBackend(HostThreadBackend):
             mode,
             stream=0,
             sync=True,
+            path=path,
         )
+
+    def last_path(self) -> int:
+        return self._capi.last_path()

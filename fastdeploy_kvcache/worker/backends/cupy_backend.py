@@ -128,6 +128,7 @@ class CupyBackend(Backend):
         host_ids: Any,
         mode: int,
         stream: Any,
+        path: Optional[int] = None,
     ) -> None:
         self._capi.swap_all_layers(
             [a.data.ptr for a in device_arrays],
@@ -140,4 +141,8 @@ class CupyBackend(Backend):
             mode,
             stream=stream.ptr,
             sync=False,
+            path=path,
         )
+
+    def last_path(self) -> int:
+        return self._capi.last_path()

@@ -29,6 +29,14 @@ def _ops() -> Any:
     return ops
 
 
+def _last_path(ops: Any) -> int:
+    """PATH_* bits of this thread's last op: the Paddle extension exports the C ABI too."""
+    try:
+        return ops.paddle_ops_capi().last_path()
+    except Exception:  # noqa: BLE001 - statistics only
+        return 0
+
+
 class PaddleCpuBackend(HostThreadBackend):
     """CPU Paddle tensors + the ops' CPU implementation on host-thread streams."""
 
@@ -68,12 +76,16 @@ class PaddleCpuBackend(HostThreadBackend):
         host_ids: Any,
         mode: int,
         stream: Any,
+        path: Optional[int] = None,
     ) -> None:
         # The CPU implementation is synchronous; it runs on the HostStream's thread.
         self._ops.swap_cache_all_layers(
             list(device_arrays), list(host_ptrs), num_host_blocks, device_ids, host_ids,
-            self.device_id, mode, 0,
+            self.device_id, mode, 0, path=path,
         )
+
+    def last_path(self) -> int:
+        return _last_path(self._ops)
 
 
 class PaddleGpuBackend(Backend):
@@ -168,8 +180,12 @@ class PaddleGpuBackend(Backend):
         host_ids: Any,
         mode: int,
         stream: Any,
+        path: Optional[int] = None,
     ) -> None:
         self._ops.swap_cache_all_layers(
             list(device_arrays), list(host_ptrs), num_host_blocks, device_ids, host_ids,
-            self.device_id, mode, stream,
+            self.device_id, mode, stream, path=path,
         )
+
+    def last_path(self) -> int:
+        return _last_path(self._ops)
