@@ -65,17 +65,19 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar(
             "FDKV_COPY_PATH",
             "auto",
-            "Copy path for scattered blocks: auto, kernel or dma (cudaMemcpyBatchAsync).",
+            "Process-wide copy path for scattered blocks: auto, kernel or dma "
+            "(cudaMemcpyBatchAsync). Loads follow it; an op call's `path` argument and, for "
+            "the worker's device->host copies, FDKV_D2H_COPY_PATH override it.",
         ),
         EnvVar(
             "FDKV_D2H_COPY_PATH",
             "dma",
             "Copy path of the worker's device->host copies (write_back evictions and "
             "write-through backups), per call: dma (default), auto, kernel, or process (the "
-            "process-wide FDKV_COPY_PATH).  Host->device loads always follow FDKV_COPY_PATH. "
-            "dma because this traffic runs beside the forward pass: the copy kernel's "
-            "long-running CTAs slowed a full-wave cuBLAS GEMM by ~3x on an H100, the DMA "
-            "batch (copy engines, no SMs) by ~1.6% (docs/benchmarks.md).",
+            "process-wide FDKV_COPY_PATH). Host->device loads always follow FDKV_COPY_PATH. "
+            "dma because this traffic runs beside the forward pass: on an H100, 16 KiB-block "
+            "evictions on the copy kernel slowed a cuBLAS forward pass by +218%, on the DMA "
+            "batch (copy engines, no SMs) by +0.6% (docs/benchmarks.md).",
             _copy_path,
         ),
         EnvVar(

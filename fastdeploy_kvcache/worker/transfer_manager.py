@@ -197,8 +197,9 @@ class TransferManager:
         # NOTE: evictions and write-through backups take the DMA batch by default, whatever
         # the block size.  They are background traffic beside the forward pass, and the copy
         # kernel (what the auto rule picks below 64 KiB) keeps its CTAs resident for the
-        # whole copy: on an H100 a full-wave cuBLAS GEMM ran ~3x slower next to it at 16 KiB
-        # blocks, against +1.6% next to the DMA batch, which uses copy engines and no SMs.
+        # whole copy: on an H100 a cuBLAS forward pass ran +218% slower next to 16 KiB-block
+        # evictions on it, against +0.6% next to the DMA batch, which uses copy engines and
+        # no SMs (docs/benchmarks.md, "Load/compute overlap").
         # The price is D2H bandwidth at small blocks (~0.47 of the link at 16 KiB), which
         # only delays when a host copy is ready, and a write_back eviction's rule-2 fence.
         # Loads stay on the process-wide rule: the forward pass waits for them.
