@@ -19,6 +19,7 @@ mode for simple tests.
 from __future__ import annotations
 
 import abc
+import ctypes
 import logging
 import queue
 import threading
@@ -301,3 +302,96 @@ class HostThreadBackend(Backend):
         for stream in self._streams:
             stream.close()
         self._streams.clear()
+
+
+class CudaBackend(Backend):
+    """Shared behaviour of the GPU backends (CuPy, Paddle-GPU).
+
+    A launch only enqueues device work, so it runs at once on the calling thread, and a
+    host-side timed wait has to poll the event.
+    """
+
+    is_cuda = True
+
+    def launch(self, stream: Any, fn: Callable[[], None], on_error: ErrorSink) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - routed to the task's metadata
+            on_error(exc)
+
+    def event_wait_host(self, event: Any, timeout_s: float) -> bool:
+        # NOTE: CUDA has no timed event wait.  Host-side waits (wait_all, shutdown) poll
+        # with a backoff so they can honour the timeout; the compute path never does this,
+        # it waits on the device (stream_wait_event).
+        deadline = time.monotonic() + timeout_s
+        delay = 20e-6
+        while not self.event_done(event):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        return True
+
+
+def zeroed_host_alloc(alloc: Callable[[int], int], nbytes: int) -> int:
+    """Allocate host memory and zero it, so a never-written host block reads as zeros."""
+    ptr = alloc(nbytes)
+    ctypes.memset(ptr, 0, nbytes)
+    return ptr
+
+
+class CapiCopies:
+    """Copies through a ctypes C ABI library (``ops.load_capi``): the ``cpu`` and ``cupy`` backends.
+
+    Subclasses set ``_capi`` and say how to get a device address and a stream handle, and
+    whether a call must finish before it returns (the CPU build runs on host-thread streams,
+    so it copies synchronously inside the stream's task).
+    """
+
+    _capi: Any
+    _sync_copies: bool = False
+
+    def _device_ptr(self, array: Any) -> int:
+        raise NotImplementedError
+
+    def _stream_handle(self, stream: Any) -> int:
+        raise NotImplementedError
+
+    def host_alloc(self, nbytes: int) -> int:
+        return zeroed_host_alloc(self._capi.host_alloc, nbytes)
+
+    def host_free(self, ptr: int) -> None:
+        self._capi.host_free(ptr)
+
+    def prepare_ids(self, ids: Sequence[int]) -> Any:
+        import numpy as np
+
+        return np.ascontiguousarray(ids, dtype=np.int64)
+
+    def swap_blocks(
+        self,
+        device_arrays: Sequence[Any],
+        host_ptrs: Sequence[int],
+        num_host_blocks: int,
+        device_ids: Any,
+        host_ids: Any,
+        mode: int,
+        stream: Any,
+        path: Optional[int] = None,
+    ) -> None:
+        self._capi.swap_all_layers(
+            [self._device_ptr(a) for a in device_arrays],
+            list(host_ptrs),
+            [a.shape[0] for a in device_arrays],
+            [a.nbytes // a.shape[0] for a in device_arrays],
+            num_host_blocks,
+            device_ids,
+            host_ids,
+            mode,
+            stream=self._stream_handle(stream),
+            sync=self._sync_copies,
+            path=path,
+        )
+
+    def last_path(self) -> int:
+        return self._capi.last_path()

@@ -8,11 +8,10 @@ streams) or synchronous (inline, deterministic).
 
 from __future__ import annotations
 
-import ctypes
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
-from fastdeploy_kvcache.worker.backends.base import HostThreadBackend
+from fastdeploy_kvcache.worker.backends.base import CapiCopies, HostThreadBackend
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +26,13 @@ def numpy_dtype(dtype: str) -> str:
         raise ValueError(f"unsupported cache dtype {dtype!r}; expected one of {sorted(_NUMPY_DTYPES)}") from None
 
 
-class CpuBackend(HostThreadBackend):
+class CpuBackend(CapiCopies, HostThreadBackend):
     """numpy arrays + ``ops.load_capi(variant="cpu")`` (CPU build) on host-thread streams."""
 
     name = "cpu"
+    # The CPU build copies with memcpy inside the host-thread stream's task; `path` is
+    # checked and ignored there (one path).
+    _sync_copies = True
 
     def __init__(self, device_id: int = 0, threaded: bool = True) -> None:
         super().__init__(device_id, threaded)
@@ -54,44 +56,9 @@ class CpuBackend(HostThreadBackend):
     def fill_zero(self, array: Any) -> None:
         array.fill(0)
 
-    def host_alloc(self, nbytes: int) -> int:
-        ptr = self._capi.host_alloc(nbytes)
-        ctypes.memset(ptr, 0, nbytes)
-        return ptr
+    def _device_ptr(self, array: Any) -> int:
+        return array.ctypes.data
 
-    def host_free(self, ptr: int) -> None:
-        self._capi.host_free(ptr)
-
-    def prepare_ids(self, ids: Sequence[int]) -> Any:
-        import numpy as np
-
-        return np.ascontiguousarray(ids, dtype=np.int64)
-
-    def swap_blocks(
-        self,
-        device_arrays: Sequence[Any],
-        host_ptrs: Sequence[int],
-        num_host_blocks: int,
-        device_ids: Any,
-        host_ids: Any,
-        mode: int,
-        stream: Any,
-        path: Optional[int] = None,
-    ) -> None:
-        # `path` is checked and ignored by the CPU build (one path: memcpy).
-        self._capi.swap_all_layers(
-            [a.ctypes.data for a in device_arrays],
-            list(host_ptrs),
-            [a.shape[0] for a in device_arrays],
-            [a.nbytes // a.shape[0] for a in device_arrays],
-            num_host_blocks,
-            device_ids,
-            host_ids,
-            mode,
-            stream=0,
-            sync=True,
-            path=path,
-        )
-
-    def last_path(self) -> int:
-        return self._capi.last_path()
+    def _stream_handle(self, stream: Any) -> int:
+        # `stream` is a HostStream: the copy already runs on its thread, synchronously.
+        return 0

@@ -12,11 +12,10 @@ Paddle is imported lazily, when a backend is built.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from fastdeploy_kvcache.worker.backends.base import Backend, ErrorSink, HostThreadBackend
+from fastdeploy_kvcache.worker.backends.base import CudaBackend, HostThreadBackend, zeroed_host_alloc
 
 logger = logging.getLogger(__name__)
 
@@ -37,134 +36,25 @@ def _last_path(ops: Any) -> int:
         return 0
 
 
-class PaddleCpuBackend(HostThreadBackend):
-    """CPU Paddle tensors + the ops' CPU implementation on host-thread streams."""
+class PaddleOpsCopies:
+    """Memory and copies through the Paddle custom ops, shared by the CPU and GPU backends."""
 
-    name = "paddle"
+    _ops: Any
+    _paddle: Any
+    device_id: int
 
-    def __init__(self, device_id: int = 0, threaded: bool = True) -> None:
-        super().__init__(device_id, threaded)
-        import paddle
-
-        self._paddle = paddle
-        self._ops = _ops()
-        self._place = paddle.CPUPlace()
-
-    def alloc_device(self, shape: Sequence[int], dtype: str) -> Any:
-        return self._paddle.zeros(list(shape), dtype=dtype).cpu()
+    def _op_stream(self, stream: Any) -> Any:
+        """The stream argument handed to the op (the CPU implementation takes none)."""
+        return 0
 
     def fill_zero(self, array: Any) -> None:
         array.zero_()
 
     def host_alloc(self, nbytes: int) -> int:
-        ptr = self._ops.cuda_host_alloc(nbytes)
-        ctypes.memset(ptr, 0, nbytes)
-        return ptr
+        return zeroed_host_alloc(self._ops.cuda_host_alloc, nbytes)
 
     def host_free(self, ptr: int) -> None:
         self._ops.cuda_host_free(ptr)
-
-    def prepare_ids(self, ids: Sequence[int]) -> Any:
-        return [int(i) for i in ids]  # the ops take ids as an int64 vector attribute
-
-    def swap_blocks(
-        self,
-        device_arrays: Sequence[Any],
-        host_ptrs: Sequence[int],
-        num_host_blocks: int,
-        device_ids: Any,
-        host_ids: Any,
-        mode: int,
-        stream: Any,
-        path: Optional[int] = None,
-    ) -> None:
-        # The CPU implementation is synchronous; it runs on the HostStream's thread.
-        self._ops.swap_cache_all_layers(
-            list(device_arrays), list(host_ptrs), num_host_blocks, device_ids, host_ids,
-            self.device_id, mode, 0, path=path,
-        )
-
-    def last_path(self) -> int:
-        return _last_path(self._ops)
-
-
-class PaddleGpuBackend(Backend):
-    """GPU Paddle tensors, Paddle streams/events, async Paddle ops with explicit streams."""
-
-    name = "paddle"
-    is_cuda = True
-
-    def __init__(self, device_id: int = 0) -> None:
-        super().__init__(device_id)
-        import paddle
-
-        self._paddle = paddle
-        self._ops = _ops()
-        paddle.set_device(f"gpu:{device_id}")
-        self._place = paddle.CUDAPlace(device_id)
-
-    def alloc_device(self, shape: Sequence[int], dtype: str) -> Any:
-        return self._paddle.zeros(list(shape), dtype=dtype)
-
-    def fill_zero(self, array: Any) -> None:
-        array.zero_()
-
-    def release_device(self, arrays: Sequence[Any]) -> None:
-        self._paddle.device.cuda.empty_cache()
-
-    def host_alloc(self, nbytes: int) -> int:
-        ptr = self._ops.cuda_host_alloc(nbytes)
-        ctypes.memset(ptr, 0, nbytes)
-        return ptr
-
-    def host_free(self, ptr: int) -> None:
-        self._ops.cuda_host_free(ptr)
-
-    def create_stream(self) -> Any:
-        return self._paddle.device.Stream()
-
-    def current_stream(self) -> Any:
-        return self._paddle.device.current_stream()
-
-    def record_event(self, stream: Any, timing: bool = False) -> Any:
-        event = self._paddle.device.Event(enable_timing=timing)
-        event.record(stream)
-        return event
-
-    def stream_wait_event(self, stream: Any, event: Any, timeout_s: Optional[float] = None) -> None:
-        stream.wait_event(event)
-
-    def event_done(self, event: Any) -> bool:
-        return bool(event.query())
-
-    def event_wait_host(self, event: Any, timeout_s: float) -> bool:
-        # NOTE: as in the CuPy backend, a host-side timed wait has to poll (CUDA has no
-        # timed event wait); the compute path uses stream_wait_event instead.
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        delay = 20e-6
-        while not event.query():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
-        return True
-
-    def elapsed_s(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end) / 1e3
-
-    def launch(self, stream: Any, fn: Callable[[], None], on_error: ErrorSink) -> None:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - routed to the task's metadata
-            on_error(exc)
-
-    def bind_thread(self) -> None:
-        self._paddle.device.set_device(f"gpu:{self.device_id}")
-
-    def synchronize(self) -> None:
-        self._paddle.device.synchronize()
 
     def prepare_ids(self, ids: Sequence[int]) -> Any:
         # The ops take ids as an int64 vector attribute: they are read (and planned into runs
@@ -184,8 +74,76 @@ class PaddleGpuBackend(Backend):
     ) -> None:
         self._ops.swap_cache_all_layers(
             list(device_arrays), list(host_ptrs), num_host_blocks, device_ids, host_ids,
-            self.device_id, mode, stream, path=path,
+            self.device_id, mode, self._op_stream(stream), path=path,
         )
 
     def last_path(self) -> int:
         return _last_path(self._ops)
+
+
+class PaddleCpuBackend(PaddleOpsCopies, HostThreadBackend):
+    """CPU Paddle tensors + the ops' CPU implementation on host-thread streams."""
+
+    name = "paddle"
+
+    def __init__(self, device_id: int = 0, threaded: bool = True) -> None:
+        super().__init__(device_id, threaded)
+        import paddle
+
+        self._paddle = paddle
+        self._ops = _ops()
+        self._place = paddle.CPUPlace()
+
+    def alloc_device(self, shape: Sequence[int], dtype: str) -> Any:
+        return self._paddle.zeros(list(shape), dtype=dtype).cpu()
+
+
+class PaddleGpuBackend(PaddleOpsCopies, CudaBackend):
+    """GPU Paddle tensors, Paddle streams/events, async Paddle ops with explicit streams."""
+
+    name = "paddle"
+
+    def __init__(self, device_id: int = 0) -> None:
+        super().__init__(device_id)
+        import paddle
+
+        self._paddle = paddle
+        self._ops = _ops()
+        paddle.set_device(f"gpu:{device_id}")
+        self._place = paddle.CUDAPlace(device_id)
+
+    def alloc_device(self, shape: Sequence[int], dtype: str) -> Any:
+        return self._paddle.zeros(list(shape), dtype=dtype)
+
+    def release_device(self, arrays: Sequence[Any]) -> None:
+        self._paddle.device.cuda.empty_cache()
+
+    def create_stream(self) -> Any:
+        return self._paddle.device.Stream()
+
+    def current_stream(self) -> Any:
+        return self._paddle.device.current_stream()
+
+    def record_event(self, stream: Any, timing: bool = False) -> Any:
+        event = self._paddle.device.Event(enable_timing=timing)
+        event.record(stream)
+        return event
+
+    def stream_wait_event(self, stream: Any, event: Any, timeout_s: Optional[float] = None) -> None:
+        stream.wait_event(event)
+
+    def event_done(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3
+
+    def bind_thread(self) -> None:
+        self._paddle.device.set_device(f"gpu:{self.device_id}")
+
+    def synchronize(self) -> None:
+        self._paddle.device.synchronize()
+
+    def _op_stream(self, stream: Any) -> Any:
+        # Explicit: 0 would put the copy on the tensor's current stream (the compute stream).
+        return stream
