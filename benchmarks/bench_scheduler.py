@@ -27,6 +27,7 @@ import argparse
 import gc
 import hashlib
 import logging
+import os
 import pickle
 import platform
 import random
@@ -261,7 +262,7 @@ class LifoPool:
     def usage(self) -> float:
         return 1 - len(self._stack) / self.num_blocks if self.num_blocks else 0.0
 
-    def allocate(self, n: int, contiguous: bool = False) -> list[int]:
+    def allocate(self, n: int, contiguous: bool = False, longest_runs: bool = False) -> list[int]:
         if n > len(self._stack):
             raise NoFreeBlocksError(f"need {n}, {len(self._stack)} free")
         out = [self._stack.pop() for _ in range(n)]
@@ -413,7 +414,8 @@ def machine_name() -> str:
 def render(args, results, evict_rows, hash_row, machine, date) -> str:
     lines = []
     lines.append(
-        f"Machine: {machine}, 1 core used (pure Python {platform.python_version()}); date {date}. "
+        f"Machine: {machine} (lscpu model name; {os.cpu_count()}-vCPU VM), 1 core used (pure Python "
+        f"{platform.python_version()}); date {date}. "
         f"Workload: {args.requests} requests (turns of multi-turn conversations over "
         f"{args.system_prompts} shared system prompts, {args.conversations} conversations alive), "
         f"1k-32k tokens, block size {BLOCK}, {args.device_blocks} device / {args.host_blocks} host blocks, "
@@ -475,7 +477,8 @@ def render(args, results, evict_rows, hash_row, machine, date) -> str:
                  "with id[i+1] == id[i] + 1, on the source side, the destination side, and both at once "
                  "(what a copy op can merge into one DMA run). Pools hand out the lowest free ids, "
                  "and runs for multi-block allocations (whole free 64-id buckets, else a run found "
-                 "in a few candidate buckets); write_back evictions and backups are paired by "
+                 "in a few candidate buckets; copy destinations take the longest free runs first when the pool is "
+                 "nearly full); write_back evictions and backups are paired by "
                  "ascending device id. The LIFO row reruns write_back with a plain stack free list:")
     lines.append("")
     lines.append("| policy | copies | H2D src | H2D dst | H2D both | D2H src | D2H dst | D2H both |")

@@ -18,9 +18,11 @@ the destinations of one copy): it prefers runs of consecutive ids over the lowes
 ids.  It takes wholly free buckets (a second heap tracks them) and looks for a run
 of the remaining length in a bounded number of candidate buckets (a shift-and of
 the mask), so it stays O(1) per id; when no run is found it falls back to the lowest
-ids.  When the free set is small compared to ``n`` (a full pool, where eviction just
-released about ``n`` ids), it lists the free set and takes the longest runs first,
-which costs about as much as handing out the ``n`` ids does.
+ids.  With ``longest_runs`` (copy destinations), when the free set is small compared
+to ``n`` (a full pool, where eviction just released about ``n`` ids), it lists the
+free set and takes the longest runs first, which costs about as much as handing out
+the ``n`` ids does.  NOTE: only for copy destinations: for ordinary blocks it leaves
+short fragments that later single-block allocations scatter over (measured worse).
 """
 
 from __future__ import annotations
@@ -100,18 +102,20 @@ class BlockPool:
         return self.num_used / self.num_blocks if self.num_blocks else 0.0
 
     # ------------------------------------------------------------------ allocate / free
-    def allocate(self, n: int, contiguous: bool = False) -> list[int]:
+    def allocate(self, n: int, contiguous: bool = False, longest_runs: bool = False) -> list[int]:
         """Take ``n`` free ids.  Raises NoFreeBlocksError, taking none.
 
         Default: the ``n`` lowest free ids, ascending.  ``contiguous=True``: prefer
-        consecutive ids (for the destinations of one copy), see the module docstring.
+        runs of consecutive ids, see the module docstring.  ``longest_runs=True``
+        (with ``contiguous``; for the destinations of one copy): when the free set is
+        small, take its longest runs first.
         """
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"cannot allocate {n!r} blocks")
         if n > self._num_free:
             raise NoFreeBlocksError(f"{self.level.name} pool: need {n} blocks, {self._num_free} free")
         if contiguous and n > 1:
-            if n >= _SMALL_POOL_MIN and self._num_free <= 2 * n + _BUCKET:
+            if longest_runs and n >= _SMALL_POOL_MIN and self._num_free <= 2 * n + _BUCKET:
                 out = self._take_longest_runs(n)
             else:
                 out = self._take_runs(n)

@@ -279,7 +279,7 @@ class CacheManager:
         # Swap-in destinations as one run if possible: the load is then one DMA run
         # per layer where the host side is consecutive too.  Fresh blocks as runs
         # too: they are copied together later (backups, evictions).
-        swap_dst = self.device_pool.allocate(num_swap, contiguous=True)
+        swap_dst = self.device_pool.allocate(num_swap, contiguous=True, longest_runs=True)
         fresh = self.device_pool.allocate(n - num_swap, contiguous=True)
         table: list[int] = []
         src: list[int] = []
@@ -417,7 +417,7 @@ class CacheManager:
             self._stats["host_evictions"] += 1
             if victim.device_block_id is None:
                 self.tree.remove(victim)
-        return sorted(pool.allocate(min(k, pool.num_free), contiguous=True))
+        return sorted(pool.allocate(min(k, pool.num_free), contiguous=True, longest_runs=True))
 
     def _make_evict_metadata(self, items: list[tuple[int, int, int, BlockNode]]) -> Optional[CacheSwapMetadata]:
         if not items:
@@ -447,7 +447,7 @@ class CacheManager:
         # Swap the batch's host blocks for a run, if the pool has one.
         pool = self.host_pool
         pool.free([h for _, h, _, _ in batch])
-        hosts = sorted(pool.allocate(len(batch), contiguous=True))
+        hosts = sorted(pool.allocate(len(batch), contiguous=True, longest_runs=True))
         batch.sort(key=lambda e: e[0])
         for _, h, _, _ in batch:
             del self._inflight[(_DEV, _HOST, h)]

@@ -257,6 +257,12 @@ class BlockNode:
             return NodeState.STORAGE
         return NodeState.EMPTY
 
+    def __lt__(self, other: "BlockNode") -> bool:
+        # NOTE: eviction heap keys are unique per push (last_access << 32 | seq), so
+        # nodes are never compared in practice; this only keeps a 2**32-push key
+        # wrap-around from raising TypeError inside heapq.
+        return id(self) < id(other)
+
     def __reduce__(self):  # pragma: no cover - defensive
         raise TypeError("BlockNode is scheduler-private and must not be pickled (it links the whole tree)")
 

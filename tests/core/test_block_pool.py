@@ -96,7 +96,7 @@ def test_contiguous_allocation_prefers_a_run():
     pool.free(list(range(192, 256)))
     assert pool.allocate(4, contiguous=True) == [70, 71, 72, 73]
     # a nearly full pool: the longest runs win over the lowest ids (the scattered 1..9 stay)
-    assert pool.allocate(70, contiguous=True) == list(range(74, 80)) + list(range(192, 256))
+    assert pool.allocate(70, contiguous=True, longest_runs=True) == list(range(74, 80)) + list(range(192, 256))
     assert pool.num_free == 5 + 10 + 64 - 4 - 70
     assert pool.allocate(2) == [1, 3]  # the default stays lowest-first
     rest = pool.free_ids()
@@ -117,7 +117,7 @@ def test_contiguous_falls_back_and_keeps_counts():
             held.difference_update(out)
         else:
             n = rng.randint(0, min(100, pool.num_free))
-            got = pool.allocate(n, contiguous=rng.random() < 0.5)
+            got = pool.allocate(n, contiguous=rng.random() < 0.5, longest_runs=rng.random() < 0.5)
             assert len(got) == len(set(got)) == n and not held & set(got)
             held.update(got)
         assert pool.num_free + len(held) == 500
