@@ -8,7 +8,7 @@ Two streams, created once and owned here:
   layer so the forward pass can start layer ``i`` as soon as its blocks have landed.
 
 Neither stream synchronizes with the compute stream or with the other except through the
-events listed below, which implement the ordering rules of ``docs/architecture_worker.md``:
+events listed below, which implement the ordering rules of ``docs/architecture.md, worker side``:
 
 1. A device->host copy starts after the compute that wrote its blocks: an event recorded on the
    compute stream at submit time, waited on by the output stream.  Loads wait on the same
