@@ -88,3 +88,13 @@ def test_env_int_parsing_names_variable(monkeypatch: pytest.MonkeyPatch) -> None
         envs.get("FDKV_COPY_GRID")
     monkeypatch.setenv("FDKV_COPY_GRID", "4")
     assert envs.get("FDKV_COPY_GRID") == 4
+
+
+def test_readme_lists_every_env_var_with_its_default() -> None:
+    """The README's table is the user-facing list; it must not drift from envs.py."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for var in envs.ENV_VARS.values():
+        row = f"| `{var.name}` | `{var.default or '(unset)'}` |"
+        assert row in readme, f"README.md env-var table lacks or misstates {var.name}"
