@@ -129,13 +129,20 @@ class CacheController:
             if self.cache_kvs_map:
                 raise RuntimeError("the device KV cache is already initialized; free_cache() first")
             caches: list[Any] = []
-            for layer in range(self.num_layers):
-                names = self.cache_names(layer)
-                for kind in self._kinds():
-                    shape, dtype = self._shape(kind, blocks)
-                    array = self.backend.alloc_device(shape, dtype)
-                    self.cache_kvs_map[names[kind]] = array
-                    caches.append(array)
+            try:
+                for layer in range(self.num_layers):
+                    names = self.cache_names(layer)
+                    for kind in self._kinds():
+                        shape, dtype = self._shape(kind, blocks)
+                        array = self.backend.alloc_device(shape, dtype)
+                        self.cache_kvs_map[names[kind]] = array
+                        caches.append(array)
+            except BaseException:
+                # A failure midway (out of memory at some layer) must not leave a half-built
+                # cache behind: it would hold device memory and refuse every retry.
+                self.cache_kvs_map.clear()
+                self.backend.release_device(caches)
+                raise
             self.num_gpu_blocks = blocks
             per_layer = 2 * (self.config.bytes_per_layer_block + self.config.scale_bytes_per_layer_block)
             logger.info(

@@ -413,3 +413,34 @@ def test_cuda_error_surfacing_at_completion_fails_the_metadata(make_controller, 
     assert ctrl.collect_finished() == [meta]
     assert meta.success is False and "unspecified launch failure" in meta.error_message
     assert ctrl.get_stats()["d2h"]["failed"] == 1
+
+
+def test_failed_device_allocation_leaves_nothing_behind(monkeypatch) -> None:
+    """An allocation failure midway (OOM at some layer) frees what was allocated and can be retried."""
+    from fastdeploy_kvcache.worker import CacheController
+
+    from worker_helpers import capi_or_skip, small_config
+
+    capi_or_skip()
+    ctrl = CacheController(small_config(num_layers=3), backend="cpu", threaded=False)
+    try:
+        real_alloc = ctrl.backend.alloc_device
+        calls = []
+
+        def flaky(shape, dtype):
+            calls.append(shape)
+            if len(calls) == 4:
+                raise MemoryError("out of device memory")
+            return real_alloc(shape, dtype)
+
+        released = []
+        monkeypatch.setattr(ctrl.backend, "alloc_device", flaky)
+        monkeypatch.setattr(ctrl.backend, "release_device", lambda arrays: released.extend(arrays))
+        with pytest.raises(MemoryError):
+            ctrl.initialize_kv_cache()
+        assert ctrl.get_kv_caches() == {} and ctrl.num_gpu_blocks == 0
+        assert len(released) == 3  # the three arrays allocated before the failure
+        monkeypatch.setattr(ctrl.backend, "alloc_device", real_alloc)
+        assert len(ctrl.initialize_kv_cache()) == 6  # a retry works
+    finally:
+        ctrl.close()
