@@ -221,11 +221,17 @@ class CacheManager:
         if st is not None and st.request is not request:
             raise CacheManagerError(f"another request object with id {rid} is already running")
         self._call_evictions = []
+        empty: Optional[_RequestState] = None
         if st is not None and not st.block_ids:
-            del self._requests[rid]  # allocated nothing so far: apply the match now
+            empty = self._requests.pop(rid)  # allocated nothing so far: apply the match now
             st = None
         if st is None:
-            ids = self._allocate_first(request, n)
+            try:
+                ids = self._allocate_first(request, n)
+            except NoFreeBlocksError:
+                if empty is not None:
+                    self._requests[rid] = empty  # the request stays as it was: running, no blocks
+                raise
         else:
             self._check_block_table(st)
             try:

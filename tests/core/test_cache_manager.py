@@ -283,6 +283,22 @@ def test_no_free_blocks_leaves_request_unchanged():
     mgr.check_invariants()
 
 
+
+def test_no_free_blocks_keeps_a_request_that_holds_no_blocks_yet_running():
+    """A request registered by a zero-block allocation stays registered when a later one fails."""
+    mgr, _ = make(dev=4, host=4)
+    a = Request("a", list(range(6)))
+    mgr.match_prefix(a)
+    assert mgr.allocate_device_blocks(a, 0) == [] and mgr.is_running("a")
+    before = snapshot(mgr)
+    with pytest.raises(NoFreeBlocksError):
+        mgr.allocate_device_blocks(a, 5)
+    assert mgr.is_running("a") and a.block_tables == []
+    assert snapshot(mgr) == before
+    mgr.allocate_device_blocks(a, 2)
+    mgr.request_finish(a)  # still known to the manager
+    mgr.check_invariants()
+
 def test_bad_input_raises_and_changes_nothing():
     mgr, sh = make()
     a = Request("a", list(range(10)))
