@@ -326,9 +326,15 @@ class CacheController:
         self.num_host_blocks = 0
 
     def close(self) -> None:
-        """free_cache() and stop the streams' threads (host-thread backends)."""
-        self.free_cache()
-        self.transfer_manager.close()
+        """free_cache() and stop the streams' threads (host-thread backends).
+
+        The threads are stopped even when the drain times out (free_cache then raises and
+        keeps the memory, which a copy may still use); each runs its queued work first.
+        """
+        try:
+            self.free_cache()
+        finally:
+            self.transfer_manager.close()
 
     def get_stats(self) -> dict[str, Any]:
         """Bytes and seconds per direction, failures, and the tasks still in flight."""

@@ -444,3 +444,29 @@ def test_failed_device_allocation_leaves_nothing_behind(monkeypatch) -> None:
         assert len(ctrl.initialize_kv_cache()) == 6  # a retry works
     finally:
         ctrl.close()
+
+
+def test_close_stops_the_stream_threads_even_when_the_drain_times_out() -> None:
+    """close() keeps the memory (a copy may still use it) but never leaks the stream threads."""
+    from fastdeploy_kvcache.worker import CacheController, LayerSwapTimeoutError
+
+    from worker_helpers import capi_or_skip, small_config
+
+    capi_or_skip()
+    ctrl = CacheController(small_config(), backend="cpu", threaded=True)
+    ctrl.initialize_kv_cache()
+    ctrl.initialize_host_cache()
+    tm = ctrl.transfer_manager
+    threads = [tm.input_stream._thread, tm.output_stream._thread]
+    assert all(t is not None and t.is_alive() for t in threads)
+    tm.timeout_s = 0.2
+    tm.output_stream.pause()
+    meta = backup([1], [2])
+    ctrl.submit_swap_tasks(meta, None)
+    with pytest.raises(LayerSwapTimeoutError):
+        ctrl.close()
+    assert ctrl.host_cache_kvs_map  # not freed under a copy that may still run
+    assert not any(t.is_alive() for t in threads)
+    ctrl.close()  # the copy finished when its stream was stopped: now everything is released
+    assert ctrl.host_cache_kvs_map == {} and ctrl.get_kv_caches() == {}
+    assert meta.success
