@@ -86,13 +86,15 @@ class Request:
         """Chained hashes of the full blocks among the first ``num_tokens`` tokens.
 
         Computed lazily and cached: a decoding request only hashes its new blocks.
-        The returned list is the cache itself; do not mutate it.
+        The returned list may be the cache itself; do not mutate it.
         """
         n = self.num_total_tokens if num_tokens is None else min(num_tokens, self.num_total_tokens)
         hasher = self._get_hasher(block_size)
         done = len(hasher.hashes) * block_size
         end = n // block_size * block_size
-        if end <= done:
+        if end < done:
+            return hasher.hashes[: end // block_size]  # more are cached than were asked for
+        if end == done:
             return hasher.hashes
         hasher.extend_packed(pack_array(self._token_slice(done, end)), done)
         return hasher.hashes

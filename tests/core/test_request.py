@@ -90,3 +90,14 @@ def test_numpy_prompt_hashes_like_a_list():
     c.block_hashes(8)
     c.output_token_ids += [1, 2, 3]
     assert c.block_hashes(8) == a.block_hashes(8)
+
+
+def test_block_hashes_cover_only_the_tokens_asked_for():
+    """Fewer tokens than already hashed: only their full blocks, as the docstring says."""
+    r = Request("r", list(range(12)))
+    full = r.block_hashes(4, 12)
+    assert len(full) == 3
+    assert r.block_hashes(4, 4) == full[:1]
+    assert r.block_hashes(4, 7) == full[:1]
+    assert r.block_hashes(4, 3) == []
+    assert r.block_hashes(4) == full
