@@ -61,10 +61,11 @@ class LayerDoneCounter:
 
     The transfer manager creates it, fills in each layer's event as soon as that layer's copy
     has been enqueued (:meth:`set_layer_event`) and records a failure with :meth:`fail`.
-    Consumers only wait.  With the synchronous GPU submission used here every event exists
-    before ``submit_swap_tasks`` returns; the interface still allows an event to arrive later
-    (a threaded submitter), in which case a wait first blocks on a condition variable until it
-    is set, bounded by the timeout.
+    Consumers only wait.  On GPU backends the layers are launched by a launcher thread by
+    default (``async_launch``), so an event may not exist yet when ``submit_swap_tasks``
+    returns; a wait then first blocks on a condition variable until it is set, bounded by the
+    timeout.  With ``async_launch=False`` every event exists before ``submit_swap_tasks``
+    returns.
     """
 
     def __init__(
