@@ -13,10 +13,10 @@ node and its parent to the eviction heaps.
 Eviction candidates of a tier are its *leaves*: nodes whose children hold no copy
 on that tier.  Only those are ever offered, so interior nodes are never evicted
 and a subtree is never cut off from the root.  Each tier keeps a min-heap keyed by
-last access with lazy deletion (a node carries a version per tier; an entry whose
-version is old is skipped when popped).  Push and pop are O(log n); stale entries
-are compacted away once they outnumber live ones, which keeps it amortized O(log n)
-with no scan per eviction.
+last access with lazy deletion (a node carries the key of its current entry per tier;
+an entry whose key differs is skipped when popped).  Push and pop are O(log n); stale
+entries are compacted away once they outnumber live ones, which keeps it amortized
+O(log n) with no scan per eviction.
 """
 
 from __future__ import annotations
