@@ -14,7 +14,7 @@ import logging
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 from fastdeploy_kvcache.core.hashing import BlockHasher, MMItem, pack_array
-from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, MatchResult, StorageMetadata
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, MatchResult, StorageMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +143,10 @@ class Request:
         )
 
 
+_SWAP_DIRECTION = (CacheLevel.HOST, CacheLevel.DEVICE)
+_EVICT_DIRECTION = (CacheLevel.DEVICE, CacheLevel.HOST)
+
+
 class BatchRequest:
     """One step's requests plus their merged cache metadata.
 
@@ -161,7 +165,15 @@ class BatchRequest:
             self.add_request(req)
 
     def add_request(self, request: Request) -> None:
-        """Add ``request`` and move its pending metadata into the merged objects."""
+        """Add ``request`` and move its pending metadata into the merged objects.
+
+        Every metadata object is checked first, so a bad one changes neither the batch
+        nor the request.
+        """
+        for meta in request.cache_evict_metadata:
+            self._check_direction(meta, _EVICT_DIRECTION)
+        for meta in request.cache_swap_metadata:
+            self._check_direction(meta, _SWAP_DIRECTION)
         self.requests.append(request)
         for meta in request.cache_evict_metadata:
             self.append_evict_metadata(meta)
@@ -171,9 +183,20 @@ class BatchRequest:
         request.cache_swap_metadata = []
 
     @staticmethod
-    def _merge(into: Optional[CacheSwapMetadata], meta: Optional[CacheSwapMetadata]) -> Optional[CacheSwapMetadata]:
+    def _check_direction(meta: Optional[CacheSwapMetadata], want: tuple[CacheLevel, CacheLevel]) -> None:
+        if meta is not None and not meta.is_empty and (meta.src_type, meta.dst_type) != want:
+            raise ValueError(
+                f"cannot merge {CacheLevel(meta.src_type).name}->{CacheLevel(meta.dst_type).name} metadata "
+                f"where {want[0].name}->{want[1].name} copies go"
+            )
+
+    @classmethod
+    def _merge(
+        cls, into: Optional[CacheSwapMetadata], meta: Optional[CacheSwapMetadata], want: tuple[CacheLevel, CacheLevel]
+    ) -> Optional[CacheSwapMetadata]:
         if meta is None or meta.is_empty:
             return into
+        cls._check_direction(meta, want)
         if into is None:
             into = CacheSwapMetadata(src_type=meta.src_type, dst_type=meta.dst_type, kind=meta.kind)
         into.extend(meta)
@@ -181,11 +204,11 @@ class BatchRequest:
 
     def append_swap_metadata(self, meta: Optional[CacheSwapMetadata]) -> None:
         """Merge a host -> device metadata object into ``cache_swap_metadata``."""
-        self.cache_swap_metadata = self._merge(self.cache_swap_metadata, meta)
+        self.cache_swap_metadata = self._merge(self.cache_swap_metadata, meta, _SWAP_DIRECTION)
 
     def append_evict_metadata(self, meta: Optional[CacheSwapMetadata]) -> None:
         """Merge a device -> host metadata object into ``cache_evict_metadata``."""
-        self.cache_evict_metadata = self._merge(self.cache_evict_metadata, meta)
+        self.cache_evict_metadata = self._merge(self.cache_evict_metadata, meta, _EVICT_DIRECTION)
 
     def append_storage_metadata(self, meta: StorageMetadata) -> None:
         self.storage_metadata.append(meta)

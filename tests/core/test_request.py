@@ -101,3 +101,20 @@ def test_block_hashes_cover_only_the_tokens_asked_for():
     assert r.block_hashes(4, 7) == full[:1]
     assert r.block_hashes(4, 3) == []
     assert r.block_hashes(4) == full
+
+
+def test_batch_rejects_a_wrong_direction_even_first_and_changes_nothing():
+    """The first metadata of a direction is checked too, and a bad request leaves the batch as it was."""
+    batch = BatchRequest()
+    with pytest.raises(ValueError):
+        batch.append_evict_metadata(_meta([1], [2]))  # host -> device is not an eviction
+    with pytest.raises(ValueError):
+        batch.append_swap_metadata(_meta([1], [2], CacheLevel.DEVICE, CacheLevel.HOST, TransferKind.EVICT))
+    assert batch.cache_swap_metadata is None and batch.cache_evict_metadata is None
+    good, bad = _meta([1], [10]), _meta([5], [6], CacheLevel.DEVICE, CacheLevel.HOST, TransferKind.EVICT)
+    a = Request("a", [1, 2])
+    a.cache_swap_metadata += [good, bad]  # an eviction filed as a load
+    with pytest.raises(ValueError):
+        batch.add_request(a)
+    assert batch.requests == [] and batch.cache_swap_metadata is None
+    assert a.cache_swap_metadata == [good, bad]
