@@ -160,7 +160,7 @@ class LayerDoneCounter:
         """Block the host until layer ``layer`` is copied (for host-side consumers)."""
         timeout = self._timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
-        event = self._event_for(layer, deadline)
+        event = self._event_for(layer, deadline, timeout)
         remaining = max(0.0, deadline - time.monotonic())
         if not self._backend.event_wait_host(event, remaining):
             raise LayerSwapTimeoutError(layer, self.task_id, timeout)
@@ -179,16 +179,21 @@ class LayerDoneCounter:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.num_layers}) for task {self.task_id}")
 
-    def _event_for(self, layer: int, deadline: Optional[float] = None) -> Any:
-        """The layer's event, waiting (bounded) for the producer to attach it."""
+    def _event_for(self, layer: int, deadline: Optional[float] = None, timeout_s: Optional[float] = None) -> Any:
+        """The layer's event, waiting (bounded) for the producer to attach it.
+
+        ``timeout_s`` is the limit the caller's wait runs under (reported on timeout).
+        """
         self._check_layer(layer)
+        if timeout_s is None:
+            timeout_s = self._timeout_s
         if deadline is None:
-            deadline = time.monotonic() + self._timeout_s
+            deadline = time.monotonic() + timeout_s
         with self._cond:
             while self._events[layer] is None and self._error is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise LayerSwapTimeoutError(layer, self.task_id, self._timeout_s)
+                    raise LayerSwapTimeoutError(layer, self.task_id, timeout_s)
                 self._cond.wait(remaining)
             if self._error is not None:
                 # Even if this layer's copy landed, the task as a whole failed and the

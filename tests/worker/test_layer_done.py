@@ -139,3 +139,18 @@ def test_synchronous_host_stream_runs_inline() -> None:
 def test_caller_stream_events_are_complete_at_once(backend) -> None:
     event = backend.record_event(CALLER_STREAM)
     assert backend.event_done(event)
+
+
+def test_timeout_error_reports_the_limit_the_wait_used(backend) -> None:
+    """A host wait given its own limit reports that limit, whether the event was missing or late."""
+    stream = backend.create_stream()
+    stream.pause()
+    counter = LayerDoneCounter(task_id=7, num_layers=2, backend=backend, timeout_s=30.0)
+    counter.set_layer_event(0, backend.record_event(stream))
+    with pytest.raises(LayerSwapTimeoutError) as late:
+        counter.synchronize_layer(0, timeout_s=0.02)
+    with pytest.raises(LayerSwapTimeoutError) as missing:  # layer 1's event never attached
+        counter.synchronize_layer(1, timeout_s=0.02)
+    assert late.value.timeout_s == missing.value.timeout_s == 0.02
+    assert "0.020s" in str(missing.value)
+    stream.resume()
