@@ -753,10 +753,16 @@ class CacheManager:
 
         Its later blocks may be shared cached blocks (device hits, or loads that did
         land).  Recomputing into them would rewrite blocks other requests read and a
-        backup may be copying, so each is swapped for a fresh private block.  The
-        evictions this needs travel with the next step (pending evictions).
+        backup may be copying, so each is swapped for a fresh private block, including
+        one whose backup is in flight (the node keeps its block until the copy is
+        resolved).  The evictions this needs travel with the next step (pending
+        evictions).
         """
-        idxs = [i for i in range(start, len(st.nodes)) if st.nodes[i] is not None and st.nodes[i].pending is None]
+        idxs = [
+            i
+            for i in range(start, len(st.nodes))
+            if st.nodes[i] is not None and st.nodes[i].pending is not TransferKind.SWAP_IN
+        ]
         if not idxs:
             return
         saved, self._call_evictions = self._call_evictions, []

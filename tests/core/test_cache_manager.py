@@ -331,6 +331,74 @@ def test_bad_input_raises_and_changes_nothing():
         mgr.request_finish(a)
 
 
+
+def _complete_split(mgr, meta, fail_dsts):
+    """Deliver ``meta`` as two parts: the blocks going to ``fail_dsts`` failed, the rest landed."""
+    affected = []
+    for ok in (True, False):
+        idx = [i for i, d in enumerate(meta.dst_block_ids) if (d in fail_dsts) != ok]
+        if idx:
+            part = CacheSwapMetadata(
+                [meta.src_block_ids[i] for i in idx], [meta.dst_block_ids[i] for i in idx],
+                meta.src_type, meta.dst_type, [meta.hash_values[i] for i in idx],
+            )
+            part.mark_done(ok, None if ok else "injected")
+            affected += mgr.complete_swap(part)
+    return affected
+
+
+def test_recompute_after_a_failed_load_never_writes_a_block_a_backup_reads():
+    """A request recomputing after a failed load gets private blocks, also for a shared block under backup."""
+    mgr, sh = make("write_through_selective", dev=10, host=3, write_through_threshold=1)
+    prompt = list(range(13))  # blocks N0 N1 N2 + 1 token
+    a = Request("a", prompt)
+    admit(mgr, a)
+    step(mgr, sh, [a])
+    mgr.request_finish(a)
+    n0 = mgr.tree.root.children[a.block_hashes(BS)[0]]
+    n1 = n0.children[a.block_hashes(BS)[1]]
+    n2 = n1.children[a.block_hashes(BS)[2]]
+    b = Request("b", prompt)  # a hit: all three get backed up
+    admit(mgr, b)
+    step(mgr, sh, [b])
+    mgr.request_finish(b)
+    x = Request("x", list(range(100, 100 + 10 * BS)))  # pushes N0-N2 off the device
+    admit(mgr, x)
+    step(mgr, sh, [x])
+    mgr.request_finish(x)
+    assert [n.state for n in (n0, n1, n2)] == [NodeState.HOST] * 3
+    # l loads all three; N1's load fails, N2's lands: N1 is host-only under a device N2
+    l = Request("l", prompt)
+    admit(mgr, l)
+    _, done, _ = step(mgr, sh, [l], complete=False)
+    (swap,) = [m for m in done if m.dst_type is CacheLevel.DEVICE]
+    assert _complete_split(mgr, swap, {n1.device_block_id}) == ["l"]
+    step(mgr, sh, [l])
+    for rid in ("y1", "y2"):  # y2's hit backs up y1's block, which takes N2's host copy
+        y = Request(rid, [200] * 5)
+        admit(mgr, y)
+        step(mgr, sh, [y])
+        mgr.request_finish(y)
+    assert [n.state for n in (n0, n1, n2)] == [NodeState.DEVICE_AND_HOST, NodeState.HOST, NodeState.DEVICE]
+    # r matches N0 (device), N1 (host), N2 (device): N2 is backed up in the step that loads N1
+    r = Request("r", prompt)
+    admit(mgr, r)
+    assert r.block_tables[2] == n2.device_block_id
+    _, done, _ = step(mgr, sh, [r], swap_ok=False, complete=False)
+    assert n2.state is NodeState.BACKUP_TO_HOST
+    (swap,) = [m for m in done if m.dst_type is CacheLevel.DEVICE]
+    assert mgr.complete_swap(swap) == ["r"]  # the backup of N2 is still in flight
+    assert r.num_computed_tokens == BS  # r recomputes blocks 1 and 2 in its next step
+    assert r.block_tables[2] != n2.device_block_id, "r would overwrite N2's block while its backup reads it"
+    mgr.check_invariants()
+    (backup,) = [m for m in done if m.dst_type is CacheLevel.HOST]
+    mgr.complete_swap(backup)
+    step(mgr, sh, [r])
+    sh.check_request(r)
+    for req in (l, r):
+        mgr.request_finish(req)
+    mgr.check_invariants()
+
 def test_complete_twice_raises():
     mgr, sh = make("write_through")
     a = Request("a", list(range(9)))
