@@ -254,9 +254,11 @@ class CacheController:
         Call it before the step's forward pass is enqueued: the device->host copy must read
         its blocks before this step's compute writes any of them (ordering rules 1 and 2).
         The forward pass calls ``counter.wait_for_layer(i)`` before layer ``i`` reads the
-        cache.  Failures do not raise here: the metadata comes back through
+        cache.  Copy failures do not raise here: the metadata comes back through
         :meth:`collect_finished` with ``success=False``, and waits on a failed load raise
-        ``LayerSwapError``.
+        ``LayerSwapError``.  One wait can raise: with launcher threads, fencing compute
+        behind an eviction first waits (bounded by FDKV_LAYER_WAIT_TIMEOUT_S) for the
+        eviction's launch, and raises ``LayerSwapTimeoutError`` past that limit.
         """
         with self._lock:
             counter = self.transfer_manager.submit(evict_metadata, swap_in_metadata)
