@@ -128,21 +128,21 @@ class CacheController:
         with self._lock:
             if self.cache_kvs_map:
                 raise RuntimeError("the device KV cache is already initialized; free_cache() first")
-            caches: list[Any] = []
             try:
                 for layer in range(self.num_layers):
                     names = self.cache_names(layer)
                     for kind in self._kinds():
                         shape, dtype = self._shape(kind, blocks)
-                        array = self.backend.alloc_device(shape, dtype)
-                        self.cache_kvs_map[names[kind]] = array
-                        caches.append(array)
+                        # No local name holds an array: on failure the map is the only owner.
+                        self.cache_kvs_map[names[kind]] = self.backend.alloc_device(shape, dtype)
             except BaseException:
                 # A failure midway (out of memory at some layer) must not leave a half-built
-                # cache behind: it would hold device memory and refuse every retry.
+                # cache behind: it would hold device memory and refuse every retry.  The map
+                # held the only references, so the pool can hand the memory back.
                 self.cache_kvs_map.clear()
-                self.backend.release_device(caches)
+                self.backend.release_device()
                 raise
+            caches = list(self.cache_kvs_map.values())
             self.num_gpu_blocks = blocks
             per_layer = 2 * (self.config.bytes_per_layer_block + self.config.scale_bytes_per_layer_block)
             logger.info(
@@ -308,10 +308,10 @@ class CacheController:
             # copy engine is still reading or writing would be a use-after-free.
             finished = self.transfer_manager.drain()
             self.transfer_manager.set_layout(None)
-            arrays = list(self.cache_kvs_map.values())
+            # Every reference goes before release_device(): a framework pool (CuPy's) only
+            # returns memory that no live array still holds.
             self.cache_kvs_map.clear()
-            self.backend.release_device(arrays)
-            del arrays
+            self.backend.release_device()
             self._free_host()
             self.num_gpu_blocks = 0
             self._layer_done_counter = None

@@ -433,13 +433,29 @@ def test_failed_device_allocation_leaves_nothing_behind(monkeypatch) -> None:
                 raise MemoryError("out of device memory")
             return real_alloc(shape, dtype)
 
-        released = []
-        monkeypatch.setattr(ctrl.backend, "alloc_device", flaky)
-        monkeypatch.setattr(ctrl.backend, "release_device", lambda arrays: released.extend(arrays))
+        import gc
+        import weakref
+
+        allocated = []  # weak references: the test must not keep the arrays alive itself
+        live_at_release = []
+
+        def tracked(shape, dtype):
+            array = flaky(shape, dtype)
+            allocated.append(weakref.ref(array))
+            return array
+
+        def release() -> None:
+            gc.collect()
+            live_at_release.append(sum(ref() is not None for ref in allocated))
+
+        monkeypatch.setattr(ctrl.backend, "alloc_device", tracked)
+        monkeypatch.setattr(ctrl.backend, "release_device", release)
         with pytest.raises(MemoryError):
             ctrl.initialize_kv_cache()
         assert ctrl.get_kv_caches() == {} and ctrl.num_gpu_blocks == 0
-        assert len(released) == 3  # the three arrays allocated before the failure
+        assert len(allocated) == 3  # three arrays were allocated before the failure
+        # The pool can only return memory no live array holds: none may survive to release.
+        assert live_at_release == [0]
         monkeypatch.setattr(ctrl.backend, "alloc_device", real_alloc)
         assert len(ctrl.initialize_kv_cache()) == 6  # a retry works
     finally:
@@ -470,3 +486,31 @@ def test_close_stops_the_stream_threads_even_when_the_drain_times_out() -> None:
     ctrl.close()  # the copy finished when its stream was stopped: now everything is released
     assert ctrl.host_cache_kvs_map == {} and ctrl.get_kv_caches() == {}
     assert meta.success
+
+
+def test_free_cache_drops_every_device_reference_before_release(monkeypatch) -> None:
+    """free_cache() must leave no live array when it asks the framework to return memory."""
+    import gc
+    import weakref
+
+    from fastdeploy_kvcache.worker import CacheController
+
+    from worker_helpers import capi_or_skip, small_config
+
+    capi_or_skip()
+    ctrl = CacheController(small_config(num_layers=2), backend="cpu", threaded=False)
+    try:
+        refs = [weakref.ref(a) for a in ctrl.initialize_kv_cache()]
+        ctrl.initialize_host_cache()
+        live_at_release = []
+
+        def release() -> None:
+            gc.collect()
+            live_at_release.append(sum(ref() is not None for ref in refs))
+
+        monkeypatch.setattr(ctrl.backend, "release_device", release)
+        ctrl.free_cache()
+        assert live_at_release == [0]
+        assert ctrl.get_kv_caches() == {} and ctrl.num_gpu_blocks == 0
+    finally:
+        ctrl.close()

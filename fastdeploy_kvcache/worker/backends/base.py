@@ -60,8 +60,12 @@ class Backend(abc.ABC):
     def fill_zero(self, array: Any) -> None:
         """Zero a device array in place (reset_cache)."""
 
-    def release_device(self, arrays: Sequence[Any]) -> None:  # noqa: B027 - optional hook
-        """Give device memory back to the framework's allocator where it has a way to."""
+    def release_device(self) -> None:  # noqa: B027 - optional hook
+        """Return unused device memory to the driver, where the framework has a way to.
+
+        Callers drop every reference to the arrays first; the framework's pool can only
+        return blocks that no live array holds.
+        """
 
     @abc.abstractmethod
     def host_alloc(self, nbytes: int) -> int:

@@ -48,7 +48,7 @@ class CupyBackend(CapiCopies, CudaBackend):
         with self._device:
             array.fill(0)
 
-    def release_device(self, arrays: Sequence[Any]) -> None:
+    def release_device(self) -> None:
         # The caller drops its references first; the pool then hands the blocks back.
         self._cp.get_default_memory_pool().free_all_blocks()
 

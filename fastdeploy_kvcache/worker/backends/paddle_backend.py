@@ -115,7 +115,7 @@ class PaddleGpuBackend(PaddleOpsCopies, CudaBackend):
     def alloc_device(self, shape: Sequence[int], dtype: str) -> Any:
         return self._paddle.zeros(list(shape), dtype=dtype)
 
-    def release_device(self, arrays: Sequence[Any]) -> None:
+    def release_device(self) -> None:
         self._paddle.device.cuda.empty_cache()
 
     def create_stream(self) -> Any:
