@@ -167,7 +167,16 @@ class BlockPool:
         """
         ids: list[int] = []
         masks = self._masks
-        for b in sorted(set(self._heap)):
+        # NOTE: _take_bits empties buckets without popping them; drop those stale entries
+        # here so the heap (and this listing) stays proportional to the non-empty buckets.
+        live = [b for b in self._heap if masks[b]]
+        if len(live) != len(self._heap):
+            for b in self._heap:
+                if not masks[b]:
+                    self._in_heap[b] = False
+            live.sort()  # a sorted list is a valid heap
+            self._heap = live
+        for b in sorted(self._heap):
             mask = masks[b]
             base = b << _BUCKET_BITS
             while mask:

@@ -122,3 +122,16 @@ def test_contiguous_falls_back_and_keeps_counts():
             held.update(got)
         assert pool.num_free + len(held) == 500
         assert set(pool.free_ids()) == set(range(500)) - held
+
+
+def test_longest_run_allocation_prunes_emptied_buckets_from_the_heap():
+    """Under pressure the heap must not keep every bucket ever emptied (cost stays O(live))."""
+    pool = BlockPool(64 * 64, CacheLevel.HOST)
+    taken = pool.allocate(64 * 64 - 40, contiguous=True)  # whole buckets leave stale entries
+    assert pool.num_free == 40
+    out = pool.allocate(16, contiguous=True, longest_runs=True)
+    assert len(out) == 16 and len(set(out)) == 16
+    live_buckets = {b for b in range(64) if any(pool.is_free(b * 64 + i) for i in range(64))}
+    assert len(pool._heap) <= len(live_buckets)
+    pool.free(out + taken)
+    assert pool.num_free == 64 * 64
