@@ -40,16 +40,31 @@ def step(mgr, shadow, reqs, evict_ok=True, swap_ok=True, complete=True):
     return batch, done, affected
 
 
+def cache_prompt(mgr, shadow, request_id, token_ids):
+    """Run a request through one step and finish it, so its full blocks are cached."""
+    req = Request(request_id, token_ids)
+    admit(mgr, req)
+    step(mgr, shadow, [req])
+    mgr.request_finish(req)
+    return req
+
+
+def push_prompt_to_host():
+    """write_back, 4 device blocks: prompt range(13) (3 full blocks) cached, then written
+    back to host by a second 15-token prompt that needs every device block."""
+    mgr, sh = make("write_back", dev=4, host=8)
+    cache_prompt(mgr, sh, "a", list(range(13)))
+    cache_prompt(mgr, sh, "b", list(range(100, 115)))
+    return mgr, sh
+
+
 def snapshot(mgr):
     return (mgr.check_invariants(), {k: v for k, v in mgr.get_stats().items()})
 
 
 def test_match_leaves_last_token():
     mgr, sh = make()
-    a = Request("a", list(range(8)))  # exactly two blocks
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
+    cache_prompt(mgr, sh, "a", list(range(8)))  # exactly two blocks
     b = Request("b", list(range(8)))
     m = mgr.match_prefix(b)
     assert m.num_matched_blocks == 1 and m.num_matched_tokens == 4
@@ -59,10 +74,7 @@ def test_match_leaves_last_token():
 
 def test_device_hits_are_shared_and_duplicates_freed():
     mgr, sh = make()
-    a = Request("a", list(range(10)))
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
+    cache_prompt(mgr, sh, "a", list(range(10)))
     b, c = Request("b", list(range(12)) + [99]), Request("c", list(range(8)) + [5, 5])
     admit(mgr, b)
     admit(mgr, c)
@@ -89,10 +101,7 @@ def test_device_hits_are_shared_and_duplicates_freed():
 
 def test_write_back_evicts_then_swaps_in():
     mgr, sh = make("write_back", dev=4, host=8)
-    a = Request("a", list(range(13)))  # 3 full blocks + 1 token
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)  # 3 cached device blocks, 1 free
+    cache_prompt(mgr, sh, "a", list(range(13)))  # 3 full blocks + 1 token; 3 cached device blocks, 1 free
     b = Request("b", list(range(100, 115)))  # needs 4 blocks -> evict 3
     admit(mgr, b)
     evict = b.cache_evict_metadata[0]
@@ -123,15 +132,7 @@ def test_write_back_evicts_then_swaps_in():
 
 
 def test_failed_swap_in_reports_affected_requests():
-    mgr, sh = make("write_back", dev=4, host=8)
-    a = Request("a", list(range(13)))
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
-    b = Request("b", list(range(100, 115)))
-    admit(mgr, b)
-    step(mgr, sh, [b])
-    mgr.request_finish(b)
+    mgr, sh = push_prompt_to_host()
     c = Request("c", list(range(13)) + [7])
     admit(mgr, c)
     assert c.num_cached_tokens == 12
@@ -150,10 +151,7 @@ def test_failed_swap_in_reports_affected_requests():
 
 def test_failed_write_back_eviction_drops_the_block():
     mgr, sh = make("write_back", dev=4, host=8)
-    a = Request("a", list(range(13)))
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
+    cache_prompt(mgr, sh, "a", list(range(13)))
     b = Request("b", list(range(100, 115)))
     admit(mgr, b)
     step(mgr, sh, [b], evict_ok=False)
@@ -163,10 +161,7 @@ def test_failed_write_back_eviction_drops_the_block():
 
 def test_write_through_backup_in_flight_until_confirmed():
     mgr, sh = make("write_through", dev=4, host=8)
-    a = Request("a", list(range(9)))
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
+    cache_prompt(mgr, sh, "a", list(range(9)))
     meta = mgr.issue_pending_backup_to_batch_request()
     assert meta.kind is TransferKind.BACKUP and len(meta) == 2
     assert mgr.issue_pending_backup_to_batch_request() is None  # issued once
@@ -189,10 +184,7 @@ def test_write_through_backup_in_flight_until_confirmed():
 
 def test_failed_backup_leaves_device_copy():
     mgr, sh = make("write_through", dev=4, host=8)
-    a = Request("a", list(range(9)))
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
+    cache_prompt(mgr, sh, "a", list(range(9)))
     meta = mgr.issue_pending_backup_to_batch_request()
     sh.copy(meta, False)
     assert mgr.complete_swap(meta) == []
@@ -202,10 +194,7 @@ def test_failed_backup_leaves_device_copy():
 
 def test_selective_threshold():
     mgr, sh = make("write_through_selective", write_through_threshold=2)
-    a = Request("a", list(range(9)))
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
+    cache_prompt(mgr, sh, "a", list(range(9)))
     for i in range(2):
         assert mgr.issue_pending_backup_to_batch_request() is None
         r = Request(f"r{i}", list(range(9)) + [i])
@@ -218,10 +207,7 @@ def test_selective_threshold():
 
 def test_interior_nodes_are_never_evicted():
     mgr, sh = make("write_through", dev=6, host=0)
-    a = Request("a", list(range(17)))  # 4 full blocks + 1
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
+    cache_prompt(mgr, sh, "a", list(range(17)))  # 4 full blocks + 1
     b = Request("b", list(range(100, 103)))
     mgr.allocate_device_blocks(b, 4)  # 2 free + needs 2 evictions: the two deepest
     depths = sorted(n.depth for n in mgr.tree.iter_nodes())
@@ -248,15 +234,7 @@ def test_preempt_keeps_cache_and_resets_request():
 
 
 def test_unissued_swap_in_is_cancelled_on_preempt():
-    mgr, sh = make("write_back", dev=4, host=8)
-    a = Request("a", list(range(13)))
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
-    b = Request("b", list(range(100, 115)))
-    admit(mgr, b)
-    step(mgr, sh, [b])
-    mgr.request_finish(b)
+    mgr, sh = push_prompt_to_host()
     c = Request("c", list(range(13)) + [1])
     admit(mgr, c)
     # 3 loads for c, and b's 3 blocks being written back to make room
@@ -351,21 +329,12 @@ def test_recompute_after_a_failed_load_never_writes_a_block_a_backup_reads():
     """A request recomputing after a failed load gets private blocks, also for a shared block under backup."""
     mgr, sh = make("write_through_selective", dev=10, host=3, write_through_threshold=1)
     prompt = list(range(13))  # blocks N0 N1 N2 + 1 token
-    a = Request("a", prompt)
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
+    a = cache_prompt(mgr, sh, "a", prompt)
     n0 = mgr.tree.root.children[a.block_hashes(BS)[0]]
     n1 = n0.children[a.block_hashes(BS)[1]]
     n2 = n1.children[a.block_hashes(BS)[2]]
-    b = Request("b", prompt)  # a hit: all three get backed up
-    admit(mgr, b)
-    step(mgr, sh, [b])
-    mgr.request_finish(b)
-    x = Request("x", list(range(100, 100 + 10 * BS)))  # pushes N0-N2 off the device
-    admit(mgr, x)
-    step(mgr, sh, [x])
-    mgr.request_finish(x)
+    cache_prompt(mgr, sh, "b", prompt)  # a hit: all three get backed up
+    cache_prompt(mgr, sh, "x", list(range(100, 100 + 10 * BS)))  # pushes N0-N2 off the device
     assert [n.state for n in (n0, n1, n2)] == [NodeState.HOST] * 3
     # l loads all three; N1's load fails, N2's lands: N1 is host-only under a device N2
     l = Request("l", prompt)
@@ -401,10 +370,7 @@ def test_recompute_after_a_failed_load_never_writes_a_block_a_backup_reads():
 
 def test_complete_twice_raises():
     mgr, sh = make("write_through")
-    a = Request("a", list(range(9)))
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
+    cache_prompt(mgr, sh, "a", list(range(9)))
     meta = mgr.issue_pending_backup_to_batch_request()
     sh.copy(meta, True)
     mgr.complete_swap(meta)
@@ -457,10 +423,7 @@ def test_bad_config():
 
 def test_reset_cache_and_stats():
     mgr, sh = make("write_through")
-    a = Request("a", list(range(9)))
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
+    cache_prompt(mgr, sh, "a", list(range(9)))
     meta = mgr.issue_pending_backup_to_batch_request()  # left in flight over the reset
     mgr.reset_cache()
     assert mgr.tree.num_nodes == 0
@@ -478,10 +441,7 @@ def test_reset_cache_and_stats():
 
 def test_prefix_caching_disabled():
     mgr, sh = make(enable_prefix_caching=False)
-    a = Request("a", list(range(9)))
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)
+    cache_prompt(mgr, sh, "a", list(range(9)))
     assert mgr.tree.num_nodes == 0 and mgr.device_pool.num_free == 16
     assert mgr.match_prefix(Request("b", list(range(9)))).num_matched_blocks == 0
 
@@ -501,10 +461,7 @@ def test_output_tokens_cached_only_when_configured():
 
 def test_write_back_evictions_pair_ids_ascending():
     mgr, sh = make("write_back", dev=9, host=16)
-    a = Request("a", list(range(33)))  # 8 full blocks + 1 token
-    admit(mgr, a)
-    step(mgr, sh, [a])
-    mgr.request_finish(a)  # 8 cached, 1 free
+    cache_prompt(mgr, sh, "a", list(range(33)))  # 8 full blocks + 1 token; 8 cached, 1 free
     b = Request("b", list(range(100, 133)))
     admit(mgr, b)  # needs 9: evicts the whole chain, deepest first
     ev = b.cache_evict_metadata[0]
