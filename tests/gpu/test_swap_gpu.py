@@ -15,24 +15,13 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache import ops
+from swap_reference import PATTERNS, expected_after_swap, id_patterns
 
 pytestmark = pytest.mark.gpu
 
 NUM_DEV, NUM_HOST = 24, 32
 BLOCK_BYTES = [4096, 16, 24, 6, 1, 4100, 256 << 10]
 PATHS = {"kernel": 1, "dma": 2, "auto": 0}
-
-
-def _patterns(rng: np.random.Generator) -> dict[str, tuple[list[int], list[int]]]:
-    n = 8
-    return {
-        "consecutive": (list(range(2, 2 + n)), list(range(5, 5 + n))),
-        "scattered": (rng.choice(NUM_DEV, n, replace=False).tolist(), rng.choice(NUM_HOST, n, replace=False).tolist()),
-        "reversed": (list(range(n - 1, -1, -1)), list(range(NUM_HOST - 1, NUM_HOST - 1 - n, -1))),
-        "single": ([NUM_DEV - 1], [0]),
-        "empty": ([], []),
-        "runs": ([0, 1, 2, 9, 5, 6], [3, 4, 5, 0, 20, 21]),
-    }
 
 
 @pytest.fixture
@@ -57,18 +46,14 @@ def _dev_random(cupy, shape, seed: int):
 
 @pytest.mark.parametrize("path", ["kernel", "dma", "auto"])
 @pytest.mark.parametrize("block_bytes", BLOCK_BYTES)
-@pytest.mark.parametrize("pattern", ["consecutive", "scattered", "reversed", "single", "empty", "runs"])
+@pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
 def test_per_layer_matrix(cupy, capi, pinned, cuda_stream, copy_path, path, block_bytes, pattern, mode) -> None:
     copy_path(path)
-    dev_ids, host_ids = _patterns(np.random.default_rng(block_bytes + mode))[pattern]
+    dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, np.random.default_rng(block_bytes + mode))[pattern]
     dev = _dev_random(cupy, (NUM_DEV, block_bytes), 1)
     host = pinned(NUM_HOST * block_bytes).reshape(NUM_HOST, block_bytes)
-    want_dev, want_host = cupy.asnumpy(dev), host.copy()
-    if mode == ops.MODE_D2H:
-        want_host[host_ids] = want_dev[dev_ids]
-    else:
-        want_dev[dev_ids] = host[host_ids]
+    want_dev, want_host = expected_after_swap(cupy.asnumpy(dev), host, dev_ids, host_ids, mode)
     stream = cuda_stream()
     capi.swap_per_layer(dev.data.ptr, NUM_DEV, block_bytes, host.ctypes.data, NUM_HOST, dev_ids, host_ids, mode,
                         stream=stream)
@@ -94,11 +79,7 @@ def test_merged_runs_use_memcpy(cupy, capi, pinned, cuda_stream, copy_path, path
     dev = _dev_random(cupy, (NUM_DEV, bb), 2)
     host = pinned(NUM_HOST * bb).reshape(NUM_HOST, bb)
     dev_ids, host_ids = list(range(4, 14)), list(range(0, 10))
-    want_dev, want_host = cupy.asnumpy(dev), host.copy()
-    if mode == ops.MODE_D2H:
-        want_host[host_ids] = want_dev[dev_ids]
-    else:
-        want_dev[dev_ids] = host[host_ids]
+    want_dev, want_host = expected_after_swap(cupy.asnumpy(dev), host, dev_ids, host_ids, mode)
     s = cuda_stream()
     capi.swap_per_layer(dev.data.ptr, NUM_DEV, bb, host.ctypes.data, NUM_HOST, dev_ids, host_ids, mode, stream=s)
     assert capi.last_path() == (ops.PATH_MEMCPY if path == "kernel" else ops.PATH_DMA)
@@ -113,16 +94,12 @@ def test_merged_runs_use_memcpy(cupy, capi, pinned, cuda_stream, copy_path, path
 def test_all_layers_mixed_block_sizes(cupy, capi, pinned, cuda_stream, copy_path, path, pattern, mode) -> None:
     copy_path(path)
     sizes = [2048, 2048, 32, 32, 2048, 2048, 12, 12]  # K/V caches and scale caches
-    dev_ids, host_ids = _patterns(np.random.default_rng(7))[pattern]
+    dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, np.random.default_rng(7))[pattern]
     devs = [_dev_random(cupy, (NUM_DEV, b), 10 + i) for i, b in enumerate(sizes)]
     hosts = [pinned(NUM_HOST * b).reshape(NUM_HOST, b) for b in sizes]
-    want_devs = [cupy.asnumpy(d) for d in devs]
-    want_hosts = [h.copy() for h in hosts]
-    for wd, wh, h in zip(want_devs, want_hosts, hosts):
-        if mode == ops.MODE_D2H:
-            wh[host_ids] = wd[dev_ids]
-        else:
-            wd[dev_ids] = h[host_ids]
+    want_devs, want_hosts = zip(
+        *(expected_after_swap(cupy.asnumpy(d), h, dev_ids, host_ids, mode) for d, h in zip(devs, hosts))
+    )
     s = cuda_stream()
     capi.swap_all_layers([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], NUM_DEV, sizes, NUM_HOST,
                          dev_ids, host_ids, mode, stream=s)
@@ -138,7 +115,7 @@ def test_all_layers_mixed_block_sizes(cupy, capi, pinned, cuda_stream, copy_path
 def test_layout_round_trip(cupy, capi, pinned, cuda_stream, copy_path, path, pattern) -> None:
     copy_path(path)
     sizes = [1024, 1024, 1024, 1024, 16, 16]
-    dev_ids, host_ids = _patterns(np.random.default_rng(9))[pattern]
+    dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, np.random.default_rng(9))[pattern]
     devs = [_dev_random(cupy, (NUM_DEV, b), 30 + i) for i, b in enumerate(sizes)]
     host = pinned(NUM_HOST * sum(sizes)).reshape(NUM_HOST, sum(sizes))
     want = host.copy()
@@ -215,11 +192,7 @@ def test_copy_completes_on_transfer_stream_while_compute_stream_is_busy(
     dev = _dev_random(cupy, (NUM_DEV, bb), 4)
     host = pinned(NUM_HOST * bb).reshape(NUM_HOST, bb)
     dev_ids, host_ids = [5, 1, 17, 3], [0, 9, 2, 30]
-    want_host, want_dev = host.copy(), cupy.asnumpy(dev)
-    if mode == ops.MODE_D2H:
-        want_host[host_ids] = want_dev[dev_ids]
-    else:
-        want_dev[dev_ids] = host[host_ids]
+    want_dev, want_host = expected_after_swap(cupy.asnumpy(dev), host, dev_ids, host_ids, mode)
     cupy.cuda.runtime.deviceSynchronize()
     blocker.block(compute)
     try:
@@ -310,11 +283,7 @@ def test_pageable_host_memory_never_reaches_the_kernel(cupy, capi, cuda_stream, 
     dev = _dev_random(cupy, (NUM_DEV, bb), 8)
     host = np.random.default_rng(8).integers(0, 256, (NUM_HOST, bb), dtype=np.uint8)
     dev_ids, host_ids = [3, 9, 4, 20], [7, 0, 31, 2]
-    want_dev, want_host = cupy.asnumpy(dev), host.copy()
-    if mode == ops.MODE_D2H:
-        want_host[host_ids] = want_dev[dev_ids]
-    else:
-        want_dev[dev_ids] = host[host_ids]
+    want_dev, want_host = expected_after_swap(cupy.asnumpy(dev), host, dev_ids, host_ids, mode)
     s = cuda_stream()
     if entry == "per_layer":
         capi.swap_per_layer(dev.data.ptr, NUM_DEV, bb, host.ctypes.data, NUM_HOST, dev_ids, host_ids, mode, stream=s)

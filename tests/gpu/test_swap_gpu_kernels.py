@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache import ops
+from swap_reference import expected_after_swap
 
 pytestmark = pytest.mark.gpu
 
@@ -40,13 +41,9 @@ def test_kernel_variants_all_layers(cupy, capi, pinned, cuda_stream, options, va
     host_ids = rng.choice(NUM_HOST, 20, replace=False).tolist()
     devs = [cupy.asarray(rng.integers(0, 256, (NUM_DEV, block_bytes), dtype=np.uint8)) for _ in range(layers)]
     hosts = [pinned(NUM_HOST * block_bytes).reshape(NUM_HOST, block_bytes) for _ in range(layers)]
-    want_devs = [cupy.asnumpy(d) for d in devs]
-    want_hosts = [h.copy() for h in hosts]
-    for wd, wh, h in zip(want_devs, want_hosts, hosts):
-        if mode == ops.MODE_D2H:
-            wh[host_ids] = wd[dev_ids]
-        else:
-            wd[dev_ids] = h[host_ids]
+    want_devs, want_hosts = zip(
+        *(expected_after_swap(cupy.asnumpy(d), h, dev_ids, host_ids, mode) for d, h in zip(devs, hosts))
+    )
     s = cuda_stream()
     capi.swap_all_layers([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], NUM_DEV, block_bytes, NUM_HOST,
                          dev_ids, host_ids, mode, stream=s)

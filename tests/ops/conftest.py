@@ -47,24 +47,3 @@ def host_buffer() -> Iterator[Callable[[int], np.ndarray]]:
     yield make
     for p in ptrs:
         ops.cuda_host_free(p)
-
-
-def id_patterns(num_dev: int, num_host: int, rng: np.random.Generator) -> dict[str, tuple[list[int], list[int]]]:
-    """Named (dev_ids, host_ids) cases: consecutive, scattered, reversed, single, empty,
-    and a mix of consecutive runs and singletons (exercises run merging)."""
-    n = min(num_dev, num_host) // 2
-    return {
-        "consecutive": (list(range(1, 1 + n)), list(range(2, 2 + n))),
-        "scattered": (
-            rng.choice(num_dev, n, replace=False).tolist(),
-            rng.choice(num_host, n, replace=False).tolist(),
-        ),
-        "reversed": (list(range(n - 1, -1, -1)), list(range(num_host - 1, num_host - 1 - n, -1))),
-        "single": ([num_dev - 1], [0]),
-        "empty": ([], []),
-        # two runs of consecutive pairs around a singleton (num_host must exceed 10)
-        "runs": ([0, 1, 2, 7, 5, 6], [3, 4, 5, 0, 9, 10]),
-    }
-
-
-PATTERNS = ["consecutive", "scattered", "reversed", "single", "empty", "runs"]

@@ -7,7 +7,7 @@ import pytest
 
 from fastdeploy_kvcache import ops
 
-from conftest import PATTERNS, id_patterns
+from swap_reference import PATTERNS, expected_after_swap, id_patterns
 
 NUM_DEV, NUM_HOST = 12, 16
 # 16-byte multiples take the vector path on a GPU; the others the narrower fallback.
@@ -26,11 +26,7 @@ def test_per_layer_round_trip(capi_cpu: ops.CApi, block_bytes: int, pattern: str
     dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, rng)[pattern]
     dev = _rand((NUM_DEV, block_bytes), 1)
     host = _rand((NUM_HOST, block_bytes), 2)
-    want_dev, want_host = dev.copy(), host.copy()
-    if mode == ops.MODE_D2H:
-        want_host[host_ids] = dev[dev_ids]
-    else:
-        want_dev[dev_ids] = host[host_ids]
+    want_dev, want_host = expected_after_swap(dev, host, dev_ids, host_ids, mode)
     capi_cpu.swap_per_layer(dev.ctypes.data, NUM_DEV, block_bytes, host.ctypes.data, NUM_HOST,
                             dev_ids, host_ids, mode)
     np.testing.assert_array_equal(dev, want_dev)
@@ -61,13 +57,7 @@ def test_all_layers_mixed_block_sizes(capi_cpu: ops.CApi, pattern: str, mode: in
     sizes = [256, 256, 12, 12, 256, 256]
     devs = [_rand((NUM_DEV, b), 10 + i) for i, b in enumerate(sizes)]
     hosts = [_rand((NUM_HOST, b), 20 + i) for i, b in enumerate(sizes)]
-    want_devs = [d.copy() for d in devs]
-    want_hosts = [h.copy() for h in hosts]
-    for d, h, wd, wh in zip(devs, hosts, want_devs, want_hosts):
-        if mode == ops.MODE_D2H:
-            wh[host_ids] = d[dev_ids]
-        else:
-            wd[dev_ids] = h[host_ids]
+    want_devs, want_hosts = zip(*(expected_after_swap(d, h, dev_ids, host_ids, mode) for d, h in zip(devs, hosts)))
     capi_cpu.swap_all_layers([d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], NUM_DEV, sizes,
                              NUM_HOST, np.asarray(dev_ids, np.int64), np.asarray(host_ids, np.int64), mode)
     for got, want in zip(devs + hosts, want_devs + want_hosts):

@@ -8,7 +8,7 @@ import pytest
 
 from fastdeploy_kvcache import ops
 
-from conftest import PATTERNS, id_patterns
+from swap_reference import PATTERNS, expected_after_swap, id_patterns
 
 NUM_DEV, NUM_HOST = 10, 14
 SHAPE = (NUM_DEV, 2, 4, 8)  # [blocks, kv_heads, block_size, head_dim]
@@ -42,11 +42,7 @@ def test_per_layer(paddle_ops, host_buffer, dtype: str, pattern: str, mode: int,
     bb = block_bytes(cache)
     host = host_buffer(NUM_HOST * bb).reshape(NUM_HOST, bb)
     dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, np.random.default_rng(mode))[pattern]
-    want_dev, want_host = raw(cache).copy(), host.copy()
-    if mode == ops.MODE_D2H:
-        want_host[host_ids] = want_dev[dev_ids]
-    else:
-        want_dev[dev_ids] = host[host_ids]
+    want_dev, want_host = expected_after_swap(raw(cache), host, dev_ids, host_ids, mode)
     if variant == "sync":
         out = ops.swap_cache_per_layer(cache, host.ctypes.data, NUM_HOST, dev_ids, host_ids, 0, mode)
     else:
