@@ -18,6 +18,37 @@ from fastdeploy_kvcache.core.request import BatchRequest, Request
 GARBAGE = "garbage"
 
 
+def apply_copy(meta: CacheSwapMetadata, dev: list, host: list, success: bool) -> list[int]:
+    """Carry out one copy on simulated blocks the way the worker contract says.
+
+    Every source is read before any destination is written; a successful copy asserts
+    that each source holds the hash the metadata names; a failed load leaves GARBAGE in
+    its device destinations (returned, so callers can track them); a failed device ->
+    host copy writes nothing.  The metadata is then marked done.
+    """
+    if meta.src_type is CacheLevel.DEVICE:
+        assert meta.dst_type is CacheLevel.HOST
+        src, dst = dev, host
+    else:
+        assert (meta.src_type, meta.dst_type) == (CacheLevel.HOST, CacheLevel.DEVICE)
+        src, dst = host, dev
+    assert len(set(meta.dst_block_ids)) == len(meta.dst_block_ids), "duplicate destinations in one copy"
+    values = [src[s] for s in meta.src_block_ids]
+    garbage: list[int] = []
+    for i, d in enumerate(meta.dst_block_ids):
+        if success:
+            assert values[i] == meta.hash_values[i], (
+                f"{meta.src_type.name} block {meta.src_block_ids[i]} holds {values[i]!r}, "
+                f"the copy expects {meta.hash_values[i]!r}"
+            )
+            dst[d] = values[i]
+        elif meta.dst_type is CacheLevel.DEVICE:
+            dst[d] = GARBAGE
+            garbage.append(d)
+    meta.mark_done(success, None if success else "injected failure")
+    return garbage
+
+
 class ShadowMemory:
     def __init__(self, num_device: int, num_host: int, block_size: int) -> None:
         self.dev: list[object] = [None] * num_device
@@ -27,24 +58,7 @@ class ShadowMemory:
     def copy(self, meta: Optional[CacheSwapMetadata], success: bool) -> Optional[CacheSwapMetadata]:
         if meta is None or meta.is_empty:
             return None
-        if meta.src_type is CacheLevel.DEVICE:
-            assert meta.dst_type is CacheLevel.HOST
-            src, dst = self.dev, self.host
-        else:
-            assert (meta.src_type, meta.dst_type) == (CacheLevel.HOST, CacheLevel.DEVICE)
-            src, dst = self.host, self.dev
-        assert len(set(meta.dst_block_ids)) == len(meta.dst_block_ids), "duplicate destinations in one copy"
-        values = [src[s] for s in meta.src_block_ids]  # all reads before any write
-        for i, d in enumerate(meta.dst_block_ids):
-            if success:
-                assert values[i] == meta.hash_values[i], (
-                    f"copy {meta.src_type.name}->{meta.dst_type.name} block {meta.src_block_ids[i]} holds "
-                    f"{values[i]!r}, expected hash {meta.hash_values[i]!r}"
-                )
-                dst[d] = values[i]
-            elif meta.dst_type is CacheLevel.DEVICE:
-                dst[d] = GARBAGE
-        meta.mark_done(success, None if success else "injected failure")
+        apply_copy(meta, self.dev, self.host, success)
         return meta
 
     def compute(self, request: Request, target_tokens: int) -> None:

@@ -40,7 +40,7 @@ from fastdeploy_kvcache.core.cache_manager import CacheManager, CacheManagerErro
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
 from fastdeploy_kvcache.core.request import BatchRequest, Request
 
-from ._shadow import GARBAGE
+from ._shadow import apply_copy
 
 BS = 4
 SYSTEM_PROMPTS = [list(range(1000, 1008)), list(range(2000, 2010)), []]
@@ -134,23 +134,7 @@ class CacheMachine(RuleBasedStateMachine):
     def _execute(self, meta: CacheSwapMetadata | None, ok: bool) -> None:
         if meta is None or meta.is_empty:
             return
-        if meta.src_type is CacheLevel.DEVICE:
-            src, dst = self.dev, self.host
-        else:
-            src, dst = self.host, self.dev
-        assert len(set(meta.dst_block_ids)) == len(meta.dst_block_ids), "duplicate destinations"
-        values = [src[s] for s in meta.src_block_ids]
-        for i, d in enumerate(meta.dst_block_ids):
-            if ok:
-                assert values[i] == meta.hash_values[i], (
-                    f"{meta.src_type.name} block {meta.src_block_ids[i]} holds {values[i]!r}, "
-                    f"the copy expects {meta.hash_values[i]!r}"
-                )
-                dst[d] = values[i]
-            elif meta.dst_type is CacheLevel.DEVICE:
-                dst[d] = GARBAGE
-                self.poison.add(d)
-        meta.mark_done(ok, None if ok else "injected")
+        self.poison.update(apply_copy(meta, self.dev, self.host, ok))
         backups = frozenset()
         if meta.src_type is CacheLevel.DEVICE:
             backups = frozenset(
