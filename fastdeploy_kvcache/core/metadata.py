@@ -21,6 +21,31 @@ class CacheLevel(enum.IntEnum):
     STORAGE = 2
 
 
+class CopyDirection(enum.IntEnum):
+    """Which way a device<->host copy goes: the one name for it in every layer.
+
+    The values are the copy ops' ``mode`` argument (0 reads device blocks, 1 writes
+    them), so ``int(direction)`` is what the C++ core receives.
+    """
+
+    DEVICE_TO_HOST = 0
+    HOST_TO_DEVICE = 1
+
+    @property
+    def short(self) -> str:
+        """``"d2h"`` / ``"h2d"``: the label used in logs, stats and metrics."""
+        return "d2h" if self is CopyDirection.DEVICE_TO_HOST else "h2d"
+
+    @classmethod
+    def of_tiers(cls, src: "CacheLevel", dst: "CacheLevel") -> "CopyDirection":
+        """The direction of a copy from tier ``src`` to tier ``dst`` (device and host only)."""
+        if (src, dst) == (CacheLevel.DEVICE, CacheLevel.HOST):
+            return cls.DEVICE_TO_HOST
+        if (src, dst) == (CacheLevel.HOST, CacheLevel.DEVICE):
+            return cls.HOST_TO_DEVICE
+        raise ValueError(f"no device<->host copy direction from {CacheLevel(src).name} to {CacheLevel(dst).name}")
+
+
 class TransferKind(enum.IntEnum):
     """What a ``CacheSwapMetadata`` asks the worker to do."""
 
