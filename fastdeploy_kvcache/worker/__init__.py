@@ -5,12 +5,18 @@ Importing this package is cheap: Paddle and CuPy load only when a backend is bui
 
 from fastdeploy_kvcache.worker.cache_controller import CacheController
 from fastdeploy_kvcache.worker.layer_done import LayerDoneCounter, LayerSwapError, LayerSwapTimeoutError
-from fastdeploy_kvcache.worker.transfer_manager import ORDERING_RULES, CacheLayout, TransferManager
+from fastdeploy_kvcache.worker.transfer_manager import (
+    ORDERING_RULES,
+    CacheLayout,
+    ControllerClosedError,
+    TransferManager,
+)
 
 __all__ = [
     "ORDERING_RULES",
     "CacheController",
     "CacheLayout",
+    "ControllerClosedError",
     "LayerDoneCounter",
     "LayerSwapError",
     "LayerSwapTimeoutError",

@@ -29,7 +29,7 @@ from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata
 from fastdeploy_kvcache.worker.backends import Backend, make_backend
 from fastdeploy_kvcache.worker.layer_done import LayerDoneCounter
-from fastdeploy_kvcache.worker.transfer_manager import CacheLayout, TransferManager
+from fastdeploy_kvcache.worker.transfer_manager import CacheLayout, ControllerClosedError, TransferManager
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ class CacheController:
         if blocks <= 0:
             raise ValueError(f"initialize_kv_cache needs num_gpu_blocks > 0, got {blocks}")
         with self._lock:
+            self._check_open()
             if self.cache_kvs_map:
                 raise RuntimeError("the device KV cache is already initialized; free_cache() first")
             try:
@@ -173,6 +174,7 @@ class CacheController:
         if blocks <= 0:
             raise ValueError(f"initialize_host_cache needs num_host_blocks > 0, got {blocks}")
         with self._lock:
+            self._check_open()
             if self.host_cache_kvs_map:
                 raise RuntimeError("the host cache is already initialized; free_cache() first")
             node = self._gpu_numa_node()
@@ -292,6 +294,7 @@ class CacheController:
         back; after a reset no block holds KV, so the scheduler must be reset too.
         """
         with self._lock:
+            self._check_open()
             finished = self.transfer_manager.drain()
             for array in self.cache_kvs_map.values():
                 self.backend.fill_zero(array)
@@ -327,11 +330,28 @@ class CacheController:
         self._host_nbytes.clear()
         self.num_host_blocks = 0
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has been called: the controller cannot be used again."""
+        return self.transfer_manager.closed
+
+    def _check_open(self) -> None:
+        # NOTE: a closed controller raises rather than re-opening.  Its copy streams and
+        # launcher threads are gone; re-creating them under a live object would race with
+        # callers still holding its counters, and a new controller costs nothing more.
+        if self.transfer_manager.closed:
+            raise ControllerClosedError(
+                "this CacheController is closed (close() stopped its copy streams); build a new one"
+            )
+
     def close(self) -> None:
         """free_cache() and stop the streams' threads (host-thread backends).
 
         The threads are stopped even when the drain times out (free_cache then raises and
         keeps the memory, which a copy may still use); each runs its queued work first.
+        Idempotent: a second call frees what the first could not.  After close, every call
+        that would allocate, copy or reset raises :class:`ControllerClosedError` at once;
+        ``collect_finished``, ``synchronize``, ``free_cache`` and ``get_stats`` still work.
         """
         try:
             self.free_cache()

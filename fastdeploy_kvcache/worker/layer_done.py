@@ -22,6 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from fastdeploy_kvcache import envs
+from fastdeploy_kvcache.core.metadata import CopyDirection
 
 if TYPE_CHECKING:
     from fastdeploy_kvcache.worker.backends.base import Backend
@@ -29,27 +30,58 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class LayerSwapError(RuntimeError):
-    """A load failed: its blocks do not hold valid KV and must not be read."""
+def describe(direction: CopyDirection) -> str:
+    """``"d2h (device->host)"``: the short label plus the way the bytes go, for messages."""
+    arrow = "device->host" if direction is CopyDirection.DEVICE_TO_HOST else "host->device"
+    return f"{direction.short} ({arrow})"
 
-    def __init__(self, layer: int, task_id: int, error: str) -> None:
-        super().__init__(f"host->device load of task {task_id} failed (layer {layer}): {error}")
+
+class LayerSwapError(RuntimeError):
+    """A copy failed: its blocks do not hold valid KV and must not be read.
+
+    Raised by a load's waits (``direction`` is then HOST_TO_DEVICE); ``direction`` says which
+    way the failed copy went.
+    """
+
+    def __init__(
+        self,
+        layer: int,
+        task_id: int,
+        error: str,
+        direction: CopyDirection = CopyDirection.HOST_TO_DEVICE,
+    ) -> None:
+        where = f"layer {layer}" if layer >= 0 else "all layers"
+        super().__init__(f"{describe(direction)} task {task_id} failed ({where}): {error}")
         self.layer = layer
         self.task_id = task_id
         self.error = error
+        self.direction = direction
 
 
 class LayerSwapTimeoutError(TimeoutError):
-    """A host-side wait on a layer's load ran past its limit."""
+    """A host-side wait on a copy ran past its limit.
 
-    def __init__(self, layer: int, task_id: int, timeout_s: float) -> None:
+    ``direction`` is the direction of the copy waited for; ``layer`` is -1 when the wait was
+    for the whole task (a device->host copy moves every layer in one launch) or for its
+    launch rather than one layer's event.
+    """
+
+    def __init__(
+        self,
+        layer: int,
+        task_id: int,
+        timeout_s: float,
+        direction: CopyDirection = CopyDirection.HOST_TO_DEVICE,
+    ) -> None:
+        where = f"layer {layer} of " if layer >= 0 else ""
         super().__init__(
-            f"layer {layer} of host->device task {task_id} not done after {timeout_s:.3f}s "
+            f"{where}{describe(direction)} task {task_id} not done after {timeout_s:.3f}s "
             f"(FDKV_LAYER_WAIT_TIMEOUT_S)"
         )
         self.layer = layer
         self.task_id = task_id
         self.timeout_s = timeout_s
+        self.direction = direction
 
 
 def default_timeout_s() -> float:

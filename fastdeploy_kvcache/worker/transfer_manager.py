@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from fastdeploy_kvcache import envs, ops
-from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
-from fastdeploy_kvcache.worker.backends.base import MODE_D2H, MODE_H2D, Backend, HostEvent, HostStream
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection, TransferKind
+from fastdeploy_kvcache.worker.backends.base import Backend, HostEvent, HostStream
 from fastdeploy_kvcache.worker.layer_done import (
     LayerDoneCounter,
     LayerSwapTimeoutError,
@@ -66,9 +66,6 @@ from fastdeploy_kvcache.worker.layer_done import (
 )
 
 logger = logging.getLogger(__name__)
-
-D2H = "d2h"
-H2D = "h2d"
 
 ORDERING_RULES: dict[int, str] = {
     1: "device->host copy waits for the compute that wrote its blocks",
@@ -79,7 +76,21 @@ ORDERING_RULES: dict[int, str] = {
 }
 
 #: Test hook signature: (direction, layer or -1 for all layers, metadata) -> None; may raise.
-FaultInjector = Callable[[str, int, CacheSwapMetadata], None]
+FaultInjector = Callable[[CopyDirection, int, CacheSwapMetadata], None]
+
+
+def _check_metadata_arg(name: str, value: object) -> None:
+    """TypeError unless ``value`` is None or a CacheSwapMetadata (checked before any work)."""
+    if value is not None and not isinstance(value, CacheSwapMetadata):
+        raise TypeError(f"{name} must be a CacheSwapMetadata or None, got {type(value).__name__} {value!r:.80}")
+
+
+class ControllerClosedError(RuntimeError):
+    """The worker was closed: its copy streams and launcher threads are gone.
+
+    Raised at once by every call that would need them, instead of queueing work that
+    nothing will ever run (which used to surface a minute later as a timeout).
+    """
 
 
 def parse_disabled_rules(value: Optional[str] = None) -> frozenset[int]:
@@ -124,11 +135,13 @@ class _Task:
         "done_event", "launched", "paths", "_lock",
     )
 
-    def __init__(self, meta: CacheSwapMetadata, direction: str, seq: int, counter: Optional[LayerDoneCounter]) -> None:
+    def __init__(
+        self, meta: CacheSwapMetadata, direction: CopyDirection, seq: int, counter: Optional[LayerDoneCounter]
+    ) -> None:
         self.meta = meta
         self.direction = direction
         self.seq = seq
-        if direction == D2H:
+        if direction is CopyDirection.DEVICE_TO_HOST:
             self.device_ids = frozenset(meta.src_block_ids)
             self.host_ids = frozenset(meta.dst_block_ids)
         else:
@@ -151,7 +164,7 @@ class _Task:
             if self.error is not None:
                 return
             self.error = text
-        logger.error("%s task %d failed at layer %d: %s", self.direction, self.meta.task_id, layer, text)
+        logger.error("%s task %d failed at layer %d: %s", self.direction.short, self.meta.task_id, layer, text)
         if self.counter is not None:
             self.counter.fail(layer, text)
 
@@ -200,7 +213,7 @@ class TransferManager:
         # whole copy: on an H100 a cuBLAS forward pass ran +218% slower next to 16 KiB-block
         # evictions on it, against +0.6% next to the DMA batch, which uses copy engines and
         # no SMs (docs/benchmarks.md, "Load/compute overlap").
-        # The price is D2H bandwidth at small blocks (~0.47 of the link at 16 KiB), which
+        # The price is device->host bandwidth at small blocks (~0.47 of the link at 16 KiB), which
         # only delays when a host copy is ready, and a write_back eviction's rule-2 fence.
         # Loads stay on the process-wide rule: the forward pass waits for them.
         name = str(envs.get("FDKV_D2H_COPY_PATH")) if d2h_copy_path is None else str(d2h_copy_path).strip().lower()
@@ -226,7 +239,7 @@ class TransferManager:
         self.fault_injector: Optional[FaultInjector] = None
         self._inflight: list[_Task] = []
         self._finished: list[CacheSwapMetadata] = []
-        self._stats = {D2H: _DirectionStats(), H2D: _DirectionStats()}
+        self._stats = {direction: _DirectionStats() for direction in CopyDirection}
         self._lock = threading.RLock()
         self._seq = itertools.count()
         self.async_launch = backend.is_cuda if async_launch is None else bool(async_launch)
@@ -234,10 +247,11 @@ class TransferManager:
         # thousands of copies costs milliseconds of host time) never delays the launches of
         # a load the forward pass is waiting for.  Cross-direction order is kept per task:
         # a task waits only for the launch of earlier other-direction tasks it conflicts with.
-        self._launchers: dict[str, HostStream] = {}
+        self._launchers: dict[CopyDirection, HostStream] = {}
+        self._closed = False
         if self.async_launch:
-            for direction in (D2H, H2D):
-                launcher = HostStream(f"launch-{direction}")
+            for direction in (CopyDirection.DEVICE_TO_HOST, CopyDirection.HOST_TO_DEVICE):
+                launcher = HostStream(f"launch-{direction.short}")
                 launcher.submit(backend.bind_thread)
                 self._launchers[direction] = launcher
 
@@ -259,8 +273,13 @@ class TransferManager:
 
         Returns the load's LayerDoneCounter (None without a load).  The device->host task is
         enqueued first so that rule 5 can order a load after an eviction of the same step.
+        Raises TypeError when an argument is neither None nor a CacheSwapMetadata, and
+        ControllerClosedError after :meth:`close`; in both cases nothing is enqueued.
         """
+        _check_metadata_arg("evict_metadata", evict_metadata)
+        _check_metadata_arg("swap_in_metadata", swap_in_metadata)
         with self._lock:
+            self._check_open()
             self._reap()
             compute = self.backend.current_stream()
             # Rule 1: one event marks "all compute enqueued so far"; both copy streams wait on it.
@@ -283,16 +302,17 @@ class TransferManager:
             # this step's compute; the compute stream waits for the copy to have read them.
             # (Outside the lock: the launcher needs it to record the event we wait for.)
             task_id = evict_task.meta.task_id
+            to_host = CopyDirection.DEVICE_TO_HOST
             if not evict_task.launched.wait(self.timeout_s):
-                raise LayerSwapTimeoutError(-1, task_id, self.timeout_s)
+                raise LayerSwapTimeoutError(-1, task_id, self.timeout_s, to_host)
             if evict_task.done_event is not None:
                 try:
                     self.backend.stream_wait_event(compute, evict_task.done_event, self.timeout_s)
                 except TimeoutError:
-                    raise LayerSwapTimeoutError(-1, task_id, self.timeout_s) from None
+                    raise LayerSwapTimeoutError(-1, task_id, self.timeout_s, to_host) from None
         return counter
 
-    def _dispatch(self, direction: str, job: Callable[[], None]) -> None:
+    def _dispatch(self, direction: CopyDirection, job: Callable[[], None]) -> None:
         """Run a launch job on the direction's launcher thread (in submit order) or right here."""
         launcher = self._launchers.get(direction)
         if launcher is not None:
@@ -300,18 +320,19 @@ class TransferManager:
         else:
             job()
 
-    def _validate(self, meta: CacheSwapMetadata, direction: str) -> Optional[str]:
+    def _validate(self, meta: CacheSwapMetadata, direction: CopyDirection) -> Optional[str]:
         """Reason the metadata cannot be carried out, or None.  Nothing is launched if bad."""
         layout = self.layout
         if layout is None:
             return "the host cache is not initialized (initialize_kv_cache/initialize_host_cache)"
-        want = (CacheLevel.DEVICE, CacheLevel.HOST) if direction == D2H else (CacheLevel.HOST, CacheLevel.DEVICE)
+        to_host = direction is CopyDirection.DEVICE_TO_HOST
+        want = (CacheLevel.DEVICE, CacheLevel.HOST) if to_host else (CacheLevel.HOST, CacheLevel.DEVICE)
         if (meta.src_type, meta.dst_type) != want:
-            return f"{direction} task expects {want[0].name}->{want[1].name}, got {meta.src_type.name}->{meta.dst_type.name}"
+            return f"{direction.short} task expects {want[0].name}->{want[1].name}, got {meta.src_type.name}->{meta.dst_type.name}"
         if len(meta.src_block_ids) != len(meta.dst_block_ids):
             return f"src_block_ids has {len(meta.src_block_ids)} ids, dst_block_ids {len(meta.dst_block_ids)}"
         dev_ids, host_ids = (
-            (meta.src_block_ids, meta.dst_block_ids) if direction == D2H else (meta.dst_block_ids, meta.src_block_ids)
+            (meta.src_block_ids, meta.dst_block_ids) if to_host else (meta.dst_block_ids, meta.src_block_ids)
         )
         for name, ids, limit in (("device", dev_ids, layout.num_device_blocks), ("host", host_ids, layout.num_host_blocks)):
             try:
@@ -340,7 +361,7 @@ class TransferManager:
         for its launch first.  No cycle is possible: that task only ever waits for tasks
         older than itself, and this launcher handled those before the current one.
         """
-        other = H2D if task.direction == D2H else D2H
+        other = CopyDirection(1 - task.direction)
         check_dev = rules["device"] not in self.disabled_rules
         check_host = rules["host"] not in self.disabled_rules
         with self._lock:
@@ -356,17 +377,17 @@ class TransferManager:
             ]
         for prior in priors:
             if not prior.launched.wait(self.timeout_s):
-                raise LayerSwapTimeoutError(-1, prior.meta.task_id, self.timeout_s)
+                raise LayerSwapTimeoutError(-1, prior.meta.task_id, self.timeout_s, prior.direction)
             if prior.done_event is not None:
                 self.backend.stream_wait_event(stream, prior.done_event, self.timeout_s)
 
     def _submit_d2h(self, meta: CacheSwapMetadata, compute_done: Any) -> _Task:
-        task = _Task(meta, D2H, next(self._seq), None)
-        self._stats[D2H].tasks += 1
+        task = _Task(meta, CopyDirection.DEVICE_TO_HOST, next(self._seq), None)
+        self._stats[CopyDirection.DEVICE_TO_HOST].tasks += 1
         if meta.is_empty:
             self._finish(task)
             return task
-        error = self._validate(meta, D2H)
+        error = self._validate(meta, CopyDirection.DEVICE_TO_HOST)
         if error is not None:
             task.fail(error)
             self._finish(task)
@@ -380,8 +401,8 @@ class TransferManager:
 
         def run() -> None:
             if self.fault_injector is not None:
-                self.fault_injector(D2H, -1, meta)
-            self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, MODE_D2H, out,
+                self.fault_injector(CopyDirection.DEVICE_TO_HOST, -1, meta)
+            self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, int(CopyDirection.DEVICE_TO_HOST), out,
                                      path=self._d2h_path_code)
             task.paths |= self.backend.last_path()
 
@@ -404,7 +425,7 @@ class TransferManager:
 
         dev_ids = self.backend.prepare_ids(meta.src_block_ids)
         host_ids = self.backend.prepare_ids(meta.dst_block_ids)
-        self._dispatch(D2H, job)
+        self._dispatch(CopyDirection.DEVICE_TO_HOST, job)
         return task
 
     def _close_task(self, task: _Task, stream: Any) -> None:
@@ -422,12 +443,12 @@ class TransferManager:
         counter = LayerDoneCounter(
             meta.task_id, max(num_layers, 1), self.backend, self.timeout_s, enforce=3 not in self.disabled_rules
         )
-        task = _Task(meta, H2D, next(self._seq), counter)
-        self._stats[H2D].tasks += 1
+        task = _Task(meta, CopyDirection.HOST_TO_DEVICE, next(self._seq), counter)
+        self._stats[CopyDirection.HOST_TO_DEVICE].tasks += 1
         if meta.is_empty:
             self._finish(task)
             return None
-        error = self._validate(meta, H2D)
+        error = self._validate(meta, CopyDirection.HOST_TO_DEVICE)
         if error is not None:
             task.fail(error)
             self._finish(task)
@@ -457,8 +478,8 @@ class TransferManager:
                         if task.error is not None:
                             return
                         if self.fault_injector is not None:
-                            self.fault_injector(H2D, layer, meta)
-                        self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, MODE_H2D, inp,
+                            self.fault_injector(CopyDirection.HOST_TO_DEVICE, layer, meta)
+                        self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, int(CopyDirection.HOST_TO_DEVICE), inp,
                                                  path=ops.COPY_PATH_PROCESS)
                         task.paths |= self.backend.last_path()
 
@@ -469,7 +490,7 @@ class TransferManager:
             finally:
                 self._close_task(task, inp)
 
-        self._dispatch(H2D, job)
+        self._dispatch(CopyDirection.HOST_TO_DEVICE, job)
         return counter
 
     # ------------------------------------------------------------------ completion
@@ -528,11 +549,11 @@ class TransferManager:
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        for launcher in self._launchers.values():
+        for direction, launcher in list(self._launchers.items()):
             idle = HostEvent()
             launcher.submit(idle.set)
             if not idle.wait(max(0.0, deadline - time.monotonic())):
-                raise LayerSwapTimeoutError(-1, -1, timeout_s)
+                raise LayerSwapTimeoutError(-1, -1, timeout_s, direction)
 
     def drain(self, timeout_s: Optional[float] = None) -> list[CacheSwapMetadata]:
         """Wait (host-side) for every in-flight task, then return all finished metadata."""
@@ -550,8 +571,10 @@ class TransferManager:
                 task.fail(exc)
                 continue
             if not ok:
-                layers = self.layout.num_layers if self.layout is not None else 0
-                raise LayerSwapTimeoutError(layers - 1, task.meta.task_id, timeout)
+                # A load's last layer is the one still missing; an eviction moves all at once.
+                last = self.layout.num_layers - 1 if self.layout is not None else -1
+                layer = last if task.direction is CopyDirection.HOST_TO_DEVICE else -1
+                raise LayerSwapTimeoutError(layer, task.meta.task_id, timeout, task.direction)
         return self.poll()
 
     # ------------------------------------------------------------------ introspection
@@ -562,8 +585,7 @@ class TransferManager:
     def get_stats(self) -> dict[str, Any]:
         with self._lock:
             return {
-                D2H: self._stats[D2H].as_dict(),
-                H2D: self._stats[H2D].as_dict(),
+                **{direction.short: stats.as_dict() for direction, stats in self._stats.items()},
                 "in_flight": len(self._inflight),
                 "in_flight_tasks": [t.meta.task_id for t in self._inflight],
                 "disabled_rules": sorted(self.disabled_rules),
@@ -572,10 +594,26 @@ class TransferManager:
 
     def reset_stats(self) -> None:
         with self._lock:
-            self._stats = {D2H: _DirectionStats(), H2D: _DirectionStats()}
+            self._stats = {direction: _DirectionStats() for direction in CopyDirection}
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`: nothing can be submitted any more."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ControllerClosedError(
+                "the transfer manager is closed (its streams are stopped); build a new CacheController"
+            )
 
     def close(self) -> None:
-        """Stop the launcher and host-thread streams (GPU streams go with the object)."""
+        """Stop the launcher and host-thread streams (GPU streams go with the object).
+
+        Idempotent.  Afterwards :meth:`submit` raises ControllerClosedError at once; what was
+        submitted before still completes and can be collected with :meth:`poll`/:meth:`drain`.
+        """
+        self._closed = True
         for launcher in self._launchers.values():
             launcher.close()
         self._launchers.clear()

@@ -369,7 +369,7 @@ def test_injected_failure_is_reported_and_never_served(compute) -> None:
     settle(ctrl)
 
     def inject(direction: str, layer: int, meta: CacheSwapMetadata) -> None:
-        if direction == "h2d" and layer == 2:
+        if direction.short == "h2d" and layer == 2:
             raise RuntimeError("injected: cudaErrorIllegalAddress")
 
     ctrl.transfer_manager.fault_injector = inject

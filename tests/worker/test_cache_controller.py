@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection, TransferKind
 from fastdeploy_kvcache.worker import LayerSwapError
 from fastdeploy_kvcache.worker.transfer_manager import parse_disabled_rules
 
@@ -146,7 +146,7 @@ def test_injected_op_failure_on_a_load_layer(make_controller, backend: str) -> N
     ctrl.collect_finished(wait=True)
 
     def inject(direction: str, layer: int, meta: CacheSwapMetadata) -> None:
-        if direction == "h2d" and layer == 1:
+        if direction is CopyDirection.HOST_TO_DEVICE and layer == 1:
             raise RuntimeError("injected CUDA error: an illegal memory access was encountered")
 
     ctrl.transfer_manager.fault_injector = inject
@@ -167,7 +167,7 @@ def test_injected_op_failure_on_an_eviction(make_controller) -> None:
     ctrl = make_controller()
 
     def inject(direction: str, layer: int, meta: CacheSwapMetadata) -> None:
-        if direction == "d2h":
+        if direction is CopyDirection.DEVICE_TO_HOST:
             raise MemoryError("injected")
 
     ctrl.transfer_manager.fault_injector = inject
@@ -514,3 +514,89 @@ def test_free_cache_drops_every_device_reference_before_release(monkeypatch) -> 
         assert ctrl.get_kv_caches() == {} and ctrl.num_gpu_blocks == 0
     finally:
         ctrl.close()
+
+
+# ---------------------------------------------------------------------- closed controller
+def _closed_controller() -> tuple:
+    """A controller that was initialized, used once and closed, with a 2 s wait limit."""
+    from fastdeploy_kvcache.worker import CacheController
+
+    from worker_helpers import capi_or_skip, small_config
+
+    capi_or_skip()
+    ctrl = CacheController(small_config(), backend="cpu", threaded=True)
+    ctrl.initialize_kv_cache()
+    ctrl.initialize_host_cache()
+    fill_block(ctrl, 1, seed=2)
+    ctrl.submit_swap_tasks(backup([1], [1]), None)
+    assert [m.success for m in ctrl.collect_finished(wait=True)] == [True]
+    ctrl.close()
+    return ctrl
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda c: c.initialize_kv_cache(), id="initialize_kv_cache"),
+        pytest.param(lambda c: c.initialize_host_cache(), id="initialize_host_cache"),
+        pytest.param(lambda c: c.submit_swap_tasks(evict([1], [2]), None), id="submit-evict"),
+        pytest.param(lambda c: c.submit_swap_tasks(None, swap_in([1], [2])), id="submit-load"),
+        pytest.param(lambda c: c.submit_swap_tasks(None, None), id="submit-nothing"),
+        pytest.param(lambda c: c.reset_cache(), id="reset_cache"),
+    ],
+)
+def test_a_closed_controller_refuses_work_at_once(call, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect 4: after close() every call that needs the streams raises at once, never hangs."""
+    import time
+
+    from fastdeploy_kvcache.worker import ControllerClosedError
+
+    monkeypatch.setenv("FDKV_LAYER_WAIT_TIMEOUT_S", "2")
+    ctrl = _closed_controller()
+    start = time.monotonic()
+    with pytest.raises(ControllerClosedError, match="closed"):
+        call(ctrl)
+    assert time.monotonic() - start < 1.0
+    assert ctrl.get_kv_caches() == {} and ctrl.host_cache_kvs_map == {}  # nothing re-allocated
+    ctrl.close()  # closing again is harmless
+    assert ctrl.collect_finished() == [] and ctrl.get_stats()["in_flight"] == 0
+
+
+def test_an_eviction_fence_timeout_names_the_device_to_host_direction(make_controller) -> None:
+    """Defect 4: the rule-2 fence waits on an eviction; its timeout must not say host->device."""
+    from fastdeploy_kvcache.core.metadata import CopyDirection
+    from fastdeploy_kvcache.worker import LayerSwapTimeoutError
+
+    ctrl = make_controller(async_launch=False)
+    ctrl.transfer_manager.timeout_s = 0.2
+    ctrl.transfer_manager.output_stream.pause()
+    meta = evict([1], [2])
+    with pytest.raises(LayerSwapTimeoutError, match=r"device->host") as info:
+        ctrl.submit_swap_tasks(meta, None)
+    assert "host->device" not in str(info.value)
+    assert info.value.direction is CopyDirection.DEVICE_TO_HOST and info.value.task_id == meta.task_id
+    ctrl.transfer_manager.output_stream.resume()
+    assert ctrl.collect_finished(wait=True) == [meta] and meta.success
+
+
+def test_a_drain_timeout_names_the_direction_of_the_stuck_copy(make_controller) -> None:
+    from fastdeploy_kvcache.core.metadata import CopyDirection
+    from fastdeploy_kvcache.worker import LayerSwapTimeoutError
+
+    ctrl = make_controller()
+    for stream, meta, direction in (
+        (ctrl.transfer_manager.output_stream, backup([1], [2]), CopyDirection.DEVICE_TO_HOST),
+        (ctrl.transfer_manager.input_stream, swap_in([3], [4]), CopyDirection.HOST_TO_DEVICE),
+    ):
+        stream.pause()
+        if direction is CopyDirection.DEVICE_TO_HOST:
+            ctrl.submit_swap_tasks(meta, None)
+        else:
+            ctrl.submit_swap_tasks(None, meta)
+        with pytest.raises(LayerSwapTimeoutError) as info:
+            ctrl.collect_finished(wait=True, timeout_s=0.2)
+        assert info.value.direction is direction and info.value.task_id == meta.task_id
+        other = "host->device" if direction is CopyDirection.DEVICE_TO_HOST else "device->host"
+        assert other not in str(info.value) and direction.short in str(info.value)
+        stream.resume()
+        assert ctrl.collect_finished(wait=True) == [meta] and meta.success

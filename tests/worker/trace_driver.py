@@ -19,7 +19,7 @@ import numpy as np
 
 from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.config import CacheConfig
-from fastdeploy_kvcache.core.metadata import CacheSwapMetadata
+from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, CopyDirection
 
 BS = 4
 SOAK = bool(envs.get("FDKV_SOAK"))
@@ -151,7 +151,7 @@ def run_trace(
     model = Model(ctrl, backend)
     failing: dict[int, int] = {}  # task id -> layer at which its copy fails (-1: eviction)
 
-    def inject(direction: str, layer: int, meta: CacheSwapMetadata) -> None:
+    def inject(direction: CopyDirection, layer: int, meta: CacheSwapMetadata) -> None:
         if failing.get(meta.task_id) == layer:
             raise RuntimeError(f"injected failure of task {meta.task_id} at layer {layer}")
 
