@@ -35,6 +35,24 @@ setup_venv() {
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 }
 
+# Mooncake Store client (storage tier's mooncake backend and its tests): the Debian package
+# libibverbs1 (only when missing; apt-get update only when the install needs it) and the
+# CPU wheel, which also ships mooncake_master and mooncake_client.  Best effort: without it
+# the file backend still works and the Mooncake tests skip saying to run this script.
+install_mooncake() {
+  if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+    log "installing Debian package libibverbs1 (Mooncake needs it)"
+    apt-get install -y -qq libibverbs1 >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq libibverbs1; } \
+      || log "could not install libibverbs1; the mooncake storage backend will be unavailable"
+  fi
+  if ! "$PY" -c "from mooncake.store import MooncakeDistributedStore" >/dev/null 2>&1; then
+    log "installing mooncake-transfer-engine-non-cuda"
+    "$PY" -m pip install -q mooncake-transfer-engine-non-cuda \
+      || log "pip install mooncake-transfer-engine-non-cuda failed; the mooncake storage backend will be unavailable"
+  fi
+}
+
 build_capi_cpu() { bash custom_ops/capi/build_capi.sh cpu; }
 build_capi_gpu() { bash custom_ops/capi/build_capi.sh gpu; }
 # On a machine with a GPU and nvcc, `build`/`test` also build the CUDA C ABI so that
@@ -47,9 +65,9 @@ build_paddle_ops() { "$PY" setup_ops.py; }
 cmd=${1:-build}
 case "$cmd" in
   build)
-    setup_venv; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops ;;
+    setup_venv; install_mooncake; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops ;;
   test)
-    setup_venv; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops
+    setup_venv; install_mooncake; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops
     shift || true
     # -rs prints every skipped test with its reason (the GPU tests say what they need).
     "$PY" -m pytest -q -rs tests "$@" ;;
