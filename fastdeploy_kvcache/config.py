@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +21,15 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 # Item size in bytes of every cache dtype the ops support.
 DTYPE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
 
+# Quantized cache formats; None is an unquantized cache of ``dtype``.
+KV_CACHE_QUANTS = (None, "int8", "fp8")
+
 GiB = 1 << 30
+
+
+def _show(value: Any) -> str:
+    """``True (bool)``: a value and its type, for messages where the type is the problem."""
+    return f"{value!r} ({type(value).__name__})"
 
 
 @dataclass
@@ -57,41 +67,46 @@ class CacheConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field; called on construction."""
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"CacheConfig.block_size must be a positive int, got {self.block_size!r}")
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
+        """Raise ValueError naming the first bad field; called on construction.
+
+        Types are checked, not only ranges: ``True`` is not a block size (bool is an int
+        subclass), ``1.0`` is not a layer count, and ``"no"`` is not a boolean.  Integral
+        numbers of other types (numpy integers from a model config) are stored as ``int``.
+        """
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "tensor_parallel_size"):
+            self._check_int(name, minimum=1)
+        self._check_int("num_gpu_blocks", minimum=0)
+        self._check_int("num_extra_layers", minimum=0)
+        self._check_int("write_through_threshold", minimum=1)
+        if self.num_host_blocks is not None:
+            self._check_int("num_host_blocks", minimum=0)
+        swap = self.swap_space
+        if not isinstance(swap, numbers.Real) or isinstance(swap, bool) or not math.isfinite(swap) or swap < 0:
+            raise ValueError(f"CacheConfig.swap_space (GiB) must be a finite number >= 0, got {_show(swap)}")
+        self.swap_space = float(swap)
+        self._check_choice("dtype", tuple(DTYPE_ITEMSIZE))
+        self._check_choice("write_policy", WRITE_POLICIES)
+        self._check_choice("kv_cache_quant", KV_CACHE_QUANTS)
+        for name in ("enable_prefix_caching", "cache_output_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
-        if self.dtype not in DTYPE_ITEMSIZE:
-            raise ValueError(
-                f"CacheConfig.dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {self.dtype!r}"
-            )
-        if not isinstance(self.num_gpu_blocks, int) or self.num_gpu_blocks < 0:
-            raise ValueError(f"CacheConfig.num_gpu_blocks must be an int >= 0, got {self.num_gpu_blocks!r}")
-        if self.swap_space < 0:
-            raise ValueError(f"CacheConfig.swap_space (GiB) must be >= 0, got {self.swap_space!r}")
-        if self.num_host_blocks is not None and (
-            not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0
-        ):
-            raise ValueError(f"CacheConfig.num_host_blocks must be an int >= 0, got {self.num_host_blocks!r}")
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(
-                f"CacheConfig.write_policy must be one of {list(WRITE_POLICIES)}, got {self.write_policy!r}"
-            )
-        if not isinstance(self.write_through_threshold, int) or self.write_through_threshold < 1:
-            raise ValueError(
-                f"CacheConfig.write_through_threshold must be an int >= 1, got {self.write_through_threshold!r}"
-            )
-        if self.num_extra_layers < 0:
-            raise ValueError(f"CacheConfig.num_extra_layers must be >= 0, got {self.num_extra_layers!r}")
-        if self.kv_cache_quant not in (None, "int8", "fp8"):
-            raise ValueError(f"CacheConfig.kv_cache_quant must be None, 'int8' or 'fp8', got {self.kv_cache_quant!r}")
+            if not isinstance(value, bool):
+                raise ValueError(f"CacheConfig.{name} must be True or False, got {_show(value)}")
         if self.kv_cache_quant is not None and self.dtype != "uint8":
             raise ValueError("CacheConfig.kv_cache_quant needs dtype='uint8' (quantized bytes)")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"CacheConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"CacheConfig.extra must be a dict, got {_show(self.extra)}")
+
+    def _check_int(self, name: str, minimum: int) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"CacheConfig.{name} must be an int >= {minimum}, got {_show(value)}")
+        setattr(self, name, int(value))
+
+    def _check_choice(self, name: str, choices: tuple[Any, ...]) -> None:
+        value = getattr(self, name)
+        # The type is checked first, so a list or any other non-string names the field.
+        if not (value is None or isinstance(value, str)) or value not in choices:
+            raise ValueError(f"CacheConfig.{name} must be one of {list(choices)}, got {_show(value)}")
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -135,33 +150,169 @@ class CacheConfig:
     # ------------------------------------------------------------------ CLI
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "CacheConfig":
-        """Build from the namespace produced by a parser that went through add_cli_args."""
-        names = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in vars(args).items() if k in names and v is not None}
+        """Build from the namespace of a parser that went through :func:`add_cli_args`.
+
+        Flags map onto fields through :data:`CLI_FLAGS` (``--enable-output-caching`` sets
+        ``cache_output_tokens``, ``--kv-cache-dtype auto`` keeps ``dtype``), read from the
+        dest of the parser's own flag where it already had one.  A value of None means "not
+        given".  ``overrides`` (the model's shape: num_layers, num_kv_heads, head_dim, ...)
+        win over the flags.
+        """
+        values = vars(args)
+        dests: dict[str, str] = dict(values.get(_DESTS_KEY) or {})
+        kwargs: dict[str, Any] = {}
+        # NOTE: only the cache's own flags are read.  An engine parser has flags whose dests
+        # happen to match a field but mean something else (a model --dtype of "auto"); the
+        # model's shape comes in through ``overrides``.
+        for spec in CLI_FLAGS:
+            dest = dests.get(spec.field, spec.dest)
+            value = values.get(dest)
+            if value is None or (spec.field == "dtype" and value == "auto"):
+                continue
+            kwargs[spec.field] = value
         kwargs.update(overrides)
         return cls(**kwargs)
 
 
+# ---------------------------------------------------------------------- CLI flags
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """argparse ``type=``: an integer >= ``minimum``; anything else is a usage error (exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    parse.__name__ = f"int>={minimum}"
+    return parse
+
+
+def _finite_float_at_least(minimum: float) -> Callable[[str], float]:
+    """argparse ``type=``: a finite number >= ``minimum`` (nan and inf are usage errors)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number >= {minimum:g}, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a finite number >= {minimum:g}, got {text!r}")
+        return value
+
+    parse.__name__ = f"float>={minimum:g}"
+    return parse
+
+
+@dataclass(frozen=True)
+class CliFlag:
+    """One server flag: its FastDeploy spelling, the CacheConfig field it sets, argparse kwargs."""
+
+    flag: str
+    field: str
+    kwargs: dict[str, Any]
+    #: The ``--no-...`` form of a boolean flag (BooleanOptionalAction), else None.
+    negative: Optional[str] = None
+
+    @property
+    def dest(self) -> str:
+        """The dest argparse derives from the flag, so a parser that defined it agrees."""
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+_DESTS_KEY = "_fdkv_cache_flag_dests"
+
+#: The cache's server flags, spelled as FastDeploy spells them.
+CLI_FLAGS: tuple[CliFlag, ...] = (
+    CliFlag("--block-size", "block_size", dict(
+        type=_int_at_least(1), default=None, metavar="TOKENS",
+        help="Tokens per KV block (default: 64).")),
+    CliFlag("--num-gpu-blocks-override", "num_gpu_blocks", dict(
+        type=_int_at_least(1), default=None, metavar="N",
+        help="Device KV blocks per worker; by default the engine sizes the device pool from free memory.")),
+    CliFlag("--kv-cache-dtype", "dtype", dict(
+        choices=("auto", *DTYPE_ITEMSIZE), default=None,
+        help="KV cache element type; 'auto' (the default) uses the model's dtype.")),
+    CliFlag("--swap-space", "swap_space", dict(
+        type=_finite_float_at_least(0.0), default=None, metavar="GiB",
+        help="Host (pinned CPU) KV cache size in GiB per worker; 0 (the default) disables the host tier.")),
+    CliFlag("--write-policy", "write_policy", dict(
+        choices=WRITE_POLICIES, default=None,
+        help="When device blocks are copied to host: write_through (as soon as cached), "
+             "write_through_selective (the default; after --write-through-threshold hits), "
+             "write_back (only when evicted from the device).")),
+    CliFlag("--write-through-threshold", "write_through_threshold", dict(
+        type=_int_at_least(1), default=None, metavar="HITS",
+        help="Hits before write_through_selective backs a block up to host (an integer >= 1; default: 2).")),
+    CliFlag("--enable-prefix-caching", "enable_prefix_caching", dict(
+        default=None,
+        help="Reuse the KV of cached prompt prefixes (default: on). With the negative form every "
+             "block is still allocated through the manager, but nothing is reused."),
+        negative="--no-enable-prefix-caching"),
+    # NOTE: FastDeploy's EngineArgs has enable_output_caching=True ("only valid in the V1
+    # scheduler"), and so does CacheConfig.cache_output_tokens: the default here is on.
+    CliFlag("--enable-output-caching", "cache_output_tokens", dict(
+        default=None,
+        help="Insert a finished request's generated tokens into the prefix tree too, so a "
+             "follow-up turn reuses them (default: on, as in FastDeploy; the negative form "
+             "caches prompt blocks only)."),
+        negative="--no-enable-output-caching"),
+)
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the cache server flags (``--swap-space``, ``--write-policy``, ...) to a parser."""
-    group = parser.add_argument_group("KV cache (fastdeploy_kvcache)")
-    group.add_argument("--block-size", dest="block_size", type=int, default=64,
-                       help="Tokens per KV block (default: 64).")
-    group.add_argument("--swap-space", dest="swap_space", type=float, default=0.0,
-                       help="Host (pinned CPU) KV cache size in GiB per worker; 0 disables the host tier.")
-    group.add_argument("--num-gpu-blocks", dest="num_gpu_blocks", type=int, default=0,
-                       help="Device KV blocks (0: let the engine size it from free GPU memory).")
-    group.add_argument("--write-policy", dest="write_policy", choices=WRITE_POLICIES,
-                       default="write_through_selective",
-                       help="When device blocks are copied to host: write_through (as soon as cached), "
-                            "write_through_selective (after --write-through-threshold hits), "
-                            "write_back (only when evicted from device).")
-    group.add_argument("--write-through-threshold", dest="write_through_threshold", type=int, default=2,
-                       help="Hits before write_through_selective backs a block up to host (>= 1).")
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       help="Disable prefix reuse (blocks are still allocated through the manager).")
-    group.add_argument("--no-cache-output-tokens", dest="cache_output_tokens", action="store_false",
-                       help="Insert only prompt blocks into the prefix tree on finish.")
-    group.add_argument("--kv-cache-dtype", dest="dtype", choices=sorted(DTYPE_ITEMSIZE), default=None,
-                       help="KV cache dtype (default: the model's).")
+    """Add the cache's server flags (``--swap-space``, ``--write-policy``, ...) to ``parser``.
+
+    Safe on a parser that already defines some of them, as FastDeploy's does: a flag the
+    parser has is left alone (its type, default and help stay), and
+    :meth:`CacheConfig.from_cli_args` reads it from that flag's dest.  Of a boolean pair
+    only the missing form is added.  Calling it twice is harmless.
+
+    Every flag defaults to None ("not given"), so the CacheConfig defaults apply; the help
+    text states them.  Range errors are argparse usage errors (exit status 2).
+    """
+    # NOTE: argparse has no public "does this parser have option X" query; the option
+    # table it checks conflicts against (_option_string_actions) has kept its name since
+    # Python 2.7 and is what other frameworks' parsers read too.
+    existing: dict[str, argparse.Action] = getattr(parser, "_option_string_actions", {})
+    group = parser.add_argument_group(
+        "KV cache (fastdeploy_kvcache)",
+        "Tiered KV cache; a flag the server already defines keeps its own meaning there.",
+    )
+    dests: dict[str, str] = {}
+    for spec in CLI_FLAGS:
+        have = existing.get(spec.flag)
+        have_negative = existing.get(spec.negative) if spec.negative else None
+        if have is not None:
+            dests[spec.field] = have.dest
+        elif have_negative is not None:
+            dests[spec.field] = have_negative.dest
+        dest = dests.get(spec.field, spec.dest)
+        if spec.negative is None:
+            if have is None:
+                group.add_argument(spec.flag, dest=dest, **spec.kwargs)
+            continue
+        if have is None and have_negative is None:
+            group.add_argument(spec.flag, dest=dest, action=argparse.BooleanOptionalAction, **spec.kwargs)
+            continue
+        # One form exists: add the other, writing the same dest and leaving its default alone.
+        if have is None:
+            group.add_argument(spec.flag, dest=dest, action="store_true", default=argparse.SUPPRESS,
+                               help=spec.kwargs["help"])
+        elif have_negative is None:
+            group.add_argument(spec.negative, dest=dest, action="store_false", default=argparse.SUPPRESS,
+                               help=f"Turn {spec.flag} off.")
+    # Only a parser whose own flags use other dests gets the map (a hidden default), so a
+    # plain namespace holds nothing but the flags.
+    renamed = {field: dest for field, dest in dests.items() if dest != _spec(field).dest}
+    if renamed:
+        known = parser.get_default(_DESTS_KEY) or {}
+        parser.set_defaults(**{_DESTS_KEY: {**known, **renamed}})
     return parser
+
+
+def _spec(field_name: str) -> CliFlag:
+    return next(spec for spec in CLI_FLAGS if spec.field == field_name)

@@ -44,32 +44,163 @@ def test_host_blocks_from_swap_space_or_explicit_count() -> None:
         ({"num_gpu_blocks": -1}, "num_gpu_blocks"),
         ({"num_layers": 0}, "num_layers"),
         ({"kv_cache_quant": "int8"}, "kv_cache_quant"),
+        # Defect 8: nonsense that used to be accepted.
+        ({"swap_space": float("nan")}, "swap_space"),
+        ({"swap_space": float("inf")}, "swap_space"),
+        ({"swap_space": "4"}, "swap_space"),
+        ({"swap_space": True}, "swap_space"),
+        ({"num_extra_layers": 1.5}, "num_extra_layers"),
+        ({"num_extra_layers": 1.0}, "num_extra_layers"),
+        ({"tensor_parallel_size": 2.0}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
+        ({"enable_prefix_caching": 0}, "enable_prefix_caching"),
+        ({"cache_output_tokens": "yes"}, "cache_output_tokens"),
+        ({"block_size": True}, "block_size"),
+        ({"num_layers": False}, "num_layers"),
+        ({"head_dim": 8.0}, "head_dim"),
+        ({"num_host_blocks": 3.0}, "num_host_blocks"),
+        ({"num_host_blocks": True}, "num_host_blocks"),
+        ({"num_gpu_blocks": 2.5}, "num_gpu_blocks"),
+        ({"write_through_threshold": True}, "write_through_threshold"),
+        ({"dtype": ["float16"]}, "dtype"),
+        ({"write_policy": ["write_back"]}, "write_policy"),
+        ({"kv_cache_quant": ["int8"]}, "kv_cache_quant"),
+        ({"extra": []}, "extra"),
     ],
 )
 def test_bad_config_raises_naming_the_field(kwargs: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=rf"CacheConfig\.{field}\b"):
         CacheConfig(**kwargs)
 
 
+def test_integral_numbers_are_accepted_and_stored_as_python_ints() -> None:
+    """numpy integers (e.g. from a model config) are fine; they are stored as int."""
+    np = pytest.importorskip("numpy")
+    cfg = CacheConfig(block_size=np.int64(16), num_layers=np.int32(3), swap_space=np.float32(0.5),
+                      num_host_blocks=np.int64(4))
+    assert type(cfg.block_size) is int and cfg.block_size == 16
+    assert type(cfg.num_layers) is int and type(cfg.num_host_blocks) is int
+    assert type(cfg.swap_space) is float and cfg.swap_space == 0.5
+    assert CacheConfig(swap_space=2).swap_space == 2.0
+
+
+def _cli(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    return add_cli_args(parser or argparse.ArgumentParser(prog="serve")).parse_args(argv)
+
+
 def test_cli_flags_round_trip_into_config() -> None:
-    parser = add_cli_args(argparse.ArgumentParser())
-    args = parser.parse_args(
-        ["--swap-space", "2", "--write-policy", "write_back", "--write-through-threshold", "3",
-         "--block-size", "32", "--no-cache-output-tokens"]
-    )
+    args = _cli(["--swap-space", "2", "--write-policy", "write_back", "--write-through-threshold", "3",
+                 "--block-size", "32", "--no-enable-output-caching", "--no-enable-prefix-caching",
+                 "--kv-cache-dtype", "float16", "--num-gpu-blocks-override", "100"])
     cfg = CacheConfig.from_cli_args(args, num_layers=2)
     assert cfg.swap_space == 2.0
     assert cfg.write_policy == "write_back"
     assert cfg.write_through_threshold == 3
     assert cfg.block_size == 32
     assert cfg.cache_output_tokens is False
+    assert cfg.enable_prefix_caching is False
+    assert cfg.dtype == "float16"
+    assert cfg.num_gpu_blocks == 100
     assert cfg.num_layers == 2
+
+
+def test_cli_defaults_match_config_defaults_and_fastdeploy() -> None:
+    """No flag given: the config's own defaults; prefix and output caching on, as in FastDeploy."""
+    cfg = CacheConfig.from_cli_args(_cli([]))
+    assert cfg == CacheConfig()
+    assert cfg.enable_prefix_caching is True and cfg.cache_output_tokens is True
+    on = CacheConfig.from_cli_args(_cli(["--enable-prefix-caching", "--enable-output-caching"]))
+    assert on.enable_prefix_caching is True and on.cache_output_tokens is True
+    assert CacheConfig.from_cli_args(_cli(["--kv-cache-dtype", "auto"]), dtype="float32").dtype == "float32"
 
 
 def test_cli_rejects_unknown_policy() -> None:
     parser = add_cli_args(argparse.ArgumentParser())
     with pytest.raises(SystemExit):
         parser.parse_args(["--write-policy", "nope"])
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--swap-space", "-1"], "--swap-space"),
+        (["--swap-space", "nan"], "--swap-space"),
+        (["--swap-space", "inf"], "--swap-space"),
+        (["--swap-space", "lots"], "--swap-space"),
+        (["--block-size", "0"], "--block-size"),
+        (["--block-size", "1.5"], "--block-size"),
+        (["--write-through-threshold", "0"], "--write-through-threshold"),
+        (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override"),
+        (["--kv-cache-dtype", "int4"], "--kv-cache-dtype"),
+    ],
+)
+def test_cli_range_errors_are_usage_errors(argv: list[str], flag: str, capsys: pytest.CaptureFixture) -> None:
+    """Defect 8: a bad value exits 2 with a usage message naming the flag, not a traceback."""
+    with pytest.raises(SystemExit) as info:
+        _cli(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: serve") and f"argument {flag}" in err and "Traceback" not in err
+
+
+def test_cli_range_errors_exit_2_from_a_real_command_line() -> None:
+    """The same through a real interpreter: exit status 2, a usage line, no traceback."""
+    import subprocess
+    import sys
+
+    code = ("import argparse; from fastdeploy_kvcache.config import CacheConfig, add_cli_args; "
+            "p = add_cli_args(argparse.ArgumentParser(prog='serve')); "
+            "CacheConfig.from_cli_args(p.parse_args()); print('accepted')")
+    for argv in (["--swap-space", "nan"], ["--block-size", "0"], ["--write-through-threshold", "0"]):
+        proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, (argv, proc.stdout, proc.stderr)
+        assert "usage: serve" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _fastdeploy_like_parser() -> argparse.ArgumentParser:
+    """A parser that already defines some cache flags the way FastDeploy's does."""
+    parser = argparse.ArgumentParser(prog="serve")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per block")
+    parser.add_argument("--swap-space", type=float, default=None, help="host GiB")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefix caching")
+    parser.add_argument("--enable-output-caching", action="store_true", default=False, help="output caching")
+    parser.add_argument("--num-gpu-blocks-override", dest="gpu_blocks", type=int, default=None, help="blocks")
+    return parser
+
+
+def test_add_cli_args_skips_flags_the_parser_already_has() -> None:
+    """Issue 8: addable to FastDeploy's parser without option conflicts; its flags still configure us."""
+    parser = add_cli_args(_fastdeploy_like_parser())
+    args = parser.parse_args(["--block-size", "16", "--swap-space", "1.5", "--no-enable-prefix-caching",
+                              "--num-gpu-blocks-override", "40", "--write-policy", "write_back"])
+    cfg = CacheConfig.from_cli_args(args)
+    assert (cfg.block_size, cfg.swap_space, cfg.enable_prefix_caching) == (16, 1.5, False)
+    assert cfg.num_gpu_blocks == 40  # read from the existing flag's own dest
+    assert cfg.write_policy == "write_back"  # ours, added
+    # The parser had only --enable-output-caching (store_true, default off): its default holds, and
+    # the missing negative form is added.
+    assert CacheConfig.from_cli_args(parser.parse_args([])).cache_output_tokens is False
+    assert CacheConfig.from_cli_args(parser.parse_args(["--enable-output-caching"])).cache_output_tokens is True
+    off = parser.parse_args(["--enable-output-caching", "--no-enable-output-caching"])
+    assert CacheConfig.from_cli_args(off).cache_output_tokens is False
+    # Adding twice is harmless too.
+    add_cli_args(parser)
+    assert CacheConfig.from_cli_args(parser.parse_args(["--block-size", "8"])).block_size == 8
+
+
+def test_help_describes_every_flag() -> None:
+    parser = add_cli_args(argparse.ArgumentParser(prog="serve"))
+    text = " ".join(parser.format_help().split())
+    flags = ["--block-size", "--swap-space", "--num-gpu-blocks-override", "--write-policy",
+             "--write-through-threshold", "--enable-prefix-caching", "--no-enable-prefix-caching",
+             "--enable-output-caching", "--no-enable-output-caching", "--kv-cache-dtype"]
+    for flag in flags:
+        assert flag in text, flag
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 20, action.option_strings
 
 
 def test_env_switch_parses_booleans(monkeypatch: pytest.MonkeyPatch) -> None:
