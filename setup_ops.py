@@ -2,11 +2,13 @@
 
 A CUDA extension (nvcc, the copy kernel included) when the installed Paddle is compiled
 with CUDA, a C++ extension otherwise; either way one translation unit, built through
-``paddle.utils.cpp_extension``.  ``fastdeploy_kvcache/ops.py`` loads the result, so
-nothing is installed into site-packages and a clean clone works through ``bash build.sh``.
+``paddle.utils.cpp_extension``.  ``fastdeploy_kvcache/ops.py`` loads the result from
+``build/`` in a checkout (``bash build.sh``); a wheel build (``setup.py``) calls
+:func:`build` and ships the library inside the package.
 
 Usage: ``python setup_ops.py [--force]``.  Skips the build when the library is newer than
-every source.
+every source and was built for the same Paddle distribution and version; that check reads
+package metadata only, so a no-op run neither imports Paddle nor prints anything.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import logging
 import os
 import shutil
 import sys
+import warnings
+from importlib import metadata
 from pathlib import Path
+from typing import Optional
 
 logger = logging.getLogger("setup_ops")
 
@@ -35,25 +40,77 @@ SOURCES = [
 ]
 
 
-def _up_to_date(lib: Path, stamp: Path, kind: str) -> bool:
-    if not lib.is_file() or not stamp.is_file() or stamp.read_text().strip() != kind:
+PADDLE_DISTS = ("paddlepaddle-gpu", "paddlepaddle")
+
+
+def paddle_identity() -> dict[str, str]:
+    """The installed Paddle's distribution name and version, from package metadata.
+
+    Reading metadata instead of importing Paddle keeps the up-to-date check instant and
+    silent.  Empty values when Paddle was installed some other way (a source build).
+    """
+    for dist in PADDLE_DISTS:
+        try:
+            return {"dist": dist, "version": metadata.version(dist)}
+        except metadata.PackageNotFoundError:
+            continue
+    return {"dist": "", "version": ""}
+
+
+def _stamp_text() -> Optional[str]:
+    ident = paddle_identity()
+    return f"{ident['dist']}=={ident['version']}" if ident["dist"] else None
+
+
+def _up_to_date(lib: Path, stamp: Path) -> bool:
+    expected = _stamp_text()
+    if expected is None or not lib.is_file() or not stamp.is_file():
+        return False
+    if stamp.read_text().split()[0:1] != [expected]:
         return False
     built = lib.stat().st_mtime
     return all(src.stat().st_mtime <= built for src in SOURCES)
 
 
+_CCACHE_FILTER = "ignore:No ccache found"
+
+
+def import_paddle():
+    """Import Paddle and its extension builder without the ccache notice."""
+    # NOTE: paddle.utils.cpp_extension warns about a missing ccache on import; a build
+    # without ccache is normal here (one translation unit), so that line is noise.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ccache.*")
+        import paddle
+        from paddle.utils.cpp_extension import load
+    return paddle, load
+
+
+def _load(load, src: str, flag: str, cuda_flags: Optional[list[str]], work: Path) -> None:
+    """Compile through paddle.utils.cpp_extension.load (the JIT path: no install step)."""
+    load(
+        name=NAME,
+        sources=[src],
+        extra_cxx_cflags=[flag, "-O2", "-std=c++17"],
+        extra_cuda_cflags=cuda_flags,
+        # NOTE: -Bsymbolic keeps this library's calls inside itself even when the C ABI
+        # library (same exported names, maybe built without CUDA) is loaded too.
+        extra_ldflags=["-Wl,-Bsymbolic"],
+        build_directory=str(work),
+        verbose=False,
+    )
+
+
 def build(force: bool = False) -> Path:
     """Compile the extension (if stale) and return the path of the shared library."""
-    import paddle
-    from paddle.utils.cpp_extension import load
-
-    cuda = bool(paddle.is_compiled_with_cuda())
-    kind = f"{'cuda' if cuda else 'cpu'}-paddle{paddle.__version__}"
     lib = OUT_DIR / f"{NAME}.so"
     stamp = OUT_DIR / ".kind"
-    if not force and _up_to_date(lib, stamp, kind):
-        logger.info("%s is up to date (%s)", lib, kind)
+    if not force and _up_to_date(lib, stamp):
+        logger.debug("%s is up to date (%s)", lib, stamp.read_text().strip())
         return lib
+    paddle, load = import_paddle()
+    cuda = bool(paddle.is_compiled_with_cuda())
+    kind = f"{_stamp_text() or 'paddle==' + paddle.__version__} {'cuda' if cuda else 'cpu'}"
 
     work = OUT_DIR / "work"
     shutil.rmtree(work, ignore_errors=True)
@@ -64,17 +121,18 @@ def build(force: bool = False) -> Path:
     cuda_flags = [flag, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
                   "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=compute_90"]
     logger.info("building %s (%s) from %s", NAME, kind, unity)
-    load(
-        name=NAME,
-        sources=[src],
-        extra_cxx_cflags=[flag, "-O2", "-std=c++17"],
-        extra_cuda_cflags=cuda_flags if cuda else None,
-        # NOTE: -Bsymbolic keeps this library's calls inside itself even when the C ABI
-        # library (same exported names, maybe built without CUDA) is loaded too.
-        extra_ldflags=["-Wl,-Bsymbolic"],
-        build_directory=str(work),
-        verbose=False,
-    )
+    # load() compiles in a child Python that imports Paddle again: silence the notice there too.
+    saved = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [saved, _CCACHE_FILTER]))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*ccache.*")
+            _load(load, src, flag, cuda_flags if cuda else None, work)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = saved
     built = [p for p in work.rglob(f"{NAME}*.so")]
     if not built:
         raise RuntimeError(f"paddle build produced no {NAME}*.so under {work}")

@@ -9,9 +9,12 @@ path selection behave identically whichever one a caller uses:
 * The **C ABI** (:func:`load_capi`) takes raw pointers, for callers without Paddle (CuPy
   or torch memory on the GPU; numpy memory with the CPU build), and for the GPU tests.
 
-Every op validates its ids before touching memory: ids in range, equal lengths, no
-duplicate destination ids.  A violation raises :class:`SwapOpError` naming the op, the
-argument and the index, and nothing has been written.
+Every op validates its arguments before touching memory: ids are 1-D integers (no
+floats, no 2-D arrays, nothing outside int64), in range, of equal lengths, with no
+duplicate destination ids; tensors are contiguous; host ids are bounded by the host
+buffer's size.  A violation raises :class:`SwapOpError` naming the op, the argument and
+the index, and nothing has been written.  The C++ core hands those three over as values
+(``fdkv_last_error_fields``), never as text to be parsed.
 
 See ``docs/ops.md`` for semantics, stream behaviour and which copy path runs when.
 """
@@ -21,13 +24,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import numbers
-import os
-import re
 import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from fastdeploy_kvcache import envs
+from fastdeploy_kvcache import envs, libpaths
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,12 @@ __all__ = [
     "swap_cache_layout",
 ]
 
-MODE_D2H = 0
-"""``mode`` value: copy device blocks to host blocks (evict / back up)."""
-MODE_H2D = 1
-"""``mode`` value: copy host blocks to device blocks (load / swap in)."""
+# NOTE: aliases kept for API compatibility; the one name for a copy's direction is
+# CopyDirection, whose values are the ops' ``mode``.
+MODE_D2H = CopyDirection.DEVICE_TO_HOST
+"""``mode`` value 0: copy device blocks to host blocks (evict / back up)."""
+MODE_H2D = CopyDirection.HOST_TO_DEVICE
+"""``mode`` value 1: copy host blocks to device blocks (load / swap in)."""
 
 # Bits of CApi.last_path(): which copy paths the calling thread's last op used.
 PATH_MEMCPY = 1
@@ -82,9 +85,8 @@ COPY_PATH_DMA = 2
 COPY_PATHS: dict[str, int] = {
     "process": COPY_PATH_PROCESS, "auto": COPY_PATH_AUTO, "kernel": COPY_PATH_KERNEL, "dma": COPY_PATH_DMA,
 }
-_ABI_VERSION = 2  # fdkv_abi_version() of libraries that take the per-call `path`
+_ABI_VERSION = 3  # fdkv_abi_version() of libraries with error fields and recorded host sizes
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
 _BUILD_HINT = "run `bash build.sh` (CPU) or `bash build.sh gpu` (CUDA C ABI) from the repository root"
 
 IdsLike = Union[Sequence[int], Any]  # list/tuple/range of ints or a 1-D integer numpy array
@@ -96,24 +98,16 @@ class SwapOpError(ValueError):
 
     ``op``, ``argument`` and ``index`` name the offending op, argument and position
     (``index`` is ``None`` when the problem is not tied to one position, e.g. a bad mode).
+    For an error found by the C++ core they are the values the core filled in
+    (``fdkv_last_error_fields``); the message repeats them for people.  A bad ``FDKV_*``
+    environment value read by the core has the variable's name as ``argument``.
     """
-
-    _PATTERN = re.compile(r"^(?P<op>[A-Za-z_]\w*): (?P<arg>[A-Za-z_]\w*)(?:\[(?P<idx>\d+)\])?")
 
     def __init__(self, message: str, op: str = "", argument: str = "", index: Optional[int] = None):
         super().__init__(message)
         self.op = op
         self.argument = argument
         self.index = index
-
-    @classmethod
-    def from_message(cls, message: str) -> "SwapOpError":
-        """Build from the core's message, whose format is ``op: argument[index] ...``."""
-        match = cls._PATTERN.match(message)
-        if not match:
-            return cls(message)
-        idx = match.group("idx")
-        return cls(message, match.group("op"), match.group("arg"), int(idx) if idx is not None else None)
 
 
 class OpsNotBuiltError(RuntimeError):
@@ -173,12 +167,10 @@ _ERR_OK, _ERR_INVALID = 0, 1
 _C_INT64_P = ctypes.POINTER(ctypes.c_int64)
 
 
-_CAPI_NAMES = {"cuda": "libfdkv_capi.so", "cpu": "libfdkv_capi_cpu.so"}
-
-
 def _find_capi(path: Optional[str], variant: Optional[str]) -> Path:
     """Locate the C ABI library: an explicit path, ``$FDKV_OPS_LIB``, then the CUDA build
-    (``bash build.sh gpu``) before the CPU build, in the package folder or ``build/``."""
+    before the CPU build, in the installed package's ``_lib/`` and then a checkout's
+    ``build/`` (see :mod:`fastdeploy_kvcache.libpaths`)."""
     if variant not in (None, "cuda", "cpu"):
         raise ValueError(f"variant must be None, 'cuda' or 'cpu', got {variant!r}")
     candidates: list[Path] = []
@@ -187,14 +179,12 @@ def _find_capi(path: Optional[str], variant: Optional[str]) -> Path:
     env_path = str(envs.get("FDKV_OPS_LIB"))
     if env_path and not path and variant is None:
         candidates.append(Path(env_path))
-    names = [_CAPI_NAMES[variant]] if variant else [_CAPI_NAMES["cuda"], _CAPI_NAMES["cpu"]]
     if not path:
-        for name in names:
-            candidates += [Path(__file__).resolve().parent / name, _REPO_ROOT / "build" / name]
+        candidates += libpaths.capi_candidates(variant)
     for cand in candidates:
         if cand.is_file():
             return cand
-    hint = "`bash build.sh gpu`" if variant == "cuda" else _BUILD_HINT
+    hint = libpaths.missing_hint("capi_cuda" if variant == "cuda" else "capi_cpu")
     raise OpsNotBuiltError(
         f"C ABI library not found (looked in {', '.join(str(c) for c in candidates)}); {hint}"
     )
@@ -462,13 +452,14 @@ def load_capi(path: Optional[str] = None, variant: Optional[str] = None) -> CApi
 
 
 # --------------------------------------------------------------------------- Paddle ops
-_PADDLE_SO_NAME = "fdkv_paddle_ops"
 _paddle_lock = threading.Lock()
 _paddle_state: dict[str, Any] = {}
 
 
 def _paddle_so_path() -> Path:
-    return _REPO_ROOT / "build" / "paddle_ops" / f"{_PADDLE_SO_NAME}.so"
+    """The Paddle ops library: the installed package's ``_lib/``, then a checkout's
+    ``build/paddle_ops`` (the first candidate when neither exists, for the error message)."""
+    return libpaths.find_paddle_ops() or libpaths.paddle_ops_candidates()[0]
 
 
 def _load_paddle_ops() -> Any:
@@ -478,7 +469,10 @@ def _load_paddle_ops() -> Any:
             return _paddle_state["c_ops"]
         so_path = _paddle_so_path()
         if not so_path.is_file():
-            raise OpsNotBuiltError(f"Paddle custom ops not built ({so_path} missing); {_BUILD_HINT}")
+            raise OpsNotBuiltError(
+                f"Paddle custom ops not found (looked in "
+                f"{', '.join(str(p) for p in libpaths.paddle_ops_candidates())}); {libpaths.missing_hint('paddle_ops')}"
+            )
         import paddle  # lazy: the scheduler side must not pay for Paddle
         from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
 
