@@ -2,9 +2,11 @@
 # Build, install and test fastdeploy_kvcache.  Idempotent: safe to run again.
 #
 #   bash build.sh          venv + pip packages + Paddle custom ops + C ABI (CPU) library
-#   bash build.sh test     the above, then the whole test suite (GPU tests skip with reasons)
+#   bash build.sh test     the above, then the whole test suite (GPU tests skip with reasons;
+#                          with CI=true, FDKV_REQUIRE_OPS=1: a missing compiled op fails)
 #   bash build.sh gpu      build the CUDA C ABI library with nvcc (no venv or Paddle needed)
-#   bash build.sh gpu-test build it, then run tests/gpu with the system python3 (CuPy, pytest)
+#   bash build.sh gpu-test build it, then run tests/gpu with the system python3 (CuPy, pytest);
+#                          exits 1 on a machine without a GPU (every test would skip)
 #   bash build.sh bench    run the benchmarks (GPU ones need `bash build.sh gpu` first)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -12,28 +14,70 @@ ROOT=$(pwd)
 VENV=${FDKV_VENV:-$ROOT/.venv}
 PY=$VENV/bin/python
 log() { printf '[build.sh] %s\n' "$*" >&2; }
+export PIP_DISABLE_PIP_VERSION_CHECK=1  # no "new release of pip" notice in the build output
 
 have_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
-setup_venv() {
-  if [ ! -x "$PY" ]; then
-    log "creating venv at $VENV"
-    python3 -m venv "$VENV" || {
-      log "python3 -m venv failed; installing python3-venv"
-      apt-get update -qq && apt-get install -y -qq python3-venv && python3 -m venv "$VENV"
-    }
-  fi
+# Python packages the build and the tests need; find_spec only, so the check is instant.
+PIP_PACKAGES=(numpy pytest hypothesis xxhash)
+missing_modules() {  # prints the modules in "$@" that do not import in the venv
+  "$PY" -I -c 'import importlib.util as u, sys; print(" ".join(m for m in sys.argv[1:] if u.find_spec(m) is None))' "$@"
+}
+
+# Runs "$@" with its output captured; prints it only if the command fails.
+quiet_unless_failed() {
+  local out
+  if ! out=$("$@" 2>&1); then printf '%s\n' "$out" >&2; return 1; fi
+}
+
+ensure_venv() {
+  [ -x "$PY" ] && return 0
+  log "creating venv at $VENV"
+  python3 -m venv "$VENV" 2>/dev/null || {
+    log "python3 -m venv failed; installing the Debian package python3-venv"
+    apt_install python3-venv && python3 -m venv "$VENV"
+  }
+  "$PY" -m pip install -q --upgrade pip "setuptools>=77" wheel
+}
+
+# Debian packages, only when missing (apt-get update only if the first try fails).
+apt_install() {
+  local pkg missing=()
+  for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  log "installing Debian packages: ${missing[*]}"
+  apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 \
+    || { apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null; }
+}
+
+ensure_pip_packages() {
   local paddle_pkg=paddlepaddle
   if have_gpu; then paddle_pkg=paddlepaddle-gpu; fi
-  # One pip call, quiet; a no-op when everything is installed already.
-  if ! "$PY" -c "import paddle, numpy, pytest, hypothesis, xxhash" >/dev/null 2>&1; then
-    log "installing pip packages ($paddle_pkg, numpy, pytest, hypothesis, xxhash)"
-    "$PY" -m pip install -q --upgrade pip setuptools wheel
-    "$PY" -m pip install -q "$paddle_pkg>=3.0" numpy pytest hypothesis xxhash \
-      || { log "$paddle_pkg failed; falling back to CPU paddlepaddle"; "$PY" -m pip install -q "paddlepaddle>=3.0" numpy pytest hypothesis xxhash; }
-  fi
-  "$PY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+  local missing
+  missing=$(missing_modules paddle setuptools "${PIP_PACKAGES[@]}")
+  [ -z "$missing" ] && return 0
+  # One pip call, quiet; skipped entirely when everything imports already.
+  log "installing pip packages ($paddle_pkg, ${PIP_PACKAGES[*]})"
+  "$PY" -m pip install -q "setuptools>=77" wheel "$paddle_pkg>=3.0" "${PIP_PACKAGES[@]}" \
+    || { log "$paddle_pkg failed; falling back to CPU paddlepaddle"; "$PY" -m pip install -q "paddlepaddle>=3.0" "${PIP_PACKAGES[@]}"; }
 }
+
+# `pip install -e .` only when the packaging files changed (or the venv lacks it): a second
+# build prints nothing and spends no time in pip.
+ensure_editable_install() {
+  local stamp="$VENV/.fdkv-editable" want
+  want="$ROOT $(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+     && (cd / && "$PY" -I -c 'import sys, fastdeploy_kvcache as m; sys.exit(not m.__file__.startswith(sys.argv[1]))' "$ROOT/" 2>/dev/null); then
+    return 0
+  fi
+  log "pip install -e . (editable: the checkout's build/ holds the compiled libraries)"
+  # setuptools' notices (e.g. on editable installs of a flat layout) show only on failure.
+  quiet_unless_failed "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+  printf '%s\n' "$want" > "$stamp"
+}
+
+setup_venv() { ensure_venv; ensure_pip_packages; ensure_editable_install; }
 
 # Mooncake Store client (storage tier's mooncake backend and its tests): the Debian package
 # libibverbs1 (only when missing; apt-get update only when the install needs it) and the
@@ -53,12 +97,29 @@ install_mooncake() {
   fi
 }
 
-build_capi_cpu() { bash custom_ops/capi/build_capi.sh cpu; }
-build_capi_gpu() { bash custom_ops/capi/build_capi.sh gpu; }
+die() { log "error: $*"; exit 1; }
+have_nvcc() { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; }
+
+# Runs "$@", passing its output on except the "... is up to date" lines, so that a build
+# with nothing to do prints nothing; a real build or an error shows in full.
+quiet_when_current() {
+  local st
+  set +e
+  "$@" 2>&1 | grep -v '^\[build_capi\] .* is up to date$' >&2
+  st=("${PIPESTATUS[@]}")
+  set -e
+  return "${st[0]}"
+}
+
+build_capi_cpu() { quiet_when_current bash custom_ops/capi/build_capi.sh cpu; }
+build_capi_gpu() {
+  have_nvcc || die "the CUDA C ABI library needs nvcc (the CUDA toolkit): none on PATH or in /usr/local/cuda/bin"
+  quiet_when_current bash custom_ops/capi/build_capi.sh gpu
+}
 # On a machine with a GPU and nvcc, `build`/`test` also build the CUDA C ABI so that
 # tests/gpu run instead of skipping.
 build_capi_gpu_if_possible() {
-  if have_gpu && { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; }; then build_capi_gpu; fi
+  if have_gpu && have_nvcc; then build_capi_gpu; fi
 }
 build_paddle_ops() { "$PY" setup_ops.py; }
 
@@ -69,12 +130,16 @@ case "$cmd" in
   test)
     setup_venv; install_mooncake; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops
     shift || true
+    # In CI an op test that finds no compiled ops fails instead of skipping (.ci/run sets it too).
+    if [ "${CI:-}" = true ] || [ "${CI:-}" = 1 ]; then export FDKV_REQUIRE_OPS=${FDKV_REQUIRE_OPS:-1}; fi
     # -rs prints every skipped test with its reason (the GPU tests say what they need).
     "$PY" -m pytest -q -rs tests "$@" ;;
   gpu)
     build_capi_gpu ;;
   gpu-test)
     # On a GPU machine without the venv (the device machine): system python3 with CuPy.
+    # Without a GPU every test would skip and the run would look green: refuse instead.
+    have_gpu || die "gpu-test needs an NVIDIA GPU, and \`nvidia-smi -L\` lists none on this machine; run it on a GPU machine (\`bash build.sh test\` runs the CPU suite)"
     build_capi_gpu
     shift || true
     PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "${GPU_PY:-python3}" -m pytest -q -rs -p no:cacheprovider tests/gpu "$@" ;;
