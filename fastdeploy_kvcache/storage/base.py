@@ -1,0 +1,230 @@
+"""The storage tier's backend interface, its typed errors, and its per-key status codes.
+
+A storage backend holds *objects*: one object is one KV block (all layers, K and V, and
+scales where there are any) as one contiguous byte string, under a key from
+:mod:`fastdeploy_kvcache.storage.keys`.  Backends move bytes between objects and host
+memory the caller owns (registered once with :meth:`StorageBackend.register_buffer`), so a
+put or get is a copy between that memory and the store, never through Python ``bytes``.
+
+Result convention (one for every backend)
+-----------------------------------------
+* A batch call that could not run *at all* raises :class:`StorageError`: bad arguments
+  (``kind="invalid"``), the tier is off or the store cannot be reached
+  (``"unreachable"``), the call ran past its time limit (``"timeout"``), the write queue
+  is full (``"busy"``).
+* Otherwise it returns one ``int`` per key, so a partly failed batch is visible key by
+  key: for gets, the number of bytes read (``>= 0``) or a negative :class:`Status`; for
+  puts, ``Status.OK`` (0) or a negative :class:`Status`.  A get that returns a negative
+  status wrote nothing the caller may use; the caller treats that block as a miss and
+  recomputes it.
+
+NOTE: per-key ints rather than exceptions because a batch of 64 blocks where block 40 was
+evicted between the existence check and the get is the normal case, not an exceptional
+one: the scheduler uses the prefix that did arrive (keys 0..39) and recomputes the rest.
+
+A node counts as stored only once a put has returned ``Status.OK`` for its key; an async
+put (:meth:`StorageBackend.submit_put_from`) is a future of the same list.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ERROR_KINDS",
+    "Status",
+    "StorageError",
+    "StorageHealth",
+    "StorageBackend",
+    "validate_batch",
+]
+
+ERROR_KINDS = ("unreachable", "full", "missing", "corrupt", "timeout", "io", "invalid", "busy")
+"""Every ``StorageError.kind`` and every key of the ``errors`` counters in ``stats()``."""
+
+
+class Status(enum.IntEnum):
+    """Per-key result of a batch get or put.  Gets return bytes read (>= 0) instead of OK."""
+
+    OK = 0
+    MISSING = -1
+    """No object under the key (never stored, evicted, or removed since an exists check)."""
+    CORRUPT = -2
+    """The object failed its checksum or is truncated; it was deleted and counted."""
+    FULL = -3
+    """No space: the store is full (Mooncake -200) or the disk is (ENOSPC, free-space floor)."""
+    UNREACHABLE = -4
+    """The store could not be reached for this key (Mooncake RPC/transfer failure)."""
+    TIMEOUT = -5
+    IO = -6
+    """Any other I/O error (permissions, a short read of a healthy file...)."""
+    INVALID = -7
+    """Bad arguments for this key, e.g. a buffer smaller than the object."""
+
+    @property
+    def kind(self) -> str:
+        """The ``StorageError.kind`` / ``stats()['errors']`` name of a failure status."""
+        return _STATUS_KIND[self]
+
+
+_STATUS_KIND = {
+    Status.OK: "ok",
+    Status.MISSING: "missing",
+    Status.CORRUPT: "corrupt",
+    Status.FULL: "full",
+    Status.UNREACHABLE: "unreachable",
+    Status.TIMEOUT: "timeout",
+    Status.IO: "io",
+    Status.INVALID: "invalid",
+}
+
+
+class StorageError(RuntimeError):
+    """A storage call that failed as a whole.  ``kind`` is one of :data:`ERROR_KINDS`."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        if kind not in ERROR_KINDS:
+            raise ValueError(f"StorageError kind must be one of {ERROR_KINDS}, got {kind!r}")
+        super().__init__(f"[{kind}] {message}")
+        self.kind = kind
+
+
+@dataclass
+class StorageHealth:
+    """What the scheduler needs to decide whether to use the tier this step.
+
+    ``available`` is the one bit it must check: False means every call would raise
+    ``StorageError("unreachable")`` right now (tier off: not set up yet, or the breaker is
+    open).  The rest is for logs and metrics.
+    """
+
+    available: bool
+    backend: str
+    breaker: str = "closed"  # closed | open | half_open
+    consecutive_failures: int = 0
+    detail: str = ""
+    used_bytes: Optional[int] = None
+    capacity_bytes: Optional[int] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def validate_batch(op: str, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
+    """Raise ``StorageError("invalid")`` naming the argument and index of bad batch input.
+
+    Checked before anything is read or written, so a bad batch changes nothing.
+    """
+    if not (len(keys) == len(ptrs) == len(sizes)):
+        raise StorageError(
+            "invalid", f"{op}: keys, ptrs and sizes differ in length ({len(keys)}, {len(ptrs)}, {len(sizes)})"
+        )
+    seen: set[str] = set()
+    for i, (key, ptr, size) in enumerate(zip(keys, ptrs, sizes)):
+        if not isinstance(key, str) or not key:
+            raise StorageError("invalid", f"{op}: keys[{i}] must be a non-empty str, got {key!r}")
+        if key in seen:
+            raise StorageError("invalid", f"{op}: keys[{i}] = {key!r} appears twice in one batch")
+        seen.add(key)
+        if not isinstance(ptr, int) or isinstance(ptr, bool) or ptr <= 0:
+            raise StorageError("invalid", f"{op}: ptrs[{i}] must be a non-null address (int), got {ptr!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise StorageError("invalid", f"{op}: sizes[{i}] must be a positive int, got {size!r}")
+
+
+class StorageBackend(abc.ABC):
+    """One storage tier backend (``file`` or ``mooncake``).
+
+    Thread safety: every method may be called from any thread; batch calls from several
+    threads may run concurrently.  Nothing here blocks longer than the backend's per-call
+    time limit, and the constructor never blocks on a remote service.
+    """
+
+    name: str = "base"
+
+    # ------------------------------------------------------------------ memory
+    @abc.abstractmethod
+    def register_buffer(self, ptr: int, nbytes: int) -> None:
+        """Declare host memory that later ``ptrs`` point into (zero-copy transfers).
+
+        Register the whole staging or host pool once, at start; ptrs outside every
+        registered region are refused with ``StorageError("invalid")``.
+        """
+
+    @abc.abstractmethod
+    def unregister_buffer(self, ptr: int) -> None:
+        """Forget a region from :meth:`register_buffer` (before freeing it)."""
+
+    # ------------------------------------------------------------------ data
+    @abc.abstractmethod
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many consecutive keys from the start exist (one round trip).
+
+        Existence is a hint: a key may vanish before the get (eviction, a dead holder), which
+        the get reports as ``Status.MISSING``.
+        """
+
+    @abc.abstractmethod
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Read each object into ``ptrs[i]`` (capacity ``sizes[i]``): bytes read or a negative Status.
+
+        An object larger than its buffer gives ``Status.INVALID`` for that key and writes
+        nothing past the buffer.
+        """
+
+    @abc.abstractmethod
+    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Store ``sizes[i]`` bytes at ``ptrs[i]`` under ``keys[i]``: ``Status.OK`` or negative.
+
+        Overwrites an existing object (the bytes of a key never differ in practice, but a
+        partial object from an older writer must not survive).  Returns once the bytes are
+        stored (file: renamed into place; mooncake: acknowledged by the store), so the source
+        memory may be reused as soon as this returns.
+        """
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove the objects (missing keys are ignored); returns how many were removed."""
+
+    @abc.abstractmethod
+    def health(self) -> StorageHealth:
+        """Cheap, non-blocking: current availability and breaker state."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics: bytes/seconds read and written, errors by kind, ..."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Drain queued writes, stop threads, release the connection.  Idempotent."""
+
+    # ------------------------------------------------------------------ async
+    @abc.abstractmethod
+    def submit_put_from(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> "Future[list[int]]":
+        """Queue a :meth:`batch_put_from` on the backend's writer thread.
+
+        Returns a future of the per-key results.  The source memory must stay untouched
+        until the future is done (a host block being written is not reallocated).  Raises
+        ``StorageError("busy")`` when the bounded queue is full: the caller skips the
+        backup this step instead of blocking the scheduler.
+        """
+
+    @abc.abstractmethod
+    def submit_get_into(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> "Future[list[int]]":
+        """Queue a :meth:`batch_get_into` on the backend's reader thread (prefetch)."""
+
+    # ------------------------------------------------------------------ helpers
+    def __enter__(self) -> "StorageBackend":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

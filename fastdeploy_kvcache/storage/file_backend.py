@@ -1,0 +1,455 @@
+"""The ``file`` storage backend: one object per file in one directory, LRU-capped.
+
+On-disk object (little-endian)::
+
+    offset 0   magic   b"FDKV"
+           4   u16     format version (1)
+           6   u16     header bytes (32)
+           8   u64     payload bytes
+          16   u64     xxh3-64 of the payload
+          24   u64     reserved (0)
+          32   payload
+
+* **Atomic writes.**  Header and payload go to ``.tmp-<key>-<pid>-<n>`` in the same
+  directory with one ``writev``, then ``rename`` puts the object in place.  A crash or a
+  full disk leaves at most a temp file, which the next start deletes; a reader never sees
+  half an object under its key.
+* **Checksum.**  Verified on every read, after the payload lands in the caller's buffer
+  (zero-copy ``preadv`` into registered memory).  A mismatch or a short file counts as a
+  miss (``Status.CORRUPT``); the file is deleted and ``corrupt_objects`` counted.
+* **Capacity.**  ``capacity_bytes`` caps the files' total size; a put past it evicts the
+  least recently used objects first.  The LRU order is seeded at start from the files
+  already there (oldest ``max(atime, mtime)`` first) and a hit refreshes the file's atime,
+  so a restart keeps the order.  ``min_free_bytes`` keeps a floor of free space on the file
+  system: a put that would cross it evicts too, and fails with ``Status.FULL`` when nothing
+  of ours is left to evict.  ``ENOSPC`` is ``Status.FULL`` too, with the temp file removed.
+* **Threads.**  ``batch_get_into`` / ``batch_put_from`` spread one batch's keys over
+  ``io_threads`` threads (file I/O releases the GIL; an NVMe drive wants several requests
+  in flight).  ``submit_put_from`` queues a batch on the writer thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import logging
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import xxhash
+
+from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError, StorageHealth, validate_batch
+from fastdeploy_kvcache.storage.buffers import BufferRegistry
+from fastdeploy_kvcache.storage.executor import BoundedExecutor
+from fastdeploy_kvcache.storage.stats import StorageStats
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FileBackend", "HEADER", "MAGIC"]
+
+MAGIC = b"FDKV"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sHHQQQ")
+assert HEADER.size == 32
+_SUFFIX = ".kv"
+_TMP_PREFIX = ".tmp-"
+# A key is a file name with ':' spelled '='; keys.KEY_RE keys never contain '=' or '/'.
+_ALLOWED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-:")
+_MAX_KEY_LEN = 200
+
+
+def _mem(ptr: int, size: int) -> memoryview:
+    """A writable memoryview over ``size`` bytes at ``ptr`` (no copy)."""
+    return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+
+
+class FileBackend(StorageBackend):
+    """Objects as files under ``path``.
+
+    Args:
+        path: the directory (created if missing).  Several processes may share it; each keeps
+            its own LRU view, and a file evicted by another process is simply a miss.
+        capacity_bytes: cap on the objects' total size (``--kvcache-storage-size``); 0 means
+            no cap besides ``min_free_bytes``.
+        min_free_bytes: free space on the file system that puts never consume.
+        io_threads: threads one batch's keys are spread over.
+        max_pending_writes: batches queued on the writer thread before ``submit_put_from``
+            answers ``StorageError("busy")``.
+        fsync: fsync each object before the rename (durable across power loss; slower).
+    """
+
+    name = "file"
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        capacity_bytes: int = 0,
+        min_free_bytes: int = 1 << 30,
+        io_threads: int = 4,
+        max_pending_writes: int = 64,
+        fsync: bool = False,
+    ) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0 (0: no cap), got {capacity_bytes}")
+        if min_free_bytes < 0:
+            raise ValueError(f"min_free_bytes must be >= 0, got {min_free_bytes}")
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._dir = str(self.path)
+        self.capacity_bytes = int(capacity_bytes)
+        self.min_free_bytes = int(min_free_bytes)
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._lru: "OrderedDict[str, int]" = OrderedDict()  # key -> object bytes, oldest first
+        self._used = 0
+        self._tmp_counter = itertools.count()
+        self._buffers = BufferRegistry()
+        self._stats = StorageStats()
+        self._closed = False
+        self._seed()
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="fdkv-file-io") if io_threads > 1 else None
+        self._writer = BoundedExecutor("fdkv-file-writer", max_pending_writes)
+        self._reader = BoundedExecutor("fdkv-file-reader", max_pending_writes)
+
+    # ------------------------------------------------------------------ names
+    @staticmethod
+    def _check_key(op: str, index: int, key: str) -> None:
+        if len(key) > _MAX_KEY_LEN or not _ALLOWED.issuperset(key):
+            raise StorageError(
+                "invalid",
+                f"{op}: keys[{index}] = {key!r} must be at most {_MAX_KEY_LEN} characters of [A-Za-z0-9._-:]",
+            )
+
+    def _file(self, key: str) -> str:
+        return os.path.join(self._dir, key.replace(":", "=") + _SUFFIX)
+
+    @staticmethod
+    def _key_of(filename: str) -> Optional[str]:
+        if not filename.endswith(_SUFFIX) or filename.startswith("."):
+            return None
+        return filename[: -len(_SUFFIX)].replace("=", ":")
+
+    # ------------------------------------------------------------------ start-up
+    def _seed(self) -> None:
+        """Rebuild the LRU from the directory: oldest use first; drop stale temp files."""
+        entries: list[tuple[float, str, int]] = []
+        stale = 0
+        with os.scandir(self._dir) as it:
+            for entry in it:
+                if entry.name.startswith(_TMP_PREFIX):
+                    try:
+                        os.unlink(entry.path)
+                        stale += 1
+                    except OSError:
+                        pass
+                    continue
+                key = self._key_of(entry.name)
+                if key is None or not entry.is_file(follow_symlinks=False):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                entries.append((max(st.st_atime, st.st_mtime), key, st.st_size))
+        entries.sort()
+        for _, key, size in entries:
+            self._lru[key] = size
+            self._used += size
+        evicted = self._evict_locked(0) if self.capacity_bytes else 0
+        logger.info(
+            "file storage %s: %d objects, %.3f GiB (cap %s), %d stale temp files removed, %d evicted to fit",
+            self._dir, len(self._lru), self._used / (1 << 30),
+            f"{self.capacity_bytes / (1 << 30):.3f} GiB" if self.capacity_bytes else "none", stale, evicted,
+        )
+
+    # ------------------------------------------------------------------ LRU and space
+    def _evict_locked(self, incoming: int) -> int:
+        """Evict LRU objects until ``incoming`` more bytes fit under the cap; returns count."""
+        count = 0
+        while self._lru and self._used + incoming > self.capacity_bytes:
+            self._drop_oldest_locked()
+            count += 1
+        return count
+
+    def _drop_oldest_locked(self) -> None:
+        key, size = self._lru.popitem(last=False)
+        self._used -= size
+        try:
+            os.unlink(self._file(key))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("file storage: could not evict %s: %s", key, exc)
+        self._stats.add("evicted")
+
+    def _free_bytes(self) -> int:
+        st = os.statvfs(self._dir)
+        return st.f_bavail * st.f_frsize
+
+    def _reserve(self, key: str, size: int) -> bool:
+        """Make room for an object of ``size`` bytes; False when it cannot fit at all."""
+        nbytes = size + HEADER.size
+        with self._lock:
+            if self.capacity_bytes and nbytes > self.capacity_bytes:
+                return False
+            old = self._lru.pop(key, None)
+            if old is not None:
+                self._used -= old
+            if self.capacity_bytes:
+                self._evict_locked(nbytes)
+            if self.min_free_bytes:
+                # NOTE: statvfs per put (a few µs) rather than a cached figure: other processes
+                # (and other stores) fill the same disk.
+                free = self._free_bytes() + (old or 0)
+                while free - nbytes < self.min_free_bytes and self._lru:
+                    oldest_size = next(iter(self._lru.values()))
+                    self._drop_oldest_locked()
+                    free += oldest_size
+                if free - nbytes < self.min_free_bytes:
+                    return False
+            # Count it now so concurrent puts see the space as taken.
+            self._lru[key] = nbytes
+            self._used += nbytes
+            return True
+
+    def _unreserve(self, key: str) -> None:
+        with self._lock:
+            size = self._lru.pop(key, None)
+            if size is not None:
+                self._used -= size
+
+    def _touch(self, key: str, path: str) -> None:
+        with self._lock:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+        try:
+            st = os.stat(path)
+            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))  # atime = last use, for the next start
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ one object
+    def _put_one(self, key: str, ptr: int, size: int) -> int:
+        if not self._reserve(key, size):
+            return Status.FULL
+        payload = _mem(ptr, size)
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, HEADER.size, size, xxhash.xxh3_64_intdigest(payload), 0)
+        tmp = os.path.join(self._dir, f"{_TMP_PREFIX}{key.replace(':', '=')}-{os.getpid()}-{next(self._tmp_counter)}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            self._unreserve(key)
+            return self._os_status("put", key, exc)
+        try:
+            try:
+                views = [memoryview(header), payload]
+                remaining = HEADER.size + size
+                while remaining:
+                    written = os.writev(fd, views)
+                    remaining -= written
+                    views = _advance(views, written)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self._file(key))
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            self._unreserve(key)
+            return self._os_status("put", key, exc)
+        with self._lock:
+            evicted_meanwhile = key not in self._lru
+        if evicted_meanwhile:
+            # NOTE: a tiny cap let concurrent puts evict this key's reservation while its
+            # bytes were being written; an untracked file would escape the cap, so drop it.
+            try:
+                os.unlink(self._file(key))
+            except OSError:
+                pass
+            return Status.FULL
+        return Status.OK
+
+    def _get_one(self, key: str, ptr: int, size: int) -> int:
+        path = self._file(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            self._forget(key)
+            return Status.MISSING
+        except OSError as exc:
+            return self._os_status("get", key, exc)
+        try:
+            file_size = os.fstat(fd).st_size
+            raw = os.pread(fd, HEADER.size, 0)
+            if len(raw) < HEADER.size:
+                return self._corrupt(key, path, f"{len(raw)}-byte file has no header")
+            magic, version, header_size, payload_size, checksum, _ = HEADER.unpack(raw)
+            if magic != MAGIC or version != FORMAT_VERSION or header_size != HEADER.size:
+                return self._corrupt(key, path, f"bad header (magic {magic!r}, version {version})")
+            if file_size != HEADER.size + payload_size:
+                return self._corrupt(key, path, f"file has {file_size} bytes, header says {HEADER.size + payload_size}")
+            if payload_size > size:
+                logger.warning("file storage get %s: object has %d bytes, buffer %d", key, payload_size, size)
+                return Status.INVALID
+            view = _mem(ptr, payload_size)
+            got = os.preadv(fd, [view], HEADER.size)
+            if got != payload_size:
+                return self._corrupt(key, path, f"short read: {got} of {payload_size} bytes")
+            if xxhash.xxh3_64_intdigest(view) != checksum:
+                return self._corrupt(key, path, "checksum mismatch")
+        except OSError as exc:
+            return self._os_status("get", key, exc)
+        finally:
+            os.close(fd)
+        self._touch(key, path)
+        return payload_size
+
+    def _corrupt(self, key: str, path: str, why: str) -> int:
+        logger.warning("file storage: corrupt object %s (%s): deleted, counted as a miss", key, why)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        self._forget(key)
+        return Status.CORRUPT
+
+    def _forget(self, key: str) -> None:
+        self._unreserve(key)
+
+    def _os_status(self, op: str, key: str, exc: OSError) -> int:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            logger.warning("file storage %s %s: disk full (%s)", op, key, exc)
+            return Status.FULL
+        logger.warning("file storage %s %s: %s", op, key, exc)
+        return Status.IO
+
+    # ------------------------------------------------------------------ batches
+    def _map(self, fn: Any, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        if self._pool is None or len(keys) == 1:
+            return [int(fn(k, p, s)) for k, p, s in zip(keys, ptrs, sizes)]
+        return [int(r) for r in self._pool.map(fn, keys, ptrs, sizes)]
+
+    def _check(self, op: str, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
+        if self._closed:
+            raise StorageError("unreachable", f"{op}: the file backend is closed")
+        validate_batch(op, keys, ptrs, sizes)
+        for i, key in enumerate(keys):
+            self._check_key(op, i, key)
+        self._buffers.check(op, ptrs, sizes)
+
+    def register_buffer(self, ptr: int, nbytes: int) -> None:
+        self._buffers.add(ptr, nbytes)
+
+    def unregister_buffer(self, ptr: int) -> None:
+        self._buffers.remove(ptr)
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """Consecutive keys from the start whose files exist (a stat each, no read)."""
+        self._stats.add("exists_calls")
+        count = 0
+        for i, key in enumerate(keys):
+            self._check_key("batch_exists", i, key)
+            if not os.path.exists(self._file(key)):
+                break
+            count += 1
+        return count
+
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        self._check("batch_get_into", keys, ptrs, sizes)
+        start = time.perf_counter()
+        results = self._map(self._get_one, keys, ptrs, sizes)
+        self._stats.record_reads(results, time.perf_counter() - start)
+        return results
+
+    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        self._check("batch_put_from", keys, ptrs, sizes)
+        start = time.perf_counter()
+        results = self._map(self._put_one, keys, ptrs, sizes)
+        self._stats.record_writes(results, list(sizes), time.perf_counter() - start)
+        return results
+
+    def submit_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> "Future[list[int]]":
+        self._check("submit_put_from", keys, ptrs, sizes)  # bad input fails now, not in the future
+        return self._writer.submit(self.batch_put_from, list(keys), list(ptrs), list(sizes))
+
+    def submit_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> "Future[list[int]]":
+        self._check("submit_get_into", keys, ptrs, sizes)
+        return self._reader.submit(self.batch_get_into, list(keys), list(ptrs), list(sizes))
+
+    def delete(self, keys: Sequence[str]) -> int:
+        removed = 0
+        for i, key in enumerate(keys):
+            self._check_key("delete", i, key)
+            with self._lock:
+                size = self._lru.pop(key, None)
+                if size is not None:
+                    self._used -= size
+                try:
+                    os.unlink(self._file(key))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        self._stats.add("deleted", removed)
+        return removed
+
+    # ------------------------------------------------------------------ state
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def lru_keys(self) -> list[str]:
+        """Keys, least recently used first (tests and debugging)."""
+        with self._lock:
+            return list(self._lru)
+
+    def health(self) -> StorageHealth:
+        try:
+            free = self._free_bytes()
+            ok = not self._closed
+            detail = f"{free / (1 << 30):.2f} GiB free on the file system"
+        except OSError as exc:
+            free, ok, detail = 0, False, f"statvfs failed: {exc}"
+        return StorageHealth(
+            available=ok, backend=self.name, breaker="closed", detail=detail,
+            used_bytes=self._used, capacity_bytes=self.capacity_bytes or None,
+            extra={"free_bytes": free, "objects": len(self._lru)},
+        )
+
+    def stats(self) -> dict[str, Any]:
+        snap = self._stats.snapshot()
+        snap.update(backend=self.name, used_bytes=self._used, capacity_bytes=self.capacity_bytes,
+                    objects=len(self._lru), breaker_state="closed", pending_writes=self._writer.pending())
+        return snap
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._writer.close()
+        self._reader.close()
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The iovec list after ``nbytes`` of it were written (a short writev)."""
+    out = []
+    for v in views:
+        if nbytes >= len(v):
+            nbytes -= len(v)
+            continue
+        out.append(v[nbytes:])
+        nbytes = 0
+    return out

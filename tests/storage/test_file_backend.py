@@ -1,0 +1,280 @@
+"""The file backend on real directories (and a real 1 MiB tmpfs for the disk-full case)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastdeploy_kvcache.storage import Status, StorageError
+from fastdeploy_kvcache.storage.executor import BoundedExecutor
+from fastdeploy_kvcache.storage.file_backend import HEADER, FileBackend
+
+from .conftest import HostArena
+
+NS = "fdkv1-test-0123456789abcdef-tp0of1"
+
+
+def key(i: int) -> str:
+    return f"{NS}:{i:032x}"
+
+
+def make(path: Path, arena: HostArena, **kw) -> FileBackend:
+    kw.setdefault("min_free_bytes", 0)
+    backend = FileBackend(path, **kw)
+    backend.register_buffer(arena.ptr, arena.nbytes)
+    return backend
+
+
+def put(backend: FileBackend, arena: HostArena, ids: list[int], slots: list[int]) -> list[int]:
+    return backend.batch_put_from([key(i) for i in ids], [arena.slot_ptr(s) for s in slots], [arena.slot_bytes] * len(ids))
+
+
+def get(backend: FileBackend, arena: HostArena, ids: list[int], slots: list[int]) -> list[int]:
+    return backend.batch_get_into([key(i) for i in ids], [arena.slot_ptr(s) for s in slots], [arena.slot_bytes] * len(ids))
+
+
+def test_put_get_exists_delete_roundtrip(tmp_path: Path, arena: HostArena) -> None:
+    backend = make(tmp_path, arena)
+    data = [arena.fill(i, seed=i) for i in range(4)]
+    assert put(backend, arena, [0, 1, 2, 3], [0, 1, 2, 3]) == [Status.OK] * 4
+    assert backend.batch_exists([key(0), key(1), key(2), key(3)]) == 4
+    assert backend.batch_exists([key(0), key(9), key(2)]) == 1  # stops at the first miss
+    assert backend.batch_exists([key(9), key(0)]) == 0
+    assert get(backend, arena, [2, 0, 3, 1], [8, 9, 10, 11]) == [arena.slot_bytes] * 4
+    for slot, i in zip([8, 9, 10, 11], [2, 0, 3, 1]):
+        np.testing.assert_array_equal(arena.slot(slot), data[i])
+    assert backend.delete([key(1), key(7)]) == 1
+    assert get(backend, arena, [0, 1], [12, 13]) == [arena.slot_bytes, Status.MISSING]
+    stats = backend.stats()
+    assert stats["write_bytes"] == 4 * arena.slot_bytes and stats["read_bytes"] == 5 * arena.slot_bytes
+    assert stats["hits"] == 5 and stats["misses"] == 1 and stats["errors"]["missing"] == 0
+    assert backend.used_bytes == 3 * (arena.slot_bytes + HEADER.size)
+    backend.close()
+
+
+def test_partial_batch_reports_each_key(tmp_path: Path, arena: HostArena) -> None:
+    """A hit, a miss and a too-small buffer in one batch: one result per key."""
+    backend = make(tmp_path, arena)
+    arena.fill(0, seed=5)
+    assert put(backend, arena, [0], [0]) == [Status.OK]
+    results = backend.batch_get_into(
+        [key(0), key(1)],
+        [arena.slot_ptr(1), arena.slot_ptr(2)], [arena.slot_bytes, arena.slot_bytes],
+    )
+    assert results == [arena.slot_bytes, Status.MISSING]
+    # Buffer smaller than the object: INVALID for that key, nothing written past it.
+    arena.slot(3)[:] = 7
+    small = backend.batch_get_into([key(0)], [arena.slot_ptr(3)], [100])
+    assert small == [Status.INVALID]
+    assert (arena.slot(3) == 7).all()
+    assert backend.stats()["errors"]["invalid"] == 1
+    backend.close()
+
+
+def test_bad_input_raises_and_writes_nothing(tmp_path: Path, arena: HostArena) -> None:
+    backend = make(tmp_path, arena)
+    outside = np.zeros(1024, dtype=np.uint8)
+    with pytest.raises(StorageError, match=r"ptrs\[0\].*not inside a registered buffer") as info:
+        backend.batch_put_from([key(0)], [int(outside.ctypes.data)], [1024])
+    assert info.value.kind == "invalid"
+    with pytest.raises(StorageError, match=r"keys\[1\].*twice"):
+        put(backend, arena, [3, 3], [0, 1])
+    with pytest.raises(StorageError, match=r"keys\[0\]"):
+        backend.batch_put_from(["bad/key"], [arena.ptr], [16])
+    with pytest.raises(StorageError, match="differ in length"):
+        backend.batch_put_from([key(0)], [arena.ptr, arena.ptr], [16])
+    with pytest.raises(StorageError, match=r"ptrs\[0\].*\+"):
+        backend.batch_put_from([key(0)], [arena.ptr + arena.nbytes - 8], [16])  # runs past the end
+    assert list(tmp_path.iterdir()) == []
+    backend.close()
+
+
+def test_writes_are_atomic_and_stale_temp_files_are_removed(tmp_path: Path, arena: HostArena) -> None:
+    backend = make(tmp_path, arena)
+    arena.fill(0, seed=1)
+    assert put(backend, arena, [0], [0]) == [Status.OK]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) == 1 and names[0].endswith(".kv")  # no temp file left behind
+    backend.close()
+    # A crash mid-write leaves only a temp file: it is never visible under its key, and the
+    # next start removes it.
+    stale = tmp_path / f".tmp-{key(1).replace(':', '=')}-999-0"
+    stale.write_bytes(b"half an object")
+    backend = make(tmp_path, arena)
+    assert not stale.exists()
+    assert backend.batch_exists([key(1)]) == 0
+    assert len(backend) == 1
+    backend.close()
+
+
+def test_lru_cap_evicts_least_recently_used(tmp_path: Path, arena: HostArena) -> None:
+    obj = arena.slot_bytes + HEADER.size
+    backend = make(tmp_path, arena, capacity_bytes=3 * obj)
+    for i in range(3):
+        arena.fill(i, seed=i)
+    assert put(backend, arena, [0, 1, 2], [0, 1, 2]) == [Status.OK] * 3
+    assert get(backend, arena, [0], [5]) == [arena.slot_bytes]  # 0 becomes most recent
+    assert put(backend, arena, [3], [3]) == [Status.OK]  # evicts 1, the least recent
+    assert backend.lru_keys() == [key(2), key(0), key(3)]
+    assert backend.batch_exists([key(1)]) == 0 and not (tmp_path / (key(1).replace(":", "=") + ".kv")).exists()
+    assert backend.used_bytes == 3 * obj
+    assert backend.stats()["evicted"] == 1
+    # An object larger than the whole cap never fits: FULL, nothing evicted.
+    tiny = make(tmp_path / "tiny", arena, capacity_bytes=obj - 1)
+    assert put(tiny, arena, [0], [0]) == [Status.FULL]
+    assert tiny.stats()["errors"]["full"] == 1
+    tiny.close()
+    backend.close()
+
+
+def test_seeding_from_existing_directory_and_restart(tmp_path: Path, arena: HostArena) -> None:
+    obj = arena.slot_bytes + HEADER.size
+    first = make(tmp_path, arena)
+    data = [arena.fill(i, seed=100 + i) for i in range(4)]
+    assert put(first, arena, [0, 1, 2, 3], [0, 1, 2, 3]) == [Status.OK] * 4
+    first.close()
+    # Last use, oldest first: 2, 0, 3, 1 (set explicitly: file times are the LRU's memory).
+    now = time.time()
+    for age, i in zip([40, 30, 20, 10], [2, 0, 3, 1]):
+        p = tmp_path / (key(i).replace(":", "=") + ".kv")
+        os.utime(p, (now - age, now - age))
+    # A restarted backend finds every object, in that order ...
+    second = make(tmp_path, arena)
+    assert second.lru_keys() == [key(2), key(0), key(3), key(1)]
+    assert get(second, arena, [0, 1, 2, 3], [4, 5, 6, 7]) == [arena.slot_bytes] * 4
+    for slot, i in zip([4, 5, 6, 7], range(4)):
+        np.testing.assert_array_equal(arena.slot(slot), data[i])
+    second.close()
+    for age, i in zip([40, 30, 20, 10], [2, 0, 3, 1]):
+        p = tmp_path / (key(i).replace(":", "=") + ".kv")
+        os.utime(p, (now - age, now - age))
+    # ... and a smaller cap at start evicts the oldest to fit.
+    third = make(tmp_path, arena, capacity_bytes=2 * obj)
+    assert third.lru_keys() == [key(3), key(1)]
+    assert third.batch_exists([key(2)]) == 0 and third.batch_exists([key(0)]) == 0
+    third.close()
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "bad_magic"])
+def test_corrupt_object_is_a_miss_deleted_and_counted(tmp_path: Path, arena: HostArena, damage: str) -> None:
+    backend = make(tmp_path, arena)
+    arena.fill(0, seed=3)
+    arena.fill(1, seed=4)
+    assert put(backend, arena, [0, 1], [0, 1]) == [Status.OK] * 2
+    path = tmp_path / (key(0).replace(":", "=") + ".kv")
+    raw = bytearray(path.read_bytes())
+    if damage == "flip_payload":
+        raw[HEADER.size + 1234] ^= 0x40
+    elif damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    else:
+        raw[0:4] = b"XXXX"
+    path.write_bytes(bytes(raw))
+    assert get(backend, arena, [0, 1], [5, 6]) == [Status.CORRUPT, arena.slot_bytes]
+    assert not path.exists()
+    assert backend.batch_exists([key(0)]) == 0
+    stats = backend.stats()
+    assert stats["corrupt_objects"] == 1 and stats["errors"]["corrupt"] == 1 and stats["misses"] == 1
+    assert len(backend) == 1
+    backend.close()
+
+
+def test_async_put_completes_before_counting_as_stored(tmp_path: Path, arena: HostArena) -> None:
+    backend = make(tmp_path, arena)
+    arena.fill(0, seed=8)
+    future = backend.submit_put_from([key(0)], [arena.slot_ptr(0)], [arena.slot_bytes])
+    assert future.result(timeout=10) == [Status.OK]
+    assert backend.batch_exists([key(0)]) == 1
+    # Bad input fails at submit time, not later in the future.
+    with pytest.raises(StorageError):
+        backend.submit_put_from([key(0)], [1], [arena.slot_bytes])
+    # close() drains what is queued.
+    futures = [backend.submit_put_from([key(10 + i)], [arena.slot_ptr(0)], [arena.slot_bytes]) for i in range(5)]
+    backend.close()
+    assert [f.result(timeout=0) for f in futures] == [[Status.OK]] * 5
+    with pytest.raises(StorageError) as info:
+        put(backend, arena, [1], [1])
+    assert info.value.kind == "unreachable"
+
+
+def test_bounded_executor_refuses_when_full() -> None:
+    gate = threading.Event()
+    ex = BoundedExecutor("test", max_pending=2)
+    first = ex.submit(gate.wait, 10)  # the thread takes it and blocks
+    time.sleep(0.05)
+    queued = [ex.submit(lambda: 1), ex.submit(lambda: 2)]
+    with pytest.raises(StorageError) as info:
+        ex.submit(lambda: 3)
+    assert info.value.kind == "busy"
+    gate.set()
+    assert first.result(5) is True and [f.result(5) for f in queued] == [1, 2]
+    failing = ex.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.result(5)
+    ex.close()
+
+
+def test_free_space_floor_refuses_put(tmp_path: Path, arena: HostArena) -> None:
+    """A floor above the free space: a put is FULL and leaves nothing (no root needed)."""
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    backend = make(tmp_path, arena, min_free_bytes=free + (1 << 30))
+    assert put(backend, arena, [0], [0]) == [Status.FULL]
+    assert list(tmp_path.iterdir()) == []
+    backend.close()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path):
+    """A real 1 MiB tmpfs, so a write runs into ENOSPC."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(
+            "mounting a 1 MiB tmpfs needs root with CAP_SYS_ADMIN (run the tests as root in a "
+            f"privileged container); mount said: {proc.stderr.strip()[:200]}. "
+            "test_free_space_floor_refuses_put covers the floor without it"
+        )
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_disk_full_is_typed_and_leaves_no_partial_object(tiny_tmpfs: Path) -> None:
+    arena = HostArena(4, 300 << 10)  # 300 KiB objects: the fourth cannot fit in 1 MiB
+    backend = FileBackend(tiny_tmpfs, capacity_bytes=0, min_free_bytes=0, io_threads=1)
+    backend.register_buffer(arena.ptr, arena.nbytes)
+    data = [arena.fill(i, seed=20 + i) for i in range(4)]
+    results = [backend.batch_put_from([key(i)], [arena.slot_ptr(i)], [arena.slot_bytes])[0] for i in range(4)]
+    assert results[:3] == [Status.OK] * 3 and results[3] == Status.FULL
+    names = sorted(p.name for p in tiny_tmpfs.iterdir())
+    assert len(names) == 3 and not any(n.startswith(".tmp") for n in names)
+    assert backend.stats()["errors"]["full"] == 1
+    assert backend.batch_exists([key(3)]) == 0
+    # What was stored is intact.
+    arena.array[:] = 0
+    assert backend.batch_get_into([key(1)], [arena.slot_ptr(0)], [arena.slot_bytes]) == [arena.slot_bytes]
+    np.testing.assert_array_equal(arena.slot(0), data[1])
+    backend.close()
+
+
+def test_free_space_floor_evicts_own_objects_first(tiny_tmpfs: Path) -> None:
+    """With a floor, a put makes room by evicting our LRU objects instead of failing."""
+    arena = HostArena(4, 200 << 10)
+    backend = FileBackend(tiny_tmpfs, capacity_bytes=0, min_free_bytes=256 << 10, io_threads=1)
+    backend.register_buffer(arena.ptr, arena.nbytes)
+    for i in range(4):
+        arena.fill(i, seed=i)
+    results = [backend.batch_put_from([key(i)], [arena.slot_ptr(i)], [arena.slot_bytes])[0] for i in range(4)]
+    assert results == [Status.OK] * 4  # 1 MiB - 256 KiB floor holds 3; the fourth evicts key 0
+    assert backend.batch_exists([key(0)]) == 0 and backend.batch_exists([key(1), key(2), key(3)]) == 3
+    assert backend.stats()["evicted"] >= 1
+    backend.close()
