@@ -17,16 +17,13 @@ Per step, the engine does::
 from __future__ import annotations
 
 import ctypes
-import glob
 import logging
-import os
-import platform
-import subprocess
 import threading
 from typing import Any, Optional, Union
 
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata
+from fastdeploy_kvcache.worker import numa
 from fastdeploy_kvcache.worker.backends import Backend, make_backend
 from fastdeploy_kvcache.worker.layer_done import LayerDoneCounter
 from fastdeploy_kvcache.worker.transfer_manager import CacheLayout, ControllerClosedError, TransferManager
@@ -177,9 +174,9 @@ class CacheController:
             self._check_open()
             if self.host_cache_kvs_map:
                 raise RuntimeError("the host cache is already initialized; free_cache() first")
-            node = self._gpu_numa_node()
+            node = numa.gpu_numa_node(self.backend, self.device_id)
             self.numa_node = node
-            with _preferred_numa_node(node):
+            with numa.PreferredNumaNode(node):
                 try:
                     for layer in range(self.num_layers):
                         names = self.cache_names(layer)
@@ -218,32 +215,6 @@ class CacheController:
         self.transfer_manager.set_layout(
             CacheLayout(device, host, self.num_gpu_blocks, self.num_host_blocks, self.config.bytes_per_block)
         )
-
-    # ------------------------------------------------------------------ NUMA
-    def _gpu_numa_node(self) -> Optional[int]:
-        """NUMA node of this worker's GPU from sysfs (via its PCI bus id), or None."""
-        if not self.backend.is_cuda:
-            return None
-        try:
-            bus_id = _pci_bus_id(self.backend, self.device_id)
-            if bus_id:
-                path = f"/sys/bus/pci/devices/{bus_id.lower()}/numa_node"
-                if os.path.exists(path):
-                    with open(path) as fh:
-                        node = int(fh.read().strip())
-                    return node if node >= 0 else None
-            # NOTE: without a bus id, fall back to the first NVIDIA PCI function's node;
-            # right on single-socket and single-GPU hosts, a guess elsewhere (logged).
-            for path in sorted(glob.glob("/sys/bus/pci/devices/*/vendor")):
-                with open(path) as fh:
-                    if fh.read().strip() == "0x10de":
-                        with open(os.path.join(os.path.dirname(path), "numa_node")) as fn:
-                            node = int(fn.read().strip())
-                        logger.info("GPU %d bus id unknown; using the first NVIDIA device's NUMA node", self.device_id)
-                        return node if node >= 0 else None
-        except Exception:  # noqa: BLE001 - best effort
-            logger.warning("could not find the NUMA node of GPU %d", self.device_id, exc_info=True)
-        return None
 
     # ------------------------------------------------------------------ swaps
     def submit_swap_tasks(
@@ -369,71 +340,3 @@ class CacheController:
             numa_node=self.numa_node,
         )
         return stats
-
-
-# ---------------------------------------------------------------------- NUMA helpers
-def _pci_bus_id(backend: Backend, device_id: int) -> Optional[str]:
-    """``0000:3b:00.0``-style bus id of the GPU, through CuPy or nvidia-smi."""
-    if backend.name == "cupy":
-        try:
-            import cupy
-
-            return str(cupy.cuda.runtime.deviceGetPCIBusId(device_id))
-        except Exception:  # noqa: BLE001
-            logger.debug("cupy could not give the PCI bus id", exc_info=True)
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", str(device_id)],
-            capture_output=True, text=True, timeout=5, check=True,
-        ).stdout.strip()
-        # nvidia-smi prints an 8-digit domain (00000000:3B:00.0); sysfs uses 4 digits.
-        if out:
-            domain, rest = out.split(":", 1)
-            return f"{int(domain, 16):04x}:{rest}"
-    except Exception:  # noqa: BLE001
-        logger.debug("nvidia-smi could not give the PCI bus id", exc_info=True)
-    return None
-
-
-_MPOL_DEFAULT = 0
-_MPOL_PREFERRED = 1
-_SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
-
-
-class _preferred_numa_node:
-    """Context manager: prefer ``node`` for this thread's new pages, then restore default.
-
-    Uses the ``set_mempolicy`` system call directly, so libnuma is not required.
-    """
-
-    def __init__(self, node: Optional[int]) -> None:
-        self.node = node
-        self.bound = False
-
-    def __enter__(self) -> "_preferred_numa_node":
-        if self.node is None:
-            logger.info("NUMA binding skipped: the GPU's NUMA node is unknown")
-            return self
-        number = _SYS_SET_MEMPOLICY.get(platform.machine())
-        if number is None or self.node >= 64:
-            logger.info("NUMA binding skipped on %s (node %d)", platform.machine(), self.node)
-            return self
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            mask = ctypes.c_ulong(1 << self.node)
-            if libc.syscall(number, _MPOL_PREFERRED, ctypes.byref(mask), 65) != 0:
-                logger.warning("set_mempolicy(node %d) failed: errno %d", self.node, ctypes.get_errno())
-            else:
-                self.bound = True
-                logger.info("host cache pages preferred on NUMA node %d", self.node)
-        except Exception:  # noqa: BLE001 - best effort
-            logger.warning("NUMA binding to node %d failed", self.node, exc_info=True)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bound:
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.syscall(_SYS_SET_MEMPOLICY[platform.machine()], _MPOL_DEFAULT, None, 0)
-            except Exception:  # noqa: BLE001
-                logger.warning("could not restore the default memory policy", exc_info=True)

@@ -383,18 +383,6 @@ def test_unknown_backend_is_rejected() -> None:
         make_backend("tpu")
 
 
-def test_numa_binding_is_best_effort_and_never_raises() -> None:
-    from fastdeploy_kvcache.worker.cache_controller import _preferred_numa_node
-
-    with _preferred_numa_node(None) as binding:
-        assert not binding.bound
-    with _preferred_numa_node(0) as binding:  # node 0 exists on any Linux host; may be refused
-        data = bytearray(1 << 20)  # an allocation under the policy works either way
-        assert len(data) == 1 << 20
-    with _preferred_numa_node(10_000) as binding:  # out of the syscall's mask: skipped, logged
-        assert not binding.bound
-
-
 def test_cuda_error_surfacing_at_completion_fails_the_metadata(make_controller, monkeypatch) -> None:
     """An asynchronous device error shows up when the done event is queried: the task fails."""
     ctrl = make_controller()
@@ -600,3 +588,4 @@ def test_a_drain_timeout_names_the_direction_of_the_stuck_copy(make_controller) 
         assert other not in str(info.value) and direction.short in str(info.value)
         stream.resume()
         assert ctrl.collect_finished(wait=True) == [meta] and meta.success
+
