@@ -1,0 +1,198 @@
+"""The package works outside its checkout: the user's path, not the developer's.
+
+Builds a wheel from a copy of the sources (``pip wheel --no-build-isolation``, the
+documented install: the Paddle ops are compiled against this interpreter's Paddle), installs
+it into a fresh venv in a temporary directory, and from a directory outside the repository
+runs a swap through the C ABI library, a swap through the Paddle op, and a CacheController
+device->host->device round trip on the cpu backend, checking bytes each time.  The script
+also checks that every library was loaded from the installed package's ``_lib/``, so the
+test fails if the wheel does not ship them.
+
+Offline-tolerant: nothing is downloaded.  The wheel is installed with ``--no-deps`` and the
+new venv sees its dependencies (Paddle, numpy, xxhash) through a ``.pth`` line naming this
+interpreter's site-packages; that line adds a directory to ``sys.path`` without processing
+its ``.pth`` files, so the checkout's editable install stays invisible.
+
+About a minute (the Paddle op compiles from scratch); ``-m "not packaging"`` leaves it out.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import site
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.packaging
+
+ROOT = Path(__file__).resolve().parents[1]
+# What a wheel build reads (pyproject.toml, setup.py and what they name); a missing entry
+# shows up as a failed build here, before it does for a user.
+SOURCES = ["pyproject.toml", "setup.py", "setup_ops.py", "MANIFEST.in", "README.md", "custom_ops", "fastdeploy_kvcache"]
+IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.o", "_lib", "*.egg-info")
+
+# Runs inside the fresh venv, with the working directory outside the repository.
+SCRIPT = r'''
+import ctypes, json, sys
+from pathlib import Path
+
+import numpy as np
+
+import fastdeploy_kvcache
+from fastdeploy_kvcache import libpaths, ops
+
+venv, repo = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
+pkg = Path(fastdeploy_kvcache.__file__).resolve().parent
+assert pkg.is_relative_to(venv), f"imported {pkg}, not the installed copy under {venv}"
+assert not any(Path(p).resolve() == repo for p in sys.path if p), f"the checkout is on sys.path: {sys.path}"
+assert libpaths.checkout_build_dir() is None, "an installed package must not look for build/"
+lib_dir = pkg / "_lib"
+info = json.loads((lib_dir / "build_info.json").read_text())
+assert info["built"].get("capi_cpu") and info["built"].get("paddle_ops"), info
+
+# 1. The C ABI library (CPU build: numpy memory plays the device).
+capi = ops.load_capi(variant="cpu")
+assert Path(capi.path).parent == lib_dir, capi.path
+rng = np.random.default_rng(7)
+dev = rng.integers(0, 256, (6, 64), dtype=np.uint8)
+host = np.zeros((8, 64), np.uint8)
+original = dev.copy()
+capi.swap_per_layer(dev.ctypes.data, 6, 64, host.ctypes.data, 8, [1, 4], [7, 0], ops.MODE_D2H)
+assert (host[7] == original[1]).all() and (host[0] == original[4]).all()
+dev[:] = 0
+capi.swap_per_layer(dev.ctypes.data, 6, 64, host.ctypes.data, 8, [1, 4], [7, 0], ops.MODE_H2D)
+assert (dev[1] == original[1]).all() and (dev[4] == original[4]).all() and not dev[0].any()
+
+# 2. The Paddle op, on a CPU tensor and host memory from ops.cuda_host_alloc.
+import paddle
+
+assert Path(ops._paddle_so_path()).parent == lib_dir, ops._paddle_so_path()
+cache = paddle.to_tensor(rng.standard_normal((5, 2, 4, 8)).astype(np.float32))
+before = cache.numpy().copy()
+block_bytes = before[0].nbytes
+ptr = ops.cuda_host_alloc(4 * block_bytes)
+try:
+    host_view = np.ctypeslib.as_array((ctypes.c_uint8 * (4 * block_bytes)).from_address(ptr)).reshape(4, block_bytes)
+    out = ops.swap_cache_per_layer(cache, ptr, 4, [3], [2], 0, ops.MODE_D2H)
+    assert out.data_ptr() == cache.data_ptr()
+    assert host_view[2].tobytes() == before[3].tobytes()
+    ops.swap_cache_per_layer(cache, ptr, 4, [0], [2], 0, ops.MODE_H2D)
+    assert cache.numpy()[0].tobytes() == before[3].tobytes()
+finally:
+    ops.cuda_host_free(ptr)
+
+# 3. CacheController round trip on the cpu backend: device->host, then host->device.
+from fastdeploy_kvcache.config import CacheConfig
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.worker.cache_controller import CacheController
+
+cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32",
+                  num_gpu_blocks=8, num_host_blocks=8)
+ctrl = CacheController(cfg, local_rank=0, device_id=0, backend="cpu")
+try:
+    ctrl.initialize_kv_cache(cfg.num_gpu_blocks)
+    ctrl.initialize_host_cache(8)
+    arrays = [a for layer in range(ctrl.num_layers) for a in ctrl.layer_caches(layer)]
+    for i, a in enumerate(arrays):
+        a[2] = 10 + i
+    ctrl.submit_swap_tasks(CacheSwapMetadata([2], [5], CacheLevel.DEVICE, CacheLevel.HOST, kind=TransferKind.EVICT), None)
+    done = ctrl.collect_finished(wait=True, timeout_s=60)
+    assert [m.success for m in done] == [True], [(m.success, m.error_message) for m in done]
+    i = 0
+    for layer in range(ctrl.num_layers):
+        names = ctrl.cache_names(layer)
+        for kind, a in zip(("key", "value"), ctrl.layer_caches(layer)):
+            nbytes = a[2].nbytes
+            got = ctypes.string_at(ctrl.host_cache_kvs_map[names[kind]] + 5 * nbytes, nbytes)
+            assert got == a[2].tobytes(), (layer, kind)
+            i += 1
+    assert i == len(arrays)
+    counter = ctrl.submit_swap_tasks(None, CacheSwapMetadata([5], [6], CacheLevel.HOST, CacheLevel.DEVICE, kind=TransferKind.SWAP_IN))
+    counter.wait_all()
+    done = ctrl.collect_finished(wait=True, timeout_s=60)
+    assert [m.success for m in done] == [True], [(m.success, m.error_message) for m in done]
+    for i, a in enumerate(arrays):
+        assert (a[6] == 10 + i).all() and a[6].tobytes() == a[2].tobytes()
+finally:
+    ctrl.close()
+print("installed package OK:", pkg)
+'''
+
+
+def _require_ops() -> bool:
+    """FDKV_REQUIRE_OPS (CI): fail instead of skipping when the build cannot include the ops."""
+    from fastdeploy_kvcache import envs
+
+    if "FDKV_REQUIRE_OPS" in envs.ENV_VARS:
+        return bool(envs.get("FDKV_REQUIRE_OPS"))
+    return os.environ.get("FDKV_REQUIRE_OPS", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc.stdout
+
+
+def _clean_env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "FDKV_OPS_LIB", "PIP_REQUIRE_VIRTUALENV")}
+    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1", PYTHONNOUSERSITE="1", HOME=str(tmp / "home"))
+    return env
+
+
+def test_wheel_installs_and_works_outside_the_checkout(tmp_path: Path) -> None:
+    try:
+        import paddle  # noqa: F401 - the wheel build compiles the ops against it
+    except ImportError as exc:
+        if _require_ops():
+            pytest.fail(f"FDKV_REQUIRE_OPS=1 but Paddle does not import ({exc}); run `bash build.sh`")
+        pytest.skip(f"needs paddlepaddle in this interpreter to build the wheel's Paddle ops (`bash build.sh`): {exc}")
+    env = _clean_env(tmp_path)
+    (tmp_path / "home").mkdir()
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=IGNORE)
+        else:
+            shutil.copy2(path, src / name)
+
+    dist = tmp_path / "dist"
+    build_env = dict(env, FDKV_BUILD_PADDLE_OPS="1")
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "--no-index",
+          "-w", str(dist), str(src)], tmp_path, build_env, timeout=900)
+    wheels = list(dist.glob("fastdeploy_kvcache-*.whl"))
+    assert len(wheels) == 1, wheels
+    wheel = wheels[0]
+    assert "-none-any" not in wheel.name, f"{wheel.name}: a wheel with compiled libraries must be platform-tagged"
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for lib in ("libfdkv_capi_cpu.so", "fdkv_paddle_ops.so", "build_info.json"):
+        assert f"fastdeploy_kvcache/_lib/{lib}" in names, f"{wheel.name} does not ship _lib/{lib}"
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path, env, timeout=120)
+    vpy = venv / "bin" / "python"
+    _run([sys.executable, "-m", "pip", "--python", str(vpy), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+         tmp_path, env, timeout=300)
+    purelib = _run([str(vpy), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path, env, 60).strip()
+    deps = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    (Path(purelib) / "fdkv_test_deps.pth").write_text("\n".join(deps) + "\n")
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    script = outside / "check_installed.py"
+    script.write_text(SCRIPT)
+    out = _run([str(vpy), str(script), str(venv), str(ROOT)], outside, env, timeout=300)
+    assert "installed package OK" in out
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
