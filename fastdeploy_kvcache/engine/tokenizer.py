@@ -1,0 +1,199 @@
+"""Tokenizers for the engine: built offline (from GGUF metadata, or trained on fixed text).
+
+No vocabulary file ships with paddleformers, transformers or tokenizers, and the engine must
+not download one, so:
+
+* the GGUF's own vocabulary, merges and chat template become a ``tokenizers`` byte-level BPE
+  through transformers' GGUF converter (the part of it that needs no torch);
+* ``tiny-llama-random`` trains a small byte-level BPE on a fixed text, deterministically.
+
+Either is wrapped in ``transformers.PreTrainedTokenizerFast`` (for the chat template) and saved
+next to the converted model, so later starts just load ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# GGUF token types (llama.cpp's llama_token_type): 3 = control, 4 = user defined.
+_SPECIAL_TOKEN_TYPES = (3, 4)
+
+
+class EngineTokenizer:
+    """What the engine and the server need of a tokenizer, over a PreTrainedTokenizerFast."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Sequence[int]) -> None:
+        self.hf = hf_tokenizer
+        self.eos_token_ids: list[int] = sorted({int(t) for t in eos_token_ids})
+        self.vocab_size: int = len(hf_tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"prompt: must be a string, got {type(text).__name__}")
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return list(self.hf.convert_ids_to_tokens(list(ids)))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered by the model's chat template (generation prompt added)."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: must be a non-empty list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}]: must be an object with string 'role' and 'content'")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        # The template's special tokens ("<|im_start|>") are added tokens: encode() maps them
+        # to their ids; no BOS is added twice because add_special_tokens is off.
+        return self.encode(text)
+
+    def save(self, directory: str) -> None:
+        self.hf.save_pretrained(directory)
+
+    @classmethod
+    def load(cls, directory: str, eos_token_ids: Optional[Sequence[int]] = None) -> "EngineTokenizer":
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast.from_pretrained(directory)
+        if eos_token_ids is None:
+            eos_token_ids = [hf.eos_token_id] if hf.eos_token_id is not None else []
+        return cls(hf, eos_token_ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas without re-decoding everything.
+
+    Decodes a short window (from ``prefix_offset``) so a multi-byte character split across
+    tokens is emitted only once complete (no U+FFFD in the output), the way vLLM does.
+    """
+
+    def __init__(self, tokenizer: EngineTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one id; return the text it completes (may be empty)."""
+        self.ids.append(int(token_id))
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self.prefix_offset : self.read_offset])
+        full = dec(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the end), as decoded."""
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self.read_offset = self.prefix_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+# ---------------------------------------------------------------------- builders
+def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> EngineTokenizer:
+    """Byte-level BPE tokenizer from a GGUF's ``tokenizer.ggml.*`` metadata.
+
+    ``fields`` maps metadata keys to values (lists for tokens, merges and token types).
+    """
+    from tokenizers import AddedToken, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.ggml import convert_gguf_tokenizer
+
+    model = fields.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+    tok_dict = {
+        "tokens": tokens,
+        "merges": list(fields["tokenizer.ggml.merges"]),
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
+        "unk_token_id": fields.get("tokenizer.ggml.unknown_token_id"),
+        "add_prefix_space": bool(fields.get("tokenizer.ggml.add_space_prefix", False)),
+    }
+    backend, _ = convert_gguf_tokenizer("gpt2", tok_dict)
+    if fields.get("tokenizer.ggml.pre") == "smollm":
+        # llama.cpp's "smollm" pre-tokenizer splits every digit on its own before the GPT-2
+        # regex (as the original tokenizer.json does); without it numbers tokenize differently.
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
+        )
+    types = list(fields.get("tokenizer.ggml.token_type") or [])
+    specials = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if int(t) in _SPECIAL_TOKEN_TYPES]
+    if specials:
+        backend.add_special_tokens(specials)
+
+    def tok(key: str) -> Optional[str]:
+        i = fields.get(key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=tok("tokenizer.ggml.bos_token_id"),
+        eos_token=tok("tokenizer.ggml.eos_token_id"),
+        unk_token=tok("tokenizer.ggml.unknown_token_id"),
+        pad_token=tok("tokenizer.ggml.padding_token_id"),
+    )
+    template = fields.get("tokenizer.chat_template")
+    hf.chat_template = template if isinstance(template, str) else CHATML_TEMPLATE
+    eos = [int(fields["tokenizer.ggml.eos_token_id"])] if fields.get("tokenizer.ggml.eos_token_id") is not None else []
+    # ChatML models end a turn with <|im_end|>; accept <|endoftext|> too.
+    for name in ("<|im_end|>", "<|endoftext|>"):
+        if name in hf.get_vocab():
+            eos.append(hf.convert_tokens_to_ids(name))
+    return EngineTokenizer(hf, eos)
+
+
+_TINY_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+    "Berlin is the capital of Germany. A tiered KV cache keeps blocks on device, host and "
+    "storage; a radix tree finds the longest cached prefix. Numbers: 0 1 2 3 4 5 6 7 8 9 10 "
+    "100 2048. Hello world! How are you today? I am fine, thank you. "
+    "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'\"()[]{}<>-_=+*/\\|@#$%^&~`\n"
+)
+
+
+def build_tiny_tokenizer(vocab_size: int = 512) -> EngineTokenizer:
+    """A small byte-level BPE trained on a fixed text: same vocabulary on every run."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator([_TINY_CORPUS] * 4, trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|endoftext|>")
+    hf.chat_template = CHATML_TEMPLATE
+    return EngineTokenizer(hf, [hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")])
