@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import numbers
 import threading
 from typing import Any, Optional, Union
 
-from fastdeploy_kvcache.config import CacheConfig
+from fastdeploy_kvcache.config import GiB, CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata
 from fastdeploy_kvcache.worker import numa
 from fastdeploy_kvcache.worker.backends import Backend, make_backend
@@ -61,6 +62,11 @@ class CacheController:
         async_launch: Optional[bool] = None,
         d2h_copy_path: Optional[str] = None,
     ) -> None:
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        config.validate()  # fields may have been changed since construction
+        _check_index("local_rank", local_rank)
+        _check_index("device_id", device_id)
         self.config = config
         self.local_rank = local_rank
         self.device_id = device_id
@@ -93,6 +99,7 @@ class CacheController:
 
     def cache_names(self, layer: int) -> dict[str, str]:
         """Names of layer ``layer``'s caches, ``key_caches_{layer}_rank{r}.device{d}`` etc."""
+        self._check_layer(layer)
         rank = self.local_rank % self.config.tensor_parallel_size
         suffix = f"{layer}_rank{rank}.device{self.device_id}"
         return {
@@ -101,6 +108,15 @@ class CacheController:
             "key_scale": f"key_cache_scales_{suffix}",
             "value_scale": f"value_cache_scales_{suffix}",
         }
+
+    def _check_layer(self, layer: Any) -> None:
+        if not isinstance(layer, numbers.Integral) or isinstance(layer, bool):
+            raise TypeError(f"layer must be an int, got {_show(layer)}")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(
+                f"layer {layer} is out of range [0, {self.num_layers}) "
+                f"({self.config.num_layers} model + {self.config.num_extra_layers} extra layers)"
+            )
 
     def _kinds(self) -> tuple[str, ...]:
         return CACHE_KINDS if self.quantized else CACHE_KINDS[:2]
@@ -119,9 +135,13 @@ class CacheController:
         block ids of the main model, so every swap moves them too.  Returns the caches in
         ``[key_0, value_0, (key_scale_0, value_scale_0,) key_1, ...]`` order.
         """
+        self.config.validate()
         blocks = self.config.num_gpu_blocks if num_gpu_blocks is None else num_gpu_blocks
-        if blocks <= 0:
-            raise ValueError(f"initialize_kv_cache needs num_gpu_blocks > 0, got {blocks}")
+        blocks = _check_block_count("initialize_kv_cache", "num_gpu_blocks", blocks)
+        # NOTE: only host-thread backends are checked against a memory size: their "device"
+        # arrays live in host RAM.  On a GPU the framework's allocator reports a shortage.
+        limit = None if self.backend.is_cuda else numa.physical_memory_bytes()
+        self._check_cache_size("device cache", blocks, limit, "num_gpu_blocks")
         with self._lock:
             self._check_open()
             if self.cache_kvs_map:
@@ -157,6 +177,8 @@ class CacheController:
     def layer_caches(self, layer: int) -> list[Any]:
         """Layer ``layer``'s device arrays: key, value (, key scale, value scale)."""
         names = self.cache_names(layer)
+        if not self.cache_kvs_map:
+            raise RuntimeError("the device KV cache is not initialized; call initialize_kv_cache() first")
         return [self.cache_kvs_map[names[kind]] for kind in self._kinds()]
 
     # ------------------------------------------------------------------ host cache
@@ -167,9 +189,10 @@ class CacheController:
         allocating thread's memory policy, and a remote node costs host->device bandwidth.
         Binding is best effort, logged, and never fatal.
         """
+        self.config.validate()
         blocks = self.config.host_block_count if num_host_blocks is None else num_host_blocks
-        if blocks <= 0:
-            raise ValueError(f"initialize_host_cache needs num_host_blocks > 0, got {blocks}")
+        blocks = _check_block_count("initialize_host_cache", "num_host_blocks", blocks)
+        self._check_cache_size("host cache", blocks, numa.physical_memory_bytes(), "swap_space / num_host_blocks")
         with self._lock:
             self._check_open()
             if self.host_cache_kvs_map:
@@ -193,6 +216,29 @@ class CacheController:
                 blocks, blocks * self.config.bytes_per_block / (1 << 30), node if node is not None else "unknown",
             )
             self._update_layout()
+
+    def _check_cache_size(self, what: str, blocks: int, limit: Optional[int], knob: str) -> None:
+        """ValueError, before anything is allocated, for a cache that cannot fit.
+
+        Each buffer's byte count must fit a signed 64-bit size (the ops and the allocators
+        take one), and the whole cache must fit ``limit`` bytes when it is known.  Without
+        this, a wrong shape surfaced as an allocator's "out of host memory" or a ctypes
+        overflow, far from its cause.
+        """
+        per_block = {kind: self._block_bytes(kind) for kind in self._kinds()}
+        largest = max(per_block.values())
+        if blocks * largest >= 2**63:
+            raise ValueError(
+                f"{what}: {blocks} blocks x {largest} bytes per layer block overflows a 64-bit size; "
+                f"check num_kv_heads, block_size, head_dim and the block count"
+            )
+        total = blocks * sum(per_block.values()) * self.num_layers
+        if limit is not None and total > limit:
+            raise ValueError(
+                f"{what}: {blocks} blocks x {self.config.bytes_per_block} bytes per block = "
+                f"{total / GiB:.3g} GiB exceeds this machine's physical memory ({limit / GiB:.3g} GiB); "
+                f"lower {knob} or the cache shape"
+            )
 
     def _block_bytes(self, kind: str) -> int:
         if kind.endswith("scale"):
@@ -340,3 +386,25 @@ class CacheController:
             numa_node=self.numa_node,
         )
         return stats
+
+
+# ---------------------------------------------------------------------- argument checks
+def _show(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _check_index(name: str, value: Any) -> None:
+    """TypeError / ValueError unless ``value`` is an int >= 0 (bool excluded)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int >= 0, got {_show(value)}")
+    if value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value}")
+
+
+def _check_block_count(caller: str, name: str, value: Any) -> int:
+    """The block count as an int > 0: TypeError for a non-int (2.5, "8", True), else ValueError."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{caller}: {name} must be an int, got {_show(value)}")
+    if value <= 0:
+        raise ValueError(f"{caller} needs {name} > 0, got {value}")
+    return int(value)

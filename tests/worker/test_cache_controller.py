@@ -589,3 +589,140 @@ def test_a_drain_timeout_names_the_direction_of_the_stuck_copy(make_controller) 
         stream.resume()
         assert ctrl.collect_finished(wait=True) == [meta] and meta.success
 
+
+# ---------------------------------------------------------------------- argument checks (defect 10)
+def _bare_controller(**cfg):
+    """An uninitialized controller on the synchronous CPU backend."""
+    from fastdeploy_kvcache.worker import CacheController
+
+    from worker_helpers import capi_or_skip, small_config
+
+    capi_or_skip()
+    return CacheController(small_config(**cfg), backend="cpu", threaded=False)
+
+
+def test_the_config_must_be_a_valid_cache_config() -> None:
+    from fastdeploy_kvcache.worker import CacheController
+
+    from worker_helpers import capi_or_skip, small_config
+
+    capi_or_skip()
+    with pytest.raises(TypeError, match=r"config must be a CacheConfig, got dict"):
+        CacheController({"num_layers": 2}, backend="cpu")
+    config = small_config()
+    config.head_dim = -3  # mutated after construction: checked again
+    with pytest.raises(ValueError, match=r"CacheConfig\.head_dim must be an int >= 1, got -3"):
+        CacheController(config, backend="cpu")
+    ctrl = CacheController(small_config(), backend="cpu", threaded=False)
+    try:
+        ctrl.config.num_kv_heads = 0  # ... and again before allocating
+        with pytest.raises(ValueError, match=r"CacheConfig\.num_kv_heads"):
+            ctrl.initialize_kv_cache()
+        with pytest.raises(ValueError, match=r"CacheConfig\.num_kv_heads"):
+            ctrl.initialize_host_cache()
+        assert ctrl.get_kv_caches() == {} and ctrl.host_cache_kvs_map == {}
+    finally:
+        ctrl.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"local_rank": -1}, ValueError, r"local_rank must be an int >= 0, got -1"),
+        ({"local_rank": 1.0}, TypeError, r"local_rank must be an int >= 0, got 1.0 \(float\)"),
+        ({"device_id": "0"}, TypeError, r"device_id must be an int >= 0, got '0' \(str\)"),
+        ({"device_id": True}, TypeError, r"device_id must be an int >= 0, got True \(bool\)"),
+    ],
+)
+def test_rank_and_device_must_be_non_negative_ints(kwargs, error, match) -> None:
+    from fastdeploy_kvcache.worker import CacheController
+
+    from worker_helpers import capi_or_skip, small_config
+
+    capi_or_skip()
+    with pytest.raises(error, match=match):
+        CacheController(small_config(), backend="cpu", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda c: c.initialize_host_cache(2.5), TypeError, r"num_host_blocks must be an int, got 2.5 \(float\)"),
+        (lambda c: c.initialize_host_cache("8"), TypeError, r"num_host_blocks must be an int, got '8' \(str\)"),
+        (lambda c: c.initialize_host_cache(True), TypeError, r"num_host_blocks must be an int, got True"),
+        (lambda c: c.initialize_host_cache(-1), ValueError, r"num_host_blocks > 0, got -1"),
+        (lambda c: c.initialize_kv_cache(2.5), TypeError, r"num_gpu_blocks must be an int, got 2.5 \(float\)"),
+        (lambda c: c.initialize_kv_cache(False), TypeError, r"num_gpu_blocks must be an int, got False"),
+        (lambda c: c.initialize_kv_cache(0), ValueError, r"num_gpu_blocks > 0, got 0"),
+    ],
+)
+def test_block_counts_must_be_positive_ints(call, error, match) -> None:
+    ctrl = _bare_controller()
+    try:
+        with pytest.raises(error, match=match):
+            call(ctrl)
+        assert ctrl.get_kv_caches() == {} and ctrl.host_cache_kvs_map == {}
+    finally:
+        ctrl.close()
+
+
+@pytest.mark.parametrize(
+    "cfg, call, match",
+    [
+        # head_dim 2**40: 2**48 bytes per array, far past any machine's memory.
+        ({"head_dim": 2**40}, lambda c: c.initialize_host_cache(), r"host cache: .* exceeds .*physical memory"),
+        ({"head_dim": 2**40}, lambda c: c.initialize_kv_cache(), r"device cache: .* exceeds .*memory"),
+        # 2**62 blocks of 256 bytes: the byte count does not fit a 64-bit size.
+        ({}, lambda c: c.initialize_host_cache(2**62), r"host cache: .* overflows"),
+        ({}, lambda c: c.initialize_kv_cache(2**62), r"device cache: .* overflows"),
+    ],
+)
+def test_oversized_caches_are_refused_before_allocating(cfg, call, match) -> None:
+    """Defect 10: a size that cannot fit is a clear ValueError, not 'out of host memory'."""
+    ctrl = _bare_controller(**cfg)
+    try:
+        with pytest.raises(ValueError, match=match):
+            call(ctrl)
+        assert ctrl.get_kv_caches() == {} and ctrl.host_cache_kvs_map == {}
+        assert ctrl.num_gpu_blocks == 0 and ctrl.num_host_blocks == 0
+    finally:
+        ctrl.close()
+
+
+def test_layer_caches_checks_the_layer_and_the_state() -> None:
+    ctrl = _bare_controller(num_layers=2)
+    try:
+        with pytest.raises(RuntimeError, match=r"device KV cache is not initialized"):
+            ctrl.layer_caches(0)
+        ctrl.initialize_kv_cache()
+        assert len(ctrl.layer_caches(1)) == 2
+        with pytest.raises(IndexError, match=r"layer 5 is out of range \[0, 2\)"):
+            ctrl.layer_caches(5)
+        with pytest.raises(IndexError, match=r"layer -1 is out of range \[0, 2\)"):
+            ctrl.layer_caches(-1)
+        with pytest.raises(TypeError, match=r"layer must be an int, got '1' \(str\)"):
+            ctrl.layer_caches("1")
+        with pytest.raises(IndexError, match=r"layer 2 is out of range"):
+            ctrl.cache_names(2)
+    finally:
+        ctrl.close()
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("x", None), r"evict_metadata must be a CacheSwapMetadata or None, got str"),
+        ((None, [1, 2]), r"swap_in_metadata must be a CacheSwapMetadata or None, got list"),
+    ],
+)
+def test_submit_rejects_arguments_that_are_not_metadata(make_controller, args, match) -> None:
+    """Defect 10: submit_swap_tasks('x', None) is a TypeError naming the argument; nothing runs.
+
+    (Metadata of the wrong direction is data, not a type: it comes back failed, see
+    test_bad_ids_fail_the_metadata_and_write_nothing.)
+    """
+    ctrl = make_controller()
+    with pytest.raises(TypeError, match=match):
+        ctrl.submit_swap_tasks(*args)
+    stats = ctrl.get_stats()
+    assert stats["d2h"]["tasks"] == stats["h2d"]["tasks"] == 0 and stats["in_flight"] == 0
