@@ -47,7 +47,17 @@ class BlockPoolError(ValueError):
 
 
 class NoFreeBlocksError(RuntimeError):
-    """Not enough free blocks for an allocation (raised before anything is taken)."""
+    """Not enough free blocks for an allocation (raised before anything is taken).
+
+    ``retryable`` tells an engine what to do about it: True when enough blocks are
+    cached but some are pinned by copies still in flight, so the same call succeeds
+    once ``CacheManager.complete_swap`` has seen them back; False when the blocks are
+    not there even then (running requests hold them: wait for finishes, or preempt).
+    """
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class BlockPool:

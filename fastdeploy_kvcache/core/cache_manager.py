@@ -22,7 +22,9 @@ running request on it).  free + owned + cached = total.
 
 from __future__ import annotations
 
+import heapq
 import logging
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -34,6 +36,7 @@ from fastdeploy_kvcache.core.metadata import (
     CacheLevel,
     CacheSwapMetadata,
     MatchResult,
+    ResidencyPlan,
     TransferKind,
 )
 from fastdeploy_kvcache.core.radix_tree import RadixTree
@@ -49,6 +52,10 @@ _HOST = CacheLevel.HOST
 
 class CacheManagerError(ValueError):
     """Bad input to the cache manager; raised before any state is changed."""
+
+
+class InvariantViolation(RuntimeError):
+    """The manager's bookkeeping is inconsistent (a bug): raised by check_invariants."""
 
 
 class UnknownRequestError(CacheManagerError, KeyError):
@@ -71,6 +78,7 @@ class _RequestState:
     request: Request
     nodes: list[Optional[BlockNode]] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    match: Optional[MatchResult] = None  # the match as applied by the first allocation
 
 
 @dataclass
@@ -117,8 +125,11 @@ class CacheManager:
         self.device_pool = BlockPool(config.num_gpu_blocks, _DEV)
         self.host_pool = BlockPool(config.host_block_count, _HOST)
         self._write_back = self.write_policy == "write_back"
-        self.tree = RadixTree(device_evicts_interior_with_copy=self._write_back and self.host_pool.num_blocks > 0)
+        self.tree = RadixTree()
         self._requests: dict[str, _RequestState] = {}
+        # Matches of requests not allocated yet (applied once, by the first allocation).
+        # Weak keys: a request matched and then dropped by the engine leaves nothing behind.
+        self._matches: "weakref.WeakKeyDictionary[Request, MatchResult]" = weakref.WeakKeyDictionary()
         self._inflight: dict[tuple[int, int, int], _InFlight] = {}
         self._backup_queue: deque[BlockNode] = deque()
         # Device -> host evictions not yet handed to a request or batch.
@@ -148,10 +159,9 @@ class CacheManager:
         blocks match.
         """
         self._check_request(request)
-        st = self._requests.get(request.request_id)
-        if st is not None and st.block_ids:
+        if request.request_id in self._requests:
             raise CacheManagerError(
-                f"request {request.request_id} already holds {len(st.block_ids)} blocks; "
+                f"request {request.request_id} is already running (its match was applied); "
                 "finish or preempt it before matching again"
             )
         bs = self.block_size
@@ -164,7 +174,8 @@ class CacheManager:
             nodes, tiers = [], []
         result = MatchResult(block_size=bs, nodes=nodes, tiers=tiers)
         result.storage_hashes = self._match_storage(hashes[len(nodes) : max_blocks])
-        request._match_result = result
+        self._matches[request] = result
+        request.match_result = result
         return result
 
     def _match_storage(self, hashes: list[int]) -> list[int]:
@@ -183,68 +194,92 @@ class CacheManager:
         return self.device_pool.num_free
 
     def can_allocate_device_blocks(self, n: int) -> bool:
-        """Whether ``n`` new device blocks can be had, counting evictable cached blocks.
+        """Whether ``n`` new device blocks can be had now, evicting what can be evicted.
 
-        NOTE: an upper bound, O(1).  It counts every cached device block nobody is
-        using; a few of those may turn out not to be reclaimable (a copy of theirs is
-        in flight, or under write_back the host tier is pinned full), in which case
-        ``allocate_device_blocks`` raises NoFreeBlocksError without changing the
-        request.  An exact answer would need a dry-run eviction.
+        Exact: it runs the same plan ``allocate_device_blocks`` runs first (without
+        evicting anything), so for a request without device hits the two agree.  A
+        request's own device hits are pinned by the allocation, so its answer can be
+        smaller; ``NoFreeBlocksError.retryable`` then says whether to retry.  O(1)
+        when enough blocks are free, else O(k log n) for the k evictions it plans.
         """
-        if not isinstance(n, int) or n < 0:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise CacheManagerError(f"block count must be an int >= 0, got {n!r}")
-        # The counter covers interior nodes too (they become leaves as their children
-        # go), which the eviction heap's size would not.
-        return n <= self.device_pool.num_free + self._stats_cached_device
+        return self._plan_reclaim(n, dry_run=True) is not None
+
+    def ensure_resident(self, request: Request, num_tokens: int) -> ResidencyPlan:
+        """Make the blocks for the first ``num_tokens`` tokens of ``request`` resident.
+
+        The one call an engine needs per request and step.  Afterwards
+        ``request.block_tables`` covers ``ceil(max(num_tokens, matched) / block_size)``
+        blocks.  The first call (after ``match_prefix``) applies the match exactly
+        once and keeps the WHOLE matched prefix, whatever ``num_tokens`` is: device
+        hits are referenced in place, host hits become host -> device loads into
+        blocks of the table, in order.  Later calls only append fresh blocks.
+
+        What must happen first is on the request: ``cache_swap_metadata`` (the loads)
+        and ``cache_evict_metadata`` (write_back evictions); ``BatchRequest`` picks
+        them up, and the worker must run them in this step, before compute writes
+        (see "The step contract" in docs/architecture.md).  Compute starts at
+        ``ResidencyPlan.num_cached_tokens``.
+
+        Raises NoFreeBlocksError with nothing changed when the blocks cannot be had;
+        its ``retryable`` is True when copies in flight pin the missing blocks.
+        """
+        self._check_request(request)
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise CacheManagerError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        st = self._running_state(request)
+        bs = self.block_size
+        self._call_evictions = []
+        if st is None:
+            plan = self._allocate_first(request, num_tokens=num_tokens)
+        else:
+            need = max(0, -(-num_tokens // bs) - len(st.block_ids))
+            ids = self._append_blocks(st, need)
+            plan = ResidencyPlan(new_block_ids=ids, num_cached_tokens=request.num_cached_tokens)
+        self._hand_evictions_to(request)
+        return plan
 
     def allocate_device_blocks(self, request: Request, n: int) -> list[int]:
         """Give ``request`` ``n`` more device blocks; return the new ids, in table order.
 
-        On the first call for a request, its match (from ``match_prefix``) is
-        applied: device hits go into the block table as they are (ref taken), and
-        the first of the ``n`` new blocks become the destinations of host -> device
-        swap-ins for the host hits, in order (a swap-in ``CacheSwapMetadata`` is
-        appended to ``request.cache_swap_metadata``).  Host hits beyond ``n`` are
-        not used.  ``num_cached_tokens`` / ``num_computed_tokens`` are set to the
-        matched length.
+        The lower-level call under ``ensure_resident``.  On the first call for a
+        request, its match (from ``match_prefix``) is applied, once: device hits go
+        into the block table as they are (ref taken), and the first of the ``n`` new
+        blocks become the destinations of host -> device loads for the host hits, in
+        order (a load ``CacheSwapMetadata`` is appended to
+        ``request.cache_swap_metadata``).  Host hits beyond ``n`` are not used.
+        ``num_cached_tokens`` / ``num_computed_tokens`` are set to the matched length.
 
         When the pool is short, LRU device leaves are evicted by the write policy;
         write_back evictions emit device -> host copies, which go on
-        ``request.cache_evict_metadata``.  Raises NoFreeBlocksError, with the
-        request unchanged, when not enough blocks can be freed.
+        ``request.cache_evict_metadata``.  Raises NoFreeBlocksError, with nothing
+        changed, when not enough blocks can be freed.
         """
         self._check_request(request)
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise CacheManagerError(f"block count must be an int >= 0, got {n!r}")
-        rid = request.request_id
-        st = self._requests.get(rid)
-        if st is not None and st.request is not request:
-            raise CacheManagerError(f"another request object with id {rid} is already running")
+        st = self._running_state(request)
         self._call_evictions = []
-        empty: Optional[_RequestState] = None
-        if st is not None and not st.block_ids:
-            empty = self._requests.pop(rid)  # allocated nothing so far: apply the match now
-            st = None
         if st is None:
-            try:
-                ids = self._allocate_first(request, n)
-            except NoFreeBlocksError:
-                if empty is not None:
-                    self._requests[rid] = empty  # the request stays as it was: running, no blocks
-                raise
+            ids = self._allocate_first(request, num_new=n).new_block_ids
         else:
-            self._check_block_table(st)
-            try:
-                self._reclaim_device(n)
-            except NoFreeBlocksError:
-                self._stash_call_evictions()
-                raise
-            ids = self.device_pool.allocate(n, contiguous=True)
-            st.block_ids.extend(ids)
-            st.nodes.extend([None] * n)
-            request.block_tables.extend(ids)
-        # Evictions made for this call travel with this request; earlier ones that
-        # no request took yet travel with it too, so they reach this step's batch.
+            ids = self._append_blocks(st, n)
+        self._hand_evictions_to(request)
+        return ids
+
+    def _running_state(self, request: Request) -> Optional[_RequestState]:
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return None
+        if st.request is not request:
+            raise CacheManagerError(f"another request object with id {request.request_id} is already running")
+        self._check_block_table(st)
+        return st
+
+    def _hand_evictions_to(self, request: Request) -> None:
+        """Evictions made for this call travel with this request; earlier ones that no
+        request took yet travel with it too, so they reach this step's batch."""
         evict = self._make_evict_metadata(self._call_evictions)
         self._call_evictions = []
         if self._pending_evictions:
@@ -252,41 +287,63 @@ class CacheManager:
             self._pending_evictions = []
         if evict is not None:
             request.cache_evict_metadata.append(evict)
+
+    def _append_blocks(self, st: _RequestState, n: int) -> list[int]:
+        """``n`` fresh private blocks at the end of a running request's table."""
+        self._reclaim_device(n)
+        ids = self.device_pool.allocate(n, contiguous=True)
+        st.block_ids.extend(ids)
+        st.nodes.extend([None] * n)
+        st.request.block_tables.extend(ids)
         return ids
 
-    def _allocate_first(self, request: Request, n: int) -> list[int]:
+    def _allocate_first(
+        self, request: Request, num_new: Optional[int] = None, num_tokens: Optional[int] = None
+    ) -> ResidencyPlan:
+        """Apply the request's match (once) and give it its first blocks.
+
+        Either ``num_new`` (allocate_device_blocks: that many new blocks, host hits cut
+        where they run out) or ``num_tokens`` (ensure_resident: the whole match, plus
+        fresh blocks up to ``num_tokens``).
+        """
         bs = self.block_size
-        match = request._match_result
+        match = self._matches.get(request)
         nodes: list[BlockNode] = []
         tiers: list[CacheLevel] = []
         if match is not None and match.nodes and self.enable_prefix_caching:
             # Re-walk: the tree may have changed since match_prefix.
             hashes = request.block_hashes(bs, request.num_total_tokens)
             nodes, tiers = self.tree.match(hashes, min(len(match.nodes), (request.num_total_tokens - 1) // bs))
-            # Host hits need one of the n new blocks each; cut where they run out.
-            used = 0
-            for i, tier in enumerate(tiers):
-                if tier is _HOST:
-                    if used == n:
-                        del nodes[i:], tiers[i:]
-                        break
-                    used += 1
+            if num_new is not None:
+                # Host hits need one of the n new blocks each; cut where they run out.
+                used = 0
+                for i, tier in enumerate(tiers):
+                    if tier is _HOST:
+                        if used == num_new:
+                            del nodes[i:], tiers[i:]
+                            break
+                        used += 1
         num_swap = sum(1 for t in tiers if t is _HOST)
+        if num_new is not None:
+            num_fresh = num_new - num_swap
+        else:
+            assert num_tokens is not None
+            num_fresh = max(0, -(-max(num_tokens, len(nodes) * bs) // bs) - len(nodes))
         # Refs first: they keep the matched copies from being evicted to make room.
         for node in nodes:
             self._ref(node)
         try:
-            self._reclaim_device(n)
+            self._reclaim_device(num_swap + num_fresh)
         except NoFreeBlocksError:
             for node in nodes:
                 self._unref(node)
-            self._stash_call_evictions()
             raise
-        # Swap-in destinations as one run if possible: the load is then one DMA run
+        self._matches.pop(request, None)
+        # Load destinations as one run if possible: the load is then one DMA run
         # per layer where the host side is consecutive too.  Fresh blocks as runs
         # too: they are copied together later (backups, evictions).
         swap_dst = self.device_pool.allocate(num_swap, contiguous=True, longest_runs=True)
-        fresh = self.device_pool.allocate(n - num_swap, contiguous=True)
+        fresh = self.device_pool.allocate(num_fresh, contiguous=True)
         table: list[int] = []
         src: list[int] = []
         hv: list[int] = []
@@ -308,12 +365,13 @@ class CacheManager:
                 table.append(node.device_block_id)  # type: ignore[arg-type]
             self._maybe_queue_backup(node)
         table.extend(fresh)
-        st = _RequestState(request, list(nodes) + [None] * len(fresh), list(table))
+        applied = MatchResult(block_size=bs, nodes=list(nodes), tiers=list(tiers))
+        st = _RequestState(request, list(nodes) + [None] * len(fresh), list(table), applied)
         self._requests[request.request_id] = st
         request.block_tables = list(table)
         request.num_cached_tokens = len(nodes) * bs
         request.num_computed_tokens = len(nodes) * bs
-        request._match_result = MatchResult(block_size=bs, nodes=list(nodes), tiers=list(tiers))
+        request.match_result = applied
         if src:
             request.cache_swap_metadata.append(
                 CacheSwapMetadata(src, list(swap_dst), _HOST, _DEV, hv, kind=TransferKind.SWAP_IN)
@@ -325,53 +383,145 @@ class CacheManager:
         s["matched_tokens_host"] += num_swap * bs
         s["swap_in_blocks_issued"] += num_swap
         # Only what is returned is "new": device hits were already the request's data.
-        return list(swap_dst) + list(fresh)
+        return ResidencyPlan(
+            new_block_ids=list(swap_dst) + list(fresh),
+            num_cached_tokens=len(nodes) * bs,
+            num_device_hit_tokens=(len(nodes) - num_swap) * bs,
+            num_host_hit_tokens=num_swap * bs,
+        )
 
-    def _reclaim_device(self, n: int) -> None:
-        """Evict LRU device leaves until ``n`` blocks are free, following the write policy."""
+    def _plan_reclaim(
+        self, n: int, exclude: frozenset[BlockNode] = frozenset(), dry_run: bool = False
+    ) -> Optional[list[BlockNode]]:
+        """The device leaves to evict, in eviction order, so that ``n`` blocks are free.
+
+        None when that is impossible now.  Changes no state: it peels leaves off a
+        virtual copy of the tree (a parent joins the candidates once all its device
+        children are planned), and what it takes out of the tree's heap goes back
+        unless it is planned.  ``exclude`` are nodes to treat as referenced (the
+        device hits of a request about to take refs on them).
+
+        NOTE: every planned node is evictable when its turn comes (the liveness rule:
+        every unreferenced, unpinned device leaf can be evicted under every policy),
+        so planning first is what keeps an infeasible request from evicting anything.
+        Cost: O(k log n) for k planned nodes, like the eviction itself.
+        """
         short = n - self.device_pool.num_free
         if short <= 0:
-            return
-        tree = self.tree
-        skipped: list[BlockNode] = []
+            return []
+        heap = self.tree.device_heap
+        root = self.tree.root
+        plan: list[BlockNode] = []
+        popped: list[BlockNode] = []
+        left: dict[BlockNode, int] = {}  # device children of a node not planned yet
+        local: list[tuple[int, int, BlockNode]] = []  # parents that became virtual leaves
+        seq = 0
+        while len(plan) < short:
+            top = heap.peek()
+            if top is not None and top in exclude:
+                heap.pop()
+                popped.append(top)
+                continue
+            if local and (top is None or local[0][0] < top.last_access):
+                node = heapq.heappop(local)[2]
+            elif top is not None:
+                node = heap.pop()  # type: ignore[assignment]
+                popped.append(node)
+            else:
+                break
+            plan.append(node)
+            parent = node.parent
+            if parent is None or parent is root:
+                continue
+            k = left.get(parent, parent.num_device_children) - 1
+            left[parent] = k
+            if (
+                k == 0
+                and parent.ref_count == 0
+                and parent.pending is None
+                and not parent.detached
+                and parent not in exclude
+            ):
+                seq += 1
+                heapq.heappush(local, (parent.last_access, seq, parent))
+        ok = len(plan) >= short
+        planned = set(plan) if ok and not dry_run else set()
+        for node in popped:
+            if node not in planned:
+                self.tree.offer(node)
+        return plan if ok else None
+
+    def _no_free_blocks(self, n: int, exclude: frozenset[BlockNode] = frozenset()) -> NoFreeBlocksError:
+        """The error for an infeasible ``n``: retryable when copies in flight pin the difference."""
+        free = self.device_pool.num_free
+        bound = free + self._stats_cached_device - sum(1 for x in exclude if x.ref_count == 0 and x.device_block_id is not None)
+        retryable = bool(self._inflight) and n <= bound
+        return NoFreeBlocksError(
+            f"need {n} device blocks: {free} free and not enough evictable"
+            + (" now (copies in flight pin cached blocks: retry after complete_swap)" if retryable else ""),
+            retryable=retryable,
+        )
+
+    def _reclaim_device(self, n: int, exclude: frozenset[BlockNode] = frozenset()) -> None:
+        """Evict LRU device leaves until ``n`` blocks are free, following the write policy.
+
+        Feasibility is decided first (``_plan_reclaim``): when ``n`` blocks cannot be
+        had, NoFreeBlocksError is raised with nothing evicted and nothing queued.
+        """
+        plan = self._plan_reclaim(n, exclude)
+        if plan is None:
+            raise self._no_free_blocks(n, exclude)
         first = len(self._call_evictions)
         try:
-            while short > 0:
-                node = tree.device_heap.pop()
-                if node is None:
-                    break
-                if node.host_block_id is not None and node.pending is None:
-                    # Already on host (backed up, or loaded under a through policy):
-                    # dropping the device copy costs nothing.
-                    self._drop_device(node)
-                    self._stats["device_evictions"] += 1
-                    short -= 1
-                    continue
-                if self._write_back and self.host_pool.num_blocks:
-                    h = self._allocate_host_block()
-                    if h is None:
-                        if node.children:
-                            skipped.append(node)  # can't copy it and can't drop it
-                            continue
-                        self._drop_device(node)  # a leaf: its data just goes
-                    else:
-                        self._evict_to_host(node, h)
-                    self._stats["device_evictions"] += 1
-                    short -= 1
-                    continue
-                # Through policies never copy on eviction; the heap only offers such
-                # a node when it has no children, so it simply goes.
-                self._drop_device(node)
+            for node in plan:
+                if node.detached or node.device_block_id is None:
+                    continue  # its block went with a subtree an earlier eviction dropped
+                self._evict_device(node)
                 self._stats["device_evictions"] += 1
-                short -= 1
         finally:
-            for node in skipped:
-                tree.offer(node)
             self._pair_evictions_ascending(first)
-        if short > 0:
-            raise NoFreeBlocksError(
-                f"need {n} device blocks: {self.device_pool.num_free} free and nothing more is evictable"
-            )
+        if self.device_pool.num_free < n:  # pragma: no cover - the plan guarantees it
+            raise InvariantViolation(f"reclaim planned {len(plan)} evictions but only {self.device_pool.num_free} of {n} blocks are free")
+
+    def _evict_device(self, node: BlockNode) -> None:
+        """Release one unreferenced device leaf's block, following the write policy."""
+        if node.host_block_id is not None and node.pending is None:
+            # Already on host (backed up, or loaded under a through policy):
+            # dropping the device copy costs nothing.
+            self._drop_device(node)
+            return
+        if self._write_back and self.host_pool.num_blocks:
+            h = self._allocate_host_block()
+            if h is not None:
+                self._evict_to_host(node, h)
+                return
+        if node.children:
+            # No host copy to keep its (host-only) subtree reachable: the subtree goes too.
+            # Through policies never get here (the host tier is prefix-closed).
+            self._drop_with_subtree(node)
+        else:
+            self._drop_device(node)
+
+    def _drop_with_subtree(self, node: BlockNode) -> None:
+        """Drop ``node``'s device copy, its only copy, and every node below it."""
+        d = self.tree.clear_device(node)
+        self._dec_cached_device()
+        self.device_pool.free_one(d)
+        lost = self._drop_subtree(node)
+        logger.debug("dropped device leaf %#x and %d host-only descendants", node.hash_value, lost - 1)
+
+    def _drop_subtree(self, node: BlockNode) -> int:
+        """Cut ``node`` and its descendants out of the tree and free what they hold.
+
+        Blocks that a running request references, or that a copy in flight uses, are
+        freed when that ends (detached nodes).  Returns the number of nodes cut.
+        """
+        lost = self.tree.detach_subtree(node)
+        for n in lost:
+            if n.device_block_id is not None and n.ref_count == 0:
+                self._dec_cached_device()
+            self._release_detached(n)
+        return len(lost)
 
     def _evict_to_host(self, node: BlockNode, host_block: int) -> None:
         """write_back: copy a device leaf to a host block and release the device block now.
@@ -502,7 +652,7 @@ class CacheManager:
         st = self._lookup(request)
         self._release(st, insert=True)
         request.block_tables = []
-        request._match_result = None
+        request.match_result = None
 
     def preempt_request(self, request: Request) -> None:
         """Take a running request off the device, keeping what it computed cached.
@@ -516,7 +666,7 @@ class CacheManager:
         request.block_tables = []
         request.num_cached_tokens = 0
         request.num_computed_tokens = 0
-        request._match_result = None
+        request.match_result = None
 
     def _lookup(self, request: Request) -> _RequestState:
         self._check_request(request)
@@ -849,12 +999,8 @@ class CacheManager:
             return
         # The device block was released when the eviction was issued: the data is gone.
         self.host_pool.free_one(self.tree.clear_host(node))
-        lost = self.tree.detach_subtree(node)
-        logger.warning("write_back eviction of block %#x failed: dropping it and %d descendants", node.hash_value, len(lost) - 1)
-        for n in lost:
-            if n.device_block_id is not None and n.ref_count == 0:
-                self._dec_cached_device()
-            self._release_detached(n)
+        lost = self._drop_subtree(node)
+        logger.warning("write_back eviction of block %#x failed: dropping it and %d descendants", node.hash_value, lost - 1)
 
     def _complete_backup(self, inf: _InFlight, ok: bool) -> None:
         node = inf.node

@@ -137,6 +137,26 @@ class CacheSwapMetadata:
 
 
 @dataclass
+class ResidencyPlan:
+    """What ``CacheManager.ensure_resident`` did for one request, and where compute starts.
+
+    ``new_block_ids`` are the blocks added to the request's table by this call (load
+    destinations first, then fresh blocks), in table order.  ``num_cached_tokens`` is
+    the prefix already resident or being loaded: compute starts there.  The hit
+    counts describe the match this call applied (a request's first call only; later
+    calls report 0).  The loads and evictions themselves are on the request
+    (``cache_swap_metadata`` / ``cache_evict_metadata``) for ``BatchRequest`` to
+    merge, and must run in this step, before compute writes.
+    """
+
+    new_block_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_device_hit_tokens: int = 0
+    num_host_hit_tokens: int = 0
+    num_storage_hit_tokens: int = 0  # the storage tier's loads (later issue): always 0 now
+
+
+@dataclass
 class StorageMetadata:
     """A storage-tier job: keys to load or save and the host/device blocks they map to."""
 

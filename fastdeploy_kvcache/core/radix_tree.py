@@ -67,10 +67,6 @@ class LRULeafHeap:
     def __len__(self) -> int:
         return len(self._entries)
 
-    @property
-    def num_live(self) -> int:
-        return self._live
-
     def offer(self, node: BlockNode) -> None:
         """Push ``node`` if it is evictable now and not already in with its current key."""
         attr = self._attr
@@ -94,6 +90,20 @@ class LRULeafHeap:
         if getattr(node, attr) is not None:
             setattr(node, attr, None)
             self._live -= 1
+
+    def peek(self) -> Optional[BlockNode]:
+        """The node ``pop`` would return, left in the heap (stale entries on top are dropped)."""
+        attr = self._attr
+        entries = self._entries
+        while entries:
+            key, node = entries[0]
+            if getattr(node, attr) == key and self.eligible(node):
+                return node
+            heapq.heappop(entries)
+            if getattr(node, attr) == key:
+                setattr(node, attr, None)  # current but no longer evictable: as pop() would
+                self._live -= 1
+        return None
 
     def pop(self) -> Optional[BlockNode]:
         """Remove and return the least recently used evictable leaf, or None."""
@@ -137,18 +147,18 @@ class LRULeafHeap:
 class RadixTree:
     """The prefix tree of cached blocks, shared by all tiers.
 
-    ``device_evicts_interior_with_copy`` says whether a device leaf that still has
-    children (they live on host) may lose its device copy when it has no host copy:
-    true under write_back, where eviction copies it to host first; false under the
-    write-through policies, which never copy on eviction, so such a node has to
-    wait until it is backed up or its children are gone.
+    Every device leaf that nobody references and no copy pins is offered for device
+    eviction, whatever its other copies: that is what keeps every cached block
+    reclaimable (the liveness rule in docs/architecture.md).  A device leaf with no
+    host copy can still have children only under write_back (they live on host);
+    the cache manager then copies it to host, or drops it together with the host
+    subtree that nothing could reach without it.
     """
 
-    def __init__(self, device_evicts_interior_with_copy: bool = False) -> None:
+    def __init__(self) -> None:
         self.root = BlockNode(ROOT_HASH, None, depth=-1)
         self.root.ref_count = 1  # never evicted
         self.num_nodes = 0
-        self.device_evicts_interior_with_copy = device_evicts_interior_with_copy
         self._clock = 0
         self.device_heap = LRULeafHeap(_DEVICE, self._device_evictable)
         self.host_heap = LRULeafHeap(_HOST, self._host_evictable)
@@ -161,11 +171,6 @@ class RadixTree:
             and node.pending is None
             and not node.detached
             and node.num_device_children == 0
-            and (
-                node.host_block_id is not None
-                or not node.children
-                or self.device_evicts_interior_with_copy
-            )
         )
 
     @staticmethod
@@ -198,9 +203,6 @@ class RadixTree:
 
     def touch(self, node: BlockNode) -> None:
         node.last_access = self.tick()
-
-    def child(self, parent: BlockNode, hash_value: int) -> Optional[BlockNode]:
-        return parent.children.get(hash_value)
 
     def add_child(self, parent: BlockNode, hash_value: int) -> BlockNode:
         if hash_value in parent.children:

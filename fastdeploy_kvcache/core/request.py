@@ -60,7 +60,10 @@ class Request:
         self.num_computed_tokens = 0
         self.cache_swap_metadata: list[CacheSwapMetadata] = []
         self.cache_evict_metadata: list[CacheSwapMetadata] = []
-        self._match_result: Optional[MatchResult] = None
+        # The manager's last match for this request, for the engine's information
+        # (set by match_prefix, replaced by the match as applied); the manager keeps
+        # its own copy and never reads this one back.
+        self.match_result: Optional[MatchResult] = None
         self._hasher: Optional[BlockHasher] = None
 
     # ------------------------------------------------------------------ tokens / hashes
@@ -120,20 +123,16 @@ class Request:
         """Storage key of the trailing partial block (``<hash>:partial:<n>``), if any."""
         return self._get_hasher(block_size).partial_key(self.all_token_ids)
 
-    @property
-    def match_result(self) -> Optional[MatchResult]:
-        return self._match_result
-
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict:
         # The match result holds tree nodes (and through them the whole tree).
         state = self.__dict__.copy()
-        state["_match_result"] = None
+        state["match_result"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._match_result = None
+        self.match_result = None
 
     def __repr__(self) -> str:
         return (

@@ -473,3 +473,83 @@ def test_write_back_evictions_pair_ids_ascending():
     m = mgr.match_prefix(c)
     assert m.num_host_blocks == 8
     assert m.host_block_ids == sorted(m.host_block_ids)  # the load back is one run too
+
+
+def _tree_state(mgr):
+    return sorted((n.hash_value, n.device_block_id, n.host_block_id, n.pending) for n in mgr.tree.iter_nodes())
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_infeasible_allocation_evicts_nothing(policy):
+    """Defect 3: asking for more blocks than could ever be freed changes nothing."""
+    mgr, sh = make(policy, dev=8, host=8)
+    cache_prompt(mgr, sh, "a", list(range(13)))  # 3 cached device blocks
+    if policy != "write_back":
+        step(mgr, sh, [])  # let the write-through backups land
+    before_tree, before = _tree_state(mgr), snapshot(mgr)
+    big = Request("big", list(range(500, 600)))
+    with pytest.raises(NoFreeBlocksError):
+        mgr.allocate_device_blocks(big, 9)  # 8 blocks in the whole pool
+    assert not mgr.is_running("big") and big.block_tables == [] and big.cache_evict_metadata == []
+    assert _tree_state(mgr) == before_tree and snapshot(mgr) == before
+    assert mgr.num_copies_in_flight == 0
+    assert mgr.issue_pending_backup_to_batch_request() is None  # nothing queued
+    assert mgr.match_prefix(Request("x", list(range(13)))).num_device_blocks == 3
+
+
+def test_first_zero_block_allocation_applies_the_match_once():
+    """Defect 12: a first allocate(req, 0) with no device hits must not count the request twice."""
+    mgr, sh = make("write_back", dev=8, host=8)
+    r = Request("r", list(range(10)))
+    mgr.match_prefix(r)
+    assert mgr.allocate_device_blocks(r, 0) == []
+    mgr.allocate_device_blocks(r, 3)
+    s = mgr.get_stats()
+    assert s["num_requests"] == 1 and s["query_tokens"] == 10
+    mgr.check_invariants()
+
+
+def _liveness_repro(policy):
+    """The issue's trace: a child's backup takes its parent's host copy (host tier of one block)."""
+    mgr = CacheManager(CacheConfig(block_size=BS, num_gpu_blocks=3, num_host_blocks=1, write_policy=policy,
+                                   write_through_threshold=1))
+
+    def step_(reqs=()):
+        b = BatchRequest(list(reqs))
+        b.append_evict_metadata(mgr.issue_pending_backup_to_batch_request())
+        for m in (b.cache_evict_metadata, b.cache_swap_metadata):
+            if m is not None:
+                m.mark_done(True)
+                mgr.complete_swap(m)
+
+    def admit_(rid, t):
+        r = Request(rid, t)
+        m = mgr.match_prefix(r)
+        mgr.allocate_device_blocks(r, -(-len(t) // BS) - m.num_device_blocks)
+        step_([r])
+        return r
+
+    P, C = [1, 2, 3, 4], [5, 6, 7, 8]
+    a = admit_("a", P + [9])
+    a.num_computed_tokens = a.num_total_tokens
+    mgr.request_finish(a)
+    step_()
+    b = admit_("b", P + C + [9])
+    b.num_computed_tokens = b.num_total_tokens
+    mgr.request_finish(b)
+    step_()
+    c = admit_("c", list(range(20, 28)))
+    mgr.request_finish(c)
+    return mgr
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_every_cached_block_stays_reclaimable(policy):
+    """Defect 11: with nothing running and nothing in flight, all cached + free blocks can be had."""
+    mgr = _liveness_repro(policy)
+    assert mgr.num_copies_in_flight == 0
+    d = Request("d", list(range(100, 112)))
+    mgr.match_prefix(d)
+    assert mgr.can_allocate_device_blocks(3)
+    mgr.allocate_device_blocks(d, 3)
+    mgr.check_invariants()

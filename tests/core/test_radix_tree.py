@@ -61,19 +61,16 @@ def test_refs_and_in_flight_block_eviction():
     assert tree.device_heap.pop() is a
 
 
-def test_interior_device_leaf_needs_a_host_copy_under_write_through():
-    tree = RadixTree(device_evicts_interior_with_copy=False)
+def test_every_device_leaf_is_offered_whatever_its_children():
+    """Liveness: a device leaf whose children live on host only is still an eviction candidate
+    (the cache manager copies it to host, or drops it with that host subtree)."""
+    tree = RadixTree()
     a, b = chain(tree, [1, 2])
     tree.clear_device(b)
     tree.set_host(b, 0)  # b lives on host only; a is a device leaf with a child
-    assert tree.device_heap.pop() is None
-    tree.set_host(a, 1)
+    assert tree.device_heap.peek() is a  # peek leaves it in
     assert tree.device_heap.pop() is a
-    wb = RadixTree(device_evicts_interior_with_copy=True)
-    a, b = chain(wb, [1, 2])
-    wb.clear_device(b)
-    wb.set_host(b, 0)
-    assert wb.device_heap.pop() is a
+    assert tree.device_heap.peek() is None and tree.device_heap.pop() is None
 
 
 def test_host_heap_and_remove_guards():
