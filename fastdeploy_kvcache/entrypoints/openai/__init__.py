@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over :class:`~fastdeploy_kvcache.engine.llm_engine.LLMEngine`."""

@@ -1,0 +1,235 @@
+"""OpenAI-compatible HTTP server over the reference engine (FastAPI + uvicorn).
+
+Run it with ``python -m fastdeploy_kvcache.entrypoints.openai.api_server [flags]`` or
+``fastdeploy-kvcache serve [flags]`` (the same flags; ``--help`` lists them).  The
+engine reads ``ENABLE_V1_KVCACHE_MANAGER`` (1: tiered cache manager; 0: plain block
+allocator, no reuse between requests).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``stream``), ``GET /v1/models``, ``GET /health`` (``?verbose=1`` adds the engine's
+stats: used by tests and operators to check that no block leaked), ``GET /metrics``.
+
+Every error, FastAPI's own request validation included, is returned in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``; a malformed request is a 400, never a
+422, and never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import sys
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fastdeploy_kvcache.entrypoints.openai.engine_client import AsyncEngineClient
+from fastdeploy_kvcache.entrypoints.openai.metrics import ServerMetrics
+from fastdeploy_kvcache.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from fastdeploy_kvcache.entrypoints.openai.serving import ClientDisconnected, OpenAIServing, RequestError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8188
+
+
+# ---------------------------------------------------------------------- flags
+def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Server flags (``--host``, ``--port``, ...) plus the engine's and the cache's flags.
+
+    Like the engine's, it tolerates a parser that already defines some of these flags
+    (FastDeploy's parser defines ``--host``/``--port``): those are left as they are.
+    """
+    from fastdeploy_kvcache.engine.args import add_engine_cli_args  # engine side: lazy
+
+    existing = {opt for action in parser._actions for opt in action.option_strings}
+    group = parser.add_argument_group("HTTP server")
+
+    def add(flag: str, **kwargs: Any) -> None:
+        if flag not in existing:
+            group.add_argument(flag, **kwargs)
+
+    add("--host", default=DEFAULT_HOST, help=f"Address to listen on (default: {DEFAULT_HOST}).")
+    add("--port", type=int, default=DEFAULT_PORT, help=f"TCP port to listen on (default: {DEFAULT_PORT}).")
+    add("--served-model-name", dest="served_model_name", nargs="+", default=None,
+        help="Model name(s) clients must send in `model` (default: the engine's model name).")
+    add("--uvicorn-log-level", dest="uvicorn_log_level", default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level; `info` logs every HTTP request (default: warning).")
+    add("--log-level", dest="log_level", default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="Log level of fastdeploy_kvcache's own loggers (default: info).")
+    add_engine_cli_args(parser)
+    return parser
+
+
+def make_arg_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="OpenAI-compatible server over fastdeploy_kvcache's reference engine. "
+                    "ENABLE_V1_KVCACHE_MANAGER=1 turns on the tiered KV-cache manager "
+                    "(device prefix cache, plus a host tier when --swap-space > 0).",
+    )
+    return add_server_cli_args(parser)
+
+
+# ---------------------------------------------------------------------- errors
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    """One readable line per pydantic error, and the first error's field as ``param``."""
+    parts, first_param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        field = ".".join(loc)
+        if err.get("type") == "json_invalid":
+            parts.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            continue
+        if first_param is None and field:
+            first_param = field
+        parts.append(f"{field or 'body'}: {err.get('msg')}")
+    return "; ".join(parts) or "invalid request body", first_param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(RequestError)
+    async def _on_request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return error_response(exc.status, exc.message, type_=exc.type, param=exc.param, code=exc.code)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _on_disconnect(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), type_=kind)
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", type_="server_error")
+
+
+def _json_safe(value: Any) -> Any:
+    """Engine stats as JSON (enums and other objects become strings; NaN becomes None)."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)
+
+
+# ---------------------------------------------------------------------- app
+def build_app(args: argparse.Namespace) -> FastAPI:
+    """The FastAPI app; the engine is built and started in its lifespan, stopped at exit."""
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from fastdeploy_kvcache.engine.args import EngineArgs
+        from fastdeploy_kvcache.engine.llm_engine import LLMEngine
+
+        engine_args = EngineArgs.from_cli_args(args)
+        # Model loading takes seconds; off the loop so uvicorn's own tasks keep running.
+        engine = await asyncio.to_thread(LLMEngine, engine_args)
+        client = AsyncEngineClient(engine)
+        names = list(args.served_model_name or [engine.model_name])
+        metrics = ServerMetrics(names[0], client.get_stats)
+        state.update(client=client, metrics=metrics, names=names,
+                     serving=OpenAIServing(client, metrics, names))
+        client.start()
+        logger.info("serving %s on http://%s:%s (max_model_len=%d)", ", ".join(names), args.host, args.port,
+                    engine.max_model_len)
+        try:
+            yield
+        finally:
+            logger.info("shutting down the engine")
+            await asyncio.to_thread(client.shutdown)
+
+    app = FastAPI(title="fastdeploy_kvcache OpenAI-compatible server", lifespan=lifespan)
+    _install_error_handlers(app)
+
+    def serving() -> OpenAIServing:
+        return state["serving"]
+
+    @app.get("/health")
+    async def health(verbose: bool = False) -> Any:
+        """Liveness; ``?verbose=1`` adds ``engine.get_stats()`` (block counts per tier, ...)."""
+        if not verbose:
+            return {"status": "ok"}
+        stats = await asyncio.to_thread(state["client"].get_stats)
+        return {"status": "ok", "model": state["names"][0], "engine": _json_safe(stats)}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        max_len = state["client"].max_model_len
+        return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in state["names"]])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = await asyncio.to_thread(state["metrics"].render)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        result = await serving().create_completion(body, raw)
+        if body.stream:
+            return StreamingResponse(result, media_type="text/event-stream")
+        return JSONResponse(result.model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        result = await serving().create_chat_completion(body, raw)
+        if body.stream:
+            return StreamingResponse(result, media_type="text/event-stream")
+        return JSONResponse(result.model_dump())
+
+    return app
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn handles both and runs the lifespan's shutdown)."""
+    import uvicorn
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = make_arg_parser(prog="python -m fastdeploy_kvcache.entrypoints.openai.api_server")
+    run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

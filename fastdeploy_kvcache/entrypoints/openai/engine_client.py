@@ -1,0 +1,149 @@
+"""The bridge from the engine thread's callbacks to the server's asyncio loop.
+
+The engine runs in its own thread and calls ``on_output`` from there.  asyncio objects
+are not thread-safe, so each callback is handed to the loop with
+``loop.call_soon_threadsafe`` and lands on a per-HTTP-request ``asyncio.Queue``.  The
+event loop therefore never blocks on the engine, and the engine never waits for a slow
+client: a client that stops reading only grows its own queue.
+
+One HTTP request may fan out into several engine requests (``n > 1``, or a list of
+prompts); they share one queue and are told apart by their choice index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+
+if TYPE_CHECKING:  # the engine imports Paddle; the server imports it lazily at start-up
+    from fastdeploy_kvcache.engine.llm_engine import LLMEngine, RequestOutput
+    from fastdeploy_kvcache.engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SubRequest:
+    """One engine request of an HTTP request: its choice index, id, prompt and parameters."""
+
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: "SamplingParams"
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request, as one async stream of ``(index, output)``.
+
+    Iterate it to get every ``RequestOutput`` in arrival order; iteration ends once each
+    sub-request has delivered its ``finished=True`` output.  :meth:`abort` (called by the
+    server when the client goes away, or on any error) aborts whatever has not finished;
+    it is idempotent and safe after completion.
+    """
+
+    def __init__(self, engine: "LLMEngine", subs: list[SubRequest]) -> None:
+        self._engine = engine
+        self._subs = subs
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._unfinished = {s.request_id: s.index for s in subs}
+        self._loop = asyncio.get_running_loop()
+
+    def _submit(self) -> None:
+        """Add every sub-request; on a ValueError abort those already added and re-raise."""
+        added: list[str] = []
+        try:
+            for sub in self._subs:
+                self._engine.add_request(sub.request_id, sub.prompt_token_ids, sub.params,
+                                         self._make_callback(sub.index))
+                added.append(sub.request_id)
+        except BaseException:
+            for rid in added:
+                self._engine.abort(rid)
+            self._unfinished.clear()
+            raise
+
+    def _make_callback(self, index: int):
+        loop, queue = self._loop, self._queue
+
+        def on_output(output: "RequestOutput") -> None:
+            # Runs on the engine thread.  A closed loop (server shutting down) drops the
+            # output: nobody is left to read it, and the engine must not crash.
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (index, output))
+            except RuntimeError:
+                logger.debug("event loop closed; output of %s dropped", output.request_id)
+
+        return on_output
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, "RequestOutput"]]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[tuple[int, "RequestOutput"]]:
+        while self._unfinished:
+            index, output = await self._queue.get()
+            if output.finished:
+                self._unfinished.pop(output.request_id, None)
+            yield index, output
+
+    @property
+    def num_choices(self) -> int:
+        return len(self._subs)
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def abort(self) -> None:
+        """Abort every sub-request that has not finished (the engine frees its blocks)."""
+        for rid in list(self._unfinished):
+            logger.info("aborting request %s", rid)
+            self._engine.abort(rid)
+        self._unfinished.clear()
+
+
+class AsyncEngineClient:
+    """Owns the engine's life cycle (start in the lifespan, shutdown at exit) for the server."""
+
+    def __init__(self, engine: "LLMEngine") -> None:
+        self.engine = engine
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def submit(self, subs: list[SubRequest]) -> RequestGroup:
+        """Add the sub-requests to the engine; raises ValueError (bad request) before any runs.
+
+        Must be called from the event loop's thread.
+        """
+        group = RequestGroup(self.engine, subs)
+        group._submit()
+        return group
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.engine.get_stats()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+def first_token_latency(output: "RequestOutput") -> Optional[float]:
+    """Engine-measured seconds from arrival to the first token, when the engine stamps both."""
+    first = getattr(output, "first_token_time", None)
+    arrival = getattr(output, "arrival_time", None)
+    if first is None or arrival is None:
+        return None
+    return max(0.0, float(first) - float(arrival))

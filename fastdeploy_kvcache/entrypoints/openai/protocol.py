@@ -1,0 +1,217 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic v2 models).
+
+The request models accept what the official ``openai`` client sends.  Type errors are
+pydantic's job (the server maps its 422 to an OpenAI-style 400); value checks that need
+the engine's limits live in :mod:`.serving`.  Fields that OpenAI defines but this engine
+does not implement are accepted only at their neutral value, so that nothing a client
+asks for is silently ignored.
+
+Extensions beyond OpenAI (vLLM spells them the same way): ``top_k``, ``stop_token_ids``,
+``ignore_eos``, and in the response ``usage.prompt_tokens_details.cached_tokens_by_tier``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def random_id(prefix: str) -> str:
+    """OpenAI-style object id (``cmpl-...``, ``chatcmpl-...``); uuid4, not seeded on purpose."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIModel(BaseModel):
+    # NOTE: unknown request fields are kept (extra="allow") and logged by the server
+    # rather than rejected: newer clients add fields, and a 400 for each would break
+    # them.  Known-but-unsupported fields are rejected unless neutral (see serving.py).
+    model_config = ConfigDict(extra="allow")
+
+
+# ---------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {"message", "type", "param", "code"}}``, the body OpenAI returns."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------- requests
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(OpenAIModel):
+    """Fields common to both endpoints."""
+
+    model: str
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # Extensions (vLLM's spelling).
+    top_k: Optional[int] = Field(default=None, description="Sample from the k most likely tokens; -1 = off.")
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextContentPart]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        """The message's text; content parts are joined (only text parts exist here)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+# ---------------------------------------------------------------------- responses
+class CachedTokensByTier(BaseModel):
+    """Extension: where the reused prompt KV came from."""
+
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    cached_tokens_by_tier: CachedTokensByTier = Field(default_factory=CachedTokensByTier)
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    def add(self, other: "UsageInfo") -> None:
+        """Sum another choice's usage into this one (n > 1, or a list of prompts)."""
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        self.total_tokens += other.total_tokens
+        mine, theirs = self.prompt_tokens_details, other.prompt_tokens_details
+        mine.cached_tokens += theirs.cached_tokens
+        for tier in ("device", "host", "storage"):
+            setattr(mine.cached_tokens_by_tier, tier,
+                    getattr(mine.cached_tokens_by_tier, tier) + getattr(theirs.cached_tokens_by_tier, tier))
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "fastdeploy_kvcache"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

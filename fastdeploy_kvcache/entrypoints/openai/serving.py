@@ -1,0 +1,416 @@
+"""What the two generation endpoints do: validate, fan out to the engine, stream or collect.
+
+Request bodies arrive already type-checked by pydantic (:mod:`.protocol`).  This module
+checks the values that need the engine (prompt length against ``--max-model-len``,
+sampling values), turns each request into one engine request per choice, and shapes the
+engine's ``RequestOutput`` stream into OpenAI responses or server-sent events.
+
+Every path that leaves before the engine request finishes (client disconnect, error,
+cancellation) aborts it, so the engine frees its blocks at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional, Union
+
+from starlette.requests import Request as HTTPRequest
+
+from fastdeploy_kvcache.entrypoints.openai.engine_client import (
+    AsyncEngineClient,
+    RequestGroup,
+    SubRequest,
+    first_token_latency,
+)
+from fastdeploy_kvcache.entrypoints.openai.metrics import ServerMetrics
+from fastdeploy_kvcache.entrypoints.openai.protocol import (
+    CachedTokensByTier,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    UsageInfo,
+    random_id,
+)
+
+logger = logging.getLogger(__name__)
+
+# The most choices one request may ask for (n, or a list of prompts times n).
+MAX_CHOICES = 64
+
+
+class RequestError(Exception):
+    """A bad request: becomes HTTP ``status`` with an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 status: int = 400, type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+        self.type = type_
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its non-streamed response was ready."""
+
+
+# ---------------------------------------------------------------------- validation
+def _reject_unsupported(req: Union[CompletionRequest, ChatCompletionRequest]) -> None:
+    """Known OpenAI fields this engine does not implement: only their neutral value passes."""
+    checks: list[tuple[str, bool]] = [
+        ("presence_penalty", bool(req.presence_penalty)),
+        ("frequency_penalty", bool(req.frequency_penalty)),
+        ("logit_bias", bool(req.logit_bias)),
+    ]
+    if isinstance(req, CompletionRequest):
+        checks += [
+            ("echo", req.echo),
+            ("logprobs", req.logprobs is not None),
+            ("best_of", req.best_of not in (None, 1)),
+            ("suffix", bool(req.suffix)),
+        ]
+    else:
+        fmt = (req.response_format or {}).get("type", "text")
+        checks += [
+            ("logprobs", bool(req.logprobs)),
+            ("top_logprobs", req.top_logprobs is not None and req.top_logprobs != 0),
+            ("tools", bool(req.tools)),
+            ("tool_choice", req.tool_choice not in (None, "none", "auto")),
+            ("response_format", fmt != "text"),
+        ]
+    for name, bad in checks:
+        if bad:
+            raise RequestError(f"{name}: not supported by this server", param=name, code="unsupported_parameter")
+    extra = sorted((req.model_extra or {}).keys())
+    if extra:
+        logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
+
+
+def build_sampling_params(
+    req: Union[CompletionRequest, ChatCompletionRequest],
+    prompt_len: int,
+    max_model_len: int,
+    prompt_param: str,
+) -> Any:
+    """Check the request's values against the engine's limits; return ``SamplingParams``.
+
+    ``max_tokens`` that would run past ``max_model_len`` is a 400 (as in vLLM) rather
+    than a silent cut; without ``max_tokens`` chat may use the rest of the context, and
+    completions default to OpenAI's 16.
+    """
+    from fastdeploy_kvcache.engine.sampling import SamplingParams  # engine side: lazy
+
+    _reject_unsupported(req)
+    if prompt_len == 0:
+        raise RequestError(f"{prompt_param}: the prompt is empty", param=prompt_param)
+    if prompt_len >= max_model_len:
+        raise RequestError(
+            f"{prompt_param}: the prompt has {prompt_len} tokens; this model's maximum context length "
+            f"(--max-model-len) is {max_model_len}, which leaves no room to generate",
+            param=prompt_param, code="context_length_exceeded")
+    room = max_model_len - prompt_len
+    max_tokens = req.max_tokens
+    param = "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is not None:
+        if max_tokens <= 0:
+            raise RequestError(f"{param}: must be >= 1, got {max_tokens}", param=param)
+        if max_tokens > room:
+            raise RequestError(
+                f"{param}: {prompt_len} prompt tokens + {max_tokens} = {prompt_len + max_tokens} exceeds this "
+                f"model's maximum context length (--max-model-len) of {max_model_len}",
+                param=param, code="context_length_exceeded")
+    else:
+        max_tokens = room
+    if req.n < 1:
+        raise RequestError(f"n: must be >= 1, got {req.n}", param="n")
+    if req.temperature is not None and req.temperature < 0:
+        raise RequestError(f"temperature: must be >= 0, got {req.temperature}", param="temperature")
+    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+        raise RequestError(f"top_p: must be in (0, 1], got {req.top_p}", param="top_p")
+    if req.top_k is not None and (req.top_k == 0 or req.top_k < -1):
+        raise RequestError(f"top_k: must be -1 (off) or >= 1, got {req.top_k}", param="top_k")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(s == "" for s in stop):
+        raise RequestError("stop: stop strings must be non-empty", param="stop")
+    stop_ids = list(req.stop_token_ids or [])
+    if any(t < 0 for t in stop_ids):
+        raise RequestError("stop_token_ids: token ids must be >= 0", param="stop_token_ids")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=-1 if req.top_k is None else int(req.top_k),
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=stop_ids,
+        ignore_eos=bool(req.ignore_eos),
+    )
+    try:
+        params.validate()
+    except ValueError as exc:
+        field = str(exc).split(":", 1)[0].strip()
+        raise RequestError(str(exc), param=field if field.isidentifier() else None) from exc
+    return params
+
+
+def _with_seed(params: Any, seed: Optional[int]) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(params, seed=seed)
+
+
+def _fan_out(prompts: list[tuple[list[int], Any]], n: int) -> list[SubRequest]:
+    """One engine request per (prompt, choice); choice j of a seeded request gets seed + j."""
+    subs: list[SubRequest] = []
+    base = uuid.uuid4().hex
+    for p_idx, (ids, params) in enumerate(prompts):
+        for j in range(n):
+            index = p_idx * n + j
+            if n > 1 and params.seed is not None:
+                params_j = dataclasses.replace(params, seed=params.seed + j)
+            else:
+                params_j = params
+            subs.append(SubRequest(index, f"{base}-{index}", ids, params_j))
+    return subs
+
+
+# ---------------------------------------------------------------------- usage
+def usage_of(output: Any) -> UsageInfo:
+    """Usage of one finished engine request; cached tokens are split by tier (extension)."""
+    by_tier = getattr(output, "cached_tokens_by_tier", None) or {}
+    prompt = int(output.num_prompt_tokens)
+    completion = int(output.num_output_tokens)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=int(output.num_cached_tokens),
+            cached_tokens_by_tier=CachedTokensByTier(**{t: int(by_tier.get(t, 0)) for t in ("device", "host", "storage")}),
+        ),
+    )
+
+
+class OpenAIServing:
+    """The handlers of ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    def __init__(self, client: AsyncEngineClient, metrics: ServerMetrics, served_model_names: list[str]) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.served_model_names = served_model_names
+
+    # ------------------------------------------------------------------ helpers
+    def check_model(self, model: str) -> None:
+        if model not in self.served_model_names:
+            raise RequestError(
+                f"model: {model!r} is not served here; available: {', '.join(self.served_model_names)}",
+                param="model", code="model_not_found")
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = getattr(self.client.tokenizer, "vocab_size", None)
+        for i, t in enumerate(ids):
+            if t < 0 or (isinstance(vocab, int) and t >= vocab):
+                raise RequestError(f"{param}: token id {t} at position {i} is out of range [0, {vocab})",
+                                   param=param)
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        tok = self.client.tokenizer
+        if isinstance(p, str):
+            prompts = [tok.encode(p)]
+        elif not p:
+            raise RequestError("prompt: must not be an empty list", param="prompt")
+        elif all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        elif all(isinstance(x, str) for x in p):
+            prompts = [tok.encode(x) for x in p]  # type: ignore[arg-type]
+        else:
+            prompts = [list(x) for x in p]  # type: ignore[union-attr]
+        for ids in prompts:
+            self._check_token_ids(ids, "prompt")
+        return prompts
+
+    def _submit(self, prompts: list[list[int]], req: Union[CompletionRequest, ChatCompletionRequest],
+                prompt_param: str) -> RequestGroup:
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise RequestError(f"n: at most {MAX_CHOICES} choices per request (prompts x n), got "
+                               f"{len(prompts) * req.n}", param="n")
+        params_per_prompt = [build_sampling_params(req, len(ids), self.client.max_model_len, prompt_param)
+                             for ids in prompts]
+        subs = _fan_out(list(zip(prompts, params_per_prompt)), req.n)
+        try:
+            return self.client.submit(subs)
+        except ValueError as exc:  # the engine's own validation (contract: a clear message)
+            raise RequestError(str(exc), param=prompt_param) from exc
+
+    async def _outputs(self, group: RequestGroup, arrival: float) -> AsyncIterator[tuple[int, Any]]:
+        """The group's outputs, with metrics recorded; aborts the group if left early."""
+        seen_first: set[int] = set()
+        try:
+            async for index, out in group:
+                if out.new_token_ids and index not in seen_first:
+                    seen_first.add(index)
+                    ttft = first_token_latency(out)
+                    self.metrics.observe_first_token(ttft if ttft is not None else time.monotonic() - arrival)
+                if out.finished:
+                    self.metrics.observe_finished(out, time.monotonic() - arrival)
+                yield index, out
+        finally:
+            if not group.finished:
+                group.abort()
+
+    async def _collect(self, group: RequestGroup, raw: HTTPRequest, arrival: float) -> dict[int, dict[str, Any]]:
+        """All outputs of a non-streamed request, aborting it if the client disconnects."""
+        results: dict[int, dict[str, Any]] = {}
+
+        async def consume() -> None:
+            async for index, out in self._outputs(group, arrival):
+                slot = results.setdefault(index, {"text": [], "out": None})
+                slot["text"].append(out.text)
+                if out.finished:
+                    slot["out"] = out
+
+        consumer = asyncio.ensure_future(consume())
+        # After the body is read, receive() returns only when the client disconnects (or
+        # the response completes): no polling.
+        watcher = asyncio.ensure_future(raw.receive())
+        try:
+            done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if consumer not in done:
+                message = watcher.result()
+                if message.get("type") == "http.disconnect":
+                    logger.info("client disconnected; aborting its %d engine request(s)", len(results) or 1)
+                    consumer.cancel()
+                    group.abort()
+                    raise ClientDisconnected()
+                await consumer
+            consumer.result()
+        finally:
+            watcher.cancel()
+            if not consumer.done():
+                consumer.cancel()
+            if not group.finished:
+                group.abort()
+        for slot in results.values():
+            out = slot["out"]
+            if out is not None and out.finish_reason == "error":
+                raise RequestError(f"engine error: {out.error}", status=500, type_="server_error")
+        return results
+
+    # ------------------------------------------------------------------ completions
+    async def create_completion(self, req: CompletionRequest, raw: HTTPRequest) -> Any:
+        arrival = time.monotonic()
+        self.check_model(req.model)
+        prompts = self._completion_prompts(req)
+        group = self._submit(prompts, req, "prompt")
+        if req.stream:
+            return self._completion_stream(req, group, arrival)
+        results = await self._collect(group, raw, arrival)
+        choices, usage = [], UsageInfo()
+        for index in sorted(results):
+            out = results[index]["out"]
+            choices.append(CompletionChoice(index=index, text="".join(results[index]["text"]),
+                                            finish_reason=out.finish_reason))
+            usage.add(usage_of(out))
+        return CompletionResponse(model=req.model, choices=choices, usage=usage)
+
+    async def _completion_stream(self, req: CompletionRequest, group: RequestGroup,
+                                 arrival: float) -> AsyncIterator[str]:
+        rid, created = random_id("cmpl"), int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        usage = UsageInfo()
+        try:
+            async for index, out in self._outputs(group, arrival):
+                if out.text or out.finished:
+                    chunk = CompletionResponse(
+                        id=rid, created=created, model=req.model,
+                        choices=[CompletionChoice(index=index, text=out.text,
+                                                  finish_reason=out.finish_reason if out.finished else None)])
+                    yield _sse(chunk.model_dump(exclude_none=False))
+                if out.finished:
+                    usage.add(usage_of(out))
+                    if out.finish_reason == "error":
+                        yield _sse_error(f"engine error: {out.error}")
+            if include_usage:
+                yield _sse(CompletionResponse(id=rid, created=created, model=req.model, choices=[],
+                                              usage=usage).model_dump())
+            yield "data: [DONE]\n\n"
+        finally:
+            if not group.finished:
+                group.abort()
+
+    # ------------------------------------------------------------------ chat
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: HTTPRequest) -> Any:
+        arrival = time.monotonic()
+        self.check_model(req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = list(self.client.tokenizer.apply_chat_template(messages))
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+            raise RequestError(f"messages: the chat template failed: {exc}", param="messages") from exc
+        group = self._submit([ids], req, "messages")
+        if req.stream:
+            return self._chat_stream(req, group, arrival)
+        results = await self._collect(group, raw, arrival)
+        choices, usage = [], UsageInfo()
+        for index in sorted(results):
+            out = results[index]["out"]
+            choices.append(ChatCompletionChoice(
+                index=index, message=ChatResponseMessage(content="".join(results[index]["text"])),
+                finish_reason=out.finish_reason))
+            usage.add(usage_of(out))
+        return ChatCompletionResponse(model=req.model, choices=choices, usage=usage)
+
+    async def _chat_stream(self, req: ChatCompletionRequest, group: RequestGroup,
+                           arrival: float) -> AsyncIterator[str]:
+        rid, created = random_id("chatcmpl"), int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        usage = UsageInfo()
+
+        def chunk(choices: list[ChatCompletionStreamChoice], usage_: Optional[UsageInfo] = None) -> str:
+            return _sse(ChatCompletionChunk(id=rid, created=created, model=req.model, choices=choices,
+                                            usage=usage_).model_dump())
+
+        try:
+            # OpenAI sends the role first, in a chunk of its own, for every choice.
+            for index in range(group.num_choices):
+                yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            async for index, out in self._outputs(group, arrival):
+                if out.text:
+                    yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=out.text))])
+                if out.finished:
+                    usage.add(usage_of(out))
+                    yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(),
+                                                            finish_reason=out.finish_reason)])
+                    if out.finish_reason == "error":
+                        yield _sse_error(f"engine error: {out.error}")
+            if include_usage:
+                yield chunk([], usage)
+            yield "data: [DONE]\n\n"
+        finally:
+            if not group.finished:
+                group.abort()
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _sse_error(message: str) -> str:
+    return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})

@@ -1,0 +1,115 @@
+"""Start the API server in a child process and wait until it answers (tests, benchmarks).
+
+The tests and ``benchmarks/bench_serving.py`` drive a real uvicorn server over TCP, as a
+client would; this is the one place that knows how to start one on a free port, wait
+for ``/health``, and stop it (SIGINT, so the lifespan shuts the engine down).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """``python -m fastdeploy_kvcache.entrypoints.openai.api_server`` in a child process.
+
+    Args:
+        args: extra server flags (``--model``, ``--swap-space``, ...).
+        env: environment overrides, e.g. ``{"ENABLE_V1_KVCACHE_MANAGER": "1"}``.
+        startup_timeout_s: how long model loading may take before start() fails.
+    """
+
+    def __init__(self, args: Sequence[str] = (), env: Optional[dict[str, str]] = None,
+                 host: str = "127.0.0.1", port: Optional[int] = None, startup_timeout_s: float = 300.0,
+                 python: str = sys.executable) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.args = list(args)
+        self.env = dict(os.environ, **(env or {}))
+        self.startup_timeout_s = startup_timeout_s
+        self.python = python
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self._log = tempfile.NamedTemporaryFile(prefix="fdkv-server-", suffix=".log", delete=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log_path(self) -> str:
+        return self._log.name
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            with open(self._log.name, "r", errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def start(self) -> "ServerProcess":
+        cmd = [self.python, "-m", "fastdeploy_kvcache.entrypoints.openai.api_server",
+               "--host", self.host, "--port", str(self.port), *self.args]
+        logger.info("starting %s", " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode} during start-up:\n"
+                                   f"{self.log_tail()}")
+            try:
+                self.get_json("/health", timeout=2.0)
+                return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not up after {self.startup_timeout_s} s:\n{self.log_tail()}")
+
+    def get_json(self, path: str, timeout: float = 10.0) -> Any:
+        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def get_text(self, path: str, timeout: float = 10.0) -> str:
+        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as resp:
+            return resp.read().decode()
+
+    def engine_stats(self) -> dict[str, Any]:
+        """``GET /health?verbose=1``'s engine stats (block counts per tier, requests, copies)."""
+        return self.get_json("/health?verbose=1")["engine"]
+
+    def stop(self, timeout_s: float = 30.0) -> Optional[int]:
+        """SIGINT (uvicorn's graceful shutdown, which stops the engine), then SIGKILL."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("server %d did not stop in %.0f s; killing it", self.proc.pid, timeout_s)
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
