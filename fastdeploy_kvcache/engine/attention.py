@@ -1,0 +1,190 @@
+"""Paged attention for paddleformers models, over the CacheController's block caches.
+
+paddleformers calls the function registered here (``AttentionInterface.register`` plus
+``config._attn_implementation``) from every attention layer, with q, k and v after rotary
+embedding, so the model itself stays unmodified.  The engine flattens all of a step's
+scheduled tokens into one sequence ``[1, T]`` (explicit position ids per request) and, before
+the forward pass, sets a :class:`StepContext` saying which slice of ``T`` belongs to which
+request, its block table and how many of its tokens are already in the cache.
+
+Per layer and request the function
+
+1. waits for this layer's host->device load (``LayerDoneCounter.wait_for_layer``);
+2. writes the step's new K and V in place into the request's blocks, one slice assignment
+   per block touched (never a scatter over the whole cache: that copies it);
+3. gathers the request's blocks (``index_select`` of its table only) and attends with a causal
+   mask offset by the cached length.
+
+NOTE: Paddle registers no paged or variable-length attention kernel for CPU, so the gather is
+explicit.  Its cost is proportional to the request's own context, never to the cache size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPL_NAME = "fdkv_paged"
+
+_local = threading.local()
+
+
+@dataclass
+class SeqSlice:
+    """One request's part of a step: tokens [start, start + num_new) of the flattened batch."""
+
+    start: int
+    num_new: int
+    context_len: int  # tokens already in the cache (their KV is read, not written)
+    block_ids: list[int]
+    # Filled lazily by the attention function: the table as an index tensor, and the mask.
+    _index: Any = None
+    _mask: Any = None
+
+    @property
+    def total_len(self) -> int:
+        return self.context_len + self.num_new
+
+
+@dataclass
+class StepContext:
+    """What the attention function needs for one forward pass."""
+
+    seqs: list[SeqSlice]
+    kv_caches: Sequence[Sequence[Any]]  # per layer: [key_cache, value_cache, ...]
+    block_size: int
+    layer_done: Optional[Any] = None  # LayerDoneCounter of this step's load, if any
+    layers_waited: set[int] = field(default_factory=set)
+
+
+class step_context:
+    """``with step_context(ctx): model(...)`` makes ``ctx`` visible to the attention function.
+
+    Thread-local, so two engines in one process (tests) never see each other's step.
+    """
+
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+
+    def __enter__(self) -> StepContext:
+        self.prev = getattr(_local, "ctx", None)
+        _local.ctx = self.ctx
+        return self.ctx
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.ctx = self.prev
+
+
+def current_context() -> StepContext:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        raise RuntimeError(f"attention '{ATTN_IMPL_NAME}' called outside an engine step (no StepContext set)")
+    return ctx
+
+
+def write_kv(cache: Any, new: Any, block_ids: Sequence[int], start_pos: int, block_size: int) -> None:
+    """Write ``new`` ([kv_heads, n, head_dim]) at positions ``start_pos..`` of a request's blocks."""
+    n = int(new.shape[1])
+    pos, i = start_pos, 0
+    while i < n:
+        blk = block_ids[pos // block_size]
+        off = pos % block_size
+        m = min(block_size - off, n - i)
+        # In place (set_value on a slice of one block): the rest of the cache is untouched.
+        cache[blk, :, off : off + m, :] = new[:, i : i + m, :]
+        pos += m
+        i += m
+
+
+def _gather(cache: Any, index: Any, total: int) -> Any:
+    """The first ``total`` positions of a request's blocks: [kv_heads, total, head_dim]."""
+    import paddle
+
+    blocks = paddle.index_select(cache, index, axis=0)  # [nb, kvh, bs, d]
+    nb, kvh, bs, d = blocks.shape
+    return blocks.transpose([1, 0, 2, 3]).reshape([kvh, nb * bs, d])[:, :total, :]
+
+
+def paged_attention_forward(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any = None,
+    attn_mask_startend_row_indices: Any = None,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """paddleformers attention interface: q [1, H, T, D], k/v [1, KVH, T, D] -> ([1, T, H*D], None)."""
+    import paddle
+    import paddle.nn.functional as F
+
+    ctx = current_context()
+    layer = int(module.layer_idx)
+    if ctx.layer_done is not None:
+        # Before this layer's cache is read (or written: a load may target the same blocks).
+        ctx.layer_done.wait_for_layer(layer)
+        ctx.layers_waited.add(layer)
+    caches = ctx.kv_caches[layer]
+    k_cache, v_cache = caches[0], caches[1]
+    bs = ctx.block_size
+    _, num_heads, _, head_dim = query.shape
+    num_kv = int(key.shape[1])
+    groups = num_heads // num_kv
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
+    q_all, k_all, v_all = query[0], key[0], value[0]
+    if k_all.dtype != k_cache.dtype:
+        k_all = k_all.astype(k_cache.dtype)
+        v_all = v_all.astype(v_cache.dtype)
+    outs = []
+    for s in ctx.seqs:
+        a, n = s.start, s.num_new
+        write_kv(k_cache, k_all[:, a : a + n, :], s.block_ids, s.context_len, bs)
+        write_kv(v_cache, v_all[:, a : a + n, :], s.block_ids, s.context_len, bs)
+        total = s.total_len
+        if s._index is None:
+            nb = -(-total // bs)
+            s._index = paddle.to_tensor(s.block_ids[:nb], dtype="int64")
+            if n > 1:
+                # Query i sits at position context_len + i and sees keys 0..context_len + i.
+                kpos = paddle.arange(total, dtype="int64").unsqueeze(0)
+                qpos = paddle.arange(s.context_len, total, dtype="int64").unsqueeze(1)
+                s._mask = kpos > qpos  # True = masked
+        k = _gather(k_cache, s._index, total).astype(q_all.dtype)
+        v = _gather(v_cache, s._index, total).astype(q_all.dtype)
+        if groups > 1:
+            k = paddle.repeat_interleave(k, groups, axis=0)
+            v = paddle.repeat_interleave(v, groups, axis=0)
+        q = q_all[:, a : a + n, :]
+        # float32 scores and softmax whatever the model dtype: cheap at these sizes, and the
+        # result does not depend on how the step's tokens were batched.
+        scores = paddle.matmul(q.astype("float32"), k.astype("float32"), transpose_y=True) * scale  # [H, n, total]
+        if s._mask is not None:
+            scores = paddle.where(s._mask.unsqueeze(0), paddle.full_like(scores, float("-inf")), scores)
+        probs = F.softmax(scores, axis=-1)
+        o = paddle.matmul(probs, v.astype("float32")).astype(q_all.dtype)  # [H, n, D]
+        outs.append(o.transpose([1, 0, 2]).reshape([n, num_heads * head_dim]))
+    out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+    return out.unsqueeze(0), None
+
+
+_registered = False
+_register_lock = threading.Lock()
+
+
+def register_paged_attention(config: Any) -> None:
+    """Register the function with paddleformers (once) and select it in ``config``."""
+    global _registered
+    with _register_lock:
+        if not _registered:
+            from paddleformers.nn.attention.interface import AttentionInterface
+
+            AttentionInterface.register(ATTN_IMPL_NAME, paged_attention_forward)
+            _registered = True
+    config._attn_implementation = ATTN_IMPL_NAME
