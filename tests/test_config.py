@@ -117,8 +117,9 @@ def test_cli_defaults_match_config_defaults_and_fastdeploy() -> None:
 
 def test_cli_rejects_unknown_policy() -> None:
     parser = add_cli_args(argparse.ArgumentParser())
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as info:
         parser.parse_args(["--write-policy", "nope"])
+    assert info.value.code == 2
 
 
 @pytest.mark.parametrize(

@@ -132,7 +132,7 @@ def test_synchronous_host_stream_runs_inline() -> None:
     ran: list[int] = []
     stream.submit(lambda: ran.append(1))
     assert ran == [1]
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="synchronous HostStream cannot be paused"):
         stream.pause()
 
 

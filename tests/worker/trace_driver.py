@@ -12,6 +12,7 @@ make the scheduler recompute, and never be served.
 from __future__ import annotations
 
 import functools
+import hashlib
 import random
 from typing import Any
 
@@ -53,6 +54,12 @@ class _ArrayIO:
         if self.backend == "cupy":
             return self._cp.asnumpy(array[block])  # synchronous on the current (compute) stream
         return np.array(array[block])
+
+
+def partial_block_key(request_id: str, block: int, end: int) -> int:
+    """Pattern key of a partial block: the same in every process (``hash()`` of a str is not)."""
+    digest = hashlib.blake2b(f"{request_id}/{block}/{end}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +110,7 @@ class Model:
                 hashes = req.block_hashes(BS, end)
                 for i in range(start // BS, (end - 1) // BS + 1):
                     full = (i + 1) * BS <= end
-                    key = hashes[i] if full else hash((req.request_id, i, end))
+                    key = hashes[i] if full else partial_block_key(req.request_id, i, end)
                     self._write(req.block_tables[i], key, layer)
         for req in batch:
             req.num_computed_tokens = req.num_total_tokens
