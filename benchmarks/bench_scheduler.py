@@ -19,6 +19,11 @@ Reported, all from the same run:
 * the share of swap ids that continue a consecutive run, per direction.
 
 Usage: python benchmarks/bench_scheduler.py [--requests 10000] [--docs docs/benchmarks.md]
+       python benchmarks/bench_scheduler.py --quick    # smoke run: seconds, same code paths
+
+The full run takes about 5 minutes on one core of a 2-vCPU VM (it prints its own wall
+time); ``--quick`` shrinks every part (300 requests, eviction at 2k and 20k cached blocks,
+one repeat) and takes about 10-20 seconds.  Quick numbers are for smoke tests, not tables.
 """
 
 from __future__ import annotations
@@ -411,6 +416,11 @@ def machine_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _count(n: int) -> str:
+    """10000 -> '10k' (the table headers)."""
+    return f"{n // 1000}k" if n % 1000 == 0 else str(n)
+
+
 def render(args, results, evict_rows, hash_row, machine, date) -> str:
     lines = []
     lines.append(
@@ -448,12 +458,14 @@ def render(args, results, evict_rows, hash_row, machine, date) -> str:
                  "landing inside the call: an engine with a large cache should raise gc thresholds or "
                  "gc.freeze() after warm-up.")
     lines.append("")
-    lines.append(f"Eviction cost per evicted block (LRU leaf heap), steady state at 10k and at 100k cached "
+    small_n, large_n = (_count(n) for n in args.evict_sizes)
+    lines.append(f"Eviction cost per evicted block (LRU leaf heap), steady state at {small_n} and at {large_n} cached "
                  f"device blocks, {args.evictions} evictions per run (16 per allocate call), median of "
                  f"{args.repeats} interleaved runs; write_through drops backed-up copies, write_back "
                  f"also emits the device->host copy:")
     lines.append("")
-    lines.append("| policy | 10k cached blocks µs | 100k cached blocks µs | ratio 100k / 10k (limit 1.5) |")
+    lines.append(f"| policy | {small_n} cached blocks µs | {large_n} cached blocks µs | "
+                 f"ratio {large_n} / {small_n} (limit 1.5) |")
     lines.append("|---|---|---|---|")
     for policy, small, large in evict_rows:
         lines.append(f"| {policy} | {small:.2f} | {large:.2f} | {large / small:.2f} {'✓' if large / small <= 1.5 else '✗'} |")
@@ -520,13 +532,26 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lifo-baseline", default="write_back",
                         help="rerun this policy with a LIFO free list for comparison ('' to skip)")
-    parser.add_argument("--quick", action="store_true", help="1000 requests, smaller pools (smoke run)")
+    parser.add_argument("--evict-sizes", default="10000,100000",
+                        help="the two cached-block counts whose eviction cost is compared")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run in seconds: 300 requests, smaller pools, eviction at 2k/20k, 1 repeat")
     parser.add_argument("--date", default=time.strftime("%Y-%m-%d"))
     parser.add_argument("--docs", type=Path, default=None, help="update the '## Scheduler' section of this file")
     args = parser.parse_args()
     if args.quick:
-        args.requests, args.conversations, args.evictions, args.hash_tokens = 1000, 64, 4000, 200_000
-        args.device_blocks, args.host_blocks = 10_000, 30_000
+        # NOTE: every phase shrinks, not just the workload: before, --quick still ran 5
+        # repeats of the 100k-block eviction rows and took 70 s.  The pools stay smaller than
+        # the conversations, so evictions and host hits still happen.
+        args.requests, args.conversations, args.system_prompts = 300, 32, 4
+        args.device_blocks, args.host_blocks = 6_000, 18_000
+        args.evictions, args.repeats, args.hash_tokens = 1_600, 1, 200_000
+        args.evict_sizes = "2000,20000"
+    sizes = [int(x) for x in args.evict_sizes.split(",")]
+    if len(sizes) != 2 or min(sizes) < 1024 or args.evictions >= min(sizes):
+        parser.error("--evict-sizes needs two counts >= 1024, each larger than --evictions")
+    args.evict_sizes = sizes
+    started = time.perf_counter()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     log = logging.getLogger("bench_scheduler")
     logging.getLogger("fastdeploy_kvcache").setLevel(logging.WARNING)
@@ -537,13 +562,14 @@ def main() -> None:
     evict_rows = []
     for policy in ("write_through", "write_back"):
         # Interleaved repeats, median of each: a shared VM's noise is larger than the effect.
-        runs: dict[int, list[float]] = {10_000: [], 100_000: []}
+        runs: dict[int, list[float]] = {size: [] for size in args.evict_sizes}
         for rep in range(args.repeats):
             for size in runs:
                 runs[size].append(eviction_cost(size, policy, args.evictions, args.seed + rep))
-        small, large = statistics.median(runs[10_000]), statistics.median(runs[100_000])
-        log.info("eviction %s: %s -> %.2f us @10k, %.2f us @100k (ratio %.2f)", policy,
-                 {k: [round(x, 2) for x in v] for k, v in runs.items()}, small, large, large / small)
+        small, large = (statistics.median(runs[size]) for size in args.evict_sizes)
+        log.info("eviction %s: %s -> %.2f us @%d, %.2f us @%d (ratio %.2f)", policy,
+                 {k: [round(x, 2) for x in v] for k, v in runs.items()}, small, args.evict_sizes[0],
+                 large, args.evict_sizes[1], large / small)
         evict_rows.append((policy, small, large))
     results = {}
     for policy in args.policies.split(","):
@@ -561,6 +587,7 @@ def main() -> None:
             cm.BlockPool = saved  # type: ignore[misc]
     body = render(args, results, evict_rows, hash_row, machine, args.date)
     print(body)
+    log.info("bench_scheduler%s took %.0f s", " --quick" if args.quick else "", time.perf_counter() - started)
     if args.docs is not None:
         write_docs(args.docs, body)
         log.info("wrote the Scheduler section of %s", args.docs)
