@@ -8,6 +8,8 @@
 #   bash build.sh gpu-test build it, then run tests/gpu with the system python3 (CuPy, pytest);
 #                          exits 1 on a machine without a GPU (every test would skip)
 #   bash build.sh bench    run the benchmarks (GPU ones need `bash build.sh gpu` first)
+#   bash build.sh serve    build, then serve the default model (OpenAI API) on 127.0.0.1:8188 with
+#                          ENABLE_V1_KVCACHE_MANAGER=1 and a 1 GiB host tier; extra args pass through
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
@@ -123,6 +125,16 @@ build_capi_gpu_if_possible() {
 }
 build_paddle_ops() { "$PY" setup_ops.py; }
 
+# The OpenAI server's packages (the engine's own come with setup_venv).
+SERVE_PACKAGES=(fastapi uvicorn prometheus_client)
+ensure_serve_packages() {
+  local missing
+  missing=$(missing_modules "${SERVE_PACKAGES[@]}")
+  [ -z "$missing" ] && return 0
+  log "installing pip packages for the server ($missing)"
+  "$PY" -m pip install -q $missing
+}
+
 cmd=${1:-build}
 case "$cmd" in
   build)
@@ -146,6 +158,12 @@ case "$cmd" in
   bench)
     shift || true
     for b in benchmarks/bench_*.py; do log "running $b"; "${BENCH_PY:-$PY}" "$b" "$@"; done ;;
+  serve)
+    setup_venv; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops; ensure_serve_packages
+    shift || true
+    log "serving on http://${FDKV_HOST:-127.0.0.1}:${FDKV_PORT:-8188} (ENABLE_V1_KVCACHE_MANAGER=1, --swap-space 1)"
+    ENABLE_V1_KVCACHE_MANAGER=1 exec "$PY" -m fastdeploy_kvcache.entrypoints.openai.api_server \
+      --host "${FDKV_HOST:-127.0.0.1}" --port "${FDKV_PORT:-8188}" --swap-space 1 "$@" ;;
   *)
-    echo "usage: bash build.sh [build|test|gpu|gpu-test|bench]" >&2; exit 2 ;;
+    echo "usage: bash build.sh [build|test|gpu|gpu-test|bench|serve]" >&2; exit 2 ;;
 esac
