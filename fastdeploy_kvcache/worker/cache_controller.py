@@ -277,7 +277,13 @@ class CacheController:
         :meth:`collect_finished` with ``success=False``, and waits on a failed load raise
         ``LayerSwapError``.  One wait can raise: with launcher threads, fencing compute
         behind an eviction first waits (bounded by FDKV_LAYER_WAIT_TIMEOUT_S) for the
-        eviction's launch, and raises ``LayerSwapTimeoutError`` past that limit.
+        eviction's launch, and raises ``LayerSwapTimeoutError`` (direction DEVICE_TO_HOST)
+        past that limit.
+
+        Raised before anything is enqueued: ``TypeError`` for an argument that is neither
+        None nor a CacheSwapMetadata, ``ControllerClosedError`` after :meth:`close`.  A
+        metadata of the wrong direction or with bad ids is data, not a type error: it comes
+        back failed through :meth:`collect_finished`.
         """
         with self._lock:
             counter = self.transfer_manager.submit(evict_metadata, swap_in_metadata)
