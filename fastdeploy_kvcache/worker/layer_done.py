@@ -17,6 +17,8 @@ forward pass holding it have let it go.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional
@@ -88,6 +90,19 @@ def default_timeout_s() -> float:
     return float(envs.get("FDKV_LAYER_WAIT_TIMEOUT_S"))  # type: ignore[arg-type]
 
 
+def check_timeout(value: Any, name: str = "timeout_s") -> float:
+    """``value`` as float seconds: a finite number >= 0, else TypeError / ValueError.
+
+    NaN would make every deadline comparison false and infinity overflows the thread
+    primitives' timeouts, so both are refused up front.
+    """
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a finite number of seconds >= 0, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
 class LayerDoneCounter:
     """Events of one layer-by-layer load, one per layer, plus the load's outcome.
 
@@ -111,7 +126,7 @@ class LayerDoneCounter:
         self.task_id = task_id
         self.num_layers = num_layers
         self._backend = backend
-        self._timeout_s = default_timeout_s() if timeout_s is None else timeout_s
+        self._timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s)
         # NOTE: ``enforce=False`` exists only so the GPU race test for ordering rule 3 can
         # show the corruption that appears without the wait; never set it in serving.
         self._enforce = enforce
@@ -190,7 +205,7 @@ class LayerDoneCounter:
 
     def synchronize_layer(self, layer: int, timeout_s: Optional[float] = None) -> None:
         """Block the host until layer ``layer`` is copied (for host-side consumers)."""
-        timeout = self._timeout_s if timeout_s is None else timeout_s
+        timeout = self._timeout_s if timeout_s is None else check_timeout(timeout_s)
         deadline = time.monotonic() + timeout
         event = self._event_for(layer, deadline, timeout)
         remaining = max(0.0, deadline - time.monotonic())
@@ -201,13 +216,15 @@ class LayerDoneCounter:
 
     def wait_all(self, timeout_s: Optional[float] = None) -> None:
         """Block the host until every layer is copied; raises on failure or timeout."""
-        timeout = self._timeout_s if timeout_s is None else timeout_s
+        timeout = self._timeout_s if timeout_s is None else check_timeout(timeout_s)
         deadline = time.monotonic() + timeout
         for layer in range(self.num_layers):
             self.synchronize_layer(layer, max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ helpers
     def _check_layer(self, layer: int) -> None:
+        if not isinstance(layer, numbers.Integral) or isinstance(layer, bool):
+            raise TypeError(f"layer must be an int, got {layer!r} ({type(layer).__name__})")
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.num_layers}) for task {self.task_id}")
 

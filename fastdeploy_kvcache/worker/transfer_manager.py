@@ -62,6 +62,7 @@ from fastdeploy_kvcache.worker.backends.base import Backend, HostEvent, HostStre
 from fastdeploy_kvcache.worker.layer_done import (
     LayerDoneCounter,
     LayerSwapTimeoutError,
+    check_timeout,
     default_timeout_s,
 )
 
@@ -232,7 +233,7 @@ class TransferManager:
                 "worker ordering fences DISABLED for rules %s: KV may be corrupted (tests only)",
                 sorted(self.disabled_rules),
             )
-        self.timeout_s = default_timeout_s() if timeout_s is None else timeout_s
+        self.timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s)
         self.input_stream = backend.create_stream()
         self.output_stream = backend.create_stream()
         self.layout: Optional[CacheLayout] = None
@@ -547,7 +548,7 @@ class TransferManager:
 
         Not needed for correctness: waits on a task's events already wait for its launch.
         """
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         deadline = time.monotonic() + timeout_s
         for direction, launcher in list(self._launchers.items()):
             idle = HostEvent()
@@ -557,7 +558,7 @@ class TransferManager:
 
     def drain(self, timeout_s: Optional[float] = None) -> list[CacheSwapMetadata]:
         """Wait (host-side) for every in-flight task, then return all finished metadata."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timeout = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         deadline = time.monotonic() + timeout
         self.flush_launches(timeout)  # outside the lock: launch jobs take it
         with self._lock:

@@ -726,3 +726,15 @@ def test_submit_rejects_arguments_that_are_not_metadata(make_controller, args, m
         ctrl.submit_swap_tasks(*args)
     stats = ctrl.get_stats()
     assert stats["d2h"]["tasks"] == stats["h2d"]["tasks"] == 0 and stats["in_flight"] == 0
+
+
+@pytest.mark.parametrize("bad, error", [(-1, ValueError), (float("inf"), ValueError), ("10", TypeError)])
+def test_wait_limits_must_be_finite_non_negative_numbers(make_controller, bad, error) -> None:
+    ctrl = make_controller()
+    match = r"timeout_s must be a finite number of seconds >= 0"
+    with pytest.raises(error, match=match):
+        ctrl.collect_finished(wait=True, timeout_s=bad)
+    with pytest.raises(error, match=match):
+        ctrl.synchronize(timeout_s=bad)
+    with pytest.raises(error, match=match):
+        ctrl.transfer_manager.flush_launches(bad)

@@ -154,3 +154,25 @@ def test_timeout_error_reports_the_limit_the_wait_used(backend) -> None:
     assert late.value.timeout_s == missing.value.timeout_s == 0.02
     assert "0.020s" in str(missing.value)
     stream.resume()
+
+
+def test_layer_must_be_an_int(backend) -> None:
+    counter = LayerDoneCounter(task_id=1, num_layers=2, backend=backend, timeout_s=1)
+    for bad in ("1", 1.0, True, None):
+        with pytest.raises(TypeError, match=r"layer must be an int, got"):
+            counter.wait_for_layer(bad)
+        with pytest.raises(TypeError, match=r"layer must be an int, got"):
+            counter.is_layer_done(bad)
+
+
+@pytest.mark.parametrize("bad, error", [(-1.0, ValueError), (float("nan"), ValueError), ("5", TypeError),
+                                        (True, TypeError)])
+def test_timeouts_must_be_finite_non_negative_numbers(backend, bad, error) -> None:
+    with pytest.raises(error, match=r"timeout_s must be a finite number of seconds >= 0"):
+        LayerDoneCounter(task_id=1, num_layers=1, backend=backend, timeout_s=bad)
+    counter = LayerDoneCounter(task_id=1, num_layers=1, backend=backend, timeout_s=1)
+    counter.set_layer_event(0, HostEvent(already_set=True))
+    with pytest.raises(error, match=r"timeout_s must be a finite number of seconds >= 0"):
+        counter.synchronize_layer(0, timeout_s=bad)
+    with pytest.raises(error, match=r"timeout_s must be a finite number of seconds >= 0"):
+        counter.wait_all(timeout_s=bad)
