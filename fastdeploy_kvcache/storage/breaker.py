@@ -76,7 +76,7 @@ class CircuitBreaker:
     def record_success(self) -> None:
         with self._lock:
             if self._state != CLOSED:
-                logger.warning("storage breaker %s: closed (tier back on)", self.name)
+                logger.info("storage breaker %s: closed (tier on)", self.name)
             self._state = CLOSED
             self._failures = 0
             self._reset_s = self.base_reset_s
@@ -99,10 +99,8 @@ class CircuitBreaker:
             self._probe_in_flight = False
 
     def force_open(self) -> None:
-        """Turn the tier off now (set-up failed, or the master is known to be down)."""
+        """Turn the tier off now (not set up yet, or closed); not counted in ``opens``."""
         with self._lock:
-            if self._state == CLOSED:
-                self.opens += 1
             self._trip()
             self._probe_in_flight = False
 

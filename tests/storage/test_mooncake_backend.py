@@ -1,0 +1,282 @@
+"""The mooncake backend against a real ``mooncake_master`` and a real holder on 127.0.0.1.
+
+Faults are real too: the master is killed (SIGTERM), paused (SIGSTOP) and restarted on the
+same ports; the store is filled with a small holder segment.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastdeploy_kvcache.storage import Status, StorageError
+from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig, mooncake_available, parse_size
+from fastdeploy_kvcache.storage.mooncake_local import (
+    LocalMooncake,
+    MooncakeHolder,
+    MooncakeMaster,
+    find_binary,
+    free_port,
+)
+
+from .conftest import HostArena
+
+_WHY = mooncake_available()
+pytestmark = pytest.mark.skipif(
+    _WHY is not None or find_binary("mooncake_master") is None or find_binary("mooncake_client") is None,
+    reason=f"mooncake_master / mooncake_client / mooncake.store not installed ({_WHY}): run `bash build.sh`",
+)
+
+NS = "fdkv1-test-fedcba9876543210-tp0of1"
+MiB = 1 << 20
+
+
+def key(i: int) -> str:
+    return f"{NS}:{i:032x}"
+
+
+def backend_for(local_master: MooncakeMaster, arena: HostArena, **kw) -> MooncakeBackend:
+    kw.setdefault("global_segment_size", 0)
+    backend = MooncakeBackend(
+        master_server_addr=local_master.addr, master_metrics_addr=local_master.metrics_addr,
+        local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", protocol="tcp",
+        local_buffer_size=16 * MiB, **kw,
+    )
+    backend.register_buffer(arena.ptr, arena.nbytes)
+    return backend
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    local = LocalMooncake(segment="64MB", log_dir=tmp_path / "logs").start()
+    yield local
+    local.stop()
+
+
+@pytest.fixture
+def marena() -> HostArena:
+    return HostArena(16, 256 << 10)
+
+
+def test_config_from_env_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOONCAKE_MASTER_SERVER_ADDR", "10.1.2.3:50051")
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "rdma")
+    monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "2GB")
+    cfg = MooncakeConfig(protocol="tcp")
+    assert cfg.master_server_addr == "10.1.2.3:50051" and cfg.protocol == "tcp"
+    assert cfg.metadata_server == "P2PHANDSHAKE" and cfg.global_segment_size == 2 << 30
+    assert cfg.master_metrics_addr == "10.1.2.3:9003"
+    assert parse_size("512MiB") == 512 << 20 and parse_size(4096) == 4096 and parse_size("0") == 0
+    with pytest.raises(ValueError, match="size"):
+        parse_size("lots")
+    monkeypatch.delenv("MOONCAKE_MASTER_SERVER_ADDR")
+    with pytest.raises(ValueError, match="MOONCAKE_MASTER_SERVER_ADDR"):
+        MooncakeConfig()
+
+
+def test_put_get_exists_delete_and_partial_batch(store: LocalMooncake, marena: HostArena) -> None:
+    backend = backend_for(store.master, marena)
+    assert backend.wait_ready(15), backend.health()
+    size = marena.slot_bytes
+    data = [marena.fill(i, seed=40 + i) for i in range(3)]
+    assert backend.batch_put_from([key(i) for i in range(3)], [marena.slot_ptr(i) for i in range(3)], [size] * 3) == [0] * 3
+    assert backend.batch_exists([key(0), key(1), key(2), key(3)]) == 3
+    assert backend.batch_exists([key(0), key(7), key(2)]) == 1
+    got = backend.batch_get_into([key(2), key(0)], [marena.slot_ptr(8), marena.slot_ptr(9)], [size, size])
+    assert got == [size, size]
+    np.testing.assert_array_equal(marena.slot(8), data[2])
+    np.testing.assert_array_equal(marena.slot(9), data[0])
+    # One batch: a hit, a miss and a buffer smaller than the object.
+    mixed = backend.batch_get_into([key(1), key(9), key(0)], [marena.slot_ptr(10), marena.slot_ptr(11), marena.slot_ptr(12)], [size, size, 1000])
+    assert mixed == [size, Status.MISSING, Status.INVALID]
+    np.testing.assert_array_equal(marena.slot(10), data[1])
+    # A key missing after a positive existence check (removed in between) is a miss.
+    assert backend.batch_exists([key(1)]) == 1
+    assert backend.delete([key(1)]) == 1  # force: the get above leased it for 10 s
+    assert backend.batch_get_into([key(1)], [marena.slot_ptr(13)], [size]) == [Status.MISSING]
+    # Writing a key again keeps it (same bytes by construction) and reports OK.
+    assert backend.batch_put_from([key(0)], [marena.slot_ptr(5)], [size]) == [0]
+    stats = backend.stats()
+    assert stats["write_bytes"] == 4 * size and stats["read_bytes"] == 3 * size
+    assert stats["errors"]["invalid"] == 1 and stats["misses"] == 3 and stats["breaker_state"] == "closed"
+    with pytest.raises(StorageError, match="not inside a registered buffer"):
+        backend.batch_put_from([key(5)], [int(np.zeros(8).ctypes.data)], [8])
+    backend.close()
+
+
+def test_overwrite_uses_upsert(store: LocalMooncake, marena: HostArena) -> None:
+    backend = backend_for(store.master, marena, overwrite=True)
+    assert backend.wait_ready(15)
+    size = marena.slot_bytes
+    marena.fill(0, seed=1)
+    second = marena.fill(1, seed=2)
+    assert backend.batch_put_from([key(0)], [marena.slot_ptr(0)], [size]) == [0]
+    assert backend.batch_put_from([key(0)], [marena.slot_ptr(1)], [size]) == [0]
+    assert backend.batch_get_into([key(0)], [marena.slot_ptr(2)], [size]) == [size]
+    np.testing.assert_array_equal(marena.slot(2), second)
+    backend.close()
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, numpy as np
+    from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend
+    addr, metrics = sys.argv[1], sys.argv[2]
+    b = MooncakeBackend(master_server_addr=addr, master_metrics_addr=metrics, global_segment_size=0,
+                        local_hostname="127.0.0.1", local_buffer_size=16 << 20)
+    buf = np.arange(4 * 65536, dtype=np.uint32).view(np.uint8)
+    b.register_buffer(int(buf.ctypes.data), int(buf.nbytes))
+    assert b.wait_ready(15), b.health()
+    keys = [f"{sys.argv[3]}:{i:032x}" for i in range(4)]
+    r = b.batch_put_from(keys, [int(buf.ctypes.data) + i * 262144 for i in range(4)], [262144] * 4)
+    assert r == [0, 0, 0, 0], r
+    b.close()
+    """
+)
+
+
+def test_bytes_outlive_the_writer_process(store: LocalMooncake, marena: HostArena) -> None:
+    """A second process (a restarted server) reads what the first wrote: the holder keeps them."""
+    proc = subprocess.run([sys.executable, "-c", WRITER, store.master.addr, store.master.metrics_addr, NS],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    backend = backend_for(store.master, marena)
+    assert backend.wait_ready(15)
+    assert backend.batch_exists([key(i) for i in range(4)]) == 4
+    assert backend.batch_get_into([key(i) for i in range(4)], [marena.slot_ptr(i) for i in range(4)], [262144] * 4) == [262144] * 4
+    expected = np.arange(4 * 65536, dtype=np.uint32).view(np.uint8)
+    np.testing.assert_array_equal(marena.array[: 4 * 262144], expected)
+    backend.close()
+
+
+def test_master_down_at_start_is_bounded_and_recovers(tmp_path: Path, marena: HostArena) -> None:
+    master = MooncakeMaster(log_dir=tmp_path / "logs")  # ports chosen, nothing started yet
+    start = time.monotonic()
+    backend = backend_for(master, marena)
+    assert time.monotonic() - start < 1.0  # the constructor never waits for the master
+    health = backend.health()
+    assert not health.available and health.breaker != "closed"
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        backend.batch_exists([key(0)])
+    assert info.value.kind == "unreachable" and time.monotonic() - t0 < 0.5
+    with pytest.raises(StorageError):
+        backend.batch_put_from([key(0)], [marena.slot_ptr(0)], [marena.slot_bytes])
+    time.sleep(1.0)  # the background set-up keeps retrying
+    assert not backend.health().available
+    master.start()
+    holder = MooncakeHolder(master, "64MB", tmp_path / "logs").start()
+    try:
+        assert backend.wait_ready(20), backend.health()
+        assert backend.stats()["setup_attempts"] >= 2
+        marena.fill(0, seed=9)
+        assert backend.batch_put_from([key(0)], [marena.slot_ptr(0)], [marena.slot_bytes]) == [0]
+        assert backend.batch_get_into([key(0)], [marena.slot_ptr(1)], [marena.slot_bytes]) == [marena.slot_bytes]
+        np.testing.assert_array_equal(marena.slot(0), marena.slot(1))
+    finally:
+        backend.close()
+        holder.stop()
+        master.stop()
+
+
+def test_master_killed_mid_run_breaker_opens_then_closes(store: LocalMooncake, marena: HostArena) -> None:
+    backend = backend_for(store.master, marena, failure_threshold=2, reset_timeout_s=0.5, call_timeout_s=8.0)
+    assert backend.wait_ready(15)
+    size = marena.slot_bytes
+    marena.fill(0, seed=11)
+    assert backend.batch_put_from([key(0)], [marena.slot_ptr(0)], [size]) == [0]
+    store.master.stop()
+    # A data call with the master dead is bounded (Mooncake gives up after ~4.3 s).
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        backend.batch_get_into([key(0)], [marena.slot_ptr(1)], [size])
+    assert info.value.kind in ("unreachable", "timeout") and time.monotonic() - t0 < 8.5
+    with pytest.raises(StorageError):
+        backend.batch_exists([key(0)])  # answers at once; the second failure opens the breaker
+    assert backend.health().breaker in ("open", "half_open") and not backend.health().available
+    # With the breaker open, calls fail at once instead of costing seconds each.
+    t0 = time.monotonic()
+    for _ in range(5):
+        with pytest.raises(StorageError) as info:
+            backend.batch_get_into([key(0)], [marena.slot_ptr(1)], [size])
+        assert info.value.kind == "unreachable"
+    assert time.monotonic() - t0 < 0.5
+    assert backend.stats()["breaker_opens"] >= 1
+    # The master comes back (empty): the probe closes the breaker, old keys are misses.
+    store.master.start()
+    assert backend.wait_ready(30), backend.health()
+    assert backend.batch_exists([key(0)]) == 0
+    deadline = time.monotonic() + 20
+    while True:  # the holder re-mounts its segment on the new master; until then puts are FULL
+        result = backend.batch_put_from([key(1)], [marena.slot_ptr(0)], [size])
+        if result == [0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert result == [0]
+    assert backend.batch_get_into([key(1)], [marena.slot_ptr(2)], [size]) == [size]
+    np.testing.assert_array_equal(marena.slot(2), marena.slot(0))
+    assert backend.stats()["breaker_state"] == "closed"
+    backend.close()
+
+
+def test_hung_master_call_times_out_with_pending_future(store: LocalMooncake, marena: HostArena) -> None:
+    """SIGSTOP: the call hangs; the caller gets "timeout" and a future of the real call."""
+    backend = backend_for(store.master, marena, call_timeout_s=0.5, failure_threshold=5)
+    assert backend.wait_ready(15)
+    marena.fill(0, seed=12)
+    assert backend.batch_put_from([key(0)], [marena.slot_ptr(0)], [marena.slot_bytes]) == [0]
+    store.master.pause()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StorageError) as info:
+            backend.batch_get_into([key(0)], [marena.slot_ptr(1)], [marena.slot_bytes])
+        assert info.value.kind == "timeout" and time.monotonic() - t0 < 1.5
+        pending = info.value.pending  # type: ignore[attr-defined]
+        assert not pending.done()  # the buffer is still in use: the caller must wait for this
+    finally:
+        store.master.resume()
+    pending.result(timeout=30)  # the real call ends once the master runs again
+    assert backend.stats()["errors"]["timeout"] == 1
+    backend.close()
+
+
+def test_store_full_is_a_soft_failure(tmp_path: Path) -> None:
+    local = LocalMooncake(segment="16MB", log_dir=tmp_path / "logs").start()
+    arena = HostArena(4, 1 * MiB)
+    backend = backend_for(local.master, arena)
+    try:
+        assert backend.wait_ready(15)
+        results: list[int] = []
+        for batch in range(6):  # 48 MiB into a 16 MiB segment
+            keys = [key(batch * 8 + i) for i in range(8)]
+            results += backend.batch_put_from(keys, [arena.slot_ptr(i % 4) for i in range(8)], [MiB] * 8)
+        assert Status.FULL in results, results
+        # Eviction runs in the background above 90 % full, so more than 16 puts may succeed
+        # in all, but never more than the segment holds at once.
+        present = sum(backend.batch_exists([key(i)]) for i in range(len(results)))
+        assert present <= 16
+        assert set(results) <= {Status.OK, Status.FULL}
+        full_keys = [key(i) for i, r in enumerate(results) if r == Status.FULL]
+        assert backend.batch_exists(full_keys[:1]) == 0  # a FULL put never counts as stored
+        stats = backend.stats()
+        assert stats["errors"]["full"] == results.count(Status.FULL)
+        assert stats["breaker_state"] == "closed"  # full is not an outage
+        assert backend.health().available
+    finally:
+        backend.close()
+        local.stop()
+
+
+def test_not_installed_message_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fastdeploy_kvcache.storage.mooncake_backend as mb
+
+    monkeypatch.setattr(mb, "mooncake_available", lambda: "ImportError: no module named mooncake")
+    with pytest.raises(StorageError, match="bash build.sh"):
+        mb.MooncakeBackend(master_server_addr="127.0.0.1:1")
