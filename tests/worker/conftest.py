@@ -10,8 +10,12 @@ from worker_helpers import capi_or_skip, paddle_ops_or_skip, small_config
 
 
 @pytest.fixture
-def make_controller() -> Iterator[Any]:
-    """Factory of initialized CacheControllers; closes them after the test."""
+def make_controller(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Factory of initialized CacheControllers; closes them after the test.
+
+    ``disabled_rules`` goes through FDKV_UNSAFE_DISABLE_ORDERING, the switch a user has, so
+    each ordering-rule test shows its corruption with the fence removed that way.
+    """
     from fastdeploy_kvcache.worker import CacheController
 
     made: list[Any] = []
@@ -23,8 +27,10 @@ def make_controller() -> Iterator[Any]:
         elif backend == "paddle":
             paddle_ops_or_skip()
         config = small_config(**cfg)
+        monkeypatch.setenv("FDKV_UNSAFE_DISABLE_ORDERING", ",".join(str(r) for r in sorted(disabled_rules)))
         ctrl = CacheController(config, local_rank=0, device_id=0, backend=backend, threaded=threaded,
-                               disabled_rules=set(disabled_rules), async_launch=async_launch)
+                               async_launch=async_launch)
+        assert ctrl.transfer_manager.disabled_rules == frozenset(disabled_rules)
         ctrl.initialize_kv_cache()
         ctrl.initialize_host_cache()
         made.append(ctrl)

@@ -286,6 +286,47 @@ def test_rule2_compute_does_not_overwrite_a_block_being_evicted(make_controller,
 
 @pytest.mark.parametrize("launch", LAUNCH)
 @pytest.mark.parametrize("enforced", ENFORCED)
+def test_rule2_fences_compute_behind_a_merged_backup_and_eviction(make_controller, enforced, launch) -> None:
+    """A step's device->host metadata merges backups and evictions: one eviction in it fences."""
+    ctrl = make_controller(disabled_rules=set() if enforced else {2}, async_launch=launch)
+    backend = ctrl.backend
+    compute = backend.create_stream()
+    backend.use_compute_stream(compute)
+    try:
+        fill_block(ctrl, 1, seed=1)
+        fill_block(ctrl, 2, seed=3)
+        expected = device_block_bytes(ctrl, 1)
+        merged = CacheSwapMetadata.merged([backup([2], [5]), evict([1], [4])])
+        ctrl.transfer_manager.output_stream.pause()
+        ctrl.submit_swap_tasks(merged, None)  # block 1 is freed by the eviction ...
+        compute.submit(lambda: fill_block(ctrl, 1, seed=2))  # ... and reused in the same step
+        _race(ctrl, enforced, ctrl.transfer_manager.output_stream, compute)
+    finally:
+        backend.use_compute_stream(None)
+    assert (host_block_bytes(ctrl, 4) == expected) is enforced
+    assert block_seed(ctrl, 1) == 2 and merged.success
+
+
+@pytest.mark.parametrize("launch", LAUNCH)
+def test_a_backup_alone_does_not_hold_compute_back(make_controller, launch) -> None:
+    """Backed-up blocks stay cached and are never rewritten, so compute need not wait for them."""
+    ctrl = make_controller(async_launch=launch)
+    backend = ctrl.backend
+    compute = backend.create_stream()
+    backend.use_compute_stream(compute)
+    try:
+        fill_block(ctrl, 1, seed=1)
+        ctrl.transfer_manager.output_stream.pause()
+        ctrl.submit_swap_tasks(backup([1], [4]), None)
+        compute.submit(lambda: fill_block(ctrl, 3, seed=2))  # unrelated compute of the same step
+        _race(ctrl, False, ctrl.transfer_manager.output_stream, compute)  # runs ahead: no fence
+    finally:
+        backend.use_compute_stream(None)
+    assert block_seed(ctrl, 3) == 2 and block_seed(ctrl, 1) == 1
+
+
+@pytest.mark.parametrize("launch", LAUNCH)
+@pytest.mark.parametrize("enforced", ENFORCED)
 def test_rule2_load_does_not_overwrite_a_block_being_evicted(make_controller, enforced, launch) -> None:
     ctrl = make_controller(disabled_rules=set() if enforced else {2}, async_launch=launch)
     fill_block(ctrl, 0, seed=3)
