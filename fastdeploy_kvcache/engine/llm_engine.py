@@ -1,0 +1,528 @@
+"""``LLMEngine``: continuous batching on one engine thread, over the tiered KV cache or the baseline.
+
+One step of the loop:
+
+1. **Inbox.** New requests and aborts arrive through a queue (``add_request`` and ``abort``
+   are thread-safe and never wait for a step).
+2. **Schedule** under ``--max-num-batched-tokens``: running requests first (decodes, or the
+   next chunk of a prefill), then admissions while there is budget and fewer than
+   ``--max-num-seqs`` run.  Admission is ``match_prefix`` then ``ensure_resident``; when blocks
+   run out, the most recently admitted request is preempted (its computed blocks stay cached,
+   so it resumes cheaply) and requeued at the front.
+3. **Batch and copies.** ``BatchRequest`` of the scheduled requests plus the pending backups;
+   ``submit_swap_tasks`` starts this step's device->host and host->device copies.
+4. **Forward.** All scheduled tokens as one flattened sequence; the paged attention waits
+   per layer for the loads.  A failed load raises inside the forward: the step is dropped,
+   the copies are drained and handed to ``complete_swap``, and the affected requests
+   recompute from their lowered ``num_computed_tokens`` in the next step.
+5. **Advance** ``num_computed_tokens``, hand finished copies to ``complete_swap``, then sample
+   for the requests whose tokens are all computed (not the ones a failed load rewound).
+6. **Finish** on eos / stop token / stop string / max_tokens / max_model_len:
+   ``request_finish`` caches the request's blocks.
+
+Nothing in one request (bad output callback, a sampling error) stops the thread: that
+request finishes with ``finish_reason="error"``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from fastdeploy_kvcache import envs
+from fastdeploy_kvcache.config import CacheConfig
+from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
+from fastdeploy_kvcache.core.request import Request
+from fastdeploy_kvcache.engine.args import EngineArgs
+from fastdeploy_kvcache.engine.kv_pool import KVPool, ManagedKVPool, PlainKVPool
+from fastdeploy_kvcache.engine.model_loader import LoadedModel, load_model
+from fastdeploy_kvcache.engine.model_runner import ModelRunner, ScheduledSeq
+from fastdeploy_kvcache.engine.outputs import RequestOutput
+from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams
+from fastdeploy_kvcache.engine.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLMEngine", "RequestOutput", "SamplingParams", "EngineArgs"]
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class _EngineRequest:
+    """A request as the engine tracks it: the cache fields (``req``) plus generation state."""
+
+    def __init__(
+        self, req: Request, params: SamplingParams, on_output: OutputCallback, sampler: RequestSampler,
+        detok: IncrementalDetokenizer, arrival_time: float,
+    ) -> None:
+        self.req = req
+        self.params = params
+        self.on_output = on_output
+        self.sampler = sampler
+        self.detok = detok
+        self.arrival_time = arrival_time
+        self.first_token_time: Optional[float] = None
+        self.cached_device = 0
+        self.cached_host = 0
+        self.admitted = False  # got its first blocks at least once
+        self.text_sent = 0  # chars of detok.text already emitted
+        self.stop_at: Optional[int] = None  # where a stop string starts in detok.text
+        self.finished = False
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.cached_device + self.cached_host
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paddleformers Llama (see the module docstring)."""
+
+    def __init__(self, args: EngineArgs, *, loaded_model: Optional[LoadedModel] = None) -> None:
+        args.validate()
+        self.args = args
+        import paddle
+
+        self._paddle = paddle
+        use_gpu = args.device == "gpu" or (
+            args.device == "auto" and paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+        )
+        if args.device == "gpu" and not paddle.is_compiled_with_cuda():
+            raise ValueError("device: 'gpu' asked for, but this Paddle has no CUDA")
+        paddle.set_device("gpu:0" if use_gpu else "cpu")
+        self.device = "gpu" if use_gpu else "cpu"
+        self.loaded = loaded_model or load_model(args.model, args.model_cache_dir or "", seed=args.seed, device_is_gpu=use_gpu)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.name if args.model not in ("smollm2-135m-instruct", "tiny-llama-random") else args.model
+        self.max_model_len = min(args.max_model_len, self.loaded.max_position_embeddings)
+        if args.max_model_len > self.loaded.max_position_embeddings:
+            logger.warning("max_model_len %d exceeds the model's %d positions; using %d",
+                           args.max_model_len, self.loaded.max_position_embeddings, self.max_model_len)
+        self.use_v1 = envs.enable_v1_kvcache_manager()
+        self.cache_config = self._make_cache_config()
+        if self.use_v1:
+            self.pool: KVPool = ManagedKVPool(self.cache_config)
+        else:
+            self.pool = PlainKVPool(self.cache_config)
+            logger.info(
+                "ENABLE_V1_KVCACHE_MANAGER=0: plain device block allocator, no reuse between requests; "
+                "the cache flags (--swap-space %s, --write-policy %s, --write-through-threshold %s, "
+                "prefix caching %s, output caching %s) are inactive",
+                args.swap_space, args.write_policy, args.write_through_threshold,
+                args.enable_prefix_caching, args.cache_output_tokens,
+            )
+        self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
+        self._seed_rng = np.random.default_rng(args.seed)
+
+        self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards _live_ids and the stats snapshot
+        self._live_ids: set[str] = set()
+        self.waiting: collections.deque[_EngineRequest] = collections.deque()
+        self.running: list[_EngineRequest] = []
+        self._requests: dict[str, _EngineRequest] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._step_count = itertools.count()
+        self._counters = {"num_steps": 0, "num_preemptions": 0, "num_failed_load_steps": 0,
+                          "prompt_tokens_computed": 0, "output_tokens": 0, "num_finished": 0}
+        self._stats_snapshot: dict[str, Any] = {}
+        self._refresh_stats()
+        logger.info(
+            "LLMEngine: model %s on %s, %d layers, KV %s, %d device blocks of %d tokens, %d host blocks, v1 manager %s",
+            self.model_name, self.device, self.loaded.num_layers, self.cache_config.dtype,
+            self.cache_config.num_gpu_blocks, self.cache_config.block_size,
+            self.cache_config.host_block_count if self.use_v1 else 0, "on" if self.use_v1 else "off",
+        )
+
+    # ------------------------------------------------------------------ setup
+    def _make_cache_config(self) -> CacheConfig:
+        a, lm = self.args, self.loaded
+        dtype = lm.dtype if a.kv_cache_dtype == "auto" else a.kv_cache_dtype
+        base = CacheConfig(
+            block_size=a.block_size, num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
+            head_dim=lm.head_dim, dtype=dtype, num_gpu_blocks=1,
+        )
+        per_seq = -(-self.max_model_len // a.block_size)
+        if a.num_gpu_blocks_override is not None:
+            blocks = a.num_gpu_blocks_override
+            if blocks < per_seq:
+                logger.warning("%d device blocks hold fewer than max_model_len=%d tokens: long requests will fail",
+                               blocks, self.max_model_len)
+        else:
+            cap = max(per_seq, int(a.kv_cache_memory_gib * (1 << 30)) // base.bytes_per_block)
+            blocks = min(a.max_num_seqs * per_seq, cap)
+        return CacheConfig(
+            block_size=a.block_size, num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
+            head_dim=lm.head_dim, dtype=dtype, num_gpu_blocks=blocks,
+            swap_space=a.swap_space, num_host_blocks=a.num_host_blocks, write_policy=a.write_policy,
+            write_through_threshold=a.write_through_threshold, enable_prefix_caching=a.enable_prefix_caching,
+            cache_output_tokens=a.cache_output_tokens,
+        )
+
+    # ------------------------------------------------------------------ public API
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="fdkv-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the thread, abort what is left, drain copies and free the caches."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.error("engine thread did not stop within %.0f s", timeout_s)
+                return
+        self._thread = None
+        self._drain_inbox()
+        for er in list(self.running) + list(self.waiting):
+            self._finish(er, "abort")
+        try:
+            self.pool.complete_finished(wait=True)
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            logger.warning("draining copies at shutdown failed", exc_info=True)
+        self.pool.close()
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        on_output: OutputCallback,
+    ) -> None:
+        """Queue a request; raises ValueError (nothing queued) for bad input or a duplicate id."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
+        if not callable(on_output):
+            raise ValueError("on_output: must be callable")
+        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+            raise ValueError("prompt: must be a non-empty list of token ids")
+        vocab = self.loaded.vocab_size
+        for i, t in enumerate(prompt_token_ids):
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= int(t) < vocab:
+                raise ValueError(f"prompt: token {i} ({t!r}) is not an id in [0, {vocab})")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens is longer than max_model_len={self.max_model_len}"
+            )
+        params.validate(vocab_size=vocab)
+        per_request_blocks = -(-min(len(prompt_token_ids) + params.max_tokens, self.max_model_len) // self.cache_config.block_size)
+        if per_request_blocks > self.cache_config.num_gpu_blocks:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens + max_tokens {params.max_tokens} need {per_request_blocks} "
+                f"KV blocks, more than the {self.cache_config.num_gpu_blocks} the device pool has"
+            )
+        with self._lock:
+            if request_id in self._live_ids:
+                raise ValueError(f"request_id: {request_id!r} is already in use")
+            self._live_ids.add(request_id)
+        req = Request(request_id, [int(t) for t in prompt_token_ids])
+        seed = int(self._seed_rng.integers(0, 2**63 - 1))
+        er = _EngineRequest(req, params, on_output, RequestSampler(params, seed),
+                            IncrementalDetokenizer(self.tokenizer), time.monotonic())
+        self._idle.clear()
+        self._inbox.put(("add", er))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next step; its blocks are freed and it finishes with "abort"."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def get_stats(self) -> dict[str, Any]:
+        """A snapshot refreshed by the engine thread after every step (safe from any thread)."""
+        with self._lock:
+            return dict(self._stats_snapshot)
+
+    def wait_idle(self, timeout_s: float = 60.0) -> bool:
+        """True once no request is running or waiting and no copy is in flight."""
+        return self._idle.wait(timeout_s)
+
+    # ------------------------------------------------------------------ loop
+    def _loop(self) -> None:
+        logger.info("engine thread started")
+        while not self._stop.is_set():
+            try:
+                self._drain_inbox()
+                if not self.running and not self.waiting:
+                    if self.pool.copies_in_flight:
+                        self._complete_copies(wait=True)
+                    self._refresh_stats()
+                    if self._inbox.empty():
+                        self._idle.set()
+                        self._wake.wait(0.5)
+                        self._wake.clear()
+                    continue
+                self._step()
+            except Exception:  # noqa: BLE001 - the thread must survive anything
+                logger.exception("engine step failed; failing the requests of this step")
+                for er in list(self.running):
+                    self._finish(er, "error", error="internal engine error (see the server log)")
+                try:
+                    self._complete_copies(wait=True)
+                except Exception:  # noqa: BLE001
+                    logger.exception("draining copies after a failed step failed")
+        logger.info("engine thread stopped")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._requests[item.request_id] = item
+                self.waiting.append(item)
+            elif kind == "abort":
+                er = self._requests.get(item)
+                if er is not None and not er.finished:
+                    self._finish(er, "abort")
+
+    # ------------------------------------------------------------------ one step
+    def _step(self) -> None:
+        scheduled = self._schedule()
+        if not scheduled:
+            # Nothing fits right now: copies in flight pin blocks; wait for them.
+            self._complete_copies(wait=True)
+            return
+        next(self._step_count)
+        self._counters["num_steps"] += 1
+        reqs = [er.req for er, _ in scheduled]
+        _, counter = self.pool.begin_step(reqs)
+        seqs = []
+        for er, n in scheduled:
+            r = er.req
+            c = r.num_computed_tokens
+            seqs.append(ScheduledSeq(r._token_slice(c, c + n), c, list(r.block_tables), c + n == r.num_total_tokens))
+        try:
+            logits = self.runner.forward(seqs, self.pool.layer_caches, counter)
+        except Exception as exc:
+            from fastdeploy_kvcache.worker.layer_done import LayerSwapError, LayerSwapTimeoutError
+
+            if isinstance(exc, (LayerSwapError, LayerSwapTimeoutError)):
+                # A load failed (or hung): drop the whole step; nothing advanced.  The
+                # manager lowers the affected requests' computed length; the others just
+                # redo the same tokens next step.
+                logger.warning("step dropped: %s", exc)
+                self._counters["num_failed_load_steps"] += 1
+                self._complete_copies(wait=True)
+                return
+            raise
+        for er, n in scheduled:
+            er.req.num_computed_tokens += n
+            if not er.req.output_token_ids:
+                self._counters["prompt_tokens_computed"] += n
+        rewound = self._complete_copies(wait=False)
+        k = 0
+        for (er, n), s in zip(scheduled, seqs):
+            if not s.wants_logits:
+                continue
+            logits_row = logits[k]
+            k += 1
+            if er.finished or er.request_id in rewound:
+                continue
+            try:
+                self._append_token(er, er.sampler.sample(logits_row))
+            except Exception as exc:  # noqa: BLE001 - one request's failure is its own
+                logger.exception("request %s failed", er.request_id)
+                self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
+        self._refresh_stats()
+
+    def _schedule(self) -> list[tuple[_EngineRequest, int]]:
+        """Pick this step's requests and token counts; make their blocks resident."""
+        budget = self.args.max_num_batched_tokens
+        out: list[tuple[_EngineRequest, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            er = self.running[i]
+            r = er.req
+            n = min(r.num_total_tokens - r.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            try:
+                self.pool.ensure_resident(r, r.num_computed_tokens + n)
+            except NoFreeBlocksError as exc:
+                if exc.retryable and self.pool.copies_in_flight:
+                    self._complete_copies(wait=True)
+                    continue
+                victim = self.running[-1]
+                if victim is er and len(self.running) == 1:
+                    self._finish(er, "error", error=f"not enough KV blocks: {exc}")
+                    continue
+                self._preempt(victim)
+                preempted = True
+                continue  # retry er (or, if er was the victim, the next one)
+            out.append((er, n))
+            budget -= n
+            i += 1
+        if preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.args.max_num_seqs:
+            er = self.waiting[0]
+            if er.finished:
+                self.waiting.popleft()
+                continue
+            r = er.req
+            try:
+                matched = self.pool.admit(r)
+                want = min(r.num_total_tokens, matched + budget)
+                plan = self.pool.ensure_resident(r, want)
+            except NoFreeBlocksError as exc:
+                if not self.running and not out:
+                    if exc.retryable or self.pool.copies_in_flight:
+                        self._complete_copies(wait=True)
+                    else:
+                        self.waiting.popleft()
+                        self._finish(er, "error", error=f"not enough KV blocks: {exc}")
+                break
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+                logger.exception("admission of %s failed", er.request_id)
+                self.waiting.popleft()
+                self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
+                continue
+            self.waiting.popleft()
+            if not er.admitted:
+                er.admitted = True
+                er.cached_device = plan.num_device_hit_tokens
+                er.cached_host = plan.num_host_hit_tokens
+            self.running.append(er)
+            n = min(r.num_total_tokens - r.num_computed_tokens, budget, len(r.block_tables) * self.cache_config.block_size - r.num_computed_tokens)
+            if n <= 0:
+                continue
+            out.append((er, n))
+            budget -= n
+        return out
+
+    def _preempt(self, er: _EngineRequest) -> None:
+        self.running.remove(er)
+        self.pool.preempt(er.req)
+        self.waiting.appendleft(er)
+        self._counters["num_preemptions"] += 1
+        logger.debug("preempted %s", er.request_id)
+
+    def _complete_copies(self, wait: bool) -> set[str]:
+        """Hand finished copies to the manager; adjust the reuse counts of rewound requests."""
+        rewound = self.pool.complete_finished(wait=wait)
+        for rid in rewound:
+            er = self._requests.get(rid)
+            if er is None:
+                continue
+            # A failed load: those tokens are recomputed, so they were not reused.
+            total = min(er.num_cached_tokens, er.req.num_cached_tokens)
+            er.cached_host = max(0, total - er.cached_device)
+            er.cached_device = min(er.cached_device, total)
+        return rewound
+
+    # ------------------------------------------------------------------ tokens and finishing
+    def _append_token(self, er: _EngineRequest, token: int) -> None:
+        r, p = er.req, er.params
+        r.output_token_ids.append(token)
+        self._counters["output_tokens"] += 1
+        if er.first_token_time is None:
+            er.first_token_time = time.monotonic()
+        reason: Optional[str] = None
+        is_eos = (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids
+        if not is_eos:
+            er.detok.add(token)
+            if p.stop:
+                text = er.detok.text
+                # Only the tail can hold a new match.
+                lo = max(0, er.text_sent - er.max_stop_len)
+                hits = [i for i in (text.find(s, lo) for s in p.stop) if i >= 0]
+                if hits:
+                    er.stop_at = min(hits)
+                    reason = "stop"
+        else:
+            reason = "stop"
+        if reason is None and (len(r.output_token_ids) >= p.max_tokens or r.num_total_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is None:
+            text = er.detok.text
+            # Hold back what could be the start of a stop string.
+            safe = len(text) - (er.max_stop_len - 1 if er.max_stop_len else 0)
+            delta = text[er.text_sent : max(er.text_sent, safe)]
+            er.text_sent += len(delta)
+            self._emit(er, RequestOutput(request_id=er.request_id, new_token_ids=[token], text=delta))
+            return
+        self._finish(er, reason, new_token_ids=[token])
+
+    def _finish(self, er: _EngineRequest, reason: str, new_token_ids: Optional[list[int]] = None,
+                error: Optional[str] = None) -> None:
+        if er.finished:
+            return
+        er.finished = True
+        r = er.req
+        try:
+            if er in self.running:
+                self.running.remove(er)
+            if er in self.waiting:
+                self.waiting.remove(er)
+            if self.pool.is_running(r):
+                self.pool.finish(r)
+        except Exception:  # noqa: BLE001 - never leave the loop because of one request
+            logger.exception("releasing the blocks of %s failed", er.request_id)
+        if reason in ("stop", "length"):
+            er.detok.flush()
+        text = er.detok.text
+        end = er.stop_at if er.stop_at is not None else len(text)
+        delta = text[er.text_sent : max(er.text_sent, end)] if reason != "error" else ""
+        er.text_sent = max(er.text_sent, end)
+        self._counters["num_finished"] += 1
+        self._emit(er, RequestOutput(request_id=er.request_id, new_token_ids=list(new_token_ids or []), text=delta,
+                                     finished=True, finish_reason=reason, error=error))
+        self._requests.pop(er.request_id, None)
+        with self._lock:
+            self._live_ids.discard(er.request_id)
+
+    def _emit(self, er: _EngineRequest, out: RequestOutput) -> None:
+        r = er.req
+        out.num_prompt_tokens = r.num_prompt_tokens
+        out.num_output_tokens = len(r.output_token_ids)
+        out.num_cached_tokens = er.num_cached_tokens
+        out.cached_tokens_by_tier = {"device": er.cached_device, "host": er.cached_host, "storage": 0}
+        out.first_token_time = er.first_token_time
+        out.arrival_time = er.arrival_time
+        try:
+            er.on_output(out)
+        except Exception:  # noqa: BLE001 - a broken callback must not stop the engine
+            logger.exception("on_output of %s raised; aborting it", er.request_id)
+            if not out.finished:
+                self._finish(er, "abort", error="output callback raised")
+
+    # ------------------------------------------------------------------ stats
+    def _refresh_stats(self) -> None:
+        try:
+            pool = self.pool.stats()
+        except Exception:  # noqa: BLE001
+            logger.debug("pool stats failed", exc_info=True)
+            pool = {}
+        snap: dict[str, Any] = {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+            "v1_kvcache_manager": self.use_v1,
+            "model": self.model_name,
+            "device": self.device,
+            "engine": dict(self._counters),
+            **pool,
+        }
+        with self._lock:
+            self._stats_snapshot = snap

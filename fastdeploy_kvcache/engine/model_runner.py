@@ -1,0 +1,71 @@
+"""One forward pass of a step: flatten the scheduled tokens, run the model, return logits.
+
+The model is paddleformers' ``LlamaForCausalLM``, unmodified; attention goes through the
+registered paged attention (``engine/attention.py``).  The LM head runs only on the rows
+that produce a token (a request's last scheduled token when its prompt is complete), not on
+every prefill token: on a 49k vocabulary that is most of a prefill's cost otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from fastdeploy_kvcache.engine.attention import SeqSlice, StepContext, register_paged_attention, step_context
+from fastdeploy_kvcache.engine.model_loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step."""
+
+    token_ids: Sequence[int]  # the tokens computed this step
+    context_len: int  # tokens already in the cache
+    block_ids: list[int]
+    wants_logits: bool  # sample a token after this step
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, block_size: int, place: str) -> None:
+        import paddle
+
+        self.paddle = paddle
+        self.loaded = loaded
+        self.model = loaded.model
+        self.block_size = block_size
+        self.place = place
+        register_paged_attention(self.model.config)
+
+    def forward(
+        self, seqs: list[ScheduledSeq], kv_caches: Sequence[Sequence[Any]], layer_done: Optional[Any]
+    ) -> np.ndarray:
+        """Run the step; returns float32 logits, one row per seq with ``wants_logits``, in order."""
+        paddle = self.paddle
+        ids: list[int] = []
+        pos: list[int] = []
+        slices: list[SeqSlice] = []
+        rows: list[int] = []
+        for s in seqs:
+            start = len(ids)
+            n = len(s.token_ids)
+            ids.extend(int(t) for t in s.token_ids)
+            pos.extend(range(s.context_len, s.context_len + n))
+            slices.append(SeqSlice(start, n, s.context_len, s.block_ids))
+            if s.wants_logits:
+                rows.append(start + n - 1)
+        ctx = StepContext(slices, kv_caches, self.block_size, layer_done)
+        with paddle.no_grad(), step_context(ctx):
+            input_ids = paddle.to_tensor([ids], dtype="int64")
+            position_ids = paddle.to_tensor([pos], dtype="int64")
+            out = self.model.model(input_ids, position_ids=position_ids, use_cache=False, return_dict=False)
+            hidden = out[0] if isinstance(out, (tuple, list)) else out
+            if not rows:
+                return np.zeros((0, self.loaded.vocab_size), dtype=np.float32)
+            picked = paddle.index_select(hidden[0], paddle.to_tensor(rows, dtype="int64"), axis=0)
+            logits = self.model.lm_head(picked.unsqueeze(0))[0]
+            return logits.astype("float32").numpy()
