@@ -1,0 +1,80 @@
+"""Shared set-up of the engine tests: one tiny random Llama per session, engines per test."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Iterator, Optional
+
+import pytest
+
+pytest.importorskip("paddle", reason="the engine tests need paddlepaddle (bash build.sh)")
+pytest.importorskip("paddleformers", reason="the engine tests need paddleformers (bash build.sh installs it)")
+
+from fastdeploy_kvcache import ops  # noqa: E402
+
+if not ops.paddle_ops_available():
+    pytest.skip("the engine needs the compiled Paddle custom ops (bash build.sh)", allow_module_level=True)
+
+from fastdeploy_kvcache.engine.args import EngineArgs  # noqa: E402
+from fastdeploy_kvcache.engine.llm_engine import LLMEngine  # noqa: E402
+from fastdeploy_kvcache.engine.model_loader import LoadedModel, build_tiny_llama  # noqa: E402
+from fastdeploy_kvcache.engine.outputs import RequestOutput  # noqa: E402
+from fastdeploy_kvcache.engine.sampling import SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LoadedModel:
+    return build_tiny_llama(seed=0)
+
+
+class Collector:
+    """Gathers RequestOutputs per request, thread-safe."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.outputs: dict[str, list[RequestOutput]] = {}
+
+    def __call__(self, out: RequestOutput) -> None:
+        with self.lock:
+            self.outputs.setdefault(out.request_id, []).append(out)
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for o in self.outputs[rid] for t in o.new_token_ids]
+
+    def text(self, rid: str) -> str:
+        return "".join(o.text for o in self.outputs[rid])
+
+    def final(self, rid: str) -> RequestOutput:
+        outs = self.outputs[rid]
+        assert outs[-1].finished, f"{rid} did not finish"
+        assert sum(1 for o in outs if o.finished) == 1, f"{rid} finished more than once"
+        return outs[-1]
+
+
+def make_engine(monkeypatch: pytest.MonkeyPatch, model: LoadedModel, v1: bool, **kwargs: Any) -> LLMEngine:
+    monkeypatch.setenv("ENABLE_V1_KVCACHE_MANAGER", "1" if v1 else "0")
+    defaults: dict[str, Any] = dict(model="tiny-llama-random", block_size=16, max_model_len=512,
+                                    max_num_batched_tokens=64, max_num_seqs=4)
+    defaults.update(kwargs)
+    eng = LLMEngine(EngineArgs(**defaults), loaded_model=model)
+    eng.start()
+    return eng
+
+
+@pytest.fixture
+def engine_factory(monkeypatch: pytest.MonkeyPatch, tiny_model: LoadedModel) -> Iterator[Any]:
+    made: list[LLMEngine] = []
+
+    def factory(v1: bool = True, **kwargs: Any) -> LLMEngine:
+        eng = make_engine(monkeypatch, tiny_model, v1, **kwargs)
+        made.append(eng)
+        return eng
+
+    yield factory
+    for eng in made:
+        eng.shutdown()
+
+
+def greedy(max_tokens: int = 8, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
