@@ -1,0 +1,439 @@
+"""Storage tier throughput on the CPU: the block-major gather, both backends, and plain files.
+
+What it answers (every figure from the same run, medians of ``--repeats``):
+
+1. **Staging gather vs. a block-major host layout.**  An object is one block of every layer.
+   The host tier is layer-major, so a backup gathers ``2 * layers`` slices per block into a
+   block-major staging buffer (one native call, ``swap_layout`` of the CPU C ABI) and a
+   prefetch scatters them back.  A block-major host tier would skip that copy, but would break
+   the per-layer host-to-device loads.  The gather's GB/s against each backend's GB/s says
+   what staging costs; the numpy row is the per-tensor Python loop the path must not use.
+2. **Each backend against plain files of the same bytes**: ``file`` backend puts/gets
+   (header, xxh3 checksum, temp file + rename, LRU) vs. ``open/write`` / ``open/readinto``
+   of the same objects; ``mooncake`` (TCP loopback to a holder process) vs. the same.
+   Reads are measured warm (page cache) and cold (after fdatasync + POSIX_FADV_DONTNEED on
+   every file, so they come from the disk).  Plain files run with 1 and with 4 threads (the
+   file backend's default ``io_threads``); ratios use the faster of the two.
+3. **End to end**: StorageTransfer.put_blocks / get_blocks (gather + put, get + scatter).
+
+Usage: python benchmarks/bench_storage.py [--quick] [--configs 8b,small] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from fastdeploy_kvcache import ops  # noqa: E402
+from fastdeploy_kvcache.storage.file_backend import FileBackend  # noqa: E402
+from fastdeploy_kvcache.storage.transfer import HostTierLayout, StorageTransfer  # noqa: E402
+
+log = logging.getLogger("bench_storage")
+
+CONFIGS = {
+    # Llama-3-8B-like: 32 layers, 8 KV heads x 128 dims, bf16, 64-token blocks: 128 KiB per
+    # layer and K (or V) block, an 8 MiB object.
+    "8b": dict(layers=32, tensor_block=128 << 10),
+    # A small model (Qwen2-0.5B-like: 24 layers, 2 KV heads x 64, bf16, 64-token blocks):
+    # 16 KiB per layer block, 768 KiB objects.
+    "small": dict(layers=24, tensor_block=16 << 10),
+}
+
+
+def median_time(fn: Callable[[int], Any], repeats: int, setup: Optional[Callable[[int], Any]] = None) -> float:
+    times = []
+    for r in range(repeats):
+        if setup is not None:
+            setup(r)
+        t0 = time.perf_counter()
+        fn(r)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def drop_cache(paths: list[str]) -> None:
+    """Make the next read of these files come from the disk (per file, nobody else's cache)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class HostTier:
+    """A layer-major host tier like CacheController's: one aligned buffer per (layer, K|V)."""
+
+    def __init__(self, capi: Any, layers: int, tensor_block: int, blocks: int, seed: int) -> None:
+        self.capi = capi
+        self.ptrs = [int(capi.host_alloc(tensor_block * blocks)) for _ in range(2 * layers)]
+        rng = np.random.default_rng(seed)
+        noise = rng.integers(0, 256, tensor_block * blocks, dtype=np.uint8)
+        for i, p in enumerate(self.ptrs):
+            view = np.ctypeslib.as_array((ctypes.c_uint8 * (tensor_block * blocks)).from_address(p))
+            view[:] = np.roll(noise, i)
+        self.layout = HostTierLayout(tuple(self.ptrs), (tensor_block,) * (2 * layers), blocks, layers)
+
+    def views(self) -> list[np.ndarray]:
+        lay = self.layout
+        return [
+            np.ctypeslib.as_array((ctypes.c_uint8 * (b * lay.num_blocks)).from_address(p)).reshape(lay.num_blocks, b)
+            for p, b in zip(lay.ptrs, lay.block_bytes)
+        ]
+
+    def free(self) -> None:
+        for p in self.ptrs:
+            self.capi.host_free(p)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, workdir: Path, mooncake: Any) -> dict:
+    layers, tb = spec["layers"], spec["tensor_block"]
+    batch = args.batch
+    host_blocks = 2 * batch
+    tier = HostTier(capi, layers, tb, host_blocks, seed=1)
+    lay = tier.layout
+    obj = lay.object_bytes
+    total = obj * batch
+    staging = int(capi.host_alloc(total))
+    ctypes.memset(staging, 0, total)  # fault the pages in now, not inside the first timed call
+    stage_view = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(staging))
+    src_ids = list(range(0, 2 * batch, 2))  # every other block: scattered, like a real tier
+    slots = list(range(batch))
+    res: dict[str, Any] = {"config": name, "layers": layers, "tensor_block_bytes": tb, "object_bytes": obj,
+                           "batch_blocks": batch, "batch_bytes": total}
+
+    # ---- 1. gather / scatter: native vs. numpy per-tensor loop
+    def gather(_: int) -> None:
+        capi.swap_layout(list(lay.ptrs), host_blocks, list(lay.block_bytes), staging, batch, src_ids, slots, 0, 0, True)
+
+    def scatter(_: int) -> None:
+        capi.swap_layout(list(lay.ptrs), host_blocks, list(lay.block_bytes), staging, batch, src_ids, slots, 1, 0, True)
+
+    views = tier.views()
+    staged = stage_view.reshape(batch, 2 * layers, tb)
+    ids_np = np.asarray(src_ids)
+
+    def numpy_gather(_: int) -> None:
+        for t, v in enumerate(views):  # the per-layer Python loop the path does not use
+            staged[:, t, :] = v[ids_np]
+
+    res["gather_native_gbps"] = gbps(total, median_time(gather, args.repeats))
+    res["scatter_native_gbps"] = gbps(total, median_time(scatter, args.repeats))
+    res["gather_numpy_loop_gbps"] = gbps(total, median_time(numpy_gather, args.repeats))
+    gather(0)
+    expected = stage_view.copy()
+
+    # ---- 2a. plain files of the same objects (baseline)
+    plain_dir = workdir / f"plain-{name}"
+    plain_dir.mkdir()
+    mv = memoryview(stage_view)
+
+    def plain_paths(r: int) -> list[str]:
+        return [str(plain_dir / f"r{r}-{i}.bin") for i in range(batch)]
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=4)  # the file backend's default io_threads
+
+    def write_one(p: str, i: int, sync: bool) -> None:
+        with open(p, "wb", buffering=0) as f:
+            f.write(mv[i * obj:(i + 1) * obj])
+            if sync:
+                os.fsync(f.fileno())
+
+    def plain_write(r: int, sync: bool = False, threads: int = 1) -> None:
+        paths = plain_paths(r)
+        if threads == 1:
+            for i, p in enumerate(paths):
+                write_one(p, i, sync)
+        else:
+            list(pool.map(write_one, paths, range(batch), [sync] * batch))
+
+    read_buf = np.ones(total, dtype=np.uint8)  # ones: pages faulted in before timing
+    rmv = memoryview(read_buf)
+
+    def read_one(p: str, i: int) -> None:
+        with open(p, "rb", buffering=0) as f:
+            f.readinto(rmv[i * obj:(i + 1) * obj])
+
+    def plain_read(r: int, threads: int = 1) -> None:
+        paths = plain_paths(r)
+        if threads == 1:
+            for i, p in enumerate(paths):
+                read_one(p, i)
+        else:
+            list(pool.map(read_one, paths, range(batch)))
+
+    res["plain_write_gbps"] = gbps(total, median_time(plain_write, args.repeats))
+    res["plain_write_4t_gbps"] = gbps(total, median_time(lambda r: plain_write(r + 50, False, 4), args.repeats))
+    res["plain_read_warm_gbps"] = gbps(total, median_time(plain_read, args.repeats))
+    res["plain_read_warm_4t_gbps"] = gbps(total, median_time(lambda r: plain_read(r + 50, 4), args.repeats))
+    res["plain_read_cold_gbps"] = gbps(total, median_time(plain_read, args.repeats, setup=lambda r: drop_cache(plain_paths(r))))
+    res["plain_read_cold_4t_gbps"] = gbps(total, median_time(
+        lambda r: plain_read(r + 50, 4), args.repeats, setup=lambda r: drop_cache(plain_paths(r + 50))))
+    assert bytes(read_buf[:obj]) == bytes(expected[:obj])
+    res["plain_write_fsync_4t_gbps"] = gbps(total, median_time(lambda r: plain_write(r + 100, True, 4), args.repeats))
+    pool.shutdown()
+    shutil.rmtree(plain_dir)
+
+    # ---- 2b. file backend
+    fdir = workdir / f"file-{name}"
+    fb = FileBackend(fdir, capacity_bytes=0, min_free_bytes=0)
+    fb.register_buffer(staging, total)
+    fb.register_buffer(int(read_buf.ctypes.data), total)
+    ptrs = [staging + i * obj for i in range(batch)]
+    rptrs = [int(read_buf.ctypes.data) + i * obj for i in range(batch)]
+
+    def fkeys(r: int) -> list[str]:
+        return [f"bench-{name}:{r:016x}{i:016x}" for i in range(batch)]
+
+    def file_put(r: int) -> None:
+        out = fb.batch_put_from(fkeys(r), ptrs, [obj] * batch)
+        assert out == [0] * batch, out
+
+    def file_get(r: int) -> None:
+        out = fb.batch_get_into(fkeys(r), rptrs, [obj] * batch)
+        assert out == [obj] * batch, out
+
+    # Alternative to staging for files: writev straight from the layer-major tier, one iovec
+    # per tensor, with a streaming xxh3 over the same pieces (what the file backend would
+    # need to do without a staged object).  No copies in Python, but per-tensor Python calls.
+    import xxhash
+
+    piece_views = [[memoryview(v[blk]) for v in views] for blk in src_ids]
+
+    def direct_writev(r: int) -> None:
+        for i, pieces in enumerate(piece_views):
+            h = xxhash.xxh3_64()
+            for pv in pieces:
+                h.update(pv)
+            fd = os.open(str(fdir / f"direct-{r}-{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.writev(fd, [h.digest()] + pieces)
+            finally:
+                os.close(fd)
+
+    res["file_put_gbps"] = gbps(total, median_time(file_put, args.repeats))
+    res["direct_writev_gbps"] = gbps(total, median_time(direct_writev, args.repeats))
+    res["file_get_warm_gbps"] = gbps(total, median_time(file_get, args.repeats))
+    res["file_get_cold_gbps"] = gbps(total, median_time(
+        file_get, args.repeats, setup=lambda r: drop_cache([fb._file(k) for k in fkeys(r)])))
+    assert bytes(read_buf) == bytes(expected)
+    fb.close()
+    fbs = FileBackend(fdir / "sync", capacity_bytes=0, min_free_bytes=0, fsync=True)
+    fbs.register_buffer(staging, total)
+    res["file_put_fsync_gbps"] = gbps(total, median_time(
+        lambda r: fbs.batch_put_from(fkeys(r), ptrs, [obj] * batch), args.repeats))
+    fbs.close()
+    shutil.rmtree(fdir)
+
+    # ---- 3. end to end through StorageTransfer (file backend)
+    fb = FileBackend(workdir / f"e2e-{name}", capacity_bytes=0, min_free_bytes=0)
+    tr = StorageTransfer(lay, fb, staging_blocks=batch, capi=capi)
+    dst_ids = list(range(1, 2 * batch, 2))
+    res["e2e_file_put_gbps"] = gbps(total, median_time(lambda r: tr.put_blocks(fkeys(r), src_ids), args.repeats))
+    res["e2e_file_get_warm_gbps"] = gbps(total, median_time(lambda r: tr.get_blocks(fkeys(r), dst_ids), args.repeats))
+    tr.close()
+    fb.close()
+    shutil.rmtree(workdir / f"e2e-{name}")
+
+    # ---- 2c / 3. mooncake
+    if mooncake is not None:
+        from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend
+
+        mb = MooncakeBackend(**mooncake, local_buffer_size=16 << 20, global_segment_size=0)
+        try:
+            if not mb.wait_ready(30):
+                raise RuntimeError(f"mooncake not ready: {mb.health()}")
+            mb.register_buffer(staging, total)
+            mb.register_buffer(int(read_buf.ctypes.data), total)
+
+            def mkeys(r: int, tag: str = "m") -> list[str]:
+                return [f"bench-{name}-{tag}:{r:016x}{i:016x}" for i in range(batch)]
+
+            def mc_put(r: int) -> None:
+                out = mb.batch_put_from(mkeys(r), ptrs, [obj] * batch)
+                assert out == [0] * batch, out
+
+            def mc_get(r: int) -> None:
+                out = mb.batch_get_into(mkeys(r), rptrs, [obj] * batch)
+                assert out == [obj] * batch, out
+
+            res["mooncake_put_gbps"] = gbps(total, median_time(mc_put, args.repeats))
+            read_buf[:] = 0
+            res["mooncake_get_gbps"] = gbps(total, median_time(mc_get, args.repeats))
+            assert bytes(read_buf) == bytes(expected)
+            for r in range(args.repeats):
+                mb.delete(mkeys(r))
+            # Mooncake's own scatter-gather (one buffer list per key) straight from the
+            # layer-major tier: the alternative to staging for this backend.
+            for p, b in zip(lay.ptrs, lay.block_bytes):
+                mb._store.register_buffer(p, b * host_blocks)
+            store = mb._store
+            multi_ptrs = [[p + blk * b for p, b in zip(lay.ptrs, lay.block_bytes)] for blk in src_ids]
+            multi_sizes = [list(lay.block_bytes)] * batch
+
+            def mc_multi_put(r: int) -> None:
+                out = store.batch_put_from_multi_buffers(mkeys(r, "mm"), multi_ptrs, multi_sizes)
+                assert all(c == 0 for c in out), out
+
+            def mc_multi_get(r: int) -> None:
+                out = store.batch_get_into_multi_buffers(mkeys(r, "mm"), multi_ptrs, multi_sizes)
+                assert all(c >= 0 for c in out), out
+
+            res["mooncake_multibuf_put_gbps"] = gbps(total, median_time(mc_multi_put, args.repeats))
+            res["mooncake_multibuf_get_gbps"] = gbps(total, median_time(mc_multi_get, args.repeats))
+            for r in range(args.repeats):
+                mb.delete(mkeys(r, "mm"))
+            for p in lay.ptrs:
+                store.unregister_buffer(p)
+            mb.unregister_buffer(staging)
+            mb.unregister_buffer(int(read_buf.ctypes.data))
+            tr = StorageTransfer(lay, mb, staging_blocks=batch, capi=capi)
+            res["e2e_mooncake_put_gbps"] = gbps(total, median_time(lambda r: tr.put_blocks(mkeys(r, "e"), src_ids), args.repeats))
+            res["e2e_mooncake_get_gbps"] = gbps(total, median_time(lambda r: tr.get_blocks(mkeys(r, "e"), dst_ids), args.repeats))
+            for r in range(args.repeats):
+                mb.delete(mkeys(r, "e"))
+            tr.close()
+        finally:
+            mb.close()
+
+    capi.host_free(staging)
+    tier.free()
+    return res
+
+
+ROWS = [
+    ("gather_native_gbps", "native gather, layer-major tier -> block-major staging (one C call)"),
+    ("scatter_native_gbps", "native scatter, staging -> layer-major tier (one C call)"),
+    ("gather_numpy_loop_gbps", "numpy fancy-index copy per tensor (reference only; not on the path)"),
+    ("plain_write_gbps", "plain files: open/write per object, 1 thread (page cache)"),
+    ("plain_write_4t_gbps", "plain files: open/write per object, 4 threads (page cache)"),
+    ("file_put_gbps", "file backend batch_put_from (checksum, temp+rename; page cache)"),
+    ("direct_writev_gbps", "writev per block straight from the layer-major tier + streaming xxh3 (no staging)"),
+    ("plain_write_fsync_4t_gbps", "plain files: write + fsync per object, 4 threads"),
+    ("file_put_fsync_gbps", "file backend batch_put_from, fsync=True"),
+    ("plain_read_warm_gbps", "plain files: open/readinto per object, 1 thread, warm"),
+    ("plain_read_warm_4t_gbps", "plain files: open/readinto per object, 4 threads, warm"),
+    ("file_get_warm_gbps", "file backend batch_get_into (checksum verified), warm"),
+    ("plain_read_cold_gbps", "plain files: readinto, 1 thread, cold (fadvise DONTNEED)"),
+    ("plain_read_cold_4t_gbps", "plain files: readinto, 4 threads, cold"),
+    ("file_get_cold_gbps", "file backend batch_get_into, cold"),
+    ("mooncake_put_gbps", "mooncake batch_put_from (TCP loopback to a holder)"),
+    ("mooncake_get_gbps", "mooncake batch_get_into"),
+    ("mooncake_multibuf_put_gbps", "mooncake batch_put_from_multi_buffers from the layer-major tier"),
+    ("mooncake_multibuf_get_gbps", "mooncake batch_get_into_multi_buffers into the layer-major tier"),
+    ("e2e_file_put_gbps", "StorageTransfer.put_blocks, file (gather + put)"),
+    ("e2e_file_get_warm_gbps", "StorageTransfer.get_blocks, file warm (get + scatter)"),
+    ("e2e_mooncake_put_gbps", "StorageTransfer.put_blocks, mooncake"),
+    ("e2e_mooncake_get_gbps", "StorageTransfer.get_blocks, mooncake"),
+]
+
+
+def render(results: list[dict]) -> str:
+    head = "| operation | " + " | ".join(f"{r['config']} ({r['object_bytes'] >> 10} KiB objects x {r['batch_blocks']})" for r in results) + " |"
+    lines = [head, "|---|" + "---|" * len(results)]
+    for key, label in ROWS:
+        if not any(key in r for r in results):
+            continue
+        cells = [f"{r[key]:.2f}" if key in r else "-" for r in results]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for r in results:
+        derived = []
+        # Baseline: the faster of 1 and 4 threads of plain files, per operation.
+        pw = max(r["plain_write_gbps"], r["plain_write_4t_gbps"])
+        prw = max(r["plain_read_warm_gbps"], r["plain_read_warm_4t_gbps"])
+        prc = max(r["plain_read_cold_gbps"], r["plain_read_cold_4t_gbps"])
+        derived.append(f"file put / plain write = {r['file_put_gbps'] / pw:.2f}")
+        derived.append(f"file put fsync / plain write+fsync = {r['file_put_fsync_gbps'] / r['plain_write_fsync_4t_gbps']:.2f}")
+        derived.append(f"file get / plain read warm = {r['file_get_warm_gbps'] / prw:.2f}")
+        derived.append(f"file get / plain read cold = {r['file_get_cold_gbps'] / prc:.2f}")
+        if "mooncake_put_gbps" in r:
+            derived.append(f"mooncake put / plain write = {r['mooncake_put_gbps'] / pw:.2f}")
+            derived.append(f"mooncake get / plain read warm = {r['mooncake_get_gbps'] / prw:.2f}")
+            derived.append(f"mooncake get / plain read cold = {r['mooncake_get_gbps'] / prc:.2f}")
+        g = r["gather_native_gbps"]
+        # Share of an end-to-end put spent gathering: (1/g) / (1/g + 1/backend).
+        for backend_key in ("file_put_gbps", "mooncake_put_gbps"):
+            if backend_key in r:
+                share = (1 / g) / (1 / g + 1 / r[backend_key])
+                derived.append(f"gather share of a {backend_key.split('_')[0]} put = {100 * share:.0f}%")
+        if "direct_writev_gbps" in r:
+            derived.append(f"gather+file put (e2e) / direct writev = {r['e2e_file_put_gbps'] / r['direct_writev_gbps']:.2f}")
+        derived.append(f"native gather / numpy loop = {g / r['gather_numpy_loop_gbps']:.1f}x")
+        lines.append(f"- {r['config']}: " + "; ".join(derived))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="8b,small")
+    parser.add_argument("--batch", type=int, default=32, help="blocks per batch (default 32)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-mooncake", action="store_true")
+    parser.add_argument("--workdir", default=None, help="directory for the files (default: a temp dir under /tmp)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: small config, batch 8, 2 repeats")
+    parser.add_argument("--json", default=None)
+    args, unknown = parser.parse_known_args(argv)  # `bash build.sh bench ARGS` passes ARGS to every bench
+    if unknown:
+        log.info("ignoring arguments meant for other benchmarks: %s", unknown)
+    if args.quick:
+        args.configs, args.batch, args.repeats = "small", 8, 2
+    logging.basicConfig(level=logging.WARNING)
+    capi = ops.load_capi(variant="cpu")
+    workdir = Path(tempfile.mkdtemp(prefix="fdkv-bench-storage-", dir=args.workdir))
+    local = None
+    mooncake = None
+    try:
+        if not args.no_mooncake:
+            from fastdeploy_kvcache.storage.mooncake_backend import mooncake_available
+            from fastdeploy_kvcache.storage.mooncake_local import LocalMooncake, find_binary
+
+            why = mooncake_available()
+            if why is None and find_binary("mooncake_master"):
+                biggest = max(CONFIGS[c]["layers"] * 2 * CONFIGS[c]["tensor_block"] for c in args.configs.split(","))
+                segment = max(256 << 20, 2 * biggest * args.batch * args.repeats)
+                local = LocalMooncake(segment=f"{segment >> 20}MB").start()
+                mooncake = dict(master_server_addr=local.master.addr, master_metrics_addr=local.master.metrics_addr,
+                                local_hostname="127.0.0.1")
+            else:
+                print(f"mooncake rows skipped: {why or 'mooncake_master not installed'} (run `bash build.sh`)")
+        t0 = time.time()
+        results = [bench_config(c, CONFIGS[c], args, capi, workdir, mooncake) for c in args.configs.split(",")]
+        print(f"# bench_storage ({platform.node()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}, "
+              f"medians of {args.repeats}, GB/s = 1e9 B/s, {time.time() - t0:.0f} s)\n")
+        print(render(results))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+    finally:
+        if local is not None:
+            local.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
