@@ -1,0 +1,121 @@
+"""Storage tier flags (``--kvcache-storage-*``) and the policies the scheduler will follow.
+
+Kept apart from :mod:`fastdeploy_kvcache.config` so the storage tier can be wired in by one
+call (``add_storage_cli_args(parser)``) without touching the cache flags; the scheduler-side
+integration reads :class:`StorageConfig` (see docs/storage.md, "Policies").
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from fastdeploy_kvcache.storage import BACKENDS, make_storage_backend
+from fastdeploy_kvcache.storage.base import StorageBackend
+from fastdeploy_kvcache.storage.mooncake_backend import parse_size
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StorageConfig", "add_storage_cli_args", "STORAGE_WRITE_POLICIES", "PREFETCH_POLICIES"]
+
+STORAGE_WRITE_POLICIES = ("write_through", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass
+class StorageConfig:
+    """The storage tier's settings.  ``backend=None`` turns the tier off.
+
+    Policies (carried out by the scheduler side):
+
+    * ``write_policy``: ``write_through`` puts a block to storage when it is backed up to
+      host; ``write_back`` puts it when it is evicted from host.
+    * ``prefetch_policy``: ``best_effort`` schedules the request at once and uses whatever
+      prefix has arrived; ``wait_complete`` holds the request until the prefetch finishes
+      (or fails); ``timeout`` holds it at most :meth:`prefetch_timeout_s` seconds, which
+      grows with the number of tokens being fetched.
+    """
+
+    backend: Optional[str] = None
+    path: Optional[str] = None
+    size: int = 0
+    min_free: int = 1 << 30
+    write_policy: str = "write_through"
+    prefetch_policy: str = "timeout"
+    prefetch_timeout_base_s: float = 0.05
+    prefetch_timeout_per_ktoken_s: float = 0.01
+    # Smallest prefix (in blocks) worth fetching from storage rather than recomputing.
+    prefetch_min_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"--kvcache-storage-backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "file" and not self.path:
+            raise ValueError("--kvcache-storage-backend file needs --kvcache-storage-path (a directory)")
+        self.size = parse_size(self.size)
+        self.min_free = parse_size(self.min_free)
+        if self.write_policy not in STORAGE_WRITE_POLICIES:
+            raise ValueError(
+                f"--kvcache-storage-write-policy must be one of {STORAGE_WRITE_POLICIES}, got {self.write_policy!r}"
+            )
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"--kvcache-storage-prefetch-policy must be one of {PREFETCH_POLICIES}, got {self.prefetch_policy!r}"
+            )
+        if self.prefetch_timeout_base_s < 0 or self.prefetch_timeout_per_ktoken_s < 0:
+            raise ValueError("prefetch timeouts must be >= 0")
+        if self.prefetch_min_blocks < 1:
+            raise ValueError(f"prefetch_min_blocks must be >= 1, got {self.prefetch_min_blocks}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+    def prefetch_timeout_s(self, num_tokens: int) -> float:
+        """How long the ``timeout`` policy waits for a prefetch of ``num_tokens`` tokens."""
+        return self.prefetch_timeout_base_s + self.prefetch_timeout_per_ktoken_s * num_tokens / 1000.0
+
+    def make_backend(self, **overrides: Any) -> StorageBackend:
+        """Build the backend (``file``: path, size, floor; ``mooncake``: MOONCAKE_* env)."""
+        if self.backend is None:
+            raise ValueError("the storage tier is off (--kvcache-storage-backend not given)")
+        if self.backend == "file":
+            kwargs: dict[str, Any] = dict(path=self.path, capacity_bytes=self.size, min_free_bytes=self.min_free)
+        else:
+            kwargs = {}
+        kwargs.update(overrides)
+        return make_storage_backend(self.backend, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "StorageConfig":
+        names = {f.name for f in fields(cls)}
+        prefix = "kvcache_storage_"
+        kwargs = {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}
+        return cls(**{k: v for k, v in kwargs.items() if k in names})
+
+
+def add_storage_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--kvcache-storage-*`` flags (dest ``kvcache_storage_<field>``)."""
+    g = parser.add_argument_group("KV cache storage tier (fastdeploy_kvcache.storage)")
+    g.add_argument("--kvcache-storage-backend", dest="kvcache_storage_backend", choices=BACKENDS, default=None,
+                   help="Third tier below host memory: file (a directory) or mooncake (MOONCAKE_* env). Off if unset.")
+    g.add_argument("--kvcache-storage-path", dest="kvcache_storage_path", default=None,
+                   help="Directory of the file backend.")
+    g.add_argument("--kvcache-storage-size", dest="kvcache_storage_size", default=None,
+                   help="Byte cap of the file backend (e.g. 200GB; 0: only the free-space floor). LRU eviction.")
+    g.add_argument("--kvcache-storage-min-free", dest="kvcache_storage_min_free", default=None,
+                   help="Free disk space the file backend never uses (default 1GB).")
+    g.add_argument("--kvcache-storage-write-policy", dest="kvcache_storage_write_policy",
+                   choices=STORAGE_WRITE_POLICIES, default=None,
+                   help="write_through: store when backed up to host; write_back: when evicted from host.")
+    g.add_argument("--kvcache-storage-prefetch-policy", dest="kvcache_storage_prefetch_policy",
+                   choices=PREFETCH_POLICIES, default=None,
+                   help="best_effort: use what arrived; wait_complete: wait for all; timeout: wait up to "
+                        "base + per-ktoken * tokens seconds.")
+    g.add_argument("--kvcache-storage-prefetch-timeout-base", dest="kvcache_storage_prefetch_timeout_base_s",
+                   type=float, default=None, help="timeout policy: seconds for any prefetch (default 0.05).")
+    g.add_argument("--kvcache-storage-prefetch-timeout-per-ktoken", dest="kvcache_storage_prefetch_timeout_per_ktoken_s",
+                   type=float, default=None, help="timeout policy: extra seconds per 1000 tokens (default 0.01).")
+    return parser
