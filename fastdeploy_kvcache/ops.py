@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from fastdeploy_kvcache import envs, libpaths
+from fastdeploy_kvcache.core.metadata import CopyDirection
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +39,13 @@ __all__ = [
     "PATH_MEMCPY",
     "PATH_KERNEL",
     "PATH_DMA",
+    "PATH_STAGED",
     "PATH_CPU",
     "COPY_PATH_PROCESS",
     "COPY_PATH_AUTO",
     "COPY_PATH_KERNEL",
     "COPY_PATH_DMA",
+    "COPY_PATH_STAGED",
     "COPY_PATHS",
     "copy_path_code",
     "SwapOpError",
@@ -71,6 +74,7 @@ PATH_MEMCPY = 1
 PATH_KERNEL = 2
 PATH_DMA = 4
 PATH_CPU = 8
+PATH_STAGED = 16
 
 # Per-call copy path (the ``path`` argument of every swap): which path this one call takes,
 # whatever the process-wide ``copy_path`` option says.  See docs/ops.md, "Which path runs when".
@@ -82,8 +86,12 @@ COPY_PATH_KERNEL = 1
 """The copy kernel (<= FDKV_COPY_GRID CTAs); merged runs >= merge_min_bytes still use memcpy."""
 COPY_PATH_DMA = 2
 """The cudaMemcpyBatchAsync DMA batch: copy engines, no SMs (kernel on the legacy stream)."""
+COPY_PATH_STAGED = 3
+"""Device-side gather/scatter through a bounded device staging ring, plus one pipelined DMA per
+contiguous host run (few SMs for microseconds per chunk); auto picks it when host ids form runs."""
 COPY_PATHS: dict[str, int] = {
     "process": COPY_PATH_PROCESS, "auto": COPY_PATH_AUTO, "kernel": COPY_PATH_KERNEL, "dma": COPY_PATH_DMA,
+    "staged": COPY_PATH_STAGED,
 }
 _ABI_VERSION = 3  # fdkv_abi_version() of libraries with error fields and recorded host sizes
 
@@ -135,8 +143,8 @@ def _stream_handle(stream: StreamLike) -> int:
 
 def copy_path_code(path: Union[int, str, None], op: str = "swap") -> int:
     """The C value of a per-call copy path: None or "process" -> -1, "auto" -> 0,
-    "kernel" -> 1, "dma" -> 2; an int is passed through for the core to check (it accepts
-    -1..2 and names ``path`` otherwise).  Raises :class:`SwapOpError` naming ``path``.
+    "kernel" -> 1, "dma" -> 2, "staged" -> 3; an int is passed through for the core to check
+    (it accepts -1..3 and names ``path`` otherwise).  Raises :class:`SwapOpError` naming ``path``.
     """
     if path is None:
         return COPY_PATH_PROCESS
@@ -150,20 +158,116 @@ def copy_path_code(path: Union[int, str, None], op: str = "swap") -> int:
             return value
     raise SwapOpError(
         f"{op}: path = {path!r} must be None/-1/'process' (the process-wide copy_path option), "
-        f"0/'auto', 1/'kernel' or 2/'dma'",
+        f"0/'auto', 1/'kernel', 2/'dma' or 3/'staged'",
         op, "path", None,
     )
 
 
-def _id_list(ids: IdsLike) -> list[int]:
-    """Ids as a list of Python ints (the Paddle attr type ``std::vector<int64_t>``)."""
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    return [int(i) for i in ids]
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _is_int(value: Any) -> bool:
+    """An integer that is not a bool (``True`` as a block id is a bug, not block 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _id_array(ids: IdsLike, op: str, name: str) -> Any:
+    """Block ids as a 1-D contiguous int64 numpy array, or :class:`SwapOpError`.
+
+    NOTE: strict on purpose.  ``int(1.7)`` would copy block 1, a 2-D array would be
+    flattened into pairs nobody meant, and ``2**63`` wraps to -1 on its way into C: each
+    of those used to copy the wrong blocks, so each is refused, with nothing copied.
+    Accepted: a list/tuple/range of ints, or a 1-D integer numpy array or Paddle tensor.
+    """
+    import numpy as np  # numpy is a core dependency; imported here to keep import light
+
+    def bad(detail: str, index: Optional[int] = None) -> SwapOpError:
+        where = f"{name}[{index}]" if index is not None else name
+        return SwapOpError(f"{op}: {where} {detail}", op, name, index)
+
+    if isinstance(ids, (str, bytes)) or ids is None or _is_int(ids):
+        raise bad(f"must be a 1-D sequence of integer block ids, got {type(ids).__name__}")
+    if not isinstance(ids, np.ndarray) and hasattr(ids, "numpy") and callable(ids.numpy):
+        ids = ids.numpy()  # a Paddle tensor (host copy of its values)
+    if isinstance(ids, np.ndarray):
+        arr = ids
+        if arr.ndim != 1:
+            raise bad(f"must be 1-D, got shape {tuple(arr.shape)}")
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64)  # np.asarray([]) is float64: nothing to truncate
+        if arr.dtype.kind == "u":
+            if int(arr.max()) > _INT64_MAX:
+                index = int(np.argmax(arr > _INT64_MAX))
+                raise bad(f"= {int(arr[index])} does not fit in int64", index)
+        elif arr.dtype.kind != "i":
+            raise bad(f"must hold integers, got dtype {arr.dtype}")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+    try:
+        values = list(ids)
+    except TypeError:
+        raise bad(f"must be a 1-D sequence of integer block ids, got {type(ids).__name__}") from None
+    for index, value in enumerate(values):
+        if type(value) is not int and not _is_int(value):
+            if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0):
+                raise bad("must be 1-D: an element is itself a sequence", index)
+            raise bad(f"= {value!r} is not an integer", index)
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise bad(f"= {value} does not fit in int64", index)
+    return np.asarray(values, dtype=np.int64)
+
+
+def _id_list(ids: IdsLike, op: str, name: str) -> list[int]:
+    """Validated ids as a list of Python ints (the Paddle attr type ``std::vector<int64_t>``)."""
+    return _id_array(ids, op, name).tolist()
+
+
+def _int_arg(value: Any, op: str, name: str, bits: int = 64) -> int:
+    """A scalar argument as an int, or :class:`SwapOpError` (no truncation of 2.5, no bools,
+    nothing that would wrap on its way into a C ``int`` / ``int64_t``)."""
+    if _is_int(value):
+        v = int(value)
+        if -(1 << (bits - 1)) <= v < (1 << (bits - 1)):
+            return v
+        raise SwapOpError(f"{op}: {name} = {v} does not fit in int{bits}", op, name, None)
+    raise SwapOpError(f"{op}: {name} = {value!r} must be an integer", op, name, None)
+
+
+def _check_tensor(tensor: Any, op: str) -> Any:
+    """The one cache tensor of a per-layer op (see :func:`_check_tensors`)."""
+    is_contiguous = getattr(tensor, "is_contiguous", None)
+    if is_contiguous is not None and not is_contiguous():
+        raise SwapOpError(
+            f"{op}: cache_gpu is not contiguous (a transposed or strided view); the op would write "
+            f"a temporary copy, not your tensor: pass a contiguous tensor",
+            op, "cache_gpu", None,
+        )
+    return tensor
+
+
+def _check_tensors(tensors: Sequence[Any], op: str, name: str) -> list[Any]:
+    """The cache tensors of a Paddle op: a non-empty list of contiguous tensors.
+
+    NOTE: Paddle hands a custom op a contiguous *copy* of a non-contiguous input, so the
+    op would write the copy and the caller's tensor would silently stay unchanged:
+    refused here, naming the tensor.  An empty list makes Paddle itself abort the process
+    (std::out_of_range) before the op's code runs, so it never reaches Paddle.
+    """
+    tensors = list(tensors)
+    if not tensors:
+        raise SwapOpError(f"{op}: {name} is empty; pass at least one cache tensor", op, name, None)
+    for index, tensor in enumerate(tensors):
+        is_contiguous = getattr(tensor, "is_contiguous", None)
+        if is_contiguous is not None and not is_contiguous():
+            raise SwapOpError(
+                f"{op}: {name}[{index}] is not contiguous (a transposed or strided view); the op "
+                f"would write a temporary copy, not your tensor: pass a contiguous tensor",
+                op, name, index,
+            )
+    return tensors
 
 
 # --------------------------------------------------------------------------- C ABI
-_ERR_OK, _ERR_INVALID = 0, 1
+_ERR_OK, _ERR_INVALID, _ERR_CUDA, _ERR_OTHER, _ERR_NO_MEMORY = 0, 1, 2, 3, 4
 _C_INT64_P = ctypes.POINTER(ctypes.c_int64)
 
 
@@ -176,8 +280,10 @@ def _find_capi(path: Optional[str], variant: Optional[str]) -> Path:
     candidates: list[Path] = []
     if path:
         candidates.append(Path(path))
+    # A bad FDKV_OPS_LIB (not a file) raises ValueError naming it; a good one wins for
+    # every variant (load_capi checks the build is the one asked for).
     env_path = str(envs.get("FDKV_OPS_LIB"))
-    if env_path and not path and variant is None:
+    if env_path and not path:
         candidates.append(Path(env_path))
     if not path:
         candidates += libpaths.capi_candidates(variant)
@@ -196,6 +302,12 @@ def _declare_abi(lib: ctypes.CDLL) -> None:
     pp = ctypes.POINTER(ctypes.c_void_p)
     lib.fdkv_last_error.restype = ctypes.c_char_p
     lib.fdkv_last_error.argtypes = []
+    lib.fdkv_last_error_fields.restype = i32
+    lib.fdkv_last_error_fields.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p), _C_INT64_P]
+    lib.fdkv_clear_error.restype = None
+    lib.fdkv_clear_error.argtypes = []
+    lib.fdkv_parse_env.restype = i32
+    lib.fdkv_parse_env.argtypes = [ctypes.c_char_p, ctypes.c_char_p, _C_INT64_P]
     lib.fdkv_is_cuda.restype = i32
     lib.fdkv_is_cuda.argtypes = []
     lib.fdkv_abi_version.restype = i32
@@ -241,30 +353,78 @@ class CApi:
         if version < _ABI_VERSION:
             raise OpsNotBuiltError(
                 f"{path} has C ABI version {version}, this package needs {_ABI_VERSION} "
-                f"(per-call copy path); rebuild it: {_BUILD_HINT}"
+                f"(error fields, recorded host sizes); rebuild it: {_BUILD_HINT}"
             )
         _declare_abi(lib)
         self.is_cuda: bool = bool(lib.fdkv_is_cuda())
 
     # ---------------------------------------------------------------- errors
+    def last_error(self) -> tuple[int, str, str, str, Optional[int]]:
+        """The calling thread's last status: ``(code, message, op, argument, index)``.
+
+        ``op`` / ``argument`` / ``index`` are the values the core filled in for an invalid
+        argument (``index`` None when not tied to a position); the Paddle ops of the same
+        library report through this too.
+        """
+        op, arg, index = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int64(-1)
+        code = int(self._lib.fdkv_last_error_fields(ctypes.byref(op), ctypes.byref(arg), ctypes.byref(index)))
+        message = (self._lib.fdkv_last_error() or b"").decode("utf-8", "replace")
+        return (code, message, (op.value or b"").decode("utf-8", "replace"),
+                (arg.value or b"").decode("utf-8", "replace"), index.value if index.value >= 0 else None)
+
+    def clear_error(self) -> None:
+        """Reset the calling thread's last status (done before each Paddle op)."""
+        self._lib.fdkv_clear_error()
+
+    def error_from_last(self) -> Optional[Exception]:
+        """The exception for the calling thread's last failure; None if it succeeded."""
+        code, message, op, arg, index = self.last_error()
+        if code == _ERR_OK:
+            return None
+        if code == _ERR_INVALID:
+            return SwapOpError(message, op, arg, index)
+        if code == _ERR_NO_MEMORY:
+            return MemoryError(message)
+        return RuntimeError(message or "fdkv: unknown error")
+
     def _check(self, rc: int) -> None:
         if rc == _ERR_OK:
             return
-        message = (self._lib.fdkv_last_error() or b"unknown error").decode("utf-8", "replace")
-        if rc == _ERR_INVALID:
-            raise SwapOpError.from_message(message)
-        raise RuntimeError(message)
+        raise self.error_from_last() or RuntimeError(f"fdkv: status {rc} without an error message")
+
+    def parse_env(self, name: str, raw: str) -> int:
+        """Parse ``raw`` as the value of the FDKV_* variable ``name`` by the library's own
+        rule (the one it applies to its environment); :class:`SwapOpError` naming ``name``
+        if bad.  Copy path names come back as their COPY_PATH_* values."""
+        out = ctypes.c_int64()
+        self._check(self._lib.fdkv_parse_env(name.encode(), raw.encode("utf-8", "surrogateescape"),
+                                             ctypes.byref(out)))
+        return int(out.value)
 
     # ---------------------------------------------------------------- pinned memory
     def host_alloc(self, nbytes: int, flags: int = 0) -> int:
-        """Pinned host memory (``cudaHostAlloc``), or 4 KiB-aligned memory without CUDA."""
+        """Pinned host memory (``cudaHostAlloc``), or 4 KiB-aligned memory without CUDA.
+
+        The library records the size, so a swap given ``num_host_blocks=-1`` (or the
+        Paddle layout op's default ``max_block_num_cpu=-1``) bounds host ids by it.
+        """
+        if not _is_int(nbytes) or not 0 < int(nbytes) < (1 << 64):
+            raise SwapOpError(f"cuda_host_alloc: nbytes = {nbytes!r} must be an integer > 0",
+                              "cuda_host_alloc", "nbytes", None)
+        flags = _int_arg(flags, "cuda_host_alloc", "flags", 33)
+        if flags < 0:
+            raise SwapOpError(f"cuda_host_alloc: flags = {flags} must be >= 0", "cuda_host_alloc", "flags", None)
         out = ctypes.c_void_p()
-        self._check(self._lib.fdkv_host_alloc(int(nbytes), int(flags), ctypes.byref(out)))
+        self._check(self._lib.fdkv_host_alloc(int(nbytes), flags, ctypes.byref(out)))
         return int(out.value or 0)
 
     def host_free(self, ptr: int) -> None:
-        """Free memory from :meth:`host_alloc` (0 is a no-op)."""
-        self._check(self._lib.fdkv_host_free(ctypes.c_void_p(int(ptr))))
+        """Free memory from :meth:`host_alloc` (0 is a no-op; any other pointer this library
+        did not hand out, or one already freed, is a :class:`SwapOpError`)."""
+        ptr = _int_arg(ptr, "cuda_host_free", "ptr", 65)
+        if ptr < 0:
+            raise SwapOpError(f"cuda_host_free: ptr = {ptr} is not an address", "cuda_host_free", "ptr", None)
+        self._check(self._lib.fdkv_host_free(ctypes.c_void_p(ptr)))
 
     # ---------------------------------------------------------------- options
     def set_option(self, name: str, value: int) -> None:
@@ -291,21 +451,19 @@ class CApi:
 
     # ---------------------------------------------------------------- swaps
     @staticmethod
-    def _ids(ids: IdsLike) -> tuple[Any, Any, int]:
-        import numpy as np  # numpy is a core dependency; imported here to keep import light
-
-        arr = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
+    def _ids(ids: IdsLike, op: str, name: str) -> tuple[Any, Any, int]:
+        arr = _id_array(ids, op, name)
         return arr, arr.ctypes.data_as(_C_INT64_P), int(arr.size)
 
     @staticmethod
-    def _per_tensor(value: Union[int, Sequence[int]], count: int, name: str) -> Any:
-        if isinstance(value, int) or hasattr(value, "__index__"):
-            values = [int(value)] * count
+    def _per_tensor(value: Union[int, Sequence[int]], count: int, op: str, name: str) -> Any:
+        if _is_int(value):
+            values = [_int_arg(value, op, name)] * count
         else:
-            values = [int(v) for v in value]
+            values = [_int_arg(v, op, name) for v in value]
             if len(values) != count:
                 raise SwapOpError(
-                    f"capi: {name} has {len(values)} entries but there are {count} tensors", "capi", name, None
+                    f"{op}: {name} has {len(values)} entries but there are {count} tensors", op, name, None
                 )
         return (ctypes.c_int64 * max(count, 1))(*values)
 
@@ -327,12 +485,14 @@ class CApi:
     ) -> None:
         code = copy_path_code(path, op)
         count = len(dev_ptrs)
-        dev_arr = (ctypes.c_void_p * max(count, 1))(*[int(p) for p in dev_ptrs])
-        host_arr = (ctypes.c_void_p * max(len(host_ptrs), 1))(*[int(p) for p in host_ptrs])
-        nblk = self._per_tensor(num_dev_blocks, count, "num_dev_blocks")
-        bbytes = self._per_tensor(block_bytes, count, "block_bytes")
-        d_keep, d_ptr, d_n = self._ids(dev_ids)
-        h_keep, h_ptr, h_n = self._ids(host_ids)
+        dev_arr = (ctypes.c_void_p * max(count, 1))(*[_int_arg(p, op, "dev_ptrs", 65) for p in dev_ptrs])
+        host_arr = (ctypes.c_void_p * max(len(host_ptrs), 1))(*[_int_arg(p, op, "host_ptrs", 65) for p in host_ptrs])
+        nblk = self._per_tensor(num_dev_blocks, count, op, "num_dev_blocks")
+        bbytes = self._per_tensor(block_bytes, count, op, "block_bytes")
+        num_host_blocks = _int_arg(num_host_blocks, op, "num_host_blocks")
+        mode = _int_arg(mode, op, "mode", 32)
+        d_keep, d_ptr, d_n = self._ids(dev_ids, op, "dev_ids")
+        h_keep, h_ptr, h_n = self._ids(host_ids, op, "host_ids")
         rc = getattr(self._lib, entry)(
             op.encode(),
             ctypes.cast(dev_arr, ctypes.POINTER(ctypes.c_void_p)),
@@ -340,12 +500,12 @@ class CApi:
             bbytes,
             count,
             ctypes.cast(host_arr, ctypes.POINTER(ctypes.c_void_p)),
-            int(num_host_blocks),
+            num_host_blocks,
             d_ptr,
             d_n,
             h_ptr,
             h_n,
-            int(mode),
+            mode,
             ctypes.c_void_p(_stream_handle(stream)),
             1 if sync else 0,
             code,
@@ -439,7 +599,8 @@ def load_capi(path: Optional[str] = None, variant: Optional[str] = None) -> CApi
     ``variant`` picks a build: ``"cuda"`` (``build/libfdkv_capi.so``, real device
     memory), ``"cpu"`` (``build/libfdkv_capi_cpu.so``, host memory stands in for the
     device), or None: ``path``, then ``$FDKV_OPS_LIB``, then CUDA before CPU.  Raises
-    :class:`OpsNotBuiltError` if nothing is found.
+    :class:`OpsNotBuiltError` if nothing is found, or if ``path`` / ``$FDKV_OPS_LIB``
+    names a build other than ``variant``; ValueError if ``$FDKV_OPS_LIB`` is not a file.
     """
     lib_path = str(_find_capi(path, variant).resolve())
     with _capi_lock:
@@ -448,7 +609,13 @@ def load_capi(path: Optional[str] = None, variant: Optional[str] = None) -> CApi
             api = CApi(ctypes.CDLL(lib_path), lib_path)
             logger.debug("loaded C ABI %s (cuda=%s)", lib_path, api.is_cuda)
             _capi_cache[lib_path] = api
-        return api
+    if variant is not None and api.is_cuda != (variant == "cuda"):
+        source = "path" if path else "FDKV_OPS_LIB"
+        raise OpsNotBuiltError(
+            f"{lib_path} ({source}) is the {'CUDA' if api.is_cuda else 'CPU'} build of the C ABI, "
+            f"but the {variant} build was asked for"
+        )
+    return api
 
 
 # --------------------------------------------------------------------------- Paddle ops
@@ -497,21 +664,24 @@ def paddle_ops_available() -> bool:
     return _paddle_so_path().is_file()
 
 
-_TAG = "[fdkv:invalid] "
-
-
 def _run(name: str, *args: Any) -> Any:
-    """Run a custom op, turning the core's tagged validation errors into SwapOpError."""
+    """Run a custom op; a failure the core reported becomes the matching Python error.
+
+    NOTE: the op / argument / index of a validation error come from the extension's own
+    C ABI error state (``fdkv_last_error_fields``, filled by the op on this thread), not
+    from Paddle's rewrapped message text.  The state is cleared first, so an error Paddle
+    raises before the op's code runs (a bad attribute type) is re-raised as Paddle's own.
+    """
     c_ops = _load_paddle_ops()
+    capi: CApi = _paddle_state["capi"]
+    capi.clear_error()
     try:
         return c_ops._run_custom_op(name, *args)
-    except Exception as exc:  # Paddle reports C++ errors as OSError with the message
-        text = str(exc)
-        pos = text.find(_TAG)
-        if pos < 0:
+    except Exception:  # Paddle reports C++ errors as OSError with the message
+        error = capi.error_from_last()
+        if error is None:
             raise
-        message = text[pos + len(_TAG):].split("\n", 1)[0].strip()
-        raise SwapOpError.from_message(message) from None
+        raise error from None
 
 
 def _host_api() -> CApi:
@@ -561,10 +731,12 @@ def swap_cache_per_layer(
     :meth:`CApi.swap_per_layer`; None follows the process-wide option.  Passed as the op's
     optional trailing attribute ``path``; ignored on CPU tensors.
     """
+    op = "swap_cache_per_layer"
     return _run(
-        "swap_cache_per_layer", cache_gpu, int(cache_cpu_ptr), int(max_block_num_cpu),
-        _id_list(swap_block_ids_gpu), _id_list(swap_block_ids_cpu), int(rank), int(mode),
-        copy_path_code(path, "swap_cache_per_layer"),
+        op, _check_tensor(cache_gpu, op), _int_arg(cache_cpu_ptr, op, "cache_cpu_ptr"),
+        _int_arg(max_block_num_cpu, op, "max_block_num_cpu"), _id_list(swap_block_ids_gpu, op, "swap_block_ids_gpu"),
+        _id_list(swap_block_ids_cpu, op, "swap_block_ids_cpu"), _int_arg(rank, op, "rank", 32),
+        _int_arg(mode, op, "mode", 32), copy_path_code(path, op),
     )[0]
 
 
@@ -585,10 +757,12 @@ def swap_cache_per_layer_async(
     The caller tracks completion with an event recorded on ``stream``, and must keep the
     host buffer alive and untouched until then.
     """
+    op = "swap_cache_per_layer_async"
     return _run(
-        "swap_cache_per_layer_async", cache_gpu, int(cache_cpu_ptr), int(max_block_num_cpu),
-        _id_list(swap_block_ids_gpu), _id_list(swap_block_ids_cpu), int(rank), int(mode),
-        _stream_handle(stream), copy_path_code(path, "swap_cache_per_layer_async"),
+        op, _check_tensor(cache_gpu, op), _int_arg(cache_cpu_ptr, op, "cache_cpu_ptr"),
+        _int_arg(max_block_num_cpu, op, "max_block_num_cpu"), _id_list(swap_block_ids_gpu, op, "swap_block_ids_gpu"),
+        _id_list(swap_block_ids_cpu, op, "swap_block_ids_cpu"), _int_arg(rank, op, "rank", 32),
+        _int_arg(mode, op, "mode", 32), _stream_handle(stream), copy_path_code(path, op),
     )[0]
 
 
@@ -609,10 +783,12 @@ def swap_cache_all_layers(
     tensor's current stream).  ``cache_cpu_ptrs[t]`` is tensor t's host cache; tensors
     may have different block sizes (fp32 scale caches next to K/V).  In place.
     """
+    op = "swap_cache_all_layers"
     return list(_run(
-        "swap_cache_all_layers", list(cache_gpu_tensors), [int(p) for p in cache_cpu_ptrs],
-        int(max_block_num_cpu), _id_list(swap_block_ids_gpu), _id_list(swap_block_ids_cpu),
-        int(rank), int(mode), _stream_handle(stream), copy_path_code(path, "swap_cache_all_layers"),
+        op, _check_tensors(cache_gpu_tensors, op, "cache_gpu_tensors"),
+        [_int_arg(p, op, "cache_cpu_ptrs") for p in cache_cpu_ptrs], _int_arg(max_block_num_cpu, op, "max_block_num_cpu"),
+        _id_list(swap_block_ids_gpu, op, "swap_block_ids_gpu"), _id_list(swap_block_ids_cpu, op, "swap_block_ids_cpu"),
+        _int_arg(rank, op, "rank", 32), _int_arg(mode, op, "mode", 32), _stream_handle(stream), copy_path_code(path, op),
     ))
 
 
@@ -639,8 +815,10 @@ def swap_cache_layout(
     enables the range check of ``cpu_block_ids``; -1 checks only that they are >= 0.
     Asynchronous on ``stream`` (0: the first tensor's current stream).  In place.
     """
+    op = "swap_cache_layout"
     return list(_run(
-        "swap_cache_layout", list(cache_gpu_tensors), int(cache_cpu_ptr), [int(s) for s in cache_shape],
-        _id_list(gpu_block_ids), _id_list(cpu_block_ids), int(rank), int(mode), _stream_handle(stream),
-        int(max_block_num_cpu), copy_path_code(path, "swap_cache_layout"),
+        op, _check_tensors(cache_gpu_tensors, op, "cache_gpu_tensors"), _int_arg(cache_cpu_ptr, op, "cache_cpu_ptr"),
+        [_int_arg(d, op, "cache_shape") for d in cache_shape], _id_list(gpu_block_ids, op, "gpu_block_ids"),
+        _id_list(cpu_block_ids, op, "cpu_block_ids"), _int_arg(rank, op, "rank", 32), _int_arg(mode, op, "mode", 32),
+        _stream_handle(stream), _int_arg(max_block_num_cpu, op, "max_block_num_cpu"), copy_path_code(path, op),
     ))

@@ -18,26 +18,53 @@
 
 namespace {
 
-thread_local std::string t_last_error;
+// The calling thread's last failure: the code, the message, and for
+// FDKV_ERR_INVALID_ARGUMENT the op / argument / index as separate values.
+struct ErrorState {
+  int code = FDKV_OK;
+  std::string message;
+  std::string op;
+  std::string argument;
+  int64_t index = -1;
+};
+thread_local ErrorState t_error;
 
-int Fail(int code, const char* what) {
-  t_last_error = what;
+void ClearError() {
+  t_error.code = FDKV_OK;
+  t_error.message.clear();
+  t_error.op.clear();
+  t_error.argument.clear();
+  t_error.index = -1;
+}
+
+int Fail(int code, const std::string& what) {
+  ClearError();
+  t_error.code = code;
+  t_error.message = what;
   return code;
 }
 
-// Run `fn`, mapping exceptions to the ABI's status codes.
+int FailInvalid(const fdkv::InvalidArgument& e) {
+  Fail(FDKV_ERR_INVALID_ARGUMENT, e.what());
+  t_error.op = e.op();
+  t_error.argument = e.argument();
+  t_error.index = e.index();
+  return FDKV_ERR_INVALID_ARGUMENT;
+}
+
+// Run `fn`, mapping exceptions to the ABI's status codes.  No exception crosses the ABI.
 template <typename Fn>
 int Guard(Fn&& fn) {
   try {
     fn();
-    t_last_error.clear();
+    ClearError();
     return FDKV_OK;
   } catch (const fdkv::InvalidArgument& e) {
-    return Fail(FDKV_ERR_INVALID_ARGUMENT, e.what());
+    return FailInvalid(e);
   } catch (const fdkv::CudaFailure& e) {
     return Fail(FDKV_ERR_CUDA, e.what());
   } catch (const std::bad_alloc&) {
-    return Fail(FDKV_ERR_OTHER, "fdkv: out of host memory");
+    return Fail(FDKV_ERR_NO_MEMORY, "fdkv: out of host memory");
   } catch (const std::exception& e) {
     return Fail(FDKV_ERR_OTHER, e.what());
   } catch (...) {
@@ -56,18 +83,40 @@ std::vector<fdkv::TensorDesc> Tensors(void* const* dev_ptrs, const int64_t* num_
   return tensors;
 }
 
+// The C arrays a swap reads before the core sees them (the core cannot check a null table).
+void CheckArrays(const char* op, int64_t num_tensors, void* const* dev_ptrs, const int64_t* num_dev_blocks,
+                 const int64_t* block_bytes, void* const* host_ptrs) {
+  if (num_tensors <= 0) {
+    throw fdkv::InvalidArgument(op, "dev_ptrs", -1, " is empty (num_tensors = " + std::to_string(num_tensors) +
+                                                        "); pass at least one tensor");
+  }
+  if (dev_ptrs == nullptr) throw fdkv::InvalidArgument(op, "dev_ptrs", -1, " is a null pointer");
+  if (num_dev_blocks == nullptr) throw fdkv::InvalidArgument(op, "num_dev_blocks", -1, " is a null pointer");
+  if (block_bytes == nullptr) throw fdkv::InvalidArgument(op, "block_bytes", -1, " is a null pointer");
+  if (host_ptrs == nullptr) throw fdkv::InvalidArgument(op, "host_ptrs", -1, " is a null pointer");
+}
+
 }  // namespace
 
 extern "C" {
 
-FDKV_API const char* fdkv_last_error(void) { return t_last_error.c_str(); }
+FDKV_API const char* fdkv_last_error(void) { return t_error.message.c_str(); }
+
+FDKV_API int fdkv_last_error_fields(const char** op, const char** argument, int64_t* index) {
+  if (op != nullptr) *op = t_error.op.c_str();
+  if (argument != nullptr) *argument = t_error.argument.c_str();
+  if (index != nullptr) *index = t_error.index;
+  return t_error.code;
+}
+
+FDKV_API void fdkv_clear_error(void) { ClearError(); }
 
 FDKV_API int fdkv_is_cuda(void) { return fdkv::BuiltWithCuda() ? 1 : 0; }
 
 FDKV_API int fdkv_abi_version(void) { return FDKV_ABI_VERSION; }
 
 FDKV_API int fdkv_host_alloc(size_t nbytes, unsigned flags, void** out) {
-  if (out == nullptr) return Fail(FDKV_ERR_INVALID_ARGUMENT, "cuda_host_alloc: out is a null pointer");
+  if (out == nullptr) return FailInvalid(fdkv::InvalidArgument("cuda_host_alloc", "out", -1, " is a null pointer"));
   *out = nullptr;
   return Guard([&] { *out = fdkv::HostAlloc(nbytes, flags); });
 }
@@ -83,15 +132,14 @@ FDKV_API int fdkv_swap_layers(const char* op, void* const* dev_ptrs, const int64
                               int sync, int path) {
   return Guard([&] {
     const char* name = (op != nullptr && *op != '\0') ? op : "swap_all_layers";
-    if (num_tensors <= 0 || dev_ptrs == nullptr || host_ptrs == nullptr) {
-      throw fdkv::InvalidArgument(std::string(name) + ": dev_ptrs is empty; pass at least one tensor");
-    }
+    CheckArrays(name, num_tensors, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs);
     std::vector<fdkv::TensorDesc> tensors = Tensors(dev_ptrs, num_dev_blocks, block_bytes, num_tensors);
     std::vector<void*> hosts(host_ptrs, host_ptrs + num_tensors);
     fdkv::ExecTarget target{fdkv::BuiltWithCuda(), stream, sync != 0, path};
     fdkv::SwapLayers(name, tensors, hosts, num_host_blocks,
                      fdkv::IdSpan{dev_ids, num_dev_ids, "dev_ids"},
-                     fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, target, "host_ptrs");
+                     fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, target,
+                     fdkv::HostNames{"host_ptrs", "num_host_blocks"});
   });
 }
 
@@ -102,32 +150,39 @@ FDKV_API int fdkv_swap_layout(const char* op, void* const* dev_ptrs, const int64
                               int sync, int path) {
   return Guard([&] {
     const char* name = (op != nullptr && *op != '\0') ? op : "swap_layout";
-    if (num_tensors <= 0 || dev_ptrs == nullptr || host_ptr == nullptr) {
-      throw fdkv::InvalidArgument(std::string(name) + ": dev_ptrs is empty; pass at least one tensor");
-    }
+    CheckArrays(name, num_tensors, dev_ptrs, num_dev_blocks, block_bytes, host_ptr);
     std::vector<fdkv::TensorDesc> tensors = Tensors(dev_ptrs, num_dev_blocks, block_bytes, num_tensors);
     fdkv::ExecTarget target{fdkv::BuiltWithCuda(), stream, sync != 0, path};
     fdkv::SwapLayout(name, tensors, host_ptr[0], num_host_blocks,
                      fdkv::IdSpan{dev_ids, num_dev_ids, "dev_ids"},
-                     fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, target);
+                     fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, target,
+                     fdkv::HostNames{"host_ptr", "num_host_blocks"});
   });
 }
 
 FDKV_API int fdkv_set_option(const char* name, int64_t value) {
-  if (name == nullptr || !fdkv::SetOption(name, value)) {
-    return Fail(FDKV_ERR_INVALID_ARGUMENT,
-                (std::string("set_option: name '") + (name ? name : "") + "' unknown or value " +
-                 std::to_string(value) + " invalid").c_str());
-  }
-  return FDKV_OK;
+  return Guard([&] {
+    if (name == nullptr || !fdkv::SetOption(name, value)) {
+      throw fdkv::InvalidArgument("set_option", "name", -1,
+                                  " = '" + std::string(name ? name : "") + "' is unknown or value " +
+                                      std::to_string(value) + " is out of its range");
+    }
+  });
 }
 
 FDKV_API int fdkv_get_option(const char* name, int64_t* value) {
-  if (name == nullptr || value == nullptr || !fdkv::GetOption(name, value)) {
-    return Fail(FDKV_ERR_INVALID_ARGUMENT,
-                (std::string("get_option: name '") + (name ? name : "") + "' unknown").c_str());
-  }
-  return FDKV_OK;
+  return Guard([&] {
+    if (name == nullptr || value == nullptr || !fdkv::GetOption(name, value)) {
+      throw fdkv::InvalidArgument("get_option", "name", -1, " = '" + std::string(name ? name : "") + "' is unknown");
+    }
+  });
+}
+
+FDKV_API int fdkv_parse_env(const char* name, const char* raw, int64_t* value) {
+  return Guard([&] {
+    if (name == nullptr || value == nullptr) throw fdkv::InvalidArgument("parse_env", "name", -1, " is a null pointer");
+    *value = fdkv::ParseEnvValue("parse_env", name, raw);
+  });
 }
 
 FDKV_API int fdkv_last_path(void) { return fdkv::LastPath(); }

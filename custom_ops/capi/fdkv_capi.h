@@ -7,29 +7,40 @@
 
 #define FDKV_API __attribute__((visibility("default")))
 
-// Status codes.  On failure fdkv_last_error() returns the calling thread's message; for
-// FDKV_ERR_INVALID_ARGUMENT it starts with "<op>: <argument>[<index>]" and nothing was
-// written.
+// Status codes.  On failure fdkv_last_error() returns the calling thread's message, and
+// for FDKV_ERR_INVALID_ARGUMENT fdkv_last_error_fields() the op, argument and index as
+// values (nothing was written).  Both stay valid until the thread's next fdkv_* call.
 #define FDKV_OK 0
 #define FDKV_ERR_INVALID_ARGUMENT 1
 #define FDKV_ERR_CUDA 2
 #define FDKV_ERR_OTHER 3
+#define FDKV_ERR_NO_MEMORY 4
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 FDKV_API const char* fdkv_last_error(void);
+// The calling thread's last status code; *op / *argument (may be "") and *index (-1: not
+// tied to a position) describe an FDKV_ERR_INVALID_ARGUMENT.  Any out pointer may be null.
+FDKV_API int fdkv_last_error_fields(const char** op, const char** argument, int64_t* index);
+// Reset the calling thread's last error to FDKV_OK (the Paddle ops report through it too).
+FDKV_API void fdkv_clear_error(void);
 FDKV_API int fdkv_is_cuda(void);
 FDKV_API int fdkv_host_alloc(size_t nbytes, unsigned flags, void** out);
 FDKV_API int fdkv_host_free(void* ptr);
 
-// ABI version: 2 added the trailing `path` argument of the swap functions.  ops.py checks
-// it, so a library built from older sources fails loudly instead of ignoring `path`.
-#define FDKV_ABI_VERSION 2
+// ABI version: 2 added the trailing `path` argument of the swap functions; 3 the error
+// fields (fdkv_last_error_fields, fdkv_clear_error), fdkv_parse_env, FDKV_ERR_NO_MEMORY and
+// num_host_blocks = -1 (the size fdkv_host_alloc recorded).  ops.py checks it, so a
+// library built from older sources fails loudly instead of misbehaving.
+#define FDKV_ABI_VERSION 3
 FDKV_API int fdkv_abi_version(void);
 
 // Tensor t's block dev_ids[i] <-> host_ptrs[t]'s block host_ids[i], every tensor.
+// num_host_blocks bounds host_ids; -1 takes it from the size fdkv_host_alloc recorded for
+// the pointer (FDKV_ERR_INVALID_ARGUMENT for other memory), and a count larger than a
+// recorded buffer is refused.
 // mode 0: device -> host, 1: host -> device.  Enqueued on `stream`; sync != 0 waits.
 // path: copy path of this call only: -1 the process-wide "copy_path" option, 0 auto,
 // 1 kernel, 2 dma (anything else is FDKV_ERR_INVALID_ARGUMENT naming "path").  A forced
@@ -53,6 +64,9 @@ FDKV_API int fdkv_swap_layout(const char* op, void* const* dev_ptrs, const int64
 // swap call's `path` argument overrides "copy_path" for that call.
 FDKV_API int fdkv_set_option(const char* name, int64_t value);
 FDKV_API int fdkv_get_option(const char* name, int64_t* value);
+// Parse `raw` as the value of the FDKV_* variable `name` by the rule the library applies
+// to its environment (and envs.py to the same variables): for tests and tools.
+FDKV_API int fdkv_parse_env(const char* name, const char* raw, int64_t* value);
 // Bit mask of the paths the calling thread's last swap used: 1 memcpy, 2 kernel, 4 DMA, 8 CPU.
 FDKV_API int fdkv_last_path(void);
 FDKV_API int fdkv_stream_synchronize(void* stream);

@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <climits>
+#include <map>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -14,106 +17,130 @@ namespace fdkv {
 // ------------------------------------------------------------------------ options
 namespace {
 
-std::atomic<int64_t> g_copy_grid{-1};
-std::atomic<int64_t> g_copy_path{-1};
-std::atomic<int64_t> g_dma_min_bytes{-1};
-std::atomic<int64_t> g_merge_min_bytes{-1};
-std::atomic<int64_t> g_copy_kernel{-1};
-std::atomic<int64_t> g_dma_slice_bytes{-1};
-std::atomic<int64_t> g_kernel_tables{-1};
-std::once_flag g_env_once;
-thread_local int t_last_path = 0;
-
-int64_t EnvInt(const char* name, int64_t fallback) {
-  const char* raw = std::getenv(name);
-  if (raw == nullptr || *raw == '\0') return fallback;
-  char* end = nullptr;
-  long long v = std::strtoll(raw, &end, 10);
-  return (end != nullptr && *end == '\0') ? static_cast<int64_t>(v) : fallback;
-}
-
-int64_t ParseCopyPath(const char* raw) {
-  if (raw == nullptr) return kCopyAuto;
-  std::string s(raw);
-  if (s == "kernel") return kCopyKernel;
-  if (s == "dma") return kCopyDma;
-  return kCopyAuto;
-}
+// NOTE: one rule for FDKV_* values, the same as fastdeploy_kvcache/envs.py (a test parses
+// a table of raw values through both and compares): trimmed, empty = default, integers
+// are [+-]digits inside the variable's range, names case-insensitive.  A bad value is an
+// error naming the variable, never a silent fallback to the default.
+constexpr int64_t kInt64Max = INT64_MAX;
 
 // Defaults.  NOTE: dma_min_bytes and merge_min_bytes were set from the measurements in
 // docs/benchmarks.md (H100 PCIe Gen5); FDKV_* environment variables override them.
-constexpr int64_t kDefaultGrid = 8;
-constexpr int64_t kDefaultDmaMinBytes = 64 << 10;
-constexpr int64_t kDefaultMergeMinBytes = 1 << 20;
-constexpr int64_t kDefaultCopyKernel = 0;
-constexpr int64_t kDefaultDmaSliceBytes = 16 << 20;
-constexpr int64_t kDefaultKernelTables = 1;
+struct OptionSpec {
+  const char* option;  // set_option / get_option name
+  const char* env;     // environment variable
+  int64_t def;
+  int64_t lo;
+  int64_t hi;
+  bool copy_path;      // value is a copy path name (auto|kernel|dma), not an integer
+};
+constexpr int kNumOptions = 11;
+const OptionSpec kSpecs[kNumOptions] = {
+    {"copy_grid", "FDKV_COPY_GRID", 8, 1, 65535, false},
+    {"copy_path", "FDKV_COPY_PATH", kCopyAuto, kCopyAuto, kCopyStaged, true},
+    {"dma_min_bytes", "FDKV_DMA_MIN_BYTES", 64 << 10, 0, kInt64Max, false},
+    {"merge_min_bytes", "FDKV_MERGE_MIN_BYTES", 1 << 20, 0, kInt64Max, false},
+    {"copy_kernel", "FDKV_COPY_KERNEL", 0, 0, 3, false},
+    {"dma_slice_bytes", "FDKV_DMA_SLICE_BYTES", 16 << 20, 1, kInt64Max, false},
+    {"kernel_tables", "FDKV_KERNEL_TABLES", 1, 0, 1, false},
+    // Staged path (swap_staged.cu).  env "" = set_option only (no environment variable).
+    {"staging_bytes", "FDKV_STAGING_BYTES", 64 << 20, 1 << 20, kInt64Max, false},
+    {"staging_chunk_bytes", "", 8 << 20, 64 << 10, kInt64Max, false},
+    {"staging_grid", "", 16, 1, 65535, false},
+    {"staged_min_bytes", "", 64 << 10, 0, kInt64Max, false},
+};
 
-void InitFromEnv() {
-  std::call_once(g_env_once, [] {
-    int64_t grid = EnvInt("FDKV_COPY_GRID", kDefaultGrid);
-    g_copy_grid.store(grid > 0 ? grid : kDefaultGrid);
-    g_copy_path.store(ParseCopyPath(std::getenv("FDKV_COPY_PATH")));
-    int64_t dma = EnvInt("FDKV_DMA_MIN_BYTES", kDefaultDmaMinBytes);
-    g_dma_min_bytes.store(dma >= 0 ? dma : kDefaultDmaMinBytes);
-    int64_t merge = EnvInt("FDKV_MERGE_MIN_BYTES", kDefaultMergeMinBytes);
-    g_merge_min_bytes.store(merge >= 0 ? merge : kDefaultMergeMinBytes);
-    int64_t kernel = EnvInt("FDKV_COPY_KERNEL", kDefaultCopyKernel);
-    g_copy_kernel.store(kernel >= 0 && kernel <= 3 ? kernel : kDefaultCopyKernel);
-    int64_t slice = EnvInt("FDKV_DMA_SLICE_BYTES", kDefaultDmaSliceBytes);
-    g_dma_slice_bytes.store(slice >= 1 ? slice : kDefaultDmaSliceBytes);
-    int64_t tables = EnvInt("FDKV_KERNEL_TABLES", kDefaultKernelTables);
-    g_kernel_tables.store(tables == 0 || tables == 1 ? tables : kDefaultKernelTables);
-  });
+std::atomic<int64_t> g_values[kNumOptions];
+std::atomic<bool> g_env_done{false};
+std::mutex g_env_mu;
+thread_local int t_last_path = 0;
+
+const OptionSpec* SpecByOption(const std::string& name) {
+  for (const OptionSpec& s : kSpecs) if (name == s.option) return &s;
+  return nullptr;
 }
+
+const OptionSpec* SpecByEnv(const std::string& name) {
+  for (const OptionSpec& s : kSpecs) if (s.env[0] != '\0' && name == s.env) return &s;
+  return nullptr;
+}
+
+bool IsSpace(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+std::string Trim(const std::string& s) {
+  size_t b = 0, e = s.size();
+  while (b < e && IsSpace(s[b])) ++b;
+  while (e > b && IsSpace(s[e - 1])) --e;
+  return s.substr(b, e - b);
+}
+
+int64_t ParseSpec(const char* op, const OptionSpec& spec, const char* raw) {
+  const std::string value = Trim(raw == nullptr ? "" : raw);
+  if (value.empty()) return spec.def;
+  auto bad = [&](const std::string& why) {
+    throw InvalidArgument(op, spec.env, -1, " = '" + std::string(raw) + "' " + why + " (environment variable)");
+  };
+  if (spec.copy_path) {
+    std::string lower;
+    for (char c : value) lower += (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c;
+    if (lower == "auto") return kCopyAuto;
+    if (lower == "kernel") return kCopyKernel;
+    if (lower == "dma") return kCopyDma;
+    if (lower == "staged") return kCopyStaged;
+    bad("must be auto, kernel, dma or staged");
+  }
+  size_t i = (value[0] == '+' || value[0] == '-') ? 1 : 0;
+  if (i == value.size()) bad("is not an integer");
+  for (size_t k = i; k < value.size(); ++k) {
+    if (value[k] < '0' || value[k] > '9') bad("is not an integer (optional sign, then decimal digits)");
+  }
+  errno = 0;
+  const long long v = std::strtoll(value.c_str(), nullptr, 10);
+  const std::string range = "[" + std::to_string(spec.lo) + ", " + std::to_string(spec.hi) + "]";
+  if (errno == ERANGE || v < spec.lo || v > spec.hi) bad("is out of range " + range);
+  return static_cast<int64_t>(v);
+}
+
+void InitFromEnv(const char* op) {
+  if (g_env_done.load(std::memory_order_acquire)) return;
+  std::lock_guard<std::mutex> lock(g_env_mu);
+  if (g_env_done.load(std::memory_order_relaxed)) return;
+  int64_t values[kNumOptions];
+  for (int i = 0; i < kNumOptions; ++i) {
+    values[i] = ParseSpec(op, kSpecs[i], kSpecs[i].env[0] != '\0' ? std::getenv(kSpecs[i].env) : nullptr);
+  }
+  for (int i = 0; i < kNumOptions; ++i) g_values[i].store(values[i]);
+  g_env_done.store(true, std::memory_order_release);
+}
+
+int64_t Value(int i) { return g_values[i].load(std::memory_order_relaxed); }
 
 }  // namespace
 
-Options GetOptions() {
-  InitFromEnv();
-  return Options{g_copy_grid.load(), g_copy_path.load(), g_dma_min_bytes.load(),
-                 g_merge_min_bytes.load(), g_copy_kernel.load(), g_dma_slice_bytes.load(), g_kernel_tables.load()};
+int64_t ParseEnvValue(const char* op, const std::string& name, const char* raw) {
+  const OptionSpec* spec = SpecByEnv(name);
+  if (spec == nullptr) throw InvalidArgument(op, "name", -1, " = '" + name + "' is not an FDKV_* option variable");
+  return ParseSpec(op, *spec, raw);
+}
+
+Options GetOptions(const char* op) {
+  InitFromEnv(op);
+  return Options{Value(0), Value(1), Value(2), Value(3), Value(4), Value(5), Value(6),
+                 Value(7), Value(8), Value(9), Value(10)};
 }
 
 bool SetOption(const std::string& name, int64_t value) {
-  InitFromEnv();
-  if (name == "copy_grid") {
-    if (value < 1 || value > 65535) return false;
-    g_copy_grid.store(value);
-  } else if (name == "copy_path") {
-    if (value < kCopyAuto || value > kCopyDma) return false;
-    g_copy_path.store(value);
-  } else if (name == "dma_min_bytes") {
-    if (value < 0) return false;
-    g_dma_min_bytes.store(value);
-  } else if (name == "merge_min_bytes") {
-    if (value < 0) return false;
-    g_merge_min_bytes.store(value);
-  } else if (name == "copy_kernel") {
-    if (value < 0 || value > 3) return false;
-    g_copy_kernel.store(value);
-  } else if (name == "dma_slice_bytes") {
-    if (value < 1) return false;
-    g_dma_slice_bytes.store(value);
-  } else if (name == "kernel_tables") {
-    if (value != 0 && value != 1) return false;
-    g_kernel_tables.store(value);
-  } else {
-    return false;
-  }
+  InitFromEnv("set_option");
+  const OptionSpec* spec = SpecByOption(name);
+  if (spec == nullptr || value < spec->lo || value > spec->hi) return false;
+  g_values[spec - kSpecs].store(value);
   return true;
 }
 
 bool GetOption(const std::string& name, int64_t* value) {
-  Options o = GetOptions();
-  if (name == "copy_grid") *value = o.copy_grid;
-  else if (name == "copy_path") *value = o.copy_path;
-  else if (name == "dma_min_bytes") *value = o.dma_min_bytes;
-  else if (name == "merge_min_bytes") *value = o.merge_min_bytes;
-  else if (name == "copy_kernel") *value = o.copy_kernel;
-  else if (name == "dma_slice_bytes") *value = o.dma_slice_bytes;
-  else if (name == "kernel_tables") *value = o.kernel_tables;
-  else return false;
+  InitFromEnv("get_option");
+  const OptionSpec* spec = SpecByOption(name);
+  if (spec == nullptr) return false;
+  *value = Value(static_cast<int>(spec - kSpecs));
   return true;
 }
 
@@ -124,21 +151,16 @@ bool BuiltWithCuda() { return FDKV_WITH_CUDA != 0; }
 // ------------------------------------------------------------------------ validation
 namespace {
 
-[[noreturn]] void Fail(const char* op, const std::string& what) {
-  throw InvalidArgument(std::string(op) + ": " + what);
-}
-
-std::string Indexed(const char* name, int64_t i) {
-  return std::string(name) + "[" + std::to_string(i) + "]";
+[[noreturn]] void Fail(const char* op, const std::string& argument, int64_t index, const std::string& detail) {
+  throw InvalidArgument(op, argument, index, detail);
 }
 
 void CheckRange(const char* op, IdSpan ids, int64_t limit, const char* what) {
   for (int64_t i = 0; i < ids.size; ++i) {
     const int64_t v = ids.data[i];
-    if (v < 0 || (limit >= 0 && v >= limit)) {
-      std::string range = limit >= 0 ? "[0, " + std::to_string(limit) + ")" : "[0, inf)";
-      Fail(op, Indexed(ids.name, i) + " = " + std::to_string(v) + " is out of range " + range +
-                   " (" + what + ")");
+    if (v < 0 || v >= limit) {
+      Fail(op, ids.name, i, " = " + std::to_string(v) + " is out of range [0, " + std::to_string(limit) + ") (" +
+                                what + ")");
     }
   }
 }
@@ -149,6 +171,12 @@ void CheckUnique(const char* op, IdSpan ids) {
   if (ids.size < 2) return;
   int64_t max_id = *std::max_element(ids.data, ids.data + ids.size);
   constexpr int64_t kBitsetLimit = int64_t(1) << 28;
+  auto repeat = [&](int64_t i) {
+    const int64_t v = ids.data[i];
+    const int64_t j = std::find(ids.data, ids.data + i, v) - ids.data;
+    Fail(op, ids.name, i, " = " + std::to_string(v) + " repeats index " + std::to_string(j) +
+                              "; destination block ids must be unique");
+  };
   if (max_id < kBitsetLimit) {
     thread_local std::vector<uint64_t> seen;
     const size_t words = static_cast<size_t>(max_id / 64 + 1);
@@ -157,11 +185,7 @@ void CheckUnique(const char* op, IdSpan ids) {
       const int64_t v = ids.data[i];
       uint64_t& w = seen[static_cast<size_t>(v >> 6)];
       const uint64_t bit = uint64_t(1) << (v & 63);
-      if (w & bit) {
-        int64_t j = std::find(ids.data, ids.data + i, v) - ids.data;
-        Fail(op, Indexed(ids.name, i) + " = " + std::to_string(v) + " repeats index " +
-                     std::to_string(j) + "; destination block ids must be unique");
-      }
+      if (w & bit) repeat(i);
       w |= bit;
     }
     return;
@@ -169,41 +193,37 @@ void CheckUnique(const char* op, IdSpan ids) {
   std::unordered_set<int64_t> set;
   set.reserve(static_cast<size_t>(ids.size) * 2);
   for (int64_t i = 0; i < ids.size; ++i) {
-    if (!set.insert(ids.data[i]).second) {
-      int64_t j = std::find(ids.data, ids.data + i, ids.data[i]) - ids.data;
-      Fail(op, Indexed(ids.name, i) + " = " + std::to_string(ids.data[i]) + " repeats index " +
-                   std::to_string(j) + "; destination block ids must be unique");
-    }
+    if (!set.insert(ids.data[i]).second) repeat(i);
   }
 }
 
 }  // namespace
 
 void CheckCopyPath(const char* op, int64_t copy_path) {
-  if (copy_path < kCopyProcess || copy_path > kCopyDma) {
-    Fail(op, "path = " + std::to_string(copy_path) +
-                 " must be -1 (the process-wide copy_path option), 0 (auto), 1 (kernel) or 2 (dma)");
+  if (copy_path < kCopyProcess || copy_path > kCopyStaged) {
+    Fail(op, "path", -1, " = " + std::to_string(copy_path) +
+                 " must be -1 (the process-wide copy_path option), 0 (auto), 1 (kernel), 2 (dma) or 3 (staged)");
   }
 }
 
 void ValidateIds(const char* op, IdSpan dev_ids, int64_t num_dev_blocks, IdSpan host_ids,
                  int64_t num_host_blocks, int mode) {
   if (mode != kDeviceToHost && mode != kHostToDevice) {
-    Fail(op, "mode = " + std::to_string(mode) +
-                 " must be 0 (device to host) or 1 (host to device)");
+    Fail(op, "mode", -1, " = " + std::to_string(mode) + " must be 0 (device to host) or 1 (host to device)");
+  }
+  if (dev_ids.size < 0 || host_ids.size < 0) {
+    Fail(op, dev_ids.size < 0 ? dev_ids.name : host_ids.name, -1, " has a negative length");
   }
   if (dev_ids.size != host_ids.size) {
     const bool dev_short = dev_ids.size < host_ids.size;
     const IdSpan& longer = dev_short ? host_ids : dev_ids;
     const IdSpan& shorter = dev_short ? dev_ids : host_ids;
-    Fail(op, Indexed(longer.name, shorter.size) + " has no partner: " + longer.name + " has " +
+    Fail(op, longer.name, shorter.size, " has no partner: " + std::string(longer.name) + " has " +
                  std::to_string(longer.size) + " ids but " + shorter.name + " has " +
                  std::to_string(shorter.size) + " (lengths must be equal)");
   }
-  if ((dev_ids.size > 0 && dev_ids.data == nullptr) ||
-      (host_ids.size > 0 && host_ids.data == nullptr)) {
-    Fail(op, std::string(dev_ids.data == nullptr ? dev_ids.name : host_ids.name) +
-                 " is a null pointer");
+  if ((dev_ids.size > 0 && dev_ids.data == nullptr) || (host_ids.size > 0 && host_ids.data == nullptr)) {
+    Fail(op, dev_ids.data == nullptr ? dev_ids.name : host_ids.name, -1, " is a null pointer");
   }
   CheckRange(op, dev_ids, num_dev_blocks, "device blocks");
   CheckRange(op, host_ids, num_host_blocks, "host blocks");
@@ -280,15 +300,16 @@ void Execute(const std::vector<LaneDesc>& lanes, IdSpan dev_ids, IdSpan host_ids
 }
 
 void CheckTensors(const char* op, const std::vector<TensorDesc>& tensors, const char* name) {
-  if (tensors.empty()) Fail(op, std::string(name) + " is empty; pass at least one cache tensor");
+  if (tensors.empty()) Fail(op, name, -1, " is empty; pass at least one cache tensor");
   for (size_t t = 0; t < tensors.size(); ++t) {
     const TensorDesc& d = tensors[t];
-    if (d.dev == nullptr) Fail(op, Indexed(name, t) + " has a null data pointer");
+    const int64_t i = static_cast<int64_t>(t);
+    if (d.dev == nullptr) Fail(op, name, i, " has a null data pointer");
     if (d.block_bytes <= 0) {
-      Fail(op, Indexed(name, t) + " has block size " + std::to_string(d.block_bytes) +
-                   " bytes; prod(shape[1:]) * itemsize must be > 0");
+      Fail(op, name, i, " has block size " + std::to_string(d.block_bytes) +
+                            " bytes; prod(shape[1:]) * itemsize must be > 0");
     }
-    if (d.num_blocks < 0) Fail(op, Indexed(name, t) + " has a negative block count");
+    if (d.num_blocks < 0) Fail(op, name, i, " has a negative block count");
   }
 }
 
@@ -298,24 +319,62 @@ int64_t MinBlocks(const std::vector<TensorDesc>& tensors) {
   return m;
 }
 
+// The number of host blocks the ids are checked against.  `host_block_bytes[t]` is the
+// size of one host block at host_ptrs[t].  NOTE: the recorded size of a HostAlloc buffer
+// is the ground truth when there is one, so a count larger than the buffer is refused
+// rather than trusted; memory from elsewhere (numpy, CuPy pinned) has only the count.
+int64_t HostBlockLimit(const char* op, const std::vector<void*>& host_ptrs,
+                       const std::vector<int64_t>& host_block_bytes, int64_t num_host_blocks,
+                       const HostNames& names, bool indexed_ptrs) {
+  if (num_host_blocks < -1) {
+    Fail(op, names.count, -1, " = " + std::to_string(num_host_blocks) +
+                                  " must be >= 0, or -1 for the size cuda_host_alloc recorded");
+  }
+  int64_t limit = num_host_blocks;
+  for (size_t t = 0; t < host_ptrs.size(); ++t) {
+    const int64_t i = indexed_ptrs ? static_cast<int64_t>(t) : -1;
+    const int64_t avail = HostBytesFrom(host_ptrs[t]);
+    if (avail < 0) {
+      if (num_host_blocks == -1) {
+        Fail(op, names.ptr, i, " is not memory from cuda_host_alloc, so its size is unknown; pass " +
+                                   std::string(names.count) + " (the buffer's block count)");
+      }
+      continue;
+    }
+    const int64_t fits = avail / host_block_bytes[t];
+    if (num_host_blocks == -1) {
+      limit = limit < 0 ? fits : std::min(limit, fits);
+    } else if (num_host_blocks > fits) {
+      Fail(op, names.count, -1, " = " + std::to_string(num_host_blocks) + " blocks of " +
+                                    std::to_string(host_block_bytes[t]) + " bytes do not fit in " +
+                                    names.ptr + (indexed_ptrs ? "[" + std::to_string(t) + "]" : "") +
+                                    " (" + std::to_string(avail) + " bytes from cuda_host_alloc: " +
+                                    std::to_string(fits) + " blocks)");
+    }
+  }
+  return limit;
+}
+
 }  // namespace
 
 void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
                 const std::vector<void*>& host_ptrs, int64_t num_host_blocks, IdSpan dev_ids,
-                IdSpan host_ids, int mode, const ExecTarget& target, const char* host_ptr_name) {
+                IdSpan host_ids, int mode, const ExecTarget& target, HostNames names) {
+  InitFromEnv(op);
   CheckTensors(op, tensors, tensors.size() == 1 ? "cache_gpu" : "cache_gpu_tensors");
   if (host_ptrs.size() != tensors.size()) {
-    Fail(op, std::string(host_ptr_name) + " has " + std::to_string(host_ptrs.size()) +
-                 " pointers but there are " + std::to_string(tensors.size()) + " cache tensors");
+    Fail(op, names.ptr, -1, " has " + std::to_string(host_ptrs.size()) + " pointers but there are " +
+                                std::to_string(tensors.size()) + " cache tensors");
   }
+  const bool indexed = std::string(names.ptr) != "cache_cpu_ptr";
   for (size_t t = 0; t < host_ptrs.size(); ++t) {
-    if (host_ptrs[t] == nullptr) Fail(op, Indexed(host_ptr_name, t) + " is a null pointer");
-  }
-  if (num_host_blocks < 0) {
-    Fail(op, "max_block_num_cpu = " + std::to_string(num_host_blocks) + " must be >= 0");
+    if (host_ptrs[t] == nullptr) Fail(op, names.ptr, indexed ? static_cast<int64_t>(t) : -1, " is a null pointer");
   }
   CheckCopyPath(op, target.copy_path);
-  ValidateIds(op, dev_ids, MinBlocks(tensors), host_ids, num_host_blocks, mode);
+  std::vector<int64_t> host_bb(tensors.size());
+  for (size_t t = 0; t < tensors.size(); ++t) host_bb[t] = tensors[t].block_bytes;
+  const int64_t host_limit = HostBlockLimit(op, host_ptrs, host_bb, num_host_blocks, names, indexed);
+  ValidateIds(op, dev_ids, MinBlocks(tensors), host_ids, host_limit, mode);
 
   std::vector<LaneDesc> lanes;
   lanes.reserve(tensors.size());
@@ -331,14 +390,16 @@ void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
 
 void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* host_ptr,
                 int64_t num_host_blocks, IdSpan dev_ids, IdSpan host_ids, int mode,
-                const ExecTarget& target) {
+                const ExecTarget& target, HostNames names) {
+  InitFromEnv(op);
   CheckTensors(op, tensors, "cache_gpu_tensors");
-  if (host_ptr == nullptr) Fail(op, "cache_cpu_ptr is a null pointer");
+  if (host_ptr == nullptr) Fail(op, names.ptr, -1, " is a null pointer");
   CheckCopyPath(op, target.copy_path);
-  ValidateIds(op, dev_ids, MinBlocks(tensors), host_ids, num_host_blocks, mode);
-
   int64_t host_block_bytes = 0;
   for (const TensorDesc& d : tensors) host_block_bytes += d.block_bytes;
+  const int64_t host_limit = HostBlockLimit(op, {host_ptr}, {host_block_bytes}, num_host_blocks, names, false);
+  ValidateIds(op, dev_ids, MinBlocks(tensors), host_ids, host_limit, mode);
+
   std::vector<LaneDesc> lanes;
   lanes.reserve(tensors.size());
   int64_t offset = 0;
@@ -353,24 +414,67 @@ void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* ho
 }
 
 // ------------------------------------------------------------------------ memory
+namespace {
+
+// Sizes of the live HostAlloc allocations, by base address (ordered, so the allocation
+// holding an interior pointer is one upper_bound away).
+std::mutex g_host_mu;
+std::map<uintptr_t, size_t>& HostRegistry() {
+  // NOTE: leaked on purpose: pinned buffers may be freed from static destructors of
+  // other libraries after this one's statics are gone.
+  static auto* registry = new std::map<uintptr_t, size_t>();
+  return *registry;
+}
+
+}  // namespace
+
+int64_t HostBytesFrom(const void* p) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(g_host_mu);
+  const auto& reg = HostRegistry();
+  auto it = reg.upper_bound(addr);
+  if (it == reg.begin()) return -1;
+  --it;
+  if (addr - it->first >= it->second) return -1;
+  return static_cast<int64_t>(it->second - (addr - it->first));
+}
+
 void* HostAlloc(size_t nbytes, unsigned flags) {
-  if (nbytes == 0) throw InvalidArgument("cuda_host_alloc: nbytes = 0 must be > 0");
+  constexpr size_t kAlign = 4096;
+  // NOTE: a size_t argument cannot be negative, but a negative Python int or int64 wraps
+  // to a huge one: anything above INT64_MAX is a caller's mistake, not a request.
+  if (nbytes == 0 || nbytes > static_cast<size_t>(INT64_MAX) - kAlign) {
+    throw InvalidArgument("cuda_host_alloc", "nbytes", -1,
+                          " = " + std::to_string(nbytes) + " must be > 0 and <= " +
+                              std::to_string(static_cast<size_t>(INT64_MAX) - kAlign));
+  }
 #if FDKV_WITH_CUDA
   void* p = nullptr;
   CudaHostAlloc(&p, nbytes, flags);
-  return p;
 #else
   (void)flags;
-  constexpr size_t kAlign = 4096;
   const size_t rounded = (nbytes + kAlign - 1) / kAlign * kAlign;
   void* p = std::aligned_alloc(kAlign, rounded);
   if (p == nullptr) throw std::bad_alloc();
-  return p;
 #endif
+  std::lock_guard<std::mutex> lock(g_host_mu);
+  HostRegistry()[reinterpret_cast<uintptr_t>(p)] = nbytes;
+  return p;
 }
 
 void HostFree(void* ptr) {
   if (ptr == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(g_host_mu);
+    auto& reg = HostRegistry();
+    auto it = reg.find(reinterpret_cast<uintptr_t>(ptr));
+    if (it == reg.end()) {
+      throw InvalidArgument("cuda_host_free", "ptr", -1,
+                            " = " + std::to_string(reinterpret_cast<uintptr_t>(ptr)) +
+                                " is not a live allocation of this library's cuda_host_alloc (freed twice?)");
+    }
+    reg.erase(it);
+  }
 #if FDKV_WITH_CUDA
   CudaHostFree(ptr);
 #else

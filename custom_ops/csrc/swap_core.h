@@ -26,17 +26,35 @@ namespace fdkv {
 enum Mode : int { kDeviceToHost = 0, kHostToDevice = 1 };
 
 // Which copy paths a call used (bit mask; reported by LastPath() for tests/benchmarks).
-enum PathBits : int { kPathMemcpy = 1, kPathKernel = 2, kPathDma = 4, kPathCpu = 8 };
+enum PathBits : int { kPathMemcpy = 1, kPathKernel = 2, kPathDma = 4, kPathCpu = 8, kPathStaged = 16 };
 
 // copy_path option values.  A per-call override (ExecTarget::copy_path) uses the same
 // values, plus kCopyProcess: "use the process-wide copy_path option".
-enum CopyPath : int { kCopyProcess = -1, kCopyAuto = 0, kCopyKernel = 1, kCopyDma = 2 };
+// kCopyStaged: device-side gather/scatter through a device staging ring plus one DMA per
+// contiguous host run (swap_staged.cu).
+enum CopyPath : int { kCopyProcess = -1, kCopyAuto = 0, kCopyKernel = 1, kCopyDma = 2, kCopyStaged = 3 };
 
-// Bad arguments.  The message always starts with "<op>: <argument>[<index>]" (index
-// omitted when not tied to a position) so that Python can recover the three fields.
+// Bad arguments.  The offending op, argument and index travel as fields (the C ABI hands
+// them out as values, fdkv_last_error_fields), and the message repeats them for people:
+// "<op>: <argument>[<index>]<detail>" (no "[index]" when index < 0, i.e. not tied to a
+// position).  Construct with the fields; the message-only form leaves them empty and is
+// kept only for code that has no argument to name.
 class InvalidArgument : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  InvalidArgument(const std::string& op, const std::string& argument, int64_t index, const std::string& detail)
+      : std::runtime_error(op + ": " + argument + (index >= 0 ? "[" + std::to_string(index) + "]" : "") + detail),
+        op_(op),
+        argument_(argument),
+        index_(index) {}
+  explicit InvalidArgument(const std::string& message) : std::runtime_error(message) {}
+  const std::string& op() const { return op_; }
+  const std::string& argument() const { return argument_; }
+  int64_t index() const { return index_; }  // -1: not tied to a position
+
+ private:
+  std::string op_;
+  std::string argument_;
+  int64_t index_ = -1;
 };
 
 // A CUDA runtime call failed (message names the call and the CUDA error string).
@@ -72,7 +90,7 @@ struct ExecTarget {
   int copy_path = kCopyProcess;
 };
 
-// Throws InvalidArgument ("<op>: path = <v> must be ...") unless -1 <= copy_path <= 2.
+// Throws InvalidArgument ("<op>: path = <v> must be ...") unless -1 <= copy_path <= 3.
 void CheckCopyPath(const char* op, int64_t copy_path);
 
 // Process-wide tunables (initialised from the environment, settable through the C ABI).
@@ -86,33 +104,60 @@ struct Options {
   int64_t dma_slice_bytes;  // FDKV_DMA_SLICE_BYTES: bytes per cudaMemcpyBatchAsync call
   int64_t kernel_tables;    // FDKV_KERNEL_TABLES: 0 kernel reads id tables from a device
                             // copy, 1 straight from pinned host memory (no extra memcpy)
+  // Staged path (swap_staged.cu).
+  int64_t staging_bytes;        // FDKV_STAGING_BYTES: device staging ring per direction
+  int64_t staging_chunk_bytes;  // bytes per pipelined chunk (one ring slot)
+  int64_t staging_grid;         // max CTAs of the gather/scatter kernel
+  int64_t staged_min_bytes;     // auto picks staged when host runs average >= this
 };
-Options GetOptions();
-// Returns false if the name is unknown or the value invalid.
+// Reads the FDKV_* variables on first use.  A bad value throws InvalidArgument naming the
+// variable (argument = the variable's name), on every call until it is fixed: it is
+// never replaced by the default.  `op` names the caller in the message.
+Options GetOptions(const char* op = "fdkv");
+// Returns false if the name is unknown or the value out of the option's range.
 bool SetOption(const std::string& name, int64_t value);
 bool GetOption(const std::string& name, int64_t* value);
+// Parse one FDKV_* value by the rule shared with fastdeploy_kvcache/envs.py: surrounding
+// ASCII whitespace is ignored; empty means the default; integers are an optional sign and
+// decimal digits, within the variable's range; FDKV_COPY_PATH is auto|kernel|dma in any
+// case.  Throws InvalidArgument(op, name, -1, ...) on a bad value or an unknown name.
+int64_t ParseEnvValue(const char* op, const std::string& name, const char* raw);
 
 // Bit mask of PathBits used by the calling thread's last swap.
 int LastPath();
 
+// How the host side of a swap is named in errors (the Paddle ops and the C ABI name their
+// arguments differently).
+struct HostNames {
+  const char* ptr = "cache_cpu_ptrs";       // the host pointer(s)
+  const char* count = "max_block_num_cpu";  // the host block count
+};
+
 // Per-tensor block copy: tensor t's block dev_ids[i] <-> host_ptrs[t] block host_ids[i].
 // mode kDeviceToHost copies device -> host, kHostToDevice the reverse.  Host block size
 // of tensor t equals its device block size.
+//
+// num_host_blocks bounds the host ids.  -1 means "the size HostAlloc recorded for the
+// pointer" (an error for memory HostAlloc did not make: nothing would bound the ids).  A
+// count >= 0 is checked against that recorded size too when the pointer is known.
 void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
                 const std::vector<void*>& host_ptrs, int64_t num_host_blocks,
                 IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target,
-                const char* host_ptr_name = "cache_cpu_ptrs");
+                HostNames names = HostNames{});
 
 // Block-major layout copy: host block h is one contiguous object holding every tensor's
-// block in tensor order: [h][t][block_bytes[t]].  num_host_blocks < 0 means unknown
-// (host ids are then only checked to be >= 0).
+// block in tensor order: [h][t][block_bytes[t]].  num_host_blocks: as in SwapLayers.
 void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* host_ptr,
                 int64_t num_host_blocks, IdSpan dev_ids, IdSpan host_ids, int mode,
-                const ExecTarget& target);
+                const ExecTarget& target, HostNames names = HostNames{"cache_cpu_ptr", "max_block_num_cpu"});
 
-// Pinned host memory: cudaHostAlloc with CUDA, else 4 KiB-aligned aligned_alloc.
+// Pinned host memory: cudaHostAlloc with CUDA, else 4 KiB-aligned aligned_alloc.  Every
+// allocation's size is recorded (HostBytesFrom) so swaps can bound host ids; HostFree
+// rejects a pointer it did not hand out (a double free is an error, not heap corruption).
 void* HostAlloc(size_t nbytes, unsigned flags);
 void HostFree(void* ptr);
+// Bytes from `p` to the end of the HostAlloc allocation holding it; -1 if none holds it.
+int64_t HostBytesFrom(const void* p);
 
 bool BuiltWithCuda();
 void StreamSynchronize(void* stream);

@@ -13,8 +13,6 @@
 
 namespace {
 
-const char kInvalidTag[] = "[fdkv:invalid] ";
-
 int64_t ItemSize(const paddle::Tensor& t, const char* op, const char* name, size_t index) {
   switch (t.dtype()) {
     case paddle::DataType::BFLOAT16:
@@ -26,16 +24,15 @@ int64_t ItemSize(const paddle::Tensor& t, const char* op, const char* name, size
     case paddle::DataType::INT8:
       return 1;
     default:
-      throw fdkv::InvalidArgument(std::string(op) + ": " + name + "[" + std::to_string(index) +
-                                  "] has an unsupported dtype; use bfloat16, float16, float32 or uint8");
+      throw fdkv::InvalidArgument(op, name, static_cast<int64_t>(index),
+                                  " has an unsupported dtype; use bfloat16, float16, float32 or uint8");
   }
 }
 
 fdkv::TensorDesc Describe(const paddle::Tensor& t, const char* op, const char* name, size_t index) {
   const std::vector<int64_t> shape = t.shape();
   if (shape.empty()) {
-    throw fdkv::InvalidArgument(std::string(op) + ": " + name + "[" + std::to_string(index) +
-                                "] is 0-d; dim 0 must be the block index");
+    throw fdkv::InvalidArgument(op, name, static_cast<int64_t>(index), " is 0-d; dim 0 must be the block index");
   }
   int64_t per_block = 1;
   for (size_t d = 1; d < shape.size(); ++d) per_block *= shape[d];
@@ -67,38 +64,52 @@ class DeviceGuard {
 #endif
 
 // Where the tensors live decides CPU vs CUDA execution; `stream` 0 means the first
-// tensor's current stream.
-fdkv::ExecTarget Target(const std::vector<paddle::Tensor>& tensors, const char* op, int64_t stream,
-                        bool sync, int path) {
+// tensor's current stream.  `rank` is the CUDA device ordinal the tensors must be on
+// (FastDeploy passes the worker's device id there); -1 accepts the tensors' own device.
+// On CPU tensors it is only range-checked.
+fdkv::ExecTarget Target(const std::vector<paddle::Tensor>& tensors, const char* op, const char* name,
+                        int rank, int64_t stream, bool sync, int path) {
   fdkv::ExecTarget target;
   target.sync = sync;
   target.copy_path = path;  // validated by the core; ignored on CPU tensors
+  if (rank < -1) {
+    throw fdkv::InvalidArgument(op, "rank", -1, " = " + std::to_string(rank) +
+                                                    " must be the tensors' device ordinal, or -1");
+  }
   const bool gpu = tensors.front().is_gpu();
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].is_gpu() != gpu || (gpu && tensors[i].place() != tensors.front().place())) {
-      throw fdkv::InvalidArgument(std::string(op) + ": cache_gpu_tensors[" + std::to_string(i) +
-                                  "] is on another device than cache_gpu_tensors[0]");
+      throw fdkv::InvalidArgument(op, name, static_cast<int64_t>(i), " is on another device than " +
+                                                                      std::string(name) + "[0]");
     }
   }
   if (gpu) {
 #if FDKV_WITH_CUDA
+    const int device = tensors.front().place().GetDeviceId();
+    if (rank >= 0 && rank != device) {
+      throw fdkv::InvalidArgument(op, "rank", -1, " = " + std::to_string(rank) + " but " + name +
+                                                      " live on GPU " + std::to_string(device) +
+                                                      "; rank is the device ordinal (-1: the tensors' device)");
+    }
     target.cuda = true;
     target.stream = stream != 0 ? reinterpret_cast<void*>(stream)
                                 : reinterpret_cast<void*>(tensors.front().stream());
 #else
-    throw fdkv::InvalidArgument(std::string(op) +
-                                ": cache_gpu_tensors[0] is a GPU tensor but the ops were built without CUDA");
+    throw fdkv::InvalidArgument(op, name, 0, " is a GPU tensor but the ops were built without CUDA");
 #endif
   } else if (!tensors.front().is_cpu()) {
-    throw fdkv::InvalidArgument(std::string(op) + ": cache_gpu_tensors[0] must be a GPU or CPU tensor");
+    throw fdkv::InvalidArgument(op, name, 0, " must be a GPU or CPU tensor");
   }
   return target;
 }
 
-// Run `fn` and turn core exceptions into Paddle errors; validation errors carry a tag
-// that ops.py turns into SwapOpError.
+// Run `fn` and turn core exceptions into Paddle errors.  A validation error is also
+// recorded, with its op / argument / index as values, in the calling thread's error state
+// of the C ABI this extension exports (fdkv_last_error_fields): ops.py reads the fields
+// from there, not from Paddle's rewrapped message text.
 template <typename Fn>
 void Run(const std::vector<paddle::Tensor>& tensors, Fn&& fn) {
+  ClearError();
   try {
 #if FDKV_WITH_CUDA
     if (!tensors.empty() && tensors.front().is_gpu()) {
@@ -110,24 +121,29 @@ void Run(const std::vector<paddle::Tensor>& tensors, Fn&& fn) {
     (void)tensors;
     fn();
   } catch (const fdkv::InvalidArgument& e) {
-    PD_THROW(kInvalidTag, e.what());
-  } catch (const fdkv::CudaFailure& e) {
+    FailInvalid(e);
     PD_THROW(e.what());
+  } catch (const fdkv::CudaFailure& e) {
+    Fail(FDKV_ERR_CUDA, e.what());
+    PD_THROW(e.what());
+  } catch (const std::bad_alloc&) {
+    Fail(FDKV_ERR_NO_MEMORY, "fdkv: out of host memory");
+    PD_THROW("fdkv: out of host memory");
   }
 }
 
 void PerLayer(const char* op, const paddle::Tensor& cache_gpu, int64_t cache_cpu_ptr,
               int64_t max_block_num_cpu, const std::vector<int64_t>& ids_gpu,
-              const std::vector<int64_t>& ids_cpu, int mode, int64_t stream, bool sync, int path) {
+              const std::vector<int64_t>& ids_cpu, int rank, int mode, int64_t stream, bool sync, int path) {
   const std::vector<paddle::Tensor> tensors{cache_gpu};
   Run(tensors, [&] {
     std::vector<fdkv::TensorDesc> descs{Describe(cache_gpu, op, "cache_gpu", 0)};
     std::vector<void*> hosts{reinterpret_cast<void*>(cache_cpu_ptr)};
-    fdkv::ExecTarget target = Target(tensors, op, stream, sync, path);
+    fdkv::ExecTarget target = Target(tensors, op, "cache_gpu", rank, stream, sync, path);
     fdkv::SwapLayers(op, descs, hosts, max_block_num_cpu,
                      fdkv::IdSpan{ids_gpu.data(), static_cast<int64_t>(ids_gpu.size()), "swap_block_ids_gpu"},
                      fdkv::IdSpan{ids_cpu.data(), static_cast<int64_t>(ids_cpu.size()), "swap_block_ids_cpu"},
-                     mode, target, "cache_cpu_ptr");
+                     mode, target, fdkv::HostNames{"cache_cpu_ptr", "max_block_num_cpu"});
   });
 }
 
@@ -137,18 +153,16 @@ void PerLayer(const char* op, const paddle::Tensor& cache_gpu, int64_t cache_cpu
 void SwapCachePerLayer(const paddle::Tensor& cache_gpu, int64_t cache_cpu_ptr, int64_t max_block_num_cpu,
                        const std::vector<int64_t>& swap_block_ids_gpu,
                        const std::vector<int64_t>& swap_block_ids_cpu, int rank, int mode, int path) {
-  (void)rank;  // the device comes from the tensor's place
   PerLayer("swap_cache_per_layer", cache_gpu, cache_cpu_ptr, max_block_num_cpu, swap_block_ids_gpu,
-           swap_block_ids_cpu, mode, /*stream=*/0, /*sync=*/true, path);
+           swap_block_ids_cpu, rank, mode, /*stream=*/0, /*sync=*/true, path);
 }
 
 void SwapCachePerLayerAsync(const paddle::Tensor& cache_gpu, int64_t cache_cpu_ptr, int64_t max_block_num_cpu,
                             const std::vector<int64_t>& swap_block_ids_gpu,
                             const std::vector<int64_t>& swap_block_ids_cpu, int rank, int mode,
                             int64_t stream, int path) {
-  (void)rank;
   PerLayer("swap_cache_per_layer_async", cache_gpu, cache_cpu_ptr, max_block_num_cpu, swap_block_ids_gpu,
-           swap_block_ids_cpu, mode, stream, /*sync=*/false, path);
+           swap_block_ids_cpu, rank, mode, stream, /*sync=*/false, path);
 }
 
 void SwapCacheAllLayers(const std::vector<paddle::Tensor>& cache_gpu_tensors,
@@ -156,11 +170,10 @@ void SwapCacheAllLayers(const std::vector<paddle::Tensor>& cache_gpu_tensors,
                         const std::vector<int64_t>& swap_block_ids_gpu,
                         const std::vector<int64_t>& swap_block_ids_cpu, int rank, int mode, int64_t stream,
                         int path) {
-  (void)rank;
   const char* op = "swap_cache_all_layers";
   Run(cache_gpu_tensors, [&] {
     if (cache_gpu_tensors.empty()) {
-      throw fdkv::InvalidArgument(std::string(op) + ": cache_gpu_tensors is empty; pass at least one tensor");
+      throw fdkv::InvalidArgument(op, "cache_gpu_tensors", -1, " is empty; pass at least one tensor");
     }
     std::vector<fdkv::TensorDesc> descs;
     for (size_t i = 0; i < cache_gpu_tensors.size(); ++i) {
@@ -168,13 +181,13 @@ void SwapCacheAllLayers(const std::vector<paddle::Tensor>& cache_gpu_tensors,
     }
     std::vector<void*> hosts;
     for (int64_t p : cache_cpu_ptrs) hosts.push_back(reinterpret_cast<void*>(p));
-    fdkv::ExecTarget target = Target(cache_gpu_tensors, op, stream, /*sync=*/false, path);
+    fdkv::ExecTarget target = Target(cache_gpu_tensors, op, "cache_gpu_tensors", rank, stream, /*sync=*/false, path);
     fdkv::SwapLayers(op, descs, hosts, max_block_num_cpu,
                      fdkv::IdSpan{swap_block_ids_gpu.data(), static_cast<int64_t>(swap_block_ids_gpu.size()),
                                   "swap_block_ids_gpu"},
                      fdkv::IdSpan{swap_block_ids_cpu.data(), static_cast<int64_t>(swap_block_ids_cpu.size()),
                                   "swap_block_ids_cpu"},
-                     mode, target, "cache_cpu_ptrs");
+                     mode, target, fdkv::HostNames{"cache_cpu_ptrs", "max_block_num_cpu"});
   });
 }
 
@@ -182,25 +195,24 @@ void SwapCacheLayout(const std::vector<paddle::Tensor>& cache_gpu_tensors, int64
                      const std::vector<int64_t>& cache_shape, const std::vector<int64_t>& gpu_block_ids,
                      const std::vector<int64_t>& cpu_block_ids, int rank, int mode, int64_t stream,
                      int64_t max_block_num_cpu, int path) {
-  (void)rank;
   const char* op = "swap_cache_layout";
   Run(cache_gpu_tensors, [&] {
     if (cache_gpu_tensors.empty()) {
-      throw fdkv::InvalidArgument(std::string(op) + ": cache_gpu_tensors is empty; pass at least one tensor");
+      throw fdkv::InvalidArgument(op, "cache_gpu_tensors", -1, " is empty; pass at least one tensor");
     }
     std::vector<fdkv::TensorDesc> descs;
     for (size_t i = 0; i < cache_gpu_tensors.size(); ++i) {
       if (!cache_shape.empty() && cache_gpu_tensors[i].shape() != cache_shape) {
-        throw fdkv::InvalidArgument(std::string(op) + ": cache_gpu_tensors[" + std::to_string(i) +
-                                    "] does not have the shape given in cache_shape");
+        throw fdkv::InvalidArgument(op, "cache_gpu_tensors", static_cast<int64_t>(i),
+                                    " does not have the shape given in cache_shape");
       }
       descs.push_back(Describe(cache_gpu_tensors[i], op, "cache_gpu_tensors", i));
     }
-    fdkv::ExecTarget target = Target(cache_gpu_tensors, op, stream, /*sync=*/false, path);
+    fdkv::ExecTarget target = Target(cache_gpu_tensors, op, "cache_gpu_tensors", rank, stream, /*sync=*/false, path);
     fdkv::SwapLayout(op, descs, reinterpret_cast<void*>(cache_cpu_ptr), max_block_num_cpu,
                      fdkv::IdSpan{gpu_block_ids.data(), static_cast<int64_t>(gpu_block_ids.size()), "gpu_block_ids"},
                      fdkv::IdSpan{cpu_block_ids.data(), static_cast<int64_t>(cpu_block_ids.size()), "cpu_block_ids"},
-                     mode, target);
+                     mode, target, fdkv::HostNames{"cache_cpu_ptr", "max_block_num_cpu"});
   });
 }
 

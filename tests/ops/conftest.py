@@ -1,5 +1,10 @@
 """Fixtures for the CPU op tests: the C ABI library built without CUDA (numpy memory
-stands in for device memory) and the Paddle ops on CPU tensors."""
+stands in for device memory) and the Paddle ops on CPU tensors.
+
+A test whose ops are not built skips, saying which build makes them, unless
+``FDKV_REQUIRE_OPS=1`` (CI sets it): then it fails, so a broken build cannot pass as a
+run of skips.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import pytest
 
 from fastdeploy_kvcache import ops
 
+from ops_required import ops_missing
+
 
 @pytest.fixture(scope="session")
 def capi_cpu() -> ops.CApi:
@@ -18,15 +25,20 @@ def capi_cpu() -> ops.CApi:
     try:
         return ops.load_capi(variant="cpu")
     except ops.OpsNotBuiltError as exc:
-        pytest.skip(f"needs build/libfdkv_capi_cpu.so from `bash build.sh`: {exc}")
+        ops_missing(f"needs build/libfdkv_capi_cpu.so from `bash build.sh`: {exc}")
+        raise  # not reached: ops_missing skips or fails
 
 
 @pytest.fixture(scope="session")
 def paddle_ops():
     """Paddle (CPU) with the custom ops registered; returns the paddle module."""
-    paddle = pytest.importorskip("paddle", reason="needs paddlepaddle (installed by `bash build.sh`)")
+    try:
+        import paddle
+    except ImportError:
+        ops_missing("needs paddlepaddle (installed by `bash build.sh`)")
+        raise
     if not ops.paddle_ops_available():
-        pytest.skip("needs the Paddle ops built into build/paddle_ops by `bash build.sh`")
+        ops_missing("needs the Paddle ops built into build/paddle_ops by `bash build.sh`")
     ops._load_paddle_ops()
     return paddle
 

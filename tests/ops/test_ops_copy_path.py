@@ -19,18 +19,18 @@ from fastdeploy_kvcache import ops
 NUM_DEV, NUM_HOST, BB = 6, 8, 64
 DEV_IDS, HOST_IDS = [4, 0, 1], [7, 2, 3]
 
-VALID = [None, -1, 0, 1, 2, "process", "auto", "kernel", "dma", "DMA", np.int64(2)]
+VALID = [None, -1, 0, 1, 2, 3, "process", "auto", "kernel", "dma", "DMA", "staged", np.int64(2)]
 # Values the core rejects (C ints out of range) and ones Python rejects (wrong type/name).
-BAD_IN_CORE = [3, -2, 100]
+BAD_IN_CORE = [4, -2, 100]
 BAD_IN_PYTHON = ["fast", "", 1.5, True, 2**40, object()]
 
 
 def test_copy_path_code_maps_names_and_defaults() -> None:
     assert ops.copy_path_code(None) == ops.COPY_PATH_PROCESS == -1
-    assert [ops.copy_path_code(n) for n in ("process", "auto", "kernel", "dma")] == [-1, 0, 1, 2]
+    assert [ops.copy_path_code(n) for n in ("process", "auto", "kernel", "dma", "staged")] == [-1, 0, 1, 2, 3]
     assert ops.copy_path_code(" Kernel ") == ops.COPY_PATH_KERNEL
     assert ops.copy_path_code(np.int32(2)) == ops.COPY_PATH_DMA
-    assert ops.COPY_PATHS == {"process": -1, "auto": 0, "kernel": 1, "dma": 2}
+    assert ops.COPY_PATHS == {"process": -1, "auto": 0, "kernel": 1, "dma": 2, "staged": 3}
     # ints pass through: the core owns the range check (tested below)
     assert ops.copy_path_code(7) == 7
 
@@ -129,8 +129,8 @@ def test_core_checks_path_before_ids(capi_cpu: ops.CApi) -> None:
     """A bad path is reported even when the ids are fine, and it is the core that says so."""
     dev = np.zeros((NUM_DEV, BB), np.uint8)
     host = np.zeros((NUM_HOST, BB), np.uint8)
-    with pytest.raises(ops.SwapOpError, match=r"^swap_per_layer: path = 3 must be -1 .*2 \(dma\)"):
-        capi_cpu.swap_per_layer(dev.ctypes.data, NUM_DEV, BB, host.ctypes.data, NUM_HOST, [0], [0], 0, path=3)
+    with pytest.raises(ops.SwapOpError, match=r"^swap_per_layer: path = 4 must be -1 .*3 \(staged\)"):
+        capi_cpu.swap_per_layer(dev.ctypes.data, NUM_DEV, BB, host.ctypes.data, NUM_HOST, [0], [0], 0, path=4)
 
 
 # ---------------------------------------------------------------------- Paddle ops (CPU)
@@ -150,7 +150,7 @@ PADDLE_OPS = ["swap_cache_per_layer", "swap_cache_per_layer_async", "swap_cache_
 
 
 @pytest.mark.parametrize("name", PADDLE_OPS)
-@pytest.mark.parametrize("path", [None, -1, 0, 1, 2, "dma", "kernel", "auto"], ids=repr)
+@pytest.mark.parametrize("path", [None, -1, 0, 1, 2, 3, "dma", "kernel", "auto", "staged"], ids=repr)
 def test_paddle_ops_accept_and_ignore_path_on_cpu(paddle_ops: Any, name: str, path: Any) -> None:
     rng = np.random.default_rng(21)
     src = rng.integers(0, 256, (NUM_DEV, BB), dtype=np.uint8)
@@ -162,7 +162,7 @@ def test_paddle_ops_accept_and_ignore_path_on_cpu(paddle_ops: Any, name: str, pa
 
 
 @pytest.mark.parametrize("name", PADDLE_OPS)
-@pytest.mark.parametrize("bad", [3, -5, "fast", 0.5], ids=repr)
+@pytest.mark.parametrize("bad", [4, -5, "fast", 0.5], ids=repr)
 def test_paddle_ops_reject_bad_path_and_write_nothing(paddle_ops: Any, name: str, bad: Any) -> None:
     rng = np.random.default_rng(22)
     cache = paddle_ops.to_tensor(rng.integers(0, 256, (NUM_DEV, BB), dtype=np.uint8))
