@@ -205,7 +205,9 @@ class FileBackend(StorageBackend):
                 self._evict_locked(nbytes)
             if self.min_free_bytes:
                 # NOTE: statvfs per put (a few µs) rather than a cached figure: other processes
-                # (and other stores) fill the same disk.
+                # (and other stores) fill the same disk.  Puts in flight on other io threads
+                # are not yet visible in it, so the floor can be undershot by up to
+                # io_threads objects; keep the floor well above that.
                 free = self._free_bytes() + (old or 0)
                 while free - nbytes < self.min_free_bytes and self._lru:
                     oldest_size = next(iter(self._lru.values()))

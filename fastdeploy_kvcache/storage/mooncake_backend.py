@@ -272,14 +272,16 @@ class MooncakeBackend(StorageBackend):
             except Exception:  # noqa: BLE001 - best effort on a half set-up client
                 pass
             return False
-        for ptr, nbytes in self._buffers.regions():
-            rc = store.register_buffer(ptr, nbytes)
-            if rc != 0:
-                self._last_error = f"register_buffer({ptr:#x}, {nbytes}) returned {rc}"
-                logger.error("mooncake %s; the storage tier stays off", self._last_error)
-                store.close()
-                return False
+        # Under the lock: a register_buffer() racing with set-up either lands in the regions
+        # registered here or sees the new store and registers itself; never neither.
         with self._lock:
+            for ptr, nbytes in self._buffers.regions():
+                rc = store.register_buffer(ptr, nbytes)
+                if rc != 0:
+                    self._last_error = f"register_buffer({ptr:#x}, {nbytes}) returned {rc}"
+                    logger.error("mooncake %s; the storage tier stays off", self._last_error)
+                    store.close()
+                    return False
             self._store = store
         self._connected.set()
         logger.info(
@@ -370,23 +372,23 @@ class MooncakeBackend(StorageBackend):
     # ------------------------------------------------------------------ memory
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         """Register host memory for zero-copy transfers (now, or at set-up if not connected)."""
-        self._buffers.add(ptr, nbytes)
         with self._lock:
+            self._buffers.add(ptr, nbytes)
             store = self._store
-        if store is not None:
-            rc = store.register_buffer(ptr, nbytes)
-            if rc != 0:
-                self._buffers.remove(ptr)
-                raise StorageError("io", f"mooncake register_buffer({ptr:#x}, {nbytes}) returned {rc}")
+            if store is not None:
+                rc = store.register_buffer(ptr, nbytes)
+                if rc != 0:
+                    self._buffers.remove(ptr)
+                    raise StorageError("io", f"mooncake register_buffer({ptr:#x}, {nbytes}) returned {rc}")
 
     def unregister_buffer(self, ptr: int) -> None:
-        self._buffers.remove(ptr)
         with self._lock:
+            self._buffers.remove(ptr)
             store = self._store
-        if store is not None:
-            rc = store.unregister_buffer(ptr)
-            if rc != 0:
-                logger.warning("mooncake unregister_buffer(%#x) returned %d", ptr, rc)
+            if store is not None:
+                rc = store.unregister_buffer(ptr)
+                if rc != 0:
+                    logger.warning("mooncake unregister_buffer(%#x) returned %d", ptr, rc)
 
     # ------------------------------------------------------------------ data
     def batch_exists(self, keys: Sequence[str]) -> int:
