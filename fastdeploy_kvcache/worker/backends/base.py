@@ -26,13 +26,24 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from fastdeploy_kvcache.core.metadata import CopyDirection
+
 logger = logging.getLogger(__name__)
 
-# Copy direction, as the ops spell it.
-MODE_D2H = 0
-MODE_H2D = 1
-
 ErrorSink = Callable[[BaseException], None]
+
+# Cache dtype -> the dtype an array library without bfloat16 (numpy, CuPy) stores it as.
+# NOTE: one table for every backend: the copies move bytes only, so a bf16 cache held as
+# uint16 round-trips exactly; Paddle keeps the real dtype but accepts the same names.
+CACHE_DTYPES: dict[str, str] = {"bfloat16": "uint16", "float16": "float16", "float32": "float32", "uint8": "uint8"}
+
+
+def storage_dtype(dtype: str) -> str:
+    """The storage dtype of cache dtype ``dtype`` (ValueError naming the accepted ones)."""
+    try:
+        return CACHE_DTYPES[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"unsupported cache dtype {dtype!r}; expected one of {sorted(CACHE_DTYPES)}") from None
 
 
 class Backend(abc.ABC):
@@ -131,7 +142,7 @@ class Backend(abc.ABC):
         num_host_blocks: int,
         device_ids: Any,
         host_ids: Any,
-        mode: int,
+        direction: CopyDirection,
         stream: Any,
         path: Optional[int] = None,
     ) -> None:
@@ -139,8 +150,9 @@ class Backend(abc.ABC):
 
         ``device_ids[j]`` of every array pairs with ``host_ids[j]`` of its host buffer (ids
         as returned by :meth:`prepare_ids`).  Arrays may differ in block size (K/V versus
-        scales).  Enqueued on ``stream``; never synchronizes the host on a GPU.  ``path`` is
-        the op's per-call copy path (``ops.COPY_PATH_*``; None: the process-wide option).
+        scales).  ``direction`` (a CopyDirection, or its int value: the ops' ``mode``) says
+        which way.  Enqueued on ``stream``; never synchronizes the host on a GPU.  ``path``
+        is the op's per-call copy path (``ops.COPY_PATH_*``; None: the process-wide option).
         """
 
     def last_path(self) -> int:
@@ -317,6 +329,10 @@ class CudaBackend(Backend):
 
     is_cuda = True
 
+    def stream_wait_event(self, stream: Any, event: Any, timeout_s: Optional[float] = None) -> None:
+        # A device-side wait: returns at once (CuPy and Paddle streams both spell it so).
+        stream.wait_event(event)
+
     def launch(self, stream: Any, fn: Callable[[], None], on_error: ErrorSink) -> None:
         try:
             fn()
@@ -379,7 +395,7 @@ class CapiCopies:
         num_host_blocks: int,
         device_ids: Any,
         host_ids: Any,
-        mode: int,
+        direction: CopyDirection,
         stream: Any,
         path: Optional[int] = None,
     ) -> None:
@@ -391,7 +407,7 @@ class CapiCopies:
             num_host_blocks,
             device_ids,
             host_ids,
-            mode,
+            int(direction),
             stream=self._stream_handle(stream),
             sync=self._sync_copies,
             path=path,

@@ -11,19 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from fastdeploy_kvcache.worker.backends.base import CapiCopies, HostThreadBackend
+from fastdeploy_kvcache.worker.backends.base import CapiCopies, HostThreadBackend, storage_dtype
 
 logger = logging.getLogger(__name__)
-
-# numpy has no bfloat16: a bf16 cache is stored as uint16 (the copies move bytes only).
-_NUMPY_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32", "uint8": "uint8"}
-
-
-def numpy_dtype(dtype: str) -> str:
-    try:
-        return _NUMPY_DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"unsupported cache dtype {dtype!r}; expected one of {sorted(_NUMPY_DTYPES)}") from None
 
 
 class CpuBackend(CapiCopies, HostThreadBackend):
@@ -40,6 +30,7 @@ class CpuBackend(CapiCopies, HostThreadBackend):
 
         from fastdeploy_kvcache import ops
 
+        # FDKV_OPS_LIB, when set, names the library (load_capi checks it is a CPU build).
         self._capi = ops.load_capi(variant="cpu")
         if self._capi.is_cuda:
             # NOTE: a CUDA build would treat numpy addresses as device pointers.
@@ -51,7 +42,7 @@ class CpuBackend(CapiCopies, HostThreadBackend):
     def alloc_device(self, shape: Sequence[int], dtype: str) -> Any:
         import numpy as np
 
-        return np.zeros(tuple(shape), dtype=numpy_dtype(dtype))
+        return np.zeros(tuple(shape), dtype=storage_dtype(dtype))
 
     def fill_zero(self, array: Any) -> None:
         array.fill(0)

@@ -8,14 +8,11 @@ explicitly.  CuPy is imported lazily, when the backend is built.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
-from fastdeploy_kvcache.worker.backends.base import CapiCopies, CudaBackend
+from fastdeploy_kvcache.worker.backends.base import CapiCopies, CudaBackend, storage_dtype
 
 logger = logging.getLogger(__name__)
-
-# CuPy has no bfloat16: a bf16 cache is stored as uint16 (copies move bytes only).
-_CUPY_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32", "uint8": "uint8"}
 
 
 class CupyBackend(CapiCopies, CudaBackend):
@@ -42,7 +39,7 @@ class CupyBackend(CapiCopies, CudaBackend):
     # ------------------------------------------------------------------ memory
     def alloc_device(self, shape: Sequence[int], dtype: str) -> Any:
         with self._device:
-            return self._cp.zeros(tuple(shape), dtype=_CUPY_DTYPES[dtype])
+            return self._cp.zeros(tuple(shape), dtype=storage_dtype(dtype))
 
     def fill_zero(self, array: Any) -> None:
         with self._device:
@@ -64,9 +61,6 @@ class CupyBackend(CapiCopies, CudaBackend):
         event = self._cp.cuda.Event(block=False, disable_timing=not timing)
         event.record(stream)
         return event
-
-    def stream_wait_event(self, stream: Any, event: Any, timeout_s: Optional[float] = None) -> None:
-        stream.wait_event(event)
 
     def event_done(self, event: Any) -> bool:
         return bool(event.done)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Sequence
 
-from fastdeploy_kvcache.worker.backends.base import CudaBackend, HostThreadBackend, zeroed_host_alloc
+from fastdeploy_kvcache.core.metadata import CopyDirection
+from fastdeploy_kvcache.worker.backends.base import CudaBackend, HostThreadBackend, storage_dtype, zeroed_host_alloc
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +69,15 @@ class PaddleOpsCopies:
         num_host_blocks: int,
         device_ids: Any,
         host_ids: Any,
-        mode: int,
+        direction: CopyDirection,
         stream: Any,
         path: Optional[int] = None,
     ) -> None:
+        # The ops' `rank` is the CUDA device ordinal the tensors must live on: the op checks
+        # it against their place (CPU tensors ignore it).
         self._ops.swap_cache_all_layers(
             list(device_arrays), list(host_ptrs), num_host_blocks, device_ids, host_ids,
-            self.device_id, mode, self._op_stream(stream), path=path,
+            self.device_id, int(direction), self._op_stream(stream), path=path,
         )
 
     def last_path(self) -> int:
@@ -92,9 +95,9 @@ class PaddleCpuBackend(PaddleOpsCopies, HostThreadBackend):
 
         self._paddle = paddle
         self._ops = _ops()
-        self._place = paddle.CPUPlace()
 
     def alloc_device(self, shape: Sequence[int], dtype: str) -> Any:
+        storage_dtype(dtype)  # the one table of cache dtypes; Paddle stores the real dtype
         return self._paddle.zeros(list(shape), dtype=dtype).cpu()
 
 
@@ -110,9 +113,9 @@ class PaddleGpuBackend(PaddleOpsCopies, CudaBackend):
         self._paddle = paddle
         self._ops = _ops()
         paddle.set_device(f"gpu:{device_id}")
-        self._place = paddle.CUDAPlace(device_id)
 
     def alloc_device(self, shape: Sequence[int], dtype: str) -> Any:
+        storage_dtype(dtype)  # the one table of cache dtypes; Paddle stores the real dtype
         return self._paddle.zeros(list(shape), dtype=dtype)
 
     def release_device(self) -> None:
@@ -128,9 +131,6 @@ class PaddleGpuBackend(PaddleOpsCopies, CudaBackend):
         event = self._paddle.device.Event(enable_timing=timing)
         event.record(stream)
         return event
-
-    def stream_wait_event(self, stream: Any, event: Any, timeout_s: Optional[float] = None) -> None:
-        stream.wait_event(event)
 
     def event_done(self, event: Any) -> bool:
         return bool(event.query())
