@@ -44,7 +44,7 @@ const OptionSpec kSpecs[kNumOptions] = {
     {"kernel_tables", "FDKV_KERNEL_TABLES", 1, 0, 1, false},
     // Staged path (swap_staged.cu).  env "" = set_option only (no environment variable).
     {"staging_bytes", "FDKV_STAGING_BYTES", 64 << 20, 1 << 20, kInt64Max, false},
-    {"staging_chunk_bytes", "", 8 << 20, 64 << 10, kInt64Max, false},
+    {"staging_chunk_bytes", "", 32 << 20, 64 << 10, kInt64Max, false},
     {"staging_grid", "", 16, 1, 65535, false},
     {"staged_min_bytes", "", 64 << 10, 0, kInt64Max, false},
 };

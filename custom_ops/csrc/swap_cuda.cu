@@ -1,5 +1,6 @@
 // CUDA execution of a planned swap: merged cudaMemcpyAsync runs, a small-grid vectorized
-// copy kernel for scattered blocks, and a cudaMemcpyBatchAsync DMA batch.
+// copy kernel for scattered blocks, a cudaMemcpyBatchAsync DMA batch, and the staged path
+// (device-side gather/scatter + pipelined contiguous DMA, swap_staged.cu).
 //
 // Validation happened in swap_core.cc before anything here runs; this file only plans
 // the path and launches.  Nothing on this path calls cudaMalloc per call: id and lane
@@ -528,6 +529,12 @@ void LaunchDmaBatch(const std::vector<Copy>& copies, int mode, cudaStream_t stre
 
 }  // namespace
 
+}  // namespace fdkv
+
+#include "swap_staged.cu"
+
+namespace fdkv {
+
 // The copy kernel dereferences host memory from the GPU, which works only for pinned
 // (page-locked, mapped) memory; pageable memory would fault and poison the context.
 // Known-good bases are cached, so the check costs a hash lookup per tensor per call.
@@ -575,8 +582,34 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
 
   // The call's own path wins over the process-wide option (see ExecTarget::copy_path).
   int64_t path = copy_path == kCopyProcess ? opts.copy_path : copy_path;
-  if (path == kCopyAuto) path = avg_copy_bytes >= opts.dma_min_bytes ? kCopyDma : kCopyKernel;
+  // The staged path's plan (host order, runs, segments) is built once, for auto's rule
+  // and for the execution.
+  thread_local staged::Plan plan;
+  if (path == kCopyAuto || path == kCopyStaged) {
+    int64_t num_segs = 0;
+    staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, &plan, &num_segs);
+    if (path == kCopyAuto) {
+      // NOTE: staged wins when the host side merges into runs much longer than the runs
+      // both sides share (what the DMA batch and the memcpy path can merge): its DMAs are
+      // then few and long.  When they are as short as a block, it only adds a gather, and
+      // the old size rule applies.  Thresholds: docs/benchmarks.md (copy path v2).
+      const int64_t avg_seg = total_bytes / std::max<int64_t>(1, num_segs);
+      // A call's fixed cost (~10 API calls, tens of us of host time) must stay below its
+      // time on the link, hence the minimum call size.
+      constexpr int64_t kStagedMinCallBytes = 4 << 20;
+      if (avg_seg >= opts.staged_min_bytes && avg_seg >= 2 * avg_copy_bytes && total_bytes >= kStagedMinCallBytes &&
+          HostSideIsPinned(lanes, mode)) {
+        path = kCopyStaged;
+      } else {
+        path = avg_copy_bytes >= opts.dma_min_bytes ? kCopyDma : kCopyKernel;
+      }
+    }
+  }
   if (path == kCopyDma && !DmaBatchAvailable(stream)) path = kCopyKernel;
+  if (path == kCopyStaged) {
+    if (HostSideIsPinned(lanes, mode)) return ExecuteStaged(plan, n, mode, stream, opts);
+    path = kCopyKernel;  // pageable host memory: the memcpy-per-run fallback below
+  }
   // Pageable host memory never reaches the kernel: one cudaMemcpyAsync per run instead
   // (staged by the driver; slow but correct).
   const bool kernel_ok = path != kCopyKernel || HostSideIsPinned(lanes, mode);
