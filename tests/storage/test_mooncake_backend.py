@@ -280,3 +280,43 @@ def test_not_installed_message_names_the_fix(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(mb, "mooncake_available", lambda: "ImportError: no module named mooncake")
     with pytest.raises(StorageError, match="bash build.sh"):
         mb.MooncakeBackend(master_server_addr="127.0.0.1:1")
+
+
+def test_transfer_moves_host_blocks_through_mooncake(store: LocalMooncake) -> None:
+    """StorageTransfer over Mooncake: staging registered with the store, whole blocks move."""
+    import ctypes
+
+    from fastdeploy_kvcache.config import CacheConfig
+    from fastdeploy_kvcache.storage import KeyNamespace
+    from fastdeploy_kvcache.storage.transfer import HostTierLayout, StorageTransfer
+    from fastdeploy_kvcache.worker.cache_controller import CacheController
+
+    cfg = CacheConfig(block_size=16, num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16", num_host_blocks=8)
+    ctl = CacheController(cfg, backend="cpu", threaded=False)
+    ctl.initialize_host_cache()
+    layout = HostTierLayout.from_controller(ctl)
+
+    def block(b: int) -> bytes:
+        return b"".join(ctypes.string_at(p + b * bb, bb) for p, bb in zip(layout.ptrs, layout.block_bytes))
+
+    rng = np.random.default_rng(3)
+    for p, bb in zip(layout.ptrs, layout.block_bytes):
+        ctypes.memmove(p, rng.integers(0, 256, bb * 8, dtype=np.uint8).tobytes(), bb * 8)
+    backend = MooncakeBackend(master_server_addr=store.master.addr, master_metrics_addr=store.master.metrics_addr,
+                              local_hostname="127.0.0.1", global_segment_size=0, local_buffer_size=16 * MiB)
+    transfer = StorageTransfer(layout, backend, staging_blocks=2)
+    try:
+        assert backend.wait_ready(15)
+        keys = KeyNamespace("m", "fp", "bfloat16", 16, layout.describe()).keys([1, 2, 3])
+        assert transfer.put_blocks(keys, [0, 1, 2]) == [0, 0, 0]
+        assert backend.batch_exists(keys) == 3
+        assert transfer.get_blocks(keys, [5, 6, 7]) == [layout.object_bytes] * 3
+        assert [block(b) for b in (5, 6, 7)] == [block(b) for b in (0, 1, 2)]
+        missing = KeyNamespace("m", "fp", "bfloat16", 16, layout.describe()).key(99)
+        before = block(4)
+        assert transfer.get_blocks([keys[0], missing], [3, 4]) == [layout.object_bytes, Status.MISSING]
+        assert block(4) == before and block(3) == block(0)
+    finally:
+        transfer.close()
+        backend.close()
+        ctl.close()
