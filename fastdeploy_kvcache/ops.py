@@ -529,6 +529,8 @@ class CApi:
     ) -> None:
         """Copy blocks of one cache tensor: ``dev[dev_ids[i]] <-> host[host_ids[i]]``.
 
+        ``num_host_blocks`` bounds ``host_ids``; -1 takes it from the size
+        :meth:`host_alloc` recorded for ``host_ptr`` (other memory needs the count).
         ``mode`` 0 copies device to host, 1 host to device.  Asynchronous on ``stream``
         unless ``sync``.  ``path`` picks this call's copy path (None: the process-wide
         ``copy_path`` option; "auto", "kernel", "dma" or the COPY_PATH_* ints); the CPU
@@ -723,9 +725,12 @@ def swap_cache_per_layer(
 
     ``cache_gpu[swap_block_ids_gpu[i]]`` is paired with host block
     ``swap_block_ids_cpu[i]`` at ``cache_cpu_ptr`` (``max_block_num_cpu`` blocks of
-    ``prod(cache_gpu.shape[1:]) * itemsize`` bytes).  mode 0: device to host; 1: host to
-    device.  In place: returns ``cache_gpu`` itself (same storage).  Runs on the tensor's
-    current stream and synchronizes it, which is why engines use the async variant.
+    ``prod(cache_gpu.shape[1:]) * itemsize`` bytes; -1: the size :func:`cuda_host_alloc`
+    recorded).  mode 0 (:attr:`MODE_D2H`): device to host; 1: host to device.  ``rank`` is
+    the CUDA device ordinal ``cache_gpu`` lives on (-1: whichever; checked on GPU tensors,
+    ignored on CPU ones).  ``cache_gpu`` must be contiguous.  In place: returns
+    ``cache_gpu`` itself (same storage).  Runs on the tensor's current stream and
+    synchronizes it, which is why engines use the async variant.
 
     ``path`` (keyword, every Paddle op): this call's copy path, as in
     :meth:`CApi.swap_per_layer`; None follows the process-wide option.  Passed as the op's
@@ -811,9 +816,11 @@ def swap_cache_layout(
     block, for the storage tier and prefill/decode hand-off.
 
     ``cache_shape`` is the shape every tensor must have (empty: each tensor's own shape,
-    which lets scale tensors join).  ``max_block_num_cpu`` (blocks in the host buffer)
-    enables the range check of ``cpu_block_ids``; -1 checks only that they are >= 0.
-    Asynchronous on ``stream`` (0: the first tensor's current stream).  In place.
+    which lets scale tensors join).  ``max_block_num_cpu`` is the host buffer's block
+    count; the default -1 takes it from the size :func:`cuda_host_alloc` recorded for
+    ``cache_cpu_ptr`` (other memory needs the count).  ``cpu_block_ids`` are always
+    range-checked.  Asynchronous on ``stream`` (0: the first tensor's current stream).
+    In place.
     """
     op = "swap_cache_layout"
     return list(_run(
