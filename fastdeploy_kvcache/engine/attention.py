@@ -110,6 +110,12 @@ def _gather(cache: Any, index: Any, total: int) -> Any:
     return blocks.transpose([1, 0, 2, 3]).reshape([kvh, nb * bs, d])[:, :total, :]
 
 
+def _as_float32(x: Any) -> Any:
+    import paddle
+
+    return x if x.dtype == paddle.float32 else x.astype("float32")
+
+
 def paged_attention_forward(
     module: Any,
     query: Any,
@@ -155,20 +161,23 @@ def paged_attention_forward(
                 # Query i sits at position context_len + i and sees keys 0..context_len + i.
                 kpos = paddle.arange(total, dtype="int64").unsqueeze(0)
                 qpos = paddle.arange(s.context_len, total, dtype="int64").unsqueeze(1)
-                s._mask = kpos > qpos  # True = masked
-        k = _gather(k_cache, s._index, total).astype(q_all.dtype)
-        v = _gather(v_cache, s._index, total).astype(q_all.dtype)
-        if groups > 1:
-            k = paddle.repeat_interleave(k, groups, axis=0)
-            v = paddle.repeat_interleave(v, groups, axis=0)
-        q = q_all[:, a : a + n, :]
+                # Additive mask, built once per step and shared by every layer.
+                s._mask = paddle.where(kpos > qpos, paddle.full([], float("-inf"), "float32"),
+                                       paddle.zeros([], "float32"))
+        k = _as_float32(_gather(k_cache, s._index, total))  # [kvh, total, d]
+        v = _as_float32(_gather(v_cache, s._index, total))
+        # GQA without repeating K/V: the `groups` query heads of one KV head are stacked
+        # along the row axis, [kvh, groups * n, d], and share one matmul with that head.
+        q = _as_float32(q_all[:, a : a + n, :]).reshape([num_kv, groups * n, head_dim])
         # float32 scores and softmax whatever the model dtype: cheap at these sizes, and the
         # result does not depend on how the step's tokens were batched.
-        scores = paddle.matmul(q.astype("float32"), k.astype("float32"), transpose_y=True) * scale  # [H, n, total]
+        scores = paddle.matmul(q, k, transpose_y=True) * scale  # [kvh, groups * n, total]
         if s._mask is not None:
-            scores = paddle.where(s._mask.unsqueeze(0), paddle.full_like(scores, float("-inf")), scores)
+            scores = (scores.reshape([num_kv, groups, n, total]) + s._mask).reshape([num_kv, groups * n, total])
         probs = F.softmax(scores, axis=-1)
-        o = paddle.matmul(probs, v.astype("float32")).astype(q_all.dtype)  # [H, n, D]
+        o = paddle.matmul(probs, v).reshape([num_heads, n, head_dim])
+        if o.dtype != q_all.dtype:
+            o = o.astype(q_all.dtype)
         outs.append(o.transpose([1, 0, 2]).reshape([n, num_heads * head_dim]))
     out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
     return out.unsqueeze(0), None

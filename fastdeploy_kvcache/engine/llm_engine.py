@@ -233,11 +233,11 @@ class LLMEngine:
             if request_id in self._live_ids:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             self._live_ids.add(request_id)
+            self._idle.clear()
         req = Request(request_id, [int(t) for t in prompt_token_ids])
         seed = int(self._seed_rng.integers(0, 2**63 - 1))
         er = _EngineRequest(req, params, on_output, RequestSampler(params, seed),
                             IncrementalDetokenizer(self.tokenizer), time.monotonic())
-        self._idle.clear()
         self._inbox.put(("add", er))
         self._wake.set()
 
@@ -265,8 +265,12 @@ class LLMEngine:
                     if self.pool.copies_in_flight:
                         self._complete_copies(wait=True)
                     self._refresh_stats()
+                    with self._lock:
+                        # Under the lock add_request takes too: a request added after this
+                        # check clears the flag again, so wait_idle never returns early.
+                        if not self._live_ids:
+                            self._idle.set()
                     if self._inbox.empty():
-                        self._idle.set()
                         self._wake.wait(0.5)
                         self._wake.clear()
                     continue
