@@ -28,6 +28,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -55,17 +56,6 @@ CONFIGS = {
     # 16 KiB per layer block, 768 KiB objects.
     "small": dict(layers=24, tensor_block=16 << 10),
 }
-
-
-def median_time(fn: Callable[[int], Any], repeats: int, setup: Optional[Callable[[int], Any]] = None) -> float:
-    times = []
-    for r in range(repeats):
-        if setup is not None:
-            setup(r)
-        t0 = time.perf_counter()
-        fn(r)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def drop_cache(paths: list[str]) -> None:
@@ -108,7 +98,30 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
+def interleaved(ops_: dict[str, Callable[[int], Any]], repeats: int,
+                setup: Optional[Callable[[str, int], Any]] = None) -> dict[str, float]:
+    """Median seconds of each op, run round-robin (op A rep 0, op B rep 0, ..., op A rep 1).
+
+    NOTE: on a shared VM, conditions drift within seconds (other jobs, dirty-page writeback
+    of the previous row); round-robin exposes every op to the same drift, so the ratios
+    between ops of one group are much steadier than rows measured one after another.
+    """
+    times: dict[str, list[float]] = {k: [] for k in ops_}
+    for r in range(repeats):
+        for name_, fn in ops_.items():
+            if setup is not None:
+                setup(name_, r)
+            t0 = time.perf_counter()
+            fn(r)
+            times[name_].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, workdir: Path, mooncake: Any) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import xxhash
+
     layers, tb = spec["layers"], spec["tensor_block"]
     batch = args.batch
     host_blocks = 2 * batch
@@ -119,7 +132,9 @@ def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, wor
     staging = int(capi.host_alloc(total))
     ctypes.memset(staging, 0, total)  # fault the pages in now, not inside the first timed call
     stage_view = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(staging))
+    read_buf = np.ones(total, dtype=np.uint8)  # ones: pages faulted in before timing
     src_ids = list(range(0, 2 * batch, 2))  # every other block: scattered, like a real tier
+    dst_ids = list(range(1, 2 * batch, 2))
     slots = list(range(batch))
     res: dict[str, Any] = {"config": name, "layers": layers, "tensor_block_bytes": tb, "object_bytes": obj,
                            "batch_blocks": batch, "batch_bytes": total}
@@ -129,7 +144,7 @@ def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, wor
         capi.swap_layout(list(lay.ptrs), host_blocks, list(lay.block_bytes), staging, batch, src_ids, slots, 0, 0, True)
 
     def scatter(_: int) -> None:
-        capi.swap_layout(list(lay.ptrs), host_blocks, list(lay.block_bytes), staging, batch, src_ids, slots, 1, 0, True)
+        capi.swap_layout(list(lay.ptrs), host_blocks, list(lay.block_bytes), staging, batch, dst_ids, slots, 1, 0, True)
 
     views = tier.views()
     staged = stage_view.reshape(batch, 2 * layers, tb)
@@ -139,23 +154,21 @@ def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, wor
         for t, v in enumerate(views):  # the per-layer Python loop the path does not use
             staged[:, t, :] = v[ids_np]
 
-    res["gather_native_gbps"] = gbps(total, median_time(gather, args.repeats))
-    res["scatter_native_gbps"] = gbps(total, median_time(scatter, args.repeats))
-    res["gather_numpy_loop_gbps"] = gbps(total, median_time(numpy_gather, args.repeats))
+    t = interleaved({"gather_native": gather, "scatter_native": scatter, "gather_numpy_loop": numpy_gather},
+                    args.repeats)
     gather(0)
     expected = stage_view.copy()
+    mv, rmv = memoryview(stage_view), memoryview(read_buf)
+    ptrs = [staging + i * obj for i in range(batch)]
+    rptrs = [int(read_buf.ctypes.data) + i * obj for i in range(batch)]
 
-    # ---- 2a. plain files of the same objects (baseline)
+    # ---- 2. everything that stores the same 32 objects
     plain_dir = workdir / f"plain-{name}"
     plain_dir.mkdir()
-    mv = memoryview(stage_view)
-
-    def plain_paths(r: int) -> list[str]:
-        return [str(plain_dir / f"r{r}-{i}.bin") for i in range(batch)]
-
-    from concurrent.futures import ThreadPoolExecutor
-
     pool = ThreadPoolExecutor(max_workers=4)  # the file backend's default io_threads
+
+    def plain_paths(tag: str, r: int) -> list[str]:
+        return [str(plain_dir / f"{tag}-{r}-{i}.bin") for i in range(batch)]
 
     def write_one(p: str, i: int, sync: bool) -> None:
         with open(p, "wb", buffering=0) as f:
@@ -163,177 +176,186 @@ def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, wor
             if sync:
                 os.fsync(f.fileno())
 
-    def plain_write(r: int, sync: bool = False, threads: int = 1) -> None:
-        paths = plain_paths(r)
-        if threads == 1:
-            for i, p in enumerate(paths):
-                write_one(p, i, sync)
-        else:
-            list(pool.map(write_one, paths, range(batch), [sync] * batch))
-
-    read_buf = np.ones(total, dtype=np.uint8)  # ones: pages faulted in before timing
-    rmv = memoryview(read_buf)
-
     def read_one(p: str, i: int) -> None:
         with open(p, "rb", buffering=0) as f:
             f.readinto(rmv[i * obj:(i + 1) * obj])
 
-    def plain_read(r: int, threads: int = 1) -> None:
-        paths = plain_paths(r)
-        if threads == 1:
-            for i, p in enumerate(paths):
-                read_one(p, i)
-        else:
-            list(pool.map(read_one, paths, range(batch)))
+    def plain_write(tag: str, threads: int, sync: bool = False) -> Callable[[int], None]:
+        def run(r: int) -> None:
+            paths = plain_paths(tag, r)
+            if threads == 1:
+                for i, p in enumerate(paths):
+                    write_one(p, i, sync)
+            else:
+                list(pool.map(write_one, paths, range(batch), [sync] * batch))
+        return run
 
-    res["plain_write_gbps"] = gbps(total, median_time(plain_write, args.repeats))
-    res["plain_write_4t_gbps"] = gbps(total, median_time(lambda r: plain_write(r + 50, False, 4), args.repeats))
-    res["plain_read_warm_gbps"] = gbps(total, median_time(plain_read, args.repeats))
-    res["plain_read_warm_4t_gbps"] = gbps(total, median_time(lambda r: plain_read(r + 50, 4), args.repeats))
-    res["plain_read_cold_gbps"] = gbps(total, median_time(plain_read, args.repeats, setup=lambda r: drop_cache(plain_paths(r))))
-    res["plain_read_cold_4t_gbps"] = gbps(total, median_time(
-        lambda r: plain_read(r + 50, 4), args.repeats, setup=lambda r: drop_cache(plain_paths(r + 50))))
-    assert bytes(read_buf[:obj]) == bytes(expected[:obj])
-    res["plain_write_fsync_4t_gbps"] = gbps(total, median_time(lambda r: plain_write(r + 100, True, 4), args.repeats))
-    pool.shutdown()
-    shutil.rmtree(plain_dir)
+    def plain_read(tag: str, threads: int) -> Callable[[int], None]:
+        def run(r: int) -> None:
+            paths = plain_paths(tag, r)
+            if threads == 1:
+                for i, p in enumerate(paths):
+                    read_one(p, i)
+            else:
+                list(pool.map(read_one, paths, range(batch)))
+        return run
 
-    # ---- 2b. file backend
-    fdir = workdir / f"file-{name}"
-    fb = FileBackend(fdir, capacity_bytes=0, min_free_bytes=0)
-    fb.register_buffer(staging, total)
-    fb.register_buffer(int(read_buf.ctypes.data), total)
-    ptrs = [staging + i * obj for i in range(batch)]
-    rptrs = [int(read_buf.ctypes.data) + i * obj for i in range(batch)]
+    fb = FileBackend(workdir / f"file-{name}", capacity_bytes=0, min_free_bytes=0)
+    fbs = FileBackend(workdir / f"filesync-{name}", capacity_bytes=0, min_free_bytes=0, fsync=True)
+    for b in (fb, fbs):
+        b.register_buffer(staging, total)
+        b.register_buffer(int(read_buf.ctypes.data), total)
 
-    def fkeys(r: int) -> list[str]:
-        return [f"bench-{name}:{r:016x}{i:016x}" for i in range(batch)]
+    def keys(tag: str, r: int) -> list[str]:
+        return [f"bench-{name}-{tag}:{r:016x}{i:016x}" for i in range(batch)]
 
-    def file_put(r: int) -> None:
-        out = fb.batch_put_from(fkeys(r), ptrs, [obj] * batch)
-        assert out == [0] * batch, out
+    def file_put(backend: FileBackend, tag: str) -> Callable[[int], None]:
+        def run(r: int) -> None:
+            out = backend.batch_put_from(keys(tag, r), ptrs, [obj] * batch)
+            assert out == [0] * batch, out
+        return run
 
-    def file_get(r: int) -> None:
-        out = fb.batch_get_into(fkeys(r), rptrs, [obj] * batch)
-        assert out == [obj] * batch, out
+    def file_get(tag: str) -> Callable[[int], None]:
+        def run(r: int) -> None:
+            out = fb.batch_get_into(keys(tag, r), rptrs, [obj] * batch)
+            assert out == [obj] * batch, out
+        return run
 
-    # Alternative to staging for files: writev straight from the layer-major tier, one iovec
-    # per tensor, with a streaming xxh3 over the same pieces (what the file backend would
-    # need to do without a staged object).  No copies in Python, but per-tensor Python calls.
-    import xxhash
-
+    # Staging alternative for files: writev straight from the layer-major tier, one iovec per
+    # tensor, with a streaming xxh3 over the same pieces.  No Python copies, but per-tensor
+    # Python calls.
     piece_views = [[memoryview(v[blk]) for v in views] for blk in src_ids]
 
     def direct_writev(r: int) -> None:
-        for i, pieces in enumerate(piece_views):
+        def one(i: int) -> None:
             h = xxhash.xxh3_64()
-            for pv in pieces:
+            for pv in piece_views[i]:
                 h.update(pv)
-            fd = os.open(str(fdir / f"direct-{r}-{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(str(plain_dir / f"direct-{r}-{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                os.writev(fd, [h.digest()] + pieces)
+                os.writev(fd, [h.digest()] + piece_views[i])
             finally:
                 os.close(fd)
+        list(pool.map(one, range(batch)))
 
-    res["file_put_gbps"] = gbps(total, median_time(file_put, args.repeats))
-    res["direct_writev_gbps"] = gbps(total, median_time(direct_writev, args.repeats))
-    res["file_get_warm_gbps"] = gbps(total, median_time(file_get, args.repeats))
-    res["file_get_cold_gbps"] = gbps(total, median_time(
-        file_get, args.repeats, setup=lambda r: drop_cache([fb._file(k) for k in fkeys(r)])))
-    assert bytes(read_buf) == bytes(expected)
-    fb.close()
-    fbs = FileBackend(fdir / "sync", capacity_bytes=0, min_free_bytes=0, fsync=True)
-    fbs.register_buffer(staging, total)
-    res["file_put_fsync_gbps"] = gbps(total, median_time(
-        lambda r: fbs.batch_put_from(fkeys(r), ptrs, [obj] * batch), args.repeats))
-    fbs.close()
-    shutil.rmtree(fdir)
+    write_ops: dict[str, Callable[[int], None]] = {
+        "plain_write": plain_write("w1", 1),
+        "plain_write_4t": plain_write("w4", 4),
+        "file_put": file_put(fb, "f"),
+        "direct_writev": direct_writev,
+    }
+    fsync_ops: dict[str, Callable[[int], None]] = {
+        "plain_write_fsync_4t": plain_write("s4", 4, sync=True),
+        "file_put_fsync": file_put(fbs, "fs"),
+    }
+    warm_ops: dict[str, Callable[[int], None]] = {
+        "plain_read_warm": plain_read("w1", 1),
+        "plain_read_warm_4t": plain_read("w4", 4),
+        "file_get_warm": file_get("f"),
+    }
+    cold_ops: dict[str, Callable[[int], None]] = {
+        "plain_read_cold": plain_read("s4", 1),
+        "plain_read_cold_4t": plain_read("w4", 4),
+        "file_get_cold": file_get("f"),
+    }
 
-    # ---- 3. end to end through StorageTransfer (file backend)
-    fb = FileBackend(workdir / f"e2e-{name}", capacity_bytes=0, min_free_bytes=0)
-    tr = StorageTransfer(lay, fb, staging_blocks=batch, capi=capi)
-    dst_ids = list(range(1, 2 * batch, 2))
-    res["e2e_file_put_gbps"] = gbps(total, median_time(lambda r: tr.put_blocks(fkeys(r), src_ids), args.repeats))
-    res["e2e_file_get_warm_gbps"] = gbps(total, median_time(lambda r: tr.get_blocks(fkeys(r), dst_ids), args.repeats))
-    tr.close()
-    fb.close()
-    shutil.rmtree(workdir / f"e2e-{name}")
+    def cold_files(op: str, r: int) -> list[str]:
+        if op == "plain_read_cold":
+            return plain_paths("s4", r)
+        if op == "plain_read_cold_4t":
+            return plain_paths("w4", r)
+        return [fb._file(k) for k in keys("f", r)]
 
-    # ---- 2c / 3. mooncake
+    mb = None
+    mc_failed: dict[str, list[int]] = {"put": [], "get": [], "multi_put": [], "multi_get": []}
     if mooncake is not None:
         from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend
 
         mb = MooncakeBackend(**mooncake, local_buffer_size=16 << 20, global_segment_size=0)
-        try:
-            if not mb.wait_ready(30):
-                raise RuntimeError(f"mooncake not ready: {mb.health()}")
-            mb.register_buffer(staging, total)
-            mb.register_buffer(int(read_buf.ctypes.data), total)
+        if not mb.wait_ready(30):
+            raise RuntimeError(f"mooncake not ready: {mb.health()}")
+        mb.register_buffer(staging, total)
+        mb.register_buffer(int(read_buf.ctypes.data), total)
+        store = mb._store
+        # Mooncake's own scatter-gather (one buffer list per key) straight from the
+        # layer-major tier: the alternative to staging for this backend.
+        for p, bb in zip(lay.ptrs, lay.block_bytes):
+            store.register_buffer(p, bb * host_blocks)
+        multi_ptrs = [[p + blk * bb for p, bb in zip(lay.ptrs, lay.block_bytes)] for blk in src_ids]
+        multi_sizes = [list(lay.block_bytes)] * batch
 
-            def mkeys(r: int, tag: str = "m") -> list[str]:
-                return [f"bench-{name}-{tag}:{r:016x}{i:016x}" for i in range(batch)]
+        def mc_put(r: int) -> None:
+            out = mb.batch_put_from(keys("m", r), ptrs, [obj] * batch)
+            mc_failed["put"] += [c for c in out if c != 0]
 
-            mc_failed = {"put": [], "get": []}
+        def mc_get(r: int) -> None:
+            out = mb.batch_get_into(keys("m", r), rptrs, [obj] * batch)
+            mc_failed["get"] += [c for c in out if c != obj]
 
-            def mc_put(r: int) -> None:
-                out = mb.batch_put_from(mkeys(r), ptrs, [obj] * batch)
-                mc_failed["put"] += [c for c in out if c != 0]
+        # NOTE: the multi-buffer path returned -800 (transfer failed) for some keys on the
+        # 2-core VM; failures are counted and reported rather than asserted (not our path).
+        def mc_multi_put(r: int) -> None:
+            out = store.batch_put_from_multi_buffers(keys("mm", r), multi_ptrs, multi_sizes)
+            mc_failed["multi_put"] += [c for c in out if c != 0]
 
-            def mc_get(r: int) -> None:
-                out = mb.batch_get_into(mkeys(r), rptrs, [obj] * batch)
-                mc_failed["get"] += [c for c in out if c != obj]
+        def mc_multi_get(r: int) -> None:
+            out = store.batch_get_into_multi_buffers(keys("mm", r), multi_ptrs, multi_sizes)
+            mc_failed["multi_get"] += [c for c in out if c < 0]
 
-            res["mooncake_put_gbps"] = gbps(total, median_time(mc_put, args.repeats))
-            read_buf[:] = 0
-            res["mooncake_get_gbps"] = gbps(total, median_time(mc_get, args.repeats))
-            res["mooncake_failed_keys"] = {k: len(v) for k, v in mc_failed.items()}
-            if not any(mc_failed.values()):
-                assert bytes(read_buf) == bytes(expected)
-            for r in range(args.repeats):
-                mb.delete(mkeys(r))
-            # Mooncake's own scatter-gather (one buffer list per key) straight from the
-            # layer-major tier: the alternative to staging for this backend.
-            for p, b in zip(lay.ptrs, lay.block_bytes):
-                mb._store.register_buffer(p, b * host_blocks)
-            store = mb._store
-            multi_ptrs = [[p + blk * b for p, b in zip(lay.ptrs, lay.block_bytes)] for blk in src_ids]
-            multi_sizes = [list(lay.block_bytes)] * batch
+        write_ops.update(mooncake_put=mc_put, mooncake_multibuf_put=mc_multi_put)
+        warm_ops.update(mooncake_get=mc_get, mooncake_multibuf_get=mc_multi_get)
 
-            # NOTE: this path returned -800 (transfer failed) for some keys on the 2-core VM;
-            # failures are counted and reported rather than asserted (it is not our path).
-            multi_failed = {"put": [], "get": []}
+    # os.sync() before every timed write: the previous write's dirty pages must not throttle it.
+    t.update(interleaved(write_ops, args.repeats, setup=lambda op, r: os.sync()))
+    t.update(interleaved(fsync_ops, args.repeats, setup=lambda op, r: os.sync()))
+    read_buf[:] = 0
+    t.update(interleaved(warm_ops, args.repeats))
+    t.update(interleaved(cold_ops, args.repeats, setup=lambda op, r: drop_cache(cold_files(op, r))))
+    read_buf[:] = 0
+    file_get("f")(0)
+    assert bytes(read_buf) == bytes(expected), "file backend read back different bytes"
 
-            def mc_multi_put(r: int) -> None:
-                out = store.batch_put_from_multi_buffers(mkeys(r, "mm"), multi_ptrs, multi_sizes)
-                multi_failed["put"] += [c for c in out if c != 0]
+    # ---- 3. end to end through StorageTransfer
+    e2e_ops: dict[str, Callable[[int], None]] = {}
+    e2e_failed: list[int] = []
+    tr_file = StorageTransfer(lay, fb, staging_blocks=batch, capi=capi)
+    e2e_ops["e2e_file_put"] = lambda r: e2e_failed.extend(c for c in tr_file.put_blocks(keys("ef", r), src_ids) if c != 0)
+    tr_mc = None
+    if mb is not None:
+        read_buf[:] = 0
+        mb.batch_get_into(keys("m", 0), rptrs, [obj] * batch)
+        if not mc_failed["get"]:
+            assert bytes(read_buf) == bytes(expected), "mooncake read back different bytes"
+        for p in lay.ptrs:
+            mb._store.unregister_buffer(p)
+        tr_mc = StorageTransfer(lay, mb, staging_blocks=batch, capi=capi)
+        e2e_ops["e2e_mooncake_put"] = lambda r: e2e_failed.extend(c for c in tr_mc.put_blocks(keys("em", r), src_ids) if c != 0)
+    t.update(interleaved(e2e_ops, args.repeats, setup=lambda op, r: os.sync()))
+    get_ops: dict[str, Callable[[int], None]] = {
+        "e2e_file_get_warm": lambda r: e2e_failed.extend(c for c in tr_file.get_blocks(keys("ef", r), dst_ids) if c != obj)}
+    if tr_mc is not None:
+        get_ops["e2e_mooncake_get"] = lambda r: e2e_failed.extend(
+            c for c in tr_mc.get_blocks(keys("em", r), dst_ids) if c != obj)
+    t.update(interleaved(get_ops, args.repeats))
 
-            def mc_multi_get(r: int) -> None:
-                out = store.batch_get_into_multi_buffers(mkeys(r, "mm"), multi_ptrs, multi_sizes)
-                multi_failed["get"] += [c for c in out if c < 0]
+    for k, seconds in t.items():
+        res[f"{k}_gbps"] = gbps(total, seconds)
+    if mb is not None:
+        res["mooncake_failed_keys"] = {k: len(v) for k, v in mc_failed.items()}
+        res["mooncake_failed_codes"] = sorted({c for v in mc_failed.values() for c in v})
+    res["e2e_failed_keys"] = len(e2e_failed)
 
-            res["mooncake_multibuf_put_gbps"] = gbps(total, median_time(mc_multi_put, args.repeats))
-            res["mooncake_multibuf_get_gbps"] = gbps(total, median_time(mc_multi_get, args.repeats))
-            res["mooncake_multibuf_failed_keys"] = {k: len(v) for k, v in multi_failed.items()}
-            res["mooncake_multibuf_failed_codes"] = sorted({c for v in multi_failed.values() for c in v})
-            for r in range(args.repeats):
-                mb.delete(mkeys(r, "mm"))
-            for p in lay.ptrs:
-                store.unregister_buffer(p)
-            mb.unregister_buffer(staging)
-            mb.unregister_buffer(int(read_buf.ctypes.data))
-            tr = StorageTransfer(lay, mb, staging_blocks=batch, capi=capi)
-            e2e_failed: list[int] = []
-            res["e2e_mooncake_put_gbps"] = gbps(total, median_time(
-                lambda r: e2e_failed.extend(c for c in tr.put_blocks(mkeys(r, "e"), src_ids) if c != 0), args.repeats))
-            res["e2e_mooncake_get_gbps"] = gbps(total, median_time(
-                lambda r: e2e_failed.extend(c for c in tr.get_blocks(mkeys(r, "e"), dst_ids) if c != obj), args.repeats))
-            res["e2e_mooncake_failed_keys"] = len(e2e_failed)
-            for r in range(args.repeats):
-                mb.delete(mkeys(r, "e"))
-            tr.close()
-        finally:
-            mb.close()
-
+    tr_file.close()
+    fb.close()
+    fbs.close()
+    if tr_mc is not None:
+        tr_mc.close()
+    if mb is not None:
+        mb.close()
+    pool.shutdown()
+    shutil.rmtree(plain_dir, ignore_errors=True)
+    for d in (f"file-{name}", f"filesync-{name}"):
+        shutil.rmtree(workdir / d, ignore_errors=True)
     capi.host_free(staging)
     tier.free()
     return res
@@ -346,7 +368,7 @@ ROWS = [
     ("plain_write_gbps", "plain files: open/write per object, 1 thread (page cache)"),
     ("plain_write_4t_gbps", "plain files: open/write per object, 4 threads (page cache)"),
     ("file_put_gbps", "file backend batch_put_from (checksum, temp+rename; page cache)"),
-    ("direct_writev_gbps", "writev per block straight from the layer-major tier + streaming xxh3 (no staging)"),
+    ("direct_writev_gbps", "writev per block straight from the layer-major tier + streaming xxh3, 4 threads (no staging)"),
     ("plain_write_fsync_4t_gbps", "plain files: write + fsync per object, 4 threads"),
     ("file_put_fsync_gbps", "file backend batch_put_from, fsync=True"),
     ("plain_read_warm_gbps", "plain files: open/readinto per object, 1 thread, warm"),
@@ -397,9 +419,10 @@ def render(results: list[dict]) -> str:
                 derived.append(f"gather share of a {backend_key.split('_')[0]} put = {100 * share:.0f}%")
         if "direct_writev_gbps" in r:
             derived.append(f"gather+file put (e2e) / direct writev = {r['e2e_file_put_gbps'] / r['direct_writev_gbps']:.2f}")
-        for k in ("mooncake_failed_keys", "mooncake_multibuf_failed_keys", "mooncake_multibuf_failed_codes", "e2e_mooncake_failed_keys"):
-            if r.get(k):
-                derived.append(f"{k} = {r[k]}")
+        for k in ("mooncake_failed_keys", "mooncake_failed_codes", "e2e_failed_keys"):
+            value = r.get(k)
+            if value and (not isinstance(value, dict) or any(value.values())):
+                derived.append(f"{k} = {value}")
         derived.append(f"native gather / numpy loop = {g / r['gather_numpy_loop_gbps']:.1f}x")
         lines.append(f"- {r['config']}: " + "; ".join(derived))
     return "\n".join(lines)
@@ -420,6 +443,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.quick:
         args.configs, args.batch, args.repeats = "small", 8, 2
     logging.basicConfig(level=logging.WARNING)
+    # SIGTERM unwinds through the finally below, so the master and holder are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     capi = ops.load_capi(variant="cpu")
     workdir = Path(tempfile.mkdtemp(prefix="fdkv-bench-storage-", dir=args.workdir))
     local = None

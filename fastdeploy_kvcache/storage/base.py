@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import enum
 import logging
+import numbers
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -115,10 +116,13 @@ class StorageHealth:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def validate_batch(op: str, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
+def validate_batch(
+    op: str, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+) -> tuple[list[str], list[int], list[int]]:
     """Raise ``StorageError("invalid")`` naming the argument and index of bad batch input.
 
-    Checked before anything is read or written, so a bad batch changes nothing.
+    Checked before anything is read or written, so a bad batch changes nothing.  Returns the
+    batch as lists of Python ints (numpy integers accepted).
     """
     if not (len(keys) == len(ptrs) == len(sizes)):
         raise StorageError(
@@ -131,10 +135,11 @@ def validate_batch(op: str, keys: Sequence[str], ptrs: Sequence[int], sizes: Seq
         if key in seen:
             raise StorageError("invalid", f"{op}: keys[{i}] = {key!r} appears twice in one batch")
         seen.add(key)
-        if not isinstance(ptr, int) or isinstance(ptr, bool) or ptr <= 0:
+        if not isinstance(ptr, numbers.Integral) or isinstance(ptr, bool) or ptr <= 0:
             raise StorageError("invalid", f"{op}: ptrs[{i}] must be a non-null address (int), got {ptr!r}")
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size <= 0:
             raise StorageError("invalid", f"{op}: sizes[{i}] must be a positive int, got {size!r}")
+    return list(keys), [int(p) for p in ptrs], [int(x) for x in sizes]
 
 
 class StorageBackend(abc.ABC):

@@ -340,13 +340,16 @@ class FileBackend(StorageBackend):
             return [int(fn(k, p, s)) for k, p, s in zip(keys, ptrs, sizes)]
         return [int(r) for r in self._pool.map(fn, keys, ptrs, sizes)]
 
-    def _check(self, op: str, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
+    def _check(
+        self, op: str, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> tuple[list[str], list[int], list[int]]:
         if self._closed:
             raise StorageError("unreachable", f"{op}: the file backend is closed")
-        validate_batch(op, keys, ptrs, sizes)
+        keys, ptrs, sizes = validate_batch(op, keys, ptrs, sizes)
         for i, key in enumerate(keys):
             self._check_key(op, i, key)
         self._buffers.check(op, ptrs, sizes)
+        return keys, ptrs, sizes
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         self._buffers.add(ptr, nbytes)
@@ -366,26 +369,26 @@ class FileBackend(StorageBackend):
         return count
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        self._check("batch_get_into", keys, ptrs, sizes)
+        keys, ptrs, sizes = self._check("batch_get_into", keys, ptrs, sizes)
         start = time.perf_counter()
         results = self._map(self._get_one, keys, ptrs, sizes)
         self._stats.record_reads(results, time.perf_counter() - start)
         return results
 
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        self._check("batch_put_from", keys, ptrs, sizes)
+        keys, ptrs, sizes = self._check("batch_put_from", keys, ptrs, sizes)
         start = time.perf_counter()
         results = self._map(self._put_one, keys, ptrs, sizes)
-        self._stats.record_writes(results, list(sizes), time.perf_counter() - start)
+        self._stats.record_writes(results, sizes, time.perf_counter() - start)
         return results
 
     def submit_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> "Future[list[int]]":
-        self._check("submit_put_from", keys, ptrs, sizes)  # bad input fails now, not in the future
-        return self._writer.submit(self.batch_put_from, list(keys), list(ptrs), list(sizes))
+        keys, ptrs, sizes = self._check("submit_put_from", keys, ptrs, sizes)  # bad input fails now, not later
+        return self._writer.submit(self.batch_put_from, keys, ptrs, sizes)
 
     def submit_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> "Future[list[int]]":
-        self._check("submit_get_into", keys, ptrs, sizes)
-        return self._reader.submit(self.batch_get_into, list(keys), list(ptrs), list(sizes))
+        keys, ptrs, sizes = self._check("submit_get_into", keys, ptrs, sizes)
+        return self._reader.submit(self.batch_get_into, keys, ptrs, sizes)
 
     def delete(self, keys: Sequence[str]) -> int:
         removed = 0

@@ -410,31 +410,31 @@ class MooncakeBackend(StorageBackend):
         return count
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        self._check("batch_get_into", keys, ptrs, sizes)
+        keys, ptrs, sizes = self._check("batch_get_into", keys, ptrs, sizes)
         start = time.perf_counter()
-        codes = self._call("batch_get_into", self._store_method("batch_get_into"), list(keys), list(ptrs), list(sizes))
+        codes = self._call("batch_get_into", self._store_method("batch_get_into"), keys, ptrs, sizes)
         self._settle("batch_get_into", codes)
         results = [int(c) if c >= 0 else int(MOONCAKE_CODES.get(int(c), Status.IO)) for c in codes]
         self._stats.record_reads(results, time.perf_counter() - start)
         return results
 
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        self._check("batch_put_from", keys, ptrs, sizes)
+        keys, ptrs, sizes = self._check("batch_put_from", keys, ptrs, sizes)
         method = "batch_upsert_from" if self.overwrite else "batch_put_from"
         start = time.perf_counter()
-        codes = self._call("batch_put_from", self._store_method(method), list(keys), list(ptrs), list(sizes))
+        codes = self._call("batch_put_from", self._store_method(method), keys, ptrs, sizes)
         self._settle("batch_put_from", codes)
         results = [int(Status.OK) if c == 0 else int(MOONCAKE_CODES.get(int(c), Status.IO)) for c in codes]
-        self._stats.record_writes(results, list(sizes), time.perf_counter() - start)
+        self._stats.record_writes(results, sizes, time.perf_counter() - start)
         return results
 
     def submit_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> "Future[list[int]]":
-        self._check("submit_put_from", keys, ptrs, sizes)
-        return self._writer.submit(self.batch_put_from, list(keys), list(ptrs), list(sizes))
+        keys, ptrs, sizes = self._check("submit_put_from", keys, ptrs, sizes)
+        return self._writer.submit(self.batch_put_from, keys, ptrs, sizes)
 
     def submit_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> "Future[list[int]]":
-        self._check("submit_get_into", keys, ptrs, sizes)
-        return self._reader.submit(self.batch_get_into, list(keys), list(ptrs), list(sizes))
+        keys, ptrs, sizes = self._check("submit_get_into", keys, ptrs, sizes)
+        return self._reader.submit(self.batch_get_into, keys, ptrs, sizes)
 
     def delete(self, keys: Sequence[str]) -> int:
         """Remove now, leases or not (``force``: a get leases a key for 10 s)."""
@@ -452,9 +452,12 @@ class MooncakeBackend(StorageBackend):
             raise StorageError("unreachable", f"{name}: mooncake tier is off ({self._last_error})")
         return getattr(store, name)
 
-    def _check(self, op: str, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
-        validate_batch(op, keys, ptrs, sizes)
+    def _check(
+        self, op: str, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> tuple[list[str], list[int], list[int]]:
+        keys, ptrs, sizes = validate_batch(op, keys, ptrs, sizes)
         self._buffers.check(op, ptrs, sizes)
+        return keys, ptrs, sizes
 
     # ------------------------------------------------------------------ state
     def health(self) -> StorageHealth:

@@ -49,11 +49,13 @@ def test_put_get_exists_delete_roundtrip(tmp_path: Path, arena: HostArena) -> No
     assert get(backend, arena, [2, 0, 3, 1], [8, 9, 10, 11]) == [arena.slot_bytes] * 4
     for slot, i in zip([8, 9, 10, 11], [2, 0, 3, 1]):
         np.testing.assert_array_equal(arena.slot(slot), data[i])
+    # numpy integers (block tables are often numpy arrays) are accepted as ptrs and sizes.
+    assert backend.batch_get_into([key(3)], [np.int64(arena.slot_ptr(14))], [np.int64(arena.slot_bytes)]) == [arena.slot_bytes]
     assert backend.delete([key(1), key(7)]) == 1
     assert get(backend, arena, [0, 1], [12, 13]) == [arena.slot_bytes, Status.MISSING]
     stats = backend.stats()
-    assert stats["write_bytes"] == 4 * arena.slot_bytes and stats["read_bytes"] == 5 * arena.slot_bytes
-    assert stats["hits"] == 5 and stats["misses"] == 1 and stats["errors"]["missing"] == 0
+    assert stats["write_bytes"] == 4 * arena.slot_bytes and stats["read_bytes"] == 6 * arena.slot_bytes
+    assert stats["hits"] == 6 and stats["misses"] == 1 and stats["errors"]["missing"] == 0
     assert backend.used_bytes == 3 * (arena.slot_bytes + HEADER.size)
     backend.close()
 
