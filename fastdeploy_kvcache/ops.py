@@ -26,7 +26,7 @@ import logging
 import numbers
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from fastdeploy_kvcache import envs, libpaths
 from fastdeploy_kvcache.core.metadata import CopyDirection
@@ -171,6 +171,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _ids_error(op: str, name: str) -> Callable[..., SwapOpError]:
+    """A maker of the SwapOpError for a bad id list ``name`` of ``op`` (index optional)."""
+
+    def bad(detail: str, index: Optional[int] = None) -> SwapOpError:
+        where = f"{name}[{index}]" if index is not None else name
+        return SwapOpError(f"{op}: {where} {detail}", op, name, index)
+
+    return bad
+
+
 def _id_array(ids: IdsLike, op: str, name: str) -> Any:
     """Block ids as a 1-D contiguous int64 numpy array, or :class:`SwapOpError`.
 
@@ -181,10 +191,7 @@ def _id_array(ids: IdsLike, op: str, name: str) -> Any:
     """
     import numpy as np  # numpy is a core dependency; imported here to keep import light
 
-    def bad(detail: str, index: Optional[int] = None) -> SwapOpError:
-        where = f"{name}[{index}]" if index is not None else name
-        return SwapOpError(f"{op}: {where} {detail}", op, name, index)
-
+    bad = _ids_error(op, name)
     if isinstance(ids, (str, bytes)) or ids is None or _is_int(ids):
         raise bad(f"must be a 1-D sequence of integer block ids, got {type(ids).__name__}")
     if not isinstance(ids, np.ndarray) and hasattr(ids, "numpy") and callable(ids.numpy):
@@ -202,10 +209,18 @@ def _id_array(ids: IdsLike, op: str, name: str) -> Any:
         elif arr.dtype.kind != "i":
             raise bad(f"must hold integers, got dtype {arr.dtype}")
         return np.ascontiguousarray(arr, dtype=np.int64)
+    return np.asarray(_checked_values(ids, bad), dtype=np.int64)
+
+
+def _checked_values(ids: Any, bad: Callable[..., SwapOpError]) -> list[int]:
+    """The elements of a Python sequence of ids, each checked to be an int within int64."""
     try:
         values = list(ids)
     except TypeError:
         raise bad(f"must be a 1-D sequence of integer block ids, got {type(ids).__name__}") from None
+    # Fast path (C-speed builtins): only Python ints, all within int64.
+    if not values or (set(map(type, values)) == {int} and _INT64_MIN <= min(values) and max(values) <= _INT64_MAX):
+        return values
     for index, value in enumerate(values):
         if type(value) is not int and not _is_int(value):
             if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0):
@@ -213,11 +228,15 @@ def _id_array(ids: IdsLike, op: str, name: str) -> Any:
             raise bad(f"= {value!r} is not an integer", index)
         if not _INT64_MIN <= value <= _INT64_MAX:
             raise bad(f"= {value} does not fit in int64", index)
-    return np.asarray(values, dtype=np.int64)
+    return [int(v) for v in values]  # numpy integer scalars among them
 
 
 def _id_list(ids: IdsLike, op: str, name: str) -> list[int]:
-    """Validated ids as a list of Python ints (the Paddle attr type ``std::vector<int64_t>``)."""
+    """Validated ids as a list of Python ints (the Paddle attr type ``std::vector<int64_t>``).
+
+    A list/tuple/range of Python ints skips the numpy round trip (the common case)."""
+    if type(ids) in (list, tuple, range):
+        return _checked_values(ids, _ids_error(op, name))
     return _id_array(ids, op, name).tolist()
 
 

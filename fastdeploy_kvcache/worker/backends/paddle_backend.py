@@ -60,7 +60,13 @@ class PaddleOpsCopies:
     def prepare_ids(self, ids: Sequence[int]) -> Any:
         # The ops take ids as an int64 vector attribute: they are read (and planned into runs
         # of consecutive blocks) on the host, so no device tensor and no sync is needed.
-        return [int(i) for i in ids]
+        # NOTE: an int64 array, converted once per task: the op's id check is then a dtype
+        # check, not a Python loop per layer.
+        # The dtype is inferred, not forced: a float id must reach the op's check, not be
+        # truncated here.
+        import numpy as np
+
+        return np.asarray(list(ids))
 
     def swap_blocks(
         self,
