@@ -403,8 +403,10 @@ class TransferManager:
         def run() -> None:
             if self.fault_injector is not None:
                 self.fault_injector(CopyDirection.DEVICE_TO_HOST, -1, meta)
-            self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, CopyDirection.DEVICE_TO_HOST, out,
-                                     path=self._d2h_path_code)
+            self.backend.swap_blocks(
+                arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, CopyDirection.DEVICE_TO_HOST, out,
+                path=self._d2h_path_code,
+            )
             task.paths |= self.backend.last_path()
 
         def job() -> None:
@@ -480,8 +482,10 @@ class TransferManager:
                             return
                         if self.fault_injector is not None:
                             self.fault_injector(CopyDirection.HOST_TO_DEVICE, layer, meta)
-                        self.backend.swap_blocks(arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, CopyDirection.HOST_TO_DEVICE, inp,
-                                                 path=ops.COPY_PATH_PROCESS)
+                        self.backend.swap_blocks(
+                            arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, CopyDirection.HOST_TO_DEVICE,
+                            inp, path=ops.COPY_PATH_PROCESS,
+                        )
                         task.paths |= self.backend.last_path()
 
                     self.backend.launch(inp, run, lambda exc, layer=layer: task.fail(exc, layer))
