@@ -2,7 +2,7 @@
 
 The tests and ``benchmarks/bench_serving.py`` drive a real uvicorn server over TCP, as a
 client would; this is the one place that knows how to start one on a free port, wait
-for ``/health``, and stop it (SIGINT, so the lifespan shuts the engine down).
+for ``/health``, and stop it (SIGTERM, so the lifespan shuts the engine down).
 """
 
 from __future__ import annotations
@@ -97,10 +97,14 @@ class ServerProcess:
         return self.get_json("/health?verbose=1")["engine"]
 
     def stop(self, timeout_s: float = 30.0) -> Optional[int]:
-        """SIGINT (uvicorn's graceful shutdown, which stops the engine), then SIGKILL."""
+        """SIGTERM (uvicorn's graceful shutdown, which stops the engine), then SIGKILL.
+
+        NOTE: uvicorn re-raises the signal after its graceful shutdown, so a clean stop
+        exits with -SIGTERM; SIGINT would do the same but print a KeyboardInterrupt trace.
+        """
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGINT)
+        self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

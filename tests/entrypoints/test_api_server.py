@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL
+from conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL, NUM_GPU_BLOCKS
 
 WORDS = ("cache block device host storage tier prefix radix tree layer stream copy event token "
          "prompt engine server request batch model attention key value swap evict load").split()
@@ -183,12 +183,12 @@ def test_cached_tokens_on_repeated_prefix(server: Any) -> None:
 def test_host_tier_hit(server: Any) -> None:
     """A prompt whose device blocks were evicted by others comes back from the host tier."""
     client = client_for(server)
-    target = text_of(20, 200)
+    target = text_of(20, 100)
     first = client.completions.create(model=MODEL, prompt=target, max_tokens=4, temperature=0,
                                       extra_body={"ignore_eos": True})
-    # Others fill the device pool (96 blocks of 16) several times over.
-    for seed in range(21, 29):
-        client.completions.create(model=MODEL, prompt=text_of(seed, 200), max_tokens=2, temperature=0,
+    # Others (about 21 blocks each) push it out of the device pool (128 blocks of 16).
+    for seed in range(21, 31):
+        client.completions.create(model=MODEL, prompt=text_of(seed, 100), max_tokens=2, temperature=0,
                                   extra_body={"ignore_eos": True})
     back = client.completions.create(model=MODEL, prompt=target, max_tokens=4, temperature=0,
                                      extra_body={"ignore_eos": True})
@@ -337,9 +337,23 @@ def test_openai_client_raises_bad_request_and_server_keeps_serving(server: Any) 
 
 
 # ---------------------------------------------------------------------- disconnects
+ABORTED = 'fastdeploy:request_success_total{finish_reason="abort"}'
+# A generation long enough (1600 tokens, seconds on the CPU) that the client leaves first.
+LONG_GENERATION = 1600
+
+
+def wait_aborted(server: Any, before: float) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if scrape(server).get(ABORTED, 0.0) > before:
+            return
+        time.sleep(0.05)
+    raise AssertionError("no aborted request was recorded after the client disconnected")
+
+
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Any) -> None:
-    before = scrape(server).get('fastdeploy:request_success_total{finish_reason="abort"}', 0.0)
-    body = {"model": MODEL, "prompt": text_of(40, 100), "max_tokens": MAX_MODEL_LEN - 200, "stream": True,
+    before = scrape(server).get(ABORTED, 0.0)
+    body = {"model": MODEL, "prompt": text_of(40, 100), "max_tokens": LONG_GENERATION, "stream": True,
             "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
@@ -352,21 +366,17 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Any) -> None:
         running = server.engine_stats()
         assert device_blocks(running)["owned"] > 0, "the streamed request should hold blocks while it runs"
     # The connection is closed: the server aborts the request and its blocks are freed.
+    wait_aborted(server, before)
     assert_no_leak(server)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if scrape(server).get('fastdeploy:request_success_total{finish_reason="abort"}', 0.0) > before:
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError("no aborted request was recorded after the client disconnected")
 
 
 def test_disconnect_non_stream_aborts(server: Any) -> None:
-    body = {"model": MODEL, "prompt": text_of(41, 100), "max_tokens": MAX_MODEL_LEN - 200,
+    before = scrape(server).get(ABORTED, 0.0)
+    body = {"model": MODEL, "prompt": text_of(41, 100), "max_tokens": LONG_GENERATION,
             "ignore_eos": True, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    wait_aborted(server, before)
     assert_no_leak(server)
 
 
@@ -445,3 +455,18 @@ def test_server_flags_add_to_a_parser_that_has_some() -> None:
     add_server_cli_args(parser)
     ns = parser.parse_args(["--model", "tiny-llama-random", "--swap-space", "1"])
     assert (ns.host, ns.port, ns.swap_space, ns.model) == ("0.0.0.0", 9000, 1.0, "tiny-llama-random")
+
+
+def test_default_max_tokens_fits_context_and_device_pool() -> None:
+    """Without max_tokens, chat may use the rest of the context, capped by one request's share of the pool."""
+    from fastdeploy_kvcache.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from fastdeploy_kvcache.entrypoints.openai.serving import RequestError, build_sampling_params
+
+    chat = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert build_sampling_params(chat, 100, 4096, "messages", 2048).max_tokens == 1948
+    assert build_sampling_params(chat, 100, 1024, "messages", 2048).max_tokens == 924
+    assert build_sampling_params(chat, 100, 1024, "messages").max_tokens == 924
+    with pytest.raises(RequestError, match="device KV pool"):
+        build_sampling_params(chat, 2048, 4096, "messages", 2048)
+    # Completions keep OpenAI's default of 16.
+    assert build_sampling_params(CompletionRequest(model=MODEL, prompt="x"), 10, 4096, "prompt", 2048).max_tokens == 16

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
 if TYPE_CHECKING:  # the engine imports Paddle; the server imports it lazily at start-up
     from fastdeploy_kvcache.engine.llm_engine import LLMEngine, RequestOutput
@@ -43,12 +43,17 @@ class RequestGroup:
     it is idempotent and safe after completion.
     """
 
-    def __init__(self, engine: "LLMEngine", subs: list[SubRequest]) -> None:
+    def __init__(self, engine: "LLMEngine", subs: list[SubRequest],
+                 on_abandoned_finish: Optional[Callable[["RequestOutput"], None]] = None) -> None:
         self._engine = engine
         self._subs = subs
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._unfinished = {s.request_id: s.index for s in subs}
         self._loop = asyncio.get_running_loop()
+        # After abort() nobody reads the queue; the aborted requests' final outputs still
+        # go here (the server's metrics count them), on the loop's thread.
+        self._abandoned = False
+        self._on_abandoned_finish = on_abandoned_finish
 
     def _submit(self) -> None:
         """Add every sub-request; on a ValueError abort those already added and re-raise."""
@@ -59,23 +64,34 @@ class RequestGroup:
                                          self._make_callback(sub.index))
                 added.append(sub.request_id)
         except BaseException:
+            self._abandoned = True
             for rid in added:
                 self._engine.abort(rid)
             self._unfinished.clear()
             raise
 
-    def _make_callback(self, index: int):
-        loop, queue = self._loop, self._queue
+    def _make_callback(self, index: int) -> Callable[["RequestOutput"], None]:
+        loop = self._loop
 
         def on_output(output: "RequestOutput") -> None:
             # Runs on the engine thread.  A closed loop (server shutting down) drops the
             # output: nobody is left to read it, and the engine must not crash.
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, (index, output))
+                loop.call_soon_threadsafe(self._deliver, index, output)
             except RuntimeError:
                 logger.debug("event loop closed; output of %s dropped", output.request_id)
 
         return on_output
+
+    def _deliver(self, index: int, output: "RequestOutput") -> None:
+        """On the loop's thread: queue the output, or, once abandoned, report its finish."""
+        if not self._abandoned:
+            self._queue.put_nowait((index, output))
+        elif output.finished and self._on_abandoned_finish is not None:
+            try:
+                self._on_abandoned_finish(output)
+            except Exception:  # noqa: BLE001 - metrics must not break the loop
+                logger.exception("recording the finish of aborted request %s failed", output.request_id)
 
     def __aiter__(self) -> AsyncIterator[tuple[int, "RequestOutput"]]:
         return self._iterate()
@@ -97,6 +113,7 @@ class RequestGroup:
 
     def abort(self) -> None:
         """Abort every sub-request that has not finished (the engine frees its blocks)."""
+        self._abandoned = True
         for rid in list(self._unfinished):
             logger.info("aborting request %s", rid)
             self._engine.abort(rid)
@@ -115,12 +132,14 @@ class AsyncEngineClient:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-    def submit(self, subs: list[SubRequest]) -> RequestGroup:
+    def submit(self, subs: list[SubRequest],
+               on_abandoned_finish: Optional[Callable[["RequestOutput"], None]] = None) -> RequestGroup:
         """Add the sub-requests to the engine; raises ValueError (bad request) before any runs.
 
-        Must be called from the event loop's thread.
+        Must be called from the event loop's thread.  ``on_abandoned_finish`` receives the
+        final output of each sub-request that finishes after the group was aborted.
         """
-        group = RequestGroup(self.engine, subs)
+        group = RequestGroup(self.engine, subs, on_abandoned_finish)
         group._submit()
         return group
 
@@ -138,6 +157,14 @@ class AsyncEngineClient:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Most tokens (prompt + output) one request can hold: the context and the device pool."""
+        cfg = getattr(self.engine, "cache_config", None)
+        if cfg is None or not getattr(cfg, "num_gpu_blocks", 0):
+            return self.engine.max_model_len
+        return min(self.engine.max_model_len, cfg.num_gpu_blocks * cfg.block_size)
 
 
 def first_token_latency(output: "RequestOutput") -> Optional[float]:

@@ -105,12 +105,13 @@ def build_sampling_params(
     prompt_len: int,
     max_model_len: int,
     prompt_param: str,
+    max_request_tokens: Optional[int] = None,
 ) -> Any:
     """Check the request's values against the engine's limits; return ``SamplingParams``.
 
     ``max_tokens`` that would run past ``max_model_len`` is a 400 (as in vLLM) rather
-    than a silent cut; without ``max_tokens`` chat may use the rest of the context, and
-    completions default to OpenAI's 16.
+    than a silent cut; without ``max_tokens`` chat may use the rest of the context (and
+    of the device pool, ``max_request_tokens``), and completions default to OpenAI's 16.
     """
     from fastdeploy_kvcache.engine.sampling import SamplingParams  # engine side: lazy
 
@@ -136,7 +137,13 @@ def build_sampling_params(
                 f"model's maximum context length (--max-model-len) of {max_model_len}",
                 param=param, code="context_length_exceeded")
     else:
-        max_tokens = room
+        limit = max_model_len if max_request_tokens is None else min(max_model_len, max_request_tokens)
+        if limit - prompt_len <= 0:
+            raise RequestError(
+                f"{prompt_param}: the prompt has {prompt_len} tokens; the device KV pool holds at most "
+                f"{limit} tokens per request, which leaves no room to generate",
+                param=prompt_param, code="context_length_exceeded")
+        max_tokens = limit - prompt_len
     if req.n < 1:
         raise RequestError(f"n: must be >= 1, got {req.n}", param="n")
     if req.temperature is not None and req.temperature < 0:
@@ -251,11 +258,12 @@ class OpenAIServing:
         if len(prompts) * req.n > MAX_CHOICES:
             raise RequestError(f"n: at most {MAX_CHOICES} choices per request (prompts x n), got "
                                f"{len(prompts) * req.n}", param="n")
-        params_per_prompt = [build_sampling_params(req, len(ids), self.client.max_model_len, prompt_param)
+        params_per_prompt = [build_sampling_params(req, len(ids), self.client.max_model_len, prompt_param,
+                                                   self.client.max_request_tokens)
                              for ids in prompts]
         subs = _fan_out(list(zip(prompts, params_per_prompt)), req.n)
         try:
-            return self.client.submit(subs)
+            return self.client.submit(subs, on_abandoned_finish=lambda out: self.metrics.observe_finished(out, None))
         except ValueError as exc:  # the engine's own validation (contract: a clear message)
             raise RequestError(str(exc), param=prompt_param) from exc
 
