@@ -329,7 +329,10 @@ class TransferManager:
         to_host = direction is CopyDirection.DEVICE_TO_HOST
         want = (CacheLevel.DEVICE, CacheLevel.HOST) if to_host else (CacheLevel.HOST, CacheLevel.DEVICE)
         if (meta.src_type, meta.dst_type) != want:
-            return f"{direction.short} task expects {want[0].name}->{want[1].name}, got {meta.src_type.name}->{meta.dst_type.name}"
+            return (
+                f"{direction.short} task expects {want[0].name}->{want[1].name}, "
+                f"got {meta.src_type.name}->{meta.dst_type.name}"
+            )
         if len(meta.src_block_ids) != len(meta.dst_block_ids):
             return f"src_block_ids has {len(meta.src_block_ids)} ids, dst_block_ids {len(meta.dst_block_ids)}"
         dev_ids, host_ids = (
