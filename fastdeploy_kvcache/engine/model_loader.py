@@ -177,6 +177,10 @@ def load_local_dir(path: str, dtype: str = "float32") -> LoadedModel:
     _cpu_safe(config, dtype != "float32")
     model = LlamaForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     tok = EngineTokenizer.load(path)
+    # The model's own end-of-sequence ids count too (a list in newer configs).
+    eos = raw.get("eos_token_id")
+    extra = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    tok.eos_token_ids = sorted(set(tok.eos_token_ids) | {int(t) for t in extra})
     return _describe(model, tok, os.path.basename(os.path.normpath(path)), dtype)
 
 

@@ -52,12 +52,15 @@ class Collector:
         return outs[-1]
 
 
-def make_engine(monkeypatch: pytest.MonkeyPatch, model: LoadedModel, v1: bool, **kwargs: Any) -> LLMEngine:
+def make_engine(monkeypatch: pytest.MonkeyPatch, loaded: Optional[LoadedModel], v1: bool, **kwargs: Any) -> LLMEngine:
+    """An started engine; ``loaded`` (the shared tiny model) unless ``model=`` names another."""
     monkeypatch.setenv("ENABLE_V1_KVCACHE_MANAGER", "1" if v1 else "0")
     defaults: dict[str, Any] = dict(model="tiny-llama-random", block_size=16, max_model_len=512,
                                     max_num_batched_tokens=64, max_num_seqs=4)
     defaults.update(kwargs)
-    eng = LLMEngine(EngineArgs(**defaults), loaded_model=model)
+    if defaults["model"] != "tiny-llama-random":
+        loaded = None
+    eng = LLMEngine(EngineArgs(**defaults), loaded_model=loaded)
     eng.start()
     return eng
 
