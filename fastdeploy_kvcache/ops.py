@@ -251,6 +251,13 @@ def _int_arg(value: Any, op: str, name: str, bits: int = 64) -> int:
     raise SwapOpError(f"{op}: {name} = {value!r} must be an integer", op, name, None)
 
 
+def _ptr_arg(value: Any, op: str, name: str) -> int:
+    """An address: an integer in ``[0, 2**64)`` (a negative one would wrap in ctypes)."""
+    if _is_int(value) and 0 <= int(value) < (1 << 64):
+        return int(value)
+    raise SwapOpError(f"{op}: {name} = {value!r} is not an address (an integer in [0, 2**64))", op, name, None)
+
+
 def _check_tensor(tensor: Any, op: str) -> Any:
     """The one cache tensor of a per-layer op (see :func:`_check_tensors`)."""
     is_contiguous = getattr(tensor, "is_contiguous", None)
@@ -440,9 +447,7 @@ class CApi:
     def host_free(self, ptr: int) -> None:
         """Free memory from :meth:`host_alloc` (0 is a no-op; any other pointer this library
         did not hand out, or one already freed, is a :class:`SwapOpError`)."""
-        ptr = _int_arg(ptr, "cuda_host_free", "ptr", 65)
-        if ptr < 0:
-            raise SwapOpError(f"cuda_host_free: ptr = {ptr} is not an address", "cuda_host_free", "ptr", None)
+        ptr = _ptr_arg(ptr, "cuda_host_free", "ptr")
         self._check(self._lib.fdkv_host_free(ctypes.c_void_p(ptr)))
 
     # ---------------------------------------------------------------- options
@@ -504,8 +509,8 @@ class CApi:
     ) -> None:
         code = copy_path_code(path, op)
         count = len(dev_ptrs)
-        dev_arr = (ctypes.c_void_p * max(count, 1))(*[_int_arg(p, op, "dev_ptrs", 65) for p in dev_ptrs])
-        host_arr = (ctypes.c_void_p * max(len(host_ptrs), 1))(*[_int_arg(p, op, "host_ptrs", 65) for p in host_ptrs])
+        dev_arr = (ctypes.c_void_p * max(count, 1))(*[_ptr_arg(p, op, "dev_ptrs") for p in dev_ptrs])
+        host_arr = (ctypes.c_void_p * max(len(host_ptrs), 1))(*[_ptr_arg(p, op, "host_ptrs") for p in host_ptrs])
         nblk = self._per_tensor(num_dev_blocks, count, op, "num_dev_blocks")
         bbytes = self._per_tensor(block_bytes, count, op, "block_bytes")
         num_host_blocks = _int_arg(num_host_blocks, op, "num_host_blocks")

@@ -366,3 +366,15 @@ def test_mode_aliases_are_the_copy_direction() -> None:
 
     assert ops.MODE_D2H is CopyDirection.DEVICE_TO_HOST and ops.MODE_D2H == 0
     assert ops.MODE_H2D is CopyDirection.HOST_TO_DEVICE and ops.MODE_H2D == 1
+
+
+def test_capi_pointers_must_be_addresses(capi_cpu: ops.CApi) -> None:
+    """A negative or float pointer would wrap (or truncate) in ctypes: refused in Python."""
+    host = np.zeros((NUM_HOST, BB), np.uint8)
+    for bad in (-8, 2.0, 2**64):
+        with pytest.raises(ops.SwapOpError) as info:
+            capi_cpu.swap_per_layer(bad, NUM_DEV, BB, host.ctypes.data, NUM_HOST, [0], [0], ops.MODE_D2H)
+        assert (info.value.op, info.value.argument) == ("swap_per_layer", "dev_ptrs")
+    with pytest.raises(ops.SwapOpError) as info:
+        capi_cpu.host_free(-1)
+    assert info.value.argument == "ptr"
