@@ -1042,6 +1042,8 @@ class CacheManager:
             for h in meta.dst_block_ids:
                 inf = self._inflight.pop((_DEV, _HOST, h))
                 inf.node.pending = None
+                if inf.node.detached:
+                    self._release_detached(inf.node)  # its subtree was dropped already
         self._pending_evictions = []
         nodes = list(self.tree.iter_nodes())
         self.tree.reset()

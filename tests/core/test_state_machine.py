@@ -159,13 +159,27 @@ class CacheMachine(RuleBasedStateMachine):
         m = self.mgr.match_prefix(req)
         assert m.num_matched_tokens <= req.num_total_tokens - 1, "must leave the last token to compute"
         n = -(-req.num_total_tokens // BS) - m.num_device_blocks
-        if not self.mgr.can_allocate_device_blocks(n):
-            return False
+        can = self.mgr.can_allocate_device_blocks(n)
+        before = self._snapshot()
+        # Every other request goes through ensure_resident, the engine's one call.
+        resident = int(req.request_id.lstrip("r")) % 2 == 0
         try:
-            ids = self.mgr.allocate_device_blocks(req, n)
-        except NoFreeBlocksError:
+            if resident:
+                plan = self.mgr.ensure_resident(req, req.num_total_tokens)
+                ids = plan.new_block_ids
+                assert plan.num_cached_tokens == req.num_cached_tokens
+                assert plan.num_device_hit_tokens + plan.num_host_hit_tokens == plan.num_cached_tokens
+            else:
+                ids = self.mgr.allocate_device_blocks(req, n)
+        except NoFreeBlocksError as e:
             assert not self.mgr.is_running(req.request_id) and req.block_tables == []
+            assert self._snapshot() == before, "a failed allocation changed state"
+            # can_allocate counts the request's own device hits as evictable: only they may differ.
+            assert not can or m.num_device_blocks > 0, "can_allocate_device_blocks said yes"
+            if e.retryable:
+                assert self.mgr.num_copies_in_flight > 0
             return False
+        assert can or m.num_device_blocks > 0, "can_allocate_device_blocks said no, the allocation succeeded"
         assert len(ids) == n and len(req.block_tables) == -(-req.num_total_tokens // BS)
         assert req.num_cached_tokens == req.num_computed_tokens <= req.num_total_tokens - 1
         self.running[req.request_id] = req
@@ -336,6 +350,25 @@ class CacheMachine(RuleBasedStateMachine):
                 self.mgr.request_finish(Request(f"never-{pick}", [1]))
         assert self._snapshot() == before
 
+    @precondition(lambda self: self.mgr is not None and not self.running and self.mgr.num_copies_in_flight == 0)
+    @rule()
+    def reclaim_everything(self):
+        """Liveness: with nothing running and nothing in flight, every cached device block
+        can be reclaimed: one fresh request gets the whole pool."""
+        mgr = self.mgr
+        total = mgr.device_pool.num_blocks
+        counts = mgr.check_invariants()
+        assert counts["device_free"] + counts["device_cached"] == total
+        req = Request(self._new_id(), list(range(10**6, 10**6 + total * BS)))
+        assert mgr.can_allocate_device_blocks(total), "can_allocate_device_blocks: cached blocks not reclaimable"
+        mgr.allocate_device_blocks(req, total)  # must not raise NoFreeBlocksError
+        batch = BatchRequest([req])
+        batch.append_evict_metadata(mgr.issue_pending_backup_to_batch_request())
+        self._execute(batch.cache_evict_metadata, True)
+        self._deliver_all()
+        mgr.request_finish(req)  # computed nothing: every block goes back to the pool
+        LIVENESS_CHECKS.append(total)
+
     @precondition(lambda self: not self.running)
     @rule()
     def reset(self):
@@ -403,6 +436,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 STEP_COUNTS: list[int] = []
+LIVENESS_CHECKS: list[int] = []
 COVERAGE: dict[str, int] = {}
 
 
@@ -421,6 +455,7 @@ def test_cache_manager_state_machine():
     """CI size: 200 examples of at least 50 rule steps (hypothesis runs them to 150)."""
     STEP_COUNTS.clear()
     COVERAGE.clear()
+    LIVENESS_CHECKS.clear()
     run_state_machine_as_test(CacheMachine, settings=_settings(200, 150), _min_steps=MIN_STEPS)
     # Examples hypothesis discards early (overruns) also tear down; count the full ones.
     assert sum(1 for n in STEP_COUNTS if n > MIN_STEPS) >= 200, sorted(STEP_COUNTS)
@@ -428,6 +463,7 @@ def test_cache_manager_state_machine():
     for key in ("swap_in_blocks", "write_back_blocks", "backup_blocks", "failed_blocks", "device_evictions",
                 "host_evictions", "duplicate_blocks", "matched_tokens_host"):
         assert COVERAGE.get(key, 0) > 0, (key, COVERAGE)
+    assert len(LIVENESS_CHECKS) >= 50, f"the liveness rule ran {len(LIVENESS_CHECKS)} times"
 
 
 @pytest.mark.soak
