@@ -589,16 +589,17 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
     int64_t num_segs = 0;
     staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, &plan, &num_segs);
     if (path == kCopyAuto) {
-      // NOTE: staged wins when the host side merges into runs much longer than the runs
-      // both sides share (what the DMA batch and the memcpy path can merge): its DMAs are
-      // then few and long.  When they are as short as a block, it only adds a gather, and
-      // the old size rule applies.  Thresholds: docs/benchmarks.md (copy path v2).
+      // NOTE: staged wins where the alternatives are weak: copies (runs both sides share)
+      // below dma_min_bytes, where the DMA batch pays ~1 us per copy and the kernel holds SMs
+      // for the whole transfer and loses a third of the link in both directions at once,
+      // while the host side merges into runs (>= staged_min_bytes, and >= 2x the shared
+      // runs).  A call must be >= 16 MiB: each chunk costs ~15-20 us of link time at the
+      // DMA <-> kernel hand-offs, which a per-layer call of a few MiB cannot amortize
+      // (measured on H100: docs/benchmarks.md, "Copy path v2").
       const int64_t avg_seg = total_bytes / std::max<int64_t>(1, num_segs);
-      // A call's fixed cost (~10 API calls, tens of us of host time) must stay below its
-      // time on the link, hence the minimum call size.
-      constexpr int64_t kStagedMinCallBytes = 4 << 20;
-      if (avg_seg >= opts.staged_min_bytes && avg_seg >= 2 * avg_copy_bytes && total_bytes >= kStagedMinCallBytes &&
-          HostSideIsPinned(lanes, mode)) {
+      constexpr int64_t kStagedMinCallBytes = 16 << 20;
+      if (avg_copy_bytes < opts.dma_min_bytes && avg_seg >= opts.staged_min_bytes && avg_seg >= 2 * avg_copy_bytes &&
+          total_bytes >= kStagedMinCallBytes && HostSideIsPinned(lanes, mode)) {
         path = kCopyStaged;
       } else {
         path = avg_copy_bytes >= opts.dma_min_bytes ? kCopyDma : kCopyKernel;

@@ -19,8 +19,8 @@ def main() -> int:
     stream = cp.cuda.Stream(non_blocking=True)
     num_dev, num_host = 16, 20
     ptrs = []
-    # (copy_path, copy_kernel): every kernel variant, the DMA batch, and auto.
-    for path, kernel in ((1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (0, 0)):
+    # (copy_path, copy_kernel): every kernel variant, the DMA batch, the staged path, and auto.
+    for path, kernel in ((1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (3, 0), (0, 0)):
         capi.set_option("copy_path", path)
         capi.set_option("copy_kernel", kernel)
         for bb in (4096, 24, 6, 1 << 20):

@@ -102,7 +102,7 @@ def test_bad_path_raises_before_any_copy(cupy, capi, pinned, cuda_stream) -> Non
     dev = cupy.zeros((NUM_DEV, BB), dtype=cupy.uint8)
     host = pinned(NUM_HOST * BB).reshape(NUM_HOST, BB)
     before = host.copy()
-    for bad in (3, -2, "fast"):
+    for bad in (4, -2, "fast"):
         with pytest.raises(ops.SwapOpError) as info:
             capi.swap_per_layer(dev.data.ptr, NUM_DEV, BB, host.ctypes.data, NUM_HOST, DEV_IDS, HOST_IDS,
                                 ops.MODE_D2H, stream=cuda_stream(), path=bad)
