@@ -56,8 +56,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--reps", type=int, default=11)
-    p.add_argument("--copy-paths", default="auto", help="comma list of copy paths to run: auto,kernel,dma")
-    p.add_argument("--d2h-copy-path", default=None, choices=["dma", "auto", "kernel", "process"],
+    p.add_argument("--copy-paths", default="auto", help="comma list of copy paths to run: auto,kernel,dma,staged")
+    p.add_argument("--host-ids", default="runs", choices=["runs", "scattered"],
+                   help="host block ids of loads and evictions: 'runs' (consecutive per step, as the block "
+                        "allocator hands them out) or 'scattered' (random: the worst case); device ids are "
+                        "always scattered")
+    p.add_argument("--d2h-copy-path", default=None, choices=["dma", "auto", "kernel", "staged", "process"],
                    help="the worker's device->host copy path (default: FDKV_D2H_COPY_PATH, i.e. dma); "
                         "'process' follows --copy-paths like loads do")
     p.add_argument("--fence-blocks", type=int, default=8, help="blocks of the write_back eviction fence row")
@@ -105,13 +109,14 @@ def sm_sharing_check() -> int:
     dev = [cp.zeros(nblocks * block_bytes, dtype=cp.uint8) for _ in range(tensors)]
     host = [capi.host_alloc(nblocks * block_bytes) for _ in range(tensors)]
     ids = np.random.default_rng(0).permutation(nblocks).astype(np.int64)
+    host_ids = np.arange(nblocks, dtype=np.int64)  # a host run: what the staged path merges
     copy_stream, compute = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     mat = cp.ones((4928, 4928), cp.float16)
     vec = cp.ones(1 << 27, cp.float32)
 
     def copies(path: int) -> None:
         for _ in range(3):  # the call's own path: the process-wide option is left alone
-            capi.swap_all_layers([d.data.ptr for d in dev], host, nblocks, block_bytes, nblocks, ids, ids, 0,
+            capi.swap_all_layers([d.data.ptr for d in dev], host, nblocks, block_bytes, nblocks, ids, host_ids, 0,
                                  stream=copy_stream.ptr, path=path)
 
     def time_ms(work: Callable[[], None], path: int, with_copies: bool) -> float:
@@ -130,7 +135,7 @@ def sm_sharing_check() -> int:
     works = {"gemm (cuBLAS)": lambda: [mat @ mat for _ in range(20)],
              "elementwise": lambda: [vec * 1.0001 + 0.5 for _ in range(40)]}
     for name, work in works.items():
-        for path, path_name in ((1, "kernel"), (2, "dma")):
+        for path, path_name in ((1, "kernel"), (2, "dma"), (3, "staged")):
             alone = statistics.median(time_ms(work, path, False) for _ in range(5))
             loaded = statistics.median(time_ms(work, path, True) for _ in range(5))
             print(f"{name:14s} copy path={path_name:6s} alone={alone:7.2f} ms  with copies={loaded:7.2f} ms  "
@@ -169,17 +174,22 @@ def main() -> int:
     ctrl.initialize_host_cache(total_blocks)
     tm = ctrl.transfer_manager
     rng = np.random.default_rng(0)
-    # Scattered ids, as a long-running server's pools look: no long consecutive runs.
+    # Scattered device ids, as a long-running server's pools look: no long consecutive runs.
     load_dev = rng.permutation(total_blocks)[:n_blocks].tolist()
-    load_host = rng.permutation(total_blocks)[:n_blocks].tolist()
     spare = [b for b in range(total_blocks) if b not in set(load_dev)]
-    evict_dev = spare[:n_blocks]
+    evict_dev = rng.permutation(spare)[:n_blocks].tolist()
+    fence_dev = spare[n_blocks:n_blocks + args.fence_blocks]
     # Backups/evictions write host blocks the loads do not read: a shared block would make
     # the load wait for the copy (ordering rule 5), which is correct but not what we measure.
-    other_host = [h for h in rng.permutation(total_blocks).tolist() if h not in set(load_host)]
-    evict_host = other_host[:n_blocks]
-    fence_dev = spare[n_blocks:n_blocks + args.fence_blocks]
-    fence_host = other_host[n_blocks:n_blocks + args.fence_blocks]
+    if args.host_ids == "scattered":
+        load_host = rng.permutation(total_blocks)[:n_blocks].tolist()
+        other_host = [h for h in rng.permutation(total_blocks).tolist() if h not in set(load_host)]
+        evict_host = other_host[:n_blocks]
+        fence_host = other_host[n_blocks:n_blocks + args.fence_blocks]
+    else:  # one run per step (a request's blocks), as the host pool's run allocator gives them
+        load_host = list(range(0, n_blocks))
+        evict_host = list(range(n_blocks, 2 * n_blocks))
+        fence_host = list(range(2 * n_blocks, 2 * n_blocks + args.fence_blocks))
     load_bytes = n_blocks * config.bytes_per_block
 
     compute = cp.cuda.Stream(non_blocking=True)
@@ -241,15 +251,16 @@ def main() -> int:
         "blocks_loaded": n_blocks, "bytes_per_block_all_layers": config.bytes_per_block,
         "layer_load_bytes": n_blocks * 2 * config.bytes_per_layer_block,
         "contiguous_pinned_h2d_GBps": contiguous_h2d, "host_cache_numa_node": ctrl.numa_node,
-        "d2h_copy_path": tm.d2h_copy_path, "runs": [],
+        "d2h_copy_path": tm.d2h_copy_path, "host_ids": args.host_ids, "runs": [],
     }
-    path_names = {ops.PATH_MEMCPY: "memcpy", ops.PATH_KERNEL: "kernel", ops.PATH_DMA: "dma", ops.PATH_CPU: "cpu"}
+    path_names = {ops.PATH_MEMCPY: "memcpy", ops.PATH_KERNEL: "kernel", ops.PATH_DMA: "dma", ops.PATH_CPU: "cpu",
+                  ops.PATH_STAGED: "staged"}
 
     def paths_str(bits: int) -> str:
         return "+".join(name for bit, name in path_names.items() if bits & bit) or "-"
 
     for path in args.copy_paths.split(","):
-        path_code = {"auto": 0, "kernel": 1, "dma": 2}[path]
+        path_code = {"auto": 0, "kernel": 1, "dma": 2, "staged": 3}[path]
         capi.set_option("copy_path", path_code)
         tm.reset_stats()  # the paths each direction used, per run
 

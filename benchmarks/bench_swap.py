@@ -38,15 +38,20 @@ from fastdeploy_kvcache import ops  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PATH_NAMES = {0: "-", ops.PATH_MEMCPY: "memcpy", ops.PATH_KERNEL: "kernel", ops.PATH_DMA: "dma",
-              ops.PATH_MEMCPY | ops.PATH_KERNEL: "memcpy+kernel"}
-COPY_PATH = {"auto": 0, "kernel": 1, "dma": 2}
+              ops.PATH_MEMCPY | ops.PATH_KERNEL: "memcpy+kernel", ops.PATH_STAGED: "staged"}
+COPY_PATH = {"auto": 0, "kernel": 1, "dma": 2, "staged": 3}
+# Id patterns (device ids, host ids): "scattered" both random; "host_runs" random device ids
+# and one run of consecutive host ids (what the block allocator hands out for one request);
+# "host_runs8" random device ids and host runs of 8 blocks at random places; "consecutive"
+# both sides consecutive (one merged run).
+ID_PATTERNS = ("scattered", "host_runs", "host_runs8", "consecutive")
 KERNEL_CHUNK, KERNEL_WARPS_PER_CTA, TMA_CHUNK = 8192, 16, 16384  # mirror swap_cuda.cu (CTA counts)
 
 
 @dataclass
 class Row:
     block_bytes: int
-    ids: str            # scattered | consecutive
+    ids: str            # one of ID_PATTERNS
     api: str            # all_layers | per_layer
     path: str           # requested: auto | kernel | dma
     grid: int           # kernel grid cap for this row
@@ -54,12 +59,14 @@ class Row:
     slice: int          # bytes per cudaMemcpyBatchAsync call (dma_slice_bytes option)
     tables: int         # kernel_tables option (0 device copy, 1 read from pinned memory)
     direction: str      # h2d | d2h | both
+    chunk: int = 0      # staging_chunk_bytes option (staged path)
     used: str = ""      # path(s) the op reported
     ctas: int = 0       # CTAs (= SMs at most) the kernel launched; 0 for DMA / memcpy
     gbps: float = 0.0
     ratio: float = 0.0  # to the one-direction (or bidirectional) limit of this run
     ms: float = 0.0
     nbytes: int = 0
+    host_us: float = 0.0  # host time of one measured unit's submission (median), no sync
 
 
 @dataclass
@@ -163,8 +170,13 @@ class SizeBench:
         rng = np.random.default_rng(seed)
         dp, hp = rng.permutation(self.pool), rng.permutation(self.pool)
         n = self.n
+        run = min(8, n)
+        bases = rng.permutation(self.pool // run) * run  # random starts of aligned runs of `run` blocks
+        runs = np.concatenate([np.arange(b, b + run) for b in bases])[: 2 * n]
         self.ids = {
             "scattered": ((dp[:n], hp[:n]), (dp[n:2 * n], hp[n:2 * n])),
+            "host_runs": ((dp[:n], np.arange(n)), (dp[n:2 * n], np.arange(n) + 2 * n)),
+            "host_runs8": ((dp[:n], runs[:n]), (dp[n:2 * n], runs[n:2 * n])),
             "consecutive": ((np.arange(n), np.arange(n) + n), (np.arange(n) + 2 * n, np.arange(n) + 3 * n)),
         }
         if 4 * n > self.pool:  # keep the consecutive sets inside the pool
@@ -258,56 +270,71 @@ def run(args: argparse.Namespace) -> Optional[Report]:
 
     print(f"device: {name}, {report.sms} SMs", flush=True)
 
-    option_names = ("copy_path", "copy_grid", "copy_kernel", "dma_slice_bytes", "kernel_tables")
+    option_names = ("copy_path", "copy_grid", "copy_kernel", "dma_slice_bytes", "kernel_tables", "staging_chunk_bytes")
     saved = {k: capi.get_option(k) for k in option_names}
     base_kernel, base_slice, base_tables = saved["copy_kernel"], saved["dma_slice_bytes"], saved["kernel_tables"]
+    base_chunk = saved["staging_chunk_bytes"]
     s_h2d, s_d2h = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
-    # (path, grid, kernel variant, dma slice, kernel tables, scope)  scope "full" runs the
-    # whole matrix; sweeps run scattered ids, all-layers (the table sweep: per-layer too).
-    configs = [(p, args.grid, base_kernel, base_slice, base_tables, "full") for p in ("auto", "kernel", "dma")]
-    configs += [("kernel", g, base_kernel, base_slice, base_tables, "sweep") for g in args.grid_sweep
+    # (path, grid, kernel variant, dma slice, kernel tables, staging chunk, scope)  scope
+    # "full" runs the whole matrix; sweeps run scattered ids (chunk sweep: host runs),
+    # all-layers (the table sweep: per-layer too).
+    configs = [(p, args.grid, base_kernel, base_slice, base_tables, base_chunk, "full") for p in args.paths]
+    configs += [("kernel", g, base_kernel, base_slice, base_tables, base_chunk, "sweep") for g in args.grid_sweep
                 if g != args.grid]
-    configs += [("kernel", args.grid, v, base_slice, base_tables, "sweep") for v in args.kernel_variants
+    configs += [("kernel", args.grid, v, base_slice, base_tables, base_chunk, "sweep") for v in args.kernel_variants
                 if v != base_kernel]
-    configs += [("dma", args.grid, base_kernel, sl, base_tables, "sweep") for sl in args.dma_slices
+    configs += [("dma", args.grid, base_kernel, sl, base_tables, base_chunk, "sweep") for sl in args.dma_slices
                 if sl != base_slice]
+    configs += [("staged", args.grid, base_kernel, base_slice, base_tables, c, "chunk") for c in args.staging_chunks
+                if c != base_chunk]
     if args.tables_sweep:
-        configs += [("kernel", args.grid, base_kernel, base_slice, 1 - base_tables, "per_layer")]
+        configs += [("kernel", args.grid, base_kernel, base_slice, 1 - base_tables, base_chunk, "per_layer")]
     raw: list[Row] = []
     try:
         for rnd in range(args.rounds):
             reference(f"before pass {rnd + 1}")
             for bb in args.sizes:
                 bench = SizeBench(cp, capi, args.layers, bb, args.call_bytes, seed=bb)
-                for path, grid, variant, dslice, tables, scope in configs:
-                    if scope != "full" and path == "kernel" and bb >= args.kernel_max_bytes:
+                for path, grid, variant, dslice, tables, chunk, scope in configs:
+                    if scope in ("sweep", "per_layer") and path == "kernel" and bb >= args.kernel_max_bytes:
                         continue  # kernel sweeps only where auto picks the kernel
                     capi.set_option("copy_path", COPY_PATH[path])
                     capi.set_option("copy_grid", grid)
                     capi.set_option("copy_kernel", variant)
                     capi.set_option("dma_slice_bytes", dslice)
                     capi.set_option("kernel_tables", tables)
-                    for ids in ("scattered", "consecutive") if scope == "full" else ("scattered",):
+                    capi.set_option("staging_chunk_bytes", chunk)
+                    id_set = args.ids if scope == "full" else (("host_runs",) if scope == "chunk" else ("scattered",))
+                    for ids in id_set:
                         for api in ("all_layers", "per_layer") if scope in ("full", "per_layer") else ("all_layers",):
                             for direction in ("h2d", "d2h", "both"):
                                 issue = bench.issue(api, direction, ids, s_h2d, s_d2h)
                                 streams = [s_h2d, s_d2h] if direction == "both" else [s_h2d if direction == "h2d" else s_d2h]
                                 used = issue()
                                 cp.cuda.runtime.deviceSynchronize()
-                                if direction == "d2h" and api == "all_layers":
+                                if direction == "d2h":
                                     bench.check(ids)
                                 ms = Timer(cp, streams).run(issue, args.warmup, args.iters)
+                                host_s = []
+                                for _ in range(5):  # host submit time, device idle before each
+                                    cp.cuda.runtime.deviceSynchronize()
+                                    t0 = time.perf_counter()
+                                    issue()
+                                    host_s.append(time.perf_counter() - t0)
+                                cp.cuda.runtime.deviceSynchronize()
                                 nbytes = bench.n * bb * args.layers * (2 if direction == "both" else 1)
                                 gbps = nbytes / (ms * 1e-3) / 1e9
                                 ctas = 0
                                 if used & ops.PATH_KERNEL:
                                     ctas = kernel_ctas(api, bench.n, args.layers, bb, grid, variant)
-                                row = Row(bb, ids, api, path, grid, variant, dslice, tables, direction,
-                                          PATH_NAMES.get(used, str(used)), ctas, gbps, 0.0, ms, nbytes)
+                                row = Row(bb, ids, api, path, grid, variant, dslice, tables, direction, chunk,
+                                          PATH_NAMES.get(used, str(used)), ctas, gbps, 0.0, ms, nbytes,
+                                          statistics.median(host_s) * 1e6)
                                 raw.append(row)
                                 print(f"pass {rnd + 1} {bb // KiB:>5} KiB {ids:<11} {api:<10} {path:<6} grid={grid:<3} "
-                                      f"k={variant} slice={dslice // MiB:<3}M t={tables} {direction:<4} "
-                                      f"used={row.used:<13} ctas={row.ctas:<3} {gbps:7.1f} GB/s", flush=True)
+                                      f"k={variant} slice={dslice // MiB:<3}M chunk={chunk // MiB}M {direction:<4} "
+                                      f"used={row.used:<13} ctas={row.ctas:<3} {gbps:7.1f} GB/s "
+                                      f"host={row.host_us:8.0f} us", flush=True)
                 bench.close()
     finally:
         for k, v in saved.items():
@@ -319,7 +346,7 @@ def run(args: argparse.Namespace) -> Optional[Report]:
     best: dict[tuple, Row] = {}
     for row in raw:
         key = (row.block_bytes, row.ids, row.api, row.path, row.grid, row.kernel, row.slice, row.tables,
-               row.direction)
+               row.chunk, row.direction)
         if key not in best or row.gbps > best[key].gbps:
             best[key] = row
     for row in best.values():
@@ -342,14 +369,16 @@ def to_markdown(report: Report) -> str:
         f"best of {len(runs)} runs): H2D {ref['h2d_gbps']:.1f} GB/s, D2H {ref['d2h_gbps']:.1f} GB/s, both "
         f"directions on two streams {ref['both_gbps']:.1f} GB/s (each run H2D/D2H/both: {spread}).",
         "",
-        "| block | ids | api | path (used) | grid cap / CTAs | H2D GB/s (ratio) | D2H GB/s (ratio) | both GB/s (ratio) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| block | ids | api | path (used) | grid cap / CTAs | H2D GB/s (ratio) | D2H GB/s (ratio) | both GB/s (ratio) "
+        "| host submit us (H2D / D2H) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple, dict] = {}
     for r in report.rows:
-        key = (r["block_bytes"], r["ids"], r["api"], r["path"], r["grid"], r["kernel"], r["slice"], r["tables"])
+        key = (r["block_bytes"], r["ids"], r["api"], r["path"], r["grid"], r["kernel"], r["slice"], r["tables"],
+               r["chunk"])
         groups.setdefault(key, {})[r["direction"]] = r
-    for (bb, ids, api, path, grid, variant, dslice, tables), by_dir in groups.items():
+    for (bb, ids, api, path, grid, variant, dslice, tables, chunk), by_dir in groups.items():
         used = "/".join(sorted({r["used"] for r in by_dir.values()}))
         ctas = max(r["ctas"] for r in by_dir.values())
         size = f"{bb // MiB} MiB" if bb >= MiB else f"{bb // KiB} KiB"
@@ -358,19 +387,25 @@ def to_markdown(report: Report) -> str:
             r = by_dir.get(d)
             cells.append(f"{r['gbps']:.1f} ({r['ratio']:.3f})" if r else "-")
         knobs = f"k{variant} t{tables}" if "kernel" in used else (f"slice {dslice // MiB} MiB" if "dma" in used else "")
+        if "staged" in used:
+            knobs = f"chunk {chunk // MiB} MiB"
+        host = " / ".join(f"{by_dir[d]['host_us']:.0f}" if d in by_dir else "-" for d in ("h2d", "d2h"))
         lines.append(f"| {size} | {ids} | {api} | {path} ({used}) {knobs} | {grid} / {ctas} | "
-                     + " | ".join(cells) + " |")
+                     + " | ".join(cells) + f" | {host} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=64)
-    parser.add_argument("--sizes", default="4K,8K,32K,128K,512K,2M")
+    parser.add_argument("--sizes", default="8K,16K,32K,128K,512K,2M")
     parser.add_argument("--call-bytes", default="256M", help="bytes per direction per measured unit")
     parser.add_argument("--ref-bytes", default="1G")
     parser.add_argument("--grid", type=int, default=8, help="kernel grid cap (FDKV_COPY_GRID) for the main rows")
-    parser.add_argument("--grid-sweep", default="4,16,32", help="extra kernel grid caps (all-layers, scattered)")
+    parser.add_argument("--paths", default="auto,kernel,dma,staged", help="copy paths of the full matrix")
+    parser.add_argument("--ids", default=",".join(ID_PATTERNS), help="id patterns of the full matrix")
+    parser.add_argument("--staging-chunks", default="", help="extra staging chunk sizes (staged, host runs), e.g. 4M,32M")
+    parser.add_argument("--grid-sweep", default="", help="extra kernel grid caps (all-layers, scattered), e.g. 4,16,32")
     parser.add_argument("--kernel-variants", default="", help="extra kernel variants to sweep, e.g. 1,2,3")
     parser.add_argument("--dma-slices", default="", help="extra DMA slice sizes (bytes) to sweep, e.g. 4M,64M")
     parser.add_argument("--tables-sweep", action="store_true", help="also time the other kernel_tables mode")
@@ -388,6 +423,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.grid_sweep = [int(g) for g in args.grid_sweep.split(",") if g]
     args.kernel_variants = [int(v) for v in args.kernel_variants.split(",") if v]
     args.dma_slices = [parse_size(v) for v in args.dma_slices.split(",") if v]
+    args.paths = [p for p in args.paths.split(",") if p]
+    args.ids = [i for i in args.ids.split(",") if i]
+    args.staging_chunks = [parse_size(v) for v in args.staging_chunks.split(",") if v]
     if args.quick:
         args.sizes, args.iters, args.grid_sweep, args.rounds = [8 * KiB, 512 * KiB], 3, [], 1
         args.call_bytes, args.ref_bytes = 64 * MiB, 256 * MiB

@@ -1,0 +1,304 @@
+"""Time to first token on the GPU: prefix recomputed, prefix already on the device, or
+prefix loaded from pinned host memory layer by layer through our copy ops.
+
+A Llama-8B-shaped layer stack in torch (bf16): 32 layers, hidden 4096, 32 query heads and
+8 KV heads of 128, MLP 14336 (SwiGLU), RMSNorm; GEMMs on cuBLAS, attention through torch
+SDPA (flash / memory-efficient kernels; prefix attention with a lower-right causal mask).
+Weights are random and shared by all layers (436 MB, far beyond L2, so each layer still
+streams its weights from HBM).  The KV cache is paged: blocks of 64 tokens, scattered
+device block ids, so attention gathers the request's blocks (the same cost for every
+source).  A host hit loads each layer's K and V blocks with one ``swap_all_layers`` call
+of two tensors (the process-wide copy path: ``auto`` unless ``--paths`` says otherwise) on
+a load stream, from a loader thread, and layer i's attention waits on layer i's event on
+the GPU.  The load starts with the step, so TTFT includes it.
+
+Reported, with the limit measured in the same run (one contiguous 1 GiB pinned
+``cudaMemcpyAsync`` host to device):
+
+* ``floor = max(device hit, prefix KV bytes / H2D limit)`` and ``host hit / floor``
+  (target <= 1.10);
+* ``host hit / recompute`` (target <= 0.25).
+
+    python benchmarks/bench_ttft.py [--prefixes 1k,8k,32k] [--new 1,128,2k] [--paths auto,dma]
+
+Writes ``bench_ttft.json`` under ``--out``.  Exits 0 with a message without a GPU, torch or
+the CUDA C ABI library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fastdeploy_kvcache import ops  # noqa: E402
+
+LAYERS, HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, MLP = 32, 4096, 32, 8, 128, 14336
+BLOCK = 64  # tokens per KV block
+
+
+def parse_tokens(text: str) -> int:
+    text = text.strip().lower()
+    return int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+
+
+class Model:
+    """The layer stack, its paged device KV cache and a pinned host copy of the prefix KV."""
+
+    def __init__(self, torch: Any, capi: ops.CApi, max_prefix: int, seed: int = 0) -> None:
+        self.torch, self.capi = torch, capi
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        dt, dev = torch.bfloat16, "cuda"
+
+        def w(i: int, o: int) -> Any:
+            return (torch.randn(i, o, generator=g, device=dev, dtype=torch.float32) / i ** 0.5).to(dt)
+
+        self.w_qkv = w(HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        self.w_o = w(Q_HEADS * HEAD_DIM, HIDDEN)
+        self.w_gu = w(HIDDEN, 2 * MLP)
+        self.w_down = w(MLP, HIDDEN)
+        self.norm = torch.ones(HIDDEN, device=dev, dtype=dt)
+        self.nblocks = max_prefix // BLOCK
+        self.pool = self.nblocks + 8
+        self.block_bytes = BLOCK * KV_HEADS * HEAD_DIM * 2
+        # Device KV cache per layer: K and V, [pool, BLOCK, KV_HEADS, HEAD_DIM].
+        self.k = [torch.empty(self.pool, BLOCK, KV_HEADS, HEAD_DIM, device=dev, dtype=dt) for _ in range(LAYERS)]
+        self.v = [torch.empty_like(self.k[0]) for _ in range(LAYERS)]
+        rng = np.random.default_rng(seed)
+        self.dev_ids = rng.permutation(self.pool)[: self.nblocks].astype(np.int64)  # scattered, as a pool looks
+        self.block_table = torch.as_tensor(self.dev_ids, device=dev)
+        # Pinned host cache, one buffer per tensor, the prefix in one run of host blocks.
+        self.host = []
+        for _ in range(2 * LAYERS):
+            self.host.append(capi.host_alloc(self.nblocks * self.block_bytes))
+        src = torch.randn(self.nblocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g, device=dev).to(dt) * 0.5
+        src_cpu = src.cpu()
+        for ptr in self.host:  # random prefix KV in the host tier
+            ctypes.memmove(ptr, src_cpu.data_ptr(), self.nblocks * self.block_bytes)
+        self.prefix_src = src
+        self.used_paths: list[int] = []  # last_path() of the loader thread's calls
+        self.load_stream = torch.cuda.Stream()
+
+    def close(self) -> None:
+        self.torch.cuda.synchronize()
+        for ptr in self.host:
+            self.capi.host_free(ptr)
+
+    def fill_device_prefix(self, blocks: int) -> None:
+        for l in range(LAYERS):
+            self.k[l][self.block_table[:blocks]] = self.prefix_src[:blocks]
+            self.v[l][self.block_table[:blocks]] = self.prefix_src[:blocks]
+
+    # ------------------------------------------------------------------ compute
+    def attention(self, q: Any, k: Any, v: Any, tq: int, tk: int) -> Any:
+        """q [1, 32, tq, 128]; k, v [1, 8, tk, 128]; causal, aligned to the last key."""
+        torch = self.torch
+        F = torch.nn.functional
+        if tq == tk:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if tq == 1:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        from torch.nn.attention.bias import causal_lower_right
+
+        bias = causal_lower_right(tq, tk)
+        try:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+        except (TypeError, RuntimeError):
+            rep = Q_HEADS // KV_HEADS
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                  attn_mask=bias)
+
+    def forward(self, x: Any, prefix: int, wait: Optional[Any] = None) -> Any:
+        """x [T, 4096]: T new tokens after `prefix` cached tokens (prefix 0: recompute)."""
+        torch = self.torch
+        F = torch.nn.functional
+        t = x.shape[0]
+        blocks = prefix // BLOCK
+        for l in range(LAYERS):
+            h = F.rms_norm(x, (HIDDEN,), self.norm)
+            qkv = h @ self.w_qkv
+            q = qkv[:, : Q_HEADS * HEAD_DIM].view(t, Q_HEADS, HEAD_DIM).transpose(0, 1).unsqueeze(0)
+            k_new = qkv[:, Q_HEADS * HEAD_DIM: (Q_HEADS + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
+            v_new = qkv[:, (Q_HEADS + KV_HEADS) * HEAD_DIM:].view(t, KV_HEADS, HEAD_DIM)
+            if blocks:
+                if wait is not None:
+                    wait(l)  # this layer's prefix KV has arrived (a wait on the GPU)
+                bt = self.block_table[:blocks]
+                k_pre = self.k[l][bt].view(blocks * BLOCK, KV_HEADS, HEAD_DIM)
+                v_pre = self.v[l][bt].view(blocks * BLOCK, KV_HEADS, HEAD_DIM)
+                k_all = torch.cat([k_pre, k_new]).transpose(0, 1).unsqueeze(0)
+                v_all = torch.cat([v_pre, v_new]).transpose(0, 1).unsqueeze(0)
+            else:
+                k_all = k_new.transpose(0, 1).unsqueeze(0)
+                v_all = v_new.transpose(0, 1).unsqueeze(0)
+            o = self.attention(q, k_all, v_all, t, k_all.shape[2])
+            x = x + o.squeeze(0).transpose(0, 1).reshape(t, Q_HEADS * HEAD_DIM) @ self.w_o
+            h = F.rms_norm(x, (HIDDEN,), self.norm)
+            gu = h @ self.w_gu
+            x = x + (F.silu(gu[:, :MLP]) * gu[:, MLP:]) @ self.w_down
+        return x[-1:]
+
+    # ------------------------------------------------------------------ host hit
+    def start_load(self, blocks: int, path: Any) -> tuple[list[Any], list[threading.Event], threading.Thread]:
+        """Loader thread: one call per layer (K and V) on the load stream, then the layer's
+        event; returns the events and a per-layer 'recorded' flag the compute side checks
+        before it enqueues its GPU wait (a wait on an unrecorded event would be a no-op)."""
+        torch = self.torch
+        events = [torch.cuda.Event() for _ in range(LAYERS)]
+        recorded = [threading.Event() for _ in range(LAYERS)]
+        dev_ids = self.dev_ids[:blocks]
+        host_ids = np.arange(blocks, dtype=np.int64)
+        stream = self.load_stream
+        start = torch.cuda.Event()
+        start.record(torch.cuda.current_stream())
+        stream.wait_event(start)  # the load starts with the step
+
+        def run() -> None:
+            for l in range(LAYERS):
+                self.capi.swap_all_layers([self.k[l].data_ptr(), self.v[l].data_ptr()],
+                                          [self.host[2 * l], self.host[2 * l + 1]], self.pool, self.block_bytes,
+                                          self.nblocks, dev_ids, host_ids, ops.MODE_H2D, stream=stream.cuda_stream,
+                                          path=path)
+                self.used_paths.append(self.capi.last_path())
+                events[l].record(stream)
+                recorded[l].set()
+
+        th = threading.Thread(target=run)
+        th.start()
+        return events, recorded, th
+
+
+def measure_h2d_limit(torch: Any, nbytes: int = 1 << 30) -> float:
+    """One contiguous pinned host->device copy (cudaMemcpyAsync under torch's copy_)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    times = []
+    with torch.cuda.stream(s):
+        for _ in range(4):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(s)
+            dev.copy_(host, non_blocking=True)
+            b.record(s)
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    torch.cuda.synchronize()
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefixes", default="1k,8k,32k")
+    p.add_argument("--new", default="1,128,2k")
+    p.add_argument("--paths", default="auto,dma", help="copy paths of the host-hit load (per call)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=os.environ.get("OUT") or "build/bench")
+    args = p.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("bench_ttft: skipped (needs torch with CUDA)")
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_ttft: skipped (no CUDA GPU visible)")
+        return 0
+    try:
+        capi = ops.load_capi(variant="cuda")
+    except ops.OpsNotBuiltError:
+        print("bench_ttft: skipped (needs build/libfdkv_capi.so from `bash build.sh gpu`)")
+        return 0
+    prefixes = [parse_tokens(x) for x in args.prefixes.split(",") if x]
+    news = [parse_tokens(x) for x in args.new.split(",") if x]
+    paths = [x for x in args.paths.split(",") if x]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = Model(torch, capi, max(prefixes))
+    limit = measure_h2d_limit(torch)
+    name = torch.cuda.get_device_name(0)
+    print(f"# bench_ttft on {name}, {time.strftime('%Y-%m-%d')}; contiguous pinned H2D limit {limit:.1f} GB/s",
+          flush=True)
+    compute = torch.cuda.current_stream()
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def timed(fn: Any, reps: int) -> float:
+        fn()  # warm-up (cuBLAS handles, kernels, the staging ring)
+        out = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(compute)
+            fn()
+            b.record(compute)
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        return statistics.median(out)
+
+    rows = []
+    try:
+        for prefix in prefixes:
+            blocks = prefix // BLOCK
+            kv_bytes = 2 * LAYERS * blocks * model.block_bytes
+            for new in news:
+                reps = args.reps if prefix + new <= 10000 else max(2, args.reps // 2)
+                x_all = torch.randn(prefix + new, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+                x_new = x_all[prefix:].contiguous()
+                t_re = timed(lambda: model.forward(x_all, 0), reps)
+                model.fill_device_prefix(blocks)
+                t_dev = timed(lambda: model.forward(x_new, prefix), reps)
+                row: dict[str, Any] = {"prefix": prefix, "new": new, "kv_bytes": kv_bytes, "recompute_ms": t_re,
+                                       "device_hit_ms": t_dev, "h2d_limit_GBps": limit,
+                                       "pcie_floor_ms": kv_bytes / limit / 1e6, "host_hit": {}}
+                floor = max(t_dev, row["pcie_floor_ms"])
+                row["floor_ms"] = floor
+                for path in paths:
+
+                    def host_hit() -> None:
+                        events, recorded, th = model.start_load(blocks, path)
+
+                        def wait(l: int) -> None:
+                            recorded[l].wait()
+                            compute.wait_event(events[l])
+
+                        model.forward(x_new, prefix, wait)
+                        th.join()
+
+                    t_host = timed(host_hit, reps)
+                    used = sorted(set(model.used_paths))
+                    model.used_paths.clear()
+                    row["host_hit"][path] = {"ms": t_host, "ratio_to_floor": t_host / floor,
+                                             "ratio_to_recompute": t_host / t_re, "paths_used": used}
+                    print(f"prefix {prefix:>6} new {new:>5}: recompute {t_re:8.2f} ms  device hit {t_dev:7.2f} ms  "
+                          f"PCIe floor {row['pcie_floor_ms']:6.2f} ms  host hit [{path}] {t_host:7.2f} ms  "
+                          f"host/floor {t_host / floor:.3f}  host/recompute {t_host / t_re:.3f} used={used}",
+                          flush=True)
+                rows.append(row)
+    finally:
+        model.close()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "h2d_limit_GBps": limit, "layers": LAYERS, "rows": rows}
+    (out / "bench_ttft.json").write_text(json.dumps(report, indent=1))
+    print("| prefix + new | recompute ms | device hit ms | KV / H2D limit ms | host hit ms (path) | host / floor "
+          "| host / recompute |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        for path, h in r["host_hit"].items():
+            print(f"| {r['prefix']} + {r['new']} | {r['recompute_ms']:.1f} | {r['device_hit_ms']:.1f} | "
+                  f"{r['pcie_floor_ms']:.1f} | {h['ms']:.1f} ({path}) | {h['ratio_to_floor']:.3f} | "
+                  f"{h['ratio_to_recompute']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
