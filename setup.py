@@ -120,7 +120,8 @@ class BuildPyWithLibs(build_py):
                         "install paddlepaddle(-gpu) and build with `pip install --no-build-isolation .`"
                     ) from exc
                 info["skipped"]["paddle_ops"] = (
-                    "Paddle was not importable in the build environment (an isolated build?)"
+                    f"Paddle did not import in the build environment ({exc}); pip's build isolation "
+                    "hides an installed Paddle: build with --no-build-isolation"
                 )
                 logger.warning("fastdeploy_kvcache: building without the Paddle ops: %s", info["skipped"]["paddle_ops"])
             else:

@@ -37,11 +37,17 @@ CAPI_NAMES: dict[str, str] = {"cuda": "libfdkv_capi.so", "cpu": "libfdkv_capi_cp
 PADDLE_OPS_NAME = "fdkv_paddle_ops.so"
 
 _REPO_ROOT = PACKAGE_DIR.parent
-INSTALL_HINT = (
-    "from a checkout run `bash build.sh` (CPU) or `bash build.sh gpu` (CUDA C ABI); an installed "
-    "package ships them in fastdeploy_kvcache/_lib: reinstall it with "
-    "`pip install --no-build-isolation <source>` from an environment that has Paddle"
-)
+_CHECKOUT_HINT = {
+    "capi_cpu": "run `bash build.sh` from the repository root",
+    "paddle_ops": "run `bash build.sh` from the repository root (it builds them against the venv's Paddle)",
+    "capi_cuda": "run `bash build.sh gpu` (needs nvcc) from the repository root",
+}
+_INSTALL_HINT = {
+    "capi_cpu": "reinstall the package (`pip install --no-build-isolation <source>`)",
+    "paddle_ops": "reinstall it from an environment that has Paddle: `pip install --no-build-isolation <source>`",
+    "capi_cuda": "reinstall it where nvcc and a GPU are present, or with FDKV_BUILD_CUDA=1: "
+                 "`pip install --no-build-isolation <source>`",
+}
 
 
 def checkout_build_dir() -> Optional[Path]:
@@ -97,10 +103,14 @@ def build_info() -> dict[str, Any]:
 def missing_hint(what: str) -> str:
     """Why ``what`` ("paddle_ops", "capi_cpu", "capi_cuda") is missing and how to get it.
 
-    An installed wheel says what its build skipped (e.g. no Paddle in the build
-    environment); a checkout points at ``build.sh``.
+    In a checkout: the ``build.sh`` command.  In an installed package: what its wheel build
+    skipped and why (``build_info.json``, e.g. no Paddle in an isolated build), and the
+    install command that includes it.
     """
+    if what not in _CHECKOUT_HINT:
+        raise ValueError(f"unknown library {what!r}; expected one of {sorted(_CHECKOUT_HINT)}")
+    if checkout_build_dir() is not None:
+        return _CHECKOUT_HINT[what]
     skipped = build_info().get("skipped", {}).get(what)
-    if skipped:
-        return f"this installation was built without it ({skipped}); {INSTALL_HINT}"
-    return INSTALL_HINT
+    why = f"this installation was built without it ({skipped}); " if skipped else ""
+    return why + _INSTALL_HINT[what]

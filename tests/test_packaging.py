@@ -18,6 +18,7 @@ About a minute (the Paddle op compiles from scratch); ``-m "not packaging"`` lea
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import site
@@ -147,12 +148,10 @@ def _clean_env(tmp: Path) -> dict[str, str]:
 
 
 def test_wheel_installs_and_works_outside_the_checkout(tmp_path: Path) -> None:
-    try:
-        import paddle  # noqa: F401 - the wheel build compiles the ops against it
-    except ImportError as exc:
+    if importlib.util.find_spec("paddle") is None:  # find_spec: importing Paddle here costs seconds
         if _require_ops():
-            pytest.fail(f"FDKV_REQUIRE_OPS=1 but Paddle does not import ({exc}); run `bash build.sh`")
-        pytest.skip(f"needs paddlepaddle in this interpreter to build the wheel's Paddle ops (`bash build.sh`): {exc}")
+            pytest.fail("FDKV_REQUIRE_OPS=1 but Paddle is not installed; run `bash build.sh`")
+        pytest.skip("needs paddlepaddle in this interpreter to build the wheel's Paddle ops (`bash build.sh`)")
     env = _clean_env(tmp_path)
     (tmp_path / "home").mkdir()
 
