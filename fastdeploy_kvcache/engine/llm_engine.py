@@ -134,6 +134,7 @@ class LLMEngine:
         self._requests: dict[str, _EngineRequest] = {}
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self._closed = False
         self._idle = threading.Event()
         self._idle.set()
         self._step_count = itertools.count()
@@ -183,7 +184,9 @@ class LLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the thread, abort what is left, drain copies and free the caches."""
+        """Stop the thread, abort what is left, drain copies and free the caches (idempotent)."""
+        if self._closed:
+            return
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -199,6 +202,7 @@ class LLMEngine:
             self.pool.complete_finished(wait=True)
         except Exception:  # noqa: BLE001 - shutting down anyway
             logger.warning("draining copies at shutdown failed", exc_info=True)
+        self._closed = True
         self.pool.close()
 
     def add_request(
@@ -206,6 +210,8 @@ class LLMEngine:
         on_output: OutputCallback,
     ) -> None:
         """Queue a request; raises ValueError (nothing queued) for bad input or a duplicate id."""
+        if self._stop.is_set():
+            raise RuntimeError("the engine is shut down")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if not isinstance(params, SamplingParams):
