@@ -193,5 +193,43 @@ def test_wheel_installs_and_works_outside_the_checkout(tmp_path: Path) -> None:
     assert "installed package OK" in out
 
 
+def _load_libpaths_at(pkg_dir: Path):
+    """Import a copy of libpaths.py that lives in ``pkg_dir`` (its location is its input)."""
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("fdkv_libpaths_copy", pkg_dir / "libpaths.py")
+    module = iu.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lookup_order_and_hints_in_a_checkout_and_in_an_install(tmp_path: Path) -> None:
+    """Fast companion of the wheel test: the search order, and which hint a missing
+    library gets, in both layouts (real directories, no wheel build)."""
+    from fastdeploy_kvcache import libpaths
+
+    # This checkout: the package's _lib first (a wheel's own libraries win), then build/.
+    assert libpaths.checkout_build_dir() == ROOT / "build"
+    assert libpaths.capi_candidates("cpu") == [libpaths.LIB_DIR / "libfdkv_capi_cpu.so", ROOT / "build" / "libfdkv_capi_cpu.so"]
+    assert libpaths.capi_candidates()[0].name == "libfdkv_capi.so"  # CUDA build before CPU build
+    assert libpaths.paddle_ops_candidates()[-1] == ROOT / "build" / "paddle_ops" / "fdkv_paddle_ops.so"
+    assert "bash build.sh" in libpaths.missing_hint("paddle_ops")
+    with pytest.raises(ValueError, match="variant"):
+        libpaths.capi_candidates("rocm")
+
+    # An installed layout: site-packages/fastdeploy_kvcache with _lib/build_info.json, no setup_ops.py.
+    pkg = tmp_path / "site-packages" / "fastdeploy_kvcache"
+    (pkg / "_lib").mkdir(parents=True)
+    shutil.copy2(Path(libpaths.__file__), pkg / "libpaths.py")
+    reason = "Paddle did not import in the build environment"
+    (pkg / "_lib" / "build_info.json").write_text(f'{{"built": {{"capi_cpu": "libfdkv_capi_cpu.so"}}, "skipped": {{"paddle_ops": "{reason}"}}}}')
+    installed = _load_libpaths_at(pkg)
+    assert installed.checkout_build_dir() is None
+    assert installed.paddle_ops_candidates() == [pkg / "_lib" / "fdkv_paddle_ops.so"]
+    assert installed.find_paddle_ops() is None
+    hint = installed.missing_hint("paddle_ops")
+    assert reason in hint and "--no-build-isolation" in hint and "build.sh" not in hint
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
