@@ -6,7 +6,6 @@ same ports; the store is filled with a small holder segment.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,6 @@ from fastdeploy_kvcache.storage.mooncake_local import (
     MooncakeHolder,
     MooncakeMaster,
     find_binary,
-    free_port,
 )
 
 from .conftest import HostArena
