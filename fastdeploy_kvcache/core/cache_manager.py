@@ -138,6 +138,11 @@ class CacheManager:
         self._call_evictions: list[tuple[int, int, int, BlockNode]] = []  # (device, host, hash, node)
         # Nodes cut out of the tree that still hold blocks (a copy in flight, or refs).
         self._detached: set[BlockNode] = set()
+        # Nodes whose host copy is to be released as soon as the copy in flight on them
+        # completes (their parent's host copy was lost: see _lose_host_copy).
+        self._host_doomed: set[BlockNode] = set()
+        # Through policies keep the host tier prefix-closed (check_invariants checks it).
+        self._host_prefix_closed = self.write_policy != "write_back"
         self._stats: dict[str, int] = {}
         self._reset_stats()
         logger.info(
@@ -562,17 +567,27 @@ class CacheManager:
                 self.tree.remove(victim)
         return pool.allocate_one()
 
-    def _allocate_host_blocks(self, k: int) -> list[int]:
-        """Up to ``k`` host blocks, ascending and as runs, evicting host LRU leaves as needed."""
+    def _allocate_host_blocks(self, k: int, keep: frozenset[BlockNode] = frozenset()) -> list[int]:
+        """Up to ``k`` host blocks, ascending and as runs, evicting host LRU leaves as needed.
+
+        ``keep`` are host copies that must survive (the parents of the nodes being
+        backed up: taking one would break the host tier's prefix closure).
+        """
         pool = self.host_pool
+        aside: list[BlockNode] = []
         while pool.num_free < k:
             victim = self.tree.host_heap.pop()
             if victim is None:
                 break
+            if victim in keep:
+                aside.append(victim)
+                continue
             pool.free_one(self.tree.clear_host(victim))
             self._stats["host_evictions"] += 1
             if victim.device_block_id is None:
                 self.tree.remove(victim)
+        for victim in aside:
+            self.tree.offer(victim)
         return sorted(pool.allocate(min(k, pool.num_free), contiguous=True, longest_runs=True))
 
     def _make_evict_metadata(self, items: list[tuple[int, int, int, BlockNode]]) -> Optional[CacheSwapMetadata]:
@@ -705,6 +720,8 @@ class CacheManager:
                 self.tree.clear_device(node)
                 self._unref_no_count(node)
                 cancelled.add(i)
+                if node in self._host_doomed and not node.detached:
+                    self._lose_host_copy(node)
         req.cache_swap_metadata = []
         # Evictions never handed to a batch must still reach the worker.
         if req.cache_evict_metadata:
@@ -777,8 +794,13 @@ class CacheManager:
             self.tree.offer(node)
 
     # ================================================================== write-through backups
-    def _maybe_queue_backup(self, node: BlockNode) -> None:
-        if self.write_policy == "write_through_selective" and node.hit_count >= self.write_through_threshold:
+    def _maybe_queue_backup(self, node: BlockNode, retry: bool = False) -> None:
+        """Queue a backup if the write policy wants one for ``node`` (after a hit, or a
+        ``retry`` of a backup that failed or was cancelled)."""
+        if self.write_policy == "write_through_selective":
+            if node.hit_count >= self.write_through_threshold:
+                self._queue_backup(node)
+        elif self.write_policy == "write_through" and retry:
             self._queue_backup(node)
 
     def _queue_backup(self, node: BlockNode) -> None:
@@ -798,25 +820,50 @@ class CacheManager:
         preempted request).  Call it once per step, after the step's last
         allocation, and append the result with ``BatchRequest.append_evict_metadata``.
         Only queued candidates are visited: never a scan of the cache.
+
+        Backups keep the host tier prefix-closed (the liveness rule): a node is backed
+        up only together with, or after, every ancestor, so the ancestors of a queued
+        node that have no host copy are backed up first, in the same step; and the
+        host blocks they need never come from evicting a parent of one of them.
         """
         metas = self._pending_evictions
         self._pending_evictions = []
-        src: list[int] = []
-        dst: list[int] = []
-        hv: list[int] = []
         queue = self._backup_queue
+        root = self.tree.root
         todo: list[BlockNode] = []
+        chosen: set[BlockNode] = set()
+        wanted: list[BlockNode] = []  # queued nodes, to queue again if not served
         while queue:
             node = queue.popleft()
             node.backup_queued = False
-            if self._needs_backup(node):
-                todo.append(node)
-        hosts = self._allocate_host_blocks(len(todo))
-        for node in reversed(todo[len(hosts) :]):  # host pinned full: try again next step
-            node.backup_queued = True
-            queue.appendleft(node)
-        todo = sorted(todo[: len(hosts)], key=lambda nd: nd.device_block_id)  # type: ignore[arg-type,return-value]
-        for node, h in zip(todo, hosts):
+            if node in chosen or not self._needs_backup(node):
+                continue
+            path: list[BlockNode] = []
+            x = node
+            while x is not root and x not in chosen and (x.host_block_id is None or x in self._host_doomed):
+                if not self._needs_backup(x):
+                    path = []  # an ancestor's host copy is being released: try again later
+                    break
+                path.append(x)
+                x = x.parent  # type: ignore[assignment]
+            wanted.append(node)
+            if path:
+                chosen.update(path)
+                todo.extend(path)
+        todo.sort(key=lambda nd: nd.depth)  # parents first: any prefix of it is closed
+        keep = frozenset(nd.parent for nd in todo if nd.parent is not root and nd.parent not in chosen)
+        hosts = self._allocate_host_blocks(len(todo), keep)  # type: ignore[arg-type]
+        served = todo[: len(hosts)]
+        served_set = set(served)
+        for node in reversed(wanted):  # host pinned full: try again next step
+            if node not in served_set and not node.backup_queued and self._needs_backup(node):
+                node.backup_queued = True
+                queue.appendleft(node)
+        src: list[int] = []
+        dst: list[int] = []
+        hv: list[int] = []
+        served.sort(key=lambda nd: nd.device_block_id)  # type: ignore[arg-type,return-value]
+        for node, h in zip(served, hosts):
             node.pending = TransferKind.BACKUP
             self.tree.set_host(node, h)
             d = node.device_block_id
@@ -946,12 +993,18 @@ class CacheManager:
         node.pending = None
         if not ok:
             self._fail_swap_in(inf, affected)
+            if node in self._host_doomed and not node.detached:
+                self._lose_host_copy(node)  # the source of the failed load goes too
+            self._host_doomed.discard(node)
             return
         self._stats["swap_in_blocks"] += 1
         if node.detached:
+            self._host_doomed.discard(node)
             self._release_detached(node)
             return
-        if self._write_back and node.host_block_id is not None:
+        if node in self._host_doomed:
+            self._lose_host_copy(node)
+        elif self._write_back and node.host_block_id is not None:
             # Exclusive tiers: the host copy has done its job.
             self.host_pool.free_one(self.tree.clear_host(node))
         self.tree.offer(node)
@@ -1008,11 +1061,43 @@ class CacheManager:
         if ok:
             self._stats["backup_blocks"] += 1
         if node.detached:
+            self._host_doomed.discard(node)
             self._release_detached(node)
             return
-        if not ok:
-            self.host_pool.free_one(self.tree.clear_host(node))
+        if not ok or node in self._host_doomed:
+            # A failed backup, or one whose parent's host copy went meanwhile: this
+            # host copy goes, and so does every host copy below it (prefix closure).
+            self._lose_host_copy(node)
+            self._maybe_queue_backup(node, retry=True)
         self.tree.offer(node)
+
+    def _lose_host_copy(self, node: BlockNode) -> None:
+        """Release ``node``'s host copy and every host copy in its subtree.
+
+        NOTE: the host tier is prefix-closed, so a host copy whose parent has none is
+        unreachable by a match and would pin its parent's device copy as a non-leaf
+        for ever.  Copies below that a copy in flight still reads or writes are
+        released when it completes (``_host_doomed``); a node left with no copy at all
+        leaves the tree with its subtree.
+        """
+        self._host_doomed.discard(node)
+        self.host_pool.free_one(self.tree.clear_host(node))
+        stack = [c for c in node.children.values() if c.host_block_id is not None]
+        while stack:
+            d = stack.pop()
+            if d.detached:
+                continue  # went with a subtree dropped just now
+            stack.extend(c for c in d.children.values() if c.host_block_id is not None)
+            if d.pending is not None:
+                self._host_doomed.add(d)
+                continue
+            self._host_doomed.discard(d)
+            self.host_pool.free_one(self.tree.clear_host(d))
+            self._maybe_queue_backup(d, retry=True)
+            if d.device_block_id is None:
+                self._drop_subtree(d)
+        if node.device_block_id is None:
+            self._drop_subtree(node)
 
     def _release_detached(self, node: BlockNode) -> None:
         """Free what a detached node holds once nobody reads it and no copy is in flight."""
@@ -1052,6 +1137,7 @@ class CacheManager:
             node.children = {}
             self._release_detached(node)
         self._backup_queue.clear()
+        self._host_doomed.clear()
         self._stats_cached_device = 0
         logger.info("cache reset: %d nodes dropped, %d copies still in flight", len(nodes), len(self._inflight))
 
@@ -1175,6 +1261,14 @@ class CacheManager:
             if node.pending is not None:
                 assert any(inf.node is node for inf in self._inflight.values()), f"pending without copy: {node}"
         root = self.tree.root
+        if self._host_prefix_closed:
+            for node in self.tree.iter_nodes():
+                if node.host_block_id is not None and node.parent is not root:
+                    assert node.parent.host_block_id is not None or node in self._host_doomed, (  # type: ignore[union-attr]
+                        f"host tier not prefix-closed: {node} has a host copy, its parent {node.parent} none"
+                    )
+        for node in self._host_doomed:
+            assert node.pending is not None and node.host_block_id is not None, f"doomed host copy not in flight: {node}"
         assert self.tree.num_nodes == sum(1 for _ in self.tree.iter_nodes()), "node count"
         assert root.num_device_children == sum(1 for c in root.children.values() if c.device_block_id is not None)
         assert root.num_host_children == sum(1 for c in root.children.values() if c.host_block_id is not None)

@@ -553,3 +553,54 @@ def test_every_cached_block_stays_reclaimable(policy):
     assert mgr.can_allocate_device_blocks(3)
     mgr.allocate_device_blocks(d, 3)
     mgr.check_invariants()
+
+
+def test_child_backup_never_takes_its_parents_host_copy():
+    """Defect 11's cause: with one host block, the child's backup waits instead of evicting the parent's."""
+    mgr = _liveness_repro("write_through")
+    p = mgr.tree.root.children[Request("p", [1, 2, 3, 4]).block_hashes(BS)[0]]
+    assert p.host_block_id is not None  # the one host block still holds the parent
+    assert not p.children  # the child never got a host copy, so its eviction dropped it
+    mgr.check_invariants()  # includes the host tier's prefix closure
+
+
+def _two_block_chain_backed_up(split_first_ok):
+    mgr, sh = make("write_through", dev=8, host=8)
+    a = cache_prompt(mgr, sh, "a", list(range(9)))
+    h0, h1 = a.block_hashes(BS)[:2]
+    n0 = mgr.tree.root.children[h0]
+    n1 = n0.children[h1]
+    meta = mgr.issue_pending_backup_to_batch_request()
+    assert len(meta) == 2  # parent and child go in the same step
+    sh.copy(meta, True)
+    return mgr, sh, meta, n0, n1
+
+
+def _part(meta, node, ok):
+    i = meta.hash_values.index(node.hash_value)
+    part = CacheSwapMetadata([meta.src_block_ids[i]], [meta.dst_block_ids[i]], meta.src_type, meta.dst_type,
+                             [meta.hash_values[i]])
+    part.mark_done(ok, None if ok else "injected")
+    return part
+
+
+@pytest.mark.parametrize("child_first", [True, False])
+def test_failed_parent_backup_releases_the_host_copies_below(child_first):
+    """A failed backup of a parent takes the child's host copy too (landed or still in flight)."""
+    mgr, sh, meta, n0, n1 = _two_block_chain_backed_up(True)
+    parts = [_part(meta, n1, True), _part(meta, n0, False)]
+    if not child_first:
+        parts.reverse()
+    mgr.complete_swap(parts[0])
+    mgr.check_invariants()
+    if not child_first:
+        assert n0.host_block_id is None and n1.host_block_id is not None  # released when its copy lands
+    mgr.complete_swap(parts[1])
+    mgr.check_invariants()
+    assert n0.host_block_id is None and n1.host_block_id is None and mgr.host_pool.num_free == 8
+    retry = mgr.issue_pending_backup_to_batch_request()  # both are tried again, parent with child
+    assert sorted(retry.hash_values) == sorted([n0.hash_value, n1.hash_value])
+    sh.copy(retry, True)
+    mgr.complete_swap(retry)
+    assert n0.state is NodeState.DEVICE_AND_HOST and n1.state is NodeState.DEVICE_AND_HOST
+    mgr.check_invariants()
