@@ -470,3 +470,19 @@ def test_default_max_tokens_fits_context_and_device_pool() -> None:
         build_sampling_params(chat, 2048, 4096, "messages", 2048)
     # Completions keep OpenAI's default of 16.
     assert build_sampling_params(CompletionRequest(model=MODEL, prompt="x"), 10, 4096, "prompt", 2048).max_tokens == 16
+
+
+def test_console_script_serve_help() -> None:
+    """`fastdeploy-kvcache serve --help` (the [project.scripts] entry) has the server's flags."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    script = shutil.which("fastdeploy-kvcache", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("the console script is not installed in this venv: `bash build.sh` (pip install -e .) installs it")
+    out = subprocess.run([script, "serve", "--help"], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "usage: fastdeploy-kvcache serve" in out
+    for flag in ("--host", "--port", "--model", "--swap-space", "--write-policy"):
+        assert flag in out

@@ -1,0 +1,650 @@
+"""Serving benchmark over HTTP: multi-turn conversations with long shared prefixes.
+
+The workload follows SGLang's multi-turn benchmark: each user has a long document (or
+system prompt) of its own and asks several rounds of questions about it; every round
+sends the whole conversation so far (document, earlier questions and answers) plus
+the new question.  Users run concurrently, at most ``--concurrency`` requests in
+flight; the semaphore is FIFO, so users take turns and, between two rounds of one
+user, the others' documents pass through the device pool.
+
+ONE invocation runs three configurations, each on a server it starts itself:
+
+* ``recompute``   ENABLE_V1_KVCACHE_MANAGER=0: the plain block allocator, no reuse;
+* ``device``      ENABLE_V1_KVCACHE_MANAGER=1, ``--swap-space 0``: device prefix cache;
+* ``device+host`` ENABLE_V1_KVCACHE_MANAGER=1 and a host tier.
+
+The device pool (``--num-gpu-blocks-override``) is sized at about a third of the
+working set, so the device prefix cache alone cannot keep the documents between
+rounds while the host tier can.  A second phase, on the device+host server, measures
+the time to first token of the same prefix length served from a device hit and from a
+host hit (the prefix's device blocks evicted by filler requests in between).
+
+Reported: TTFT p50/p99 (all rounds, and rounds >= 2), TTFT per round, throughput, the
+fraction of prompt tokens served from each tier, and the ratios to the recompute
+baseline measured in the same run.  Outputs: a JSON file, a PNG plot of TTFT per round
+per configuration, and a table in docs/benchmarks.md (``--docs``).
+
+Usage:
+    python benchmarks/bench_serving.py                 # tiny-llama-random, about 6 minutes on 2 cores
+    python benchmarks/bench_serving.py --quick         # smoke run (seconds); not for tables
+    python benchmarks/bench_serving.py --model smollm2-135m-instruct --doc-tokens 512 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import logging
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from fastdeploy_kvcache.entrypoints.server_process import ServerProcess  # noqa: E402
+
+logger = logging.getLogger("bench_serving")
+
+# Common English words: every tokenizer splits them into one to three tokens.
+WORDS = (
+    "the of and to in is was for on that with as by at from his her an they which or be are this had not "
+    "but what all were when we there can been has more if will one would about their said time so up out "
+    "them then she many some these two like other could into him make than first been its who now people "
+    "my made over did down only way find use may water long little very after words called just where most "
+    "know get through back much before go good new write our used me man too any day same right look think "
+    "also around another came come work three word must because does part even place well such here take why "
+    "things help put years different away again off went old number great tell men say small every found "
+    "still between name should home big give air line set own under read last never us left end along while "
+    "might next sound below saw something thought both few those always looked show large often together asked "
+    "house world going want school important until form food keep children feet land side without boy once "
+    "animals life enough took sometimes four head above kind began almost live page got earth need far hand "
+    "high year mother light parts country father let night following picture being study second eyes soon "
+    "times story boys since white days ever paper hard near sentence better best across during today others "
+    "however sure means knew its try told young miles sun ways thing whole hear example heard several change "
+    "answer room sea against top turned learn point city play toward five using himself usually"
+).split()
+
+CONFIGS = ("recompute", "device", "device+host")
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+@dataclass
+class Turn:
+    """One request's outcome, as the client saw it."""
+
+    user: int
+    round: int
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_by_tier: dict[str, int]
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    server_args: list[str]
+    env: dict[str, str]
+    wall_s: float = 0.0
+    turns: list[Turn] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def ttfts(self, min_round: int = 1) -> list[float]:
+        return [t.ttft_s for t in self.turns if t.round >= min_round]
+
+    def summary(self) -> dict[str, Any]:
+        prompt = sum(t.prompt_tokens for t in self.turns)
+        out = sum(t.completion_tokens for t in self.turns)
+        later = [t for t in self.turns if t.round >= 2]
+        later_prompt = sum(t.prompt_tokens for t in later) or 1
+        rounds = sorted({t.round for t in self.turns})
+        tiers = ("device", "host", "storage")
+        return {
+            "requests": len(self.turns),
+            "wall_s": self.wall_s,
+            "ttft_p50_s": percentile(self.ttfts(), 50),
+            "ttft_p99_s": percentile(self.ttfts(), 99),
+            "ttft_p50_round2plus_s": percentile(self.ttfts(2), 50),
+            "ttft_p99_round2plus_s": percentile(self.ttfts(2), 99),
+            "ttft_p50_by_round_s": {r: percentile([t.ttft_s for t in self.turns if t.round == r], 50) for r in rounds},
+            "requests_per_s": len(self.turns) / self.wall_s if self.wall_s else 0.0,
+            "prompt_tokens_per_s": prompt / self.wall_s if self.wall_s else 0.0,
+            "output_tokens_per_s": out / self.wall_s if self.wall_s else 0.0,
+            "prompt_tokens": prompt,
+            "output_tokens": out,
+            "cached_fraction": sum(t.cached_tokens for t in self.turns) / prompt if prompt else 0.0,
+            "cached_fraction_by_tier": {
+                tier: sum(t.cached_by_tier.get(tier, 0) for t in self.turns) / prompt if prompt else 0.0
+                for tier in tiers},
+            "cached_fraction_round2plus_by_tier": {
+                tier: sum(t.cached_by_tier.get(tier, 0) for t in later) / later_prompt for tier in tiers},
+        }
+
+
+# ---------------------------------------------------------------------- client
+async def stream_completion(client: Any, model: str, prompt: str, max_tokens: int) -> tuple[float, float, str, Any]:
+    """One streamed completion: (ttft_s, latency_s, text, usage)."""
+    start = time.perf_counter()
+    ttft: Optional[float] = None
+    parts: list[str] = []
+    usage = None
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices:
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            parts.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    latency = time.perf_counter() - start
+    if usage is None:
+        raise RuntimeError("the server sent no usage chunk (stream_options.include_usage)")
+    return (ttft if ttft is not None else latency), latency, "".join(parts), usage
+
+
+def tiers_of(usage: Any) -> dict[str, int]:
+    details = usage.model_dump().get("prompt_tokens_details") or {}
+    by_tier = details.get("cached_tokens_by_tier") or {}
+    return {t: int(by_tier.get(t, 0)) for t in ("device", "host", "storage")}
+
+
+@dataclass
+class Workload:
+    users: int
+    rounds: int
+    doc_words: int
+    question_words: int
+    output_tokens: int
+    concurrency: int
+    seed: int
+
+    def document(self, user: int) -> str:
+        rng = random.Random(self.seed * 1_000_003 + user)
+        return f"Document {user}. " + words(rng, self.doc_words)
+
+    def question(self, user: int, rnd: int) -> str:
+        rng = random.Random(self.seed * 1_000_003 + 7919 * (user + 1) + rnd)
+        return words(rng, self.question_words) + "?"
+
+
+async def run_workload(base_url: str, model: str, wl: Workload, progress: Any) -> tuple[list[Turn], float]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    sem = asyncio.Semaphore(wl.concurrency)
+    turns: list[Turn] = []
+
+    async def user(u: int) -> None:
+        history = wl.document(u)
+        for r in range(1, wl.rounds + 1):
+            prompt = f"{history}\n\nQuestion {r}: {wl.question(u, r)}\nAnswer:"
+            async with sem:
+                ttft, latency, text, usage = await stream_completion(client, model, prompt, wl.output_tokens)
+            turns.append(Turn(u, r, ttft, latency, usage.prompt_tokens, usage.completion_tokens,
+                              usage.prompt_tokens_details.cached_tokens, tiers_of(usage)))
+            history = prompt + text
+            progress.update(1)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(user(u) for u in range(wl.users)))
+    wall = time.perf_counter() - start
+    await client.close()
+    return turns, wall
+
+
+async def run_hit_probe(base_url: str, model: str, wl: Workload, filler_docs: int, repeats: int) -> dict[str, Any]:
+    """TTFT of one prefix length from a device hit and from a host hit (device+host server).
+
+    For each repeat: a fresh document is computed once (cold), asked again at once
+    (device hit), then ``filler_docs`` other documents push its blocks off the device,
+    and it is asked a third time (host hit).  Questions have the same length, so the
+    three prompts have the same length up to tokenization of the question words.
+    """
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    rows: list[dict[str, Any]] = []
+    for k in range(repeats):
+        doc = wl.document(10_000 + k)
+        q = [wl.question(10_000 + k, i) for i in range(3)]
+        cold = await stream_completion(client, model, f"{doc}\n\nQuestion: {q[0]}\nAnswer:", 1)
+        # A one-token request first, so the write-through backups queued by the request
+        # before are issued in its step, not in the measured one (same for both hits).
+        await stream_completion(client, model, "x", 1)
+        dev = await stream_completion(client, model, f"{doc}\n\nQuestion: {q[1]}\nAnswer:", 1)
+        for f in range(filler_docs):
+            await stream_completion(client, model, wl.document(20_000 + k * filler_docs + f) + "\nAnswer:", 1)
+        await stream_completion(client, model, "x", 1)
+        host = await stream_completion(client, model, f"{doc}\n\nQuestion: {q[2]}\nAnswer:", 1)
+        rows.append({
+            "cold_ttft_s": cold[0], "device_hit_ttft_s": dev[0], "host_hit_ttft_s": host[0],
+            "prompt_tokens": [cold[3].prompt_tokens, dev[3].prompt_tokens, host[3].prompt_tokens],
+            "device_hit_tiers": tiers_of(dev[3]), "host_hit_tiers": tiers_of(host[3]),
+        })
+    await client.close()
+    valid = [r for r in rows if r["device_hit_tiers"]["device"] > 0 and r["device_hit_tiers"]["host"] == 0
+             and r["host_hit_tiers"]["host"] > 0]
+    dev_p50 = percentile([r["device_hit_ttft_s"] for r in valid], 50)
+    host_p50 = percentile([r["host_hit_ttft_s"] for r in valid], 50)
+    cold_p50 = percentile([r["cold_ttft_s"] for r in valid], 50)
+    return {
+        "repeats": repeats, "valid_repeats": len(valid), "filler_docs": filler_docs, "rows": rows,
+        "cold_ttft_p50_s": cold_p50, "device_hit_ttft_p50_s": dev_p50, "host_hit_ttft_p50_s": host_p50,
+        "host_over_device": host_p50 / dev_p50 if valid and dev_p50 > 0 else float("nan"),
+        "host_cached_tokens_p50": percentile([r["host_hit_tiers"]["host"] + r["host_hit_tiers"]["device"]
+                                              for r in valid], 50),
+        "device_cached_tokens_p50": percentile([r["device_hit_tiers"]["device"] for r in valid], 50),
+    }
+
+
+def scrape_metrics(server: ServerProcess) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(server.get_text("/metrics")):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            if s.name.endswith("_bucket"):
+                continue
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+# ---------------------------------------------------------------------- driver
+def calibrate_tokens_per_word(server: ServerProcess, model: str, wl: Workload) -> float:
+    """Tokens per word of the served tokenizer, from one request's usage (not counted)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    text = words(random.Random(wl.seed + 99), 60)
+    usage = client.completions.create(model=model, prompt=text, max_tokens=1, temperature=0).usage
+    return usage.prompt_tokens / 60.0
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import paddle  # noqa: F401  (version only)
+
+        paddle_version = paddle.__version__
+    except Exception:  # noqa: BLE001
+        paddle_version = "?"
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "paddle": paddle_version, "platform": platform.platform()}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-llama-random")
+    ap.add_argument("--users", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--doc-tokens", type=int, default=1024, help="Target document length in tokens.")
+    ap.add_argument("--question-tokens", type=int, default=24)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--device-fraction", type=float, default=1 / 3,
+                    help="Device pool size as a fraction of the working set (default: a third).")
+    ap.add_argument("--write-policy", default="write_through",
+                    help="Write policy of the device+host configuration.")
+    ap.add_argument("--swap-space", type=float, default=1.0,
+                    help="Host tier of the device+host configuration, GiB (must hold the working set).")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--probe-repeats", type=int, default=3)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"Subset of {','.join(CONFIGS)}.")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"),
+                    help="Markdown file whose Serving section is (re)written; '' to skip.")
+    ap.add_argument("--tag", default="cpu", help="Name part of the output files.")
+    ap.add_argument("--quick", action="store_true", help="Smoke run: 3 users, 3 rounds, short documents.")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    if args.quick:
+        args.users, args.rounds, args.doc_tokens, args.output_tokens, args.probe_repeats = 3, 3, 256, 4, 1
+        args.concurrency = 1
+        args.docs = ""
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        ap.error(f"--configs: unknown {bad}; choose from {CONFIGS}")
+
+    from tqdm import tqdm
+
+    bs = args.block_size
+    # Working set: every user's final conversation (document + rounds of question and answer).
+    per_user_tokens = args.doc_tokens + args.rounds * (args.question_tokens + args.output_tokens + 8)
+    working_set_blocks = args.users * math.ceil(per_user_tokens / bs)
+    max_model_len = 1 << math.ceil(math.log2(per_user_tokens + 64))
+    # A third of the working set, but never less than the running batch needs.
+    device_blocks = max(int(working_set_blocks * args.device_fraction),
+                        args.concurrency * math.ceil(per_user_tokens / bs) + 2)
+    common = ["--model", args.model, "--device", "cpu", "--block-size", str(bs),
+              "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.concurrency),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--num-gpu-blocks-override", str(device_blocks), "--uvicorn-log-level", "warning",
+              "--log-level", "warning"]
+
+    results: dict[str, ConfigResult] = {}
+    probe: dict[str, Any] = {}
+    tokens_per_word: Optional[float] = None
+    wl: Optional[Workload] = None
+    host_blocks: Optional[float] = None
+    run_start = time.perf_counter()
+    for name in configs:
+        env = {"ENABLE_V1_KVCACHE_MANAGER": "0" if name == "recompute" else "1"}
+        extra: list[str] = []
+        if name == "device":
+            extra = ["--swap-space", "0"]
+        elif name == "device+host":
+            extra = ["--swap-space", "0", "--write-policy", args.write_policy]
+        if name == "device+host":
+            extra[1] = str(args.swap_space)
+        server = ServerProcess(common + extra, env=env)
+        logger.info("[%s] starting server: %s", name, " ".join(server.args))
+        server.start()
+        try:
+            if tokens_per_word is None:
+                tokens_per_word = calibrate_tokens_per_word(server, args.model, Workload(0, 0, 0, 0, 0, 1, args.seed))
+                wl = Workload(args.users, args.rounds, max(1, round(args.doc_tokens / tokens_per_word)),
+                              max(1, round(args.question_tokens / tokens_per_word)), args.output_tokens,
+                              args.concurrency, args.seed)
+                logger.info("tokenizer: %.2f tokens/word; device pool %d blocks (working set %d blocks)",
+                            tokens_per_word, device_blocks, working_set_blocks)
+            assert wl is not None
+            bar = tqdm(total=wl.users * wl.rounds, desc=name, unit="req", file=sys.stderr)
+            turns, wall = asyncio.run(run_workload(server.base_url, args.model, wl, bar))
+            bar.close()
+            res = ConfigResult(name, server.args, env, wall, turns, scrape_metrics(server))
+            if name == "device+host":
+                host_blocks = _find_number(server.engine_stats(), "host_blocks_total")
+            results[name] = res
+            s = res.summary()
+            logger.info("[%s] %d requests in %.1f s: TTFT p50 %.1f ms, p99 %.1f ms; rounds>=2 p50 %.1f ms; "
+                        "cached %.0f%% (by tier %s)", name, s["requests"], wall, 1e3 * s["ttft_p50_s"],
+                        1e3 * s["ttft_p99_s"], 1e3 * s["ttft_p50_round2plus_s"], 100 * s["cached_fraction"],
+                        {k: round(v, 3) for k, v in s["cached_fraction_by_tier"].items()})
+            if name == "device+host" and args.probe_repeats > 0:
+                filler = math.ceil(device_blocks * bs / max(1, args.doc_tokens)) + 1
+                probe = asyncio.run(run_hit_probe(server.base_url, args.model, wl, filler, args.probe_repeats))
+                logger.info("[probe] device hit p50 %.1f ms, host hit p50 %.1f ms: host/device %.2f (%d/%d valid)",
+                            1e3 * probe["device_hit_ttft_p50_s"], 1e3 * probe["host_hit_ttft_p50_s"],
+                            probe["host_over_device"], probe["valid_repeats"], probe["repeats"])
+        finally:
+            server.stop()
+    total_wall = time.perf_counter() - run_start
+
+    report = build_report(args, results, probe, device_blocks, working_set_blocks, max_model_len,
+                          tokens_per_word or 0.0, total_wall)
+    report["host_blocks"] = int(host_blocks) if host_blocks is not None else None
+    print(format_console(report))
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_serving_{args.tag}_{report['date']}" + ("_quick" if args.quick else "")
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(report, indent=1, default=str))
+    png_path = out_dir / f"{stem}_ttft.png"
+    plot(report, png_path)
+    logger.info("wrote %s and %s", json_path, png_path)
+    if args.docs:
+        write_docs_section(Path(args.docs), report, json_path, png_path)
+        logger.info("updated %s", args.docs)
+    return 0
+
+
+def _find_number(stats: Any, key: str) -> Optional[float]:
+    if isinstance(stats, dict):
+        if isinstance(stats.get(key), (int, float)):
+            return float(stats[key])
+        for v in stats.values():
+            found = _find_number(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+# ---------------------------------------------------------------------- report
+def build_report(args: argparse.Namespace, results: dict[str, ConfigResult], probe: dict[str, Any],
+                 device_blocks: int, working_set_blocks: int, max_model_len: int, tokens_per_word: float,
+                 total_wall: float) -> dict[str, Any]:
+    summaries = {name: r.summary() for name, r in results.items()}
+    ratios: dict[str, Any] = {}
+    base = summaries.get("recompute")
+    dev = summaries.get("device")
+    host = summaries.get("device+host")
+    if host and dev:
+        ratios["host_over_device_ttft_p50_round2plus"] = host["ttft_p50_round2plus_s"] / dev["ttft_p50_round2plus_s"]
+    if host and base:
+        ratios["host_over_recompute_ttft_p50_round2plus"] = host["ttft_p50_round2plus_s"] / base["ttft_p50_round2plus_s"]
+    if dev and base:
+        ratios["device_over_recompute_ttft_p50_round2plus"] = dev["ttft_p50_round2plus_s"] / base["ttft_p50_round2plus_s"]
+    if probe:
+        ratios["host_hit_over_device_hit_ttft_p50"] = probe["host_over_device"]
+    targets = {
+        "host_over_device_ttft_p50_round2plus": 0.5,
+        "host_over_recompute_ttft_p50_round2plus": 0.25,
+        "host_hit_over_device_hit_ttft_p50": 1.15,
+    }
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
+        "time_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(),
+        "args": vars(args),
+        "tokens_per_word": tokens_per_word,
+        "device_blocks": device_blocks,
+        "working_set_blocks": working_set_blocks,
+        "max_model_len": max_model_len,
+        "total_wall_s": total_wall,
+        "summaries": summaries,
+        "turns": {name: [asdict(t) for t in r.turns] for name, r in results.items()},
+        "server_args": {name: r.server_args for name, r in results.items()},
+        "metrics": {name: r.metrics for name, r in results.items()},
+        "probe": probe,
+        "ratios": ratios,
+        "targets": targets,
+        "met": {k: (ratios[k] <= v) for k, v in targets.items() if k in ratios and not math.isnan(ratios[k])},
+    }
+
+
+def _ms(x: float) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{1e3 * x:.1f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    s = report["summaries"]
+    base = s.get("recompute")
+    lines = ["| configuration | TTFT p50 (ms) | TTFT p99 (ms) | rounds ≥ 2: TTFT p50 (ms) | vs recompute | "
+             "rounds ≥ 2: TTFT p99 (ms) | req/s | prompt tok/s | cached: device / host (all rounds) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name in CONFIGS:
+        if name not in s:
+            continue
+        r = s[name]
+        ratio = (f"{r['ttft_p50_round2plus_s'] / base['ttft_p50_round2plus_s']:.2f}x" if base else "-")
+        tiers = r["cached_fraction_by_tier"]
+        lines.append(f"| {name} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | "
+                     f"{_ms(r['ttft_p50_round2plus_s'])} | {ratio} | {_ms(r['ttft_p99_round2plus_s'])} | "
+                     f"{r['requests_per_s']:.2f} | {r['prompt_tokens_per_s']:.0f} | "
+                     f"{100 * tiers['device']:.0f}% / {100 * tiers['host']:.0f}% |")
+    return "\n".join(lines)
+
+
+def format_round_table(report: dict[str, Any]) -> str:
+    s = report["summaries"]
+    names = [n for n in CONFIGS if n in s]
+    rounds = sorted({int(r) for n in names for r in s[n]["ttft_p50_by_round_s"]})
+    lines = ["| round | " + " | ".join(f"{n} (ms)" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for r in rounds:
+        cells = [_ms(s[n]["ttft_p50_by_round_s"].get(r, s[n]["ttft_p50_by_round_s"].get(str(r), float("nan"))))
+                 for n in names]
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_targets(report: dict[str, Any]) -> str:
+    names = {
+        "host_over_device_ttft_p50_round2plus": "rounds ≥ 2, TTFT p50: device+host / device",
+        "host_over_recompute_ttft_p50_round2plus": "rounds ≥ 2, TTFT p50: device+host / recompute",
+        "host_hit_over_device_hit_ttft_p50": "same prefix, TTFT p50: host hit / device hit",
+    }
+    lines = ["| ratio | measured | target | met |", "|---|---|---|---|"]
+    for k, label in names.items():
+        if k in report["ratios"]:
+            v = report["ratios"][k]
+            lines.append(f"| {label} | {v:.3f} | ≤ {report['targets'][k]} | "
+                         f"{'yes' if report['met'].get(k) else 'NO'} |")
+    return "\n".join(lines)
+
+
+def format_console(report: dict[str, Any]) -> str:
+    p = report["probe"]
+    parts = [f"\nbench_serving {report['time_utc']} UTC, {report['machine']['cpu']} ({report['machine']['cores']} cores), "
+             f"model {report['args']['model']}", format_table(report), "", "TTFT p50 per round:",
+             format_round_table(report)]
+    if p:
+        parts.append(f"\nprobe (same prefix, {p['valid_repeats']}/{p['repeats']} valid): cold {_ms(p['cold_ttft_p50_s'])} ms, "
+                     f"device hit {_ms(p['device_hit_ttft_p50_s'])} ms, host hit {_ms(p['host_hit_ttft_p50_s'])} ms")
+    parts += ["", format_targets(report)]
+    return "\n".join(parts)
+
+
+BEGIN = "<!-- bench_serving:begin (written by benchmarks/bench_serving.py) -->"
+END = "<!-- bench_serving:end -->"
+
+
+def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_path: Path) -> None:
+    """(Re)write the Serving section of docs/benchmarks.md between its markers (append if absent)."""
+    a = report["args"]
+    m = report["machine"]
+    p = report["probe"]
+    rel = lambda q: os.path.relpath(q, path.parent)  # noqa: E731
+    s = report["summaries"]
+    any_sum = next(iter(s.values()))
+    mean_prompt = any_sum["prompt_tokens"] / max(1, any_sum["requests"])
+    body = [
+        BEGIN,
+        "## Serving (`benchmarks/bench_serving.py`)",
+        "",
+        f"Measured {report['time_utc']} UTC on **{m['cpu']}**, {m['cores']} cores, CPU only "
+        f"(Paddle {m['paddle']}, Python {m['python']}), through HTTP (uvicorn on 127.0.0.1, the `openai` "
+        f"client, streamed completions, TTFT = time to the first streamed token as the client sees it). "
+        f"Model `{a['model']}`, block size {a['block_size']}.",
+        "",
+        f"Workload (SGLang multi-turn style): {a['users']} users, each with its own document of about "
+        f"{a['doc_tokens']} tokens, {a['rounds']} rounds each (question of about {a['question_tokens']} tokens, "
+        f"{a['output_tokens']} output tokens; every round resends the conversation so far, mean prompt "
+        f"{mean_prompt:.0f} tokens), {a['concurrency']} requests in flight. Device pool "
+        f"{report['device_blocks']} blocks = {report['device_blocks'] / report['working_set_blocks']:.2f} of the "
+        f"working set ({report['working_set_blocks']} blocks); the host tier ({a['swap_space']} GiB, "
+        f"{report['host_blocks']} blocks) holds all of it (write policy `{a['write_policy']}`). The three configurations ran one after the other in the same "
+        f"invocation ({report['total_wall_s']:.0f} s in all); `recompute` is the in-run baseline.",
+        "",
+        format_table(report),
+        "",
+        "TTFT p50 per round (ms):",
+        "",
+        format_round_table(report),
+        "",
+    ]
+    if p:
+        body += [
+            f"Same prefix length, device hit against host hit ({p['valid_repeats']} of {p['repeats']} repeats "
+            f"confirmed by `cached_tokens_by_tier`; between the two, {p['filler_docs']} other documents evict the "
+            f"prefix from the device): cold {_ms(p['cold_ttft_p50_s'])} ms, device hit "
+            f"{_ms(p['device_hit_ttft_p50_s'])} ms, host hit {_ms(p['host_hit_ttft_p50_s'])} ms (p50).",
+            "",
+        ]
+    body += [
+        "Targets (issue 8):",
+        "",
+        format_targets(report),
+        "",
+        f"Raw data: `{rel(json_path)}`; plot of TTFT per round: `{rel(png_path)}`.",
+        "",
+        f"![TTFT per round]({rel(png_path)})",
+        END,
+    ]
+    section = "\n".join(body) + "\n"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        text = head + section.rstrip("\n") + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+def plot(report: dict[str, Any], png_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    turns = report["turns"]
+    for name in CONFIGS:
+        if name not in turns:
+            continue
+        by_round: dict[int, list[float]] = {}
+        for t in turns[name]:
+            by_round.setdefault(t["round"], []).append(1e3 * t["ttft_s"])
+        rounds = sorted(by_round)
+        p50 = [percentile(by_round[r], 50) for r in rounds]
+        p99 = [percentile(by_round[r], 99) for r in rounds]
+        line, = ax.plot(rounds, p50, marker="o", label=f"{name} p50")
+        ax.plot(rounds, p99, linestyle="--", color=line.get_color(), alpha=0.6, label=f"{name} p99")
+    ax.set_xlabel("round")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_yscale("log")
+    ax.set_xticks(sorted({t["round"] for ts in turns.values() for t in ts}))
+    ax.set_title(f"bench_serving: {report['args']['model']}, {report['machine']['cores']} CPU cores, "
+                 f"{report['date']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
