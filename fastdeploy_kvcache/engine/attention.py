@@ -60,6 +60,29 @@ class StepContext:
     block_size: int
     layer_done: Optional[Any] = None  # LayerDoneCounter of this step's load, if any
     layers_waited: set[int] = field(default_factory=set)
+    # Built on the first layer, reused by the others: the leading run of one-token (decode)
+    # seqs, attended as one batch.
+    _decode: Optional["_DecodeBatch"] = None
+
+    @property
+    def num_leading_decodes(self) -> int:
+        """How many seqs at the front are single tokens at consecutive positions 0, 1, ..."""
+        k = 0
+        for i, s in enumerate(self.seqs):
+            if s.num_new != 1 or s.start != i:
+                break
+            k += 1
+        return k
+
+
+@dataclass
+class _DecodeBatch:
+    """Gather index and length mask of the leading decode seqs, padded to the longest."""
+
+    count: int
+    blocks_per_seq: int
+    index: Any  # int64 [count * blocks_per_seq]: each seq's table, padded with its first block
+    mask: Any  # float32 [count, 1, 1, blocks_per_seq * block_size]: 0 inside, -inf past the end
 
 
 class step_context:
@@ -149,7 +172,19 @@ def paged_attention_forward(
         k_all = k_all.astype(k_cache.dtype)
         v_all = v_all.astype(v_cache.dtype)
     outs = []
-    for s in ctx.seqs:
+    seqs = ctx.seqs
+    if ctx._decode is None and ctx.num_leading_decodes >= 2:
+        ctx._decode = _build_decode_batch(seqs[: ctx.num_leading_decodes], bs)
+    if ctx._decode is not None:
+        # NOTE: decodes are batched (one gather, two matmuls for all of them); per-seq work
+        # is only the two one-token writes.  Prefill chunks keep the per-seq path below.
+        dec = ctx._decode
+        for s in seqs[: dec.count]:
+            write_kv(k_cache, k_all[:, s.start : s.start + 1, :], s.block_ids, s.context_len, bs)
+            write_kv(v_cache, v_all[:, s.start : s.start + 1, :], s.block_ids, s.context_len, bs)
+        outs.append(_decode_attention(q_all[:, : dec.count, :], k_cache, v_cache, dec, num_kv, groups, scale))
+        seqs = seqs[dec.count :]
+    for s in seqs:
         a, n = s.start, s.num_new
         write_kv(k_cache, k_all[:, a : a + n, :], s.block_ids, s.context_len, bs)
         write_kv(v_cache, v_all[:, a : a + n, :], s.block_ids, s.context_len, bs)
@@ -181,6 +216,45 @@ def paged_attention_forward(
         outs.append(o.transpose([1, 0, 2]).reshape([n, num_heads * head_dim]))
     out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
     return out.unsqueeze(0), None
+
+
+def _build_decode_batch(seqs: Sequence[SeqSlice], bs: int) -> _DecodeBatch:
+    import paddle
+
+    nbs = [-(-s.total_len // bs) for s in seqs]
+    width = max(nbs)
+    idx: list[int] = []
+    for s, nb in zip(seqs, nbs):
+        idx.extend(s.block_ids[:nb])
+        idx.extend([s.block_ids[0]] * (width - nb))  # padding: read, then masked out
+    lens = paddle.to_tensor([s.total_len for s in seqs], dtype="int64").unsqueeze(1)
+    pos = paddle.arange(width * bs, dtype="int64").unsqueeze(0)
+    mask = paddle.where(pos < lens, paddle.zeros([], "float32"), paddle.full([], float("-inf"), "float32"))
+    return _DecodeBatch(len(seqs), width, paddle.to_tensor(idx, dtype="int64"), mask.unsqueeze(1).unsqueeze(1))
+
+
+def _decode_attention(q: Any, k_cache: Any, v_cache: Any, dec: _DecodeBatch, num_kv: int, groups: int,
+                      scale: float) -> Any:
+    """q [H, B, D] of B one-token seqs -> [B, H*D], over each seq's gathered blocks."""
+    import paddle
+    import paddle.nn.functional as F
+
+    num_heads, b, d = q.shape
+    out_dtype = q.dtype
+
+    def gather(cache: Any) -> Any:
+        blocks = paddle.index_select(cache, dec.index, axis=0)  # [B*nb, kvh, bs, d]
+        _, kvh, bs, _ = blocks.shape
+        blocks = blocks.reshape([b, dec.blocks_per_seq, kvh, bs, d]).transpose([0, 2, 1, 3, 4])
+        return _as_float32(blocks.reshape([b, kvh, dec.blocks_per_seq * bs, d]))
+
+    k, v = gather(k_cache), gather(v_cache)
+    qb = _as_float32(q).transpose([1, 0, 2]).reshape([b, num_kv, groups, d])
+    scores = paddle.matmul(qb, k, transpose_y=True) * scale + dec.mask  # [B, kvh, groups, L]
+    o = paddle.matmul(F.softmax(scores, axis=-1), v)  # [B, kvh, groups, d]
+    if o.dtype != out_dtype:
+        o = o.astype(out_dtype)
+    return o.reshape([b, num_heads * d])
 
 
 _registered = False

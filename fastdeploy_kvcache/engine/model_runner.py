@@ -44,20 +44,25 @@ class ModelRunner:
     def forward(
         self, seqs: list[ScheduledSeq], kv_caches: Sequence[Sequence[Any]], layer_done: Optional[Any]
     ) -> np.ndarray:
-        """Run the step; returns float32 logits, one row per seq with ``wants_logits``, in order."""
+        """Run the step; returns float32 logits, one row per seq with ``wants_logits``, in ``seqs`` order."""
         paddle = self.paddle
         ids: list[int] = []
         pos: list[int] = []
         slices: list[SeqSlice] = []
-        rows: list[int] = []
-        for s in seqs:
+        picked_rows: list[tuple[int, int]] = []  # (index in seqs, row in the flattened batch)
+        # Single-token seqs (decodes) first: the attention batches that leading run.
+        order = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        order += [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
+        for i in order:
+            s = seqs[i]
             start = len(ids)
             n = len(s.token_ids)
             ids.extend(int(t) for t in s.token_ids)
             pos.extend(range(s.context_len, s.context_len + n))
             slices.append(SeqSlice(start, n, s.context_len, s.block_ids))
             if s.wants_logits:
-                rows.append(start + n - 1)
+                picked_rows.append((i, start + n - 1))
+        rows = [row for _, row in sorted(picked_rows)]
         ctx = StepContext(slices, kv_caches, self.block_size, layer_done)
         with paddle.no_grad(), step_context(ctx):
             input_ids = paddle.to_tensor([ids], dtype="int64")
