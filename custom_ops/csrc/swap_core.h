@@ -37,8 +37,7 @@ enum CopyPath : int { kCopyProcess = -1, kCopyAuto = 0, kCopyKernel = 1, kCopyDm
 // Bad arguments.  The offending op, argument and index travel as fields (the C ABI hands
 // them out as values, fdkv_last_error_fields), and the message repeats them for people:
 // "<op>: <argument>[<index>]<detail>" (no "[index]" when index < 0, i.e. not tied to a
-// position).  Construct with the fields; the message-only form leaves them empty and is
-// kept only for code that has no argument to name.
+// position).  There is no message-only constructor: every bad argument has a name.
 class InvalidArgument : public std::runtime_error {
  public:
   InvalidArgument(const std::string& op, const std::string& argument, int64_t index, const std::string& detail)
@@ -46,7 +45,6 @@ class InvalidArgument : public std::runtime_error {
         op_(op),
         argument_(argument),
         index_(index) {}
-  explicit InvalidArgument(const std::string& message) : std::runtime_error(message) {}
   const std::string& op() const { return op_; }
   const std::string& argument() const { return argument_; }
   int64_t index() const { return index_; }  // -1: not tied to a position
