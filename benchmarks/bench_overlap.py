@@ -66,6 +66,7 @@ def parse_args() -> argparse.Namespace:
                         "'process' follows --copy-paths like loads do")
     p.add_argument("--fence-blocks", type=int, default=8, help="blocks of the write_back eviction fence row")
     p.add_argument("--json", default="", help="write the results here too")
+    p.add_argument("--staging-grids", default="", help="--sm-check: staged path at these staging_grid values too")
     p.add_argument("--sm-check", action="store_true",
                    help="only run the SM-sharing check: cuBLAS GEMMs and elementwise kernels, alone and "
                         "while device->host copies run through the copy kernel or the DMA batch")
@@ -93,7 +94,7 @@ def _skip_reason() -> "str | None":
     return None
 
 
-def sm_sharing_check() -> int:
+def sm_sharing_check(staging_grids: "list[int]") -> int:
     """Why the copy kernel path slows GEMMs far more than its 8 SMs would suggest.
 
     A GEMM and an elementwise kernel are timed alone and while all-layer device->host copies
@@ -134,12 +135,17 @@ def sm_sharing_check() -> int:
 
     works = {"gemm (cuBLAS)": lambda: [mat @ mat for _ in range(20)],
              "elementwise": lambda: [vec * 1.0001 + 0.5 for _ in range(40)]}
+    base_grid = capi.get_option("staging_grid")
+    variants = [(1, "kernel", base_grid), (2, "dma", base_grid), (3, "staged", base_grid)]
+    variants += [(3, f"staged/g{g}", g) for g in staging_grids if g != base_grid]
     for name, work in works.items():
-        for path, path_name in ((1, "kernel"), (2, "dma"), (3, "staged")):
+        for path, path_name, grid in variants:
+            capi.set_option("staging_grid", grid)
             alone = statistics.median(time_ms(work, path, False) for _ in range(5))
             loaded = statistics.median(time_ms(work, path, True) for _ in range(5))
-            print(f"{name:14s} copy path={path_name:6s} alone={alone:7.2f} ms  with copies={loaded:7.2f} ms  "
+            print(f"{name:14s} copy path={path_name:10s} alone={alone:7.2f} ms  with copies={loaded:7.2f} ms  "
                   f"slowdown={loaded / alone - 1:+.1%}")
+    capi.set_option("staging_grid", base_grid)
     cp.cuda.runtime.deviceSynchronize()
     for ptr in host:
         capi.host_free(ptr)
@@ -154,7 +160,7 @@ def main() -> int:
         print(f"bench_overlap: skipped ({reason})")
         return 0
     if args.sm_check:
-        return sm_sharing_check()
+        return sm_sharing_check([int(g) for g in args.staging_grids.split(",") if g])
     import cupy as cp
     import numpy as np
 

@@ -33,7 +33,7 @@ struct OptionSpec {
   int64_t hi;
   bool copy_path;      // value is a copy path name (auto|kernel|dma), not an integer
 };
-constexpr int kNumOptions = 11;
+constexpr int kNumOptions = 12;
 const OptionSpec kSpecs[kNumOptions] = {
     {"copy_grid", "FDKV_COPY_GRID", 8, 1, 65535, false},
     {"copy_path", "FDKV_COPY_PATH", kCopyAuto, kCopyAuto, kCopyStaged, true},
@@ -47,6 +47,9 @@ const OptionSpec kSpecs[kNumOptions] = {
     {"staging_chunk_bytes", "", 32 << 20, 64 << 10, kInt64Max, false},
     {"staging_grid", "", 16, 1, 65535, false},
     {"staged_min_bytes", "", 64 << 10, 0, kInt64Max, false},
+    // bit 0: DMAs as cudaMemcpyAsync (not one batch per chunk); bit 1: ring from cudaMalloc
+    // (not the stream-ordered pool).  For measurements and the GPU tests; read with GetOption.
+    {"staging_mode", "", 2, 0, 3, false},
 };
 
 std::atomic<int64_t> g_values[kNumOptions];
@@ -299,17 +302,18 @@ void Execute(const std::vector<LaneDesc>& lanes, IdSpan dev_ids, IdSpan host_ids
   if (target.cuda && target.sync) StreamSynchronize(target.stream);
 }
 
-void CheckTensors(const char* op, const std::vector<TensorDesc>& tensors, const char* name) {
-  if (tensors.empty()) Fail(op, name, -1, " is empty; pass at least one cache tensor");
+void CheckTensors(const char* op, const std::vector<TensorDesc>& tensors, const ArgNames& names) {
+  if (tensors.empty()) Fail(op, names.tensors, -1, " is empty; pass at least one cache tensor");
+  auto name = [&](const char* specific) { return specific != nullptr ? specific : names.tensors; };
   for (size_t t = 0; t < tensors.size(); ++t) {
     const TensorDesc& d = tensors[t];
-    const int64_t i = static_cast<int64_t>(t);
-    if (d.dev == nullptr) Fail(op, name, i, " has a null data pointer");
+    const int64_t i = names.index_tensors ? static_cast<int64_t>(t) : -1;
+    if (d.dev == nullptr) Fail(op, name(names.tensor_ptrs), i, " has a null data pointer");
     if (d.block_bytes <= 0) {
-      Fail(op, name, i, " has block size " + std::to_string(d.block_bytes) +
-                            " bytes; prod(shape[1:]) * itemsize must be > 0");
+      Fail(op, name(names.tensor_bytes), i, " is a block size of " + std::to_string(d.block_bytes) +
+                                                " bytes; prod(shape[1:]) * itemsize must be > 0");
     }
-    if (d.num_blocks < 0) Fail(op, name, i, " has a negative block count");
+    if (d.num_blocks < 0) Fail(op, name(names.tensor_blocks), i, " is a negative block count");
   }
 }
 
@@ -325,9 +329,10 @@ int64_t MinBlocks(const std::vector<TensorDesc>& tensors) {
 // rather than trusted; memory from elsewhere (numpy, CuPy pinned) has only the count.
 int64_t HostBlockLimit(const char* op, const std::vector<void*>& host_ptrs,
                        const std::vector<int64_t>& host_block_bytes, int64_t num_host_blocks,
-                       const HostNames& names, bool indexed_ptrs) {
+                       const ArgNames& names) {
+  const bool indexed_ptrs = names.index_host_ptr;
   if (num_host_blocks < -1) {
-    Fail(op, names.count, -1, " = " + std::to_string(num_host_blocks) +
+    Fail(op, names.host_count, -1, " = " + std::to_string(num_host_blocks) +
                                   " must be >= 0, or -1 for the size cuda_host_alloc recorded");
   }
   int64_t limit = num_host_blocks;
@@ -336,8 +341,8 @@ int64_t HostBlockLimit(const char* op, const std::vector<void*>& host_ptrs,
     const int64_t avail = HostBytesFrom(host_ptrs[t]);
     if (avail < 0) {
       if (num_host_blocks == -1) {
-        Fail(op, names.ptr, i, " is not memory from cuda_host_alloc, so its size is unknown; pass " +
-                                   std::string(names.count) + " (the buffer's block count)");
+        Fail(op, names.host_ptr, i, " is not memory from cuda_host_alloc, so its size is unknown; pass " +
+                                        std::string(names.host_count) + " (the buffer's block count)");
       }
       continue;
     }
@@ -345,9 +350,9 @@ int64_t HostBlockLimit(const char* op, const std::vector<void*>& host_ptrs,
     if (num_host_blocks == -1) {
       limit = limit < 0 ? fits : std::min(limit, fits);
     } else if (num_host_blocks > fits) {
-      Fail(op, names.count, -1, " = " + std::to_string(num_host_blocks) + " blocks of " +
-                                    std::to_string(host_block_bytes[t]) + " bytes do not fit in " +
-                                    names.ptr + (indexed_ptrs ? "[" + std::to_string(t) + "]" : "") +
+      Fail(op, names.host_count, -1, " = " + std::to_string(num_host_blocks) + " blocks of " +
+                                         std::to_string(host_block_bytes[t]) + " bytes do not fit in " +
+                                         names.host_ptr + (indexed_ptrs ? "[" + std::to_string(t) + "]" : "") +
                                     " (" + std::to_string(avail) + " bytes from cuda_host_alloc: " +
                                     std::to_string(fits) + " blocks)");
     }
@@ -357,23 +362,46 @@ int64_t HostBlockLimit(const char* op, const std::vector<void*>& host_ptrs,
 
 }  // namespace
 
+ArgNames PaddleArgNames(const char* tensors, const char* host_ptr) {
+  ArgNames n;
+  n.tensors = tensors;
+  n.index_tensors = std::string(tensors) != "cache_gpu";
+  n.host_ptr = host_ptr;
+  n.index_host_ptr = std::string(host_ptr) != "cache_cpu_ptr";
+  n.host_count = "max_block_num_cpu";
+  return n;
+}
+
+ArgNames CapiArgNames(const char* host_ptr) {
+  ArgNames n;
+  n.tensors = "dev_ptrs";
+  n.tensor_ptrs = "dev_ptrs";
+  n.tensor_blocks = "num_dev_blocks";
+  n.tensor_bytes = "block_bytes";
+  n.host_ptr = host_ptr;
+  n.index_host_ptr = std::string(host_ptr) != "host_ptr";
+  n.host_count = "num_host_blocks";
+  return n;
+}
+
 void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
                 const std::vector<void*>& host_ptrs, int64_t num_host_blocks, IdSpan dev_ids,
-                IdSpan host_ids, int mode, const ExecTarget& target, HostNames names) {
+                IdSpan host_ids, int mode, const ExecTarget& target, const ArgNames& names) {
   InitFromEnv(op);
-  CheckTensors(op, tensors, tensors.size() == 1 ? "cache_gpu" : "cache_gpu_tensors");
+  CheckTensors(op, tensors, names);
   if (host_ptrs.size() != tensors.size()) {
-    Fail(op, names.ptr, -1, " has " + std::to_string(host_ptrs.size()) + " pointers but there are " +
-                                std::to_string(tensors.size()) + " cache tensors");
+    Fail(op, names.host_ptr, -1, " has " + std::to_string(host_ptrs.size()) + " pointers but there are " +
+                                     std::to_string(tensors.size()) + " cache tensors");
   }
-  const bool indexed = std::string(names.ptr) != "cache_cpu_ptr";
   for (size_t t = 0; t < host_ptrs.size(); ++t) {
-    if (host_ptrs[t] == nullptr) Fail(op, names.ptr, indexed ? static_cast<int64_t>(t) : -1, " is a null pointer");
+    if (host_ptrs[t] == nullptr) {
+      Fail(op, names.host_ptr, names.index_host_ptr ? static_cast<int64_t>(t) : -1, " is a null pointer");
+    }
   }
   CheckCopyPath(op, target.copy_path);
   std::vector<int64_t> host_bb(tensors.size());
   for (size_t t = 0; t < tensors.size(); ++t) host_bb[t] = tensors[t].block_bytes;
-  const int64_t host_limit = HostBlockLimit(op, host_ptrs, host_bb, num_host_blocks, names, indexed);
+  const int64_t host_limit = HostBlockLimit(op, host_ptrs, host_bb, num_host_blocks, names);
   ValidateIds(op, dev_ids, MinBlocks(tensors), host_ids, host_limit, mode);
 
   std::vector<LaneDesc> lanes;
@@ -390,14 +418,14 @@ void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
 
 void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* host_ptr,
                 int64_t num_host_blocks, IdSpan dev_ids, IdSpan host_ids, int mode,
-                const ExecTarget& target, HostNames names) {
+                const ExecTarget& target, const ArgNames& names) {
   InitFromEnv(op);
-  CheckTensors(op, tensors, "cache_gpu_tensors");
-  if (host_ptr == nullptr) Fail(op, names.ptr, -1, " is a null pointer");
+  CheckTensors(op, tensors, names);
+  if (host_ptr == nullptr) Fail(op, names.host_ptr, -1, " is a null pointer");
   CheckCopyPath(op, target.copy_path);
   int64_t host_block_bytes = 0;
   for (const TensorDesc& d : tensors) host_block_bytes += d.block_bytes;
-  const int64_t host_limit = HostBlockLimit(op, {host_ptr}, {host_block_bytes}, num_host_blocks, names, false);
+  const int64_t host_limit = HostBlockLimit(op, {host_ptr}, {host_block_bytes}, num_host_blocks, names);
   ValidateIds(op, dev_ids, MinBlocks(tensors), host_ids, host_limit, mode);
 
   std::vector<LaneDesc> lanes;

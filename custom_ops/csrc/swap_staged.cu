@@ -138,7 +138,7 @@ StagedCopyKernel(const __grid_constant__ Tables tables, Geometry geo, char* __re
 struct StagingRing {
   std::mutex mu;
   char* buf = nullptr;
-  bool async_alloc = true;  // cudaMallocAsync / cudaFreeAsync (stream-ordered: no device sync)
+  bool buf_pooled = false;   // buf came from cudaMallocAsync (else cudaMalloc)
   int64_t ring_bytes = 0;
   int64_t slot_bytes = 0;
   int slots = 0;
@@ -149,17 +149,26 @@ struct StagingRing {
   cudaStream_t side = nullptr;
   cudaEvent_t start = nullptr;
   cudaEvent_t side_done = nullptr;
+  // cudaMalloc'd rings set aside by a resize, by size: reused when that size comes back.
+  // NOTE: never cudaFree'd: cudaFree synchronizes the whole device, which would stall every
+  // stream (and deadlock behind a stream that waits on the host).  Only option changes
+  // (tests, benchmarks) resize, so this holds a handful of buffers at most.
+  struct Spare {
+    char* buf;
+    size_t bytes;
+    cudaEvent_t idle;  // recorded on the side stream behind the buffer's last users
+  };
+  std::vector<Spare> spares;
 
   // (Re)size to want_ring bytes in slots of at most want_chunk bytes.  Called with mu held.
-  // NOTE: a resize never synchronizes the device or the host (cudaFree would, and would
-  // wait for unrelated work on every stream): the old buffer is freed in stream order on
-  // the side stream behind every slot's last user, and the new one allocated there, with
-  // each slot's free event re-recorded behind the allocation.
-  void Ensure(int64_t want_ring, int64_t want_chunk) {
+  // NOTE: a resize never synchronizes the device or the host: the old buffer is retired in
+  // stream order on the side stream behind every slot's last user, and the new one is made
+  // usable there, with each slot's free event re-recorded behind it.
+  void Ensure(int64_t want_ring, int64_t want_chunk, bool pooled) {
     int64_t slot = std::min(want_chunk, want_ring / 2);
     slot = std::max<int64_t>(kChunkAlign, slot / kChunkAlign * kChunkAlign);
     const int count = static_cast<int>(std::max<int64_t>(2, want_ring / slot));
-    if (buf != nullptr && slot == slot_bytes && count == slots) return;
+    if (buf != nullptr && slot == slot_bytes && count == slots && pooled == buf_pooled) return;
     if (side == nullptr) {
       FDKV_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
       FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&start, cudaEventDisableTiming));
@@ -167,11 +176,13 @@ struct StagingRing {
     }
     if (buf != nullptr) {
       for (cudaEvent_t e : slot_free) FDKV_CUDA_CHECK(cudaStreamWaitEvent(side, e, 0));
-      if (async_alloc) {
+      if (buf_pooled) {
         FDKV_CUDA_CHECK(cudaFreeAsync(buf, side));
       } else {
-        FDKV_CUDA_CHECK(cudaStreamSynchronize(side));
-        FDKV_CUDA_CHECK(cudaFree(buf));
+        cudaEvent_t idle;
+        FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&idle, cudaEventDisableTiming));
+        FDKV_CUDA_CHECK(cudaEventRecord(idle, side));
+        spares.push_back(Spare{buf, static_cast<size_t>(ring_bytes), idle});
       }
       buf = nullptr;
     }
@@ -184,16 +195,20 @@ struct StagingRing {
       freed_on.push_back(nullptr);
     }
     const size_t bytes = static_cast<size_t>(slot * count);
-    if (async_alloc) {
-      cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&buf), bytes, side);
-      if (e == cudaErrorNotSupported) {
-        (void)cudaGetLastError();
-        async_alloc = false;
-      } else {
-        FDKV_CUDA_CHECK(e);
+    if (pooled) {
+      FDKV_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&buf), bytes, side));
+    } else {
+      for (size_t i = 0; i < spares.size() && buf == nullptr; ++i) {
+        if (spares[i].bytes == bytes) {
+          buf = spares[i].buf;
+          FDKV_CUDA_CHECK(cudaStreamWaitEvent(side, spares[i].idle, 0));
+          FDKV_CUDA_CHECK(cudaEventDestroy(spares[i].idle));
+          spares.erase(spares.begin() + static_cast<std::ptrdiff_t>(i));
+        }
       }
+      if (buf == nullptr) FDKV_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buf), bytes));
     }
-    if (!async_alloc) FDKV_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buf), bytes));
+    buf_pooled = pooled;
     for (size_t i = 0; i < slot_free.size(); ++i) {
       FDKV_CUDA_CHECK(cudaEventRecord(slot_free[i], side));
       freed_on[i] = side;
@@ -388,7 +403,7 @@ void LaunchChunk(const Plan& plan, const Tables& tables, char* slot, int64_t v0,
 
 // The DMA copies of chunk [v0, v1): every segment part inside it.  `si` walks forward.
 void IssueChunkDma(const Plan& plan, size_t* si, char* slot, int64_t v0, int64_t v1, int mode,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, bool batch) {
   thread_local std::vector<Copy> copies;
   copies.clear();
   size_t i = *si;
@@ -409,7 +424,7 @@ void IssueChunkDma(const Plan& plan, size_t* si, char* slot, int64_t v0, int64_t
   // NOTE: cudaMemcpyBatchAsync even for one copy: measured on H100 (docs/benchmarks.md),
   // 4 MiB copies back to back reached 0.96 of the link through the batch API against 0.93
   // as separate cudaMemcpyAsync calls.  The legacy default stream cannot take a batch.
-  if (!DmaBatchAvailable(stream)) {
+  if (!batch || !DmaBatchAvailable(stream)) {
     for (const Copy& c : copies) {
       FDKV_CUDA_CHECK(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream));
     }
@@ -449,7 +464,10 @@ int ExecuteStaged(const staged::Plan& plan, int64_t n, int mode, cudaStream_t st
 
   StagingRing& ring = RingFor(mode);
   std::lock_guard<std::mutex> ring_lock(ring.mu);
-  ring.Ensure(opts.staging_bytes, opts.staging_chunk_bytes);
+  int64_t staging_mode = 0;
+  GetOption("staging_mode", &staging_mode);
+  const bool batch = (staging_mode & 1) == 0;
+  ring.Ensure(opts.staging_bytes, opts.staging_chunk_bytes, (staging_mode & 2) == 0);
   // Chunk boundaries must keep 16-byte vectors aligned: slot sizes are 4 KiB multiples.
   thread_local std::vector<int64_t> bounds;
   PlanChunks(plan.total, ring.slot_bytes, mode, &bounds);
@@ -484,11 +502,11 @@ int ExecuteStaged(const staged::Plan& plan, int64_t n, int mode, cudaStream_t st
           FDKV_CUDA_CHECK(cudaEventRecord(slot_ready, side));
           FDKV_CUDA_CHECK(cudaStreamWaitEvent(stream, slot_ready, 0));
         }
-        IssueChunkDma(plan, &si, slot, v0, v1, mode, stream);
+        IssueChunkDma(plan, &si, slot, v0, v1, mode, stream, batch);
         ring.MarkFree(slot_idx, stream);
       } else {
         ring.WaitFree(slot_idx, stream);
-        IssueChunkDma(plan, &si, slot, v0, v1, mode, stream);
+        IssueChunkDma(plan, &si, slot, v0, v1, mode, stream, batch);
         if (c + 1 == num_chunks) {  // the last scatter on the caller's stream: no hop at the end
           LaunchChunk<false>(plan, near, slot, v0, v1, grid, stream);
           ring.MarkFree(slot_idx, stream);
