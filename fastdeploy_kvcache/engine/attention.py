@@ -82,7 +82,7 @@ class _DecodeBatch:
     count: int
     blocks_per_seq: int
     index: Any  # int64 [count * blocks_per_seq]: each seq's table, padded with its first block
-    mask: Any  # float32 [count, 1, 1, blocks_per_seq * block_size]: 0 inside, -inf past the end
+    mask: Any  # float32 [count, blocks_per_seq, 1, 1, block_size]: 0 inside, -inf past the end
 
 
 class step_context:
@@ -227,31 +227,39 @@ def _build_decode_batch(seqs: Sequence[SeqSlice], bs: int) -> _DecodeBatch:
     for s, nb in zip(seqs, nbs):
         idx.extend(s.block_ids[:nb])
         idx.extend([s.block_ids[0]] * (width - nb))  # padding: read, then masked out
-    lens = paddle.to_tensor([s.total_len for s in seqs], dtype="int64").unsqueeze(1)
-    pos = paddle.arange(width * bs, dtype="int64").unsqueeze(0)
+    lens = paddle.to_tensor([s.total_len for s in seqs], dtype="int64").reshape([-1, 1, 1])
+    pos = paddle.arange(width * bs, dtype="int64").reshape([1, width, bs])
     mask = paddle.where(pos < lens, paddle.zeros([], "float32"), paddle.full([], float("-inf"), "float32"))
-    return _DecodeBatch(len(seqs), width, paddle.to_tensor(idx, dtype="int64"), mask.unsqueeze(1).unsqueeze(1))
+    return _DecodeBatch(len(seqs), width, paddle.to_tensor(idx, dtype="int64"), mask.reshape([len(seqs), width, 1, 1, bs]))
 
 
 def _decode_attention(q: Any, k_cache: Any, v_cache: Any, dec: _DecodeBatch, num_kv: int, groups: int,
                       scale: float) -> Any:
-    """q [H, B, D] of B one-token seqs -> [B, H*D], over each seq's gathered blocks."""
+    """q [H, B, D] of B one-token seqs -> [B, H*D], over each seq's gathered blocks.
+
+    NOTE: the gathered blocks stay in the cache layout ([B, blocks, kvh, bs, d]); scores are
+    computed per block and the softmax runs over (block, position) together.  Transposing
+    the gathered K/V into one sequence axis instead costs a strided copy of all of it per
+    layer, which measured slower than the whole rest of the attention on CPU.
+    """
     import paddle
-    import paddle.nn.functional as F
 
     num_heads, b, d = q.shape
     out_dtype = q.dtype
+    nb = dec.blocks_per_seq
 
     def gather(cache: Any) -> Any:
         blocks = paddle.index_select(cache, dec.index, axis=0)  # [B*nb, kvh, bs, d]
         _, kvh, bs, _ = blocks.shape
-        blocks = blocks.reshape([b, dec.blocks_per_seq, kvh, bs, d]).transpose([0, 2, 1, 3, 4])
-        return _as_float32(blocks.reshape([b, kvh, dec.blocks_per_seq * bs, d]))
+        return _as_float32(blocks.reshape([b, nb, kvh, bs, d]))  # a view: no copy
 
     k, v = gather(k_cache), gather(v_cache)
-    qb = _as_float32(q).transpose([1, 0, 2]).reshape([b, num_kv, groups, d])
-    scores = paddle.matmul(qb, k, transpose_y=True) * scale + dec.mask  # [B, kvh, groups, L]
-    o = paddle.matmul(F.softmax(scores, axis=-1), v)  # [B, kvh, groups, d]
+    qb = (_as_float32(q).transpose([1, 0, 2]) * scale).reshape([b, 1, num_kv, groups, d])
+    scores = paddle.matmul(qb, k, transpose_y=True) + dec.mask  # [B, nb, kvh, groups, bs]
+    m = paddle.max(scores, axis=[1, 4], keepdim=True)
+    e = paddle.exp(scores - m)
+    probs = e / paddle.sum(e, axis=[1, 4], keepdim=True)
+    o = paddle.sum(paddle.matmul(probs, v), axis=1)  # [B, kvh, groups, d]
     if o.dtype != out_dtype:
         o = o.astype(out_dtype)
     return o.reshape([b, num_heads * d])
