@@ -13,6 +13,7 @@ package metadata only, so a no-op run neither imports Paddle nor prints anything
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -20,7 +21,7 @@ import sys
 import warnings
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 logger = logging.getLogger("setup_ops")
 
@@ -87,6 +88,38 @@ def import_paddle():
     return paddle, load
 
 
+@contextlib.contextmanager
+def _output_to(log: Path) -> Iterator[None]:
+    """Send this process's stdout/stderr (file descriptors, so the compiler's child processes
+    too) to ``log``; replay the log on stderr only if the body fails.
+
+    NOTE: paddle's JIT builder prints every compiler command and setuptools' progress; a
+    successful build needs none of it, a failed one needs all of it.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    ok = False
+    try:
+        with open(log, "wb") as sink:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield
+                ok = True
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+    finally:
+        for fd in saved:
+            os.close(fd)
+        if not ok:
+            sys.stderr.write(log.read_text(errors="replace"))
+            sys.stderr.flush()
+
+
 def _load(load, src: str, flag: str, cuda_flags: Optional[list[str]], work: Path) -> None:
     """Compile through paddle.utils.cpp_extension.load (the JIT path: no install step)."""
     load(
@@ -126,7 +159,7 @@ def build(force: bool = False) -> Path:
     saved = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [saved, _CCACHE_FILTER]))
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _output_to(work / "build.log"):
             warnings.filterwarnings("ignore", message=".*ccache.*")
             _load(load, src, flag, cuda_flags if cuda else None, work)
     finally:
