@@ -76,6 +76,7 @@ WORDS = (
 ).split()
 
 CONFIGS = ("recompute", "device", "device+host")
+LOADAVG_START = os.getloadavg()
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -327,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--swap-space", type=float, default=1.0,
                     help="Host tier of the device+host configuration, GiB (must hold the working set).")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--probe-repeats", type=int, default=3)
+    ap.add_argument("--probe-repeats", type=int, default=5)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"Subset of {','.join(CONFIGS)}.")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
@@ -335,6 +336,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="Markdown file whose Serving section is (re)written; '' to skip.")
     ap.add_argument("--tag", default="cpu", help="Name part of the output files.")
     ap.add_argument("--quick", action="store_true", help="Smoke run: 3 users, 3 rounds, short documents.")
+    ap.add_argument("--default-model-probe", default="smollm2-135m-instruct",
+                    help="Also time one prefill of this model (the server's default) in the same run, to say "
+                         "why the benchmark uses a smaller one; '' to skip.")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -342,6 +346,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.users, args.rounds, args.doc_tokens, args.output_tokens, args.probe_repeats = 3, 3, 256, 4, 1
         args.concurrency = 1
         args.docs = ""
+        args.default_model_probe = ""
     configs = [c for c in args.configs.split(",") if c]
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
@@ -351,7 +356,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     bs = args.block_size
     # Working set: every user's final conversation (document + rounds of question and answer).
-    per_user_tokens = args.doc_tokens + args.rounds * (args.question_tokens + args.output_tokens + 8)
+    # NOTE: answers are resent as text; re-tokenized, a random model's output can take up
+    # to about three times its token count (odd byte sequences), hence 3 * output_tokens.
+    per_user_tokens = args.doc_tokens + args.rounds * (args.question_tokens + 3 * args.output_tokens + 16)
     working_set_blocks = args.users * math.ceil(per_user_tokens / bs)
     max_model_len = 1 << math.ceil(math.log2(per_user_tokens + 64))
     # A third of the working set, but never less than the running batch needs.
@@ -410,11 +417,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                             probe["host_over_device"], probe["valid_repeats"], probe["repeats"])
         finally:
             server.stop()
+    default_probe: dict[str, Any] = {}
+    if args.default_model_probe and args.default_model_probe != args.model:
+        default_probe = probe_default_model(args.default_model_probe, args.doc_tokens // 2, args.seed)
     total_wall = time.perf_counter() - run_start
 
     report = build_report(args, results, probe, device_blocks, working_set_blocks, max_model_len,
                           tokens_per_word or 0.0, total_wall)
     report["host_blocks"] = int(host_blocks) if host_blocks is not None else None
+    report["default_model_probe"] = default_probe
+    report["loadavg_end"] = os.getloadavg()
     print(format_console(report))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -428,6 +440,34 @@ def main(argv: Optional[list[str]] = None) -> int:
         write_docs_section(Path(args.docs), report, json_path, png_path)
         logger.info("updated %s", args.docs)
     return 0
+
+
+def probe_default_model(model: str, target_tokens: int, seed: int) -> dict[str, Any]:
+    """Time one cold prefill of ``model`` (switch off): the reason the benchmark uses a smaller one."""
+    from openai import OpenAI
+
+    server = ServerProcess(["--model", model, "--device", "cpu", "--max-model-len", "4096", "--log-level", "warning",
+                            "--uvicorn-log-level", "warning"], env={"ENABLE_V1_KVCACHE_MANAGER": "0"},
+                           startup_timeout_s=900)
+    try:
+        server.start()
+    except (RuntimeError, TimeoutError) as exc:
+        logger.warning("could not start %s for the default-model probe: %s", model, str(exc)[-500:])
+        return {"model": model, "error": str(exc)[-500:]}
+    try:
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
+        rng = random.Random(seed + 17)
+        n = max(1, int(target_tokens / 1.3))  # common words are about 1.3 tokens each in a 49k vocabulary
+        start = time.perf_counter()
+        usage = client.completions.create(model=model, prompt=words(rng, n), max_tokens=1, temperature=0).usage
+        seconds = time.perf_counter() - start
+    finally:
+        server.stop()
+    out = {"model": model, "prompt_tokens": usage.prompt_tokens, "seconds": seconds,
+           "prompt_tokens_per_s": usage.prompt_tokens / seconds}
+    logger.info("[default model] %s: one cold prefill of %d tokens took %.1f s (%.0f tokens/s)", model,
+                usage.prompt_tokens, seconds, out["prompt_tokens_per_s"])
+    return out
 
 
 def _find_number(stats: Any, key: str) -> Optional[float]:
@@ -467,6 +507,7 @@ def build_report(args: argparse.Namespace, results: dict[str, ConfigResult], pro
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
         "time_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "machine": machine(),
+        "loadavg_start": LOADAVG_START,
         "args": vars(args),
         "tokens_per_word": tokens_per_word,
         "device_blocks": device_blocks,
@@ -567,7 +608,9 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
         f"Measured {report['time_utc']} UTC on **{m['cpu']}**, {m['cores']} cores, CPU only "
         f"(Paddle {m['paddle']}, Python {m['python']}), through HTTP (uvicorn on 127.0.0.1, the `openai` "
         f"client, streamed completions, TTFT = time to the first streamed token as the client sees it). "
-        f"Model `{a['model']}`, block size {a['block_size']}.",
+        f"Model `{a['model']}`, block size {a['block_size']}. The machine is shared: load average "
+        f"{report['loadavg_start'][0]:.1f} at the start and {report['loadavg_end'][0]:.1f} at the end on "
+        f"{m['cores']} cores, so absolute times are noisy; the ratios compare configurations of the same run.",
         "",
         f"Workload (SGLang multi-turn style): {a['users']} users, each with its own document of about "
         f"{a['doc_tokens']} tokens, {a['rounds']} rounds each (question of about {a['question_tokens']} tokens, "
@@ -585,6 +628,19 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
         format_round_table(report),
         "",
     ]
+    d = report.get("default_model_probe") or {}
+    if d.get("seconds"):
+        recompute_tps = s["recompute"]["prompt_tokens_per_s"] if "recompute" in s else float("nan")
+        total_prompt = s["recompute"]["prompt_tokens"] if "recompute" in s else 0
+        body += [
+            f"Why not the default model: in this run one cold prefill of `{d['model']}` ({d['prompt_tokens']} "
+            f"tokens) took {d['seconds']:.1f} s ({d['prompt_tokens_per_s']:.0f} prompt tokens/s, against "
+            f"{recompute_tps:.0f} for `{a['model']}` under recompute with {a['concurrency']} requests in flight); "
+            f"recomputing this workload's {total_prompt} prompt tokens once would take about "
+            f"{total_prompt / d['prompt_tokens_per_s'] / 60:.0f} minutes with it. `{a['model']}` is a "
+            "seeded random Llama (4 layers, hidden 256, 2 KV heads) served by the same engine and cache.",
+            "",
+        ]
     if p:
         body += [
             f"Same prefix length, device hit against host hit ({p['valid_repeats']} of {p['repeats']} repeats "
