@@ -459,7 +459,8 @@ class CApi:
 
         Meant for benchmarks and tests; an engine sets the environment instead.
         """
-        self._check(self._lib.fdkv_set_option(name.encode(), int(value)))
+        value = _int_arg(value, "set_option", "value")  # ctypes would wrap 2**70 to 0
+        self._check(self._lib.fdkv_set_option(name.encode(), value))
 
     def get_option(self, name: str) -> int:
         out = ctypes.c_int64()

@@ -139,7 +139,7 @@ FDKV_API int fdkv_swap_layers(const char* op, void* const* dev_ptrs, const int64
     fdkv::SwapLayers(name, tensors, hosts, num_host_blocks,
                      fdkv::IdSpan{dev_ids, num_dev_ids, "dev_ids"},
                      fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, target,
-                     fdkv::HostNames{"host_ptrs", "num_host_blocks"});
+                     fdkv::CapiArgNames("host_ptrs"));
   });
 }
 
@@ -156,7 +156,7 @@ FDKV_API int fdkv_swap_layout(const char* op, void* const* dev_ptrs, const int64
     fdkv::SwapLayout(name, tensors, host_ptr[0], num_host_blocks,
                      fdkv::IdSpan{dev_ids, num_dev_ids, "dev_ids"},
                      fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, target,
-                     fdkv::HostNames{"host_ptr", "num_host_blocks"});
+                     fdkv::CapiArgNames("host_ptr"));
   });
 }
 

@@ -124,12 +124,26 @@ int64_t ParseEnvValue(const char* op, const std::string& name, const char* raw);
 // Bit mask of PathBits used by the calling thread's last swap.
 int LastPath();
 
-// How the host side of a swap is named in errors (the Paddle ops and the C ABI name their
-// arguments differently).
-struct HostNames {
-  const char* ptr = "cache_cpu_ptrs";       // the host pointer(s)
-  const char* count = "max_block_num_cpu";  // the host block count
+// How a swap's arguments are named in errors: the Paddle ops and the C ABI name them
+// differently, and an error must name the argument the caller actually passed.
+struct ArgNames {
+  const char* tensors = "cache_gpu_tensors";  // the cache tensors (Paddle)
+  bool index_tensors = true;                  // false: the one tensor of a per-layer op
+  // The C ABI passes a tensor as three arrays; a problem names the array it is in.  Null:
+  // `tensors` for all three.
+  const char* tensor_ptrs = nullptr;
+  const char* tensor_blocks = nullptr;
+  const char* tensor_bytes = nullptr;
+  const char* host_ptr = "cache_cpu_ptrs";       // the host pointer(s)
+  bool index_host_ptr = true;                    // false: one host pointer
+  const char* host_count = "max_block_num_cpu";  // the host block count
 };
+// The Paddle ops' names: `tensors` is cache_gpu (per-layer, not indexed) or
+// cache_gpu_tensors; `host_ptr` cache_cpu_ptr (not indexed) or cache_cpu_ptrs.
+ArgNames PaddleArgNames(const char* tensors, const char* host_ptr);
+// The C ABI's names: dev_ptrs / num_dev_blocks / block_bytes, `host_ptr` host_ptrs
+// (indexed) or host_ptr, num_host_blocks.
+ArgNames CapiArgNames(const char* host_ptr);
 
 // Per-tensor block copy: tensor t's block dev_ids[i] <-> host_ptrs[t] block host_ids[i].
 // mode kDeviceToHost copies device -> host, kHostToDevice the reverse.  Host block size
@@ -141,13 +155,14 @@ struct HostNames {
 void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
                 const std::vector<void*>& host_ptrs, int64_t num_host_blocks,
                 IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target,
-                HostNames names = HostNames{});
+                const ArgNames& names = ArgNames{});
 
 // Block-major layout copy: host block h is one contiguous object holding every tensor's
 // block in tensor order: [h][t][block_bytes[t]].  num_host_blocks: as in SwapLayers.
 void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* host_ptr,
                 int64_t num_host_blocks, IdSpan dev_ids, IdSpan host_ids, int mode,
-                const ExecTarget& target, HostNames names = HostNames{"cache_cpu_ptr", "max_block_num_cpu"});
+                const ExecTarget& target,
+                const ArgNames& names = PaddleArgNames("cache_gpu_tensors", "cache_cpu_ptr"));
 
 // Pinned host memory: cudaHostAlloc with CUDA, else 4 KiB-aligned aligned_alloc.  Every
 // allocation's size is recorded (HostBytesFrom) so swaps can bound host ids; HostFree

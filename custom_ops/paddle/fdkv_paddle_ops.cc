@@ -13,7 +13,8 @@
 
 namespace {
 
-int64_t ItemSize(const paddle::Tensor& t, const char* op, const char* name, size_t index) {
+// `index` -1: the one tensor of a per-layer op (named without an index).
+int64_t ItemSize(const paddle::Tensor& t, const char* op, const char* name, int64_t index) {
   switch (t.dtype()) {
     case paddle::DataType::BFLOAT16:
     case paddle::DataType::FLOAT16:
@@ -24,15 +25,15 @@ int64_t ItemSize(const paddle::Tensor& t, const char* op, const char* name, size
     case paddle::DataType::INT8:
       return 1;
     default:
-      throw fdkv::InvalidArgument(op, name, static_cast<int64_t>(index),
+      throw fdkv::InvalidArgument(op, name, index,
                                   " has an unsupported dtype; use bfloat16, float16, float32 or uint8");
   }
 }
 
-fdkv::TensorDesc Describe(const paddle::Tensor& t, const char* op, const char* name, size_t index) {
+fdkv::TensorDesc Describe(const paddle::Tensor& t, const char* op, const char* name, int64_t index) {
   const std::vector<int64_t> shape = t.shape();
   if (shape.empty()) {
-    throw fdkv::InvalidArgument(op, name, static_cast<int64_t>(index), " is 0-d; dim 0 must be the block index");
+    throw fdkv::InvalidArgument(op, name, index, " is 0-d; dim 0 must be the block index");
   }
   int64_t per_block = 1;
   for (size_t d = 1; d < shape.size(); ++d) per_block *= shape[d];
@@ -77,6 +78,7 @@ fdkv::ExecTarget Target(const std::vector<paddle::Tensor>& tensors, const char* 
                                                     " must be the tensors' device ordinal, or -1");
   }
   const bool gpu = tensors.front().is_gpu();
+  const int64_t first = tensors.size() == 1 && std::string(name) == "cache_gpu" ? -1 : 0;  // per-layer: no index
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].is_gpu() != gpu || (gpu && tensors[i].place() != tensors.front().place())) {
       throw fdkv::InvalidArgument(op, name, static_cast<int64_t>(i), " is on another device than " +
@@ -95,10 +97,10 @@ fdkv::ExecTarget Target(const std::vector<paddle::Tensor>& tensors, const char* 
     target.stream = stream != 0 ? reinterpret_cast<void*>(stream)
                                 : reinterpret_cast<void*>(tensors.front().stream());
 #else
-    throw fdkv::InvalidArgument(op, name, 0, " is a GPU tensor but the ops were built without CUDA");
+    throw fdkv::InvalidArgument(op, name, first, " is a GPU tensor but the ops were built without CUDA");
 #endif
   } else if (!tensors.front().is_cpu()) {
-    throw fdkv::InvalidArgument(op, name, 0, " must be a GPU or CPU tensor");
+    throw fdkv::InvalidArgument(op, name, first, " must be a GPU or CPU tensor");
   }
   return target;
 }
@@ -137,13 +139,13 @@ void PerLayer(const char* op, const paddle::Tensor& cache_gpu, int64_t cache_cpu
               const std::vector<int64_t>& ids_cpu, int rank, int mode, int64_t stream, bool sync, int path) {
   const std::vector<paddle::Tensor> tensors{cache_gpu};
   Run(tensors, [&] {
-    std::vector<fdkv::TensorDesc> descs{Describe(cache_gpu, op, "cache_gpu", 0)};
+    std::vector<fdkv::TensorDesc> descs{Describe(cache_gpu, op, "cache_gpu", -1)};
     std::vector<void*> hosts{reinterpret_cast<void*>(cache_cpu_ptr)};
     fdkv::ExecTarget target = Target(tensors, op, "cache_gpu", rank, stream, sync, path);
     fdkv::SwapLayers(op, descs, hosts, max_block_num_cpu,
                      fdkv::IdSpan{ids_gpu.data(), static_cast<int64_t>(ids_gpu.size()), "swap_block_ids_gpu"},
                      fdkv::IdSpan{ids_cpu.data(), static_cast<int64_t>(ids_cpu.size()), "swap_block_ids_cpu"},
-                     mode, target, fdkv::HostNames{"cache_cpu_ptr", "max_block_num_cpu"});
+                     mode, target, fdkv::PaddleArgNames("cache_gpu", "cache_cpu_ptr"));
   });
 }
 
@@ -177,7 +179,7 @@ void SwapCacheAllLayers(const std::vector<paddle::Tensor>& cache_gpu_tensors,
     }
     std::vector<fdkv::TensorDesc> descs;
     for (size_t i = 0; i < cache_gpu_tensors.size(); ++i) {
-      descs.push_back(Describe(cache_gpu_tensors[i], op, "cache_gpu_tensors", i));
+      descs.push_back(Describe(cache_gpu_tensors[i], op, "cache_gpu_tensors", static_cast<int64_t>(i)));
     }
     std::vector<void*> hosts;
     for (int64_t p : cache_cpu_ptrs) hosts.push_back(reinterpret_cast<void*>(p));
@@ -187,7 +189,7 @@ void SwapCacheAllLayers(const std::vector<paddle::Tensor>& cache_gpu_tensors,
                                   "swap_block_ids_gpu"},
                      fdkv::IdSpan{swap_block_ids_cpu.data(), static_cast<int64_t>(swap_block_ids_cpu.size()),
                                   "swap_block_ids_cpu"},
-                     mode, target, fdkv::HostNames{"cache_cpu_ptrs", "max_block_num_cpu"});
+                     mode, target, fdkv::PaddleArgNames("cache_gpu_tensors", "cache_cpu_ptrs"));
   });
 }
 
@@ -206,13 +208,13 @@ void SwapCacheLayout(const std::vector<paddle::Tensor>& cache_gpu_tensors, int64
         throw fdkv::InvalidArgument(op, "cache_gpu_tensors", static_cast<int64_t>(i),
                                     " does not have the shape given in cache_shape");
       }
-      descs.push_back(Describe(cache_gpu_tensors[i], op, "cache_gpu_tensors", i));
+      descs.push_back(Describe(cache_gpu_tensors[i], op, "cache_gpu_tensors", static_cast<int64_t>(i)));
     }
     fdkv::ExecTarget target = Target(cache_gpu_tensors, op, "cache_gpu_tensors", rank, stream, /*sync=*/false, path);
     fdkv::SwapLayout(op, descs, reinterpret_cast<void*>(cache_cpu_ptr), max_block_num_cpu,
                      fdkv::IdSpan{gpu_block_ids.data(), static_cast<int64_t>(gpu_block_ids.size()), "gpu_block_ids"},
                      fdkv::IdSpan{cpu_block_ids.data(), static_cast<int64_t>(cpu_block_ids.size()), "cpu_block_ids"},
-                     mode, target, fdkv::HostNames{"cache_cpu_ptr", "max_block_num_cpu"});
+                     mode, target, fdkv::PaddleArgNames("cache_gpu_tensors", "cache_cpu_ptr"));
   });
 }
 

@@ -378,3 +378,30 @@ def test_capi_pointers_must_be_addresses(capi_cpu: ops.CApi) -> None:
     with pytest.raises(ops.SwapOpError) as info:
         capi_cpu.host_free(-1)
     assert info.value.argument == "ptr"
+
+
+def test_errors_name_the_argument_each_face_was_given(paddle_ops, capi_cpu: ops.CApi, host_buffer) -> None:
+    """The C ABI names its own arrays (not Paddle's names), and a per-layer op's one
+    tensor is named without an index."""
+    host = host_buffer(NUM_HOST * BB)
+    dev = np.zeros((NUM_DEV, BB), np.uint8)
+    cases = [
+        (lambda: capi_cpu.swap_per_layer(0, NUM_DEV, BB, host.ctypes.data, NUM_HOST, [0], [0], 0), "dev_ptrs", 0),
+        (lambda: capi_cpu.swap_per_layer(dev.ctypes.data, NUM_DEV, -BB, host.ctypes.data, NUM_HOST, [0], [0], 0),
+         "block_bytes", 0),
+        (lambda: capi_cpu.swap_all_layers([dev.ctypes.data] * 2, [host.ctypes.data] * 2, [NUM_DEV, -1], BB,
+                                          NUM_HOST, [0], [0], 0), "num_dev_blocks", 1),
+        (lambda: capi_cpu.swap_layout([dev.ctypes.data], NUM_DEV, BB, 0, NUM_HOST, [0], [0], 0), "host_ptr", None),
+        (lambda: ops.swap_cache_per_layer(paddle_ops.zeros([NUM_DEV, BB], dtype="float64"), host.ctypes.data,
+                                          NUM_HOST, [0], [0], 0, 0), "cache_gpu", None),
+        (lambda: ops.swap_cache_all_layers([paddle_ops.zeros([NUM_DEV, BB], dtype="uint8"),
+                                            paddle_ops.zeros([NUM_DEV, BB], dtype="int64")],
+                                           [host.ctypes.data] * 2, NUM_HOST, [0], [0], 0, 0), "cache_gpu_tensors", 1),
+    ]
+    for call, argument, index in cases:
+        with pytest.raises(ops.SwapOpError) as info:
+            call()
+        assert (info.value.argument, info.value.index) == (argument, index), str(info.value)
+    with pytest.raises(ops.SwapOpError) as info:
+        capi_cpu.set_option("copy_grid", 2**70)
+    assert info.value.argument == "value"
