@@ -185,7 +185,7 @@ def test_master_down_at_start_is_bounded_and_recovers(tmp_path: Path, marena: Ho
 
 
 def test_master_killed_mid_run_breaker_opens_then_closes(store: LocalMooncake, marena: HostArena) -> None:
-    backend = backend_for(store.master, marena, failure_threshold=2, reset_timeout_s=0.5, call_timeout_s=8.0)
+    backend = backend_for(store.master, marena, failure_threshold=2, reset_timeout_s=2.0, call_timeout_s=8.0)
     assert backend.wait_ready(15)
     size = marena.slot_bytes
     marena.fill(0, seed=11)
