@@ -280,3 +280,46 @@ def test_free_space_floor_evicts_own_objects_first(tiny_tmpfs: Path) -> None:
     assert backend.batch_exists([key(0)]) == 0 and backend.batch_exists([key(1), key(2), key(3)]) == 3
     assert backend.stats()["evicted"] >= 1
     backend.close()
+
+
+def test_concurrent_puts_gets_deletes_keep_the_books_straight(tmp_path: Path) -> None:
+    """Threads racing puts, gets and deletes under a tiny cap: afterwards the LRU's bytes and
+    keys match the files on disk exactly, and the cap holds."""
+    import random
+
+    arena = HostArena(8, 16 << 10)
+    for i in range(8):
+        arena.fill(i, seed=i)
+    obj = arena.slot_bytes + HEADER.size
+    backend = FileBackend(tmp_path, capacity_bytes=5 * obj, min_free_bytes=0, io_threads=4)
+    backend.register_buffer(arena.ptr, arena.nbytes)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                ids = rng.sample(range(12), 3)
+                op = rng.random()
+                if op < 0.5:
+                    backend.batch_put_from([key(i) for i in ids], [arena.slot_ptr(i % 4) for i in ids], [arena.slot_bytes] * 3)
+                elif op < 0.9:
+                    out = backend.batch_get_into([key(i) for i in ids[:1]], [arena.slot_ptr(4 + seed)], [arena.slot_bytes])
+                    assert out[0] in (arena.slot_bytes, Status.MISSING), out
+                else:
+                    backend.delete([key(ids[0])])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    files = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
+    assert not any(n.startswith(".tmp") for n in files)
+    assert sorted(k.replace(":", "=") + ".kv" for k in backend.lru_keys()) == sorted(files)
+    assert backend.used_bytes == sum(files.values()) <= 5 * obj
+    assert backend.stats()["errors"]["corrupt"] == 0
+    backend.close()
