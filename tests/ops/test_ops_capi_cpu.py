@@ -107,16 +107,18 @@ def test_options_round_trip_and_reject_bad_values(capi_cpu: ops.CApi) -> None:
     try:
         capi_cpu.set_option("copy_grid", 4)
         assert capi_cpu.get_option("copy_grid") == 4
-        with pytest.raises(ops.SwapOpError):
+        with pytest.raises(ops.SwapOpError) as info:
             capi_cpu.set_option("copy_grid", 0)
-        with pytest.raises(ops.SwapOpError):
+        assert (info.value.op, info.value.argument) == ("set_option", "name")
+        with pytest.raises(ops.SwapOpError, match="out of its range"):
             capi_cpu.set_option("copy_path", 7)
-        with pytest.raises(ops.SwapOpError):
+        with pytest.raises(ops.SwapOpError) as info:
             capi_cpu.get_option("no_such_option")
+        assert (info.value.op, info.value.argument) == ("get_option", "name")
         for name, good, bad in (("copy_kernel", 3, 4), ("kernel_tables", 0, 2), ("dma_slice_bytes", 1 << 20, 0)):
             capi_cpu.set_option(name, good)
             assert capi_cpu.get_option(name) == good
-            with pytest.raises(ops.SwapOpError):
+            with pytest.raises(ops.SwapOpError, match=f"'{name}' is unknown or value {bad} is out of its range"):
                 capi_cpu.set_option(name, bad)
     finally:
         for k, v in before.items():
