@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -205,13 +206,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--segment", default="1GB", help="memory the holder contributes (default 1GB)")
     parser.add_argument("--log-dir", default=None, help="write mooncake_master.log / mooncake_client.log here")
     args = parser.parse_args(argv)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # for sigwait below
+    # NOTE: handlers, not a blocked signal mask: children inherit the mask, and a master
+    # started with SIGTERM blocked would ignore our stop().
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     local = LocalMooncake(args.segment, args.log_dir).start()
     for k, v in local.env().items():
         sys.stdout.write(f"export {k}={v}\n")
     sys.stdout.flush()
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        while not stop.wait(0.5):
+            pass
     finally:
         local.stop()
     return 0

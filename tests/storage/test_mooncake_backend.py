@@ -318,3 +318,42 @@ def test_transfer_moves_host_blocks_through_mooncake(store: LocalMooncake) -> No
         transfer.close()
         backend.close()
         ctl.close()
+
+
+def test_local_launcher_cli_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    """docs/storage.md's one-machine command: prints the env, serves, stops on SIGTERM."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "fastdeploy_kvcache.storage.mooncake_local", "--segment", "32MB",
+                             "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        env = {}
+        for _ in range(6):
+            line = proc.stdout.readline().strip()
+            name, value = line.removeprefix("export ").split("=", 1)
+            env[name] = value
+        arena = HostArena(2, 64 << 10)
+        backend = MooncakeBackend(master_server_addr=env["MOONCAKE_MASTER_SERVER_ADDR"],
+                                  master_metrics_addr=env["MOONCAKE_MASTER_METRICS_ADDR"],
+                                  local_hostname=env["MOONCAKE_LOCAL_HOSTNAME"],
+                                  global_segment_size=env["MOONCAKE_GLOBAL_SEGMENT_SIZE"], local_buffer_size=16 * MiB)
+        backend.register_buffer(arena.ptr, arena.nbytes)
+        assert backend.wait_ready(15)
+        arena.fill(0, seed=1)
+        assert backend.batch_put_from([key(0)], [arena.slot_ptr(0)], [arena.slot_bytes]) == [0]
+        assert backend.batch_get_into([key(0)], [arena.slot_ptr(1)], [arena.slot_bytes]) == [arena.slot_bytes]
+        backend.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    flag = f"--rpc_port={env['MOONCAKE_MASTER_SERVER_ADDR'].rsplit(':', 1)[1]}".encode()
+    leftover = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+            status = (cmdline.parent / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if flag in args and status != "Z":  # a zombie is already dead
+            leftover.append(cmdline.parent.name)
+    assert leftover == [], f"mooncake_master still running: {leftover}"
