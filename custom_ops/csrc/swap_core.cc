@@ -48,7 +48,8 @@ const OptionSpec kSpecs[kNumOptions] = {
     {"staging_grid", "", 16, 1, 65535, false},
     {"staged_min_bytes", "", 64 << 10, 0, kInt64Max, false},
     // bit 0: DMAs as cudaMemcpyAsync (not one batch per chunk); bit 1: ring from cudaMalloc
-    // (not the stream-ordered pool).  For measurements and the GPU tests; read with GetOption.
+    // (not the stream-ordered pool, whose DMAs are never batched: swap_staged.cu).  Default 2.
+    // For measurements and the GPU tests; read with GetOption.
     {"staging_mode", "", 2, 0, 3, false},
 };
 

@@ -466,8 +466,14 @@ int ExecuteStaged(const staged::Plan& plan, int64_t n, int mode, cudaStream_t st
   std::lock_guard<std::mutex> ring_lock(ring.mu);
   int64_t staging_mode = 0;
   GetOption("staging_mode", &staging_mode);
-  const bool batch = (staging_mode & 1) == 0;
-  ring.Ensure(opts.staging_bytes, opts.staging_chunk_bytes, (staging_mode & 2) == 0);
+  const bool pooled = (staging_mode & 2) == 0;
+  // NOTE: never a cudaMemcpyBatchAsync out of a ring from the stream-ordered pool: measured
+  // on H100 (driver 580.159, CUDA 13.0), such a batch (device -> pinned host) wrote the host
+  // before the earlier work on its own stream had finished, while the same batch out of a
+  // cudaMalloc'd ring, and cudaMemcpyAsync out of the pooled one, kept stream order
+  // (tests/gpu/test_staged_gpu.py::test_staged_never_synchronizes_and_orders_after_the_stream).
+  const bool batch = (staging_mode & 1) == 0 && !pooled;
+  ring.Ensure(opts.staging_bytes, opts.staging_chunk_bytes, pooled);
   // Chunk boundaries must keep 16-byte vectors aligned: slot sizes are 4 KiB multiples.
   thread_local std::vector<int64_t> bounds;
   PlanChunks(plan.total, ring.slot_bytes, mode, &bounds);
