@@ -129,9 +129,7 @@ def _require_ops() -> bool:
     """FDKV_REQUIRE_OPS (CI): fail instead of skipping when the build cannot include the ops."""
     from fastdeploy_kvcache import envs
 
-    if "FDKV_REQUIRE_OPS" in envs.ENV_VARS:
-        return bool(envs.get("FDKV_REQUIRE_OPS"))
-    return os.environ.get("FDKV_REQUIRE_OPS", "").strip().lower() in ("1", "true", "yes", "on")
+    return bool(envs.get("FDKV_REQUIRE_OPS"))
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int) -> str:
