@@ -582,6 +582,12 @@ def main() -> None:
         log.info("workload, policy %s with a LIFO free list (baseline for the id shares)", policy)
         saved, cm.BlockPool = cm.BlockPool, LifoPool  # type: ignore[misc]
         try:
+            # The swap must reach the pools the manager builds, or the baseline row would
+            # silently repeat the policy's own numbers (e.g. after a refactor moves the pools).
+            probe = CacheManager(CacheConfig(block_size=BLOCK, num_gpu_blocks=4, num_host_blocks=4))
+            if not isinstance(probe.device_pool, LifoPool):
+                raise SystemExit("bench_scheduler: the LIFO baseline no longer replaces the manager's "
+                                 "BlockPool; update how it swaps the pool in")
             results[f"{policy} (LIFO pool)"] = run_workload(args, policy, log)
         finally:
             cm.BlockPool = saved  # type: ignore[misc]
