@@ -1,4 +1,4 @@
-"""The package works outside its checkout: the user's path, not the developer's.
+"""The package works outside its checkout (the user's path), and the build script behaves.
 
 Builds a wheel from a copy of the sources (``pip wheel --no-build-isolation``, the
 documented install: the Paddle ops are compiled against this interpreter's Paddle), installs
@@ -227,6 +227,35 @@ def test_lookup_order_and_hints_in_a_checkout_and_in_an_install(tmp_path: Path) 
     assert installed.find_paddle_ops() is None
     hint = installed.missing_hint("paddle_ops")
     assert reason in hint and "--no-build-isolation" in hint and "build.sh" not in hint
+
+
+def _have_gpu() -> bool:
+    smi = shutil.which("nvidia-smi")
+    return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
+
+
+def test_gpu_test_without_a_gpu_exits_nonzero_saying_why() -> None:
+    """Without a GPU every tests/gpu test would skip and the run would look green."""
+    if _have_gpu():
+        pytest.skip("this machine has a GPU; the refusal is checked on machines without one (CI)")
+    proc = subprocess.run(["bash", str(ROOT / "build.sh"), "gpu-test"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    assert "gpu-test needs an NVIDIA GPU" in proc.stderr, proc.stderr
+
+
+def test_build_on_a_built_tree_is_silent() -> None:
+    """`bash build.sh` on a built tree prints nothing: no pip, setuptools or compiler output.
+
+    Under `bash build.sh test` (CI) the tree was built moments before, so this run is the
+    second build.  Run by hand on a stale tree, it builds first and then checks a second run.
+    """
+    cmd = ["bash", str(ROOT / "build.sh"), "build"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    assert first.returncode == 0, first.stderr[-6000:]
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert second.returncode == 0, second.stderr[-6000:]
+    assert second.stdout == "" and second.stderr == "", f"a second build printed:\n{second.stdout}{second.stderr}"
 
 
 if __name__ == "__main__":
