@@ -10,6 +10,9 @@
 #   bash build.sh bench    run the benchmarks (GPU ones need `bash build.sh gpu` first)
 #   bash build.sh serve    build, then serve the default model (OpenAI API) on 127.0.0.1:8188 with
 #                          ENABLE_V1_KVCACHE_MANAGER=1 and a 1 GiB host tier; extra args pass through
+#   bash build.sh paddle-gpu-check
+#                          compile the Paddle CUDA extension with nvcc against the headers of the
+#                          newest paddlepaddle-gpu on PyPI (2.6.2; no GPU needed, ~0.8 GB download)
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
@@ -152,6 +155,41 @@ install_engine_packages() {
   fi
 }
 
+# No Paddle GPU runtime exists on any machine here (PyPI's newest paddlepaddle-gpu, 2.6.2,
+# does not run on the lent GPU's CUDA 13), so compiling the Paddle CUDA extension against
+# that wheel's headers is the only check that the Paddle-GPU build still compiles.  The
+# wheel and its unpacked headers are cached under build/paddle_gpu_check.
+paddle_gpu_check() {
+  local ver=${FDKV_PADDLE_GPU_VERSION:-2.6.2}
+  local dir=$ROOT/build/paddle_gpu_check
+  local py=python3 whl inc pyinc nvcc
+  [ -x "$PY" ] && py=$PY
+  mkdir -p "$dir"
+  whl=$(ls "$dir"/paddlepaddle_gpu-"$ver"-*.whl 2>/dev/null | head -n 1 || true)
+  if [ -z "$whl" ]; then
+    log "downloading paddlepaddle-gpu==$ver (~0.8 GB; only its headers are used)"
+    "$py" -m pip download --no-deps -q -d "$dir" "paddlepaddle-gpu==$ver"
+    whl=$(ls "$dir"/paddlepaddle_gpu-"$ver"-*.whl | head -n 1)
+  fi
+  inc=$dir/include-$ver
+  if [ ! -f "$inc/paddle/include/paddle/extension.h" ]; then
+    rm -rf "$inc"
+    "$py" - "$whl" "$inc" <<'PYEOF'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("paddle/include/")])
+PYEOF
+  fi
+  pyinc=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+  nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+  [ -x "$nvcc" ] || die "paddle-gpu-check needs nvcc (CUDA toolkit); none at $nvcc"
+  log "compiling custom_ops/paddle/fdkv_paddle_ops.cu with $($nvcc --version | tail -n 1) against paddlepaddle-gpu $ver (sm_90a)"
+  "$nvcc" -std=c++17 -x cu -c -DPADDLE_WITH_CUDA -DFDKV_WITH_CUDA=1 -gencode=arch=compute_90a,code=sm_90a \
+    -I "$inc/paddle/include" -I "$inc/paddle/include/third_party" -I "$pyinc" -Xcompiler -fPIC -w \
+    -o "$dir/fdkv_paddle_ops.o" custom_ops/paddle/fdkv_paddle_ops.cu
+  log "paddle-gpu-check: ok ($dir/fdkv_paddle_ops.o)"
+}
+
 cmd=${1:-build}
 case "$cmd" in
   build)
@@ -181,6 +219,8 @@ case "$cmd" in
     log "serving on http://${FDKV_HOST:-127.0.0.1}:${FDKV_PORT:-8188} (ENABLE_V1_KVCACHE_MANAGER=1, --swap-space 1)"
     ENABLE_V1_KVCACHE_MANAGER=1 exec "$PY" -m fastdeploy_kvcache.entrypoints.openai.api_server \
       --host "${FDKV_HOST:-127.0.0.1}" --port "${FDKV_PORT:-8188}" --swap-space 1 "$@" ;;
+  paddle-gpu-check)
+    paddle_gpu_check ;;
   *)
-    echo "usage: bash build.sh [build|test|gpu|gpu-test|bench|serve]" >&2; exit 2 ;;
+    echo "usage: bash build.sh [build|test|gpu|gpu-test|bench|serve|paddle-gpu-check]" >&2; exit 2 ;;
 esac
