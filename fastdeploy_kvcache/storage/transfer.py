@@ -102,13 +102,30 @@ class HostTierLayout:
 
 
 class _Staging:
-    """One block-major buffer of ``blocks`` objects, used by one direction at a time."""
+    """One block-major buffer of ``blocks`` objects, registered with the backend."""
 
     def __init__(self, capi: Any, blocks: int, object_bytes: int) -> None:
         self.blocks = blocks
         self.nbytes = blocks * object_bytes
         self.ptr = int(capi.host_alloc(self.nbytes))
+        self.registered = False
+
+
+class _Lane:
+    """One direction (put or get): its staging buffer and the lock that serializes its use.
+
+    NOTE: a backend call that timed out may still be running (``StorageError.pending``):
+    a late ``get_into`` would write into the staging buffer, a late ``put_from`` would still
+    read it.  Reusing that buffer could store a mix of two batches under a key, so the lane
+    *retires* it (freed when the late call ends) and carries on with a fresh one.
+    """
+
+    def __init__(self, name: str, staging: _Staging) -> None:
+        self.name = name
+        self.staging = staging
         self.lock = threading.Lock()
+        self.retired = 0
+        self.retired_live = 0
 
 
 class StorageTransfer:
@@ -144,20 +161,79 @@ class StorageTransfer:
         self.layout = layout
         self.backend = backend
         self._capi = capi
+        self.staging_blocks = staging_blocks
         self.object_bytes = layout.object_bytes
-        self._put_staging = _Staging(capi, staging_blocks, self.object_bytes)
-        self._get_staging = _Staging(capi, staging_blocks, self.object_bytes)
-        self._registered: list[int] = []
+        self._state_lock = threading.Lock()
+        self._put = _Lane("put", _Staging(capi, staging_blocks, self.object_bytes))
+        self._get = _Lane("get", _Staging(capi, staging_blocks, self.object_bytes))
         try:
-            for st in (self._put_staging, self._get_staging):
-                backend.register_buffer(st.ptr, st.nbytes)
-                self._registered.append(st.ptr)
+            for lane in (self._put, self._get):
+                self._register(lane.staging)
         except BaseException:
-            self._release()
+            self._free(self._put.staging)
+            self._free(self._get.staging)
             raise
         self._writer = BoundedExecutor("fdkv-storage-put", max_pending)
         self._reader = BoundedExecutor("fdkv-storage-get", max_pending)
         self._closed = False
+
+    @classmethod
+    def from_controller(cls, controller: Any, backend: StorageBackend, **kwargs: Any) -> "StorageTransfer":
+        """A transfer over a CacheController's host tier (after ``initialize_host_cache``)."""
+        return cls(HostTierLayout.from_controller(controller), backend, **kwargs)
+
+    # ------------------------------------------------------------------ staging buffers
+    def _register(self, st: _Staging) -> None:
+        if not st.registered:
+            self.backend.register_buffer(st.ptr, st.nbytes)
+            st.registered = True
+
+    def _free(self, st: _Staging) -> None:
+        if st.registered:
+            try:
+                self.backend.unregister_buffer(st.ptr)
+            except Exception:  # noqa: BLE001 - freeing anyway: nothing uses it any more
+                logger.warning("storage transfer: unregister_buffer(%#x) failed", st.ptr, exc_info=True)
+            st.registered = False
+        if st.ptr:
+            self._capi.host_free(st.ptr)
+            st.ptr = 0
+
+    def _backend_call(self, lane: _Lane, fn: Any, *args: Any) -> list[int]:
+        """Run one backend batch on ``lane``'s staging; retire the buffer if the call outlives us."""
+        try:
+            return fn(*args)
+        except StorageError as exc:
+            pending = getattr(exc, "pending", None)
+            if pending is not None and not pending.done():
+                self._retire(lane, pending)
+            raise
+
+    def _retire(self, lane: _Lane, pending: "Future[Any]") -> None:
+        old = lane.staging
+        lane.staging = _Staging(self._capi, self.staging_blocks, self.object_bytes)
+        with self._state_lock:
+            lane.retired += 1
+            lane.retired_live += 1
+        logger.warning(
+            "storage transfer: a %s call timed out but is still running; its staging buffer is "
+            "retired until it ends", lane.name,
+        )
+
+        def release(_: Any) -> None:
+            self._free(old)
+            with self._state_lock:
+                lane.retired_live -= 1
+
+        pending.add_done_callback(release)
+
+    def _staging_for(self, lane: _Lane) -> _Staging:
+        st = lane.staging
+        try:
+            self._register(st)  # a fresh buffer after a retirement registers on first use
+        except StorageError as exc:
+            raise StorageError("unreachable", f"{lane.name}: cannot register the staging buffer: {exc}") from exc
+        return st
 
     # ------------------------------------------------------------------ checks
     def _check(self, op: str, keys: Sequence[str], host_block_ids: Sequence[int]) -> list[int]:
@@ -177,12 +253,12 @@ class StorageTransfer:
             seen.add(block)
         return ids
 
-    def _swap(self, staging: _Staging, host_ids: list[int], mode: int) -> None:
-        """One native call: gather (mode 0) host blocks into staging slots 0..n-1, or scatter (1)."""
+    def _swap(self, st: _Staging, host_ids: list[int], slots: list[int], mode: int) -> None:
+        """One native call: gather (mode 0) host blocks into staging ``slots``, or scatter (1)."""
         lay = self.layout
         self._capi.swap_layout(
-            list(lay.ptrs), lay.num_blocks, list(lay.block_bytes), staging.ptr, staging.blocks,
-            host_ids, list(range(len(host_ids))), mode, 0, True,
+            list(lay.ptrs), lay.num_blocks, list(lay.block_bytes), st.ptr, st.blocks,
+            host_ids, slots, mode, 0, True,
         )
 
     # ------------------------------------------------------------------ synchronous
@@ -194,14 +270,17 @@ class StorageTransfer:
         """
         ids = self._check("put_blocks", keys, host_block_ids)
         results: list[int] = []
-        st = self._put_staging
-        n = st.blocks
-        with st.lock:
+        n = self.staging_blocks
+        size = self.object_bytes
+        with self._put.lock:
             for start in range(0, len(ids), n):
+                st = self._staging_for(self._put)
                 chunk = ids[start:start + n]
-                self._swap(st, chunk, 0)
-                ptrs = [st.ptr + i * self.object_bytes for i in range(len(chunk))]
-                results += self.backend.batch_put_from(list(keys[start:start + n]), ptrs, [self.object_bytes] * len(chunk))
+                self._swap(st, chunk, list(range(len(chunk))), 0)
+                ptrs = [st.ptr + i * size for i in range(len(chunk))]
+                results += self._backend_call(
+                    self._put, self.backend.batch_put_from, list(keys[start:start + n]), ptrs, [size] * len(chunk)
+                )
         return results
 
     def get_blocks(self, keys: Sequence[str], host_block_ids: Sequence[int]) -> list[int]:
@@ -212,24 +291,20 @@ class StorageTransfer:
         """
         ids = self._check("get_blocks", keys, host_block_ids)
         results: list[int] = []
-        st = self._get_staging
-        n = st.blocks
+        n = self.staging_blocks
         size = self.object_bytes
-        with st.lock:
+        with self._get.lock:
             for start in range(0, len(ids), n):
+                st = self._staging_for(self._get)
                 chunk = ids[start:start + n]
                 ptrs = [st.ptr + i * size for i in range(len(chunk))]
-                got = self.backend.batch_get_into(list(keys[start:start + n]), ptrs, [size] * len(chunk))
+                got = self._backend_call(
+                    self._get, self.backend.batch_get_into, list(keys[start:start + n]), ptrs, [size] * len(chunk)
+                )
                 got = [r if r == size or r < 0 else int(Status.INVALID) for r in got]
                 whole = [i for i, r in enumerate(got) if r == size]
-                if len(whole) == len(chunk):
-                    self._swap(st, chunk, 1)
-                elif whole:
-                    lay = self.layout
-                    self._capi.swap_layout(
-                        list(lay.ptrs), lay.num_blocks, list(lay.block_bytes), st.ptr, st.blocks,
-                        [chunk[i] for i in whole], whole, 1, 0, True,
-                    )
+                if whole:
+                    self._swap(st, [chunk[i] for i in whole], whole, 1)
                 results += got
         return results
 
@@ -245,24 +320,24 @@ class StorageTransfer:
         return self._reader.submit(self.get_blocks, list(keys), list(host_block_ids))
 
     # ------------------------------------------------------------------ lifecycle
-    def _release(self) -> None:
-        for ptr in self._registered:
-            try:
-                self.backend.unregister_buffer(ptr)
-            except Exception:  # noqa: BLE001 - shutting down; the memory goes next
-                logger.warning("storage transfer: unregister_buffer(%#x) failed", ptr, exc_info=True)
-        self._registered.clear()
-        for st in (getattr(self, "_put_staging", None), getattr(self, "_get_staging", None)):
-            if st is not None and st.ptr:
-                self._capi.host_free(st.ptr)
-                st.ptr = 0
+    def stats(self) -> dict[str, int]:
+        """Staging buffers retired after timeouts (total, and still waiting for their call)."""
+        with self._state_lock:
+            return {
+                "retired_staging_buffers": self._put.retired + self._get.retired,
+                "retired_staging_buffers_live": self._put.retired_live + self._get.retired_live,
+            }
 
     def close(self) -> None:
-        """Finish queued transfers, unregister and free the staging buffers (not the backend)."""
+        """Finish queued transfers, unregister and free the staging buffers (not the backend).
+
+        A retired buffer whose late call has not ended is freed when that call ends.
+        """
         if self._closed:
             return
         self._closed = True
         self._writer.close()
         self._reader.close()
-        with self._put_staging.lock, self._get_staging.lock:
-            self._release()
+        with self._put.lock, self._get.lock:
+            self._free(self._put.staging)
+            self._free(self._get.staging)

@@ -357,3 +357,56 @@ def test_local_launcher_cli_serves_and_stops_cleanly(tmp_path: Path) -> None:
         if flag in args and status != "Z":  # a zombie is already dead
             leftover.append(cmdline.parent.name)
     assert leftover == [], f"mooncake_master still running: {leftover}"
+
+
+def test_transfer_retires_staging_while_a_timed_out_call_runs(store: LocalMooncake) -> None:
+    """A get that outlives its time limit keeps writing its staging buffer: the transfer must
+    not reuse that buffer (it would mix two batches), so it takes a fresh one."""
+    import ctypes
+
+    from fastdeploy_kvcache.config import CacheConfig
+    from fastdeploy_kvcache.storage import KeyNamespace
+    from fastdeploy_kvcache.storage.transfer import StorageTransfer
+    from fastdeploy_kvcache.worker.cache_controller import CacheController
+
+    cfg = CacheConfig(block_size=16, num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", num_host_blocks=8)
+    ctl = CacheController(cfg, backend="cpu", threaded=False)
+    ctl.initialize_host_cache()
+    backend = MooncakeBackend(master_server_addr=store.master.addr, master_metrics_addr=store.master.metrics_addr,
+                              local_hostname="127.0.0.1", global_segment_size=0, local_buffer_size=16 * MiB,
+                              call_timeout_s=0.5, failure_threshold=10)
+    transfer = StorageTransfer.from_controller(ctl, backend, staging_blocks=2)
+    layout = transfer.layout
+
+    def block(b: int) -> bytes:
+        return b"".join(ctypes.string_at(p + b * bb, bb) for p, bb in zip(layout.ptrs, layout.block_bytes))
+
+    rng = np.random.default_rng(5)
+    for p, bb in zip(layout.ptrs, layout.block_bytes):
+        ctypes.memmove(p, rng.integers(0, 256, bb * 8, dtype=np.uint8).tobytes(), bb * 8)
+    try:
+        assert backend.wait_ready(15)
+        keys = KeyNamespace("m", "fp", "bfloat16", 16, layout.describe()).keys([7, 8])
+        assert transfer.put_blocks(keys, [0, 1]) == [0, 0]
+        old_ptr = transfer._get.staging.ptr
+        store.master.pause()
+        try:
+            with pytest.raises(StorageError) as info:
+                transfer.get_blocks(keys, [4, 5])
+            assert info.value.kind == "timeout"
+            assert transfer.stats() == {"retired_staging_buffers": 1, "retired_staging_buffers_live": 1}
+            assert transfer._get.staging.ptr != old_ptr
+        finally:
+            store.master.resume()
+        info.value.pending.result(timeout=30)  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 5  # done-callbacks run just after result() wakes us
+        while transfer.stats()["retired_staging_buffers_live"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert transfer.stats()["retired_staging_buffers_live"] == 0  # freed once the late call ended
+        assert backend.wait_ready(15)
+        assert transfer.get_blocks(keys, [4, 5]) == [layout.object_bytes] * 2
+        assert block(4) == block(0) and block(5) == block(1)
+    finally:
+        transfer.close()
+        backend.close()
+        ctl.close()
