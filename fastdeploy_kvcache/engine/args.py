@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from fastdeploy_kvcache import config as _config
 from fastdeploy_kvcache.config import WRITE_POLICIES, CacheConfig, add_cli_args
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class EngineArgs:
         """Build from a namespace parsed by a parser that went through :func:`add_engine_cli_args`."""
         values = vars(ns)
         # The cache flags resolve through CacheConfig, which knows their dests and defaults.
-        cache = CacheConfig.from_cli_args(ns, num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
+        cache = CacheConfig.from_cli_args(ns, num_layers=1, num_kv_heads=1, head_dim=1)
         kwargs: dict[str, Any] = dict(
             block_size=cache.block_size,
             swap_space=float(cache.swap_space),
@@ -116,9 +117,11 @@ class EngineArgs:
             v = values.get(f.name)
             if v is not None:
                 kwargs[f.name] = v
-        # The cache's --kv-cache-dtype writes CacheConfig.dtype ("dtype" dest, or ours).
-        dtype = values.get("kv_cache_dtype") or values.get("dtype")
-        if isinstance(dtype, str) and dtype in KV_CACHE_DTYPES:
+        # --kv-cache-dtype (the cache's flag; its dest is kv_cache_dtype unless a host
+        # parser defined the flag with another dest, which config.add_cli_args records).
+        dests = values.get(getattr(_config, "_DESTS_KEY", ""), None) or {}
+        dtype = values.get(dests.get("dtype", "kv_cache_dtype"))
+        if isinstance(dtype, str):
             kwargs["kv_cache_dtype"] = dtype
         args = cls(**kwargs)
         args.validate()
