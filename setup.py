@@ -97,6 +97,8 @@ class BuildPyWithLibs(build_py):
         info["built"]["capi_cpu"] = self._ship(_build_capi("cpu"), out)
         cuda = _switch("FDKV_BUILD_CUDA")
         nvcc = _nvcc()
+        if cuda == "1" and not nvcc:
+            raise SystemExit("FDKV_BUILD_CUDA=1 but there is no nvcc on PATH or in /usr/local/cuda/bin")
         if cuda == "1" or (cuda == "auto" and nvcc and _have_gpu()):
             info["built"]["capi_cuda"] = self._ship(_build_capi("gpu"), out)
         else:
