@@ -139,7 +139,8 @@ class LLMEngine:
         self._idle.set()
         self._step_count = itertools.count()
         self._counters = {"num_steps": 0, "num_preemptions": 0, "num_failed_load_steps": 0,
-                          "prompt_tokens_computed": 0, "output_tokens": 0, "num_finished": 0}
+                          "prompt_tokens_computed": 0, "output_tokens": 0, "num_finished": 0,
+                          "steps_with_loads": 0, "layer_waits": 0}
         self._stats_snapshot: dict[str, Any] = {}
         self._refresh_stats()
         logger.info(
@@ -335,6 +336,9 @@ class LLMEngine:
                 self._complete_copies(wait=True)
                 return
             raise
+        if counter is not None and self.runner.last_context is not None:
+            self._counters["steps_with_loads"] += 1
+            self._counters["layer_waits"] += len(self.runner.last_context.layers_waited)
         for er, n in scheduled:
             er.req.num_computed_tokens += n
             if not er.req.output_token_ids:

@@ -39,6 +39,7 @@ class ModelRunner:
         self.model = loaded.model
         self.block_size = block_size
         self.place = place
+        self.last_context: Optional[StepContext] = None
         register_paged_attention(self.model.config)
 
     def forward(
@@ -64,6 +65,7 @@ class ModelRunner:
                 picked_rows.append((i, start + n - 1))
         rows = [row for _, row in sorted(picked_rows)]
         ctx = StepContext(slices, kv_caches, self.block_size, layer_done)
+        self.last_context = ctx  # for the engine's counters (layers that waited for a load)
         with paddle.no_grad(), step_context(ctx):
             input_ids = paddle.to_tensor([ids], dtype="int64")
             position_ids = paddle.to_tensor([pos], dtype="int64")

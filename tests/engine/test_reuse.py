@@ -111,6 +111,10 @@ def test_host_hits_change_nothing(engine_factory: Any, policy: str) -> None:
     assert host > 0, "no host hit happened: the test does not test what it says"
     stats = eng.get_stats()
     assert stats["cache"]["swap_in_blocks"] > 0
+    # Every layer of every step with a load waited for that layer's copy before attending.
+    eng_stats = stats["engine"]
+    assert eng_stats["steps_with_loads"] > 0
+    assert eng_stats["layer_waits"] == eng_stats["steps_with_loads"] * eng.loaded.num_layers
     if policy == "write_back":
         assert stats["cache"]["write_back_blocks"] > 0, "write_back never evicted to host"
     else:
