@@ -169,7 +169,9 @@ class MooncakeBackend(StorageBackend):
         master_server_addr, metadata_server, protocol, local_hostname,
         global_segment_size, local_buffer_size, rdma_devices, master_metrics_addr.
     Other args:
-        call_timeout_s: the longest a caller waits for one call.
+        call_timeout_s: the longest a caller waits for one data call (get, put, delete).
+        exists_timeout_s: the longest ``batch_exists`` waits: the scheduler calls it inline
+            (a dead master answers it at once; a hung one would not).
         failure_threshold: consecutive failed calls that open the breaker.
         reset_timeout_s: first wait before the breaker's probe (doubles up to 30 s).
         setup_retries: ``MC_STORE_CLIENT_SETUP_RETRIES`` for one ``setup()`` attempt.
@@ -194,6 +196,7 @@ class MooncakeBackend(StorageBackend):
         master_metrics_addr: Optional[str] = None,
         *,
         call_timeout_s: float = 8.0,
+        exists_timeout_s: float = 1.0,
         failure_threshold: int = 3,
         reset_timeout_s: float = 1.0,
         setup_retries: int = 1,
@@ -214,6 +217,7 @@ class MooncakeBackend(StorageBackend):
                 "and mooncake-transfer-engine-non-cuda)",
             )
         self.call_timeout_s = call_timeout_s
+        self.exists_timeout_s = exists_timeout_s
         self.setup_retries = setup_retries
         self.overwrite = overwrite
         self._store_factory = store_factory
@@ -337,8 +341,9 @@ class MooncakeBackend(StorageBackend):
         return self._store is not None and self.breaker.state == CLOSED
 
     # ------------------------------------------------------------------ bounded calls
-    def _call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, op: str, fn: Callable[..., Any], *args: Any, timeout_s: Optional[float] = None) -> Any:
         """Run one store call with the breaker and the time limit.  Raises StorageError."""
+        limit = self.call_timeout_s if timeout_s is None else timeout_s
         if self._closed.is_set():
             raise StorageError("unreachable", f"{op}: the mooncake backend is closed")
         store = self._store
@@ -349,11 +354,11 @@ class MooncakeBackend(StorageBackend):
             )
         future = self._calls.submit(fn, *args)
         try:
-            return future.result(timeout=self.call_timeout_s)
+            return future.result(timeout=limit)
         except FutureTimeout:
             self.breaker.record_failure()
             self._stats.record_error("timeout")
-            err = StorageError("timeout", f"{op}: no answer from mooncake in {self.call_timeout_s}s")
+            err = StorageError("timeout", f"{op}: no answer from mooncake in {limit}s")
             err.pending = future  # type: ignore[attr-defined]
             raise err from None
         except Exception as exc:  # noqa: BLE001 - the binding raises on odd failures
@@ -395,7 +400,8 @@ class MooncakeBackend(StorageBackend):
         if not keys:
             return 0
         self._stats.add("exists_calls")
-        codes = self._call("batch_exists", self._store_method("batch_is_exist"), list(keys))
+        codes = self._call("batch_exists", self._store_method("batch_is_exist"), list(keys),
+                           timeout_s=self.exists_timeout_s)
         if codes and codes[0] < 0:
             # NOTE: an RPC failure comes back per key (-1 or -900) at once, not after 4.3 s.
             self.breaker.record_failure()

@@ -226,7 +226,7 @@ def test_master_killed_mid_run_breaker_opens_then_closes(store: LocalMooncake, m
 
 def test_hung_master_call_times_out_with_pending_future(store: LocalMooncake, marena: HostArena) -> None:
     """SIGSTOP: the call hangs; the caller gets "timeout" and a future of the real call."""
-    backend = backend_for(store.master, marena, call_timeout_s=0.5, failure_threshold=5)
+    backend = backend_for(store.master, marena, call_timeout_s=0.5, exists_timeout_s=0.2, failure_threshold=5)
     assert backend.wait_ready(15)
     marena.fill(0, seed=12)
     assert backend.batch_put_from([key(0)], [marena.slot_ptr(0)], [marena.slot_bytes]) == [0]
@@ -238,10 +238,15 @@ def test_hung_master_call_times_out_with_pending_future(store: LocalMooncake, ma
         assert info.value.kind == "timeout" and time.monotonic() - t0 < 1.5
         pending = info.value.pending  # type: ignore[attr-defined]
         assert not pending.done()  # the buffer is still in use: the caller must wait for this
+        # The scheduler's inline existence check has its own, shorter limit.
+        t0 = time.monotonic()
+        with pytest.raises(StorageError) as info2:
+            backend.batch_exists([key(0)])
+        assert info2.value.kind == "timeout" and time.monotonic() - t0 < 0.5
     finally:
         store.master.resume()
     pending.result(timeout=30)  # the real call ends once the master runs again
-    assert backend.stats()["errors"]["timeout"] == 1
+    assert backend.stats()["errors"]["timeout"] == 2
     backend.close()
 
 
