@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
@@ -114,3 +115,29 @@ def missing_hint(what: str) -> str:
     skipped = build_info().get("skipped", {}).get(what)
     why = f"this installation was built without it ({skipped}); " if skipped else ""
     return why + _INSTALL_HINT[what]
+
+
+def paddle_build_mismatch(so_path: Path) -> Optional[str]:
+    """A message if the shipped Paddle ops were built for another Paddle than the installed one.
+
+    A custom op is compiled against one Paddle's headers and ABI; after ``pip install -U
+    paddlepaddle`` it may fail to load or misbehave.  Only a wheel records its Paddle
+    (``build_info.json``); a checkout's ``build/`` is rebuilt by ``build.sh`` instead.
+    """
+    if so_path.parent != LIB_DIR:
+        return None
+    built = build_info().get("paddle") or {}
+    if not built.get("dist"):
+        return None
+    try:
+        installed = metadata.version(built["dist"])
+    except metadata.PackageNotFoundError:
+        installed = None
+    if installed == built.get("version"):
+        return None
+    now = f"{built['dist']} {installed}" if installed else f"no {built['dist']}"
+    return (
+        f"{so_path} was built for {built['dist']} {built.get('version')}, but {now} is installed; "
+        f"reinstall fastdeploy_kvcache (`pip install --no-build-isolation <source>`) so its ops "
+        f"match this Paddle"
+    )

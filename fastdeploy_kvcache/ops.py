@@ -667,6 +667,9 @@ def _load_paddle_ops() -> Any:
                 f"Paddle custom ops not found (looked in "
                 f"{', '.join(str(p) for p in libpaths.paddle_ops_candidates())}); {libpaths.missing_hint('paddle_ops')}"
             )
+        mismatch = libpaths.paddle_build_mismatch(so_path)
+        if mismatch:
+            logger.warning("%s", mismatch)
         import paddle  # lazy: the scheduler side must not pay for Paddle
         from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
 

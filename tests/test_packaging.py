@@ -18,6 +18,7 @@ About a minute (the Paddle op compiles from scratch); ``-m "not packaging"`` lea
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -227,6 +228,19 @@ def test_lookup_order_and_hints_in_a_checkout_and_in_an_install(tmp_path: Path) 
     assert installed.find_paddle_ops() is None
     hint = installed.missing_hint("paddle_ops")
     assert reason in hint and "--no-build-isolation" in hint and "build.sh" not in hint
+
+    # Ops built for another Paddle than the installed one are named as such before loading.
+    shipped = pkg / "_lib" / "fdkv_paddle_ops.so"
+    (pkg / "_lib" / "build_info.json").write_text('{"paddle": {"dist": "paddlepaddle", "version": "0.0.1"}}')
+    message = installed.paddle_build_mismatch(shipped)
+    assert message and "paddlepaddle 0.0.1" in message and "reinstall" in message
+    assert installed.paddle_build_mismatch(ROOT / "build" / "paddle_ops" / "fdkv_paddle_ops.so") is None
+    try:
+        current = importlib.metadata.version("paddlepaddle")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    (pkg / "_lib" / "build_info.json").write_text(f'{{"paddle": {{"dist": "paddlepaddle", "version": "{current}"}}}}')
+    assert installed.paddle_build_mismatch(shipped) is None
 
 
 def _have_gpu() -> bool:
