@@ -60,6 +60,8 @@ class EngineArgs:
     seed: int = 0
     # Device pool cap when num_gpu_blocks_override is not given (GiB of K+V over all layers).
     kv_cache_memory_gib: float = 1.0
+    # The storage tier (storage.config.StorageConfig, --kvcache-storage-*); None: off.
+    storage: Optional[Any] = None
 
     def __post_init__(self) -> None:
         if self.model_cache_dir is None:
@@ -123,6 +125,10 @@ class EngineArgs:
         dtype = values.get(dests.get("dtype", "kv_cache_dtype"))
         if isinstance(dtype, str):
             kwargs["kv_cache_dtype"] = dtype
+        if "kvcache_storage_backend" in values:
+            from fastdeploy_kvcache.storage.config import StorageConfig
+
+            kwargs["storage"] = StorageConfig.from_cli_args(ns)
         args = cls(**kwargs)
         args.validate()
         return args
@@ -140,6 +146,10 @@ def _add_if_absent(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) ->
 def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine's flags and the cache's flags to ``parser``; flags it already has stay."""
     add_cli_args(parser)
+    if "--kvcache-storage-backend" not in getattr(parser, "_option_string_actions", {}):
+        from fastdeploy_kvcache.storage.config import add_storage_cli_args
+
+        add_storage_cli_args(parser)
     g = parser.add_argument_group("engine (fastdeploy_kvcache.engine)")
     d = EngineArgs.__dataclass_fields__
 

@@ -71,6 +71,7 @@ class _EngineRequest:
         self.first_token_time: Optional[float] = None
         self.cached_device = 0
         self.cached_host = 0
+        self.cached_storage = 0  # host hits that this request's storage prefetch brought in
         self.admitted = False  # got its first blocks at least once
         self.text_sent = 0  # chars of detok.text already emitted
         self.stop_at: Optional[int] = None  # where a stop string starts in detok.text
@@ -83,7 +84,7 @@ class _EngineRequest:
 
     @property
     def num_cached_tokens(self) -> int:
-        return self.cached_device + self.cached_host
+        return self.cached_device + self.cached_host + self.cached_storage
 
 
 class LLMEngine:
@@ -111,8 +112,14 @@ class LLMEngine:
                            args.max_model_len, self.loaded.max_position_embeddings, self.max_model_len)
         self.use_v1 = envs.enable_v1_kvcache_manager()
         self.cache_config = self._make_cache_config()
-        if self.use_v1:
-            self.pool: KVPool = ManagedKVPool(self.cache_config)
+        storage = getattr(args, "storage", None)
+        if self.use_v1 and storage is not None and storage.enabled:
+            from fastdeploy_kvcache.engine.storage_pool import StorageKVPool, model_fingerprint
+
+            self.pool: KVPool = StorageKVPool(self.cache_config, storage, self.model_name,
+                                              model_fingerprint(args.model, args.seed))
+        elif self.use_v1:
+            self.pool = ManagedKVPool(self.cache_config)
         else:
             self.pool = PlainKVPool(self.cache_config)
             logger.info(
@@ -396,6 +403,9 @@ class LLMEngine:
                 self.waiting.popleft()
                 continue
             r = er.req
+            prefetch_ready = getattr(self.pool, "prefetch_ready", None)
+            if prefetch_ready is not None and not prefetch_ready(r):
+                break  # the storage prefetch policy holds it until its blocks are on host
             try:
                 matched = self.pool.admit(r)
                 want = min(r.num_total_tokens, matched + budget)
@@ -418,6 +428,7 @@ class LLMEngine:
                 er.admitted = True
                 er.cached_device = plan.num_device_hit_tokens
                 er.cached_host = plan.num_host_hit_tokens
+                er.cached_storage = plan.num_storage_hit_tokens
             self.running.append(er)
             n = min(r.num_total_tokens - r.num_computed_tokens, budget, len(r.block_tables) * self.cache_config.block_size - r.num_computed_tokens)
             if n <= 0:
@@ -442,8 +453,9 @@ class LLMEngine:
                 continue
             # A failed load: those tokens are recomputed, so they were not reused.
             total = min(er.num_cached_tokens, er.req.num_cached_tokens)
-            er.cached_host = max(0, total - er.cached_device)
             er.cached_device = min(er.cached_device, total)
+            er.cached_host = min(er.cached_host, total - er.cached_device)
+            er.cached_storage = max(0, total - er.cached_device - er.cached_host)
         return rewound
 
     # ------------------------------------------------------------------ tokens and finishing
@@ -492,6 +504,9 @@ class LLMEngine:
                 self.waiting.remove(er)
             if self.pool.is_running(r):
                 self.pool.finish(r)
+            forget = getattr(self.pool, "forget_request", None)
+            if forget is not None:
+                forget(r)  # a storage prefetch it waited for goes on for others
         except Exception:  # noqa: BLE001 - never leave the loop because of one request
             logger.exception("releasing the blocks of %s failed", er.request_id)
         if reason in ("stop", "length"):
@@ -512,7 +527,7 @@ class LLMEngine:
         out.num_prompt_tokens = r.num_prompt_tokens
         out.num_output_tokens = len(r.output_token_ids)
         out.num_cached_tokens = er.num_cached_tokens
-        out.cached_tokens_by_tier = {"device": er.cached_device, "host": er.cached_host, "storage": 0}
+        out.cached_tokens_by_tier = {"device": er.cached_device, "host": er.cached_host, "storage": er.cached_storage}
         out.first_token_time = er.first_token_time
         out.arrival_time = er.arrival_time
         try:

@@ -1,0 +1,559 @@
+"""Scheduler side of the storage tier: which blocks are stored, prefetches and backups in flight.
+
+Pure Python (no Paddle, no CuPy): it decides, the worker moves bytes.  It sits beside the
+:class:`~fastdeploy_kvcache.core.cache_manager.CacheManager` and works through the host tier:
+
+* **Matching.**  :meth:`StorageTier.query` asks the backend once per request
+  (``batch_exists``: one round trip) how many of the blocks past the tree match it holds.
+  Skipped while the backend says it is unavailable (set-up pending, breaker open).
+* **Prefetch.**  Storage hits get host blocks (evicting host LRU leaves, as a backup
+  would) and a :class:`StorageJob` ``STORAGE_LOAD``.  When the job comes back, the
+  *leading run* of blocks that arrived whole becomes host-only tree nodes under the
+  request's matched prefix; the request then matches them as host hits and loads them to
+  the device layer by layer, like any host hit.  Blocks after a hole are freed and
+  recomputed.  The policy decides how long the request waits: ``best_effort`` not at
+  all, ``wait_complete`` until the job is back, ``timeout`` at most
+  ``StorageConfig.prefetch_timeout_s(tokens)``.  A prefetch the request stopped waiting
+  for is *aborted* for that request, but it keeps its host blocks until the job is back
+  (a late get could still write them) and still inserts what arrived.
+* **Backup.**  ``write_through``: a block is put when its device -> host copy succeeded
+  (:meth:`on_host_copies`); ``write_back``: when the host tier evicts it
+  (:meth:`on_host_evict`).  Hashes already stored, or being stored, are skipped.  A hash
+  counts as stored only once its put returned ``Status.OK``.  The host block a put reads
+  is *pinned* in the host pool (:class:`PinnableBlockPool`): the tree may drop its copy
+  meanwhile, but the block is not reallocated (so not overwritten) until the put is back.
+
+Every failure ends in "not on storage": a failed or partial get frees the host blocks it
+had and the request recomputes those tokens; a failed put just leaves the hash unstored.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from fastdeploy_kvcache.core.block_pool import BlockPool, BlockPoolError
+from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, TransferKind, next_task_id
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StorageJob", "StorageTier", "PinnableBlockPool", "PREFETCH_WAITING", "PREFETCH_READY"]
+
+PREFETCH_WAITING = "waiting"
+PREFETCH_READY = "ready"
+
+
+@dataclass
+class StorageJob:
+    """One batch for the worker: load ``keys`` into, or store them from, ``host_block_ids``.
+
+    Plain ints and strings (it crosses to the worker).  The worker fills ``results`` (per
+    key: bytes read / ``0`` for a stored put, or a negative ``storage.Status``),
+    ``error_kind`` when the whole batch failed (``StorageError.kind``), ``nbytes`` and
+    ``seconds``.
+    """
+
+    kind: TransferKind
+    keys: list[str]
+    host_block_ids: list[int]
+    hashes: list[int] = field(default_factory=list)
+    task_id: int = field(default_factory=next_task_id)
+    results: list[int] = field(default_factory=list)
+    error_kind: Optional[str] = None
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in (TransferKind.STORAGE_LOAD, TransferKind.STORAGE_SAVE):
+            raise ValueError(f"StorageJob.kind must be STORAGE_LOAD or STORAGE_SAVE, got {self.kind!r}")
+        if len(self.keys) != len(self.host_block_ids):
+            raise ValueError(f"StorageJob: {len(self.keys)} keys but {len(self.host_block_ids)} host blocks")
+
+    def ok(self, i: int) -> bool:
+        """Whether block ``i`` made it (a get read bytes; a put returned OK)."""
+        if self.error_kind is not None or i >= len(self.results):
+            return False
+        r = self.results[i]
+        return r > 0 if self.kind is TransferKind.STORAGE_LOAD else r == 0
+
+
+class PinnableBlockPool(BlockPool):
+    """A host pool whose pinned ids are not handed out again while pinned.
+
+    ``free`` of a pinned id is *deferred*: the id leaves its owner now (the tree may drop a
+    host copy whose put is still reading it) but returns to the free set only when the
+    last pin goes.  That is what guarantees "a host block being written to storage is not
+    reallocated until the write completes" without the tree knowing about storage.
+    """
+
+    def reset(self) -> None:
+        super().reset()
+        self._pins: dict[int, int] = {}
+        self._deferred: set[int] = set()
+
+    @classmethod
+    def replacing(cls, pool: BlockPool) -> "PinnableBlockPool":
+        """A fresh pinnable pool of the same size; ``pool`` must have nothing allocated."""
+        if pool.num_free != pool.num_blocks:
+            raise ValueError(
+                f"cannot replace a host pool that has {pool.num_used} blocks allocated; attach the storage "
+                "tier before the first request"
+            )
+        return cls(pool.num_blocks, pool.level)
+
+    @property
+    def deferred(self) -> frozenset[int]:
+        """Ids their owner freed while pinned: allocated, but owned by no one but the pin."""
+        return frozenset(self._deferred)
+
+    def is_pinned(self, block_id: int) -> bool:
+        return block_id in self._pins
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pins)
+
+    def pin(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        for b in ids:
+            self._check_range(b)
+            if self.is_free(b) or b in self._deferred:
+                raise BlockPoolError(f"{self.level.name} block {b} is free: only an allocated block can be pinned")
+        for b in ids:
+            self._pins[b] = self._pins.get(b, 0) + 1
+
+    def unpin(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        for b in ids:
+            if b not in self._pins:
+                raise BlockPoolError(f"{self.level.name} block {b} is not pinned")
+        release = []
+        for b in ids:
+            n = self._pins[b] - 1
+            if n:
+                self._pins[b] = n
+                continue
+            del self._pins[b]
+            if b in self._deferred:
+                self._deferred.discard(b)
+                release.append(b)
+        if release:
+            super().free(release)
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        now: list[int] = []
+        later: list[int] = []
+        for b in ids:
+            if b in self._pins:
+                if b in self._deferred or b in later:
+                    raise BlockPoolError(f"{self.level.name} block {b} freed twice (its free is already deferred)")
+                later.append(b)
+            else:
+                now.append(b)
+        super().free(now)  # validates every id before changing anything
+        self._deferred.update(later)
+
+
+@dataclass
+class _Prefetch:
+    """A prefetch for one request (scheduler-private)."""
+
+    request_id: str
+    start: int  # block index of the first fetched block in the request
+    hashes: list[int]  # the request's chain up to the end of the fetch
+    job: StorageJob
+    started: float
+    deadline: float  # when the request stops waiting (inf: wait_complete; start: best_effort)
+    done: bool = False
+    aborted: bool = False
+    inserted: list[BlockNode] = field(default_factory=list)
+
+
+class StorageTier:
+    """Scheduler-side storage state for one CacheManager (see the module docstring).
+
+    Args:
+        manager: the cache manager; its host pool is replaced by a :class:`PinnableBlockPool`
+            (it must have served no request yet).
+        backend: anything with ``batch_exists(keys) -> int`` and ``health().available``.
+        namespace: a ``storage.keys.KeyNamespace`` (keys are formed only by it).
+        config: a ``storage.config.StorageConfig`` (policies, prefetch timeout).
+        clock: monotonic seconds (tests pass a fake one).
+        max_put_batch: blocks per put job.
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        backend: Any,
+        namespace: Any,
+        config: Any,
+        clock: Callable[[], float] = time.monotonic,
+        max_put_batch: int = 64,
+        stored_memory: int = 1 << 20,
+    ) -> None:
+        if manager.host_pool.num_blocks == 0:
+            raise ValueError("the storage tier needs a host tier (--swap-space or --num-host-blocks > 0)")
+        self.manager = manager
+        self.backend = backend
+        self.ns = namespace
+        self.config = config
+        self.clock = clock
+        self.block_size = manager.block_size
+        self.max_put_batch = max_put_batch
+        pool = PinnableBlockPool.replacing(manager.host_pool)
+        manager.host_pool = pool
+        self.pool = pool
+        manager.storage = self  # the manager's hooks (match / evict / invariants) look here
+        # Hashes whose put returned OK, most recent last (bounded memory: a hash forgotten
+        # here is merely put again, and a stored key the backend evicted is a miss later).
+        self._stored: "collections.OrderedDict[int, None]" = collections.OrderedDict()
+        self._stored_memory = stored_memory
+        self._put_queue: "collections.deque[tuple[int, int]]" = collections.deque()  # (hash, host block)
+        self._putting: dict[int, int] = {}  # hash -> host block (queued or in flight)
+        self._jobs: dict[int, Any] = {}  # task id -> _Prefetch or StorageJob (puts)
+        self._prefetch: dict[str, _Prefetch] = {}
+        self._prefetch_blocks: set[int] = set()  # host blocks owned by gets in flight
+        self._outbox: list[StorageJob] = []
+        self.stats: dict[str, float] = collections.defaultdict(float)  # type: ignore[assignment]
+        for k in ("exists_calls", "query_blocks", "hit_blocks", "prefetch_jobs", "prefetch_blocks_issued",
+                  "prefetch_blocks_loaded", "prefetch_blocks_failed", "prefetch_blocks_inserted",
+                  "prefetch_blocks_unused", "aborted_prefetches", "put_blocks_issued", "put_blocks_ok",
+                  "put_blocks_failed", "put_skipped_stored", "storage_hit_tokens", "read_bytes",
+                  "read_seconds", "write_bytes", "write_seconds", "unavailable_skips", "query_errors"):
+            self.stats[k] = 0
+        self.errors: dict[str, int] = collections.defaultdict(int)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def write_back(self) -> bool:
+        return self.config.write_policy == "write_back"
+
+    def is_stored(self, block_hash: int) -> bool:
+        return block_hash in self._stored
+
+    def available(self) -> bool:
+        try:
+            return bool(self.backend.health().available)
+        except Exception:  # noqa: BLE001 - a broken health() means "off"
+            logger.warning("storage health() raised; treating the tier as off", exc_info=True)
+            return False
+
+    def query(self, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` storage holds: one ``batch_exists`` round trip (0 when off)."""
+        if not hashes:
+            return 0
+        if not self.available():
+            self.stats["unavailable_skips"] += 1
+            return 0
+        self.stats["exists_calls"] += 1
+        self.stats["query_blocks"] += len(hashes)
+        try:
+            n = int(self.backend.batch_exists(self.ns.keys(hashes)))
+        except Exception as exc:  # noqa: BLE001 - StorageError or anything: a miss
+            kind = getattr(exc, "kind", "io")
+            self.errors[kind] += 1
+            self.stats["query_errors"] += 1
+            logger.debug("storage exists failed (%s): treating as a miss", exc)
+            return 0
+        n = max(0, min(n, len(hashes)))
+        self.stats["hit_blocks"] += n
+        return n
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch_state(self, request: Any) -> str:
+        """Start (once) or check the request's prefetch; READY means: admit it now.
+
+        Call before ``match_prefix`` + ``ensure_resident`` at admission.  The first call
+        matches the request, asks storage about the blocks past the tree match and, for
+        hits, allocates host blocks and queues a load job.
+        """
+        rid = request.request_id
+        pf = self._prefetch.get(rid)
+        if pf is None:
+            pf = self._start_prefetch(request)
+            if pf is None:
+                return PREFETCH_READY
+        if pf.done:
+            return PREFETCH_READY
+        if self.clock() >= pf.deadline:
+            if not pf.aborted:
+                pf.aborted = True
+                self.stats["aborted_prefetches"] += 1
+                logger.debug("prefetch for %s aborted after %.3f s", rid, self.clock() - pf.started)
+            return PREFETCH_READY
+        return PREFETCH_WAITING
+
+    def next_deadline(self) -> Optional[float]:
+        """The earliest time a waiting request stops waiting (None if none waits)."""
+        ds = [pf.deadline for pf in self._prefetch.values() if not pf.done and not pf.aborted]
+        return min(ds) if ds else None
+
+    def _start_prefetch(self, request: Any) -> Optional[_Prefetch]:
+        m = self.manager
+        bs = self.block_size
+        max_blocks = (request.num_total_tokens - 1) // bs
+        if max_blocks <= 0 or not m.enable_prefix_caching:
+            return None
+        hashes = request.block_hashes(bs, request.num_total_tokens)[:max_blocks]
+        nodes, _ = m.tree.match(hashes, max_blocks)
+        start = len(nodes)
+        rest = hashes[start:]
+        if not rest:
+            return None
+        parent = nodes[-1] if nodes else m.tree.root
+        if not self._can_hang_host_nodes(parent):
+            return None
+        n = self.query(rest)
+        if n < self.config.prefetch_min_blocks:
+            return None
+        # A block another request's prefetch is bringing in will be a host hit: stop there.
+        inflight = {h for pf in self._prefetch.values() if not pf.done for h in pf.job.hashes}
+        want: list[int] = []
+        for h in rest[:n]:
+            if h in inflight:
+                break
+            want.append(h)
+        if not want:
+            return None
+        # The matched prefix keeps its host copies: the fetched blocks hang below it.
+        host = m._allocate_host_blocks(len(want), frozenset(nodes))
+        if not host:
+            return None
+        want = want[: len(host)]
+        job = StorageJob(TransferKind.STORAGE_LOAD, self.ns.keys(want), list(host), list(want))
+        now = self.clock()
+        policy = self.config.prefetch_policy
+        if policy == "wait_complete":
+            deadline = float("inf")
+        elif policy == "timeout":
+            deadline = now + self.config.prefetch_timeout_s(len(want) * bs)
+        else:
+            deadline = now  # best_effort: never waits
+        pf = _Prefetch(request.request_id, start, list(hashes[: start + len(want)]), job, now, deadline)
+        self._prefetch[request.request_id] = pf
+        self._prefetch_blocks.update(host)
+        self._jobs[job.task_id] = pf
+        self._outbox.append(job)
+        self.stats["prefetch_jobs"] += 1
+        self.stats["prefetch_blocks_issued"] += len(want)
+        return pf
+
+    def _can_hang_host_nodes(self, parent: BlockNode) -> bool:
+        """Whether host-only nodes may go below ``parent`` (the host tier stays prefix-closed)."""
+        m = self.manager
+        if parent is m.tree.root or not getattr(m, "_host_prefix_closed", False):
+            return True
+        return parent.host_block_id is not None and parent.pending is None and not parent.detached
+
+    def storage_hit_tokens(self, request: Any) -> int:
+        """Tokens of the request's applied match that its own prefetch brought in (usage)."""
+        pf = self._prefetch.get(request.request_id)
+        match = getattr(request, "match_result", None)
+        if pf is None or not pf.inserted or match is None:
+            return 0
+        mine = {id(n) for n in pf.inserted}
+        n = sum(1 for node, tier in zip(match.nodes, match.tiers) if tier is CacheLevel.HOST and id(node) in mine)
+        return n * self.block_size
+
+    def forget_request(self, request_id: str) -> None:
+        """The request was admitted, finished or aborted: stop tracking its prefetch.
+
+        A job still in flight keeps its host blocks and still inserts what arrives.
+        """
+        pf = self._prefetch.get(request_id)
+        if pf is None:
+            return
+        if pf.done:
+            del self._prefetch[request_id]
+        elif not pf.aborted:
+            pf.aborted = True
+            self.stats["aborted_prefetches"] += 1
+
+    def admitted(self, request: Any) -> int:
+        """Bookkeeping after the request's first ``ensure_resident``: its storage-hit tokens."""
+        tokens = self.storage_hit_tokens(request)
+        self.stats["storage_hit_tokens"] += tokens
+        self.forget_request(request.request_id)
+        return tokens
+
+    # ------------------------------------------------------------------ backup
+    def on_host_copies(self, hashes: Sequence[int], host_block_ids: Sequence[int], success: bool) -> None:
+        """write_through: device -> host copies came back; put the ones that succeeded.
+
+        Call BEFORE the manager resolves them (``complete_swap``), so the host blocks are
+        pinned while they are surely still allocated.
+        """
+        if not success or self.write_back:
+            return
+        for h, b in zip(hashes, host_block_ids):
+            self._queue_put(h, b)
+
+    def on_host_evict(self, node: BlockNode) -> None:
+        """write_back: the host tier is evicting ``node``'s copy; store it first (pinned)."""
+        if self.write_back and node.host_block_id is not None and node.pending is None:
+            self._queue_put(node.hash_value, node.host_block_id)
+
+    def _queue_put(self, h: int, b: int) -> None:
+        if h in self._stored:
+            self._stored.move_to_end(h)
+            self.stats["put_skipped_stored"] += 1
+            return
+        if h in self._putting:
+            return
+        self.pool.pin((b,))
+        self._putting[h] = b
+        self._put_queue.append((h, b))
+
+    def take_jobs(self) -> list[StorageJob]:
+        """This step's jobs for the worker: prefetches started since, then queued puts."""
+        out, self._outbox = self._outbox, []
+        if self._put_queue and self.available():
+            while self._put_queue:
+                batch = [self._put_queue.popleft() for _ in range(min(self.max_put_batch, len(self._put_queue)))]
+                hashes = [h for h, _ in batch]
+                job = StorageJob(TransferKind.STORAGE_SAVE, self.ns.keys(hashes), [b for _, b in batch], hashes)
+                self._jobs[job.task_id] = job
+                self.stats["put_blocks_issued"] += len(batch)
+                out.append(job)
+        elif self._put_queue:
+            # Tier off: drop the backups now rather than pin host blocks for an outage.
+            self.errors["unreachable"] += len(self._put_queue)
+            self.stats["put_blocks_failed"] += len(self._put_queue)
+            while self._put_queue:
+                h, b = self._put_queue.popleft()
+                del self._putting[h]
+                self.pool.unpin((b,))
+        return out
+
+    # ------------------------------------------------------------------ completion
+    def complete(self, job: StorageJob) -> None:
+        """The worker's verdict on a job (any order).  Raises ValueError for an unknown job."""
+        entry = self._jobs.pop(job.task_id, None)
+        if entry is None:
+            raise ValueError(f"storage job {job.task_id} is not in flight (foreign, or completed twice)")
+        if job.error_kind is not None:
+            self.errors[job.error_kind] += len(job.keys)
+        for r in job.results:
+            if r < 0:
+                self.errors[_status_kind(r)] += 1
+        if job.kind is TransferKind.STORAGE_LOAD:
+            self.stats["read_bytes"] += job.nbytes
+            self.stats["read_seconds"] += job.seconds
+            self._complete_prefetch(entry, job)
+        else:
+            self.stats["write_bytes"] += job.nbytes
+            self.stats["write_seconds"] += job.seconds
+            self._complete_put(job)
+
+    def _complete_put(self, job: StorageJob) -> None:
+        for i, (h, b) in enumerate(zip(job.hashes, job.host_block_ids)):
+            self._putting.pop(h, None)
+            if job.ok(i):
+                self._stored[h] = None
+                self._stored.move_to_end(h)
+                self.stats["put_blocks_ok"] += 1
+            else:
+                self.stats["put_blocks_failed"] += 1
+            self.pool.unpin((b,))
+        while len(self._stored) > self._stored_memory:
+            self._stored.popitem(last=False)
+
+    def _complete_prefetch(self, pf: _Prefetch, job: StorageJob) -> None:
+        """Insert the leading run that arrived as host-only nodes; free the rest."""
+        pf.done = True
+        m = self.manager
+        tree = m.tree
+        blocks = job.host_block_ids
+        self._prefetch_blocks.difference_update(blocks)
+        arrived = 0
+        while arrived < len(blocks) and job.ok(arrived):
+            arrived += 1
+        self.stats["prefetch_blocks_loaded"] += arrived
+        self.stats["prefetch_blocks_failed"] += len(blocks) - arrived
+        # Walk the request's chain to where the fetched blocks hang (it may have changed).
+        parent = tree.root
+        ok = True
+        for h in pf.hashes[: pf.start]:
+            child = parent.children.get(h)
+            if child is None:
+                ok = False
+                break
+            parent = child
+        used = 0
+        if ok:
+            for i in range(arrived):
+                h = job.hashes[i]
+                child = parent.children.get(h)
+                if child is not None:
+                    parent = child  # another copy got there first: ours is a duplicate
+                    m.host_pool.free_one(blocks[i])
+                    used += 1
+                    continue
+                if not self._can_hang_host_nodes(parent):
+                    break
+                node = tree.add_child(parent, h)
+                tree.set_host(node, blocks[i])
+                node.on_storage = True
+                self._stored[h] = None
+                pf.inserted.append(node)
+                parent = node
+                used += 1
+        self.stats["prefetch_blocks_inserted"] += len(pf.inserted)
+        self.stats["prefetch_blocks_unused"] += len(blocks) - used
+        if used < len(blocks):
+            m.host_pool.free(blocks[used:])
+        if pf.aborted:
+            self._prefetch.pop(pf.request_id, None)
+
+    # ------------------------------------------------------------------ checks / stats
+    def held_host_blocks(self) -> list[tuple[int, str]]:
+        """Host blocks the tier owns outside the tree: gets in flight, frees deferred by a pin."""
+        return [(b, "storage get") for b in sorted(self._prefetch_blocks)] + [
+            (b, "storage put (freed, pinned)") for b in sorted(self.pool.deferred)
+        ]
+
+    def check_invariants(self) -> None:
+        """The tier's own books (the manager's check_invariants counts held_host_blocks)."""
+        pool = self.pool
+        for b in self._prefetch_blocks:
+            assert not pool.is_free(b), f"prefetch host block {b} is free"
+        for h, b in self._putting.items():
+            assert pool.is_pinned(b), f"put of {h:#x} reads host block {b}, which is not pinned"
+        for b in pool.deferred:
+            assert pool.is_pinned(b), f"deferred host block {b} is not pinned"
+        pins = collections.Counter(self._putting.values())
+        for b, n in pins.items():
+            assert pool._pins.get(b, 0) == n, f"host block {b}: {pool._pins.get(b, 0)} pins, {n} puts"
+        assert sum(pins.values()) == sum(pool._pins.values()), "a pin with no put"
+        loads = {b for e in self._jobs.values() if isinstance(e, _Prefetch) for b in e.job.host_block_ids}
+        assert loads == self._prefetch_blocks, "prefetch host blocks differ from the jobs in flight"
+
+    @property
+    def num_jobs_in_flight(self) -> int:
+        return len(self._jobs) + len(self._outbox)
+
+    def get_stats(self) -> dict[str, Any]:
+        s: dict[str, Any] = dict(self.stats)
+        s["errors"] = dict(self.errors)
+        s["stored_blocks_known"] = len(self._stored)
+        s["puts_pending"] = len(self._putting)
+        s["prefetch_host_blocks"] = len(self._prefetch_blocks)
+        s["pinned_host_blocks"] = self.pool.num_pinned
+        s["jobs_in_flight"] = self.num_jobs_in_flight
+        s["write_policy"] = self.config.write_policy
+        s["prefetch_policy"] = self.config.prefetch_policy
+        return s
+
+
+def _status_kind(r: int) -> str:
+    from fastdeploy_kvcache.storage.base import Status
+
+    try:
+        return Status(r).kind
+    except ValueError:
+        return "io"

@@ -1,0 +1,171 @@
+"""The engine's KV pool with the storage tier below host memory (``--kvcache-storage-backend``).
+
+:class:`StorageKVPool` is the tiered :class:`~fastdeploy_kvcache.engine.kv_pool.ManagedKVPool`
+plus the three storage pieces, wired the way a serving engine wires them:
+
+* scheduler side: :class:`~fastdeploy_kvcache.core.storage_tier.StorageTier` (matching,
+  prefetch policy, backups, which hashes are stored);
+* worker side: :class:`~fastdeploy_kvcache.worker.storage_worker.StorageWorker` over a
+  :class:`~fastdeploy_kvcache.storage.transfer.StorageTransfer` of the controller's host tier;
+* the backend (``file`` or ``mooncake``) from :class:`~fastdeploy_kvcache.storage.config.StorageConfig`.
+
+Per step the engine calls the same methods as on any pool; in addition it asks
+:meth:`StorageKVPool.prefetch_ready` before admitting a waiting request (the prefetch
+policy may hold it while its storage hits arrive in host memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Optional
+
+from fastdeploy_kvcache.config import CacheConfig
+from fastdeploy_kvcache.core.metadata import CacheLevel, ResidencyPlan
+from fastdeploy_kvcache.core.request import BatchRequest, Request
+from fastdeploy_kvcache.core.storage_tier import PREFETCH_READY, StorageTier
+from fastdeploy_kvcache.engine.kv_pool import ManagedKVPool
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StorageKVPool", "model_fingerprint"]
+
+
+def model_fingerprint(model: str, seed: int) -> str:
+    """What identifies the weights in storage keys: file contents where there are files,
+    else the registered name and the seed of its random weights (tiny-llama-random)."""
+    from fastdeploy_kvcache.storage.keys import bytes_fingerprint, weights_fingerprint
+
+    path = os.path.expanduser(model)
+    if os.path.exists(path):
+        return weights_fingerprint(path)
+    try:
+        from fastdeploy_kvcache.engine.model_loader import DEFAULT_MODEL_NAME, find_smollm2_gguf
+
+        if model == DEFAULT_MODEL_NAME:
+            return weights_fingerprint(find_smollm2_gguf())
+    except Exception:  # noqa: BLE001 - fall back to the name
+        logger.debug("no weights file for %s; fingerprinting its name", model, exc_info=True)
+    return bytes_fingerprint("registered-model", model, f"seed={seed}")
+
+
+class StorageKVPool(ManagedKVPool):
+    """ManagedKVPool + storage tier (see the module docstring)."""
+
+    def __init__(self, config: CacheConfig, storage_config: Any, model_id: str, weights_fp: str,
+                 backend: str = "paddle", **backend_overrides: Any) -> None:
+        from fastdeploy_kvcache.storage.keys import KeyNamespace
+        from fastdeploy_kvcache.storage.transfer import HostTierLayout, StorageTransfer
+        from fastdeploy_kvcache.worker.storage_worker import StorageWorker
+
+        if config.host_block_count <= 0:
+            raise ValueError(
+                "--kvcache-storage-backend needs a host tier to stage blocks through: give --swap-space "
+                "(GiB) or --num-host-blocks"
+            )
+        super().__init__(config, backend)
+        self.storage_config = storage_config
+        self.store = storage_config.make_backend(**backend_overrides)
+        try:
+            layout = HostTierLayout.from_controller(self.controller)
+            self.namespace = KeyNamespace(
+                model=model_id, weights_fingerprint=weights_fp, dtype=str(config.dtype),
+                block_size=config.block_size, layout=layout.describe(),
+            )
+            self.transfer = StorageTransfer(layout, self.store)
+            self.storage_worker = StorageWorker(self.transfer)
+            self.tier = StorageTier(self.manager, self.store, self.namespace, storage_config)
+        except BaseException:
+            self.store.close()
+            raise
+        logger.info("storage tier: %s backend, keys %s:*, write %s, prefetch %s",
+                    storage_config.backend, self.namespace.prefix, storage_config.write_policy,
+                    storage_config.prefetch_policy)
+
+    # ------------------------------------------------------------------ admission
+    def prefetch_ready(self, request: Request) -> bool:
+        """False while the prefetch policy holds ``request`` for its storage hits."""
+        if self.manager.is_running(request.request_id):
+            return True
+        state = self.tier.prefetch_state(request)
+        self._submit_storage_jobs()  # a prefetch just planned starts now, not at the next step
+        return state == PREFETCH_READY
+
+    def ensure_resident(self, request: Request, num_tokens: int) -> ResidencyPlan:
+        first = not self.manager.is_running(request.request_id)
+        plan = self.manager.ensure_resident(request, num_tokens)
+        if first:
+            s = self.tier.admitted(request)
+            plan.num_storage_hit_tokens = s
+            plan.num_host_hit_tokens -= s
+        return plan
+
+    def forget_request(self, request: Request) -> None:
+        self.tier.forget_request(request.request_id)
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, requests: list[Request]) -> tuple[BatchRequest, Optional[Any]]:
+        batch, counter = super().begin_step(requests)
+        self._submit_storage_jobs()
+        return batch, counter
+
+    def _submit_storage_jobs(self) -> None:
+        for job in self.tier.take_jobs():
+            self.storage_worker.submit(job)
+
+    def complete_finished(self, wait: bool = False) -> set[str]:
+        affected: set[str] = set()
+        copies = self.controller.collect_finished(wait=wait)
+        for meta in copies:
+            if meta.src_type == CacheLevel.DEVICE and meta.dst_type == CacheLevel.HOST and meta.hash_values:
+                self.tier.on_host_copies(meta.hash_values, meta.dst_block_ids, bool(meta.success))
+            affected.update(self.manager.complete_swap(meta))
+        # Storage: wait only when nothing else came back and a waiting request needs it.
+        timeout = None
+        if wait and not copies:
+            deadline = self.tier.next_deadline()
+            timeout = 0.05 if deadline is None or deadline == float("inf") else max(0.0, min(0.05, deadline - time.monotonic()))
+        for job in self.storage_worker.collect_finished(wait=timeout is not None, timeout_s=timeout):
+            self.tier.complete(job)
+        # Backups the copies above queued go out now, not a step later.
+        self._submit_storage_jobs()
+        return affected
+
+    @property
+    def copies_in_flight(self) -> int:
+        return self.manager.num_copies_in_flight + self.tier.num_jobs_in_flight
+
+    # ------------------------------------------------------------------ stats / checks / close
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        try:
+            health = self.store.health()
+            backend_stats = self.store.stats()
+        except Exception:  # noqa: BLE001 - stats never fail a scrape
+            logger.debug("storage stats failed", exc_info=True)
+            health, backend_stats = None, {}
+        out["storage"] = {
+            "backend": self.storage_config.backend,
+            "available": bool(health.available) if health is not None else False,
+            "breaker": health.breaker if health is not None else "unknown",
+            "tier": self.tier.get_stats(),
+            "store": backend_stats,
+            "transfer": self.transfer.stats(),
+        }
+        return out
+
+    def check_invariants(self) -> dict[str, int]:
+        self.tier.check_invariants()
+        return self.manager.check_invariants()
+
+    def close(self) -> None:
+        try:
+            for job in self.storage_worker.close():
+                try:
+                    self.tier.complete(job)
+                except ValueError:
+                    pass
+        finally:
+            self.store.close()
+            super().close()

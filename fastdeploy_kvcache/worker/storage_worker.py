@@ -1,0 +1,122 @@
+"""Worker side of the storage tier: runs the scheduler's StorageJobs, reports them back.
+
+The scheduler (:class:`~fastdeploy_kvcache.core.storage_tier.StorageTier`) emits
+:class:`~fastdeploy_kvcache.core.storage_tier.StorageJob`\\ s; this worker hands each to the
+:class:`~fastdeploy_kvcache.storage.transfer.StorageTransfer` threads (gets on the reader,
+puts on the writer: a slow put never delays a prefetch) and returns finished jobs from
+:meth:`StorageWorker.collect_finished`, like ``CacheController.collect_finished`` does for
+device <-> host copies.  It decides nothing: every outcome, including a batch that could not
+run at all, comes back as per-key results for the scheduler to judge.
+
+A job is "finished" only when its future is done, so the host blocks it reads or writes stay
+reserved until then, even after a request stopped waiting for it (an aborted prefetch).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import Any, Optional
+
+from fastdeploy_kvcache.core.metadata import TransferKind
+from fastdeploy_kvcache.core.storage_tier import StorageJob
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StorageWorker"]
+
+
+class StorageWorker:
+    """Runs storage jobs on the transfer's background threads (see the module docstring).
+
+    Args:
+        transfer: a ``StorageTransfer`` over this worker's host tier.
+    """
+
+    def __init__(self, transfer: Any) -> None:
+        self.transfer = transfer
+        self.object_bytes = int(transfer.object_bytes)
+        self._lock = threading.Lock()
+        self._inflight: dict[int, tuple[StorageJob, "Future[list[int]]", float]] = {}
+        self._done: list[StorageJob] = []
+        self._closed = False
+
+    def submit(self, job: StorageJob) -> None:
+        """Start ``job``; a job that cannot start (tier off, queue full) finishes failed at once."""
+        if self._closed:
+            raise RuntimeError("the storage worker is closed")
+        t0 = time.perf_counter()
+        try:
+            if job.kind is TransferKind.STORAGE_LOAD:
+                fut = self.transfer.submit_get_blocks(job.keys, job.host_block_ids)
+            else:
+                fut = self.transfer.submit_put_blocks(job.keys, job.host_block_ids)
+        except Exception as exc:  # noqa: BLE001 - StorageError (busy, unreachable, invalid) or worse
+            self._fail(job, exc, t0)
+            with self._lock:
+                self._done.append(job)
+            return
+        with self._lock:
+            self._inflight[job.task_id] = (job, fut, t0)
+
+    def _fail(self, job: StorageJob, exc: BaseException, t0: float) -> None:
+        job.error_kind = getattr(exc, "kind", None) or "io"
+        job.results = [-4] * len(job.keys)  # Status.UNREACHABLE: "not there" for the scheduler
+        job.seconds = time.perf_counter() - t0
+        logger.warning("storage %s job %d (%d blocks) failed: %s", job.kind.name, job.task_id, len(job.keys), exc)
+
+    def _finish(self, job: StorageJob, fut: "Future[list[int]]", t0: float) -> None:
+        try:
+            results = [int(r) for r in fut.result()]
+        except BaseException as exc:  # noqa: BLE001 - reported per job
+            self._fail(job, exc, t0)
+            return
+        if len(results) != len(job.keys):
+            self._fail(job, RuntimeError(f"{len(results)} results for {len(job.keys)} keys"), t0)
+            return
+        job.results = results
+        job.seconds = time.perf_counter() - t0
+        if job.kind is TransferKind.STORAGE_LOAD:
+            job.nbytes = sum(r for r in results if r > 0)
+        else:
+            job.nbytes = self.object_bytes * sum(1 for r in results if r == 0)
+
+    def collect_finished(self, wait: bool = False, timeout_s: Optional[float] = None) -> list[StorageJob]:
+        """Jobs whose futures are done.  ``wait``: block until at least one is (or ``timeout_s``)."""
+        with self._lock:
+            live = list(self._inflight.values())
+        if wait and live and not self._done:
+            wait_futures([f for _, f, _ in live], timeout=timeout_s, return_when="FIRST_COMPLETED")
+        out: list[StorageJob] = []
+        with self._lock:
+            for tid, (job, fut, t0) in list(self._inflight.items()):
+                if fut.done():
+                    del self._inflight[tid]
+                    self._finish(job, fut, t0)
+                    out.append(job)
+            out = self._done + out
+            self._done = []
+        return out
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._inflight) + len(self._done)
+
+    def close(self, timeout_s: float = 60.0) -> list[StorageJob]:
+        """Wait for every job (backend calls are bounded), stop the transfer threads; returns the
+        jobs that finished."""
+        out: list[StorageJob] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._inflight:
+                    break
+            out += self.collect_finished(wait=True, timeout_s=max(0.0, deadline - time.monotonic()))
+        out += self.collect_finished()
+        self._closed = True
+        self.transfer.close()
+        return out
