@@ -138,7 +138,6 @@ StagedCopyKernel(const __grid_constant__ Tables tables, Geometry geo, char* __re
 struct StagingRing {
   std::mutex mu;
   char* buf = nullptr;
-  bool buf_pooled = false;   // buf came from cudaMallocAsync (else cudaMalloc)
   int64_t ring_bytes = 0;
   int64_t slot_bytes = 0;
   int slots = 0;
@@ -161,14 +160,14 @@ struct StagingRing {
   std::vector<Spare> spares;
 
   // (Re)size to want_ring bytes in slots of at most want_chunk bytes.  Called with mu held.
-  // NOTE: a resize never synchronizes the device or the host: the old buffer is retired in
-  // stream order on the side stream behind every slot's last user, and the new one is made
-  // usable there, with each slot's free event re-recorded behind it.
-  void Ensure(int64_t want_ring, int64_t want_chunk, bool pooled) {
+  // NOTE: a resize never synchronizes the device or the host: the old buffer is set aside
+  // behind every slot's last user (an event on the side stream), and each slot's free event
+  // is re-recorded on the side stream behind the new one.
+  void Ensure(int64_t want_ring, int64_t want_chunk) {
     int64_t slot = std::min(want_chunk, want_ring / 2);
     slot = std::max<int64_t>(kChunkAlign, slot / kChunkAlign * kChunkAlign);
     const int count = static_cast<int>(std::max<int64_t>(2, want_ring / slot));
-    if (buf != nullptr && slot == slot_bytes && count == slots && pooled == buf_pooled) return;
+    if (buf != nullptr && slot == slot_bytes && count == slots) return;
     if (side == nullptr) {
       FDKV_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
       FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&start, cudaEventDisableTiming));
@@ -176,14 +175,10 @@ struct StagingRing {
     }
     if (buf != nullptr) {
       for (cudaEvent_t e : slot_free) FDKV_CUDA_CHECK(cudaStreamWaitEvent(side, e, 0));
-      if (buf_pooled) {
-        FDKV_CUDA_CHECK(cudaFreeAsync(buf, side));
-      } else {
-        cudaEvent_t idle;
-        FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&idle, cudaEventDisableTiming));
-        FDKV_CUDA_CHECK(cudaEventRecord(idle, side));
-        spares.push_back(Spare{buf, static_cast<size_t>(ring_bytes), idle});
-      }
+      cudaEvent_t idle;
+      FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&idle, cudaEventDisableTiming));
+      FDKV_CUDA_CHECK(cudaEventRecord(idle, side));
+      spares.push_back(Spare{buf, static_cast<size_t>(ring_bytes), idle});
       buf = nullptr;
     }
     while (static_cast<int>(slot_free.size()) < count) {
@@ -195,20 +190,15 @@ struct StagingRing {
       freed_on.push_back(nullptr);
     }
     const size_t bytes = static_cast<size_t>(slot * count);
-    if (pooled) {
-      FDKV_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&buf), bytes, side));
-    } else {
-      for (size_t i = 0; i < spares.size() && buf == nullptr; ++i) {
-        if (spares[i].bytes == bytes) {
-          buf = spares[i].buf;
-          FDKV_CUDA_CHECK(cudaStreamWaitEvent(side, spares[i].idle, 0));
-          FDKV_CUDA_CHECK(cudaEventDestroy(spares[i].idle));
-          spares.erase(spares.begin() + static_cast<std::ptrdiff_t>(i));
-        }
+    for (size_t i = 0; i < spares.size() && buf == nullptr; ++i) {
+      if (spares[i].bytes == bytes) {
+        buf = spares[i].buf;
+        FDKV_CUDA_CHECK(cudaStreamWaitEvent(side, spares[i].idle, 0));
+        FDKV_CUDA_CHECK(cudaEventDestroy(spares[i].idle));
+        spares.erase(spares.begin() + static_cast<std::ptrdiff_t>(i));
       }
-      if (buf == nullptr) FDKV_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buf), bytes));
     }
-    buf_pooled = pooled;
+    if (buf == nullptr) FDKV_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buf), bytes));
     for (size_t i = 0; i < slot_free.size(); ++i) {
       FDKV_CUDA_CHECK(cudaEventRecord(slot_free[i], side));
       freed_on[i] = side;
@@ -466,14 +456,13 @@ int ExecuteStaged(const staged::Plan& plan, int64_t n, int mode, cudaStream_t st
   std::lock_guard<std::mutex> ring_lock(ring.mu);
   int64_t staging_mode = 0;
   GetOption("staging_mode", &staging_mode);
-  const bool pooled = (staging_mode & 2) == 0;
-  // NOTE: never a cudaMemcpyBatchAsync out of a ring from the stream-ordered pool: measured
-  // on H100 (driver 580.159, CUDA 13.0), such a batch (device -> pinned host) wrote the host
-  // before the earlier work on its own stream had finished, while the same batch out of a
-  // cudaMalloc'd ring, and cudaMemcpyAsync out of the pooled one, kept stream order
-  // (tests/gpu/test_staged_gpu.py::test_staged_never_synchronizes_and_orders_after_the_stream).
-  const bool batch = (staging_mode & 1) == 0 && !pooled;
-  ring.Ensure(opts.staging_bytes, opts.staging_chunk_bytes, pooled);
+  const bool batch = (staging_mode & 1) == 0;
+  // NOTE: the ring comes from cudaMalloc, not the stream-ordered pool.  Measured on H100
+  // (driver 580.159, CUDA 13.0): with a ring just allocated by cudaMallocAsync on the side
+  // stream, the first device->host call behind a blocked caller stream wrote the host
+  // before the blocking work finished (tests/gpu/test_staged_gpu.py, the ordering test;
+  // cause not established), and never with a cudaMalloc'd ring.
+  ring.Ensure(opts.staging_bytes, opts.staging_chunk_bytes);
   // Chunk boundaries must keep 16-byte vectors aligned: slot sizes are 4 KiB multiples.
   thread_local std::vector<int64_t> bounds;
   PlanChunks(plan.total, ring.slot_bytes, mode, &bounds);
