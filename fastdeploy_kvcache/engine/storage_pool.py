@@ -114,8 +114,26 @@ class StorageKVPool(ManagedKVPool):
         for job in self.tier.take_jobs():
             self.storage_worker.submit(job)
 
+    def _idle_backups_queued(self) -> bool:
+        """Write-through backups queued while no request runs (no step would issue them)."""
+        m = self.manager
+        return not getattr(m, "_requests", True) and bool(getattr(m, "_backup_queue", ()))
+
+    def _flush_idle_backups(self) -> None:
+        """Issue queued backups when idle, so finished requests reach storage without traffic.
+
+        NOTE: the engine issues backups with a step's batch; when it goes idle the last
+        requests' blocks would wait for the next request (or never reach storage before a
+        restart).  Nothing computes while idle, so the device -> host copies are safe now.
+        """
+        if self._idle_backups_queued():
+            meta = self.manager.issue_pending_backup_to_batch_request()
+            if meta is not None:
+                self.controller.submit_swap_tasks(meta, None)
+
     def complete_finished(self, wait: bool = False) -> set[str]:
         affected: set[str] = set()
+        self._flush_idle_backups()
         copies = self.controller.collect_finished(wait=wait)
         for meta in copies:
             if meta.src_type == CacheLevel.DEVICE and meta.dst_type == CacheLevel.HOST and meta.hash_values:
@@ -134,7 +152,7 @@ class StorageKVPool(ManagedKVPool):
 
     @property
     def copies_in_flight(self) -> int:
-        return self.manager.num_copies_in_flight + self.tier.num_jobs_in_flight
+        return self.manager.num_copies_in_flight + self.tier.num_jobs_in_flight + int(self._idle_backups_queued())
 
     # ------------------------------------------------------------------ stats / checks / close
     def stats(self) -> dict[str, Any]:
@@ -152,6 +170,8 @@ class StorageKVPool(ManagedKVPool):
             "tier": self.tier.get_stats(),
             "store": backend_stats,
             "transfer": self.transfer.stats(),
+            # Copies, storage jobs and idle backups still to run (0: everything settled).
+            "pending_work": self.copies_in_flight,
         }
         return out
 
@@ -160,6 +180,14 @@ class StorageKVPool(ManagedKVPool):
         return self.manager.check_invariants()
 
     def close(self) -> None:
+        # Finish what the last requests left: backups to host, then their puts (all bounded).
+        deadline = time.monotonic() + 30.0
+        while self.copies_in_flight and time.monotonic() < deadline:
+            try:
+                self.complete_finished(wait=True)
+            except Exception:  # noqa: BLE001 - closing anyway
+                logger.warning("draining storage work at close failed", exc_info=True)
+                break
         try:
             for job in self.storage_worker.close():
                 try:

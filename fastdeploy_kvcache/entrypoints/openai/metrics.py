@@ -175,6 +175,9 @@ class ServerMetrics:
             "fastdeploy:e2e_request_latency_seconds", "Seconds from arrival to the last token.",
             buckets=TTFT_BUCKETS, registry=r)
         r.register(EngineStatsCollector(get_stats))
+        from fastdeploy_kvcache.entrypoints.openai.storage_metrics import StorageStatsCollector
+
+        r.register(StorageStatsCollector(get_stats))  # storage tier series (none when it is off)
         self._lock = threading.Lock()
         self._prompt_total = 0
         self._cached_total = 0

@@ -1,0 +1,79 @@
+"""``/metrics`` families of the storage tier, read from ``engine.get_stats()["storage"]``.
+
+Counters are cumulative since the server started (prometheus_client adds ``_total``):
+
+* ``fastdeploy:prefix_storage_cache_token_num`` -- prompt tokens whose KV came from storage;
+* ``fastdeploy:storage_write_block_num`` -- blocks whose put returned OK (stored);
+* ``fastdeploy:storage_read_bytes`` / ``_read_seconds`` / ``_write_bytes`` / ``_write_seconds``;
+* ``fastdeploy:storage_errors{kind}`` -- per-key failures by kind (unreachable, full, missing,
+  corrupt, timeout, io, invalid, busy);
+* ``fastdeploy:storage_aborted_prefetches`` -- prefetches a request stopped waiting for;
+
+and gauges: ``fastdeploy:storage_breaker_state`` (0 closed, 1 half open, 2 open),
+``fastdeploy:storage_available`` (1 when the tier is on).  Nothing is emitted when the tier is
+off, so a server without storage exports no storage series.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from fastdeploy_kvcache.storage.base import ERROR_KINDS
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StorageStatsCollector"]
+
+_BREAKER = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+
+
+class StorageStatsCollector(Collector):
+    """Turns the engine's storage stats into metric families at every scrape."""
+
+    def __init__(self, get_stats: Callable[[], dict[str, Any]]) -> None:
+        self._get_stats = get_stats
+
+    def collect(self) -> Iterable[Any]:
+        try:
+            storage = (self._get_stats() or {}).get("storage")
+        except Exception:  # noqa: BLE001 - a scrape must not take the server down
+            logger.exception("engine.get_stats() failed during a /metrics scrape")
+            return []
+        if not storage:
+            return []
+        tier = storage.get("tier", {})
+        out: list[Any] = []
+
+        def counter(name: str, doc: str, value: Any) -> None:
+            out.append(CounterMetricFamily(name, doc, value=float(value or 0)))
+
+        counter("fastdeploy:prefix_storage_cache_token_num",
+                "Prompt tokens whose KV was loaded from the storage tier.", tier.get("storage_hit_tokens"))
+        counter("fastdeploy:storage_write_block_num", "KV blocks stored (put returned OK).", tier.get("put_blocks_ok"))
+        counter("fastdeploy:storage_read_bytes", "Bytes read from the storage tier into host blocks.",
+                tier.get("read_bytes"))
+        counter("fastdeploy:storage_read_seconds", "Seconds of storage reads (per job, start to finish).",
+                tier.get("read_seconds"))
+        counter("fastdeploy:storage_write_bytes", "Bytes written to the storage tier.", tier.get("write_bytes"))
+        counter("fastdeploy:storage_write_seconds", "Seconds of storage writes (per job, start to finish).",
+                tier.get("write_seconds"))
+        counter("fastdeploy:storage_aborted_prefetches",
+                "Prefetches a request stopped waiting for (timeout policy, or it was aborted).",
+                tier.get("aborted_prefetches"))
+        errors = CounterMetricFamily("fastdeploy:storage_errors", "Storage failures per key, by kind.",
+                                     labels=["kind"])
+        by_kind = tier.get("errors", {}) or {}
+        for kind in ERROR_KINDS:
+            errors.add_metric([kind], float(by_kind.get(kind, 0)))
+        out.append(errors)
+        breaker = str(storage.get("breaker", "closed"))
+        out.append(GaugeMetricFamily("fastdeploy:storage_breaker_state",
+                                     "Storage circuit breaker: 0 closed, 1 half open, 2 open.",
+                                     value=_BREAKER.get(breaker, 2.0)))
+        out.append(GaugeMetricFamily("fastdeploy:storage_available", "1 when the storage tier is on.",
+                                     value=1.0 if storage.get("available") else 0.0))
+        return out

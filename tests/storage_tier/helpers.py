@@ -1,0 +1,98 @@
+"""Shared helpers of the storage-tier tests: real servers (uvicorn, tiny-llama-random, CPU)
+with a storage backend, and the keys/files of a prompt's blocks."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from fastdeploy_kvcache.core.hashing import storage_key
+from fastdeploy_kvcache.core.request import Request
+from fastdeploy_kvcache.entrypoints.server_process import ServerProcess
+
+MODEL = "tiny-llama-random"
+BLOCK_SIZE = 16
+# Device pool of 64 blocks of 16 tokens; host tier 0.05 GiB (hundreds of tiny-llama blocks).
+BASE_ARGS = [
+    "--model", MODEL, "--device", "cpu", "--block-size", str(BLOCK_SIZE), "--max-model-len", "1024",
+    "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+    "--swap-space", "0.05", "--write-policy", "write_through",
+]
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    """A token-id prompt (fixed seed; ids inside tiny-llama-random's vocabulary of 503)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+def start_server(storage_args: Sequence[str], env: Optional[dict[str, str]] = None,
+                 extra: Sequence[str] = ()) -> ServerProcess:
+    return ServerProcess([*BASE_ARGS, *storage_args, *extra],
+                         env={"ENABLE_V1_KVCACHE_MANAGER": "1", **(env or {})}).start()
+
+
+def complete(server: ServerProcess, prompt: list[int], max_tokens: int = 8) -> tuple[str, dict[str, int]]:
+    """Greedy completion: (text, cached_tokens_by_tier)."""
+    import httpx
+
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    resp = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120.0)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    tiers = out["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]
+    return out["choices"][0]["text"], tiers
+
+
+def storage_stats(server: ServerProcess) -> dict[str, Any]:
+    return server.engine_stats()["storage"]
+
+
+def wait_storage_quiet(server: ServerProcess, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Storage stats once nothing runs and no storage job, put or pin is left."""
+    deadline = time.monotonic() + timeout_s
+    stats: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        stats = server.engine_stats()
+        tier = stats["storage"]["tier"]
+        if (stats.get("num_requests_running") == 0 and stats.get("num_requests_waiting") == 0
+                and stats["storage"]["pending_work"] == 0 and tier["jobs_in_flight"] == 0 and tier["puts_pending"] == 0 and tier["pinned_host_blocks"] == 0
+                and tier["prefetch_host_blocks"] == 0):
+            return stats
+        time.sleep(0.05)
+    raise AssertionError(f"storage not quiet after {timeout_s} s: {json.dumps(stats, indent=1)[:3000]}")
+
+
+def assert_no_leak(server: ServerProcess) -> dict[str, Any]:
+    """No device block owned by a request; every host block free or cached; no pin left."""
+    stats = wait_storage_quiet(server)
+    cache = stats["cache"]
+    assert cache["device_blocks_owned"] == 0, cache
+    assert cache["device_blocks_free"] + cache["device_blocks_cached"] == cache["device_blocks_total"], cache
+    return stats
+
+
+def block_hashes(prompt: list[int]) -> list[int]:
+    return Request("h", list(prompt)).block_hashes(BLOCK_SIZE)
+
+
+def object_file(directory: Path, block_hash: int) -> Path:
+    """The file backend's object of a block (its key's namespace is the server's)."""
+    found = list(directory.glob(f"*={storage_key(block_hash)}.kv"))
+    assert len(found) == 1, f"{len(found)} objects for block {block_hash:#x} in {directory}"
+    return found[0]
+
+
+def scrape(server: ServerProcess) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(server.get_text("/metrics")):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples

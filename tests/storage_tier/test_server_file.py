@@ -1,0 +1,117 @@
+"""The storage tier through the server, file backend: a real uvicorn server on 127.0.0.1,
+tiny-llama-random on the CPU, a real directory.
+
+Every check compares greedy text with what recompute gave (the first server computed it
+cold), and ends with no block leaked and no host block left pinned.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from .helpers import (
+    BLOCK_SIZE,
+    assert_no_leak,
+    block_hashes,
+    complete,
+    object_file,
+    prompt_ids,
+    scrape,
+    start_server,
+    storage_stats,
+    wait_storage_quiet,
+)
+
+_missing = [m for m in ("fastapi", "uvicorn", "httpx", "prometheus_client", "paddleformers")
+            if importlib.util.find_spec(m) is None]
+pytestmark = pytest.mark.skipif(bool(_missing), reason=f"needs {_missing} (installed by `bash build.sh`)")
+
+P = prompt_ids(1, 200)  # 12 full blocks
+Q = prompt_ids(2, 200)
+R = prompt_ids(3, 120)
+
+
+def file_args(directory: Path, *more: str) -> list[str]:
+    return ["--kvcache-storage-backend", "file", "--kvcache-storage-path", str(directory),
+            "--kvcache-storage-min-free", "0", "--kvcache-storage-prefetch-policy", "wait_complete", *more]
+
+
+def test_restart_reuses_the_store_with_the_same_tokens_and_faults_recompute(tmp_path: Path) -> None:
+    store = tmp_path / "kv"
+    # 1. A cold server computes P, Q and R and stores them (write_through: host, then storage).
+    first = start_server(file_args(store))
+    try:
+        cold = {name: complete(first, p) for name, p in (("P", P), ("Q", Q), ("R", R))}
+        for text, tiers in cold.values():
+            assert tiers["storage"] == 0
+        stats = wait_storage_quiet(first)["storage"]
+        assert stats["tier"]["put_blocks_ok"] >= 12 + 12 + 7, stats["tier"]
+        assert stats["tier"]["put_blocks_failed"] == 0
+        again, tiers = complete(first, P)  # a device hit: nothing stored twice
+        assert again == cold["P"][0] and tiers["device"] > 0
+        assert_no_leak(first)
+        assert storage_stats(first)["tier"]["put_blocks_issued"] == stats["tier"]["put_blocks_issued"]
+    finally:
+        first.stop()
+    # Faults planted in the store before the restart: Q's block 4 corrupted (bytes flipped
+    # past the header), R's block 2 deleted.
+    q_file = object_file(store, block_hashes(Q)[4])
+    raw = bytearray(q_file.read_bytes())
+    raw[-100] ^= 0xFF
+    q_file.write_bytes(bytes(raw))
+    object_file(store, block_hashes(R)[2]).unlink()
+
+    # 2. A restarted server in front of the same directory: storage hits, same tokens.
+    second = start_server(file_args(store))
+    try:
+        text, tiers = complete(second, P)
+        assert text == cold["P"][0], "storage-tier KV must give the same greedy output as recompute"
+        assert tiers["storage"] == 12 * BLOCK_SIZE, tiers
+        # Corrupt block: blocks 0..3 come from storage, 4.. are recomputed; same text.
+        text, tiers = complete(second, Q)
+        assert text == cold["Q"][0]
+        assert tiers["storage"] == 4 * BLOCK_SIZE, tiers
+        # Missing block: the existence check stops at the hole; blocks 0..1 from storage.
+        text, tiers = complete(second, R)
+        assert text == cold["R"][0]
+        assert tiers["storage"] == 2 * BLOCK_SIZE, tiers
+        stats = assert_no_leak(second)["storage"]
+        assert stats["store"]["corrupt_objects"] == 1, stats["store"]
+        assert stats["tier"]["errors"].get("corrupt", 0) == 1, stats["tier"]
+        # The recomputed blocks were stored again (one exists round trip per request).
+        assert stats["tier"]["exists_calls"] == 3
+        metrics = scrape(second)
+        assert metrics["fastdeploy:prefix_storage_cache_token_num_total"] == (12 + 4 + 2) * BLOCK_SIZE
+        assert metrics["fastdeploy:prefix_ssd_cache_token_num_total"] == (12 + 4 + 2) * BLOCK_SIZE
+        assert metrics["fastdeploy:storage_read_bytes_total"] > 0
+        assert metrics['fastdeploy:storage_errors_total{kind="corrupt"}'] == 1
+        assert metrics["fastdeploy:storage_breaker_state"] == 0
+        assert metrics["fastdeploy:storage_available"] == 1
+        assert metrics["fastdeploy:storage_write_block_num_total"] >= 8 + 5  # Q's and R's tails again
+    finally:
+        second.stop()
+    q_again = object_file(store, block_hashes(Q)[4])  # rewritten whole by the second server
+    assert q_again.stat().st_size == q_file.stat().st_size
+
+
+def test_disk_full_stores_nothing_and_serves_correctly(tmp_path: Path) -> None:
+    """A free-space floor the disk cannot meet: every put is FULL (as ENOSPC is)."""
+    server = start_server(file_args(tmp_path / "kv")[:-4] + [
+        "--kvcache-storage-min-free", "1000000GB", "--kvcache-storage-prefetch-policy", "timeout"])
+    baseline = start_server([])
+    try:
+        text, _ = complete(server, P)
+        assert text == complete(baseline, P)[0]
+        stats = assert_no_leak(server)["storage"]
+        assert stats["tier"]["put_blocks_ok"] == 0 and stats["tier"]["put_blocks_failed"] >= 12, stats["tier"]
+        assert stats["tier"]["errors"].get("full", 0) >= 12
+        assert not list((tmp_path / "kv").glob("*.kv"))
+        assert scrape(server)['fastdeploy:storage_errors_total{kind="full"}'] >= 12
+        text, tiers = complete(server, P)  # still a device hit, still right
+        assert tiers["storage"] == 0 and text == complete(baseline, P)[0]
+    finally:
+        server.stop()
+        baseline.stop()
