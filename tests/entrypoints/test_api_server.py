@@ -97,7 +97,7 @@ def test_completion_token_ids_and_n(server: Any) -> None:
     out = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8, 9, 10], max_tokens=4, n=3,
                                     temperature=0.8, seed=7, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in out.choices) == [0, 1, 2]
-    assert out.usage.prompt_tokens == 18 and out.usage.completion_tokens == 12
+    assert out.usage.prompt_tokens == 6 and out.usage.completion_tokens == 12  # the prompt counts once, as in OpenAI
     again = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8, 9, 10], max_tokens=4, n=3,
                                       temperature=0.8, seed=7, extra_body={"ignore_eos": True})
     assert [c.text for c in again.choices] == [c.text for c in out.choices], "a seeded request must reproduce"
@@ -357,14 +357,18 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Any) -> None:
             "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
-        got = 0
+        events: list[str] = []
+        running: dict[str, Any] = {}
         for line in resp.iter_lines():
             if line.startswith("data: "):
-                got += 1
-            if got >= 3:
+                events.append(line)
+            if len(events) >= 3:
+                # Read the stats before leaving the loop: closing the line iterator closes
+                # httpx's connection, which is the disconnect this test makes.
+                running = server.engine_stats()
                 break
-        running = server.engine_stats()
-        assert device_blocks(running)["owned"] > 0, "the streamed request should hold blocks while it runs"
+        assert device_blocks(running)["owned"] > 0, (
+            f"the streamed request should hold blocks while it runs; events {events}, stats {running}")
     # The connection is closed: the server aborts the request and its blocks are freed.
     wait_aborted(server, before)
     assert_no_leak(server)
@@ -486,3 +490,15 @@ def test_console_script_serve_help() -> None:
     assert "usage: fastdeploy-kvcache serve" in out
     for flag in ("--host", "--port", "--model", "--swap-space", "--write-policy"):
         assert flag in out
+
+
+def test_completion_list_of_prompts(server: Any) -> None:
+    client = client_for(server)
+    out = client.completions.create(model=MODEL, prompt=["cache block", "host tier device"], max_tokens=3,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1]
+    single = [client.completions.create(model=MODEL, prompt=p, max_tokens=3, temperature=0,
+                                        extra_body={"ignore_eos": True}) for p in ("cache block", "host tier device")]
+    assert [c.text for c in out.choices] == [s.choices[0].text for s in single]
+    assert out.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in single)
+    assert out.usage.completion_tokens == 6

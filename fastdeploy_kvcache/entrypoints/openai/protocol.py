@@ -134,16 +134,22 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
-    def add(self, other: "UsageInfo") -> None:
-        """Sum another choice's usage into this one (n > 1, or a list of prompts)."""
-        self.prompt_tokens += other.prompt_tokens
+    def add(self, other: "UsageInfo", include_prompt: bool = True) -> None:
+        """Sum another choice's usage into this one (n > 1, or a list of prompts).
+
+        As in OpenAI's API, a prompt's tokens count once however many choices (``n``) it
+        has: pass ``include_prompt=False`` for the 2nd..nth choice of a prompt.  Its
+        cached tokens are then those of the first choice too.
+        """
         self.completion_tokens += other.completion_tokens
-        self.total_tokens += other.total_tokens
-        mine, theirs = self.prompt_tokens_details, other.prompt_tokens_details
-        mine.cached_tokens += theirs.cached_tokens
-        for tier in ("device", "host", "storage"):
-            setattr(mine.cached_tokens_by_tier, tier,
-                    getattr(mine.cached_tokens_by_tier, tier) + getattr(theirs.cached_tokens_by_tier, tier))
+        if include_prompt:
+            self.prompt_tokens += other.prompt_tokens
+            mine, theirs = self.prompt_tokens_details, other.prompt_tokens_details
+            mine.cached_tokens += theirs.cached_tokens
+            for tier in ("device", "host", "storage"):
+                setattr(mine.cached_tokens_by_tier, tier,
+                        getattr(mine.cached_tokens_by_tier, tier) + getattr(theirs.cached_tokens_by_tier, tier))
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
 
 
 class CompletionChoice(BaseModel):

@@ -335,7 +335,7 @@ class OpenAIServing:
             out = results[index]["out"]
             choices.append(CompletionChoice(index=index, text="".join(results[index]["text"]),
                                             finish_reason=out.finish_reason))
-            usage.add(usage_of(out))
+            usage.add(usage_of(out), include_prompt=index % req.n == 0)
         return CompletionResponse(model=req.model, choices=choices, usage=usage)
 
     async def _completion_stream(self, req: CompletionRequest, group: RequestGroup,
@@ -352,7 +352,7 @@ class OpenAIServing:
                                                   finish_reason=out.finish_reason if out.finished else None)])
                     yield _sse(chunk.model_dump(exclude_none=False))
                 if out.finished:
-                    usage.add(usage_of(out))
+                    usage.add(usage_of(out), include_prompt=index % req.n == 0)
                     if out.finish_reason == "error":
                         yield _sse_error(f"engine error: {out.error}")
             if include_usage:
@@ -382,7 +382,7 @@ class OpenAIServing:
             choices.append(ChatCompletionChoice(
                 index=index, message=ChatResponseMessage(content="".join(results[index]["text"])),
                 finish_reason=out.finish_reason))
-            usage.add(usage_of(out))
+            usage.add(usage_of(out), include_prompt=index % req.n == 0)
         return ChatCompletionResponse(model=req.model, choices=choices, usage=usage)
 
     async def _chat_stream(self, req: ChatCompletionRequest, group: RequestGroup,
@@ -403,7 +403,7 @@ class OpenAIServing:
                 if out.text:
                     yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=out.text))])
                 if out.finished:
-                    usage.add(usage_of(out))
+                    usage.add(usage_of(out), include_prompt=index % req.n == 0)
                     yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(),
                                                             finish_reason=out.finish_reason)])
                     if out.finish_reason == "error":
