@@ -220,6 +220,13 @@ ENV_VARS: dict[str, EnvVar] = {
             _bool,
         ),
         EnvVar(
+            "FD_PD_TRANSFER_VIA_STORAGE",
+            "0",
+            "1 lets a --splitwise-role prefill or decode server hand KV over through the "
+            "storage tier (the only prefill/decode transfer this engine implements).",
+            _bool,
+        ),
+        EnvVar(
             "FDKV_SOAK",
             "0",
             "1 runs the long hypothesis soak (many more examples and steps).",

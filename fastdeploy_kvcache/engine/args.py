@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEVICES = ("auto", "cpu", "gpu")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+SPLITWISE_ROLES = ("mixed", "prefill", "decode")  # engine/pd.py ROLES
 
 
 def default_model_cache_dir() -> str:
@@ -62,6 +63,8 @@ class EngineArgs:
     kv_cache_memory_gib: float = 1.0
     # The storage tier (storage.config.StorageConfig, --kvcache-storage-*); None: off.
     storage: Optional[Any] = None
+    # Prefill/decode disaggregation through the store (engine/pd.py): mixed, prefill or decode.
+    splitwise_role: str = "mixed"
 
     def __post_init__(self) -> None:
         if self.model_cache_dir is None:
@@ -89,6 +92,8 @@ class EngineArgs:
             raise ValueError(f"write_policy: must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space: must be >= 0 GiB, got {self.swap_space!r}")
+        if self.splitwise_role not in SPLITWISE_ROLES:
+            raise ValueError(f"splitwise_role: must be one of {SPLITWISE_ROLES}, got {self.splitwise_role!r}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib: must be > 0, got {self.kv_cache_memory_gib!r}")
 
@@ -183,4 +188,9 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="Where the model runs: the GPU when Paddle has CUDA ('auto'), or the CPU.")
     add("--seed", dest="seed", type=int, default=0,
         help="Seed of the random model weights (tiny-llama-random) and of unseeded sampling.")
+    add("--splitwise-role", dest="splitwise_role", choices=SPLITWISE_ROLES, default="mixed",
+        help="Prefill/decode disaggregation through the store (docs/pd_disaggregation.md): 'prefill' "
+             "writes each prompt's KV to the store before returning its first token, 'decode' loads it "
+             "(kv_transfer_params) and decodes; needs FD_PD_TRANSFER_VIA_STORAGE=1 and "
+             "--kvcache-storage-backend. Default 'mixed': both in one server.")
     return parser

@@ -77,6 +77,7 @@ class _EngineRequest:
         self.stop_at: Optional[int] = None  # where a stop string starts in detok.text
         self.finished = False
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        self.kv_transfer: Optional[Any] = None  # PD decode: engine/pd.py KVTransferParams
 
     @property
     def request_id(self) -> str:
@@ -130,6 +131,14 @@ class LLMEngine:
                 args.enable_prefix_caching, args.cache_output_tokens,
             )
         self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
+        # PD disaggregation (--splitwise-role prefill|decode): engine/pd.py; None when mixed.
+        from fastdeploy_kvcache.engine.pd import make_pd_coordinator
+
+        try:
+            self.pd = make_pd_coordinator(self)
+        except BaseException:
+            self.pool.close()
+            raise
         self._seed_rng = np.random.default_rng(args.seed)
 
         self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
@@ -211,13 +220,18 @@ class LLMEngine:
         except Exception:  # noqa: BLE001 - shutting down anyway
             logger.warning("draining copies at shutdown failed", exc_info=True)
         self._closed = True
+        if self.pd is not None:
+            self.pd.close()
         self.pool.close()
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        on_output: OutputCallback,
+        on_output: OutputCallback, kv_transfer: Optional[Any] = None,
     ) -> None:
-        """Queue a request; raises ValueError (nothing queued) for bad input or a duplicate id."""
+        """Queue a request; raises ValueError (nothing queued) for bad input or a duplicate id.
+
+        ``kv_transfer``: a decode server's ``kv_transfer_params`` (engine/pd.py).
+        """
         if self._stop.is_set():
             raise RuntimeError("the engine is shut down")
         if not isinstance(request_id, str) or not request_id:
@@ -237,6 +251,11 @@ class LLMEngine:
                 f"prompt: {len(prompt_token_ids)} tokens is longer than max_model_len={self.max_model_len}"
             )
         params.validate(vocab_size=vocab)
+        pd_params = None
+        if kv_transfer is not None:
+            if self.pd is None:
+                raise ValueError("kv_transfer_params: only a --splitwise-role decode server takes them")
+            pd_params = self.pd.check_request(kv_transfer)
         per_request_blocks = -(-min(len(prompt_token_ids) + params.max_tokens, self.max_model_len) // self.cache_config.block_size)
         if per_request_blocks > self.cache_config.num_gpu_blocks:
             raise ValueError(
@@ -252,6 +271,7 @@ class LLMEngine:
         seed = int(self._seed_rng.integers(0, 2**63 - 1))
         er = _EngineRequest(req, params, on_output, RequestSampler(params, seed),
                             IncrementalDetokenizer(self.tokenizer), time.monotonic())
+        er.kv_transfer = pd_params
         self._inbox.put(("add", er))
         self._wake.set()
 
@@ -307,6 +327,8 @@ class LLMEngine:
                 return
             if kind == "add":
                 self._requests[item.request_id] = item
+                if self.pd is not None and not self.pd.on_add(item):
+                    continue  # PD decode: finished by the prefill's token (eos, max_tokens)
                 self.waiting.append(item)
             elif kind == "abort":
                 er = self._requests.get(item)
@@ -343,6 +365,8 @@ class LLMEngine:
                 self._complete_copies(wait=True)
                 return
             raise
+        if self.pd is not None:
+            self.pd.count_recomputed(scheduled)
         if counter is not None and self.runner.last_context is not None:
             self._counters["steps_with_loads"] += 1
             self._counters["layer_waits"] += len(self.runner.last_context.layers_waited)
@@ -430,6 +454,8 @@ class LLMEngine:
                 er.cached_host = plan.num_host_hit_tokens
                 er.cached_storage = plan.num_storage_hit_tokens
             self.running.append(er)
+            if self.pd is not None:
+                self.pd.after_admit(er)  # PD decode: the partial block from the store
             n = min(r.num_total_tokens - r.num_computed_tokens, budget, len(r.block_tables) * self.cache_config.block_size - r.num_computed_tokens)
             if n <= 0:
                 continue
@@ -502,6 +528,8 @@ class LLMEngine:
                 self.running.remove(er)
             if er in self.waiting:
                 self.waiting.remove(er)
+            if self.pd is not None:
+                self.pd.on_finish(er, reason)  # PD prefill: KV to the store, before release and emit
             if self.pool.is_running(r):
                 self.pool.finish(r)
             forget = getattr(self.pool, "forget_request", None)
@@ -553,5 +581,7 @@ class LLMEngine:
             "engine": dict(self._counters),
             **pool,
         }
+        if getattr(self, "pd", None) is not None:
+            snap["pd"] = self.pd.stats()
         with self._lock:
             self._stats_snapshot = snap

@@ -32,6 +32,7 @@ class SubRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: "SamplingParams"
+    kv_transfer: Optional[Any] = None  # PD decode: engine/pd.py KVTransferParams
 
 
 class RequestGroup:
@@ -60,8 +61,9 @@ class RequestGroup:
         added: list[str] = []
         try:
             for sub in self._subs:
+                extra = {"kv_transfer": sub.kv_transfer} if sub.kv_transfer is not None else {}
                 self._engine.add_request(sub.request_id, sub.prompt_token_ids, sub.params,
-                                         self._make_callback(sub.index))
+                                         self._make_callback(sub.index), **extra)
                 added.append(sub.request_id)
         except BaseException:
             self._abandoned = True

@@ -178,6 +178,9 @@ class ServerMetrics:
         from fastdeploy_kvcache.entrypoints.openai.storage_metrics import StorageStatsCollector
 
         r.register(StorageStatsCollector(get_stats))  # storage tier series (none when it is off)
+        from fastdeploy_kvcache.entrypoints.openai.pd_metrics import PDStatsCollector
+
+        r.register(PDStatsCollector(get_stats))  # prefill/decode hand-off series (none when mixed)
         self._lock = threading.Lock()
         self._prompt_total = 0
         self._cached_total = 0

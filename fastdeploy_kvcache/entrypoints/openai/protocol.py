@@ -69,6 +69,8 @@ class _SamplingFields(OpenAIModel):
     top_k: Optional[int] = Field(default=None, description="Sample from the k most likely tokens; -1 = off.")
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
+    # Prefill/decode hand-off (vLLM's field name; contents: engine/pd.py KVTransferParams).
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -166,6 +168,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
+    # A --splitwise-role prefill server's hand-off for the decode server (engine/pd.py).
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -187,6 +191,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Optional[UsageInfo] = None
+    # A --splitwise-role prefill server's hand-off for the decode server (engine/pd.py).
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class DeltaMessage(BaseModel):

@@ -262,6 +262,7 @@ class OpenAIServing:
                                                    self.client.max_request_tokens)
                              for ids in prompts]
         subs = _fan_out(list(zip(prompts, params_per_prompt)), req.n)
+        _attach_kv_transfer(req, subs)  # PD decode (engine/pd.py)
         try:
             return self.client.submit(subs, on_abandoned_finish=lambda out: self.metrics.observe_finished(out, None))
         except ValueError as exc:  # the engine's own validation (contract: a clear message)
@@ -289,8 +290,9 @@ class OpenAIServing:
 
         async def consume() -> None:
             async for index, out in self._outputs(group, arrival):
-                slot = results.setdefault(index, {"text": [], "out": None})
+                slot = results.setdefault(index, {"text": [], "out": None, "ids": []})
                 slot["text"].append(out.text)
+                slot["ids"].extend(out.new_token_ids)
                 if out.finished:
                     slot["out"] = out
 
@@ -321,6 +323,9 @@ class OpenAIServing:
                 raise RequestError(f"engine error: {out.error}", status=500, type_="server_error")
         return results
 
+    def _prefill_handoff(self, results: dict[int, dict[str, Any]]) -> Optional[dict[str, Any]]:
+        return _prefill_handoff_of(getattr(self.client, "engine", None), results)
+
     # ------------------------------------------------------------------ completions
     async def create_completion(self, req: CompletionRequest, raw: HTTPRequest) -> Any:
         arrival = time.monotonic()
@@ -336,7 +341,8 @@ class OpenAIServing:
             choices.append(CompletionChoice(index=index, text="".join(results[index]["text"]),
                                             finish_reason=out.finish_reason))
             usage.add(usage_of(out), include_prompt=index % req.n == 0)
-        return CompletionResponse(model=req.model, choices=choices, usage=usage)
+        return CompletionResponse(model=req.model, choices=choices, usage=usage,
+                                  kv_transfer_params=self._prefill_handoff(results))
 
     async def _completion_stream(self, req: CompletionRequest, group: RequestGroup,
                                  arrival: float) -> AsyncIterator[str]:
@@ -383,7 +389,8 @@ class OpenAIServing:
                 index=index, message=ChatResponseMessage(content="".join(results[index]["text"])),
                 finish_reason=out.finish_reason))
             usage.add(usage_of(out), include_prompt=index % req.n == 0)
-        return ChatCompletionResponse(model=req.model, choices=choices, usage=usage)
+        return ChatCompletionResponse(model=req.model, choices=choices, usage=usage,
+                                      kv_transfer_params=self._prefill_handoff(results))
 
     async def _chat_stream(self, req: ChatCompletionRequest, group: RequestGroup,
                            arrival: float) -> AsyncIterator[str]:
@@ -414,6 +421,33 @@ class OpenAIServing:
         finally:
             if not group.finished:
                 group.abort()
+
+
+# ---------------------------------------------------------------------- PD hand-off (engine/pd.py)
+def _attach_kv_transfer(req: Union[CompletionRequest, ChatCompletionRequest], subs: list[SubRequest]) -> None:
+    """A decode server's ``kv_transfer_params``: checked here (400 naming the field), then
+    carried by the (single) engine request."""
+    if req.kv_transfer_params is None:
+        return
+    from fastdeploy_kvcache.engine.pd import parse_kv_transfer_params
+
+    if len(subs) != 1:
+        raise RequestError("kv_transfer_params: a hand-off carries one prompt and n=1", param="kv_transfer_params")
+    try:
+        subs[0].kv_transfer = parse_kv_transfer_params(req.kv_transfer_params)
+    except ValueError as exc:
+        raise RequestError(str(exc), param="kv_transfer_params") from exc
+
+
+def _prefill_handoff_of(engine: Any, results: dict[int, dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """A prefill server's answer carries its token ids for the decode server; others: None."""
+    pd = getattr(engine, "pd", None)
+    if pd is None or pd.role != "prefill" or len(results) != 1:
+        return None
+    slot = next(iter(results.values()))
+    out = slot["out"]
+    return {"prefill_token_ids": list(slot.get("ids", [])), "request_key": out.request_id,
+            "num_prompt_tokens": int(out.num_prompt_tokens)}
 
 
 def _sse(payload: dict[str, Any]) -> str:

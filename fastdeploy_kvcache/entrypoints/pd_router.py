@@ -1,0 +1,285 @@
+"""OpenAI-compatible router in front of a prefill server and a decode server.
+
+``python -m fastdeploy_kvcache.entrypoints.pd_router --prefill-url URL --decode-url URL --host H --port P``
+
+For each ``POST /v1/completions`` or ``/v1/chat/completions`` (streamed or not):
+
+1. the request goes to the prefill server with ``max_tokens=1`` and ``stream=false``; that
+   server computes the prompt, writes its KV to the store (full blocks and the partial last
+   block) and only then answers, with its token ids in ``kv_transfer_params``;
+2. the original request goes to the decode server with
+   ``"kv_transfer_params": {"prefill_token_ids": [...], "request_key": ..., "num_prompt_tokens": ...}``;
+   the decode server loads the KV, emits the prefill's token first and decodes the rest;
+3. the decode server's answer (its SSE stream, or its JSON) goes back to the client as is,
+   so the client sees one ordinary OpenAI response.
+
+Errors: a server's own OpenAI-style error (400 for a bad request, ...) reaches the client
+with its status; an unreachable or broken server becomes a 502 whose message names the
+server (``prefill`` or ``decode``) and what went wrong.  ``GET /health`` is 200 only when
+both servers answer their own ``/health``.
+
+Only ``n = 1`` is routed (a hand-off carries one prompt's first token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional, Sequence
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_app", "main", "make_arg_parser"]
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8190
+HEADER_PREFILL_S = "x-fdkv-pd-prefill-seconds"
+"""Response header: seconds the prefill call took (prompt compute + KV write), for benchmarks."""
+
+
+class UpstreamError(Exception):
+    """A server could not be reached or answered nonsense: a 502 naming it."""
+
+    def __init__(self, role: str, message: str, status: int = 502) -> None:
+        super().__init__(f"{role} server: {message}")
+        self.role = role
+        self.message = f"{role} server: {message}"
+        self.status = status
+
+
+def error_body(message: str, type_: str = "server_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str = "server_error", param: Optional[str] = None,
+                   code: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+def _relay_error(role: str, resp: httpx.Response, body: bytes) -> JSONResponse:
+    """A server's non-200 answer, kept when it is OpenAI-shaped, else wrapped with its role."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict) and "message" in data["error"]:
+        err = dict(data["error"])
+        err["message"] = f"{role} server: {err['message']}"
+        return JSONResponse({"error": err}, status_code=resp.status_code)
+    text = body.decode("utf-8", "replace")[:500]
+    return error_response(resp.status_code if resp.status_code >= 400 else 502,
+                          f"{role} server answered HTTP {resp.status_code}: {text}")
+
+
+class PDRouter:
+    """The router's state: one httpx client, the two servers' URLs."""
+
+    def __init__(self, prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> None:
+        self.prefill_url = prefill_url.rstrip("/")
+        self.decode_url = decode_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.client: Optional[httpx.AsyncClient] = None
+
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=10.0), limits=limits)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    # ------------------------------------------------------------------ the two calls
+    async def prefill(self, path: str, body: dict[str, Any]) -> tuple[Optional[dict[str, Any]], Optional[Response]]:
+        """(kv_transfer_params, None) on success, else (None, the error response for the client)."""
+        assert self.client is not None
+        pbody = dict(body)
+        pbody.pop("max_completion_tokens", None)
+        pbody.pop("stream_options", None)
+        pbody["max_tokens"] = 1
+        pbody["stream"] = False
+        try:
+            resp = await self.client.post(self.prefill_url + path, json=pbody)
+        except httpx.HTTPError as exc:
+            raise UpstreamError("prefill", f"{self.prefill_url} unreachable ({type(exc).__name__}: {exc})") from exc
+        if resp.status_code != 200:
+            return None, _relay_error("prefill", resp, resp.content)
+        try:
+            data = resp.json()
+        except ValueError as exc:
+            raise UpstreamError("prefill", f"answered with a body that is not JSON: {resp.text[:200]!r}") from exc
+        kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        if not isinstance(kv, dict) or not kv.get("prefill_token_ids"):
+            raise UpstreamError("prefill", f"{self.prefill_url} returned no kv_transfer_params.prefill_token_ids: "
+                                "is it started with --splitwise-role prefill?")
+        return kv, None
+
+    async def route(self, path: str, raw: Request) -> Response:
+        try:
+            body = await raw.json()
+        except ValueError:
+            return error_response(400, "malformed JSON body", type_="invalid_request_error")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object", type_="invalid_request_error")
+        if body.get("n") not in (None, 1):
+            return error_response(400, f"n: the PD router serves n=1 only, got {body.get('n')!r}",
+                                  type_="invalid_request_error", param="n")
+        if body.get("kv_transfer_params") is not None:
+            return error_response(400, "kv_transfer_params: set by the router, not by clients",
+                                  type_="invalid_request_error", param="kv_transfer_params")
+        t0 = time.perf_counter()
+        try:
+            kv, err = await self.prefill(path, body)
+        except UpstreamError as exc:
+            logger.warning("%s", exc.message)
+            return error_response(exc.status, exc.message, code="upstream_unavailable")
+        if err is not None:
+            return err
+        prefill_s = time.perf_counter() - t0
+        dbody = dict(body)
+        dbody["kv_transfer_params"] = kv
+        headers = {HEADER_PREFILL_S: f"{prefill_s:.6f}"}
+        if body.get("stream"):
+            return await self._decode_stream(path, dbody, headers)
+        return await self._decode_json(path, dbody, headers)
+
+    async def _decode_json(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+        assert self.client is not None
+        try:
+            resp = await self.client.post(self.decode_url + path, json=body)
+        except httpx.HTTPError as exc:
+            msg = f"decode server: {self.decode_url} unreachable ({type(exc).__name__}: {exc})"
+            logger.warning("%s", msg)
+            return error_response(502, msg, code="upstream_unavailable")
+        if resp.status_code != 200:
+            return _relay_error("decode", resp, resp.content)
+        return Response(resp.content, status_code=200, media_type="application/json", headers=headers)
+
+    async def _decode_stream(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+        assert self.client is not None
+        req = self.client.build_request("POST", self.decode_url + path, json=body)
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            msg = f"decode server: {self.decode_url} unreachable ({type(exc).__name__}: {exc})"
+            logger.warning("%s", msg)
+            return error_response(502, msg, code="upstream_unavailable")
+        if resp.status_code != 200:
+            content = await resp.aread()
+            await resp.aclose()
+            return _relay_error("decode", resp, content)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as exc:
+                # The stream broke mid-way: tell the client in the stream's own error shape.
+                msg = f"decode server: the stream broke ({type(exc).__name__}: {exc})"
+                logger.warning("%s", msg)
+                yield f"data: {json.dumps(error_body(msg))}\n\n".encode()
+            finally:
+                await resp.aclose()  # a client that left closes the decode request too (it aborts)
+
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+
+    async def health(self) -> Response:
+        assert self.client is not None
+
+        async def probe(url: str) -> Optional[str]:
+            try:
+                r = await self.client.get(url + "/health", timeout=5.0)  # type: ignore[union-attr]
+            except httpx.HTTPError as exc:
+                return f"unreachable ({type(exc).__name__})"
+            return None if r.status_code == 200 else f"HTTP {r.status_code}"
+
+        p, d = await asyncio.gather(probe(self.prefill_url), probe(self.decode_url))
+        if p is None and d is None:
+            return JSONResponse({"status": "ok", "prefill": self.prefill_url, "decode": self.decode_url})
+        parts = [f"{role} server {url}: {why}" for role, url, why in
+                 (("prefill", self.prefill_url, p), ("decode", self.decode_url, d)) if why]
+        return error_response(503, "; ".join(parts), code="upstream_unavailable")
+
+
+def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> FastAPI:
+    router = PDRouter(prefill_url, decode_url, timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = FastAPI(title="fastdeploy_kvcache PD router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in the PD router")
+        return error_response(500, f"PD router: internal error: {type(exc).__name__}: {exc}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await router.health()
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        assert router.client is not None
+        try:
+            resp = await router.client.get(router.decode_url + "/v1/models")
+        except httpx.HTTPError as exc:
+            return error_response(502, f"decode server: {router.decode_url} unreachable ({type(exc).__name__})",
+                                  code="upstream_unavailable")
+        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await router.route("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await router.route("/v1/chat/completions", raw)
+
+    return app
+
+
+def make_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fastdeploy_kvcache.entrypoints.pd_router",
+                                description="OpenAI-compatible router over a --splitwise-role prefill server and "
+                                            "a --splitwise-role decode server (docs/pd_disaggregation.md).")
+    p.add_argument("--prefill-url", required=True, help="Base URL of the prefill server, e.g. http://127.0.0.1:8188.")
+    p.add_argument("--decode-url", required=True, help="Base URL of the decode server.")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"Address to listen on (default {DEFAULT_HOST}).")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port to listen on (default {DEFAULT_PORT}).")
+    p.add_argument("--timeout", type=float, default=600.0, help="Seconds a call to either server may take.")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    import uvicorn
+
+    args = make_arg_parser().parse_args(argv)
+    for name in ("prefill_url", "decode_url"):
+        url = getattr(args, name)
+        if not url.startswith(("http://", "https://")):
+            raise SystemExit(f"--{name.replace('_', '-')}: must start with http:// or https://, got {url!r}")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(args.prefill_url, args.decode_url, args.timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

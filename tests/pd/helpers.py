@@ -1,0 +1,158 @@
+"""Shared helpers of the PD tests: a prefill server, a decode server and the router, all real
+processes on 127.0.0.1 (uvicorn, tiny-llama-random on the CPU), over a real store."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Optional, Sequence
+
+from fastdeploy_kvcache.entrypoints.server_process import ServerProcess, free_port
+
+MODEL = "tiny-llama-random"
+BLOCK_SIZE = 16
+BASE_ARGS = [
+    "--model", MODEL, "--device", "cpu", "--block-size", str(BLOCK_SIZE), "--max-model-len", "1024",
+    "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+    "--swap-space", "0.05", "--write-policy", "write_through",
+]
+ENV = {"ENABLE_V1_KVCACHE_MANAGER": "1", "FD_PD_TRANSFER_VIA_STORAGE": "1"}
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    """A token-id prompt (fixed seed; ids inside tiny-llama-random's vocabulary of 503)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+def file_store_args(directory: Any) -> list[str]:
+    return ["--kvcache-storage-backend", "file", "--kvcache-storage-path", str(directory),
+            "--kvcache-storage-min-free", "0", "--kvcache-storage-prefetch-policy", "wait_complete"]
+
+
+def mooncake_store_args() -> list[str]:
+    return ["--kvcache-storage-backend", "mooncake", "--kvcache-storage-prefetch-policy", "wait_complete"]
+
+
+def start_server(role: str, store_args: Sequence[str], env: Optional[dict[str, str]] = None,
+                 extra: Sequence[str] = ()) -> ServerProcess:
+    role_args = [] if role == "mixed" else ["--splitwise-role", role]
+    return ServerProcess([*BASE_ARGS, *store_args, *role_args, *extra], env={**ENV, **(env or {})}).start()
+
+
+class RouterProcess:
+    """``python -m fastdeploy_kvcache.entrypoints.pd_router`` in a child process."""
+
+    def __init__(self, prefill_url: str, decode_url: str) -> None:
+        self.port = free_port()
+        self.prefill_url = prefill_url
+        self.decode_url = decode_url
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self._log = tempfile.NamedTemporaryFile(prefix="fdkv-router-", suffix=".log", delete=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> "RouterProcess":
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fastdeploy_kvcache.entrypoints.pd_router", "--prefill-url", self.prefill_url,
+             "--decode-url", self.decode_url, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}: {open(self._log.name).read()}")
+            try:
+                urllib.request.urlopen(self.base_url + "/health", timeout=2.0).close()
+                return self
+            except urllib.error.HTTPError:
+                return self  # it answers (a 503 only says a server is down)
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.1)
+        self.stop()
+        raise TimeoutError("router not up")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def __enter__(self) -> "RouterProcess":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def completion(base_url: str, prompt: Any, max_tokens: int = 12, stream: bool = False, chat: bool = False,
+               **extra: Any) -> dict[str, Any]:
+    """A greedy request; returns {"status", "text", "finish_reason", "usage", "json"/"events"}."""
+    import httpx
+
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+    if chat:
+        body["messages"] = prompt
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        texts: list[str] = []
+        finish = None
+        usage = None
+        events: list[Any] = []
+        with httpx.stream("POST", base_url + path, json=body, timeout=120.0) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                return {"status": resp.status_code, "json": resp.json()}
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                import json
+
+                ev = json.loads(line[6:])
+                events.append(ev)
+                if "error" in ev:
+                    continue
+                if ev.get("usage"):
+                    usage = ev["usage"]
+                for ch in ev.get("choices", []):
+                    texts.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
+                    finish = ch.get("finish_reason") or finish
+        return {"status": 200, "text": "".join(texts), "finish_reason": finish, "usage": usage, "events": events}
+    resp = httpx.post(base_url + path, json=body, timeout=120.0)
+    out = resp.json()
+    if resp.status_code != 200:
+        return {"status": resp.status_code, "json": out}
+    ch = out["choices"][0]
+    text = ch["message"]["content"] if chat else ch["text"]
+    return {"status": 200, "text": text, "finish_reason": ch["finish_reason"], "usage": out["usage"], "json": out}
+
+
+def scrape(server: Any) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(server.get_text("/metrics")):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def recomputed(server: Any) -> float:
+    """The decode server's fastdeploy:pd_recomputed_token_num, read from its /metrics."""
+    return scrape(server)["fastdeploy:pd_recomputed_token_num_total"]
