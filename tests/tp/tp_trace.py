@@ -1,0 +1,269 @@
+"""Scheduler-driven random traces across tensor-parallel ranks, with each rank's bytes checked.
+
+One ``CacheManager`` drives a :class:`TPCoordinator`; every rank process runs
+:class:`ShardModel`, a "forward pass" that writes, per layer and cache, the rank's slice of a
+pattern derived from the block's chained hash (rank ``r`` holds heads
+``[r*h, (r+1)*h)`` of the full pattern; an MLA rank holds all of it), and checks after each
+layer's ``wait_for_layer`` and after every step that every running request's computed blocks
+hold exactly its prefix's KV *for that rank's shard*.  Copy failures are injected in one rank
+only: the merged verdict must fail the copy for all ranks, the scheduler recomputes, and the
+bytes on every rank stay right.  Shared by tests/tp (cpu backend) and tests/gpu/test_tp_gpu.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import random
+import re
+from typing import Any, Optional
+
+import numpy as np
+
+from fastdeploy_kvcache.config import CacheConfig
+from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, CopyDirection
+
+BS = 4
+FULL_HEADS = 4
+
+
+def partial_block_key(request_id: str, block: int, end: int) -> int:
+    """Pattern key of a partial block, the same in every process (``hash()`` of a str is not)."""
+    digest = hashlib.blake2b(f"{request_id}/{block}/{end}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+@functools.lru_cache(maxsize=4096)
+def full_pattern(key: int, layer: int, kind: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The block's KV for ALL heads (``shape[0]`` is the full head count)."""
+    rng = np.random.default_rng([key & (2**63 - 1), layer, kind])
+    return rng.integers(0, 251, size=shape).astype(np.float32)
+
+
+class ShardModel:
+    """Rank-side hook: the rank's forward pass over its head shard, plus the shadow checks."""
+
+    def __init__(self, ctrl: Any, rank: int, tp_size: int, mla: bool = False) -> None:
+        self.ctrl = ctrl
+        self.rank = rank
+        self.tp_size = tp_size
+        self.layers = ctrl.num_layers
+        self.io = _ArrayIO(ctrl.backend.name)
+        self.heads = ctrl.config.num_kv_heads
+        self.mla = mla
+        if not mla:
+            assert self.heads * tp_size == FULL_HEADS, (self.heads, tp_size)
+        self.failing: dict[int, int] = {}  # task id -> layer that fails on THIS rank (-1: d2h)
+
+        def inject(direction: CopyDirection, layer: int, meta: CacheSwapMetadata) -> None:
+            if self.failing.get(meta.task_id) == layer:
+                raise RuntimeError(f"injected failure of task {meta.task_id} at layer {layer} on rank {rank}")
+
+        ctrl.transfer_manager.fault_injector = inject
+
+    # ------------------------------------------------------------------ patterns
+    def shard(self, key: int, layer: int, kind: int, rank_shape: tuple[int, ...]) -> np.ndarray:
+        if self.mla:
+            return full_pattern(key, layer, kind, rank_shape)
+        full = full_pattern(key, layer, kind, (FULL_HEADS, *rank_shape[1:]))
+        return full[self.rank * self.heads:(self.rank + 1) * self.heads]
+
+    def _write(self, block: int, key: int, layer: int) -> None:
+        for kind, array in enumerate(self.ctrl.layer_caches(layer)):
+            self.io.write(array, block, self.shard(key, layer, kind, tuple(array.shape[1:])))
+
+    def _check(self, req: Any, layer: int, upto: int, where: str) -> None:
+        hashes = req.block_hashes(BS, upto)
+        for i in range(upto // BS):
+            block = req.block_tables[i]
+            for kind, array in enumerate(self.ctrl.layer_caches(layer)):
+                got = self.io.read(array, block).astype(np.float32)
+                want = self.shard(hashes[i], layer, kind, tuple(array.shape[1:]))
+                assert np.array_equal(got, want), (
+                    f"rank {self.rank} {where}: request {req.request_id} block {i} (device {block}) layer {layer} "
+                    f"cache {kind} does not hold its prefix's KV shard"
+                )
+
+    # ------------------------------------------------------------------ hook API
+    def prepare(self, batch: Any, payload: Optional[dict[int, int]]) -> None:
+        if payload:
+            self.failing.update(payload)
+
+    def forward(self, batch: Any, counter: Any, payload: Any) -> bool:
+        """One step on this rank; False if a load failed here (nothing is written after it)."""
+        from fastdeploy_kvcache.worker import LayerSwapError
+
+        for layer in range(self.layers):
+            if counter is not None:
+                try:
+                    counter.wait_for_layer(layer)
+                except LayerSwapError:
+                    return False
+            for req in batch:
+                self._check(req, layer, req.num_computed_tokens, "before compute")
+                start, end = req.num_computed_tokens, req.num_total_tokens
+                hashes = req.block_hashes(BS, end)
+                for i in range(start // BS, (end - 1) // BS + 1):
+                    full = (i + 1) * BS <= end
+                    key = hashes[i] if full else partial_block_key(req.request_id, i, end)
+                    self._write(req.block_tables[i], key, layer)
+        return True
+
+    def check_all(self, requests: list[Any]) -> int:
+        for req in requests:
+            for layer in range(self.layers):
+                self._check(req, layer, req.num_computed_tokens, "after step")
+        return len(requests)
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(a.shape) for a in self.ctrl.layer_caches(0)]
+
+
+class _ArrayIO:
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        if backend == "cupy":
+            import cupy
+
+            self._cp = cupy
+
+    def write(self, array: Any, block: int, data: np.ndarray) -> None:
+        if self.backend == "cupy":
+            with array.device:
+                array[block] = self._cp.asarray(data, dtype=array.dtype)
+        else:
+            array[block] = data
+
+    def read(self, array: Any, block: int) -> np.ndarray:
+        if self.backend == "cupy":
+            with array.device:
+                return self._cp.asnumpy(array[block])
+        return np.array(array[block])
+
+
+def _blocks_for(req: Any) -> int:
+    return -(-req.num_total_tokens // BS)
+
+
+def tp_config(policy: str, tp_size: int, quant: bool, mla: bool = False, **overrides: Any) -> CacheConfig:
+    kwargs: dict[str, Any] = dict(
+        block_size=BS, num_layers=2, num_extra_layers=1, num_kv_heads=FULL_HEADS, head_dim=4,
+        num_gpu_blocks=14, num_host_blocks=10, write_policy=policy, write_through_threshold=1,
+        tensor_parallel_size=tp_size,
+    )
+    if mla:
+        # An MLA cache has one latent "head"; every rank holds it whole.
+        kwargs.update(num_kv_heads=1, head_dim=16)
+    kwargs.update(dtype="uint8", kv_cache_quant="int8") if quant else kwargs.update(dtype="float32")
+    kwargs.update(overrides)
+    return CacheConfig(**kwargs)
+
+
+def run_tp_trace(
+    policy: str,
+    seed: int,
+    steps: int,
+    tp_size: int,
+    fail_p: float,
+    quant: bool = False,
+    mla: bool = False,
+    backend: str = "cpu",
+    devices: Optional[list[int]] = None,
+    async_launch: bool = False,
+    timeout_s: float = 60.0,
+) -> dict[str, int]:
+    """Run one random trace over ``tp_size`` rank processes; returns what it exercised."""
+    from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
+    from fastdeploy_kvcache.core.cache_manager import CacheManager
+    from fastdeploy_kvcache.core.request import BatchRequest, Request
+    from fastdeploy_kvcache.worker.tp import TPCoordinator
+
+    rng = random.Random(seed)
+    cfg = tp_config(policy, tp_size, quant, mla)
+    counts = {"steps": 0, "swap_in_blocks": 0, "d2h_blocks": 0, "failed": 0, "redone": 0, "armed": 0,
+              "failed_on_one_rank": 0}
+    with TPCoordinator(cfg, devices=devices, backend=backend, mla=mla, hook=functools.partial(ShardModel, mla=mla),
+                       async_launch=async_launch, timeout_s=timeout_s) as coord:
+        mgr = CacheManager(coord.scheduler_config)
+        families = [[rng.randrange(1000) for _ in range(20)] for _ in range(2)]
+        running: list[Any] = []
+        next_id = 0
+
+        def complete(metas: list[CacheSwapMetadata]) -> None:
+            for meta in metas:
+                if not meta.success:
+                    counts["failed"] += 1
+                    failed_ranks = len(re.findall(r"(?:^|; )rank \d+: ", meta.error_message or ""))
+                    counts["failed_on_one_rank"] += failed_ranks == 1
+                mgr.complete_swap(meta)
+
+        for _ in range(steps):
+            for req in list(running):
+                r = rng.random()
+                if r < 0.12:
+                    mgr.request_finish(req)
+                    running.remove(req)
+                elif r < 0.17:
+                    mgr.preempt_request(req)
+                    running.remove(req)
+            for _ in range(rng.randint(0, 3)):
+                fam = rng.choice(families)
+                prompt = fam[: rng.randint(2, 20)] + [rng.randrange(1000) for _ in range(rng.randint(0, 6))]
+                req = Request(f"r{next_id}", prompt)
+                next_id += 1
+                match = mgr.match_prefix(req)
+                need = _blocks_for(req) - match.num_device_blocks
+                if not mgr.can_allocate_device_blocks(need):
+                    continue
+                try:
+                    mgr.allocate_device_blocks(req, need)
+                except NoFreeBlocksError:
+                    continue
+                running.append(req)
+            for req in list(running):
+                if req.num_computed_tokens < req.num_total_tokens:
+                    continue
+                req.output_token_ids.append(rng.randrange(1000))
+                if req.num_total_tokens > len(req.block_tables) * BS:
+                    try:
+                        mgr.allocate_device_blocks(req, 1)
+                    except NoFreeBlocksError:
+                        req.output_token_ids.pop()
+                        mgr.preempt_request(req)
+                        running.remove(req)
+            batch = BatchRequest(running)
+            batch.append_evict_metadata(mgr.issue_pending_backup_to_batch_request())
+            evict, swap = batch.cache_evict_metadata, batch.cache_swap_metadata
+            # Faults go to ONE rank only: the merged verdict must still fail the copy for all.
+            payloads: list[dict[int, int]] = [{} for _ in range(tp_size)]
+            for meta, layers in ((evict, [-1]), (swap, list(range(cfg.total_layers)))):
+                if meta is not None and not meta.is_empty and rng.random() < fail_p:
+                    payloads[rng.randrange(tp_size)][meta.task_id] = rng.choice(layers)
+                    counts["armed"] += 1
+            counts["swap_in_blocks"] += len(swap) if swap else 0
+            counts["d2h_blocks"] += len(evict) if evict else 0
+            result = coord.step(batch, payloads, wait=rng.random() < 0.3)
+            if not all(result.outcomes):
+                # A load failed on some rank: the step is void on EVERY rank (in an engine the
+                # ranks agree on that, since their forwards meet in collectives) and is redone.
+                counts["redone"] += 1
+                complete(result.finished)
+                complete(coord.collect_finished(wait=True))
+            else:
+                for req in batch:
+                    req.num_computed_tokens = req.num_total_tokens
+                complete(result.finished)
+            mgr.check_invariants()
+            coord.call("check_all", running)
+            counts["steps"] += 1
+        complete(coord.collect_finished(wait=True))
+        mgr.check_invariants()
+        coord.call("check_all", running)
+        assert coord.pending_tasks() == {}
+        stats = coord.call("stats")
+        per_rank_failed = sum(s["d2h"]["failed"] + s["h2d"]["failed"] for s in stats)
+        assert all(s["in_flight"] == 0 for s in stats)
+        # Each armed task failed on exactly one rank, and its merged verdict failed once.
+        assert per_rank_failed == counts["armed"] == counts["failed"] == counts["failed_on_one_rank"], (
+            per_rank_failed, counts)
+    return counts
