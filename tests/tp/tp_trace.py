@@ -267,3 +267,35 @@ def run_tp_trace(
         assert per_rank_failed == counts["armed"] == counts["failed"] == counts["failed_on_one_rank"], (
             per_rank_failed, counts)
     return counts
+
+
+class ControlHook(ShardModel):
+    """ShardModel plus the levers the process tests pull: pause a stream, die, hang."""
+
+    def forward(self, batch: Any, counter: Any, payload: Any) -> bool:
+        if payload == "no-forward":
+            return True  # this step's forward does not read the load (nothing waits on it)
+        return super().forward(batch, counter, payload)
+
+    def prepare(self, batch: Any, payload: Any) -> None:
+        if isinstance(payload, dict):
+            super().prepare(batch, payload)
+
+    def pause_input(self) -> None:
+        self.ctrl.transfer_manager.input_stream.pause()
+
+    def resume_input(self) -> None:
+        self.ctrl.transfer_manager.input_stream.resume()
+
+    def die(self, code: int) -> None:
+        import os
+
+        os._exit(code)
+
+    def hang(self, seconds: float) -> None:
+        import time
+
+        time.sleep(seconds)
+
+    def fail(self) -> None:
+        raise ValueError("a hook error on purpose")
