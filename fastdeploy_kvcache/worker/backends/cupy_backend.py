@@ -47,7 +47,15 @@ class CupyBackend(CapiCopies, CudaBackend):
 
     def release_device(self) -> None:
         # The caller drops its references first; the pool then hands the blocks back.
-        self._cp.get_default_memory_pool().free_all_blocks()
+        # NOTE: CuPy's pool frees the *current* device's blocks: name ours.
+        with self._device:
+            self._cp.get_default_memory_pool().free_all_blocks()
+
+    def host_alloc(self, nbytes: int) -> int:
+        # cudaHostAlloc makes a context on the current device: on a rank whose thread is on
+        # another GPU that would cost that GPU a context's memory.
+        with self._device:
+            return super().host_alloc(nbytes)
 
     # ------------------------------------------------------------------ streams and events
     def create_stream(self) -> Any:
@@ -55,11 +63,17 @@ class CupyBackend(CapiCopies, CudaBackend):
             return self._cp.cuda.Stream(non_blocking=True)
 
     def current_stream(self) -> Any:
-        return self._cp.cuda.get_current_stream()
+        # NOTE: every stream, event and launch below is made under our device, whatever the
+        # calling thread's current device is (a multi-GPU process, or an engine thread that
+        # switched devices): an event created on GPU 0 and recorded on a GPU 1 stream fails
+        # (invalid resource handle), and a kernel launched on the wrong device fails too.
+        with self._device:
+            return self._cp.cuda.get_current_stream()
 
     def record_event(self, stream: Any, timing: bool = False) -> Any:
-        event = self._cp.cuda.Event(block=False, disable_timing=not timing)
-        event.record(stream)
+        with self._device:
+            event = self._cp.cuda.Event(block=False, disable_timing=not timing)
+            event.record(stream)
         return event
 
     def event_done(self, event: Any) -> bool:
@@ -77,6 +91,11 @@ class CupyBackend(CapiCopies, CudaBackend):
             self._cp.cuda.runtime.deviceSynchronize()
 
     # ------------------------------------------------------------------ copy
+    def swap_blocks(self, *args: Any, **kwargs: Any) -> None:
+        # The C ABI picks its scratch rings, DMA locations and kernels by the current device.
+        with self._device:
+            super().swap_blocks(*args, **kwargs)
+
     def _device_ptr(self, array: Any) -> int:
         return array.data.ptr
 

@@ -128,10 +128,11 @@ class PaddleGpuBackend(PaddleOpsCopies, CudaBackend):
         self._paddle.device.cuda.empty_cache()
 
     def create_stream(self) -> Any:
-        return self._paddle.device.Stream()
+        # Named device, not the thread's current one (a multi-GPU process may be elsewhere).
+        return self._paddle.device.Stream(device=f"gpu:{self.device_id}")
 
     def current_stream(self) -> Any:
-        return self._paddle.device.current_stream()
+        return self._paddle.device.current_stream(device=f"gpu:{self.device_id}")
 
     def record_event(self, stream: Any, timing: bool = False) -> Any:
         event = self._paddle.device.Event(enable_timing=timing)
