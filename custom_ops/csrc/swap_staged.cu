@@ -36,6 +36,8 @@ constexpr int kStThreads = 512;            // 16 warps per CTA
 constexpr int64_t kPiece = 8192;           // one warp work item: an 8 KiB slice of a block
 constexpr int kMaxSmemLanes = 1000;        // lane table in shared memory up to 48 KB
 constexpr int64_t kChunkAlign = 4096;      // chunk boundaries (keeps 16-byte vectors aligned)
+constexpr int kMaxSlots = 64;              // ring slots at most (events made up front)
+constexpr int kMaxSpares = 16;             // ring buffers set aside by resizes at most
 
 // Device-side lane (tensor) table entry.
 struct SLane {
@@ -158,43 +160,53 @@ struct StagingRing {
     cudaEvent_t idle;  // recorded on the side stream behind the buffer's last users
   };
   std::vector<Spare> spares;
+  std::vector<cudaEvent_t> idle_events;  // unused spare events (all made at first use)
 
   // (Re)size to want_ring bytes in slots of at most want_chunk bytes.  Called with mu held.
   // NOTE: a resize never synchronizes the device or the host: the old buffer is set aside
   // behind every slot's last user (an event on the side stream), and each slot's free event
   // is re-recorded on the side stream behind the new one.
   void Ensure(int64_t want_ring, int64_t want_chunk) {
-    int64_t slot = std::min(want_chunk, want_ring / 2);
-    slot = std::max<int64_t>(kChunkAlign, slot / kChunkAlign * kChunkAlign);
-    const int count = static_cast<int>(std::max<int64_t>(2, want_ring / slot));
+    // At most kMaxSlots slots: a smaller chunk request gets ring / kMaxSlots bytes.
+    int64_t slot = std::max(std::min(want_chunk, want_ring / 2), (want_ring + kMaxSlots - 1) / kMaxSlots);
+    slot = std::max<int64_t>(kChunkAlign, (slot + kChunkAlign - 1) / kChunkAlign * kChunkAlign);
+    const int count = static_cast<int>(std::max<int64_t>(2, std::min<int64_t>(kMaxSlots, want_ring / slot)));
     if (buf != nullptr && slot == slot_bytes && count == slots) return;
     if (side == nullptr) {
+      // NOTE: every event the ring will ever use is created here, at first use, so no call
+      // after the first creates CUDA objects (a bounded ring: kMaxSlots slots).
       FDKV_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
       FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&start, cudaEventDisableTiming));
       FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&side_done, cudaEventDisableTiming));
+      for (int i = 0; i < kMaxSlots; ++i) {
+        cudaEvent_t f, r;
+        FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&f, cudaEventDisableTiming));
+        FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&r, cudaEventDisableTiming));
+        slot_free.push_back(f);
+        slot_ready.push_back(r);
+        freed_on.push_back(nullptr);
+      }
+      for (int i = 0; i < kMaxSpares; ++i) {
+        cudaEvent_t e;
+        FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        idle_events.push_back(e);
+      }
     }
     if (buf != nullptr) {
       for (cudaEvent_t e : slot_free) FDKV_CUDA_CHECK(cudaStreamWaitEvent(side, e, 0));
-      cudaEvent_t idle;
-      FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&idle, cudaEventDisableTiming));
+      if (idle_events.empty()) throw CudaFailure("fdkv: staging ring resized too many times (spare buffers)");
+      cudaEvent_t idle = idle_events.back();
+      idle_events.pop_back();
       FDKV_CUDA_CHECK(cudaEventRecord(idle, side));
       spares.push_back(Spare{buf, static_cast<size_t>(ring_bytes), idle});
       buf = nullptr;
-    }
-    while (static_cast<int>(slot_free.size()) < count) {
-      cudaEvent_t f, r;
-      FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&f, cudaEventDisableTiming));
-      FDKV_CUDA_CHECK(cudaEventCreateWithFlags(&r, cudaEventDisableTiming));
-      slot_free.push_back(f);
-      slot_ready.push_back(r);
-      freed_on.push_back(nullptr);
     }
     const size_t bytes = static_cast<size_t>(slot * count);
     for (size_t i = 0; i < spares.size() && buf == nullptr; ++i) {
       if (spares[i].bytes == bytes) {
         buf = spares[i].buf;
         FDKV_CUDA_CHECK(cudaStreamWaitEvent(side, spares[i].idle, 0));
-        FDKV_CUDA_CHECK(cudaEventDestroy(spares[i].idle));
+        idle_events.push_back(spares[i].idle);
         spares.erase(spares.begin() + static_cast<std::ptrdiff_t>(i));
       }
     }
@@ -457,11 +469,6 @@ int ExecuteStaged(const staged::Plan& plan, int64_t n, int mode, cudaStream_t st
   int64_t staging_mode = 0;
   GetOption("staging_mode", &staging_mode);
   const bool batch = (staging_mode & 1) == 0;
-  // NOTE: the ring comes from cudaMalloc, not the stream-ordered pool.  Measured on H100
-  // (driver 580.159, CUDA 13.0): with a ring just allocated by cudaMallocAsync on the side
-  // stream, the first device->host call behind a blocked caller stream wrote the host
-  // before the blocking work finished (tests/gpu/test_staged_gpu.py, the ordering test;
-  // cause not established), and never with a cudaMalloc'd ring.
   ring.Ensure(opts.staging_bytes, opts.staging_chunk_bytes);
   // Chunk boundaries must keep 16-byte vectors aligned: slot sizes are 4 KiB multiples.
   thread_local std::vector<int64_t> bounds;

@@ -111,6 +111,7 @@ def test_staged_odd_block_sizes_mixed_lanes(cupy, capi, pinned, cuda_stream, opt
     """K/V lanes plus smaller scale lanes in one call, block sizes that are not 16-byte
     multiples (narrower accesses), one tiny chunk so blocks straddle chunk boundaries."""
     options("staging_chunk_bytes", 64 << 10)
+    options("staging_bytes", 1 << 20)  # 16 slots (a ring has at most 64)
     sizes = [block_bytes * 97, block_bytes * 97, block_bytes, block_bytes]
     rng = np.random.default_rng(block_bytes)
     devs = [cupy.asarray(rng.integers(0, 256, (NUM_DEV, b), dtype=np.uint8)) for b in sizes]
@@ -130,6 +131,7 @@ def test_staged_odd_block_sizes_mixed_lanes(cupy, capi, pinned, cuda_stream, opt
 def test_staged_layout_round_trip(cupy, capi, pinned, cuda_stream, options, pattern, block_bytes) -> None:
     """The block-major layout op: a run of host blocks is one DMA across all tensors."""
     options("staging_chunk_bytes", 64 << 10)
+    options("staging_bytes", 1 << 20)  # 16 slots (a ring has at most 64)
     sizes = [block_bytes] * 4 + [16, 16]
     rng = np.random.default_rng(len(pattern))
     devs = [cupy.asarray(rng.integers(0, 256, (NUM_DEV, b), dtype=np.uint8)) for b in sizes]
@@ -246,9 +248,9 @@ def test_staged_never_synchronizes_and_orders_after_the_stream(cupy, capi, pinne
     moves before the stream's earlier work (the side stream waits for it), and the bytes
     land once it is released.  The DMA batch (cudaMemcpyBatchAsync, which the staged path
     uses for its DMAs) is held to the same rule.  Both staging modes: DMAs as one batch per
-    chunk (0) or as cudaMemcpyAsync calls (1).  NOTE: this test caught an early host write
-    when the ring came from cudaMallocAsync; the ring is cudaMalloc'd since."""
+    chunk (0) or as cudaMemcpyAsync calls (1)."""
     options("staging_chunk_bytes", 64 << 10)
+    options("staging_bytes", 1 << 20)  # 16 slots (a ring has at most 64)
     options("staging_mode", staging_mode)
     s = cuda_stream()
     bb = 32 << 10
@@ -257,15 +259,19 @@ def test_staged_never_synchronizes_and_orders_after_the_stream(cupy, capi, pinne
     dev_ids, host_ids = _patterns(1)["host_runs"]
     want_dev, want_host = expected_after_swap(cupy.asnumpy(dev), host, dev_ids, host_ids, mode)
     before_dev, before_host = cupy.asnumpy(dev), host.copy()
+    side, snap = cuda_stream(), cupy.empty_like(dev)  # made before the stream is blocked
     cupy.cuda.runtime.deviceSynchronize()
     blocker.block(s)
     try:
         capi.swap_per_layer(dev.data.ptr, NUM_DEV, bb, host.ctypes.data, NUM_HOST, dev_ids, host_ids, mode, stream=s,
                             path=path)
         assert not s.done, "the op returned with its stream still blocked: it did not synchronize"
-        side = cuda_stream()
-        with side:
-            snap = dev.copy()
+        # NOTE: a plain device-to-device memcpy, not dev.copy(): a CuPy kernel's first launch
+        # loads its module, which waits for the device to idle, i.e. for the blocker's
+        # 10 s cap, after which this call's own copies run and the check below would fail
+        # for a reason that has nothing to do with the op.
+        cupy.cuda.runtime.memcpyAsync(snap.data.ptr, dev.data.ptr, dev.nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                      side.ptr)
         side.synchronize()
         np.testing.assert_array_equal(cupy.asnumpy(snap), before_dev)  # nothing scattered early
         np.testing.assert_array_equal(host, before_host)  # nothing gathered-and-written early
