@@ -299,3 +299,44 @@ class ControlHook(ShardModel):
 
     def fail(self) -> None:
         raise ValueError("a hook error on purpose")
+
+
+class OverlapProbe(ShardModel):
+    """GPU rank hook: does a layer-wise load keep landing while this rank computes?
+
+    Layer ``i``'s "attention" is a spin kernel of ``spin_ms`` on the compute stream, enqueued
+    after ``wait_for_layer(i)``.  The probe watches (host side, no timing) whether the load's
+    LAST layer has landed while layer 0's compute is still running: it can only have if the
+    input stream ran next to the compute stream.
+    """
+
+    def forward(self, batch: Any, counter: Any, payload: Any) -> Any:
+        if not (isinstance(payload, dict) and "spin_ms" in payload):
+            return super().forward(batch, counter, payload)
+        import time
+
+        import cupy
+
+        dev = cupy.cuda.Device(self.ctrl.device_id)
+        with dev:
+            spin = cupy.RawKernel(
+                r'''extern "C" __global__ void spin(long long cycles) {
+                    long long start = clock64(); while (clock64() - start < cycles) {}
+                }''', "spin")
+            cycles = int(payload["spin_ms"] * 1e-3 * dev.attributes["ClockRate"] * 1e3)
+            ends = []
+            for layer in range(self.layers):
+                counter.wait_for_layer(layer)
+                spin((1,), (1,), (cupy.int64(cycles),))
+                ends.append(cupy.cuda.Event(disable_timing=True))
+                ends[-1].record()
+            overlapped = False
+            last = self.layers - 1
+            while not ends[0].done:
+                if counter.is_layer_done(last):
+                    overlapped = True
+                    break
+                time.sleep(1e-4)
+            cupy.cuda.get_current_stream().synchronize()
+            return {"overlapped": overlapped, "device": self.ctrl.device_id,
+                    "compute_stream_device": getattr(cupy.cuda.get_current_stream(), "device_id", None)}
