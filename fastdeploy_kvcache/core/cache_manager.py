@@ -442,6 +442,7 @@ class CacheManager:
             left[parent] = k
             if (
                 k == 0
+                and parent.device_block_id is not None
                 and parent.ref_count == 0
                 and parent.pending is None
                 and not parent.detached

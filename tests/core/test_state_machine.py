@@ -16,13 +16,24 @@ copies, then host -> device, then compute), and compute writes TAINT instead of 
 hash when the request's earlier blocks are wrong, so KV computed on top of a failed
 load can never sneak into the tree unnoticed.
 
+Liveness (``reclaim_everything``): whenever nothing runs and no copy is in flight,
+one fresh request must get the whole device pool, i.e. every cached block can be
+reclaimed.  Every admission also checks that ``can_allocate_device_blocks`` agrees
+with the allocation and that a failed allocation changed nothing.
+
+Coverage: the gate at the end requires every path the oracle is there for, including
+a recompute after a failed load over a shared block whose backup is in flight (what
+``_privatize_tail`` prevents); ``recompute_under_backup_probe`` steers a trace there
+with public calls, and hypothesis' ``target`` favours traces that reach it.
+
 CI size: 200 examples of at least 50 steps.  ``FDKV_SOAK=1`` runs a long soak.
 """
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, settings, target
+from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -36,7 +47,7 @@ from hypothesis.stateful import (
 from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
-from fastdeploy_kvcache.core.cache_manager import CacheManager, CacheManagerError
+from fastdeploy_kvcache.core.cache_manager import CacheManager, CacheManagerError, UnknownRequestError
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
 from fastdeploy_kvcache.core.request import BatchRequest, Request
 
@@ -83,7 +94,13 @@ class CacheMachine(RuleBasedStateMachine):
         # Executed copies whose completion has not been delivered: (meta, backup srcs).
         self.pending: list[tuple[CacheSwapMetadata, frozenset[int]]] = []
         self.poison: set[int] = set()  # device blocks a failed, unreported load left garbage in
+        self.recompute_hazards: dict[str, list] = {}  # request -> shared nodes under backup after its failed load
+        # How far this trace got towards that hazard (hypothesis steers traces to raise it):
+        # 1 a host hit before a device hit, 2 such a request's load failed with a backup
+        # of a later block in flight, 3 it recomputed while that backup was in flight.
+        self.hazard_stage = 0
         self.next_id = 0
+        self.probed = False
 
     # ------------------------------------------------------------------ helpers
     def _new_id(self) -> str:
@@ -97,6 +114,10 @@ class CacheMachine(RuleBasedStateMachine):
         start = req.num_computed_tokens
         if target <= start:
             return
+        hazard = self.recompute_hazards.pop(req.request_id, ())
+        if any(n.pending is TransferKind.BACKUP for n in hazard):
+            COVERAGE["recompute_over_backup_source"] = COVERAGE.get("recompute_over_backup_source", 0) + 1
+            self.hazard_stage = 3
         hashes = self._hashes(req, target)
         first = start // BS
         valid = all(self.dev[req.block_tables[j]] == hashes[j] for j in range(first))
@@ -150,8 +171,21 @@ class CacheMachine(RuleBasedStateMachine):
             for rid, req in self.running.items():
                 if set(meta.dst_block_ids) & set(req.block_tables):
                     expected.add(rid)
+        # The hazard _privatize_tail guards: a request that must recompute from a failed
+        # load has later blocks that are shared cached blocks whose backup is in flight.
+        hazards: dict[str, list] = {}
+        if not meta.success and meta.dst_type is CacheLevel.DEVICE:
+            for rid in expected:
+                st_ = self.mgr._requests[rid]
+                first = min(i for i, b in enumerate(st_.block_ids) if b in set(meta.dst_block_ids))
+                nodes = [n for n in st_.nodes[first + 1:] if n is not None and n.pending is TransferKind.BACKUP]
+                if nodes:
+                    hazards[rid] = nodes
         affected = self.mgr.complete_swap(meta)
         assert set(affected) == expected, (affected, expected)
+        self.recompute_hazards.update(hazards)
+        if hazards:
+            self.hazard_stage = max(self.hazard_stage, 2)
         if meta.dst_type is CacheLevel.DEVICE and not meta.success:
             self.poison.difference_update(meta.dst_block_ids)
 
@@ -180,6 +214,9 @@ class CacheMachine(RuleBasedStateMachine):
                 assert self.mgr.num_copies_in_flight > 0
             return False
         assert can or m.num_device_blocks > 0, "can_allocate_device_blocks said no, the allocation succeeded"
+        tiers = self.mgr._requests[req.request_id].match.tiers
+        if any(a is CacheLevel.HOST and b is CacheLevel.DEVICE for a, b in zip(tiers, tiers[1:])):
+            self.hazard_stage = max(self.hazard_stage, 1)
         assert len(ids) == n and len(req.block_tables) == -(-req.num_total_tokens // BS)
         assert req.num_cached_tokens == req.num_computed_tokens <= req.num_total_tokens - 1
         self.running[req.request_id] = req
@@ -233,9 +270,10 @@ class CacheMachine(RuleBasedStateMachine):
         evict_ok=st.sampled_from([True, True, True, False]),
         swap_ok=st.sampled_from([True, True, True, False]),
         decode=st.lists(st.integers(0, 9), max_size=4),
-        deliver_now=st.booleans(),
+        deliver_now=st.sampled_from([True, False, "loads"]),
+        swap_cut=st.integers(0, 4),
     )
-    def run_step(self, admit_k, evict_ok, swap_ok, decode, deliver_now):
+    def run_step(self, admit_k, evict_ok, swap_ok, decode, deliver_now, swap_cut=0):
         """One engine step: admissions, decode growth, batch, copies in contract order, compute."""
         self._admit_some(admit_k)
         # Decode: some fully computed requests get an output token, maybe a block.
@@ -264,16 +302,32 @@ class CacheMachine(RuleBasedStateMachine):
             reads = self._swap_srcs_in_flight() | (set(sw.src_block_ids) if sw else set())
             assert not reads & set(ev.dst_block_ids), "device->host copy overwrites a host block a load reads"
         self._execute(ev, evict_ok)
-        self._execute(sw, swap_ok)
+        if sw is not None and 0 < swap_cut < len(sw):
+            # The worker ran the loads as two tasks, and only one of them failed: a
+            # request then has a failed block among landed ones (host hits that come
+            # after a device hit, later on, and recomputes over shared blocks).
+            for (a, b), ok in (((0, swap_cut), swap_ok), ((swap_cut, len(sw)), not swap_ok)):
+                self._execute(
+                    CacheSwapMetadata(sw.src_block_ids[a:b], sw.dst_block_ids[a:b], sw.src_type, sw.dst_type,
+                                      sw.hash_values[a:b], kind=sw.kind),
+                    ok,
+                )
+        else:
+            self._execute(sw, swap_ok)
         for req in batch:
             self._compute(req, req.num_total_tokens)
-        if deliver_now:
+        if deliver_now == "loads":
+            # The load stream finished, the device -> host stream has not yet.
+            self._deliver_all(lambda meta: meta.dst_type is CacheLevel.DEVICE)
+        elif deliver_now:
             self._deliver_all()
 
-    def _deliver_all(self):
-        pending, self.pending = self.pending, []
+    def _deliver_all(self, which=lambda meta: True):
+        pending = self.pending
+        self.pending = [p for p in pending if not which(p[0])]
         for meta, _ in pending:
-            self._deliver(meta)
+            if which(meta):
+                self._deliver(meta)
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data())
@@ -328,27 +382,104 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(kind=st.integers(0, 5), pick=st.integers(0, 10**6))
     def bad_input(self, kind, pick):
         before = self._snapshot()
-        with pytest.raises((CacheManagerError, ValueError)):
-            if kind == 0:
-                self.mgr.request_finish(Request("ghost", [1, 2, 3]))
-            elif kind == 1 and self.finished:
+        if kind == 1 and self.finished:
+            with pytest.raises(UnknownRequestError, match="already finished"):
                 self.mgr.request_finish(self.finished[pick % len(self.finished)])  # double finish
-            elif kind == 2:
-                meta = CacheSwapMetadata([0], [pick % len(self.dev)], CacheLevel.HOST, CacheLevel.DEVICE, [pick])
-                meta.mark_done(True)
+        elif kind == 2:
+            meta = CacheSwapMetadata([0], [pick % len(self.dev)], CacheLevel.HOST, CacheLevel.DEVICE, [pick])
+            meta.mark_done(True)
+            with pytest.raises(CacheManagerError, match="not a copy in flight") as err:
                 self.mgr.complete_swap(meta)  # not in flight
-            elif kind == 3 and self.running:
-                req = self.running[sorted(self.running)[pick % len(self.running)]]
-                req.block_tables.append(pick % len(self.dev))
-                try:
+            assert err.type is CacheManagerError
+        elif kind == 3 and self.running:
+            req = self.running[sorted(self.running)[pick % len(self.running)]]
+            req.block_tables.append(pick % len(self.dev))
+            try:
+                with pytest.raises(CacheManagerError, match="modified outside the cache manager") as err:
                     self.mgr.request_finish(req)
-                finally:
-                    req.block_tables.pop()
-            elif kind == 4 and self.running:
+                assert err.type is CacheManagerError
+            finally:
+                req.block_tables.pop()
+        elif kind == 4 and self.running:
+            with pytest.raises(CacheManagerError, match="block count must be an int >= 0") as err:
                 self.mgr.allocate_device_blocks(next(iter(self.running.values())), -1)
-            else:
-                self.mgr.request_finish(Request(f"never-{pick}", [1]))
+            assert err.type is CacheManagerError
+        else:
+            rid = "ghost" if kind == 0 else f"never-{pick}"
+            with pytest.raises(UnknownRequestError, match="is not running"):
+                self.mgr.request_finish(Request(rid, [1, 2, 3]))
         assert self._snapshot() == before
+
+    def _step_of(self, reqs, swap_fail_hashes=frozenset(), deliver="all"):
+        """One contract-ordered step of ``reqs``: D2H copies (ok), loads (those carrying
+        ``swap_fail_hashes`` fail), compute; then deliver "all", "loads" or "none"."""
+        batch = BatchRequest(reqs)
+        batch.append_evict_metadata(self.mgr.issue_pending_backup_to_batch_request())
+        self._execute(batch.cache_evict_metadata, True)
+        sw = batch.cache_swap_metadata
+        if sw is not None:
+            for ok in (True, False):
+                idx = [i for i, h in enumerate(sw.hash_values) if (h in swap_fail_hashes) != ok]
+                if idx:
+                    part = CacheSwapMetadata([sw.src_block_ids[i] for i in idx], [sw.dst_block_ids[i] for i in idx],
+                                             sw.src_type, sw.dst_type, [sw.hash_values[i] for i in idx])
+                    self._execute(part, ok)
+        for req in batch:
+            self._compute(req, req.num_total_tokens)
+        if deliver == "loads":
+            self._deliver_all(lambda meta: meta.dst_type is CacheLevel.DEVICE)
+        elif deliver == "all":
+            self._deliver_all()
+
+    def _through(self, req):
+        """Admit ``req`` (it must fit), run it for one step, finish it."""
+        assert self._admit(req)
+        self._step_of([req])
+        self.mgr.request_finish(self.running.pop(req.request_id))
+
+    @precondition(
+        lambda self: self.mgr is not None
+        and self.mgr.write_policy == "write_through_selective"
+        and self.mgr.write_through_threshold == 1
+        and len(self.host) >= 6
+        and not self.probed
+        and not self.running
+        and self.mgr.num_copies_in_flight == 0
+    )
+    @rule()
+    def recompute_under_backup_probe(self):
+        """Steer a trace into the hazard ``_privatize_tail`` guards, through public calls only.
+
+        A request R2 matches N0 on device, N1 on host, N2 on device; its hit on N2 starts
+        N2's backup in the step that loads N1; the load fails and is reported while the
+        backup is still in flight; R2 then recomputes from N1.  Unless its N2 entry was
+        swapped for a private block, that recompute writes the block the backup reads,
+        which ``_compute`` asserts never happens.  The random rules reach this too
+        rarely for the coverage gate; this rule makes it part of every run.
+        """
+        self.probed = True
+        base = 7_000_000 + 1000 * self.next_id
+        q = list(range(base, base + 3 * BS + 1))  # N0 N1 N2 + one token
+        hq = Request("probe", q).block_hashes(BS)
+        self._through(Request(self._new_id(), q))  # caches N0 N1 N2 (device only)
+        self._through(Request(self._new_id(), q[: 2 * BS + 1]))  # hits N0 N1: backed up
+        self.reclaim_everything()  # N0 N1 host-only, N2 gone
+        # L loads N0 N1 (N1's load will fail); R, admitted in the same step, matches
+        # nothing (N0's load is in flight), computes all three and finishes first, so
+        # N2 (R's copy) hangs below N1; L's failure then leaves N1 host-only.
+        lreq, rreq = Request(self._new_id(), q), Request(self._new_id(), q)
+        if not (self._admit(lreq) and self._admit(rreq)):
+            return  # the pool is too small for both: nothing to probe
+        self._step_of([lreq, rreq], swap_fail_hashes={hq[1]}, deliver="none")
+        self._deliver_all(lambda meta: meta.dst_type is CacheLevel.HOST)
+        self.mgr.request_finish(self.running.pop(rreq.request_id))
+        self._deliver_all()
+        self.mgr.request_finish(self.running.pop(lreq.request_id))  # abort before recomputing
+        r2 = Request(self._new_id(), q)
+        assert self._admit(r2)
+        self._step_of([r2], swap_fail_hashes={hq[1]}, deliver="loads")
+        self._step_of([r2], deliver="all")  # the recompute
+        self.mgr.request_finish(self.running.pop(r2.request_id))
 
     @precondition(lambda self: self.mgr is not None and not self.running and self.mgr.num_copies_in_flight == 0)
     @rule()
@@ -415,6 +546,8 @@ class CacheMachine(RuleBasedStateMachine):
     def teardown(self):
         if self.mgr is None:
             return
+        if currently_in_test_context():
+            target(float(self.hazard_stage), label="privatize hazard stage")
         # Drain: deliver everything, finish everyone; the pools must come back whole.
         self._deliver_all()
         for req in list(self.running.values()):
@@ -461,7 +594,7 @@ def test_cache_manager_state_machine():
     assert sum(1 for n in STEP_COUNTS if n > MIN_STEPS) >= 200, sorted(STEP_COUNTS)
     # The traces must actually exercise every path the oracle is there for.
     for key in ("swap_in_blocks", "write_back_blocks", "backup_blocks", "failed_blocks", "device_evictions",
-                "host_evictions", "duplicate_blocks", "matched_tokens_host"):
+                "host_evictions", "duplicate_blocks", "matched_tokens_host", "recompute_over_backup_source"):
         assert COVERAGE.get(key, 0) > 0, (key, COVERAGE)
     assert len(LIVENESS_CHECKS) >= 50, f"the liveness rule ran {len(LIVENESS_CHECKS)} times"
 
