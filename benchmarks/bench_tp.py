@@ -163,17 +163,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.layers, args.iters, args.warmup, args.pool_blocks, args.blocks = 4, 5, 1, 64, 16
         args.head_dim, args.block_size = 64, 16
 
-    from fastdeploy_kvcache.worker.backends import _auto_name
     from fastdeploy_kvcache.worker.tp import TPCoordinator
 
-    backend = _auto_name() if args.backend == "auto" else args.backend
-    if backend == "paddle":
-        backend = "cupy"  # the benchmark drives CuPy memory; Paddle ranks need an engine
+    # "auto" is the GPU run (CuPy); the cpu backend only when asked for (a smoke run).
+    backend = "cupy" if args.backend == "auto" else args.backend
     devices = [int(d) for d in args.devices.split(",")] if args.devices else list(range(args.ranks))
     if backend == "cupy":
-        import cupy
+        try:
+            import cupy
 
-        have = cupy.cuda.runtime.getDeviceCount()
+            have = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # noqa: BLE001 - no CuPy, no driver
+            print(f"bench_tp: needs CuPy and {len(devices)} GPUs ({type(exc).__name__}: {exc}); "
+                  f"--backend cpu runs a smoke run on host memory.")
+            return 0
         if have < len(devices) or max(devices) >= have:
             print(f"bench_tp: needs {len(devices)} GPUs (devices {devices}); {have} visible. Run it on a machine "
                   f"with that many (nvidia-h200-x2 for --ranks 2), or --backend cpu for a smoke run.")
