@@ -145,3 +145,13 @@ def test_a_rank_that_cannot_start_is_reported() -> None:
     with pytest.raises(RankFailedError, match=r"(?s)failed to start.*num_gpu_blocks > 0"):
         TPCoordinator(cfg, backend="cpu", hook=functools.partial(ControlHook), timeout_s=30.0)
     assert time.monotonic() - start < 60
+
+
+def test_an_unpicklable_hook_fails_at_start_and_leaves_no_process() -> None:
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    cfg = tp_config("write_back", 2, quant=False)
+    with pytest.raises(Exception, match="pickle|Pickl"):
+        TPCoordinator(cfg, backend="cpu", hook=lambda ctrl, rank, size: None, timeout_s=30.0)
+    assert {p.pid for p in multiprocessing.active_children()} <= before

@@ -150,14 +150,19 @@ class TPCoordinator:
         if self._procs:
             raise RuntimeError("the rank processes are already started")
         ctx = multiprocessing.get_context("spawn")  # CUDA contexts do not survive fork
-        for spec in self.specs:
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, args=(child, spec), name=f"fdkv-tp-rank{spec.rank}", daemon=True)
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
         try:
+            for spec in self.specs:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=rank_main, args=(child, spec), name=f"fdkv-tp-rank{spec.rank}", daemon=True)
+                try:
+                    proc.start()  # pickles the spec: an unpicklable hook fails here
+                except BaseException:
+                    parent.close()
+                    raise
+                finally:
+                    child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
             self.rank_info = self._gather(range(self.tp_size), self.timeout_s + START_TIMEOUT_S, "start")
         except BaseException:
             self._terminate()
@@ -190,6 +195,9 @@ class TPCoordinator:
         self.close()
 
     def _terminate(self) -> None:
+        # Closing our ends first lets a rank blocked on its pipe see EOF and exit by itself.
+        for conn in self._conns:
+            conn.close()
         deadline = time.monotonic() + 10.0
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -201,8 +209,6 @@ class TPCoordinator:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)
-        for conn in self._conns:
-            conn.close()
 
     # ------------------------------------------------------------------ steps
     def step(
