@@ -66,12 +66,25 @@ def next_task_id() -> int:
 
 @dataclass
 class CacheSwapMetadata:
-    """One batch of block copies between two tiers.
+    """One batch of block copies between two tiers, in either direction.
+
+    Vocabulary: a *copy* goes either way; a *load* is host -> device
+    (``TransferKind.SWAP_IN``); device -> host copies are *evictions* (write_back,
+    ``EVICT``) or *backups* (write-through, ``BACKUP``).  "Swap" survives only in
+    names inherited from FastDeploy (``cache_swap_metadata`` for the loads,
+    ``complete_swap`` for any copy, the ``swap_cache_*`` ops); ``direction`` says
+    which way a copy goes.
 
     ``src_block_ids[i]`` is copied to ``dst_block_ids[i]``.  The worker fills
     ``success`` / ``error_message`` and hands the object back to the scheduler
-    (``CacheManager.complete_swap``), matched by ``task_id``.  Until then the blocks
-    involved are "in flight": not evictable and not served as valid KV.
+    (``CacheManager.complete_swap``), which resolves it block by block.  Until then
+    the blocks involved are "in flight": not evictable and not served as valid KV.
+
+    ``frees_device_blocks`` is True when at least one block is a write_back eviction
+    whose device block the scheduler has already released (it may be handed out in
+    this very step): the worker must then keep this step's compute behind the copy.
+    A backup-only copy reads blocks that stay allocated, so it needs no such fence.
+    It is set from ``kind`` when not given, and ``extend`` / ``merged`` keep it.
     """
 
     src_block_ids: list[int] = field(default_factory=list)
@@ -83,6 +96,7 @@ class CacheSwapMetadata:
     task_id: int = field(default_factory=next_task_id)
     success: bool = False
     error_message: Optional[str] = None
+    frees_device_blocks: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if len(self.src_block_ids) != len(self.dst_block_ids):
@@ -90,6 +104,13 @@ class CacheSwapMetadata:
                 f"CacheSwapMetadata: src_block_ids has {len(self.src_block_ids)} ids but "
                 f"dst_block_ids has {len(self.dst_block_ids)}"
             )
+        if self.frees_device_blocks is None:
+            self.frees_device_blocks = self.kind is TransferKind.EVICT and bool(self.src_block_ids)
+
+    @property
+    def direction(self) -> CopyDirection:
+        """Which way the copy goes (raises ValueError for a storage copy)."""
+        return CopyDirection.of_tiers(self.src_type, self.dst_type)
 
     def __len__(self) -> int:
         return len(self.src_block_ids)
@@ -109,8 +130,9 @@ class CacheSwapMetadata:
         Used by ``BatchRequest`` to merge per-request metadata into one object per
         direction, so the worker launches one copy per step and direction.  The kind
         of a device -> host merge becomes EVICT as soon as one eviction is in it
-        (evictions and write-through backups travel together); completion is
-        resolved per block anyway, so the merged kind is informational.
+        (evictions and write-through backups travel together), and
+        ``frees_device_blocks`` becomes True with it: that flag, not the kind, is
+        what the worker's compute fence reads.  Completion is resolved per block.
         """
         if (other.src_type, other.dst_type) != (self.src_type, self.dst_type):
             raise ValueError(
@@ -122,6 +144,7 @@ class CacheSwapMetadata:
         self.hash_values.extend(other.hash_values)
         if other.kind is TransferKind.EVICT:
             self.kind = TransferKind.EVICT
+        self.frees_device_blocks = bool(self.frees_device_blocks or other.frees_device_blocks)
 
     @classmethod
     def merged(cls, items: "list[CacheSwapMetadata]") -> "Optional[CacheSwapMetadata]":
@@ -130,7 +153,7 @@ class CacheSwapMetadata:
         if not items:
             return None
         first = items[0]
-        out = cls(src_type=first.src_type, dst_type=first.dst_type, kind=first.kind)
+        out = cls(src_type=first.src_type, dst_type=first.dst_type, kind=first.kind, frees_device_blocks=False)
         for meta in items:
             out.extend(meta)
         return out

@@ -14,7 +14,7 @@ import logging
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 from fastdeploy_kvcache.core.hashing import BlockHasher, MMItem, pack_array
-from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, MatchResult, StorageMetadata
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection, MatchResult, StorageMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +142,6 @@ class Request:
         )
 
 
-_SWAP_DIRECTION = (CacheLevel.HOST, CacheLevel.DEVICE)
-_EVICT_DIRECTION = (CacheLevel.DEVICE, CacheLevel.HOST)
 
 
 class BatchRequest:
@@ -170,9 +168,9 @@ class BatchRequest:
         nor the request.
         """
         for meta in request.cache_evict_metadata:
-            self._check_direction(meta, _EVICT_DIRECTION)
+            self._check_direction(meta, CopyDirection.DEVICE_TO_HOST)
         for meta in request.cache_swap_metadata:
-            self._check_direction(meta, _SWAP_DIRECTION)
+            self._check_direction(meta, CopyDirection.HOST_TO_DEVICE)
         self.requests.append(request)
         for meta in request.cache_evict_metadata:
             self.append_evict_metadata(meta)
@@ -182,32 +180,40 @@ class BatchRequest:
         request.cache_swap_metadata = []
 
     @staticmethod
-    def _check_direction(meta: Optional[CacheSwapMetadata], want: tuple[CacheLevel, CacheLevel]) -> None:
-        if meta is not None and not meta.is_empty and (meta.src_type, meta.dst_type) != want:
+    def _check_direction(meta: Optional[CacheSwapMetadata], want: CopyDirection) -> None:
+        if meta is None or meta.is_empty:
+            return
+        try:
+            ok = meta.direction is want
+        except ValueError:
+            ok = False
+        if not ok:
             raise ValueError(
                 f"cannot merge {CacheLevel(meta.src_type).name}->{CacheLevel(meta.dst_type).name} metadata "
-                f"where {want[0].name}->{want[1].name} copies go"
+                f"where {want.name} copies go"
             )
 
     @classmethod
     def _merge(
-        cls, into: Optional[CacheSwapMetadata], meta: Optional[CacheSwapMetadata], want: tuple[CacheLevel, CacheLevel]
+        cls, into: Optional[CacheSwapMetadata], meta: Optional[CacheSwapMetadata], want: CopyDirection
     ) -> Optional[CacheSwapMetadata]:
         if meta is None or meta.is_empty:
             return into
         cls._check_direction(meta, want)
         if into is None:
-            into = CacheSwapMetadata(src_type=meta.src_type, dst_type=meta.dst_type, kind=meta.kind)
+            into = CacheSwapMetadata(
+                src_type=meta.src_type, dst_type=meta.dst_type, kind=meta.kind, frees_device_blocks=False
+            )
         into.extend(meta)
         return into
 
     def append_swap_metadata(self, meta: Optional[CacheSwapMetadata]) -> None:
         """Merge a host -> device metadata object into ``cache_swap_metadata``."""
-        self.cache_swap_metadata = self._merge(self.cache_swap_metadata, meta, _SWAP_DIRECTION)
+        self.cache_swap_metadata = self._merge(self.cache_swap_metadata, meta, CopyDirection.HOST_TO_DEVICE)
 
     def append_evict_metadata(self, meta: Optional[CacheSwapMetadata]) -> None:
         """Merge a device -> host metadata object into ``cache_evict_metadata``."""
-        self.cache_evict_metadata = self._merge(self.cache_evict_metadata, meta, _EVICT_DIRECTION)
+        self.cache_evict_metadata = self._merge(self.cache_evict_metadata, meta, CopyDirection.DEVICE_TO_HOST)
 
     def append_storage_metadata(self, meta: StorageMetadata) -> None:
         self.storage_metadata.append(meta)

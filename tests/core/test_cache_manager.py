@@ -604,3 +604,47 @@ def test_failed_parent_backup_releases_the_host_copies_below(child_first):
     mgr.complete_swap(retry)
     assert n0.state is NodeState.DEVICE_AND_HOST and n1.state is NodeState.DEVICE_AND_HOST
     mgr.check_invariants()
+
+
+def test_ensure_resident_keeps_the_whole_match_and_then_appends():
+    """Defect 13: a small first num_tokens never gives up host hits; later calls only append."""
+    mgr, sh = push_prompt_to_host()
+    c = Request("c", list(range(13)) + [7])
+    m = mgr.match_prefix(c)
+    assert (m.num_device_blocks, m.num_host_blocks) == (0, 3)
+    plan = mgr.ensure_resident(c, 1)
+    assert len(c.block_tables) == 3 and plan.new_block_ids == c.block_tables
+    assert (plan.num_cached_tokens, plan.num_device_hit_tokens, plan.num_host_hit_tokens) == (12, 0, 12)
+    assert plan.num_storage_hit_tokens == 0
+    assert c.cache_swap_metadata[0].dst_block_ids == c.block_tables  # loads into the table, in order
+    assert c.num_computed_tokens == 12
+    plan2 = mgr.ensure_resident(c, c.num_total_tokens)
+    assert len(c.block_tables) == 4 and plan2.new_block_ids == c.block_tables[3:]
+    assert plan2.num_cached_tokens == 12 and plan2.num_host_hit_tokens == 0
+    assert mgr.ensure_resident(c, 10).new_block_ids == []  # already covered
+    step(mgr, sh, [c])
+    sh.check_request(c)
+    s = mgr.get_stats()
+    assert s["num_requests"] == 3 and s["matched_tokens_host"] == 12  # a, b, c: c counted once
+
+
+def test_ensure_resident_errors_say_whether_to_retry():
+    mgr, sh = make("write_through", dev=4, host=8)
+    cache_prompt(mgr, sh, "a", list(range(9)))
+    meta = mgr.issue_pending_backup_to_batch_request()  # both cached blocks pinned by backups
+    big = Request("big", list(range(50, 65)))
+    before = snapshot(mgr)
+    with pytest.raises(NoFreeBlocksError) as err:
+        mgr.ensure_resident(big, 16)
+    assert err.value.retryable and snapshot(mgr) == before and not mgr.is_running("big")
+    sh.copy(meta, True)
+    mgr.complete_swap(meta)
+    mgr.ensure_resident(big, 16)  # the retry succeeds
+    other = Request("other", [1, 2, 3])
+    with pytest.raises(NoFreeBlocksError) as err:
+        mgr.ensure_resident(other, 3)  # big holds every block: only a finish frees one
+    assert not err.value.retryable
+    with pytest.raises(CacheManagerError, match="num_tokens"):
+        mgr.ensure_resident(other, -1)
+    with pytest.raises(CacheManagerError, match="num_tokens"):
+        mgr.ensure_resident(other, True)

@@ -5,7 +5,7 @@ import pytest
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.cache_manager import CacheManager
 from fastdeploy_kvcache.core.hashing import MMItem, compute_block_hashes
-from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, CacheSwapMetadata, CopyDirection, TransferKind
 from fastdeploy_kvcache.core.request import BatchRequest, Request
 
 
@@ -118,3 +118,20 @@ def test_batch_rejects_a_wrong_direction_even_first_and_changes_nothing():
         batch.add_request(a)
     assert batch.requests == [] and batch.cache_swap_metadata is None
     assert a.cache_swap_metadata == [good, bad]
+
+
+def test_frees_device_blocks_follows_evictions_through_merges():
+    """The worker's compute fence reads frees_device_blocks: True as soon as one write_back
+    eviction (device block already released) is in a merged device -> host copy."""
+    backup = CacheSwapMetadata([1], [2], CacheLevel.DEVICE, CacheLevel.HOST, [7], kind=TransferKind.BACKUP)
+    evict = CacheSwapMetadata([3], [4], CacheLevel.DEVICE, CacheLevel.HOST, [8], kind=TransferKind.EVICT)
+    assert not backup.frees_device_blocks and evict.frees_device_blocks
+    assert backup.direction is CopyDirection.DEVICE_TO_HOST
+    assert not CacheSwapMetadata.merged([backup]).frees_device_blocks
+    assert CacheSwapMetadata.merged([backup, evict]).frees_device_blocks
+    batch = BatchRequest()
+    batch.append_evict_metadata(backup)
+    assert not batch.cache_evict_metadata.frees_device_blocks
+    batch.append_evict_metadata(evict)
+    assert batch.cache_evict_metadata.frees_device_blocks
+    assert pickle.loads(pickle.dumps(batch)).cache_evict_metadata.frees_device_blocks
