@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError
+from fastdeploy_kvcache.core.errors import CacheManagerError, InvariantViolation, UnknownRequestError
+from fastdeploy_kvcache.core.invariants import check_invariants
 from fastdeploy_kvcache.core.metadata import (
     BlockNode,
     CacheLevel,
@@ -44,25 +46,10 @@ from fastdeploy_kvcache.core.request import Request
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CacheManager", "CacheManagerError", "UnknownRequestError", "NoFreeBlocksError"]
+__all__ = ["CacheManager", "CacheManagerError", "UnknownRequestError", "NoFreeBlocksError", "InvariantViolation"]
 
 _DEV = CacheLevel.DEVICE
 _HOST = CacheLevel.HOST
-
-
-class CacheManagerError(ValueError):
-    """Bad input to the cache manager; raised before any state is changed."""
-
-
-class InvariantViolation(RuntimeError):
-    """The manager's bookkeeping is inconsistent (a bug): raised by check_invariants."""
-
-
-class UnknownRequestError(CacheManagerError, KeyError):
-    """The request is not running in this manager (never allocated, or already finished)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclass
@@ -1210,102 +1197,8 @@ class CacheManager:
         return len(self._inflight)
 
     def check_invariants(self) -> dict[str, int]:
-        """Verify every bookkeeping invariant; O(cache size), for tests and debugging.
+        """Verify every bookkeeping invariant (see ``invariants.py``); returns per-pool counts.
 
-        Raises AssertionError naming the first violation; returns per-pool counts.
+        O(cache size), for tests and debugging.  Raises InvariantViolation.
         """
-        dev_total, host_total = self.device_pool.num_blocks, self.host_pool.num_blocks
-        dev_claims: dict[int, str] = {}
-        host_claims: dict[int, str] = {}
-
-        def claim(claims: dict[int, str], bid: int, who: str) -> None:
-            assert bid not in claims, f"block {bid} claimed by {claims[bid]} and {who}"
-            claims[bid] = who
-
-        refs: dict[int, int] = {}
-        dev_owned = 0
-        for rid, st in self._requests.items():
-            req = st.request
-            assert req.block_tables == st.block_ids, f"{rid}: block table diverged"
-            assert len(st.nodes) == len(st.block_ids)
-            for i, (b, node) in enumerate(zip(st.block_ids, st.nodes)):
-                if node is None:
-                    claim(dev_claims, b, f"request {rid}[{i}]")
-                    dev_owned += 1
-                else:
-                    assert node.device_block_id == b, f"{rid}[{i}]: node {node} is not on block {b}"
-                    refs[id(node)] = refs.get(id(node), 0) + 1
-                    if node.detached:
-                        assert node in self._detached, f"{rid}[{i}]: detached node not tracked: {node}"
-        dev_cached = 0
-        host_cached = 0
-        for node in self.tree.iter_nodes():
-            assert not node.detached, node
-            assert node.device_block_id is not None or node.host_block_id is not None, f"empty node {node}"
-            assert node.ref_count == refs.pop(id(node), 0), f"ref count of {node}"
-            nd = sum(1 for c in node.children.values() if c.device_block_id is not None)
-            nh = sum(1 for c in node.children.values() if c.host_block_id is not None)
-            assert node.num_device_children == nd and node.num_host_children == nh, f"child counts of {node}"
-            for c in node.children.values():
-                assert c.parent is node and c.depth == node.depth + 1
-            if node.device_block_id is not None:
-                claim(dev_claims, node.device_block_id, f"node {node.hash_value:#x}")
-                if node.ref_count:
-                    dev_owned += 1
-                else:
-                    dev_cached += 1
-            else:
-                assert node.ref_count == 0, f"referenced node without device copy: {node}"
-            if node.host_block_id is not None:
-                claim(host_claims, node.host_block_id, f"node {node.hash_value:#x}")
-                host_cached += 1
-            if node.pending is not None:
-                assert any(inf.node is node for inf in self._inflight.values()), f"pending without copy: {node}"
-        root = self.tree.root
-        if self._host_prefix_closed:
-            for node in self.tree.iter_nodes():
-                if node.host_block_id is not None and node.parent is not root:
-                    assert node.parent.host_block_id is not None or node in self._host_doomed, (  # type: ignore[union-attr]
-                        f"host tier not prefix-closed: {node} has a host copy, its parent {node.parent} none"
-                    )
-        for node in self._host_doomed:
-            assert node.pending is not None and node.host_block_id is not None, f"doomed host copy not in flight: {node}"
-        assert self.tree.num_nodes == sum(1 for _ in self.tree.iter_nodes()), "node count"
-        assert root.num_device_children == sum(1 for c in root.children.values() if c.device_block_id is not None)
-        assert root.num_host_children == sum(1 for c in root.children.values() if c.host_block_id is not None)
-        host_owned = 0
-        for node in self._detached:
-            assert node.detached and (node.ref_count or node.pending is not None), node
-            assert node.ref_count == refs.pop(id(node), 0), f"ref count of detached {node}"
-            if node.device_block_id is not None:
-                claim(dev_claims, node.device_block_id, f"detached {node.hash_value:#x}")
-                dev_owned += 1
-            if node.host_block_id is not None:
-                claim(host_claims, node.host_block_id, f"detached {node.hash_value:#x}")
-                host_owned += 1
-        for (stier, dtier, dst), inf in self._inflight.items():
-            assert inf.node.pending is inf.kind, f"in-flight {inf.kind.name} but node says {inf.node.pending}"
-            if dtier is _DEV:
-                assert inf.node.device_block_id == dst
-            else:
-                assert inf.node.host_block_id == dst
-        assert not refs, f"{len(refs)} referenced nodes are neither in the tree nor tracked as detached"
-        dev_free = set(self.device_pool.free_ids())
-        host_free = set(self.host_pool.free_ids())
-        assert not dev_free & dev_claims.keys(), f"free device blocks also in use: {sorted(dev_free & dev_claims.keys())}"
-        assert not host_free & host_claims.keys(), f"free host blocks also in use: {sorted(host_free & host_claims.keys())}"
-        assert len(dev_free) + dev_owned + dev_cached == dev_total, (
-            f"device: free {len(dev_free)} + owned {dev_owned} + cached {dev_cached} != {dev_total}"
-        )
-        assert len(host_free) + host_owned + host_cached == host_total, (
-            f"host: free {len(host_free)} + owned {host_owned} + cached {host_cached} != {host_total}"
-        )
-        assert dev_cached == self._stats_cached_device, f"cached counter {self._stats_cached_device} != {dev_cached}"
-        return {
-            "device_free": len(dev_free),
-            "device_owned": dev_owned,
-            "device_cached": dev_cached,
-            "host_free": len(host_free),
-            "host_owned": host_owned,
-            "host_cached": host_cached,
-        }
+        return check_invariants(self)

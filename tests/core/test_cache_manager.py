@@ -648,3 +648,19 @@ def test_ensure_resident_errors_say_whether_to_retry():
         mgr.ensure_resident(other, -1)
     with pytest.raises(CacheManagerError, match="num_tokens"):
         mgr.ensure_resident(other, True)
+
+
+def test_invariant_checks_survive_python_O():
+    """check_invariants raises a named error, not assert, so python -O still checks."""
+    import subprocess
+    import sys
+
+    code = (
+        "from fastdeploy_kvcache.config import CacheConfig\n"
+        "from fastdeploy_kvcache.core.cache_manager import CacheManager, InvariantViolation\n"
+        "m = CacheManager(CacheConfig(block_size=4, num_gpu_blocks=4))\n"
+        "m.device_pool.allocate(1)  # a block nobody owns: free + owned + cached != total\n"
+        "try:\n    m.check_invariants()\nexcept InvariantViolation as e:\n    print('caught', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("caught device: free 3")
