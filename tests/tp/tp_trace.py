@@ -171,8 +171,15 @@ def run_tp_trace(
     devices: Optional[list[int]] = None,
     async_launch: bool = False,
     timeout_s: float = 60.0,
+    threaded: bool = True,
+    coordinator_cls: Any = None,
 ) -> dict[str, int]:
-    """Run one random trace over ``tp_size`` rank processes; returns what it exercised."""
+    """Run one random trace over ``tp_size`` rank processes; returns what it exercised.
+
+    ``threaded=False`` (cpu backend) runs every copy inline, so the trace, and what it
+    exercises, is the same on every run; threaded copies finish when they finish, and the
+    scheduler's decisions follow.
+    """
     from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
     from fastdeploy_kvcache.core.cache_manager import CacheManager
     from fastdeploy_kvcache.core.request import BatchRequest, Request
@@ -182,8 +189,8 @@ def run_tp_trace(
     cfg = tp_config(policy, tp_size, quant, mla)
     counts = {"steps": 0, "swap_in_blocks": 0, "d2h_blocks": 0, "failed": 0, "redone": 0, "armed": 0,
               "failed_on_one_rank": 0}
-    with TPCoordinator(cfg, devices=devices, backend=backend, mla=mla, hook=functools.partial(ShardModel, mla=mla),
-                       async_launch=async_launch, timeout_s=timeout_s) as coord:
+    with (coordinator_cls or TPCoordinator)(cfg, devices=devices, backend=backend, mla=mla, hook=functools.partial(ShardModel, mla=mla),
+                       async_launch=async_launch, timeout_s=timeout_s, threaded=threaded) as coord:
         mgr = CacheManager(coord.scheduler_config)
         families = [[rng.randrange(1000) for _ in range(20)] for _ in range(2)]
         running: list[Any] = []
