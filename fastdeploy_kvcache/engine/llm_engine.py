@@ -367,9 +367,9 @@ class LLMEngine:
             raise
         if self.pd is not None:
             self.pd.count_recomputed(scheduled)
-        if counter is not None and self.runner.last_context is not None:
+        if counter is not None:
             self._counters["steps_with_loads"] += 1
-            self._counters["layer_waits"] += len(self.runner.last_context.layers_waited)
+            self._counters["layer_waits"] += self.runner.last_layers_waited
         for er, n in scheduled:
             er.req.num_computed_tokens += n
             if not er.req.output_token_ids:

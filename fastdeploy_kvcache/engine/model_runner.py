@@ -39,7 +39,7 @@ class ModelRunner:
         self.model = loaded.model
         self.block_size = block_size
         self.place = place
-        self.last_context: Optional[StepContext] = None
+        self.last_layers_waited = 0  # layers of the last forward that waited for a load
         register_paged_attention(self.model.config)
 
     def forward(
@@ -65,11 +65,16 @@ class ModelRunner:
                 picked_rows.append((i, start + n - 1))
         rows = [row for _, row in sorted(picked_rows)]
         ctx = StepContext(slices, kv_caches, self.block_size, layer_done)
-        self.last_context = ctx  # for the engine's counters (layers that waited for a load)
+        # NOTE: only the count is kept: a kept StepContext would hold the cache tensors
+        # (and the step's index tensors) alive past the engine's shutdown.
+        self.last_layers_waited = 0
         with paddle.no_grad(), step_context(ctx):
             input_ids = paddle.to_tensor([ids], dtype="int64")
             position_ids = paddle.to_tensor([pos], dtype="int64")
-            out = self.model.model(input_ids, position_ids=position_ids, use_cache=False, return_dict=False)
+            try:
+                out = self.model.model(input_ids, position_ids=position_ids, use_cache=False, return_dict=False)
+            finally:
+                self.last_layers_waited = len(ctx.layers_waited)
             hidden = out[0] if isinstance(out, (tuple, list)) else out
             if not rows:
                 return np.zeros((0, self.loaded.vocab_size), dtype=np.float32)

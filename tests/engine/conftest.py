@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from typing import Any, Iterator, Optional
@@ -77,6 +78,10 @@ def engine_factory(monkeypatch: pytest.MonkeyPatch, tiny_model: LoadedModel) -> 
     yield factory
     for eng in made:
         eng.shutdown()
+    made.clear()
+    # Free the engines' Paddle tensors now, not during interpreter shutdown (a tensor freed
+    # after Paddle's own teardown has begun is what a late finaliser would trip over).
+    gc.collect()
 
 
 def greedy(max_tokens: int = 8, **kw: Any) -> SamplingParams:
