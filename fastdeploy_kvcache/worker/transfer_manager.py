@@ -15,8 +15,9 @@ events listed below, which implement the ordering rules of ``docs/architecture.m
    event, so a load never overwrites a block that compute enqueued earlier still reads
    (a block a finished request read in the previous step may be the load's destination).
 2. Nothing overwrites a device block an in-flight device->host copy still reads.  For an
-   eviction (its device blocks were freed and may be handed out again in this very step) the
-   compute stream waits on the copy's done event; a load whose destination overlaps an
+   eviction (its device blocks were freed and may be handed out again in this very step; the
+   metadata says so with ``frees_device_blocks``) the compute stream waits on the copy's done
+   event; a load whose destination overlaps an
    in-flight copy's source makes the input stream wait too.  Backups of blocks that stay
    cached need no fence: the scheduler never rewrites a full cached block, nor frees one
    while its copy is in flight.
@@ -57,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from fastdeploy_kvcache import envs, ops
-from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection, TransferKind
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection
 from fastdeploy_kvcache.worker.backends.base import Backend, HostEvent, HostStream
 from fastdeploy_kvcache.worker.layer_done import (
     LayerDoneCounter,
@@ -296,11 +297,13 @@ class TransferManager:
         if (
             evict_task is not None
             and evict_metadata is not None
-            and evict_metadata.kind != TransferKind.BACKUP
+            and evict_metadata.frees_device_blocks
             and 2 not in self.disabled_rules
         ):
             # Rule 2: blocks of an eviction were freed by the scheduler and may be written by
             # this step's compute; the compute stream waits for the copy to have read them.
+            # The scheduler says so explicitly (frees_device_blocks, kept through merges);
+            # a backup-only copy reads blocks that stay allocated and needs no fence.
             # (Outside the lock: the launcher needs it to record the event we wait for.)
             task_id = evict_task.meta.task_id
             to_host = CopyDirection.DEVICE_TO_HOST

@@ -308,6 +308,27 @@ def test_rule2_fences_compute_behind_a_merged_backup_and_eviction(make_controlle
 
 
 @pytest.mark.parametrize("launch", LAUNCH)
+@pytest.mark.parametrize("frees", [True, False])
+@pytest.mark.parametrize("kind", [TransferKind.EVICT, TransferKind.BACKUP])
+def test_the_compute_fence_follows_frees_device_blocks_not_the_kind(make_controller, kind, frees, launch) -> None:
+    """Rule 2's fence reads CacheSwapMetadata.frees_device_blocks; the kind is informational."""
+    ctrl = make_controller(async_launch=launch)
+    backend = ctrl.backend
+    compute = backend.create_stream()
+    backend.use_compute_stream(compute)
+    try:
+        fill_block(ctrl, 1, seed=1)
+        meta = CacheSwapMetadata([1], [4], CacheLevel.DEVICE, CacheLevel.HOST, kind=kind, frees_device_blocks=frees)
+        ctrl.transfer_manager.output_stream.pause()
+        ctrl.submit_swap_tasks(meta, None)
+        compute.submit(lambda: fill_block(ctrl, 3, seed=2))
+        _race(ctrl, frees, ctrl.transfer_manager.output_stream, compute)  # held back only if it frees
+    finally:
+        backend.use_compute_stream(None)
+    assert meta.success and block_seed(ctrl, 3) == 2
+
+
+@pytest.mark.parametrize("launch", LAUNCH)
 def test_a_backup_alone_does_not_hold_compute_back(make_controller, launch) -> None:
     """Backed-up blocks stay cached and are never rewritten, so compute need not wait for them."""
     ctrl = make_controller(async_launch=launch)
