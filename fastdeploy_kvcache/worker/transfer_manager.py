@@ -17,10 +17,9 @@ events listed below, which implement the ordering rules of ``docs/architecture.m
 2. Nothing overwrites a device block an in-flight device->host copy still reads.  For an
    eviction (its device blocks were freed and may be handed out again in this very step; the
    metadata says so with ``frees_device_blocks``) the compute stream waits on the copy's done
-   event; a load whose destination overlaps an
-   in-flight copy's source makes the input stream wait too.  Backups of blocks that stay
-   cached need no fence: the scheduler never rewrites a full cached block, nor frees one
-   while its copy is in flight.
+   event; a load whose destination overlaps an in-flight copy's source makes the input
+   stream wait too.  Backups of blocks that stay cached need no fence: the scheduler never
+   rewrites a full cached block, nor frees one while its copy is in flight.
 3. Layer ``i``'s attention reads its blocks after layer ``i``'s load: the compute stream
    waits on the layer's event (``LayerDoneCounter.wait_for_layer``).
 4. A host block an in-flight load reads is not overwritten: the scheduler does not reallocate
