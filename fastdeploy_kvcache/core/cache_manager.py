@@ -33,6 +33,7 @@ from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError
 from fastdeploy_kvcache.core.errors import CacheManagerError, InvariantViolation, UnknownRequestError
 from fastdeploy_kvcache.core.invariants import check_invariants
+from fastdeploy_kvcache.core.stats import CacheStats
 from fastdeploy_kvcache.core.metadata import (
     BlockNode,
     CacheLevel,
@@ -130,8 +131,7 @@ class CacheManager:
         self._host_doomed: set[BlockNode] = set()
         # Through policies keep the host tier prefix-closed (check_invariants checks it).
         self._host_prefix_closed = self.write_policy != "write_back"
-        self._stats: dict[str, int] = {}
-        self._reset_stats()
+        self.stats = CacheStats()
         logger.info(
             "CacheManager: %d device blocks, %d host blocks, block_size=%d, policy=%s",
             self.device_pool.num_blocks,
@@ -368,12 +368,12 @@ class CacheManager:
             request.cache_swap_metadata.append(
                 CacheSwapMetadata(src, list(swap_dst), _HOST, _DEV, hv, kind=TransferKind.SWAP_IN)
             )
-        s = self._stats
-        s["num_requests"] += 1
-        s["query_tokens"] += request.num_total_tokens
-        s["matched_tokens_device"] += (len(nodes) - num_swap) * bs
-        s["matched_tokens_host"] += num_swap * bs
-        s["swap_in_blocks_issued"] += num_swap
+        s = self.stats
+        s.num_requests += 1
+        s.query_tokens += request.num_total_tokens
+        s.matched_tokens_device += (len(nodes) - num_swap) * bs
+        s.matched_tokens_host += num_swap * bs
+        s.swap_in_blocks_issued += num_swap
         # Only what is returned is "new": device hits were already the request's data.
         return ResidencyPlan(
             new_block_ids=list(swap_dst) + list(fresh),
@@ -447,7 +447,7 @@ class CacheManager:
     def _no_free_blocks(self, n: int, exclude: frozenset[BlockNode] = frozenset()) -> NoFreeBlocksError:
         """The error for an infeasible ``n``: retryable when copies in flight pin the difference."""
         free = self.device_pool.num_free
-        bound = free + self._stats_cached_device - sum(1 for x in exclude if x.ref_count == 0 and x.device_block_id is not None)
+        bound = free + self.stats.cached_device - sum(1 for x in exclude if x.ref_count == 0 and x.device_block_id is not None)
         retryable = bool(self._inflight) and n <= bound
         return NoFreeBlocksError(
             f"need {n} device blocks: {free} free and not enough evictable"
@@ -470,7 +470,7 @@ class CacheManager:
                 if node.detached or node.device_block_id is None:
                     continue  # its block went with a subtree an earlier eviction dropped
                 self._evict_device(node)
-                self._stats["device_evictions"] += 1
+                self.stats.device_evictions += 1
         finally:
             self._pair_evictions_ascending(first)
         if self.device_pool.num_free < n:  # pragma: no cover - the plan guarantees it
@@ -531,7 +531,7 @@ class CacheManager:
         self.tree.set_host(node, host_block)
         self._inflight[(_DEV, _HOST, host_block)] = _InFlight(node, TransferKind.EVICT, d, host_block)
         self._call_evictions.append((d, host_block, node.hash_value, node))
-        self._stats["write_back_blocks_issued"] += 1
+        self.stats.write_back_blocks_issued += 1
 
     def _drop_device(self, node: BlockNode) -> None:
         """Release a cached node's device copy (no copy); remove the node if it is now empty."""
@@ -550,7 +550,7 @@ class CacheManager:
                 return None
             h = self.tree.clear_host(victim)
             pool.free_one(h)
-            self._stats["host_evictions"] += 1
+            self.stats.host_evictions += 1
             if victim.device_block_id is None:
                 self.tree.remove(victim)
         return pool.allocate_one()
@@ -571,7 +571,7 @@ class CacheManager:
                 aside.append(victim)
                 continue
             pool.free_one(self.tree.clear_host(victim))
-            self._stats["host_evictions"] += 1
+            self.stats.host_evictions += 1
             if victim.device_block_id is None:
                 self.tree.remove(victim)
         for victim in aside:
@@ -637,11 +637,11 @@ class CacheManager:
                 self._release_detached(node)
                 return
             if node.device_block_id is not None:
-                self._stats_cached_device += 1
+                self.stats.cached_device += 1
         self.tree.offer(node)
 
     def _dec_cached_device(self) -> None:
-        self._stats_cached_device -= 1
+        self.stats.cached_device -= 1
 
     # ================================================================== finish / preempt
     def request_finish(self, request: Request) -> None:
@@ -750,8 +750,8 @@ class CacheManager:
             if child is None:
                 child = tree.add_child(parent, h)
                 tree.set_device(child, blk)
-                self._stats_cached_device += 1
-                self._stats["inserted_blocks"] += 1
+                self.stats.cached_device += 1
+                self.stats.inserted_blocks += 1
                 if self.write_policy == "write_through":
                     self._queue_backup(child)
                 parent = child
@@ -760,12 +760,12 @@ class CacheManager:
                 tree.set_device(child, blk)
                 tree.touch(child)
                 tree.offer(child)
-                self._stats_cached_device += 1
-                self._stats["inserted_blocks"] += 1
+                self.stats.cached_device += 1
+                self.stats.inserted_blocks += 1
                 parent = child
             else:
                 to_free.append(blk)  # duplicate: the tree already has (or is getting) it
-                self._stats["duplicate_blocks"] += 1
+                self.stats.duplicate_blocks += 1
                 if child.device_block_id is None:
                     chain = False  # its only copy is in flight; don't hang device copies below
                 else:
@@ -862,7 +862,7 @@ class CacheManager:
             hv.append(node.hash_value)
         if src:
             metas.append(CacheSwapMetadata(src, dst, _DEV, _HOST, hv, kind=TransferKind.BACKUP))
-            self._stats["backup_blocks_issued"] += len(src)
+            self.stats.backup_blocks_issued += len(src)
         return CacheSwapMetadata.merged(metas)
 
     # ================================================================== completion
@@ -918,7 +918,7 @@ class CacheManager:
             logger.warning(
                 "copy task %d (%s -> %s, %d blocks) failed: %s", meta.task_id, st.name, dt.name, n, meta.error_message
             )
-            self._stats["failed_blocks"] += n
+            self.stats.failed_blocks += n
         affected: set[str] = set()
         for inf in entries:
             del self._inflight[(st, dt, inf.dst)]
@@ -956,7 +956,7 @@ class CacheManager:
         except NoFreeBlocksError:
             # NOTE: fallback when the pool is exhausted: the request recomputes into
             # the shared blocks; the KV it writes there equals what they hold.
-            self._stats["shared_recompute_fallbacks"] += 1
+            self.stats.shared_recompute_fallbacks += 1
             logger.warning(
                 "request %s: no free blocks to recompute privately; recomputing into %d shared blocks",
                 st.request.request_id,
@@ -985,7 +985,7 @@ class CacheManager:
                 self._lose_host_copy(node)  # the source of the failed load goes too
             self._host_doomed.discard(node)
             return
-        self._stats["swap_in_blocks"] += 1
+        self.stats.swap_in_blocks += 1
         if node.detached:
             self._host_doomed.discard(node)
             self._release_detached(node)
@@ -1031,7 +1031,7 @@ class CacheManager:
         node = inf.node
         node.pending = None
         if ok:
-            self._stats["write_back_blocks"] += 1
+            self.stats.write_back_blocks += 1
         if node.detached:
             self._release_detached(node)
             return
@@ -1047,7 +1047,7 @@ class CacheManager:
         node = inf.node
         node.pending = None
         if ok:
-            self._stats["backup_blocks"] += 1
+            self.stats.backup_blocks += 1
         if node.detached:
             self._host_doomed.discard(node)
             self._release_detached(node)
@@ -1126,47 +1126,15 @@ class CacheManager:
             self._release_detached(node)
         self._backup_queue.clear()
         self._host_doomed.clear()
-        self._stats_cached_device = 0
+        self.stats.cached_device = 0
         logger.info("cache reset: %d nodes dropped, %d copies still in flight", len(nodes), len(self._inflight))
-
-    def _reset_stats(self) -> None:
-        self._stats = {
-            k: 0
-            for k in (
-                "num_requests",
-                "query_tokens",
-                "matched_tokens_device",
-                "matched_tokens_host",
-                "matched_tokens_storage",
-                "device_evictions",
-                "host_evictions",
-                "write_back_blocks_issued",
-                "write_back_blocks",
-                "backup_blocks_issued",
-                "backup_blocks",
-                "swap_in_blocks_issued",
-                "swap_in_blocks",
-                "failed_blocks",
-                "inserted_blocks",
-                "duplicate_blocks",
-                "shared_recompute_fallbacks",
-            )
-        }
-        self._stats_cached_device = 0
 
     def get_stats(self) -> dict[str, Any]:
         """Counters since construction, plus current pool occupancy."""
-        s: dict[str, Any] = dict(self._stats)
-        matched = s["matched_tokens_device"] + s["matched_tokens_host"] + s["matched_tokens_storage"]
-        s["matched_tokens"] = matched
-        s["hit_rate"] = matched / s["query_tokens"] if s["query_tokens"] else 0.0
-        bpb = self.bytes_per_block
-        s["swap_in_bytes"] = s["swap_in_blocks"] * bpb
-        s["swap_out_blocks"] = s["write_back_blocks"] + s["backup_blocks"]
-        s["swap_out_bytes"] = s["swap_out_blocks"] * bpb
+        s = self.stats.as_dict(self.bytes_per_block)
         dev_total = self.device_pool.num_blocks
         dev_free = self.device_pool.num_free
-        dev_cached = self._stats_cached_device
+        dev_cached = self.stats.cached_device
         s.update(
             device_blocks_total=dev_total,
             device_blocks_free=dev_free,

@@ -133,6 +133,6 @@ def check_invariants(mgr: 'CacheManager') -> dict[str, int]:
         raise InvariantViolation(f'device: free {len(dev_free)} + owned {dev_owned} + cached {dev_cached} != {dev_total}')
     if len(host_free) + host_owned + host_cached != host_total:
         raise InvariantViolation(f'host: free {len(host_free)} + owned {host_owned} + cached {host_cached} != {host_total}')
-    if dev_cached != mgr._stats_cached_device:
-        raise InvariantViolation(f'cached counter {mgr._stats_cached_device} != {dev_cached}')
+    if dev_cached != mgr.stats.cached_device:
+        raise InvariantViolation(f'cached counter {mgr.stats.cached_device} != {dev_cached}')
     return {'device_free': len(dev_free), 'device_owned': dev_owned, 'device_cached': dev_cached, 'host_free': len(host_free), 'host_owned': host_owned, 'host_cached': host_cached}
