@@ -126,6 +126,13 @@ def test_layerwise_loads_overlap_each_ranks_compute_on_both_gpus() -> None:
         batch.append_swap_metadata(CacheSwapMetadata(list(range(32)), list(range(32, 64))))
         result = coord.step(batch, payloads=[{"spin_ms": 50.0}] * 2, wait=True)
         assert [o["device"] for o in result.outcomes] == [0, 1]
+        # Each rank's pinned host cache was placed on its own GPU's NUMA node.
+        from types import SimpleNamespace
+
+        from fastdeploy_kvcache.worker import numa
+
+        as_cupy = SimpleNamespace(is_cuda=True, name="cupy")
+        assert [i["numa_node"] for i in coord.rank_info] == [numa.gpu_numa_node(as_cupy, d) for d in (0, 1)]
         assert [o["compute_stream_device"] in (None, -1, o["device"]) for o in result.outcomes] == [True, True]
         assert all(o["overlapped"] for o in result.outcomes), result.outcomes
         assert [m.success for m in result.finished] == [True]
