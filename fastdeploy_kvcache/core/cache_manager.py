@@ -34,6 +34,7 @@ from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError
 from fastdeploy_kvcache.core.errors import CacheManagerError, InvariantViolation, UnknownRequestError
 from fastdeploy_kvcache.core.invariants import check_invariants
 from fastdeploy_kvcache.core.stats import CacheStats
+from fastdeploy_kvcache.core.write_policy import make_write_policy
 from fastdeploy_kvcache.core.metadata import (
     BlockNode,
     CacheLevel,
@@ -112,7 +113,7 @@ class CacheManager:
         self.bytes_per_block = config.bytes_per_block
         self.device_pool = BlockPool(config.num_gpu_blocks, _DEV)
         self.host_pool = BlockPool(config.host_block_count, _HOST)
-        self._write_back = self.write_policy == "write_back"
+        self.policy = make_write_policy(config.write_policy, config.write_through_threshold)
         self.tree = RadixTree()
         self._requests: dict[str, _RequestState] = {}
         # Matches of requests not allocated yet (applied once, by the first allocation).
@@ -129,8 +130,6 @@ class CacheManager:
         # Nodes whose host copy is to be released as soon as the copy in flight on them
         # completes (their parent's host copy was lost: see _lose_host_copy).
         self._host_doomed: set[BlockNode] = set()
-        # Through policies keep the host tier prefix-closed (check_invariants checks it).
-        self._host_prefix_closed = self.write_policy != "write_back"
         self.stats = CacheStats()
         logger.info(
             "CacheManager: %d device blocks, %d host blocks, block_size=%d, policy=%s",
@@ -483,7 +482,7 @@ class CacheManager:
             # dropping the device copy costs nothing.
             self._drop_device(node)
             return
-        if self._write_back and self.host_pool.num_blocks:
+        if self.policy.copies_on_eviction and self.host_pool.num_blocks:
             h = self._allocate_host_block()
             if h is not None:
                 self._evict_to_host(node, h)
@@ -752,7 +751,7 @@ class CacheManager:
                 tree.set_device(child, blk)
                 self.stats.cached_device += 1
                 self.stats.inserted_blocks += 1
-                if self.write_policy == "write_through":
+                if self.policy.backup_on_insert:
                     self._queue_backup(child)
                 parent = child
             elif child.device_block_id is None and child.pending is None and child.ref_count == 0:
@@ -785,10 +784,7 @@ class CacheManager:
     def _maybe_queue_backup(self, node: BlockNode, retry: bool = False) -> None:
         """Queue a backup if the write policy wants one for ``node`` (after a hit, or a
         ``retry`` of a backup that failed or was cancelled)."""
-        if self.write_policy == "write_through_selective":
-            if node.hit_count >= self.write_through_threshold:
-                self._queue_backup(node)
-        elif self.write_policy == "write_through" and retry:
+        if self.policy.wants_backup(node, retry):
             self._queue_backup(node)
 
     def _queue_backup(self, node: BlockNode) -> None:
@@ -992,7 +988,7 @@ class CacheManager:
             return
         if node in self._host_doomed:
             self._lose_host_copy(node)
-        elif self._write_back and node.host_block_id is not None:
+        elif self.policy.exclusive_tiers and node.host_block_id is not None:
             # Exclusive tiers: the host copy has done its job.
             self.host_pool.free_one(self.tree.clear_host(node))
         self.tree.offer(node)
@@ -1156,6 +1152,11 @@ class CacheManager:
     def _check_request(request: Request) -> None:
         if not isinstance(request, Request):
             raise CacheManagerError(f"expected a Request, got {type(request).__name__}")
+
+    @property
+    def _host_prefix_closed(self) -> bool:
+        """Whether the host tier is kept prefix-closed (the through policies)."""
+        return self.policy.host_prefix_closed
 
     def is_running(self, request_id: str) -> bool:
         return request_id in self._requests
