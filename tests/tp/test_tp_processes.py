@@ -15,7 +15,7 @@ import pytest
 
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata
 from fastdeploy_kvcache.core.request import BatchRequest
-from fastdeploy_kvcache.worker.tp import RankFailedError, RankTimeoutError, TPCoordinator
+from fastdeploy_kvcache.worker.tp import CompletionMerger, RankFailedError, RankTimeoutError, TPCoordinator
 from tp_trace import FULL_HEADS, ControlHook, run_tp_trace, tp_config
 
 pytestmark = pytest.mark.usefixtures("capi_cpu")
@@ -58,7 +58,7 @@ def test_inline_trace_voids_steps_whose_load_failed_on_one_rank(
     assert counts["redone"] > 0 and counts["failed"] > counts["redone"], counts
 
 
-class _RankZeroDecides(TPCoordinator):
+class _RankZeroMerger(CompletionMerger):
     """The merge this package must not do: take rank 0's verdict for the whole group."""
 
     def _resolve(self, pending) -> None:  # type: ignore[no-untyped-def]
@@ -66,6 +66,12 @@ class _RankZeroDecides(TPCoordinator):
             if rank != 0:
                 pending.verdicts[rank] = None
         super()._resolve(pending)
+
+
+class _RankZeroDecides(TPCoordinator):
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self._merger = _RankZeroMerger(self.tp_size)
 
 
 def test_the_per_rank_oracle_notices_a_merge_that_ignores_a_failed_rank() -> None:

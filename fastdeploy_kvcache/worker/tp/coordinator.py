@@ -36,6 +36,7 @@ from typing import Any, Optional, Sequence, Union
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata
 from fastdeploy_kvcache.worker.layer_done import check_timeout, default_timeout_s
+from fastdeploy_kvcache.worker.tp.merge import CompletionMerger
 from fastdeploy_kvcache.worker.tp.rank import HookFactory, RankSpec, StepReply, rank_main
 from fastdeploy_kvcache.worker.tp.shard import check_divisible, scheduler_config, shard_config
 
@@ -67,12 +68,6 @@ class StepResult:
 
     outcomes: list[Any]
     finished: list[CacheSwapMetadata] = field(default_factory=list)
-
-
-@dataclass
-class _Pending:
-    meta: CacheSwapMetadata
-    verdicts: dict[int, Optional[str]] = field(default_factory=dict)  # rank -> None (ok) or error
 
 
 class TPCoordinator:
@@ -132,8 +127,7 @@ class TPCoordinator:
         self.rank_info: list[dict[str, Any]] = []
         self._procs: list[Any] = []
         self._conns: list[Any] = []
-        self._pending: dict[int, _Pending] = {}
-        self._ready: list[CacheSwapMetadata] = []
+        self._merger = CompletionMerger(tp_size)
         self._broken: Optional[RankFailedError] = None
         self._closed = False
         if start:
@@ -175,18 +169,18 @@ class TPCoordinator:
         Bounded: a rank that does not stop in time is terminated, then killed.
         """
         if self._closed:
-            return self._take_ready()
+            return self._merger.take_ready()
         self._closed = True
         try:
             if self._broken is None and self._procs:
                 replies = self._exchange([("close",)] * self.tp_size, "close")
                 for rank, finished in enumerate(replies):
-                    self._absorb(rank, finished)
+                    self._merger.report(rank, finished)
         except RankFailedError:
             logger.warning("a rank failed while closing", exc_info=True)
         finally:
             self._terminate()
-        return self._take_ready()
+        return self._merger.take_ready()
 
     def __enter__(self) -> "TPCoordinator":
         return self
@@ -225,16 +219,18 @@ class TPCoordinator:
             raise ValueError(f"payloads must have one entry per rank ({self.tp_size}), got {len(payloads)}")
         # The batch is pickled once; every rank gets the same bytes.
         data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-        for meta in (batch.cache_evict_metadata, batch.cache_swap_metadata):
-            if meta is not None:
-                if meta.task_id in self._pending:
-                    raise ValueError(f"task {meta.task_id} was already submitted and is still pending")
-                self._pending[meta.task_id] = _Pending(meta)
+        metas = [m for m in (batch.cache_evict_metadata, batch.cache_swap_metadata) if m is not None]
+        pending = self._merger.pending()
+        for meta in metas:
+            if meta.task_id in pending:
+                raise ValueError(f"task {meta.task_id} was already submitted and is still pending")
+        for meta in metas:
+            self._merger.expect(meta)
         messages = [("step", data, None if payloads is None else payloads[r], bool(wait)) for r in range(self.tp_size)]
         replies: list[StepReply] = self._exchange(messages, "step")
         for reply in replies:
-            self._absorb(reply.rank, reply.finished)
-        return StepResult([reply.outcome for reply in replies], self._take_ready())
+            self._merger.report(reply.rank, reply.finished)
+        return StepResult([reply.outcome for reply in replies], self._merger.take_ready())
 
     def collect_finished(self, wait: bool = False, timeout_s: Optional[float] = None) -> list[CacheSwapMetadata]:
         """Copies every rank has finished (merged), for ``CacheManager.complete_swap``.
@@ -246,8 +242,8 @@ class TPCoordinator:
             limit = None if timeout_s is None else check_timeout(timeout_s)
             replies = self._exchange([("collect", bool(wait), limit)] * self.tp_size, "collect", limit)
             for rank, finished in enumerate(replies):
-                self._absorb(rank, finished)
-        return self._take_ready()
+                self._merger.report(rank, finished)
+        return self._merger.take_ready()
 
     def call(self, name: str, *args: Any, ranks: Optional[Sequence[int]] = None, **kwargs: Any) -> list[Any]:
         """Call method ``name`` of the hook of each rank in ``ranks`` (default all); their results.
@@ -264,47 +260,19 @@ class TPCoordinator:
 
     def pending_tasks(self) -> dict[int, list[int]]:
         """Task id -> the ranks that have finished it, for copies not yet finished on all."""
-        return {task_id: sorted(p.verdicts) for task_id, p in self._pending.items()}
+        return self._merger.pending()
 
     @property
     def broken(self) -> Optional[RankFailedError]:
         """The failure that broke the group, or None."""
         return self._broken
 
-    # ------------------------------------------------------------------ merging
-    def _absorb(self, rank: int, finished: Sequence[CacheSwapMetadata]) -> None:
-        for meta in finished:
-            pending = self._pending.get(meta.task_id)
-            if pending is None:
-                logger.warning("rank %d reported task %d, which is not pending", rank, meta.task_id)
-                continue
-            pending.verdicts[rank] = None if meta.success else (meta.error_message or "unknown transfer error")
-            if len(pending.verdicts) == self.tp_size:
-                self._resolve(pending)
-
-    def _resolve(self, pending: _Pending) -> None:
-        errors = [f"rank {r}: {err}" for r, err in sorted(pending.verdicts.items()) if err is not None]
-        # The scheduler's own object is marked: the copy is done on every rank.
-        pending.meta.mark_done(not errors, "; ".join(errors) if errors else None)
-        if errors:
-            logger.warning("task %d failed on %d of %d ranks: %s", pending.meta.task_id, len(errors),
-                           self.tp_size, errors[0])
-        del self._pending[pending.meta.task_id]
-        self._ready.append(pending.meta)
-
-    def _take_ready(self) -> list[CacheSwapMetadata]:
-        ready, self._ready = self._ready, []
-        return ready
-
+    # ------------------------------------------------------------------ failures
     def _break(self, error: RankFailedError) -> RankFailedError:
         """Fail every pending copy (the group cannot finish it) and remember the failure."""
         if self._broken is None:
             self._broken = error
-            for pending in list(self._pending.values()):
-                for rank in range(self.tp_size):
-                    pending.verdicts.setdefault(rank, None)
-                pending.verdicts[error.rank] = f"rank failed: {error}"
-                self._resolve(pending)
+            self._merger.fail_all(error.rank, f"rank failed: {error}")
             logger.error("tensor-parallel group broken: %s", error)
         return error
 
