@@ -197,3 +197,14 @@ def test_an_unpicklable_hook_fails_at_start_and_leaves_no_process() -> None:
     with pytest.raises(Exception, match="pickle|Pickl"):
         TPCoordinator(cfg, backend="cpu", hook=lambda ctrl, rank, size: None, timeout_s=30.0)
     assert {p.pid for p in multiprocessing.active_children()} <= before
+
+
+def test_inline_trace_on_the_paddle_backend_per_rank() -> None:
+    """The same per-rank oracle with Paddle tensors and the Paddle custom ops in each rank."""
+    pytest.importorskip("paddle", reason="needs paddlepaddle (CPU) installed: `bash build.sh`")
+    from fastdeploy_kvcache import ops
+
+    if not ops.paddle_ops_available():
+        pytest.skip("needs the Paddle custom ops (run `bash build.sh`, which runs setup_ops.py)")
+    counts = run_tp_trace("write_back", 0, steps=30, tp_size=2, fail_p=0.3, backend="paddle", threaded=False)
+    assert counts["swap_in_blocks"] > 0 and counts["redone"] > 0, counts
