@@ -115,6 +115,7 @@ class ConfigResult:
     wall_s: float = 0.0
     turns: list[Turn] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    engine_stats: dict[str, Any] = field(default_factory=dict)
 
     def ttfts(self, min_round: int = 1) -> list[float]:
         return [t.ttft_s for t in self.turns if t.round >= min_round]
@@ -366,6 +367,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if bad:
         ap.error(f"--configs: unknown {bad}; choose from {CONFIGS}")
 
+    from openai import OpenAI
     from tqdm import tqdm
 
     bs = args.block_size
@@ -411,10 +413,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                 logger.info("tokenizer: %.2f tokens/word; device pool %d blocks (working set %d blocks)",
                             tokens_per_word, device_blocks, working_set_blocks)
             assert wl is not None
+            # Warm-up (not measured): the first requests of a fresh server pay one-time costs
+            # (Paddle's kernels and allocator); every configuration gets the same warm-up.
+            warm = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+            for i in range(2):
+                warm.completions.create(model=args.model, prompt=wl.document(90_000 + i), max_tokens=2, temperature=0)
             bar = tqdm(total=wl.users * wl.rounds, desc=name, unit="req", file=sys.stderr)
             turns, wall = asyncio.run(run_workload(server.base_url, args.model, wl, bar))
             bar.close()
             res = ConfigResult(name, server.args, env, wall, turns, scrape_metrics(server))
+            res.engine_stats = server.engine_stats()  # preemptions, steps, evictions: for the JSON
             if name == "device+host":
                 host_blocks = _find_number(server.engine_stats(), "host_blocks_total")
             results[name] = res
@@ -532,6 +540,7 @@ def build_report(args: argparse.Namespace, results: dict[str, ConfigResult], pro
         "turns": {name: [asdict(t) for t in r.turns] for name, r in results.items()},
         "server_args": {name: r.server_args for name, r in results.items()},
         "metrics": {name: r.metrics for name, r in results.items()},
+        "engine_stats": {name: r.engine_stats for name, r in results.items()},
         "probe": probe,
         "ratios": ratios,
         "targets": targets,
