@@ -1,0 +1,60 @@
+"""Matching: the longest cached prefix of a request, over every tier.
+
+``match_prefix`` walks the tree and records the result in the manager's own
+per-request record; the first allocation applies it (``allocation.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastdeploy_kvcache.core.errors import CacheManagerError
+from fastdeploy_kvcache.core.manager_state import ManagerState
+from fastdeploy_kvcache.core.metadata import MatchResult
+from fastdeploy_kvcache.core.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class MatchingMixin(ManagerState):
+    """``match_prefix`` and the storage hook."""
+
+    def match_prefix(self, request: Request) -> MatchResult:
+        """Longest cached prefix of ``request`` over all tiers; stored on the request.
+
+        Takes no refs and changes nothing: ``allocate_device_blocks`` re-checks the
+        match when it applies it, so a block evicted in between is simply not reused.
+        At least the last token is always left to compute (the forward pass needs
+        one token to produce logits), so at most ``(num_tokens - 1) // block_size``
+        blocks match.
+        """
+        self._check_request(request)
+        if request.request_id in self._requests:
+            raise CacheManagerError(
+                f"request {request.request_id} is already running (its match was applied); "
+                "finish or preempt it before matching again"
+            )
+        bs = self.block_size
+        num_tokens = request.num_total_tokens
+        max_blocks = (num_tokens - 1) // bs
+        hashes = request.block_hashes(bs, num_tokens)
+        if self.enable_prefix_caching:
+            nodes, tiers = self.tree.match(hashes, max_blocks)
+        else:
+            nodes, tiers = [], []
+        result = MatchResult(block_size=bs, nodes=nodes, tiers=tiers)
+        result.storage_hashes = self._match_storage(hashes[len(nodes) : max_blocks])
+        self._matches[request] = result
+        request.match_result = result
+        return result
+
+    def _match_storage(self, hashes: list[int]) -> list[int]:
+        """Hook for the storage tier: the leading ``hashes`` that storage holds.
+
+        NOTE: not implemented in this issue.  A storage connector will answer an
+        exists() query here; ``allocate_device_blocks`` will then allocate
+        destination blocks for those hashes and emit ``StorageMetadata`` load jobs
+        (TransferKind.STORAGE_LOAD), and the nodes will sit in
+        NodeState.LOADING_FROM_STORAGE until confirmed, like swap-ins do.
+        """
+        return []
