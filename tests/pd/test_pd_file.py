@@ -85,6 +85,12 @@ def test_router_output_is_token_identical_and_nothing_is_recomputed(cluster: dic
     metrics = scrape(cluster["prefill"])
     assert metrics['fastdeploy:pd_write_block_num_total{result="ok"}'] > 0
     assert metrics['fastdeploy:pd_write_block_num_total{result="failed"}'] == 0
+    # No block leaked on either side once everything settled.
+    for name in ("prefill", "decode"):
+        _wait_quiet(cluster[name])
+        cache = cluster[name].engine_stats()["cache"]
+        assert cache["device_blocks_owned"] == 0, (name, cache)
+        assert cache["device_blocks_free"] + cache["device_blocks_cached"] == cache["device_blocks_total"], cache
 
 
 def test_max_tokens_one_and_eos_finish_on_the_prefill_token(cluster: dict[str, Any]) -> None:
@@ -121,6 +127,17 @@ def test_errors_reach_the_client_in_openai_shape(cluster: dict[str, Any]) -> Non
                    json={"model": MODEL, "prompt": PROMPTS[45], "kv_transfer_params": {"prefill_token_ids": [1]}})
     assert r.status_code == 400 and "decode" in r.json()["error"]["message"]
     assert httpx.get(router.base_url + "/health", timeout=30).status_code == 200
+    # A decode server that is not there: a 502 naming it, after the prefill call succeeded.
+    from fastdeploy_kvcache.entrypoints.server_process import free_port
+
+    with RouterProcess(cluster["prefill"].base_url, f"http://127.0.0.1:{free_port()}") as lonely:
+        for stream in (False, True):
+            out = completion(lonely.base_url, PROMPTS[45], stream=stream)
+            assert out["status"] == 502, out
+            assert out["json"]["error"]["message"].startswith("decode server:")
+            assert out["json"]["error"]["code"] == "upstream_unavailable"
+        h = httpx.get(lonely.base_url + "/health", timeout=30)
+        assert h.status_code == 503 and "decode server" in h.json()["error"]["message"]
 
 
 def _prefill(server: Any, prompt: list[int]) -> dict[str, Any]:
