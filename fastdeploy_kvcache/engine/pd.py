@@ -300,6 +300,8 @@ class PDCoordinator:
         assert key is not None
         t0 = time.perf_counter()
         try:
+            if not self._store_available():
+                raise RuntimeError("the store is unavailable (set-up pending or breaker open)")
             got = self.transfer.get_blocks([key], [r.block_tables[num_full]])[0]
         except Exception as exc:  # noqa: BLE001 - StorageError or anything: recompute it
             logger.warning("PD decode %s: partial block %s could not be read (%s); recomputing it",
@@ -364,6 +366,12 @@ class PDCoordinator:
             logger.error("PD prefill %s: %d blocks for %d prompt tokens; not written", er.request_id, len(blocks), P)
             return
         t0 = time.perf_counter()
+        if not self._store_available():
+            # NOTE: no call at all: a dead store must not hold the engine thread for the
+            # backend's timeout on every request; the decode side recomputes.
+            self._stats.prefill_write_blocks_failed += need
+            logger.warning("PD prefill %s: the store is unavailable; %d blocks not written", er.request_id, need)
+            return
         skip = 0
         if nfull:
             try:
@@ -388,6 +396,14 @@ class PDCoordinator:
         if ok < len(todo_keys):
             logger.warning("PD prefill %s: %d of %d blocks not stored (results %s)", er.request_id,
                            len(todo_keys) - ok, len(todo_keys), sorted(set(results)))
+
+    def _store_available(self) -> bool:
+        """The backend's cheap health flag (no I/O): False while set-up is pending or the
+        breaker is open, so the engine thread never waits on a store known to be down."""
+        try:
+            return bool(self.store.health().available)
+        except Exception:  # noqa: BLE001 - a broken health() means "off"
+            return False
 
     # ------------------------------------------------------------------ stats / close
     def stats(self) -> dict[str, Any]:

@@ -122,6 +122,8 @@ def test_store_down_between_prefill_and_decode_recomputes_with_the_same_output(c
         prompt = prompt_ids(32, 2 * BLOCK_SIZE + 11)
         kv = _prefill(prefill, prompt)
         assert prefill.engine_stats()["pd"]["prefill_write_blocks_ok"] == 3
+        short = prompt_ids(33, 5)  # a partial block only: the decode side tries to read it
+        kv_short = _prefill(prefill, short)
     finally:
         prefill.stop()
     decode = cluster["decode"]
@@ -130,3 +132,8 @@ def test_store_down_between_prefill_and_decode_recomputes_with_the_same_output(c
     out = completion(decode.base_url, prompt, kv_transfer_params=kv)
     same(out, completion(cluster["mixed"].base_url, prompt))
     assert recomputed(decode) - before == len(prompt)
+    failed = decode.engine_stats()["pd"]["decode_partial_failed"]
+    out = completion(decode.base_url, short, kv_transfer_params=kv_short)
+    same(out, completion(cluster["mixed"].base_url, short))
+    assert recomputed(decode) - before == len(prompt) + len(short)
+    assert decode.engine_stats()["pd"]["decode_partial_failed"] == failed + 1
