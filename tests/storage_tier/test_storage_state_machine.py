@@ -1,0 +1,143 @@
+"""Hypothesis state machine over the storage tier: a real CacheManager, StorageTier,
+StorageWorker, StorageTransfer and file backend (the Rig of test_tier.py), with storage
+faults injected between steps.
+
+The oracle is shadow memory: every host block that the tree serves (a valid host copy) must
+hold exactly the bytes of its block hash, whether a backup wrote them or a prefetch brought
+them back from storage.  A put that read a reallocated block, a prefetch that scattered a
+block that did not arrive whole, or a stored hash whose object is wrong would all break it.
+The tier's own books (pins, deferred frees, prefetch blocks) and the manager's invariants
+are checked after every rule.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
+from fastdeploy_kvcache.core.request import Request
+
+from .test_tier import _NO_CAPI, BS, Rig
+
+pytestmark = pytest.mark.skipif(_NO_CAPI is not None, reason=f"CPU C ABI library missing ({_NO_CAPI}): run `bash build.sh`")
+
+# Four prompts sharing prefixes pairwise, so matches stop at every depth.
+_BASE = list(range(1000, 1000 + 6 * BS + 1))
+PROMPTS = [
+    _BASE,
+    _BASE[: 2 * BS] + list(range(2000, 2000 + 4 * BS + 1)),
+    list(range(3000, 3000 + 6 * BS + 1)),
+    _BASE[: 4 * BS] + list(range(4000, 4000 + 2 * BS + 1)),
+]
+
+
+class StorageMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="fdkv-sm-"))
+        self.rig = Rig(self.dir / "kv", policy="best_effort", host_blocks=6)
+
+    def teardown(self) -> None:
+        self.rig.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @rule(p=st.integers(0, len(PROMPTS) - 1), blocks=st.integers(1, 6),
+          prefetch=st.sampled_from(["none", "async", "wait"]))
+    def serve(self, p: int, blocks: int, prefetch: str) -> None:
+        """A request; its prefetch is left running (async) or waited for (wait) first."""
+        tokens = PROMPTS[p][: blocks * BS + 1]
+        if prefetch != "none":
+            self.rig.tier.prefetch_state(Request(f"pf{p}", tokens))
+        if prefetch == "wait":
+            self.rig.submit()
+            self.rig.drain()
+        try:
+            self.rig.serve(f"r{p}", tokens)
+        except NoFreeBlocksError:
+            pass
+
+    @rule(ok=st.booleans())
+    def backups(self, ok: bool) -> None:
+        meta = self.rig.manager.issue_pending_backup_to_batch_request()
+        if meta is None:
+            return
+        if ok:
+            for h, b in zip(meta.hash_values, meta.dst_block_ids):
+                self.rig.write_host(b, self.rig.expected(h))
+        meta.mark_done(ok, None if ok else "injected")
+        self.rig.tier.on_host_copies(meta.hash_values, meta.dst_block_ids, ok)
+        self.rig.manager.complete_swap(meta)
+
+    @rule()
+    def settle(self) -> None:
+        """Backups land, their puts run and return."""
+        self.backups(True)
+        self.rig.submit()
+        self.rig.drain()
+
+    @rule()
+    def submit(self) -> None:
+        self.rig.submit()
+
+    @rule()
+    def drain(self) -> None:
+        self.rig.drain()
+
+    @rule(i=st.integers(0, 10_000), corrupt=st.booleans())
+    def storage_fault(self, i: int, corrupt: bool) -> None:
+        """Delete or corrupt one stored object (between the existence check and the get, or not)."""
+        files = sorted((self.dir / "kv").glob("*.kv"))
+        if not files:
+            return
+        f = files[i % len(files)]
+        if corrupt:
+            raw = bytearray(f.read_bytes())
+            raw[-1] ^= 0x5A
+            f.write_bytes(bytes(raw))
+        else:
+            f.unlink()
+
+    @rule(p=st.integers(0, len(PROMPTS) - 1))
+    def churn(self, p: int) -> None:
+        """The host tier lets go of everything and another prompt's backups take the blocks
+        (while puts of the old ones may still be queued: their blocks must stay pinned)."""
+        self.rig.manager.reset_cache()
+        try:
+            self.rig.serve(f"c{p}", PROMPTS[p])
+        except NoFreeBlocksError:
+            return
+        self.backups(True)
+
+    @rule()
+    def reset(self) -> None:
+        self.rig.manager.reset_cache()
+
+    @precondition(lambda self: True)
+    @rule()
+    def restart(self) -> None:
+        """A new scheduler and worker in front of the same directory (jobs drained first)."""
+        self.rig.close()
+        self.rig = Rig(self.dir / "kv", policy="best_effort", host_blocks=6)
+
+    @invariant()
+    def books(self) -> None:
+        rig = self.rig
+        rig.tier.check_invariants()
+        if not rig.tier.held_host_blocks():
+            rig.manager.check_invariants()
+        for node in rig.manager.tree.iter_nodes():
+            if node.host_block_id is not None and node.pending is None:
+                assert rig.read_host(node.host_block_id) == rig.expected(node.hash_value), (
+                    f"host block {node.host_block_id} of {node!r} does not hold its hash's bytes")
+
+
+TestStorageMachine = StorageMachine.TestCase
+TestStorageMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow])
