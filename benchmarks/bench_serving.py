@@ -684,9 +684,9 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
     if base and "device+host" in s and "device" in s:
         r1 = lambda n: s[n]["ttft_p50_by_round_s"].get("1", s[n]["ttft_p50_by_round_s"].get(1))  # noqa: E731
         body += [
-            "Reading the table: every configuration computes everything in round 1 (nothing is cached yet); "
-            f"there device+host's TTFT p50 was {r1('device+host') / r1('recompute'):.2f}x recompute's and the "
-            f"device prefix cache's {r1('device') / r1('recompute'):.2f}x. In rounds ≥ 2 the device prefix cache "
+            "Reading the table: round 1 computes the same tokens in every configuration (nothing is cached "
+            f"yet); there device+host's TTFT p50 was {r1('device+host') / r1('recompute'):.2f}x recompute's and "
+            f"device's {r1('device') / r1('recompute'):.2f}x. In rounds ≥ 2 the device prefix cache "
             f"alone reused {100 * s['device']['cached_fraction_round2plus_by_tier']['device']:.0f}% of the prompt "
             "tokens: its pool holds a third of the working set and the users take turns, so each document is "
             "evicted before its next round. The host tier kept them: "
