@@ -80,6 +80,7 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         self.bytes_per_block = config.bytes_per_block
         self.device_pool = BlockPool(config.num_gpu_blocks, DEV)
         self.host_pool = BlockPool(config.host_block_count, HOST)
+        self.storage = None  # StorageTier(self, ...) attaches itself here
         self.policy = make_write_policy(config.write_policy, config.write_through_threshold)
         self.tree = RadixTree()
         self._requests: dict[str, RequestState] = {}

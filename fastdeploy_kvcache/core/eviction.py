@@ -201,10 +201,13 @@ class EvictionMixin(ManagerState):
     def _allocate_host_block(self) -> Optional[int]:
         """One host block, evicting the LRU host leaf if the pool is full; None if impossible."""
         pool = self.host_pool
-        if pool.num_free == 0:
+        # A loop, not an if: with a storage tier a victim's block may stay pinned by its put.
+        while pool.num_free == 0:
             victim = self.tree.host_heap.pop()
             if victim is None:
                 return None
+            if self.storage is not None:
+                self.storage.on_host_evict(victim)  # write_back: store it before it goes
             h = self.tree.clear_host(victim)
             pool.free_one(h)
             self.stats.host_evictions += 1
@@ -227,6 +230,8 @@ class EvictionMixin(ManagerState):
             if victim in keep:
                 aside.append(victim)
                 continue
+            if self.storage is not None:
+                self.storage.on_host_evict(victim)  # write_back: store it before it goes
             pool.free_one(self.tree.clear_host(victim))
             self.stats.host_evictions += 1
             if victim.device_block_id is None:

@@ -113,6 +113,13 @@ def check_invariants(mgr: 'CacheManager') -> dict[str, int]:
         if node.host_block_id is not None:
             claim(host_claims, node.host_block_id, f'detached {node.hash_value:#x}')
             host_owned += 1
+    if mgr.storage is not None:
+        # Host blocks the storage tier owns outside the tree: gets in flight, and blocks the
+        # tree freed while a put still reads them (pinned, their free deferred).
+        mgr.storage.check_invariants()
+        for b, who in mgr.storage.held_host_blocks():
+            claim(host_claims, b, who)
+            host_owned += 1
     for (stier, dtier, dst), inf in mgr._inflight.items():
         if inf.node.pending is not inf.kind:
             raise InvariantViolation(f'in-flight {inf.kind.name} but node says {inf.node.pending}')

@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from fastdeploy_kvcache.core.errors import CacheManagerError
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, CacheSwapMetadata, MatchResult, TransferKind
@@ -69,6 +69,8 @@ class ManagerState:
     policy: "WritePolicy"
     device_pool: "BlockPool"
     host_pool: "BlockPool"
+    # The storage tier (core.storage_tier.StorageTier) when one is attached, else None.
+    storage: Optional[Any]
     tree: "RadixTree"
     stats: "CacheStats"
     # Running requests, by id.

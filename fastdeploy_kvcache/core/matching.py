@@ -51,10 +51,10 @@ class MatchingMixin(ManagerState):
     def _match_storage(self, hashes: list[int]) -> list[int]:
         """Hook for the storage tier: the leading ``hashes`` that storage holds.
 
-        NOTE: not implemented in this issue.  A storage connector will answer an
-        exists() query here; ``allocate_device_blocks`` will then allocate
-        destination blocks for those hashes and emit ``StorageMetadata`` load jobs
-        (TransferKind.STORAGE_LOAD), and the nodes will sit in
-        NodeState.LOADING_FROM_STORAGE until confirmed, like swap-ins do.
+        NOTE: the storage tier (core/storage_tier.py) answers from what it knows
+        locally (puts that returned OK, prefetches), with no I/O: its one existence
+        round trip per request is made when the request is admitted, and its hits
+        come back as host nodes (prefetch into host), so they match as HOST here.
         """
-        return []
+        storage = self.storage
+        return storage.known_prefix(hashes) if storage is not None else []

@@ -236,6 +236,15 @@ class StorageTier:
     def is_stored(self, block_hash: int) -> bool:
         return block_hash in self._stored
 
+    def known_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """The leading ``hashes`` known to be stored (puts that returned OK), no I/O."""
+        out: list[int] = []
+        for h in hashes:
+            if h not in self._stored:
+                break
+            out.append(h)
+        return out
+
     def available(self) -> bool:
         try:
             return bool(self.backend.health().available)

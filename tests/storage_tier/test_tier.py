@@ -238,3 +238,34 @@ def test_tier_off_drops_backups_without_pinning(rigs: Any) -> None:
     assert rig.tier.pool.num_pinned == 0 and rig.tier.errors["unreachable"] == 4
     assert rig.tier.prefetch_state(Request("b", list(range(5000, 5000 + 4 * BS + 1)))) == PREFETCH_READY
     assert rig.tier.stats["unavailable_skips"] >= 1
+
+
+def test_write_back_stores_blocks_when_the_host_tier_evicts_them(rigs: Any, tmp_path: Path) -> None:
+    rig = rigs(host_blocks=4)
+    rig.config.write_policy = "write_back"
+    first = rig.serve("a", TOKENS)
+    rig.run_backups()  # on host; write_back stores nothing yet
+    assert rig.tier.take_jobs() == [] and rig.tier.pool.num_pinned == 0
+    hashes = first.block_hashes(BS)[:4]
+    # Another prompt's backups need the host blocks: the LRU host leaves are evicted, and
+    # each is stored first (pinned until its put returns).
+    rig.serve("b", list(range(900, 900 + 4 * BS + 1)))
+    rig.run_backups()
+    rig.manager.check_invariants()
+    assert rig.tier.pool.num_pinned > 0
+    rig.submit()
+    rig.drain()
+    stored = [h for h in hashes if rig.tier.is_stored(h)]
+    assert stored, "evicted host blocks were not written back to storage"
+    assert rig.tier.pool.num_pinned == 0
+    rig.manager.check_invariants()
+    # A restarted scheduler finds them.
+    second = rigs(host_blocks=4)
+    req = Request("r", TOKENS)
+    second.tier.prefetch_state(req)
+    second.submit()
+    second.drain()
+    match = second.manager.match_prefix(req)
+    assert len(match.nodes) >= 1
+    for node in match.nodes:
+        assert second.read_host(node.host_block_id) == second.expected(node.hash_value)
