@@ -217,6 +217,7 @@ class StorageTier:
         self._putting: dict[int, int] = {}  # hash -> host block (queued or in flight)
         self._jobs: dict[int, Any] = {}  # task id -> _Prefetch or StorageJob (puts)
         self._prefetch: dict[str, _Prefetch] = {}
+        self._no_prefetch: set[str] = set()  # requests checked, nothing to fetch (until admitted)
         self._prefetch_blocks: set[int] = set()  # host blocks owned by gets in flight
         self._outbox: list[StorageJob] = []
         self.stats: dict[str, float] = collections.defaultdict(float)  # type: ignore[assignment]
@@ -284,8 +285,11 @@ class StorageTier:
         rid = request.request_id
         pf = self._prefetch.get(rid)
         if pf is None:
+            if rid in self._no_prefetch:
+                return PREFETCH_READY  # asked already (admission was retried): no new round trip
             pf = self._start_prefetch(request)
             if pf is None:
+                self._no_prefetch.add(rid)
                 return PREFETCH_READY
         if pf.done:
             return PREFETCH_READY
@@ -374,6 +378,7 @@ class StorageTier:
 
         A job still in flight keeps its host blocks and still inserts what arrives.
         """
+        self._no_prefetch.discard(request_id)
         pf = self._prefetch.get(request_id)
         if pf is None:
             return

@@ -62,6 +62,7 @@ class StorageMachine(RuleBasedStateMachine):
             self.rig.serve(f"r{p}", tokens)
         except NoFreeBlocksError:
             pass
+        self.rig.tier.forget_request(f"pf{p}")  # admitted (or given up): a later one asks again
 
     @rule(ok=st.booleans())
     def backups(self, ok: bool) -> None:
