@@ -41,7 +41,6 @@ import math
 import os
 import platform
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field

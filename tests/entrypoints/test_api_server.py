@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL, NUM_GPU_BLOCKS
+from conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL
 
 WORDS = ("cache block device host storage tier prefix radix tree layer stream copy event token "
          "prompt engine server request batch model attention key value swap evict load").split()
