@@ -1,14 +1,18 @@
 """The scheduler-side cache manager: where every KV block lives, decided in Python.
 
-It owns the device and host ``BlockPool``s and the ``RadixTree`` of cached blocks,
-and it turns scheduling events into copy metadata for the worker:
+``CacheManager`` is the facade: the public API, and the request lifecycle (finish,
+preempt, the request side of a failed load, reset, stats).  Each other job is one
+class in its own module, over the state declared in ``manager_state``:
 
-* ``match_prefix``        longest cached prefix over device and host (storage: hook)
-* ``allocate_device_blocks``  refs device hits, turns host hits into swap-ins,
-  allocates new blocks, evicting LRU device leaves by the write policy
-* ``request_finish`` / ``preempt_request``  insert the request's full blocks, drop refs
-* ``issue_pending_backup_to_batch_request``  this step's device -> host copies
-* ``complete_swap``       the worker's verdict on each copy, block by block
+* ``matching``    ``match_prefix``: longest cached prefix over device and host
+* ``allocation``  ``ensure_resident`` / ``allocate_device_blocks``: the match applied
+  once, device hits referenced, host hits turned into loads, fresh blocks
+* ``eviction``    feasibility-first reclaim of LRU device leaves by the write policy
+  (``write_policy``: a strategy object), references, detached nodes
+* ``copies``      ``issue_pending_backup_to_batch_request`` and ``complete_swap``: the
+  copies in flight, each block resolved on its own
+* ``invariants``  ``check_invariants`` (raises ``InvariantViolation``); ``stats``: typed
+  counters behind ``get_stats``
 
 Nothing here touches KV bytes.  A copy is "in flight" from the moment its metadata
 is emitted until ``complete_swap`` sees it come back; in flight, the node can be

@@ -192,19 +192,6 @@ class StorageMetadata:
     error_message: Optional[str] = None
 
 
-@dataclass
-class TransferResult:
-    """Worker-side accounting of one finished transfer task."""
-
-    task_id: int
-    kind: TransferKind
-    success: bool
-    num_blocks: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-    error_message: Optional[str] = None
-
-
 # ---------------------------------------------------------------------------
 # Scheduler-private structures.  Nothing below is sent to workers: a BlockNode
 # links to its parent and children, so pickling one would drag the whole tree.
@@ -217,7 +204,8 @@ class NodeState(enum.Enum):
     The transitions are drawn in ``docs/architecture.md``.  The ``*_TO_*`` and
     ``BACKUP_TO_HOST`` states are "in flight": the copy has been emitted but the
     worker has not confirmed it, so the node may be neither evicted nor read on the
-    destination tier.
+    destination tier.  The storage tier records ``BlockNode.on_storage`` and has no
+    state of its own here: a node that holds no device or host copy leaves the tree.
     """
 
     DEVICE = "device"  # device copy only
@@ -226,8 +214,6 @@ class NodeState(enum.Enum):
     SWAP_TO_DEVICE = "swap_to_device"  # host -> device load in flight (host is the source)
     SWAP_TO_HOST = "swap_to_host"  # write_back eviction in flight; device block already released
     BACKUP_TO_HOST = "backup_to_host"  # write-through backup in flight; device copy stays
-    STORAGE = "storage"  # only the storage tier holds it (later issue)
-    LOADING_FROM_STORAGE = "loading_from_storage"  # storage -> host/device (later issue)
     EMPTY = "empty"  # no copy anywhere; only transiently, before the node is removed
 
 
@@ -289,20 +275,6 @@ class BlockNode:
 
     # -- derived ----------------------------------------------------------------
     @property
-    def is_in_flight(self) -> bool:
-        return self.pending is not None
-
-    @property
-    def device_valid(self) -> bool:
-        """The device copy exists and its bytes are there (no load in flight into it)."""
-        return self.device_block_id is not None and self.pending is not TransferKind.SWAP_IN
-
-    @property
-    def host_valid(self) -> bool:
-        """The host copy exists and is not the destination of a copy in flight."""
-        return self.host_block_id is not None and self.pending not in (TransferKind.EVICT, TransferKind.BACKUP)
-
-    @property
     def state(self) -> NodeState:
         pending = self.pending
         if pending is TransferKind.SWAP_IN:
@@ -311,8 +283,6 @@ class BlockNode:
             return NodeState.SWAP_TO_HOST
         if pending is TransferKind.BACKUP:
             return NodeState.BACKUP_TO_HOST
-        if pending is TransferKind.STORAGE_LOAD:
-            return NodeState.LOADING_FROM_STORAGE
         dev = self.device_block_id is not None
         host = self.host_block_id is not None
         if dev and host:
@@ -321,8 +291,6 @@ class BlockNode:
             return NodeState.DEVICE
         if host:
             return NodeState.HOST
-        if self.on_storage:
-            return NodeState.STORAGE
         return NodeState.EMPTY
 
     def __lt__(self, other: "BlockNode") -> bool:
