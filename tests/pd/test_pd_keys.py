@@ -73,3 +73,27 @@ def test_kv_transfer_params_validation_names_the_field() -> None:
         assert words in str(info.value) and "kv_transfer_params" in str(info.value)
     with pytest.raises(ValueError, match="num_prompt_tokens must be in"):
         handoff_keys(NS, Request("x", [1, 2, 3]), 4)
+
+
+def test_a_pd_role_names_everything_it_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastdeploy_kvcache.engine.args import EngineArgs
+    from fastdeploy_kvcache.engine.pd import check_role_config
+
+    monkeypatch.delenv("FD_PD_TRANSFER_VIA_STORAGE", raising=False)
+    check_role_config("mixed", None, False)  # mixed needs nothing
+    with pytest.raises(ValueError) as info:
+        check_role_config("decode", None, False)
+    msg = str(info.value)
+    assert msg.startswith("--splitwise-role decode needs")
+    for part in ("FD_PD_TRANSFER_VIA_STORAGE=1", "ENABLE_V1_KVCACHE_MANAGER=1", "--kvcache-storage-backend"):
+        assert part in msg
+    monkeypatch.setenv("FD_PD_TRANSFER_VIA_STORAGE", "1")
+
+    class Storage:
+        enabled = True
+
+    check_role_config("prefill", Storage(), True)
+    with pytest.raises(ValueError, match="splitwise_role: must be one of"):
+        check_role_config("both", Storage(), True)
+    with pytest.raises(ValueError, match="splitwise_role"):
+        EngineArgs(model="tiny-llama-random", splitwise_role="prefil").validate()
