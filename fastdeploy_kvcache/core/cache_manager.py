@@ -163,7 +163,7 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         req = st.request
         del self._requests[req.request_id]
         bs = self.block_size
-        # Swap-ins never handed to a batch will never run: take them back.
+        # Loads never handed to a batch will never run: take them back.
         cancelled: set[int] = set()
         for meta in req.cache_swap_metadata:
             for d in meta.dst_block_ids:

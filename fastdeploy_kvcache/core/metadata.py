@@ -49,7 +49,7 @@ class CopyDirection(enum.IntEnum):
 class TransferKind(enum.IntEnum):
     """What a ``CacheSwapMetadata`` asks the worker to do."""
 
-    SWAP_IN = 0  # host -> device (load for a request; per layer on the input stream)
+    SWAP_IN = 0  # a load: host -> device for a request (per layer on the input stream)
     EVICT = 1  # device -> host because the device block is being reclaimed (write_back)
     BACKUP = 2  # device -> host copy of a block that stays on device (write-through)
     STORAGE_LOAD = 3  # storage -> host/device (later issue)
@@ -316,7 +316,7 @@ class MatchResult:
 
     ``nodes[i]`` is block ``i`` of the request and ``tiers[i]`` the tier it will be
     served from: DEVICE blocks are reused in place, HOST blocks need a host -> device
-    swap-in.  Normally all DEVICE blocks come first, but after a failed load a HOST
+    load.  Normally all DEVICE blocks come first, but after a failed load a HOST
     block can precede DEVICE ones, so consumers should not assume one split point.
 
     ``storage_hashes`` are the hashes of the blocks that follow the tree match and

@@ -230,4 +230,4 @@ class BatchRequest:
     def __repr__(self) -> str:
         sw = len(self.cache_swap_metadata) if self.cache_swap_metadata else 0
         ev = len(self.cache_evict_metadata) if self.cache_evict_metadata else 0
-        return f"BatchRequest({len(self.requests)} requests, swap_in={sw}, device_to_host={ev})"
+        return f"BatchRequest({len(self.requests)} requests, host_to_device={sw}, device_to_host={ev})"
