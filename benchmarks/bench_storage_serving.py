@@ -84,8 +84,7 @@ async def cold_probe(writer: ServerProcess, make_cold: Any, model: str, wl: Work
     await client.close()
     wstats = wait_storage_quiet(writer)["storage"]["store"]  # the backend's own call timings
     writer.stop()
-    cold = make_cold()
-    cold.start()
+    cold = make_cold()  # started
     rows: list[dict[str, Any]] = []
     try:
         client = AsyncOpenAI(base_url=cold.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -185,7 +184,19 @@ def main(argv: Optional[list[str]] = None) -> int:
               "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", "512",
               "--num-gpu-blocks-override", str(device_blocks), "--swap-space", str(args.swap_space),
               "--write-policy", "write_through", "--uvicorn-log-level", "warning", "--log-level", "warning"]
-    env = {"ENABLE_V1_KVCACHE_MANAGER": "1"}
+    # A crash prints its Python stack into the server log (see start_server).
+    env = {"ENABLE_V1_KVCACHE_MANAGER": "1", "PYTHONFAULTHANDLER": "1"}
+    failed_starts: list[str] = []
+
+    def start_server(server_args: list[str], server_env: dict[str, str]) -> ServerProcess:
+        """Start a server; one retry if it dies during start-up (recorded in the report)."""
+        try:
+            return ServerProcess(server_args, env=server_env).start()
+        except RuntimeError as exc:
+            failed_starts.append(str(exc)[-4000:])
+            logger.error("server died during start-up (retrying once): %s", str(exc)[-2000:])
+            return ServerProcess(server_args, env=server_env).start()
+
     work = Path(tempfile.mkdtemp(prefix="fdkv-bench-storage-"))
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "time_utc": time.strftime("%H:%M", time.gmtime()),
                               "machine": machine(), "args": vars(args), "device_blocks": device_blocks,
@@ -215,10 +226,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 storage = ["--kvcache-storage-backend", backend, "--kvcache-storage-prefetch-policy", "wait_complete"]
                 if backend == "file":
                     storage += ["--kvcache-storage-path", str(sdir), "--kvcache-storage-min-free", "0"]
-                writer = ServerProcess(common + storage, env=env_b).start()
+                writer = start_server(common + storage, env_b)
                 filler = math.ceil(device_blocks * bs / plen) + 1
                 logger.info("[cold %s %d] %d repeats, %d fillers", backend, plen, args.probe_repeats, filler)
-                res = asyncio.run(cold_probe(writer, lambda: ServerProcess(common + storage, env=env_b), args.model,
+                res = asyncio.run(cold_probe(writer, lambda: start_server(common + storage, env_b), args.model,
                                              wl, max(1, round(plen / tokens_per_word)), args.probe_repeats, filler, tag))
                 res.update(plain_file_gbps(int(res["read_bytes"]) or (1 << 20), 64 << 10, work / "plain"))
                 report["cold"][f"{backend}/{plen}"] = res
@@ -236,7 +247,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for name, extra in (("device+host", []),
                                 ("device+host+storage", ["--kvcache-storage-backend", "file", "--kvcache-storage-path",
                                                          str(work / "store-workload"), "--kvcache-storage-min-free", "0"])):
-                server = ServerProcess(common + extra, env=env).start()
+                server = start_server(common + extra, env)
                 try:
                     bar = tqdm(total=wl.users * wl.rounds, desc=name, unit="req", file=sys.stderr)
                     turns, wall = asyncio.run(run_workload(server.base_url, args.model, wl, bar))
@@ -255,6 +266,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             local.stop()
         shutil.rmtree(work, ignore_errors=True)
     report["loadavg_end"] = os.getloadavg()
+    report["failed_server_starts"] = failed_starts
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"bench_storage_serving_{args.tag}_{report['date']}{'_quick' if args.quick else ''}.json"

@@ -115,3 +115,30 @@ def test_disk_full_stores_nothing_and_serves_correctly(tmp_path: Path) -> None:
     finally:
         server.stop()
         baseline.stop()
+
+
+def test_write_back_and_timeout_policy_through_the_server(tmp_path: Path) -> None:
+    """write_back: blocks reach storage when the (small) host tier evicts them; a restarted
+    server with the timeout policy serves them from storage, with the same text."""
+    store = tmp_path / "kv"
+    args = ["--kvcache-storage-backend", "file", "--kvcache-storage-path", str(store), "--kvcache-storage-min-free", "0",
+            "--kvcache-storage-write-policy", "write_back", "--kvcache-storage-prefetch-policy", "timeout",
+            "--kvcache-storage-prefetch-timeout-base", "5"]
+    # 0.0013 GiB = 21 host blocks of 64 KiB: four prompts of 12 blocks evict each other's host copies.
+    first = start_server(args, extra=["--swap-space", "0.0013"])
+    prompts = [prompt_ids(40 + i, 200) for i in range(4)]
+    try:
+        cold = [complete(first, p)[0] for p in prompts]
+        stats = assert_no_leak(first)["storage"]["tier"]
+        assert stats["put_blocks_ok"] > 0, stats
+        assert stats["write_policy"] == "write_back"
+    finally:
+        first.stop()
+    second = start_server(args, extra=["--swap-space", "0.0013"])
+    try:
+        text, tiers = complete(second, prompts[0])  # evicted first from host: stored
+        assert text == cold[0]
+        assert tiers["storage"] > 0, tiers
+        assert_no_leak(second)
+    finally:
+        second.stop()
