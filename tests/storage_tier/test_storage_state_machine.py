@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
 from fastdeploy_kvcache.core.request import Request
@@ -120,7 +120,6 @@ class StorageMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         self.rig.manager.reset_cache()
 
-    @precondition(lambda self: True)
     @rule()
     def restart(self) -> None:
         """A new scheduler and worker in front of the same directory (jobs drained first)."""
