@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from fastdeploy_kvcache import envs
@@ -193,7 +193,6 @@ class _Stats:
     decode_partial_read_seconds: float = 0.0
     recomputed_tokens: int = 0
     recomputed_requests: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 def device_layout(controller: Any) -> Any:
