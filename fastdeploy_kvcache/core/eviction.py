@@ -104,7 +104,10 @@ class EvictionMixin(ManagerState):
     def _no_free_blocks(self, n: int, exclude: frozenset[BlockNode] = frozenset()) -> NoFreeBlocksError:
         """The error for an infeasible ``n``: retryable when copies in flight pin the difference."""
         free = self.device_pool.num_free
+        # What completions alone could make available: cached blocks (some pinned by a
+        # copy in flight, or below one) and blocks of detached nodes whose copy is in flight.
         bound = free + self.stats.cached_device - sum(1 for x in exclude if x.ref_count == 0 and x.device_block_id is not None)
+        bound += sum(1 for x in self._detached if x.ref_count == 0 and x.device_block_id is not None)
         retryable = bool(self._inflight) and n <= bound
         return NoFreeBlocksError(
             f"need {n} device blocks: {free} free and not enough evictable"
