@@ -224,6 +224,9 @@ def test_decoded_blocks_reach_the_store_for_the_next_turn(cluster: dict[str, Any
     while not list(Path(store).glob(f"*={block2}.kv")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert list(Path(store).glob(f"*={block2}.kv")), "the decoded block is not in the store"
+    # The file appears (rename) before the put's result reaches the decode server's tier.
+    while decode.engine_stats()["storage"]["tier"]["put_blocks_ok"] <= puts and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert decode.engine_stats()["storage"]["tier"]["put_blocks_ok"] > puts
     turn2 = prompt + answer[:19] + prompt_ids(10, 13)
     same(completion(router.base_url, turn2), completion(cluster["mixed"].base_url, turn2))
