@@ -155,6 +155,7 @@ def test_store_gone_between_prefill_and_decode_recomputes_with_the_same_output(c
     prompt = prompt_ids(7, 61)
     decode, store = cluster["decode"], cluster["store"]
     kv = _prefill(cluster["prefill"], prompt)
+    _wait_quiet(cluster["prefill"])  # its tier's own write-through puts must not land after the move
     before = recomputed(decode)
     moved = store.parent / (store.name + "-away")
     shutil.move(str(store), str(moved))  # the store is gone (a directory the servers cannot read)
