@@ -237,6 +237,15 @@ class StorageTier:
     def is_stored(self, block_hash: int) -> bool:
         return block_hash in self._stored
 
+    def mark_stored(self, hashes: Iterable[int]) -> None:
+        """Hashes another writer of this process stored (a put that returned OK: the PD
+        hand-off, engine/pd.py), so the backups skip them."""
+        for h in hashes:
+            self._stored[h] = None
+            self._stored.move_to_end(h)
+        while len(self._stored) > self._stored_memory:
+            self._stored.popitem(last=False)
+
     def known_prefix(self, hashes: Sequence[int]) -> list[int]:
         """The leading ``hashes`` known to be stored (puts that returned OK), no I/O."""
         out: list[int] = []

@@ -71,6 +71,7 @@ class HandoffKeys:
     partial: Optional[str]
     partial_tokens: int
     block_size: int
+    full_hashes: tuple[int, ...] = ()
 
     @property
     def num_full(self) -> int:
@@ -112,7 +113,7 @@ def handoff_keys(ns: KeyNamespace, request: Any, num_prompt_tokens: Optional[int
         if int(n) != partial_tokens:
             raise AssertionError(f"partial key {suffix!r} does not hold {partial_tokens} tokens")
         partial = block_key(ns, int(hex_hash, 16), partial_tokens)
-    return HandoffKeys(tuple(ns.keys(hashes[:num_full])), partial, partial_tokens, bs)
+    return HandoffKeys(tuple(ns.keys(hashes[:num_full])), partial, partial_tokens, bs, tuple(hashes[:num_full]))
 
 
 # ---------------------------------------------------------------------- request extension
@@ -388,6 +389,11 @@ class PDCoordinator:
             logger.warning("PD prefill %s: writing %d blocks failed (%s)", er.request_id, len(todo_keys), exc)
             results = [-1] * len(todo_keys)
         ok = sum(1 for x in results if x == 0)
+        # Full blocks now stored (or already there): the storage tier's own backups skip them.
+        stored = list(keys.full_hashes[:skip]) + [h for h, x in zip(keys.full_hashes[skip:], results) if x == 0]
+        tier = getattr(self.engine.pool, "tier", None)
+        if stored and tier is not None and hasattr(tier, "mark_stored"):
+            tier.mark_stored(stored)
         self._stats.prefill_write_blocks_ok += ok
         self._stats.prefill_write_blocks_failed += len(todo_keys) - ok
         self._stats.prefill_write_bytes += ok * self.object_bytes

@@ -85,6 +85,8 @@ def test_router_output_is_token_identical_and_nothing_is_recomputed(cluster: dic
     metrics = scrape(cluster["prefill"])
     assert metrics['fastdeploy:pd_write_block_num_total{result="ok"}'] > 0
     assert metrics['fastdeploy:pd_write_block_num_total{result="failed"}'] == 0
+    # The prefill server's own write-through backups skip what the hand-off stored.
+    assert cluster["prefill"].engine_stats()["storage"]["tier"]["put_skipped_stored"] > 0
     # No block leaked on either side once everything settled.
     for name in ("prefill", "decode"):
         _wait_quiet(cluster[name])
