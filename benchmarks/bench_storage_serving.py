@@ -88,17 +88,25 @@ async def cold_probe(writer: ServerProcess, make_cold: Any, model: str, wl: Work
     rows: list[dict[str, Any]] = []
     try:
         client = AsyncOpenAI(base_url=cold.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+        async def settle(c: Any) -> None:
+            # NOTE: before each measured request: a one-token request (its step issues the
+            # backups queued before), then wait until those backups and their storage puts
+            # are done, so no measured request shares the CPU with earlier requests' writes.
+            await stream_completion(c, model, "x", 1)
+            await asyncio.to_thread(wait_storage_quiet, cold)
+
         for i in range(2):  # warm-up of the fresh process (kernels, allocator): not measured
             await stream_completion(client, model, doc(90_000 + i), 1)
         for k in range(repeats):
             q = [wl.question(k, i) for i in range(1, 4)]
-            await stream_completion(client, model, "x", 1)
+            await settle(client)
             st = await stream_completion(client, model, f"{doc(k)}\n\nQuestion: {q[0]}\nAnswer:", 1)
             for f in range(filler_docs):
                 await stream_completion(client, model, doc(50_000 + k * filler_docs + f) + "\nAnswer:", 1)
-            await stream_completion(client, model, "x", 1)
+            await settle(client)
             host = await stream_completion(client, model, f"{doc(k)}\n\nQuestion: {q[1]}\nAnswer:", 1)
-            await stream_completion(client, model, "x", 1)
+            await settle(client)
             rec = await stream_completion(client, model, f"{doc(70_000 + k)}\n\nQuestion: {q[2]}\nAnswer:", 1)
             rows.append({"storage_ttft_s": st[0], "host_ttft_s": host[0], "recompute_ttft_s": rec[0],
                          "storage_tiers": tiers_of(st[3]), "host_tiers": tiers_of(host[3]),
