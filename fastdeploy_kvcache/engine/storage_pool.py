@@ -73,7 +73,10 @@ class StorageKVPool(ManagedKVPool):
                 model=model_id, weights_fingerprint=weights_fp, dtype=str(config.dtype),
                 block_size=config.block_size, layout=layout.describe(),
             )
-            self.transfer = StorageTransfer(layout, self.store)
+            # NOTE: one backend call per staging buffer: small objects (tiny models) batch up
+            # to 16 MiB per call instead of 32 objects, so a long prefix is one get, not many.
+            staging = max(32, min(512, (16 << 20) // layout.object_bytes))
+            self.transfer = StorageTransfer(layout, self.store, staging_blocks=staging)
             self.storage_worker = StorageWorker(self.transfer)
             self.tier = StorageTier(self.manager, self.store, self.namespace, storage_config)
         except BaseException:
