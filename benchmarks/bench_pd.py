@@ -155,6 +155,24 @@ async def run(url: str, a: argparse.Namespace, prompts: list[list[int]]) -> tupl
         return list(out), time.perf_counter() - t0
 
 
+async def prefill_alone(url: str, a: argparse.Namespace, prompts: list[list[int]]) -> list[float]:
+    """Seconds of each prefill call sent straight to the prefill server, the decode server
+    idle: what the prefill call costs without the decode server competing for the cores."""
+    import httpx
+
+    sem = asyncio.Semaphore(a.concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def go(p: list[int]) -> float:
+            async with sem:
+                t0 = time.perf_counter()
+                r = await client.post(url + "/v1/completions", json={
+                    "model": a.model, "prompt": p, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
+                r.raise_for_status()
+                return time.perf_counter() - t0
+
+        return list(await asyncio.gather(*(go(p) for p in prompts)))
+
+
 def summarize(rs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     ttft = [r["ttft"] for r in rs]
     tpot = [r["tpot"] for r in rs if r["tpot"] == r["tpot"]]
@@ -237,6 +255,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             "written_blocks": p1["pd"]["prefill_write_blocks_ok"] - p0["pd"]["prefill_write_blocks_ok"],
             "object_bytes": (p1["pd"]["prefill_write_bytes"] // max(1, p1["pd"]["prefill_write_blocks_ok"])),
         })
+        # The same number of new prompts (no device hits), straight to the prefill server.
+        fresh = [[rng.randrange(10, 500) for _ in range(a.prompt_tokens)] for _ in range(a.requests)]
+        alone = asyncio.run(prefill_alone(prefill.base_url, a, fresh))
+        summary["prefill_alone_p50_ms"] = 1e3 * percentile(alone, 0.5)
+        summary["prefill_alone_mean_ms"] = 1e3 * statistics.fmean(alone)
         results["pd"] = summary
     finally:
         router.stop()
@@ -268,6 +291,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"PD split per request (mean): prefill call {p['prefill_mean_ms']:.1f} ms (of which store write "
           f"{p['store_write_mean_ms']:.1f} ms), store read on decode {p['store_read_mean_ms']:.1f} ms, "
           f"decode {p['decode_mean_ms']:.1f} ms; recomputed prompt tokens {p['recomputed_tokens']}")
+    print(f"Prefill calls straight to the prefill server, decode server idle: p50 {p['prefill_alone_p50_ms']:.1f} ms, "
+          f"mean {p['prefill_alone_mean_ms']:.1f} ms (through the router, decode busy: mean {p['prefill_mean_ms']:.1f} ms)")
     return 0
 
 
