@@ -21,11 +21,16 @@ a request's time into
 * **store**: seconds in the store: the prefill server's KV writes (``pd.prefill_write_seconds``)
   plus the decode server's reads (storage-tier prefetch ``read_seconds`` and the partial block,
   ``pd.decode_partial_read_seconds``), per request, from the servers' stats;
-* **decode**: the rest of the request (load + first-token hand-off + decoding).
+* **decode**: the rest of the request (load + first-token hand-off + decoding);
 
-NOTE: on one small CPU machine the three servers share the same cores, so PD cannot win
-here: disaggregation pays off when prefill and decode run on separate devices and long
-prefills stop stalling decodes.  The benchmark measures the hand-off's own cost.
+and, after the PD run, the same number of new prompts sent straight to the prefill server
+with the decode server idle (``prefill_alone``): the prefill call without the decode server
+competing for the cores, which separates the prefill queue from core sharing.
+
+NOTE: on one small CPU machine the servers share the same cores, and with a closed loop at a
+fixed concurrency faster decodes send clients back to the single prefill server sooner, so
+TTFT there reflects the prefill queue.  Disaggregation's TTFT gain needs prefill capacity of
+its own; the benchmark measures the hand-off's own cost and its effect on TPOT.
 
 Usage:
     python benchmarks/bench_pd.py                     # tiny-llama-random, file store, ~1 minute
