@@ -129,6 +129,8 @@ def test_errors_reach_the_client_in_openai_shape(cluster: dict[str, Any]) -> Non
                    json={"model": MODEL, "prompt": PROMPTS[45], "kv_transfer_params": {"prefill_token_ids": [1]}})
     assert r.status_code == 400 and "decode" in r.json()["error"]["message"]
     assert httpx.get(router.base_url + "/health", timeout=30).status_code == 200
+    models = httpx.get(router.base_url + "/v1/models", timeout=30)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
     # A decode server that is not there: a 502 naming it, after the prefill call succeeded.
     from fastdeploy_kvcache.entrypoints.server_process import free_port
 
