@@ -232,7 +232,12 @@ class PDCoordinator:
         self.ns: KeyNamespace = pool.namespace
         self.store = pool.store
         capi = _capi_for(engine.device)
-        self.transfer = StorageTransfer(device_layout(pool.controller), self.store, staging_blocks=16, capi=capi)
+        layout = device_layout(pool.controller)
+        # NOTE: a decode server moves one object per request (the partial block); a prefill
+        # server whole prompts, in calls of up to 16 MiB (at least 4 objects) so a long
+        # prompt of small objects is one backend call.  Both lanes get this size.
+        staging = 1 if role == "decode" else max(4, min(512, (16 << 20) // layout.object_bytes))
+        self.transfer = StorageTransfer(layout, self.store, staging_blocks=staging, capi=capi)
         self.object_bytes = self.transfer.object_bytes
         self._decode: dict[str, _DecodeState] = {}
         self._stats = _Stats()
