@@ -125,6 +125,16 @@ class AllocationMixin(ManagerState):
         st.request.block_tables.extend(ids)
         return ids
 
+    def _rewalk_match(self, request: Request) -> tuple[list[BlockNode], list[CacheLevel]]:
+        """The request's match from ``match_prefix``, walked again: the tree may have
+        changed since (anything evicted meanwhile is simply not reused)."""
+        match = self._matches.get(request)
+        if match is None or not match.nodes or not self.enable_prefix_caching:
+            return [], []
+        bs = self.block_size
+        hashes = request.block_hashes(bs, request.num_total_tokens)
+        return self.tree.match(hashes, min(len(match.nodes), (request.num_total_tokens - 1) // bs))
+
     def _allocate_first(
         self, request: Request, num_new: Optional[int] = None, num_tokens: Optional[int] = None
     ) -> ResidencyPlan:
@@ -135,13 +145,8 @@ class AllocationMixin(ManagerState):
         fresh blocks up to ``num_tokens``).
         """
         bs = self.block_size
-        match = self._matches.get(request)
-        nodes: list[BlockNode] = []
-        tiers: list[CacheLevel] = []
-        if match is not None and match.nodes and self.enable_prefix_caching:
-            # Re-walk: the tree may have changed since match_prefix.
-            hashes = request.block_hashes(bs, request.num_total_tokens)
-            nodes, tiers = self.tree.match(hashes, min(len(match.nodes), (request.num_total_tokens - 1) // bs))
+        nodes, tiers = self._rewalk_match(request)
+        if nodes:
             if num_new is not None:
                 # Host hits need one of the n new blocks each; cut where they run out.
                 used = 0

@@ -19,6 +19,7 @@ from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
 from fastdeploy_kvcache.core.errors import CacheManagerError, InvariantViolation
 from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, ManagerState
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.core.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -26,18 +27,24 @@ logger = logging.getLogger(__name__)
 class EvictionMixin(ManagerState):
     """Device (and host) eviction, references, and the release of detached nodes."""
 
-    def can_allocate_device_blocks(self, n: int) -> bool:
+    def can_allocate_device_blocks(self, n: int, request: Optional[Request] = None) -> bool:
         """Whether ``n`` new device blocks can be had now, evicting what can be evicted.
 
-        Exact: it runs the same plan ``allocate_device_blocks`` runs first (without
-        evicting anything), so for a request without device hits the two agree.  A
-        request's own device hits are pinned by the allocation, so its answer can be
-        smaller; ``NoFreeBlocksError.retryable`` then says whether to retry.  O(1)
-        when enough blocks are free, else O(k log n) for the k evictions it plans.
+        Exact: it runs the plan the allocation runs first, without evicting anything.
+        Pass the ``request`` (matched, not allocated yet) to count its own device hits
+        as pinned, as its allocation will: the answer then agrees with
+        ``allocate_device_blocks(request, n)``.  O(1) when enough blocks are free,
+        else O(k log n) for the k evictions it plans.
         """
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise CacheManagerError(f"block count must be an int >= 0, got {n!r}")
-        return self._plan_reclaim(n, dry_run=True) is not None
+        exclude: frozenset[BlockNode] = frozenset()
+        if request is not None:
+            self._check_request(request)
+            if request.request_id not in self._requests:
+                nodes, tiers = self._rewalk_match(request)  # type: ignore[attr-defined]
+                exclude = frozenset(nd for nd, t in zip(nodes, tiers) if t is DEV)
+        return self._plan_reclaim(n, exclude, dry_run=True) is not None
 
     def _plan_reclaim(
         self, n: int, exclude: frozenset[BlockNode] = frozenset(), dry_run: bool = False
