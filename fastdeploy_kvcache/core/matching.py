@@ -44,7 +44,13 @@ class MatchingMixin(ManagerState):
             nodes, tiers = [], []
         result = MatchResult(block_size=bs, nodes=nodes, tiers=tiers)
         result.storage_hashes = self._match_storage(hashes[len(nodes) : max_blocks])
-        self._matches[request] = result
+        try:
+            self._matches[request] = result
+        except TypeError as e:  # a subclass that defines __eq__ without __hash__
+            raise CacheManagerError(
+                f"request {request.request_id}: {type(request).__name__} must be hashable by identity "
+                "(keep object.__hash__ when defining __eq__)"
+            ) from e
         request.match_result = result
         return result
 
