@@ -13,7 +13,6 @@ bytes on every rank stay right.  Shared by tests/tp (cpu backend) and tests/gpu/
 from __future__ import annotations
 
 import functools
-import hashlib
 import random
 import re
 from typing import Any, Optional
@@ -23,14 +22,10 @@ import numpy as np
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, CopyDirection
 
+from trace_steps import partial_block_key, scheduler_step
+
 BS = 4
 FULL_HEADS = 4
-
-
-def partial_block_key(request_id: str, block: int, end: int) -> int:
-    """Pattern key of a partial block, the same in every process (``hash()`` of a str is not)."""
-    digest = hashlib.blake2b(f"{request_id}/{block}/{end}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -141,10 +136,6 @@ class _ArrayIO:
         return np.array(array[block])
 
 
-def _blocks_for(req: Any) -> int:
-    return -(-req.num_total_tokens // BS)
-
-
 def tp_config(policy: str, tp_size: int, quant: bool, mla: bool = False, **overrides: Any) -> CacheConfig:
     kwargs: dict[str, Any] = dict(
         block_size=BS, num_layers=2, num_extra_layers=1, num_kv_heads=FULL_HEADS, head_dim=4,
@@ -180,9 +171,8 @@ def run_tp_trace(
     exercises, is the same on every run; threaded copies finish when they finish, and the
     scheduler's decisions follow.
     """
-    from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
     from fastdeploy_kvcache.core.cache_manager import CacheManager
-    from fastdeploy_kvcache.core.request import BatchRequest, Request
+    from fastdeploy_kvcache.core.request import BatchRequest
     from fastdeploy_kvcache.worker.tp import TPCoordinator
 
     rng = random.Random(seed)
@@ -205,39 +195,7 @@ def run_tp_trace(
                 mgr.complete_swap(meta)
 
         for _ in range(steps):
-            for req in list(running):
-                r = rng.random()
-                if r < 0.12:
-                    mgr.request_finish(req)
-                    running.remove(req)
-                elif r < 0.17:
-                    mgr.preempt_request(req)
-                    running.remove(req)
-            for _ in range(rng.randint(0, 3)):
-                fam = rng.choice(families)
-                prompt = fam[: rng.randint(2, 20)] + [rng.randrange(1000) for _ in range(rng.randint(0, 6))]
-                req = Request(f"r{next_id}", prompt)
-                next_id += 1
-                match = mgr.match_prefix(req)
-                need = _blocks_for(req) - match.num_device_blocks
-                if not mgr.can_allocate_device_blocks(need):
-                    continue
-                try:
-                    mgr.allocate_device_blocks(req, need)
-                except NoFreeBlocksError:
-                    continue
-                running.append(req)
-            for req in list(running):
-                if req.num_computed_tokens < req.num_total_tokens:
-                    continue
-                req.output_token_ids.append(rng.randrange(1000))
-                if req.num_total_tokens > len(req.block_tables) * BS:
-                    try:
-                        mgr.allocate_device_blocks(req, 1)
-                    except NoFreeBlocksError:
-                        req.output_token_ids.pop()
-                        mgr.preempt_request(req)
-                        running.remove(req)
+            next_id = scheduler_step(mgr, rng, families, running, next_id, BS)
             batch = BatchRequest(running)
             batch.append_evict_metadata(mgr.issue_pending_backup_to_batch_request())
             evict, swap = batch.cache_evict_metadata, batch.cache_swap_metadata

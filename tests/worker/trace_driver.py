@@ -12,7 +12,6 @@ make the scheduler recompute, and never be served.
 from __future__ import annotations
 
 import functools
-import hashlib
 import random
 from typing import Any
 
@@ -21,6 +20,8 @@ import numpy as np
 from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, CopyDirection
+
+from trace_steps import partial_block_key, scheduler_step
 
 BS = 4
 SOAK = bool(envs.get("FDKV_SOAK"))
@@ -54,12 +55,6 @@ class _ArrayIO:
         if self.backend == "cupy":
             return self._cp.asnumpy(array[block])  # synchronous on the current (compute) stream
         return np.array(array[block])
-
-
-def partial_block_key(request_id: str, block: int, end: int) -> int:
-    """Pattern key of a partial block: the same in every process (``hash()`` of a str is not)."""
-    digest = hashlib.blake2b(f"{request_id}/{block}/{end}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,10 +117,6 @@ class Model:
                 self._check(req, layer, req.num_computed_tokens, "after step")
 
 
-def _blocks_for(req: Any) -> int:
-    return -(-req.num_total_tokens // BS)
-
-
 def run_trace(
     policy: str,
     seed: int,
@@ -136,9 +127,8 @@ def run_trace(
     backend: str = "paddle",
 ) -> dict[str, int]:
     """Run one random trace; returns counts of what it exercised (asserts on any mismatch)."""
-    from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
     from fastdeploy_kvcache.core.cache_manager import CacheManager
-    from fastdeploy_kvcache.core.request import BatchRequest, Request
+    from fastdeploy_kvcache.core.request import BatchRequest
     from fastdeploy_kvcache.worker import CacheController
 
     rng = random.Random(seed)
@@ -175,40 +165,7 @@ def run_trace(
 
     try:
         for _ in range(steps):
-            # --- scheduler: finish / preempt, admit, decode
-            for req in list(running):
-                r = rng.random()
-                if r < 0.12:
-                    mgr.request_finish(req)
-                    running.remove(req)
-                elif r < 0.17:
-                    mgr.preempt_request(req)
-                    running.remove(req)
-            for _ in range(rng.randint(0, 3)):
-                fam = rng.choice(families)
-                prompt = fam[: rng.randint(2, 20)] + [rng.randrange(1000) for _ in range(rng.randint(0, 6))]
-                req = Request(f"r{next_id}", prompt)
-                next_id += 1
-                match = mgr.match_prefix(req)
-                need = _blocks_for(req) - match.num_device_blocks
-                if not mgr.can_allocate_device_blocks(need):
-                    continue
-                try:
-                    mgr.allocate_device_blocks(req, need)
-                except NoFreeBlocksError:
-                    continue
-                running.append(req)
-            for req in list(running):
-                if req.num_computed_tokens < req.num_total_tokens:
-                    continue  # still has tokens to compute (new, or redone after a failure)
-                req.output_token_ids.append(rng.randrange(1000))
-                if req.num_total_tokens > len(req.block_tables) * BS:
-                    try:
-                        mgr.allocate_device_blocks(req, 1)
-                    except NoFreeBlocksError:
-                        req.output_token_ids.pop()
-                        mgr.preempt_request(req)
-                        running.remove(req)
+            next_id = scheduler_step(mgr, rng, families, running, next_id, BS)
             batch = BatchRequest(running)
             batch.append_evict_metadata(mgr.issue_pending_backup_to_batch_request())
             evict, swap = batch.cache_evict_metadata, batch.cache_swap_metadata
