@@ -9,18 +9,12 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache.config import CacheConfig
+from skip_helpers import cpu_capi_or_skip
 
 
 def capi_or_skip() -> None:
     """Skip unless the CPU build of the C ABI library is present."""
-    from fastdeploy_kvcache import ops
-
-    try:
-        capi = ops.load_capi(variant="cpu")
-    except ops.OpsNotBuiltError as exc:
-        pytest.skip(f"needs the CPU C ABI library (run `bash build.sh`): {exc}")
-    if capi.is_cuda:
-        pytest.skip("the loaded libfdkv_capi is the CUDA build; the CPU worker tests need `bash build.sh` (CPU)")
+    cpu_capi_or_skip("the CPU worker tests")
 
 
 def paddle_ops_or_skip() -> None:
