@@ -218,6 +218,8 @@ class StorageTier:
         self._jobs: dict[int, Any] = {}  # task id -> _Prefetch or StorageJob (puts)
         self._prefetch: dict[str, _Prefetch] = {}
         self._no_prefetch: set[str] = set()  # requests checked, nothing to fetch (until admitted)
+        # Requests waiting on another request's prefetch: id -> (that prefetch, own deadline).
+        self._followers: dict[str, tuple[_Prefetch, float]] = {}
         self._prefetch_blocks: set[int] = set()  # host blocks owned by gets in flight
         self._outbox: list[StorageJob] = []
         self.stats: dict[str, float] = collections.defaultdict(float)  # type: ignore[assignment]
@@ -296,7 +298,12 @@ class StorageTier:
         if pf is None:
             if rid in self._no_prefetch:
                 return PREFETCH_READY  # asked already (admission was retried): no new round trip
-            pf = self._start_prefetch(request)
+            if rid not in self._followers:
+                pf = self._start_prefetch(request)
+            if rid in self._followers:
+                # Its blocks are being fetched for another request: wait for that job.
+                leader, deadline = self._followers[rid]
+                return PREFETCH_READY if leader.done or self.clock() >= deadline else PREFETCH_WAITING
             if pf is None:
                 self._no_prefetch.add(rid)
                 return PREFETCH_READY
@@ -313,7 +320,16 @@ class StorageTier:
     def next_deadline(self) -> Optional[float]:
         """The earliest time a waiting request stops waiting (None if none waits)."""
         ds = [pf.deadline for pf in self._prefetch.values() if not pf.done and not pf.aborted]
+        ds += [d for leader, d in self._followers.values() if not leader.done]
         return min(ds) if ds else None
+
+    def _deadline(self, now: float, num_tokens: int) -> float:
+        policy = self.config.prefetch_policy
+        if policy == "wait_complete":
+            return float("inf")
+        if policy == "timeout":
+            return now + self.config.prefetch_timeout_s(num_tokens)
+        return now  # best_effort: never waits
 
     def _start_prefetch(self, request: Any) -> Optional[_Prefetch]:
         m = self.manager
@@ -327,6 +343,13 @@ class StorageTier:
         rest = hashes[start:]
         if not rest:
             return None
+        # NOTE: a prefetch in flight already brings the next block (another request with
+        # the same prefix): follow it instead of asking storage again; its blocks become
+        # host hits for this request too.
+        for other in self._prefetch.values():
+            if not other.done and rest[0] in other.job.hashes:
+                self._followers[request.request_id] = (other, self._deadline(self.clock(), len(rest) * bs))
+                return None
         parent = nodes[-1] if nodes else m.tree.root
         if not self._can_hang_host_nodes(parent):
             return None
@@ -349,13 +372,7 @@ class StorageTier:
         want = want[: len(host)]
         job = StorageJob(TransferKind.STORAGE_LOAD, self.ns.keys(want), list(host), list(want))
         now = self.clock()
-        policy = self.config.prefetch_policy
-        if policy == "wait_complete":
-            deadline = float("inf")
-        elif policy == "timeout":
-            deadline = now + self.config.prefetch_timeout_s(len(want) * bs)
-        else:
-            deadline = now  # best_effort: never waits
+        deadline = self._deadline(now, len(want) * bs)
         pf = _Prefetch(request.request_id, start, list(hashes[: start + len(want)]), job, now, deadline)
         self._prefetch[request.request_id] = pf
         self._prefetch_blocks.update(host)
@@ -375,6 +392,8 @@ class StorageTier:
     def storage_hit_tokens(self, request: Any) -> int:
         """Tokens of the request's applied match that its own prefetch brought in (usage)."""
         pf = self._prefetch.get(request.request_id)
+        if pf is None and request.request_id in self._followers:
+            pf = self._followers[request.request_id][0]
         match = getattr(request, "match_result", None)
         if pf is None or not pf.inserted or match is None:
             return 0
@@ -388,6 +407,7 @@ class StorageTier:
         A job still in flight keeps its host blocks and still inserts what arrives.
         """
         self._no_prefetch.discard(request_id)
+        self._followers.pop(request_id, None)
         pf = self._prefetch.get(request_id)
         if pf is None:
             return

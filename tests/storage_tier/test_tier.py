@@ -269,3 +269,24 @@ def test_write_back_stores_blocks_when_the_host_tier_evicts_them(rigs: Any, tmp_
     assert len(match.nodes) >= 1
     for node in match.nodes:
         assert second.read_host(node.host_block_id) == second.expected(node.hash_value)
+
+
+def test_a_second_request_waits_on_the_prefetch_in_flight_for_its_prefix(rigs: Any) -> None:
+    first = rigs()
+    hashes = store_tokens(first, TOKENS)
+    second = rigs()
+    a, b = Request("a", TOKENS), Request("b", TOKENS[:-1] + [7])  # same 4 full blocks
+    assert second.tier.prefetch_state(a) == PREFETCH_WAITING
+    assert second.tier.prefetch_state(b) == PREFETCH_WAITING  # follows a's job
+    assert second.tier.stats["exists_calls"] == 1 and second.tier.stats["prefetch_jobs"] == 1
+    second.submit()
+    second.drain()
+    assert second.tier.prefetch_state(b) == PREFETCH_READY
+    assert second.tier.prefetch_state(a) == PREFETCH_READY
+    for req in (a, b):  # both match the fetched blocks on host
+        assert [n.hash_value for n in second.manager.match_prefix(req).nodes] == hashes
+    second.manager.ensure_resident(a, a.num_total_tokens)
+    assert second.tier.admitted(a) == 4 * BS
+    second.tier.forget_request("b")
+    second.manager.check_invariants()
+    assert not second.tier._followers and not second.tier._prefetch
