@@ -142,3 +142,32 @@ def test_write_back_and_timeout_policy_through_the_server(tmp_path: Path) -> Non
         assert_no_leak(second)
     finally:
         second.stop()
+
+
+def test_concurrent_requests_on_a_cold_server_share_one_prefetch(tmp_path: Path) -> None:
+    """Four clients send the same stored prefix at once to a restarted server: same text for
+    all, storage hits, one existence check per request at most, nothing leaked.
+
+    NOTE: admission is one request at a time, so a later request may find the blocks in the
+    tree with their host -> device load in flight (not matchable) and fetch them again;
+    such a duplicate is freed on arrival (the tier-level test covers followers proper)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = tmp_path / "kv"
+    first = start_server(file_args(store))
+    try:
+        cold, _ = complete(first, P)
+        wait_storage_quiet(first)
+    finally:
+        first.stop()
+    second = start_server(file_args(store))
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda _: complete(second, P), range(4)))
+        assert all(text == cold for text, _ in outs), [t for t, _ in outs]
+        assert sum(1 for _, tiers in outs if tiers["storage"] > 0) >= 1
+        tier = assert_no_leak(second)["storage"]["tier"]
+        assert 1 <= tier["prefetch_jobs"] <= 4 and tier["exists_calls"] <= 4, tier
+        assert tier["prefetch_blocks_failed"] == 0, tier
+    finally:
+        second.stop()
