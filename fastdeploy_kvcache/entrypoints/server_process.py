@@ -30,6 +30,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def stop_child(proc: "subprocess.Popen[bytes]", sig: int = signal.SIGTERM, wait_s: float = 10.0,
+               kill_wait_s: float = 10.0) -> Optional[int]:
+    """Send ``sig`` to a child still running, wait ``wait_s``, then SIGKILL it; its exit code.
+
+    One place for the graceful-then-forced stop that the API server, the PD router and the
+    local Mooncake processes all need, so none of them can leak a child that ignores ``sig``.
+    Returns ``None`` when the child had already exited.
+    """
+    if proc.poll() is not None:
+        return None
+    proc.send_signal(sig)
+    try:
+        return proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("child %d did not stop in %.0f s; killing it", proc.pid, wait_s)
+        proc.kill()
+        return proc.wait(kill_wait_s)
+
+
 class ServerProcess:
     """``python -m fastdeploy_kvcache.entrypoints.openai.api_server`` in a child process.
 
@@ -104,13 +123,7 @@ class ServerProcess:
         """
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("server %d did not stop in %.0f s; killing it", self.proc.pid, timeout_s)
-            self.proc.kill()
-            return self.proc.wait(10)
+        return stop_child(self.proc, signal.SIGTERM, timeout_s, 10)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

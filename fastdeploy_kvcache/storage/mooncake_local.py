@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Optional, Union
+
+from fastdeploy_kvcache.entrypoints.server_process import free_port, stop_child
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +37,6 @@ def find_binary(name: str) -> Optional[str]:
     if local.is_file() and os.access(local, os.X_OK):
         return str(local)
     return shutil.which(name)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _log_file(log_dir: Optional[Union[str, Path]], name: str):  # type: ignore[no-untyped-def]
@@ -105,13 +100,8 @@ class MooncakeMaster:
             return False
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            stop_child(self.proc, sig, 10, 5)
         self.proc = None
 
     def pause(self) -> None:
@@ -153,13 +143,8 @@ class MooncakeHolder:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            stop_child(self.proc, signal.SIGTERM, 10, 5)
         self.proc = None
 
 

@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL
+from server_helpers import scrape
 
 WORDS = ("cache block device host storage tier prefix radix tree layer stream copy event token "
          "prompt engine server request batch model attention key value swap evict load").split()
@@ -385,16 +385,6 @@ def test_disconnect_non_stream_aborts(server: Any) -> None:
 
 
 # ---------------------------------------------------------------------- metrics
-def scrape(server: Any) -> dict[str, float]:
-    """``/metrics`` as {'name{labels}': value} (labels sorted, as text)."""
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(server.get_text("/metrics")):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
-
-
 def test_metrics(server: Any) -> None:
     client = client_for(server)
     prefix = text_of(50, 100)

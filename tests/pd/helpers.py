@@ -3,6 +3,7 @@ processes on 127.0.0.1 (uvicorn, tiny-llama-random on the CPU), over a real stor
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import tempfile
@@ -11,7 +12,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Optional, Sequence
 
-from fastdeploy_kvcache.entrypoints.server_process import ServerProcess, free_port
+from fastdeploy_kvcache.entrypoints.server_process import ServerProcess, free_port, stop_child
+from server_helpers import scrape
 
 MODEL = "tiny-llama-random"
 BLOCK_SIZE = 16
@@ -80,13 +82,8 @@ class RouterProcess:
         raise TimeoutError("router not up")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_child(self.proc, signal.SIGTERM, 10, 10)
 
     def __enter__(self) -> "RouterProcess":
         return self.start()
@@ -140,17 +137,6 @@ def completion(base_url: str, prompt: Any, max_tokens: int = 12, stream: bool = 
     ch = out["choices"][0]
     text = ch["message"]["content"] if chat else ch["text"]
     return {"status": 200, "text": text, "finish_reason": ch["finish_reason"], "usage": out["usage"], "json": out}
-
-
-def scrape(server: Any) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(server.get_text("/metrics")):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
 
 
 def recomputed(server: Any) -> float:
