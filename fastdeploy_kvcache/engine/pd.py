@@ -198,18 +198,11 @@ class _Stats:
 
 def device_layout(controller: Any) -> Any:
     """The controller's *device* caches as a block layout for StorageTransfer (object order)."""
-    from fastdeploy_kvcache.storage.transfer import CACHE_KINDS, HostTierLayout
+    from fastdeploy_kvcache.storage.transfer import HostTierLayout
 
     caches = controller.get_kv_caches()
-    cfg = controller.config
-    kinds = CACHE_KINDS if controller.quantized else CACHE_KINDS[:2]
-    ptrs, sizes = [], []
-    for layer in range(controller.num_layers):
-        names = controller.cache_names(layer)
-        for kind in kinds:
-            ptrs.append(int(caches[names[kind]].data_ptr()))
-            sizes.append(cfg.scale_bytes_per_layer_block if kind.endswith("scale") else cfg.bytes_per_layer_block)
-    return HostTierLayout(tuple(ptrs), tuple(sizes), int(controller.num_gpu_blocks), int(controller.num_layers))
+    return HostTierLayout.of_caches(controller, lambda name: int(caches[name].data_ptr()),
+                                    int(controller.num_gpu_blocks))
 
 
 class PDCoordinator:

@@ -33,7 +33,7 @@ import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
@@ -90,15 +90,24 @@ class HostTierLayout:
         host = controller.get_host_cache_kvs_map()
         if not host:
             raise ValueError("HostTierLayout.from_controller: the controller has no host cache (initialize_host_cache)")
+        return cls.of_caches(controller, lambda name: int(host[name]), int(controller.num_host_blocks))
+
+    @classmethod
+    def of_caches(cls, controller: Any, address_of: Callable[[str], int], num_blocks: int) -> "HostTierLayout":
+        """The layout of one tier of a controller's caches, ``address_of(cache name)`` giving each base.
+
+        The host tier and the device tier (PD transfer) list their caches in the same object
+        order, so both are built here: a second copy of the loop could drift from the first.
+        """
         cfg = controller.config
         kinds = CACHE_KINDS if controller.quantized else CACHE_KINDS[:2]
         ptrs, sizes = [], []
         for layer in range(controller.num_layers):
             names = controller.cache_names(layer)
             for kind in kinds:
-                ptrs.append(int(host[names[kind]]))
+                ptrs.append(address_of(names[kind]))
                 sizes.append(cfg.scale_bytes_per_layer_block if kind.endswith("scale") else cfg.bytes_per_layer_block)
-        return cls(tuple(ptrs), tuple(sizes), int(controller.num_host_blocks), int(controller.num_layers))
+        return cls(tuple(ptrs), tuple(sizes), num_blocks, int(controller.num_layers))
 
 
 class _Staging:
