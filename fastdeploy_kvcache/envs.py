@@ -263,14 +263,7 @@ def parse(name: str, raw: str) -> object:
 def get(name: str) -> object:
     """Return the parsed value of a registered variable (raises KeyError if unknown, and
     ValueError naming the variable if its value is bad)."""
-    var = ENV_VARS[name]
-    raw = os.environ.get(name, var.default)
-    if not raw.strip():
-        raw = var.default
-    try:
-        return var.parse(raw)
-    except ValueError as exc:
-        raise ValueError(f"bad value for environment variable {name}={raw!r}: {exc}") from exc
+    return parse(name, os.environ.get(name, ENV_VARS[name].default))
 
 
 def enable_v1_kvcache_manager() -> bool:
