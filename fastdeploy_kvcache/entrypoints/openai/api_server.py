@@ -149,6 +149,13 @@ def _json_safe(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- app
+def _reply(result: Any, stream: Optional[bool]) -> Response:
+    """A streamed request's server-sent events, or the whole response as JSON."""
+    if stream:
+        return StreamingResponse(result, media_type="text/event-stream")
+    return JSONResponse(result.model_dump())
+
+
 def build_app(args: argparse.Namespace) -> FastAPI:
     """The FastAPI app; the engine is built and started in its lifespan, stopped at exit."""
     state: dict[str, Any] = {}
@@ -201,17 +208,11 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
-        result = await serving().create_completion(body, raw)
-        if body.stream:
-            return StreamingResponse(result, media_type="text/event-stream")
-        return JSONResponse(result.model_dump())
+        return _reply(await serving().create_completion(body, raw), body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        result = await serving().create_chat_completion(body, raw)
-        if body.stream:
-            return StreamingResponse(result, media_type="text/event-stream")
-        return JSONResponse(result.model_dump())
+        return _reply(await serving().create_chat_completion(body, raw), body.stream)
 
     return app
 
