@@ -23,6 +23,21 @@ def blocks_for(req: Any, block_size: int) -> int:
     return -(-req.num_total_tokens // block_size)
 
 
+def written_blocks(req: Any, block_size: int) -> list[tuple[int, int]]:
+    """(device block, pattern key) of each block a step's compute writes for ``req``.
+
+    A full block's key is its chained hash; a partial block's depends on how far it is filled.
+    """
+    start, end = req.num_computed_tokens, req.num_total_tokens
+    hashes = req.block_hashes(block_size, end)
+    out = []
+    for i in range(start // block_size, (end - 1) // block_size + 1):
+        full = (i + 1) * block_size <= end
+        key = hashes[i] if full else partial_block_key(req.request_id, i, end)
+        out.append((req.block_tables[i], key))
+    return out
+
+
 def scheduler_step(mgr: Any, rng: random.Random, families: list[list[int]], running: list[Any],
                    next_id: int, block_size: int) -> int:
     """Finish or preempt some running requests, admit up to three new ones, decode one token.

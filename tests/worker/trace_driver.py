@@ -21,7 +21,7 @@ from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, CopyDirection
 
-from trace_steps import partial_block_key, scheduler_step
+from trace_steps import scheduler_step, written_blocks
 
 BS = 4
 SOAK = bool(envs.get("FDKV_SOAK"))
@@ -101,12 +101,8 @@ class Model:
                     return False
             for req in batch:
                 self._check(req, layer, req.num_computed_tokens, "before compute")
-                start, end = req.num_computed_tokens, req.num_total_tokens
-                hashes = req.block_hashes(BS, end)
-                for i in range(start // BS, (end - 1) // BS + 1):
-                    full = (i + 1) * BS <= end
-                    key = hashes[i] if full else partial_block_key(req.request_id, i, end)
-                    self._write(req.block_tables[i], key, layer)
+                for block, key in written_blocks(req, BS):
+                    self._write(block, key, layer)
         for req in batch:
             req.num_computed_tokens = req.num_total_tokens
         return True
