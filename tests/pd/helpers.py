@@ -48,6 +48,13 @@ def start_server(role: str, store_args: Sequence[str], env: Optional[dict[str, s
     return ServerProcess([*BASE_ARGS, *store_args, *role_args, *extra], env={**ENV, **(env or {})}).start()
 
 
+def stop_cluster(servers: dict[str, Any]) -> None:
+    """Stop what a PD cluster fixture started: the router first, so nothing forwards to a stopped server."""
+    for name in ("router", "prefill", "decode", "mixed"):
+        if name in servers:
+            servers[name].stop()
+
+
 class RouterProcess:
     """``python -m fastdeploy_kvcache.entrypoints.pd_router`` in a child process."""
 

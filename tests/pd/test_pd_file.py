@@ -25,6 +25,7 @@ from .helpers import (
     recomputed,
     scrape,
     start_server,
+    stop_cluster,
 )
 
 _missing = [m for m in ("fastapi", "uvicorn", "httpx", "prometheus_client", "paddleformers")
@@ -47,9 +48,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         servers["router"] = RouterProcess(servers["prefill"].base_url, servers["decode"].base_url).start()
         yield servers
     finally:
-        for name in ("router", "prefill", "decode", "mixed"):
-            if name in servers:
-                servers[name].stop()
+        stop_cluster(servers)
 
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> None:

@@ -20,7 +20,17 @@ import pytest
 from fastdeploy_kvcache.storage.mooncake_backend import mooncake_available
 from fastdeploy_kvcache.storage.mooncake_local import LocalMooncake, find_binary
 
-from .helpers import BLOCK_SIZE, MODEL, RouterProcess, completion, mooncake_store_args, prompt_ids, recomputed, start_server
+from .helpers import (
+    BLOCK_SIZE,
+    MODEL,
+    RouterProcess,
+    completion,
+    mooncake_store_args,
+    prompt_ids,
+    recomputed,
+    start_server,
+    stop_cluster,
+)
 
 _missing = [m for m in ("fastapi", "uvicorn", "httpx", "prometheus_client", "paddleformers")
             if importlib.util.find_spec(m) is None]
@@ -61,9 +71,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         servers["router"] = RouterProcess(servers["prefill"].base_url, servers["decode"].base_url).start()
         yield servers
     finally:
-        for name in ("router", "prefill", "decode", "mixed"):
-            if name in servers:
-                servers[name].stop()
+        stop_cluster(servers)
         local.stop()
 
 
