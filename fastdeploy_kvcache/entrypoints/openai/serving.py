@@ -17,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from starlette.requests import Request as HTTPRequest
 
@@ -214,6 +214,20 @@ def usage_of(output: Any) -> UsageInfo:
     )
 
 
+def _choices_and_usage(results: dict[int, dict[str, Any]], n: int,
+                       make_choice: Callable[[int, str, Optional[str]], Any]) -> tuple[list[Any], UsageInfo]:
+    """A non-streamed response's choices (by index) and usage, for completions and chat alike.
+
+    A prompt's tokens count once however many of its ``n`` choices there are (the first).
+    """
+    choices, usage = [], UsageInfo()
+    for index in sorted(results):
+        out = results[index]["out"]
+        choices.append(make_choice(index, "".join(results[index]["text"]), out.finish_reason))
+        usage.add(usage_of(out), include_prompt=index % n == 0)
+    return choices, usage
+
+
 class OpenAIServing:
     """The handlers of ``/v1/completions`` and ``/v1/chat/completions``."""
 
@@ -335,12 +349,8 @@ class OpenAIServing:
         if req.stream:
             return self._completion_stream(req, group, arrival)
         results = await self._collect(group, raw, arrival)
-        choices, usage = [], UsageInfo()
-        for index in sorted(results):
-            out = results[index]["out"]
-            choices.append(CompletionChoice(index=index, text="".join(results[index]["text"]),
-                                            finish_reason=out.finish_reason))
-            usage.add(usage_of(out), include_prompt=index % req.n == 0)
+        choices, usage = _choices_and_usage(results, req.n, lambda index, text, finish: CompletionChoice(
+            index=index, text=text, finish_reason=finish))
         return CompletionResponse(model=req.model, choices=choices, usage=usage,
                                   kv_transfer_params=self._prefill_handoff(results))
 
@@ -382,13 +392,8 @@ class OpenAIServing:
         if req.stream:
             return self._chat_stream(req, group, arrival)
         results = await self._collect(group, raw, arrival)
-        choices, usage = [], UsageInfo()
-        for index in sorted(results):
-            out = results[index]["out"]
-            choices.append(ChatCompletionChoice(
-                index=index, message=ChatResponseMessage(content="".join(results[index]["text"])),
-                finish_reason=out.finish_reason))
-            usage.add(usage_of(out), include_prompt=index % req.n == 0)
+        choices, usage = _choices_and_usage(results, req.n, lambda index, text, finish: ChatCompletionChoice(
+            index=index, message=ChatResponseMessage(content=text), finish_reason=finish))
         return ChatCompletionResponse(model=req.model, choices=choices, usage=usage,
                                       kv_transfer_params=self._prefill_handoff(results))
 
