@@ -9,13 +9,71 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
 
 
 def partial_block_key(request_id: str, block: int, end: int) -> int:
     """Pattern key of a partial block: the same in every process (``hash()`` of a str is not)."""
     digest = hashlib.blake2b(f"{request_id}/{block}/{end}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+class ArrayIO:
+    """Block writes/reads of one backend's device arrays, on the current stream.
+
+    CuPy accesses run under the array's own device, so a rank's model reads and writes the
+    GPU its controller lives on whatever device is current.
+    """
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        if backend == "paddle":
+            import paddle
+
+            self._paddle = paddle
+        elif backend == "cupy":
+            import cupy
+
+            self._cp = cupy
+
+    def write(self, array: Any, block: int, data: np.ndarray) -> None:
+        if self.backend == "paddle":
+            array[block] = self._paddle.to_tensor(data, dtype=array.dtype)
+        elif self.backend == "cupy":
+            with array.device:
+                array[block] = self._cp.asarray(data, dtype=array.dtype)
+        else:
+            array[block] = data
+
+    def read(self, array: Any, block: int) -> np.ndarray:
+        if self.backend == "paddle":
+            return array[block].numpy()
+        if self.backend == "cupy":
+            with array.device:
+                return self._cp.asnumpy(array[block])  # synchronous on the current stream
+        return np.array(array[block])
+
+
+def compute_layers(batch: Any, counter: Any, num_layers: int, block_size: int,
+                   check: Callable[[Any, int, int, str], None],
+                   write: Callable[[int, int, int], None]) -> bool:
+    """The trace models' forward: per layer, wait for its load, check what compute reads,
+    write what it writes.  False if a load failed (nothing is written after it)."""
+    from fastdeploy_kvcache.worker import LayerSwapError
+
+    for layer in range(num_layers):
+        if counter is not None:
+            try:
+                counter.wait_for_layer(layer)
+            except LayerSwapError:
+                return False
+        for req in batch:
+            check(req, layer, req.num_computed_tokens, "before compute")
+            for block, key in written_blocks(req, block_size):
+                write(block, key, layer)
+    return True
 
 
 def blocks_for(req: Any, block_size: int) -> int:

@@ -158,7 +158,7 @@ def test_require_ops_turns_a_missing_build_skip_into_a_failure(monkeypatch) -> N
 
     monkeypatch.delenv("FDKV_REQUIRE_OPS", raising=False)
     with pytest.raises(pytest.skip.Exception):
-        ops_missing("not built")
+        ops_missing("needs the ops built by `bash build.sh`")
     monkeypatch.setenv("FDKV_REQUIRE_OPS", "1")
     with pytest.raises(pytest.fail.Exception, match="FDKV_REQUIRE_OPS"):
-        ops_missing("not built")
+        ops_missing("needs the ops built by `bash build.sh`")

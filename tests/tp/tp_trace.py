@@ -22,7 +22,7 @@ import numpy as np
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, CopyDirection
 
-from trace_steps import scheduler_step, written_blocks
+from trace_steps import ArrayIO, compute_layers, scheduler_step
 
 BS = 4
 FULL_HEADS = 4
@@ -43,7 +43,7 @@ class ShardModel:
         self.rank = rank
         self.tp_size = tp_size
         self.layers = ctrl.num_layers
-        self.io = _ArrayIO(ctrl.backend.name)
+        self.io = ArrayIO(ctrl.backend.name)
         self.heads = ctrl.config.num_kv_heads
         self.mla = mla
         if not mla:
@@ -86,19 +86,7 @@ class ShardModel:
 
     def forward(self, batch: Any, counter: Any, payload: Any) -> bool:
         """One step on this rank; False if a load failed here (nothing is written after it)."""
-        from fastdeploy_kvcache.worker import LayerSwapError
-
-        for layer in range(self.layers):
-            if counter is not None:
-                try:
-                    counter.wait_for_layer(layer)
-                except LayerSwapError:
-                    return False
-            for req in batch:
-                self._check(req, layer, req.num_computed_tokens, "before compute")
-                for block, key in written_blocks(req, BS):
-                    self._write(block, key, layer)
-        return True
+        return compute_layers(batch, counter, self.layers, BS, self._check, self._write)
 
     def check_all(self, requests: list[Any]) -> int:
         for req in requests:
@@ -108,28 +96,6 @@ class ShardModel:
 
     def shapes(self) -> list[tuple[int, ...]]:
         return [tuple(a.shape) for a in self.ctrl.layer_caches(0)]
-
-
-class _ArrayIO:
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
-        if backend == "cupy":
-            import cupy
-
-            self._cp = cupy
-
-    def write(self, array: Any, block: int, data: np.ndarray) -> None:
-        if self.backend == "cupy":
-            with array.device:
-                array[block] = self._cp.asarray(data, dtype=array.dtype)
-        else:
-            array[block] = data
-
-    def read(self, array: Any, block: int) -> np.ndarray:
-        if self.backend == "cupy":
-            with array.device:
-                return self._cp.asnumpy(array[block])
-        return np.array(array[block])
 
 
 def tp_config(policy: str, tp_size: int, quant: bool, mla: bool = False, **overrides: Any) -> CacheConfig:

@@ -21,40 +21,10 @@ from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, CopyDirection
 
-from trace_steps import scheduler_step, written_blocks
+from trace_steps import ArrayIO, compute_layers, scheduler_step
 
 BS = 4
 SOAK = bool(envs.get("FDKV_SOAK"))
-
-
-class _ArrayIO:
-    """Block writes/reads of device arrays for one backend (on the current stream)."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
-        if backend == "paddle":
-            import paddle
-
-            self._paddle = paddle
-        elif backend == "cupy":
-            import cupy
-
-            self._cp = cupy
-
-    def write(self, array: Any, block: int, data: np.ndarray) -> None:
-        if self.backend == "paddle":
-            array[block] = self._paddle.to_tensor(data, dtype=array.dtype)
-        elif self.backend == "cupy":
-            array[block] = self._cp.asarray(data, dtype=array.dtype)
-        else:
-            array[block] = data
-
-    def read(self, array: Any, block: int) -> np.ndarray:
-        if self.backend == "paddle":
-            return array[block].numpy()
-        if self.backend == "cupy":
-            return self._cp.asnumpy(array[block])  # synchronous on the current (compute) stream
-        return np.array(array[block])
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,7 +38,7 @@ class Model:
     """The "forward pass": verifies what it reads and writes KV for new tokens."""
 
     def __init__(self, ctrl: Any, backend: str) -> None:
-        self.io = _ArrayIO(backend)
+        self.io = ArrayIO(backend)
         self.ctrl = ctrl
         self.layers = ctrl.num_layers
 
@@ -91,18 +61,8 @@ class Model:
 
     def forward(self, batch: Any, counter: Any) -> bool:
         """One step; False if a load failed (nothing is advanced, the step is redone)."""
-        from fastdeploy_kvcache.worker import LayerSwapError
-
-        for layer in range(self.layers):
-            if counter is not None:
-                try:
-                    counter.wait_for_layer(layer)
-                except LayerSwapError:
-                    return False
-            for req in batch:
-                self._check(req, layer, req.num_computed_tokens, "before compute")
-                for block, key in written_blocks(req, BS):
-                    self._write(block, key, layer)
+        if not compute_layers(batch, counter, self.layers, BS, self._check, self._write):
+            return False
         for req in batch:
             req.num_computed_tokens = req.num_total_tokens
         return True
