@@ -166,6 +166,9 @@ def test_store_gone_between_prefill_and_decode_recomputes_with_the_same_output(c
     try:
         out = _decode(decode, prompt, kv)
     finally:
+        # The decode server backs up what it recomputed into the stand-in directory; its
+        # writes (temp file, then rename) must be done before the directory is removed.
+        _wait_quiet(decode)
         shutil.rmtree(store)
         shutil.move(str(moved), str(store))
     same(out, completion(cluster["mixed"].base_url, prompt))
