@@ -179,7 +179,9 @@ class StorageBackend(abc.ABC):
         """Read each object into ``ptrs[i]`` (capacity ``sizes[i]``): bytes read or a negative Status.
 
         An object larger than its buffer gives ``Status.INVALID`` for that key and writes
-        nothing past the buffer.
+        nothing past the buffer.  After any negative result the buffer's bytes are
+        unspecified (they may hold part of the object): callers use only buffers whose
+        result is the object's size.
         """
 
     @abc.abstractmethod
