@@ -7,11 +7,14 @@ the new question.  Users run concurrently, at most ``--concurrency`` requests in
 flight; the semaphore is FIFO, so users take turns and, between two rounds of one
 user, the others' documents pass through the device pool.
 
-ONE invocation runs three configurations, each on a server it starts itself:
+ONE invocation runs four configurations (``--configs``), each on a server it starts itself:
 
 * ``recompute``   ENABLE_V1_KVCACHE_MANAGER=0: the plain block allocator, no reuse;
 * ``device``      ENABLE_V1_KVCACHE_MANAGER=1, ``--swap-space 0``: device prefix cache;
-* ``device+host`` ENABLE_V1_KVCACHE_MANAGER=1 and a host tier.
+* ``device+host`` ENABLE_V1_KVCACHE_MANAGER=1 and a host tier;
+* ``device+host+storage`` the same plus a ``file`` storage tier in a temporary directory
+  (every block is also written to storage; the host tier holds the working set, so the
+  ratio to ``device+host`` is the cost of those writes).
 
 The device pool (``--num-gpu-blocks-override``) is sized at about a third of the
 working set, so the device prefix cache alone cannot keep the documents between
@@ -19,14 +22,26 @@ rounds while the host tier can.  A second phase, on the device+host server, meas
 the time to first token of the same prefix length served from a device hit and from a
 host hit (the prefix's device blocks evicted by filler requests in between).
 
+A third phase, the **cold server** (``--cold-server``, on by default): for each storage
+backend (``--storage-backends``: ``file``, and ``mooncake`` where it imports and its
+binaries are installed) and each prefix length (``--cold-prefix-tokens``), a server
+computes ``--cold-repeats`` documents and stores them and is stopped; a restarted server
+in front of the warm store then answers each document from storage, then (after filler
+documents pushed it off the device) from host, and recomputes a never-seen document of
+the same length.  Issue 9's targets are same-run ratios of those TTFT p50s: storage hit
+<= 1.3x host hit (file), storage hit <= 0.25x recompute at the largest prefix.  The
+backend's read/write GB/s are set against a plain file write and read of the same bytes.
+
 Reported: TTFT p50/p99 (all rounds, and rounds >= 2), TTFT per round, throughput, the
-fraction of prompt tokens served from each tier, and the ratios to the recompute
-baseline measured in the same run.  Outputs: a JSON file, a PNG plot of TTFT per round
-per configuration, and a table in docs/benchmarks.md (``--docs``).
+fraction of prompt tokens served from each tier, the ratios to the recompute baseline
+and to device+host measured in the same run, and the cold-server table.  Outputs: a JSON
+file, a PNG plot of TTFT per round per configuration, and a section of
+docs/benchmarks.md (``--docs``; ``--quick`` writes none).
 
 Usage:
-    python benchmarks/bench_serving.py                 # tiny-llama-random, about 6 minutes on 2 cores
-    python benchmarks/bench_serving.py --quick         # smoke run (seconds); not for tables
+    python benchmarks/bench_serving.py                 # tiny-llama-random, about 13 minutes on 2 cores
+    python benchmarks/bench_serving.py --quick         # smoke run (a few minutes); not for tables
+    python benchmarks/bench_serving.py --configs device+host,device+host+storage --no-cold-server
     python benchmarks/bench_serving.py --model smollm2-135m-instruct --doc-tokens 512 ...
 """
 
@@ -41,7 +56,9 @@ import math
 import os
 import platform
 import random
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -74,7 +91,8 @@ WORDS = (
     "answer room sea against top turned learn point city play toward five using himself usually"
 ).split()
 
-CONFIGS = ("recompute", "device", "device+host")
+CONFIGS = ("recompute", "device", "device+host", "device+host+storage")
+STORAGE_BACKENDS = ("file", "mooncake")
 LOADAVG_START = os.getloadavg()
 
 
@@ -281,6 +299,215 @@ def scrape_metrics(server: ServerProcess) -> dict[str, float]:
     return out
 
 
+# ------------------------------------------------------------------ cold server
+def wait_storage_quiet(server: ServerProcess, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Engine stats once no request runs and the storage tier has no queued or running work.
+
+    Before a measured request, so that it does not share the two cores with the
+    background puts of the requests before it.
+    """
+    deadline = time.monotonic() + timeout_s
+    stats: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        stats = server.engine_stats()
+        st = stats.get("storage") or {}
+        if stats.get("num_requests_running") == 0 and st.get("pending_work") == 0:
+            return stats
+        time.sleep(0.1)
+    raise TimeoutError(f"storage work not settled after {timeout_s} s")
+
+
+async def cold_probe(writer: ServerProcess, make_cold: Any, model: str, wl: Workload, doc_words: int,
+                     repeats: int, filler_docs: int, tag: int, progress: Any = None) -> dict[str, Any]:
+    """Store ``repeats`` documents through ``writer``, restart, measure storage/host/recompute hits.
+
+    ``writer`` is stopped here; ``make_cold()`` returns the restarted (started) server on the
+    same store.  The three TTFTs of a repeat come from that one process: the document from
+    storage, the same document from host once ``filler_docs`` other documents pushed it off
+    the device, and a never-seen document of the same length (recompute).
+    """
+    from openai import AsyncOpenAI
+
+    def doc(k: int) -> str:
+        w = Workload(1, 1, doc_words, wl.question_words, 1, 1, wl.seed)
+        return w.document(tag * 100_000 + k)
+
+    try:
+        client = AsyncOpenAI(base_url=writer.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        for k in range(repeats):
+            await stream_completion(client, model, f"{doc(k)}\n\nQuestion: {wl.question(k, 0)}\nAnswer:", 1)
+        await client.close()
+        wstats = wait_storage_quiet(writer)["storage"]["store"]  # the backend's own call timings
+    finally:
+        writer.stop()
+    cold = make_cold()  # started
+    rows: list[dict[str, Any]] = []
+    try:
+        client = AsyncOpenAI(base_url=cold.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+        async def settle(c: Any) -> None:
+            # NOTE: before each measured request: a one-token request (its step issues the
+            # backups queued before), then wait until those backups and their storage puts
+            # are done, so no measured request shares the CPU with earlier requests' writes.
+            await stream_completion(c, model, "x", 1)
+            await asyncio.to_thread(wait_storage_quiet, cold)
+
+        for i in range(2):  # warm-up of the fresh process (kernels, allocator): not measured
+            await stream_completion(client, model, doc(90_000 + i), 1)
+        for k in range(repeats):
+            q = [wl.question(k, i) for i in range(1, 4)]
+            await settle(client)
+            st = await stream_completion(client, model, f"{doc(k)}\n\nQuestion: {q[0]}\nAnswer:", 1)
+            for f in range(filler_docs):
+                await stream_completion(client, model, doc(50_000 + k * filler_docs + f) + "\nAnswer:", 1)
+            await settle(client)
+            host = await stream_completion(client, model, f"{doc(k)}\n\nQuestion: {q[1]}\nAnswer:", 1)
+            await settle(client)
+            rec = await stream_completion(client, model, f"{doc(70_000 + k)}\n\nQuestion: {q[2]}\nAnswer:", 1)
+            rows.append({"storage_ttft_s": st[0], "host_ttft_s": host[0], "recompute_ttft_s": rec[0],
+                         "storage_tiers": tiers_of(st[3]), "host_tiers": tiers_of(host[3]),
+                         "recompute_tiers": tiers_of(rec[3]), "prompt_tokens": st[3].prompt_tokens})
+            if progress is not None:
+                progress.update(1)
+        await client.close()
+        cstats = wait_storage_quiet(cold)["storage"]
+    finally:
+        cold.stop()
+    valid = [r for r in rows if r["storage_tiers"]["storage"] > 0 and r["host_tiers"]["host"] > 0
+             and r["host_tiers"]["storage"] == 0 and sum(r["recompute_tiers"].values()) == 0]
+    p = {name: percentile([r[f"{name}_ttft_s"] for r in valid], 50) for name in ("storage", "host", "recompute")}
+    t = cstats["tier"]
+    store = cstats["store"]
+    return {
+        "repeats": repeats, "valid_repeats": len(valid), "filler_docs": filler_docs, "rows": rows,
+        "prompt_tokens_p50": percentile([r["prompt_tokens"] for r in rows], 50),
+        "storage_cached_tokens_p50": percentile([r["storage_tiers"]["storage"] for r in valid], 50),
+        "storage_ttft_p50_s": p["storage"], "host_ttft_p50_s": p["host"], "recompute_ttft_p50_s": p["recompute"],
+        "storage_over_host": p["storage"] / p["host"] if valid else float("nan"),
+        "storage_over_recompute": p["storage"] / p["recompute"] if valid else float("nan"),
+        # Backend calls (batch_get_into / batch_put_from) as timed by the backend itself.
+        "server_read_gbps": store["read_bytes"] / store["read_seconds"] / 1e9 if store.get("read_seconds") else float("nan"),
+        # Whole prefetch jobs (queue, get, scatter), as the scheduler waited for them.
+        "prefetch_job_gbps": t["read_bytes"] / t["read_seconds"] / 1e9 if t["read_seconds"] else float("nan"),
+        "server_write_gbps": wstats["write_bytes"] / wstats["write_seconds"] / 1e9 if wstats["write_seconds"] else float("nan"),
+        "read_bytes": store["read_bytes"], "read_keys": store.get("read_keys", 0),
+        "write_bytes": wstats["write_bytes"], "write_keys": wstats.get("write_keys", 0),
+        "aborted_prefetches": t["aborted_prefetches"], "errors": t["errors"],
+    }
+
+
+def plain_file_gbps(write_bytes: int, read_bytes: int, object_bytes: int, directory: Path) -> dict[str, float]:
+    """A plain write, then read (page cache warm), of the same bytes as one file per object.
+
+    The server's figures set against what this machine's file system gives the same
+    bytes in the same run (the load of a shared machine moves both).
+    """
+    import numpy as np
+
+    n_write = max(1, write_bytes // object_bytes)
+    n_read = min(n_write, max(1, read_bytes // object_bytes))
+    data = np.random.default_rng(0).integers(0, 256, object_bytes, dtype=np.uint8).tobytes()
+    directory.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    for i in range(n_write):
+        with open(directory / f"{i}.bin", "wb") as f:
+            f.write(data)
+    w = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(n_read):
+        with open(directory / f"{i}.bin", "rb") as f:
+            f.read()
+    r = time.perf_counter() - t0
+    shutil.rmtree(directory, ignore_errors=True)
+    return {"plain_write_gbps": n_write * object_bytes / w / 1e9, "plain_read_gbps": n_read * object_bytes / r / 1e9,
+            "plain_object_bytes": object_bytes, "plain_write_objects": n_write, "plain_read_objects": n_read}
+
+
+def cold_server_args(args: argparse.Namespace, prefixes: list[int]) -> tuple[list[str], int]:
+    """Server flags of the cold-server scenario (before the storage flags) and its device pool.
+
+    The device pool holds about three documents of the longest prefix, so a few filler
+    documents push one off the device while the 1 GiB host tier keeps it.
+    """
+    bs = args.block_size
+    longest = max(prefixes)
+    max_model_len = 1 << math.ceil(math.log2(longest * 2 + 256))
+    device_blocks = 3 * math.ceil((longest + 64) / bs) + 8
+    common = ["--model", args.model, "--device", "cpu", "--block-size", str(bs), "--max-model-len", str(max_model_len),
+              "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--num-gpu-blocks-override", str(device_blocks), "--swap-space", str(args.swap_space),
+              "--write-policy", "write_through", "--uvicorn-log-level", "warning", "--log-level", "warning"]
+    return common, device_blocks
+
+
+def usable_backends(requested: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The requested backends this machine can run, and why the others were left out."""
+    usable: list[str] = []
+    skipped: dict[str, str] = {}
+    for backend in requested:
+        if backend == "mooncake":
+            from fastdeploy_kvcache.storage.mooncake_backend import mooncake_available
+            from fastdeploy_kvcache.storage.mooncake_local import find_binary
+
+            why = mooncake_available()
+            if why is None and find_binary("mooncake_master") is None:
+                why = "mooncake_master not installed"
+            if why is not None:
+                skipped[backend] = why
+                logger.warning("[cold] mooncake left out: %s", why)
+                continue
+        usable.append(backend)
+    return usable, skipped
+
+
+def run_cold_server(args: argparse.Namespace, prefixes: list[int], backends: list[str], tokens_per_word: float,
+                    wl: Workload, start_server: Any, work: Path) -> dict[str, Any]:
+    """The cold-server scenario for each backend and prefix length (see the module docstring)."""
+    from tqdm import tqdm
+
+    common, device_blocks = cold_server_args(args, prefixes)
+    env = {"ENABLE_V1_KVCACHE_MANAGER": "1", "PYTHONFAULTHANDLER": "1"}
+    out: dict[str, Any] = {"device_blocks": device_blocks, "server_args": common, "prefix_tokens": prefixes,
+                           "results": {}}
+    bs = args.block_size
+    for bi, backend in enumerate(backends):
+        env_b = dict(env)
+        local = None
+        if backend == "mooncake":
+            from fastdeploy_kvcache.storage.mooncake_local import LocalMooncake
+
+            local = LocalMooncake(segment="1GB", log_dir=work / "mooncake").start()
+            env_b.update(local.env())
+        try:
+            for pi, plen in enumerate(prefixes):
+                sdir = work / f"store-{backend}-{plen}"
+                storage = ["--kvcache-storage-backend", backend, "--kvcache-storage-prefetch-policy", "wait_complete"]
+                if backend == "file":
+                    storage += ["--kvcache-storage-path", str(sdir), "--kvcache-storage-min-free", "0"]
+                writer = start_server(common + storage, env_b)
+                filler = math.ceil(device_blocks * bs / plen) + 1
+                bar = tqdm(total=args.cold_repeats, desc=f"cold {backend} {plen}", unit="doc", file=sys.stderr)
+                res = asyncio.run(cold_probe(writer, lambda: start_server(common + storage, env_b), args.model, wl,
+                                             max(1, round(plen / tokens_per_word)), args.cold_repeats, filler,
+                                             pi + 10 * bi, bar))
+                bar.close()
+                object_bytes = (int(res["read_bytes"] // res["read_keys"]) if res.get("read_keys")
+                                else int(res["write_bytes"] // res["write_keys"]) if res.get("write_keys") else 64 << 10)
+                res.update(plain_file_gbps(int(res["write_bytes"]) or (1 << 20), int(res["read_bytes"]) or (1 << 20),
+                                           object_bytes, work / "plain"))
+                res["storage_args"] = storage
+                out["results"][f"{backend}/{plen}"] = res
+                logger.info("[cold %s %d] TTFT p50 storage %.1f ms, host %.1f ms, recompute %.1f ms: "
+                            "storage/host %.2f, storage/recompute %.2f (%d/%d valid)", backend, plen,
+                            1e3 * res["storage_ttft_p50_s"], 1e3 * res["host_ttft_p50_s"],
+                            1e3 * res["recompute_ttft_p50_s"], res["storage_over_host"],
+                            res["storage_over_recompute"], res["valid_repeats"], res["repeats"])
+        finally:
+            if local is not None:
+                local.stop()
+    return out
+
+
 # ---------------------------------------------------------------------- driver
 def calibrate_tokens_per_word(server: ServerProcess, model: str, wl: Workload) -> float:
     """Tokens per word of the served tokenizer, from one request's usage (not counted)."""
@@ -331,32 +558,46 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="Host tier of the device+host configuration, GiB (must hold the working set).")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--probe-repeats", type=int, default=9)
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"Subset of {','.join(CONFIGS)}.")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"Subset of {','.join(CONFIGS)} for the multi-turn workload ('' for none).")
+    ap.add_argument("--cold-server", action=argparse.BooleanOptionalAction, default=True,
+                    help="Run the cold-server scenario (a restarted server in front of a warm store).")
+    ap.add_argument("--cold-prefix-tokens", default="",
+                    help="Prefix lengths of the cold-server scenario, comma-separated (default: twice "
+                         "--doc-tokens, about the longest prompt a user of the workload sends and more).")
+    ap.add_argument("--cold-repeats", type=int, default=5, help="Documents per backend and prefix length.")
+    ap.add_argument("--storage-backends", default=",".join(STORAGE_BACKENDS),
+                    help="Backends of the cold-server scenario: file, and mooncake where it imports and "
+                         "its binaries are installed (left out with a warning otherwise).")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"),
                     help="Markdown file whose Serving section is (re)written; '' to skip.")
     ap.add_argument("--tag", default="cpu", help="Name part of the output files.")
-    ap.add_argument("--quick", action="store_true", help="Smoke run: 3 users, 3 rounds, short documents.")
+    ap.add_argument("--quick", action="store_true", help="Smoke run: 3 users, 3 rounds, short documents; cold server: file backend, one repeat; no docs update.")
     ap.add_argument("--default-model-probe", default="smollm2-135m-instruct",
                     help="Also time one prefill of this model (the server's default) in the same run, to say "
                          "why the benchmark uses a smaller one; '' to skip.")
     ap.add_argument("--render", metavar="JSON", default="",
                     help="Only rewrite the docs section (and the plot) from a JSON file of an earlier run.")
+    ap.add_argument("--name", default="bench_serving", help=argparse.SUPPRESS)  # file stem (bench_storage_serving)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for name in ("httpx", "httpx2", "openai"):
         logging.getLogger(name).setLevel(logging.WARNING)  # one line per request otherwise
     if args.quick:
-        args.users, args.rounds, args.doc_tokens, args.output_tokens, args.probe_repeats = 3, 3, 256, 4, 1
+        args.users, args.rounds, args.doc_tokens, args.output_tokens = 3, 3, 256, 4
+        args.probe_repeats = min(args.probe_repeats, 1)
         args.concurrency = 1
+        args.cold_prefix_tokens, args.cold_repeats, args.storage_backends = "", 1, "file"
         args.docs = ""
         args.default_model_probe = ""
     if args.render:
         json_path = Path(args.render)
         report = json.loads(json_path.read_text())
         png_path = json_path.with_name(json_path.stem + "_ttft.png")
-        plot(report, png_path)
+        if report["summaries"]:
+            plot(report, png_path)
         if args.docs:
             write_docs_section(Path(args.docs), report, json_path, png_path)
         print(format_console(report))
@@ -365,6 +606,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
         ap.error(f"--configs: unknown {bad}; choose from {CONFIGS}")
+    requested_backends = [b for b in args.storage_backends.split(",") if b]
+    bad = [b for b in requested_backends if b not in STORAGE_BACKENDS]
+    if bad:
+        ap.error(f"--storage-backends: unknown {bad}; choose from {STORAGE_BACKENDS}")
+    cold_prefixes = [int(x) for x in args.cold_prefix_tokens.split(",") if x] or [2 * args.doc_tokens]
+    if not configs and not args.cold_server:
+        ap.error("nothing to run: --configs is empty and --no-cold-server")
 
     from openai import OpenAI
     from tqdm import tqdm
@@ -390,73 +638,115 @@ def main(argv: Optional[list[str]] = None) -> int:
     tokens_per_word: Optional[float] = None
     wl: Optional[Workload] = None
     host_blocks: Optional[float] = None
-    run_start = time.perf_counter()
-    for name in configs:
-        env = {"ENABLE_V1_KVCACHE_MANAGER": "0" if name == "recompute" else "1"}
-        extra: list[str] = []
-        if name == "device":
-            extra = ["--swap-space", "0"]
-        elif name == "device+host":
-            extra = ["--swap-space", "0", "--write-policy", args.write_policy]
-        if name == "device+host":
-            extra[1] = str(args.swap_space)
-        server = ServerProcess(common + extra, env=env)
-        logger.info("[%s] starting server: %s", name, " ".join(server.args))
-        server.start()
+    failed_starts: list[str] = []
+
+    def start_server(server_args: list[str], server_env: dict[str, str]) -> ServerProcess:
+        """Start a server; one retry if it dies during start-up (recorded in the report).
+
+        A Mooncake server was once seen to die with SIGSEGV while starting (not reproduced);
+        PYTHONFAULTHANDLER in the env puts the stack of such a crash in the server log.
+        """
         try:
-            if tokens_per_word is None:
-                tokens_per_word = calibrate_tokens_per_word(server, args.model, Workload(0, 0, 0, 0, 0, 1, args.seed))
-                wl = Workload(args.users, args.rounds, max(1, round(args.doc_tokens / tokens_per_word)),
-                              max(1, round(args.question_tokens / tokens_per_word)), args.output_tokens,
-                              args.concurrency, args.seed)
-                logger.info("tokenizer: %.2f tokens/word; device pool %d blocks (working set %d blocks)",
-                            tokens_per_word, device_blocks, working_set_blocks)
-            assert wl is not None
-            # Warm-up (not measured): the first requests of a fresh server pay one-time costs
-            # (Paddle's kernels and allocator); every configuration gets the same warm-up.
-            warm = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
-            for i in range(2):
-                warm.completions.create(model=args.model, prompt=wl.document(90_000 + i), max_tokens=2, temperature=0)
-            bar = tqdm(total=wl.users * wl.rounds, desc=name, unit="req", file=sys.stderr)
-            turns, wall = asyncio.run(run_workload(server.base_url, args.model, wl, bar))
-            bar.close()
-            res = ConfigResult(name, server.args, env, wall, turns, scrape_metrics(server))
-            res.engine_stats = server.engine_stats()  # preemptions, steps, evictions: for the JSON
-            if name == "device+host":
-                host_blocks = _find_number(server.engine_stats(), "host_blocks_total")
-            results[name] = res
-            s = res.summary()
-            logger.info("[%s] %d requests in %.1f s: TTFT p50 %.1f ms, p99 %.1f ms; rounds>=2 p50 %.1f ms; "
-                        "cached %.0f%% (by tier %s)", name, s["requests"], wall, 1e3 * s["ttft_p50_s"],
-                        1e3 * s["ttft_p99_s"], 1e3 * s["ttft_p50_round2plus_s"], 100 * s["cached_fraction"],
-                        {k: round(v, 3) for k, v in s["cached_fraction_by_tier"].items()})
-            if name == "device+host" and args.probe_repeats > 0:
-                filler = math.ceil(device_blocks * bs / max(1, args.doc_tokens)) + 1
-                probe = asyncio.run(run_hit_probe(server.base_url, args.model, wl, filler, args.probe_repeats))
-                logger.info("[probe] device hit p50 %.1f ms, host hit p50 %.1f ms: host/device %.2f (%d/%d valid)",
-                            1e3 * probe["device_hit_ttft_p50_s"], 1e3 * probe["host_hit_ttft_p50_s"],
-                            probe["host_over_device"], probe["valid_repeats"], probe["repeats"])
-        finally:
-            server.stop()
+            return ServerProcess(server_args, env=server_env).start()
+        except RuntimeError as exc:
+            failed_starts.append(str(exc)[-4000:])
+            logger.error("server died during start-up (retrying once): %s", str(exc)[-2000:])
+            return ServerProcess(server_args, env=server_env).start()
+
+    def make_workload(server: ServerProcess) -> Workload:
+        nonlocal tokens_per_word
+        tokens_per_word = calibrate_tokens_per_word(server, args.model, Workload(0, 0, 0, 0, 0, 1, args.seed))
+        logger.info("tokenizer: %.2f tokens/word; device pool %d blocks (working set %d blocks)",
+                    tokens_per_word, device_blocks, working_set_blocks)
+        return Workload(args.users, args.rounds, max(1, round(args.doc_tokens / tokens_per_word)),
+                        max(1, round(args.question_tokens / tokens_per_word)), args.output_tokens,
+                        args.concurrency, args.seed)
+
+    work = Path(tempfile.mkdtemp(prefix="fdkv-bench-serving-"))
+    cold: dict[str, Any] = {}
+    run_start = time.perf_counter()
+    try:
+        for name in configs:
+            env = {"ENABLE_V1_KVCACHE_MANAGER": "0" if name == "recompute" else "1", "PYTHONFAULTHANDLER": "1"}
+            extra: list[str] = []
+            if name == "device":
+                extra = ["--swap-space", "0"]
+            elif name.startswith("device+host"):
+                extra = ["--swap-space", str(args.swap_space), "--write-policy", args.write_policy]
+            if name == "device+host+storage":
+                extra += ["--kvcache-storage-backend", "file", "--kvcache-storage-path", str(work / "store-workload"),
+                          "--kvcache-storage-min-free", "0"]
+            logger.info("[%s] starting server: %s", name, " ".join(common + extra))
+            server = start_server(common + extra, env)
+            try:
+                if wl is None:
+                    wl = make_workload(server)
+                # Warm-up (not measured): the first requests of a fresh server pay one-time costs
+                # (Paddle's kernels and allocator); every configuration gets the same warm-up.
+                warm = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+                for i in range(2):
+                    warm.completions.create(model=args.model, prompt=wl.document(90_000 + i), max_tokens=2,
+                                            temperature=0)
+                bar = tqdm(total=wl.users * wl.rounds, desc=name, unit="req", file=sys.stderr)
+                turns, wall = asyncio.run(run_workload(server.base_url, args.model, wl, bar))
+                bar.close()
+                res = ConfigResult(name, server.args, env, wall, turns, scrape_metrics(server))
+                if name == "device+host+storage":
+                    # The background puts finish before the stats are read (their totals in the JSON).
+                    wait_storage_quiet(server)
+                res.engine_stats = server.engine_stats()  # preemptions, steps, evictions: for the JSON
+                if name.startswith("device+host") and host_blocks is None:
+                    host_blocks = _find_number(res.engine_stats, "host_blocks_total")
+                results[name] = res
+                s = res.summary()
+                logger.info("[%s] %d requests in %.1f s: TTFT p50 %.1f ms, p99 %.1f ms; rounds>=2 p50 %.1f ms; "
+                            "cached %.0f%% (by tier %s)", name, s["requests"], wall, 1e3 * s["ttft_p50_s"],
+                            1e3 * s["ttft_p99_s"], 1e3 * s["ttft_p50_round2plus_s"], 100 * s["cached_fraction"],
+                            {k: round(v, 3) for k, v in s["cached_fraction_by_tier"].items()})
+                if name == "device+host" and args.probe_repeats > 0:
+                    filler = math.ceil(device_blocks * bs / max(1, args.doc_tokens)) + 1
+                    probe = asyncio.run(run_hit_probe(server.base_url, args.model, wl, filler, args.probe_repeats))
+                    logger.info("[probe] device hit p50 %.1f ms, host hit p50 %.1f ms: host/device %.2f (%d/%d valid)",
+                                1e3 * probe["device_hit_ttft_p50_s"], 1e3 * probe["host_hit_ttft_p50_s"],
+                                probe["host_over_device"], probe["valid_repeats"], probe["repeats"])
+            finally:
+                server.stop()
+        if args.cold_server:
+            backends, skipped = usable_backends(requested_backends)
+            if wl is None:  # no workload configuration ran: calibrate on a server of its own
+                first = start_server(cold_server_args(args, cold_prefixes)[0], {"ENABLE_V1_KVCACHE_MANAGER": "1"})
+                try:
+                    wl = make_workload(first)
+                finally:
+                    first.stop()
+            assert tokens_per_word is not None
+            cold = run_cold_server(args, cold_prefixes, backends, tokens_per_word, wl, start_server, work)
+            cold["skipped_backends"] = skipped
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     default_probe: dict[str, Any] = {}
     if args.default_model_probe and args.default_model_probe != args.model:
         default_probe = probe_default_model(args.default_model_probe, args.doc_tokens // 2, args.seed)
     total_wall = time.perf_counter() - run_start
 
     report = build_report(args, results, probe, device_blocks, working_set_blocks, max_model_len,
-                          tokens_per_word or 0.0, total_wall)
+                          tokens_per_word or 0.0, total_wall, cold)
     report["host_blocks"] = int(host_blocks) if host_blocks is not None else None
     report["default_model_probe"] = default_probe
+    report["failed_server_starts"] = failed_starts
     report["loadavg_end"] = os.getloadavg()
     print(format_console(report))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_serving_{args.tag}_{report['date']}" + ("_quick" if args.quick else "")
+    stem = f"{args.name}_{args.tag}_{report['date']}" + ("_quick" if args.quick else "")
     json_path = out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(report, indent=1, default=str))
     png_path = out_dir / f"{stem}_ttft.png"
-    plot(report, png_path)
-    logger.info("wrote %s and %s", json_path, png_path)
+    if results:
+        plot(report, png_path)
+        logger.info("wrote %s and %s", json_path, png_path)
+    else:
+        logger.info("wrote %s", json_path)
     if args.docs:
         write_docs_section(Path(args.docs), report, json_path, png_path)
         logger.info("updated %s", args.docs)
@@ -505,7 +795,7 @@ def _find_number(stats: Any, key: str) -> Optional[float]:
 # ---------------------------------------------------------------------- report
 def build_report(args: argparse.Namespace, results: dict[str, ConfigResult], probe: dict[str, Any],
                  device_blocks: int, working_set_blocks: int, max_model_len: int, tokens_per_word: float,
-                 total_wall: float) -> dict[str, Any]:
+                 total_wall: float, cold: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     summaries = {name: r.summary() for name, r in results.items()}
     ratios: dict[str, Any] = {}
     base = summaries.get("recompute")
@@ -519,11 +809,31 @@ def build_report(args: argparse.Namespace, results: dict[str, ConfigResult], pro
         ratios["device_over_recompute_ttft_p50_round2plus"] = dev["ttft_p50_round2plus_s"] / base["ttft_p50_round2plus_s"]
     if probe:
         ratios["host_hit_over_device_hit_ttft_p50"] = probe["host_over_device"]
+    storage = summaries.get("device+host+storage")
+    if storage and host:  # no target: the cost of writing every block to storage as well
+        ratios["storage_over_host_ttft_p50"] = storage["ttft_p50_s"] / host["ttft_p50_s"]
+        ratios["storage_over_host_ttft_p50_round2plus"] = (storage["ttft_p50_round2plus_s"]
+                                                           / host["ttft_p50_round2plus_s"])
+    if storage and base:
+        ratios["storage_over_recompute_ttft_p50_round2plus"] = (storage["ttft_p50_round2plus_s"]
+                                                                / base["ttft_p50_round2plus_s"])
     targets = {
         "host_over_device_ttft_p50_round2plus": 0.5,
         "host_over_recompute_ttft_p50_round2plus": 0.25,
         "host_hit_over_device_hit_ttft_p50": 1.15,
     }
+    # Issue 9, cold server: storage hit <= 1.3x host hit with the file backend (every prefix
+    # length measured), storage hit <= 0.25x recompute at the largest prefix (every backend).
+    results_cold = (cold or {}).get("results", {})
+    largest = max((int(k.split("/")[1]) for k in results_cold), default=0)
+    for key, r in results_cold.items():
+        backend, plen = key.split("/")
+        ratios[f"cold_storage_over_host:{key}"] = r["storage_over_host"]
+        ratios[f"cold_storage_over_recompute:{key}"] = r["storage_over_recompute"]
+        if backend == "file":
+            targets[f"cold_storage_over_host:{key}"] = 1.3
+        if int(plen) == largest:
+            targets[f"cold_storage_over_recompute:{key}"] = 0.25
     return {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
         "time_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
@@ -541,6 +851,7 @@ def build_report(args: argparse.Namespace, results: dict[str, ConfigResult], pro
         "metrics": {name: r.metrics for name, r in results.items()},
         "engine_stats": {name: r.engine_stats for name, r in results.items()},
         "probe": probe,
+        "cold": cold or {},
         "ratios": ratios,
         "targets": targets,
         "met": {k: (ratios[k] <= v) for k, v in targets.items() if k in ratios and not math.isnan(ratios[k])},
@@ -551,12 +862,20 @@ def _ms(x: float) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{1e3 * x:.1f}"
 
 
+def _ratio(x: Optional[float], digits: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _gbps(x: Optional[float]) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
+
+
 def format_table(report: dict[str, Any]) -> str:
     s = report["summaries"]
     base = s.get("recompute")
     lines = ["| configuration | TTFT p50 (ms) | TTFT p99 (ms) | rounds ≥ 2: TTFT p50 (ms) | vs recompute | "
-             "rounds ≥ 2: TTFT p99 (ms) | req/s | prompt tok/s | cached, all rounds: device / host | "
-             "cached, rounds ≥ 2: device / host |",
+             "rounds ≥ 2: TTFT p99 (ms) | req/s | prompt tok/s | cached, all rounds: device / host / storage | "
+             "cached, rounds ≥ 2: device / host / storage |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name in CONFIGS:
         if name not in s:
@@ -568,9 +887,21 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | "
                      f"{_ms(r['ttft_p50_round2plus_s'])} | {ratio} | {_ms(r['ttft_p99_round2plus_s'])} | "
                      f"{r['requests_per_s']:.2f} | {r['prompt_tokens_per_s']:.0f} | "
-                     f"{100 * tiers['device']:.0f}% / {100 * tiers['host']:.0f}% | "
-                     f"{100 * later['device']:.0f}% / {100 * later['host']:.0f}% |")
+                     f"{100 * tiers['device']:.0f}% / {100 * tiers['host']:.0f}% / "
+                     f"{100 * tiers.get('storage', 0.0):.0f}% | "
+                     f"{100 * later['device']:.0f}% / {100 * later['host']:.0f}% / "
+                     f"{100 * later.get('storage', 0.0):.0f}% |")
     return "\n".join(lines)
+
+
+def format_storage_ratio(report: dict[str, Any]) -> str:
+    """One line: the fourth configuration against device+host (no target), or '' without both."""
+    r = report["ratios"]
+    if "storage_over_host_ttft_p50" not in r:
+        return ""
+    return (f"device+host+storage / device+host, TTFT p50: all rounds {r['storage_over_host_ttft_p50']:.2f}x, "
+            f"rounds ≥ 2 {r['storage_over_host_ttft_p50_round2plus']:.2f}x (same run, no target: the cost of "
+            "writing every block to storage as well).")
 
 
 def format_round_table(report: dict[str, Any]) -> str:
@@ -586,30 +917,72 @@ def format_round_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_targets(report: dict[str, Any]) -> str:
-    names = {
+def format_cold_table(report: dict[str, Any]) -> str:
+    """The cold-server scenario: one row per backend and prefix length ('' if it did not run)."""
+    results = (report.get("cold") or {}).get("results") or {}
+    if not results:
+        return ""
+    lines = ["| backend | prefix tokens (prompt tokens p50) | storage hit TTFT p50 (ms) | host hit TTFT p50 (ms) | "
+             "recompute TTFT p50 (ms) | storage / host | storage / recompute | server read GB/s | "
+             "plain read GB/s | server write GB/s | plain write GB/s | valid repeats |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        backend, plen = key.split("/")
+        lines.append(
+            f"| {backend} | {plen} ({r['prompt_tokens_p50']:.0f}) | {_ms(r['storage_ttft_p50_s'])} | "
+            f"{_ms(r['host_ttft_p50_s'])} | {_ms(r['recompute_ttft_p50_s'])} | {_ratio(r['storage_over_host'])} | "
+            f"{_ratio(r['storage_over_recompute'])} | {_gbps(r['server_read_gbps'])} | "
+            f"{_gbps(r['plain_read_gbps'])} | {_gbps(r['server_write_gbps'])} | {_gbps(r['plain_write_gbps'])} | "
+            f"{r['valid_repeats']}/{r['repeats']} |")
+    return "\n".join(lines)
+
+
+def _target_label(key: str, report: dict[str, Any]) -> str:
+    fixed = {
         "host_over_device_ttft_p50_round2plus": "rounds ≥ 2, TTFT p50: device+host / device",
         "host_over_recompute_ttft_p50_round2plus": "rounds ≥ 2, TTFT p50: device+host / recompute",
         "host_hit_over_device_hit_ttft_p50": "same prefix, TTFT p50: host hit / device hit",
     }
+    if key in fixed:
+        return fixed[key]
+    kind, where = key.split(":", 1)
+    backend, plen = where.split("/")
+    tokens = report["cold"]["results"][where]["prompt_tokens_p50"]
+    what = "storage hit / host hit" if kind == "cold_storage_over_host" else "storage hit / recompute"
+    return f"cold server, {backend}, {plen}-token prefix ({tokens:.0f}-token prompts), TTFT p50: {what}"
+
+
+def format_targets(report: dict[str, Any], cold: bool = False) -> str:
+    """Targets of issue 8 (workload and hit probe) or, with ``cold``, of issue 9 (cold server)."""
+    keys = [k for k in report["targets"] if k.startswith("cold_") == cold and k in report["ratios"]]
+    if not keys:
+        return ""
     lines = ["| ratio | measured | target | met |", "|---|---|---|---|"]
-    for k, label in names.items():
-        if k in report["ratios"]:
-            v = report["ratios"][k]
-            lines.append(f"| {label} | {v:.3f} | ≤ {report['targets'][k]} | "
-                         f"{'yes' if report['met'].get(k) else 'NO'} |")
+    for k in keys:
+        v = report["ratios"][k]
+        met = ("no valid repeat" if isinstance(v, float) and math.isnan(v)
+               else "yes" if report["met"].get(k) else "NO")
+        lines.append(f"| {_target_label(k, report)} | {_ratio(v, 3)} | ≤ {report['targets'][k]} | {met} |")
     return "\n".join(lines)
 
 
 def format_console(report: dict[str, Any]) -> str:
     p = report["probe"]
-    parts = [f"\nbench_serving {report['time_utc']} UTC, {report['machine']['cpu']} ({report['machine']['cores']} cores), "
-             f"model {report['args']['model']}", format_table(report), "", "TTFT p50 per round:",
-             format_round_table(report)]
+    parts = [f"\n{report['args'].get('name', 'bench_serving')} {report['time_utc']} UTC, {report['machine']['cpu']} ({report['machine']['cores']} cores), "
+             f"model {report['args']['model']}"]
+    if report["summaries"]:
+        parts += [format_table(report), format_storage_ratio(report), "", "TTFT p50 per round:",
+                  format_round_table(report)]
     if p:
         parts.append(f"\nprobe (same prefix, {p['valid_repeats']}/{p['repeats']} valid): cold {_ms(p['cold_ttft_p50_s'])} ms, "
                      f"device hit {_ms(p['device_hit_ttft_p50_s'])} ms, host hit {_ms(p['host_hit_ttft_p50_s'])} ms")
-    parts += ["", format_targets(report)]
+    if format_targets(report):
+        parts += ["", "Targets (issue 8):", format_targets(report)]
+    if format_cold_table(report):
+        skipped = report["cold"].get("skipped_backends") or {}
+        parts += ["", "Cold server (restarted server, warm store):", format_cold_table(report)]
+        parts += [f"({b} left out: {why})" for b, why in skipped.items()]
+        parts += ["", "Targets (issue 9):", format_targets(report, cold=True)]
     return "\n".join(parts)
 
 
@@ -625,8 +998,7 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
     rel = lambda q: os.path.relpath(q, path.parent)  # noqa: E731
     s = report["summaries"]
     base = s.get("recompute")
-    any_sum = next(iter(s.values()))
-    mean_prompt = any_sum["prompt_tokens"] / max(1, any_sum["requests"])
+    cold = report.get("cold") or {}
     body = [
         BEGIN,
         "## Serving (`benchmarks/bench_serving.py`)",
@@ -638,22 +1010,37 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
         f"{report['loadavg_start'][0]:.1f} at the start and {report['loadavg_end'][0]:.1f} at the end on "
         f"{m['cores']} cores, so absolute times are noisy; the ratios compare configurations of the same run.",
         "",
-        f"Workload (SGLang multi-turn style): {a['users']} users, each with its own document of about "
-        f"{a['doc_tokens']} tokens, {a['rounds']} rounds each (question of about {a['question_tokens']} tokens, "
-        f"{a['output_tokens']} output tokens; every round resends the conversation so far, mean prompt "
-        f"{mean_prompt:.0f} tokens), {a['concurrency']} requests in flight. Device pool "
-        f"{report['device_blocks']} blocks = {report['device_blocks'] / report['working_set_blocks']:.2f} of the "
-        f"working set ({report['working_set_blocks']} blocks); the host tier ({a['swap_space']} GiB, "
-        f"{report['host_blocks']} blocks) holds all of it (write policy `{a['write_policy']}`). The three configurations ran one after the other in the same "
-        f"invocation ({report['total_wall_s']:.0f} s in all); `recompute` is the in-run baseline.",
-        "",
-        format_table(report),
-        "",
-        "TTFT p50 per round (ms):",
-        "",
-        format_round_table(report),
-        "",
     ]
+    if s:
+        any_sum = next(iter(s.values()))
+        mean_prompt = any_sum["prompt_tokens"] / max(1, any_sum["requests"])
+        storage_note = (" `device+host+storage` adds a `file` storage tier (a temporary directory, "
+                        "`--kvcache-storage-min-free 0`) below the same host tier: every block is written to "
+                        "storage as well." if "device+host+storage" in s else "")
+        body += [
+            f"Workload (SGLang multi-turn style): {a['users']} users, each with its own document of about "
+            f"{a['doc_tokens']} tokens, {a['rounds']} rounds each (question of about {a['question_tokens']} tokens, "
+            f"{a['output_tokens']} output tokens; every round resends the conversation so far, mean prompt "
+            f"{mean_prompt:.0f} tokens), {a['concurrency']} requests in flight. Device pool "
+            f"{report['device_blocks']} blocks = {report['device_blocks'] / report['working_set_blocks']:.2f} of the "
+            f"working set ({report['working_set_blocks']} blocks); the host tier ({a['swap_space']} GiB, "
+            f"{report['host_blocks']} blocks) holds all of it (write policy `{a['write_policy']}`).{storage_note} "
+            f"The {len(s)} configurations ran one after the other in the same invocation "
+            f"({report['total_wall_s']:.0f} s in all"
+            f"{', the cold-server scenario below included' if cold.get('results') else ''}); `recompute` is the "
+            "in-run baseline.",
+            "",
+            format_table(report),
+            "",
+        ]
+        if format_storage_ratio(report):
+            body += [format_storage_ratio(report), ""]
+        body += [
+            "TTFT p50 per round (ms):",
+            "",
+            format_round_table(report),
+            "",
+        ]
     d = report.get("default_model_probe") or {}
     if d.get("seconds"):
         recompute_tps = s["recompute"]["prompt_tokens_per_s"] if "recompute" in s else float("nan")
@@ -693,16 +1080,45 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
             "rounds ≥ 2 were loaded from it.",
             "",
         ]
-    body += [
-        "Targets (issue 8):",
-        "",
-        format_targets(report),
-        "",
-        f"Raw data: `{rel(json_path)}`; plot of TTFT per round: `{rel(png_path)}`.",
-        "",
-        f"![TTFT per round]({rel(png_path)})",
-        END,
-    ]
+    if format_targets(report):
+        body += [
+            "Targets (issue 8):",
+            "",
+            format_targets(report),
+            "",
+        ]
+    if format_cold_table(report):
+        skipped = cold.get("skipped_backends") or {}
+        left_out = "".join(f" `{b}` was left out: {why}." for b, why in skipped.items())
+        body += [
+            "### Cold server: a restarted server in front of a warm store",
+            "",
+            f"For each backend and prefix length a server (device pool {cold['device_blocks']} blocks, "
+            f"{a['swap_space']} GiB host tier, `--write-policy write_through`, "
+            "`--kvcache-storage-prefetch-policy wait_complete`) computed "
+            f"{a['cold_repeats']} documents and stored them, and was stopped; a restarted server on the same "
+            "store (file: a temporary directory; Mooncake: a master and a 1 GB holder on 127.0.0.1 that outlive "
+            "the servers) then answered each document from storage (prefetch into host, then the "
+            "layer-by-layer load), the same document from host once filler documents pushed it off the "
+            "device, and a never-seen document of the same length (recompute). All three TTFTs come from the "
+            "same server process; before each measured request the earlier requests' backups and puts are "
+            "waited for. A repeat is valid when `cached_tokens_by_tier` confirms its tiers. `server read/write "
+            "GB/s` are the backend's own calls as the server timed them (writes: the first server's puts; "
+            "reads: the restarted server's gets); `plain` is a plain file write and read (page cache warm) of "
+            "the same bytes, one file per object of the same size, in the same run." + left_out,
+            "",
+            format_cold_table(report),
+            "",
+            "Targets (issue 9; storage / host with the file backend at every prefix length, storage / "
+            "recompute at the largest prefix):",
+            "",
+            format_targets(report, cold=True),
+            "",
+        ]
+    body += [f"Raw data: `{rel(json_path)}`" + (f"; plot of TTFT per round: `{rel(png_path)}`." if s else ".")]
+    if s:
+        body += ["", f"![TTFT per round]({rel(png_path)})"]
+    body += [END]
     section = "\n".join(body) + "\n"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     if BEGIN in text and END in text:
