@@ -118,15 +118,34 @@ class ManagedKVPool(KVPool):
         counter = self.controller.submit_swap_tasks(batch.cache_evict_metadata, batch.cache_swap_metadata)
         return batch, counter
 
+    def _idle_backups_queued(self) -> bool:
+        """Write-through backups queued while no request runs (no step would issue them)."""
+        m = self.manager
+        return not getattr(m, "_requests", True) and bool(getattr(m, "_backup_queue", ()))
+
+    def _flush_idle_backups(self) -> None:
+        """Issue queued backups when idle, so finished requests' blocks reach host without traffic.
+
+        NOTE: the engine issues backups with a step's batch; when it goes idle the last
+        requests' blocks would wait for the next request, whose own allocation may evict
+        them from the device first (a lost backup: the next turn recomputes them).  Nothing
+        computes while idle, so the device -> host copies are safe now.
+        """
+        if self._idle_backups_queued():
+            meta = self.manager.issue_pending_backup_to_batch_request()
+            if meta is not None:
+                self.controller.submit_swap_tasks(meta, None)
+
     def complete_finished(self, wait: bool = False) -> set[str]:
         affected: set[str] = set()
+        self._flush_idle_backups()
         for meta in self.controller.collect_finished(wait=wait):
             affected.update(self.manager.complete_swap(meta))
         return affected
 
     @property
     def copies_in_flight(self) -> int:
-        return self.manager.num_copies_in_flight
+        return self.manager.num_copies_in_flight + int(self._idle_backups_queued())
 
     def stats(self) -> dict[str, Any]:
         m = self.manager.get_stats()

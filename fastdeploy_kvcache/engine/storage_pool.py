@@ -117,23 +117,6 @@ class StorageKVPool(ManagedKVPool):
         for job in self.tier.take_jobs():
             self.storage_worker.submit(job)
 
-    def _idle_backups_queued(self) -> bool:
-        """Write-through backups queued while no request runs (no step would issue them)."""
-        m = self.manager
-        return not getattr(m, "_requests", True) and bool(getattr(m, "_backup_queue", ()))
-
-    def _flush_idle_backups(self) -> None:
-        """Issue queued backups when idle, so finished requests reach storage without traffic.
-
-        NOTE: the engine issues backups with a step's batch; when it goes idle the last
-        requests' blocks would wait for the next request (or never reach storage before a
-        restart).  Nothing computes while idle, so the device -> host copies are safe now.
-        """
-        if self._idle_backups_queued():
-            meta = self.manager.issue_pending_backup_to_batch_request()
-            if meta is not None:
-                self.controller.submit_swap_tasks(meta, None)
-
     def complete_finished(self, wait: bool = False) -> set[str]:
         affected: set[str] = set()
         self._flush_idle_backups()
@@ -155,7 +138,7 @@ class StorageKVPool(ManagedKVPool):
 
     @property
     def copies_in_flight(self) -> int:
-        return self.manager.num_copies_in_flight + self.tier.num_jobs_in_flight + int(self._idle_backups_queued())
+        return super().copies_in_flight + self.tier.num_jobs_in_flight
 
     # ------------------------------------------------------------------ stats / checks / close
     def stats(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ and after everything finished every block is free or cached (check_invariants).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import pytest
@@ -185,4 +186,29 @@ def test_preemption_changes_nothing(engine_factory: Any, policy: str) -> None:
     assert got == ref
     assert all(len(t) == 24 for t in got.values())
     assert eng.get_stats()["engine"]["num_preemptions"] > 0, "nothing was preempted"
+    assert_no_leak(eng)
+
+
+def test_last_request_is_backed_up_while_idle(engine_factory: Any) -> None:
+    """write_through: the blocks of the last request before the engine goes idle reach host
+    without another request (the next one's allocation would evict them from the device
+    first, and the next turn would recompute them)."""
+    eng = engine_factory(v1=True, write_policy="write_through", write_through_threshold=1,
+                         num_gpu_blocks_override=8, num_host_blocks=64, max_num_seqs=1)
+    col = Collector()
+    eng.add_request("first", _doc(0), greedy(2), col)
+    assert eng.wait_idle(60)
+    deadline = time.monotonic() + 30
+    while eng.pool.copies_in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.pool.copies_in_flight == 0, "the idle engine left copies or queued backups"
+    # Its 3 full blocks (48 tokens: the prompt and its first generated tokens) are on host.
+    assert eng.get_stats()["cache"]["backup_blocks"] >= 2, eng.get_stats()["cache"]
+    # A different document fills the 8-block device pool; the first one comes back from host.
+    eng.add_request("other", _doc(5, 7 * BS), greedy(2), col)
+    assert eng.wait_idle(60)
+    eng.add_request("again", _doc(0) + [7], greedy(2), col)
+    assert eng.wait_idle(60)
+    again = col.final("again").cached_tokens_by_tier
+    assert again["host"] >= 2 * BS, again
     assert_no_leak(eng)
