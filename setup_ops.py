@@ -36,6 +36,7 @@ SOURCES = [
     ROOT / "custom_ops" / "capi" / "fdkv_capi.h",
     ROOT / "custom_ops" / "csrc" / "swap_core.h",
     ROOT / "custom_ops" / "csrc" / "swap_core.cc",
+    ROOT / "custom_ops" / "csrc" / "file_io.cc",
     ROOT / "custom_ops" / "csrc" / "swap_cuda.cu",
     ROOT / "custom_ops" / "csrc" / "swap_staged.cu",
     Path(__file__).resolve(),

@@ -93,7 +93,7 @@ COPY_PATHS: dict[str, int] = {
     "process": COPY_PATH_PROCESS, "auto": COPY_PATH_AUTO, "kernel": COPY_PATH_KERNEL, "dma": COPY_PATH_DMA,
     "staged": COPY_PATH_STAGED,
 }
-_ABI_VERSION = 3  # fdkv_abi_version() of libraries with error fields and recorded host sizes
+_ABI_VERSION = 4  # fdkv_abi_version() of libraries with error fields, recorded host sizes, read_files
 
 _BUILD_HINT = "run `bash build.sh` (CPU) or `bash build.sh gpu` (CUDA C ABI) from the repository root"
 
@@ -356,6 +356,8 @@ def _declare_abi(lib: ctypes.CDLL) -> None:
     lib.fdkv_set_option.argtypes = [ctypes.c_char_p, i64]
     lib.fdkv_get_option.restype = i32
     lib.fdkv_get_option.argtypes = [ctypes.c_char_p, _C_INT64_P]
+    lib.fdkv_read_files.restype = i32
+    lib.fdkv_read_files.argtypes = [ctypes.POINTER(ctypes.c_char_p), i64, pp, _C_INT64_P, vp, i64, _C_INT64_P]
     lib.fdkv_last_path.restype = i32
     lib.fdkv_last_path.argtypes = []
     lib.fdkv_stream_synchronize.restype = i32
@@ -379,7 +381,7 @@ class CApi:
         if version < _ABI_VERSION:
             raise OpsNotBuiltError(
                 f"{path} has C ABI version {version}, this package needs {_ABI_VERSION} "
-                f"(error fields, recorded host sizes); rebuild it: {_BUILD_HINT}"
+                f"(error fields, recorded host sizes, read_files); rebuild it: {_BUILD_HINT}"
             )
         _declare_abi(lib)
         self.is_cuda: bool = bool(lib.fdkv_is_cuda())
@@ -466,6 +468,29 @@ class CApi:
         out = ctypes.c_int64()
         self._check(self._lib.fdkv_get_option(name.encode(), ctypes.byref(out)))
         return int(out.value)
+
+    def read_files(self, paths: Sequence[bytes], dsts: Sequence[int], sizes: Sequence[int],
+                   header_bytes: int) -> tuple[bytearray, list[int]]:
+        """Read file i's header into the returned buffer and its payload into ``dsts[i]``.
+
+        One call for the batch, with the GIL released (the file backend's prefetch read).
+        Returns ``(headers, got)``: ``headers[i * header_bytes:]`` holds file i's first
+        bytes, ``got[i]`` the bytes read (``header_bytes + sizes[i] + 1``: the file is longer
+        than both) or ``-errno``.  Nothing is verified here.
+        """
+        n = len(paths)
+        if len(dsts) != n or len(sizes) != n:
+            raise SwapOpError(f"read_files: {n} paths, {len(dsts)} dsts, {len(sizes)} sizes; need equal",
+                              "read_files", "dsts", None)
+        c_paths = (ctypes.c_char_p * max(n, 1))(*paths)
+        c_dsts = (ctypes.c_void_p * max(n, 1))(*dsts)
+        c_sizes = (ctypes.c_int64 * max(n, 1))(*sizes)
+        got = (ctypes.c_int64 * max(n, 1))()
+        headers = bytearray(max(n * header_bytes, 1))
+        hbuf = (ctypes.c_char * len(headers)).from_buffer(headers)
+        self._check(self._lib.fdkv_read_files(c_paths, n, c_dsts, c_sizes, ctypes.addressof(hbuf), header_bytes, got))
+        del hbuf  # release the export so the bytearray stays resizable for the caller
+        return headers, list(got[:n])
 
     def last_path(self) -> int:
         """Bit mask (PATH_*) of the copy paths the calling thread's last swap used."""

@@ -6,6 +6,7 @@
 // (and, when built by nvcc with FDKV_WITH_CUDA=1, the CUDA launchers), which keeps the
 // build to one compiler invocation.
 #include "../csrc/swap_core.cc"
+#include "../csrc/file_io.cc"
 #if FDKV_WITH_CUDA
 #include "../csrc/swap_cuda.cu"
 #endif
@@ -183,6 +184,11 @@ FDKV_API int fdkv_parse_env(const char* name, const char* raw, int64_t* value) {
     if (name == nullptr || value == nullptr) throw fdkv::InvalidArgument("parse_env", "name", -1, " is a null pointer");
     *value = fdkv::ParseEnvValue("parse_env", name, raw);
   });
+}
+
+FDKV_API int fdkv_read_files(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,
+                             void* headers, int64_t header_bytes, int64_t* got) {
+  return Guard([&] { fdkv::ReadFiles(paths, n, dsts, dst_bytes, headers, header_bytes, got); });
 }
 
 FDKV_API int fdkv_last_path(void) { return fdkv::LastPath(); }

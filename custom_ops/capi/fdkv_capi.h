@@ -32,9 +32,9 @@ FDKV_API int fdkv_host_free(void* ptr);
 
 // ABI version: 2 added the trailing `path` argument of the swap functions; 3 the error
 // fields (fdkv_last_error_fields, fdkv_clear_error), fdkv_parse_env, FDKV_ERR_NO_MEMORY and
-// num_host_blocks = -1 (the size fdkv_host_alloc recorded).  ops.py checks it, so a
-// library built from older sources fails loudly instead of misbehaving.
-#define FDKV_ABI_VERSION 3
+// num_host_blocks = -1 (the size fdkv_host_alloc recorded); 4 fdkv_read_files.  ops.py
+// checks it, so a library built from older sources fails loudly instead of misbehaving.
+#define FDKV_ABI_VERSION 4
 FDKV_API int fdkv_abi_version(void);
 
 // Tensor t's block dev_ids[i] <-> host_ptrs[t]'s block host_ids[i], every tensor.
@@ -67,6 +67,12 @@ FDKV_API int fdkv_get_option(const char* name, int64_t* value);
 // Parse `raw` as the value of the FDKV_* variable `name` by the rule the library applies
 // to its environment (and envs.py to the same variables): for tests and tools.
 FDKV_API int fdkv_parse_env(const char* name, const char* raw, int64_t* value);
+// Batch file read for the file storage backend: file i's first header_bytes bytes go to
+// headers + i * header_bytes, the next dst_bytes[i] to dsts[i]; got[i] is the bytes read
+// (header_bytes + dst_bytes[i] + 1 means the file is longer than both) or -errno (the
+// file could not be opened or read).  Holds no lock of the caller's (ctypes drops the GIL).
+FDKV_API int fdkv_read_files(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,
+                             void* headers, int64_t header_bytes, int64_t* got);
 // Bit mask of the paths the calling thread's last swap used: 1 memcpy, 2 kernel, 4 DMA, 8 CPU.
 FDKV_API int fdkv_last_path(void);
 FDKV_API int fdkv_stream_synchronize(void* stream);

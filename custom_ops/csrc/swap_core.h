@@ -164,7 +164,14 @@ void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* ho
                 const ExecTarget& target,
                 const ArgNames& names = PaddleArgNames("cache_gpu_tensors", "cache_cpu_ptr"));
 
-// Pinned host memory: cudaHostAlloc with CUDA, else 4 KiB-aligned aligned_alloc.  Every
+// Reads file i (paths[i]) into headers[i * header_bytes ...] then dsts[i] (dst_bytes[i]
+// bytes), for a storage object of a header and a payload; got[i] is the bytes read, up to
+// header_bytes + dst_bytes[i] + 1 (one more: the file is longer than both), or -errno.
+// Nothing is verified here (file_io.cc).
+void ReadFiles(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,
+               void* headers, int64_t header_bytes, int64_t* got);
+
+// Pinned host memory: cudaHostAlloc with CUDA, else resident pages from mmap.  Every
 // allocation's size is recorded (HostBytesFrom) so swaps can bound host ids; HostFree
 // rejects a pointer it did not hand out (a double free is an error, not heap corruption).
 void* HostAlloc(size_t nbytes, unsigned flags);

@@ -164,9 +164,16 @@ def test_seeding_from_existing_directory_and_restart(tmp_path: Path, arena: Host
     third.close()
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "bad_magic"])
-def test_corrupt_object_is_a_miss_deleted_and_counted(tmp_path: Path, arena: HostArena, damage: str) -> None:
+@pytest.mark.parametrize("reader", ["native", "python"])
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "bad_magic", "appended", "header_only"])
+def test_corrupt_object_is_a_miss_deleted_and_counted(tmp_path: Path, arena: HostArena, damage: str, reader: str) -> None:
+    """Both readers (the C ABI's batch read, and the Python one used where it is not built)
+    give the same verdicts."""
     backend = make(tmp_path, arena)
+    if reader == "python":
+        backend._native = None
+    else:
+        assert backend._native is not None, "the C ABI (build/libfdkv_capi_cpu.so) is not built: bash build.sh"
     arena.fill(0, seed=3)
     arena.fill(1, seed=4)
     assert put(backend, arena, [0, 1], [0, 1]) == [Status.OK] * 2
@@ -176,6 +183,10 @@ def test_corrupt_object_is_a_miss_deleted_and_counted(tmp_path: Path, arena: Hos
         raw[HEADER.size + 1234] ^= 0x40
     elif damage == "truncate":
         raw = raw[: len(raw) // 2]
+    elif damage == "appended":
+        raw += b"tail"
+    elif damage == "header_only":
+        raw = raw[: HEADER.size - 3]
     else:
         raw[0:4] = b"XXXX"
     path.write_bytes(bytes(raw))
