@@ -507,25 +507,32 @@ void* HostAlloc(size_t nbytes, unsigned flags) {
   return p;
 }
 
+namespace {
+
+// Drop ``ptr`` from the registry; returns the size HostAlloc recorded for it.
+size_t UnregisterHost(void* ptr) {
+  std::lock_guard<std::mutex> lock(g_host_mu);
+  auto& reg = HostRegistry();
+  auto it = reg.find(reinterpret_cast<uintptr_t>(ptr));
+  if (it == reg.end()) {
+    throw InvalidArgument("cuda_host_free", "ptr", -1,
+                          " = " + std::to_string(reinterpret_cast<uintptr_t>(ptr)) +
+                              " is not a live allocation of this library's cuda_host_alloc (freed twice?)");
+  }
+  const size_t nbytes = it->second;
+  reg.erase(it);
+  return nbytes;
+}
+
+}  // namespace
+
 void HostFree(void* ptr) {
   if (ptr == nullptr) return;
-  size_t nbytes = 0;
-  {
-    std::lock_guard<std::mutex> lock(g_host_mu);
-    auto& reg = HostRegistry();
-    auto it = reg.find(reinterpret_cast<uintptr_t>(ptr));
-    if (it == reg.end()) {
-      throw InvalidArgument("cuda_host_free", "ptr", -1,
-                            " = " + std::to_string(reinterpret_cast<uintptr_t>(ptr)) +
-                                " is not a live allocation of this library's cuda_host_alloc (freed twice?)");
-    }
-    nbytes = it->second;
-    reg.erase(it);
-  }
 #if FDKV_WITH_CUDA
-  (void)nbytes;
+  UnregisterHost(ptr);
   CudaHostFree(ptr);
 #else
+  const size_t nbytes = UnregisterHost(ptr);
   munmap(ptr, HostMappedBytes(nbytes));
 #endif
 }
