@@ -47,7 +47,7 @@ def bench_serving_argv(argv: Optional[list[str]] = None) -> list[str]:
     ap.add_argument("--model", default="tiny-llama-random")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--prefix-tokens", default="512,1024,2048", help="Prefix lengths of the cold-server probe.")
-    ap.add_argument("--probe-repeats", type=int, default=5, help="Documents per backend and prefix length.")
+    ap.add_argument("--probe-repeats", type=int, default=15, help="Documents per backend and prefix length (see bench_serving --cold-repeats).")
     ap.add_argument("--backends", default="file,mooncake")
     ap.add_argument("--users", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=4)
