@@ -1,4 +1,5 @@
-"""Helpers shared by the tests that drive real servers (tests/entrypoints, tests/pd).
+"""Helpers shared by the tests that drive real servers (tests/entrypoints, tests/pd,
+tests/storage_tier).
 
 Starting and stopping the processes is the library's job
 (``fastdeploy_kvcache.entrypoints.server_process``); what lives here is what only tests need.
@@ -6,6 +7,8 @@ Starting and stopping the processes is the library's job
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
 
@@ -19,3 +22,18 @@ def scrape(server: Any) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return samples
+
+
+def wait_storage_quiet(server: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Storage stats once nothing runs and no storage job, put or pin is left."""
+    deadline = time.monotonic() + timeout_s
+    stats: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        stats = server.engine_stats()
+        tier = stats["storage"]["tier"]
+        if (stats.get("num_requests_running") == 0 and stats.get("num_requests_waiting") == 0
+                and stats["storage"]["pending_work"] == 0 and tier["jobs_in_flight"] == 0 and tier["puts_pending"] == 0 and tier["pinned_host_blocks"] == 0
+                and tier["prefetch_host_blocks"] == 0):
+            return stats
+        time.sleep(0.05)
+    raise AssertionError(f"storage not quiet after {timeout_s} s: {json.dumps(stats, indent=1)[:3000]}")

@@ -27,6 +27,7 @@ from .helpers import (
     start_server,
     stop_cluster,
 )
+from server_helpers import wait_storage_quiet
 
 _missing = [m for m in ("fastapi", "uvicorn", "httpx", "prometheus_client", "paddleformers")
             if importlib.util.find_spec(m) is None]
@@ -88,7 +89,7 @@ def test_router_output_is_token_identical_and_nothing_is_recomputed(cluster: dic
     assert cluster["prefill"].engine_stats()["storage"]["tier"]["put_skipped_stored"] > 0
     # No block leaked on either side once everything settled.
     for name in ("prefill", "decode"):
-        _wait_quiet(cluster[name])
+        wait_storage_quiet(cluster[name])
         cache = cluster[name].engine_stats()["cache"]
         assert cache["device_blocks_owned"] == 0, (name, cache)
         assert cache["device_blocks_free"] + cache["device_blocks_cached"] == cache["device_blocks_total"], cache
@@ -158,7 +159,7 @@ def test_store_gone_between_prefill_and_decode_recomputes_with_the_same_output(c
     prompt = prompt_ids(7, 61)
     decode, store = cluster["decode"], cluster["store"]
     kv = _prefill(cluster["prefill"], prompt)
-    _wait_quiet(cluster["prefill"])  # its tier's own write-through puts must not land after the move
+    wait_storage_quiet(cluster["prefill"])  # its tier's own write-through puts must not land after the move
     before = recomputed(decode)
     moved = store.parent / (store.name + "-away")
     shutil.move(str(store), str(moved))  # the store is gone (a directory the servers cannot read)
@@ -168,7 +169,7 @@ def test_store_gone_between_prefill_and_decode_recomputes_with_the_same_output(c
     finally:
         # The decode server backs up what it recomputed into the stand-in directory; its
         # writes (temp file, then rename) must be done before the directory is removed.
-        _wait_quiet(decode)
+        wait_storage_quiet(decode)
         shutil.rmtree(store)
         shutil.move(str(moved), str(store))
     same(out, completion(cluster["mixed"].base_url, prompt))
@@ -191,18 +192,6 @@ def test_corrupt_partial_block_is_recomputed_and_counted(cluster: dict[str, Any]
     assert not partial.exists()  # the file backend deletes a corrupt object
 
 
-def _wait_quiet(server: Any, timeout_s: float = 60.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = server.engine_stats()
-        if st["storage"]["pending_work"] == 0 and st["storage"]["tier"]["puts_pending"] == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("storage work still pending")
-
-
 def test_decoded_blocks_reach_the_store_for_the_next_turn(cluster: dict[str, Any]) -> None:
     """--enable-output-caching: the decode server writes its decoded blocks back under the
     keys a next turn (prompt + answer + more) looks up."""
@@ -219,7 +208,7 @@ def test_decoded_blocks_reach_the_store_for_the_next_turn(cluster: dict[str, Any
                    json={"model": MODEL, "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
     answer = r.json()["kv_transfer_params"]["prefill_token_ids"]
     assert len(answer) == 20
-    _wait_quiet(prefill)
+    wait_storage_quiet(prefill)
     for f in Path(store).glob("*.kv"):
         f.unlink()
     puts = decode.engine_stats()["storage"]["tier"]["put_blocks_ok"]

@@ -3,14 +3,13 @@ with a storage backend, and the keys/files of a prompt's blocks."""
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from fastdeploy_kvcache.core.hashing import storage_key
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess
+from server_helpers import scrape, wait_storage_quiet  # noqa: F401 - re-exported for the storage-tier tests
 
 MODEL = "tiny-llama-random"
 BLOCK_SIZE = 16
@@ -52,21 +51,6 @@ def storage_stats(server: ServerProcess) -> dict[str, Any]:
     return server.engine_stats()["storage"]
 
 
-def wait_storage_quiet(server: ServerProcess, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Storage stats once nothing runs and no storage job, put or pin is left."""
-    deadline = time.monotonic() + timeout_s
-    stats: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        stats = server.engine_stats()
-        tier = stats["storage"]["tier"]
-        if (stats.get("num_requests_running") == 0 and stats.get("num_requests_waiting") == 0
-                and stats["storage"]["pending_work"] == 0 and tier["jobs_in_flight"] == 0 and tier["puts_pending"] == 0 and tier["pinned_host_blocks"] == 0
-                and tier["prefetch_host_blocks"] == 0):
-            return stats
-        time.sleep(0.05)
-    raise AssertionError(f"storage not quiet after {timeout_s} s: {json.dumps(stats, indent=1)[:3000]}")
-
-
 def assert_no_leak(server: ServerProcess) -> dict[str, Any]:
     """No device block owned by a request; every host block free or cached; no pin left."""
     stats = wait_storage_quiet(server)
@@ -85,14 +69,3 @@ def object_file(directory: Path, block_hash: int) -> Path:
     found = list(directory.glob(f"*={storage_key(block_hash)}.kv"))
     assert len(found) == 1, f"{len(found)} objects for block {block_hash:#x} in {directory}"
     return found[0]
-
-
-def scrape(server: ServerProcess) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(server.get_text("/metrics")):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
