@@ -39,7 +39,7 @@ file, a PNG plot of TTFT per round per configuration, and a section of
 docs/benchmarks.md (``--docs``; ``--quick`` writes none).
 
 Usage:
-    python benchmarks/bench_serving.py                 # tiny-llama-random, about 13 minutes on 2 cores
+    python benchmarks/bench_serving.py                 # tiny-llama-random, 9.3 minutes measured on an idle 2-core VM
     python benchmarks/bench_serving.py --quick         # smoke run (a few minutes); not for tables
     python benchmarks/bench_serving.py --configs device+host,device+host+storage --no-cold-server
     python benchmarks/bench_serving.py --model smollm2-135m-instruct --doc-tokens 512 ...
