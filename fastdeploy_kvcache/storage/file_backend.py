@@ -553,14 +553,18 @@ class FileBackend(StorageBackend):
 
 
 def _native_reader() -> Optional[Any]:
-    """The CPU C ABI for batch reads; None (Python reads) where it is not built."""
-    try:
-        from fastdeploy_kvcache import ops
+    """A C ABI library for batch reads (file I/O only: either build serves); None (Python
+    reads) where none is built."""
+    from fastdeploy_kvcache import ops
 
-        return ops.load_capi(variant="cpu")
-    except Exception as exc:  # noqa: BLE001 - OpsNotBuiltError, or an old library
-        logger.info("file storage: native batch reads unavailable (%s); reading in Python", exc)
-        return None
+    errors = []
+    for variant in ("cpu", None):  # None: FDKV_OPS_LIB, or the CUDA build
+        try:
+            return ops.load_capi(variant=variant)
+        except Exception as exc:  # noqa: BLE001 - OpsNotBuiltError, or an old library
+            errors.append(str(exc))
+    logger.info("file storage: native batch reads unavailable (%s); reading in Python", "; ".join(errors))
+    return None
 
 
 def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:
