@@ -585,7 +585,25 @@ class TransferManager:
                 last = self.layout.num_layers - 1 if self.layout is not None else -1
                 layer = last if task.direction is CopyDirection.HOST_TO_DEVICE else -1
                 raise LayerSwapTimeoutError(layer, task.meta.task_id, timeout, task.direction)
+        self._wait_streams_idle(deadline, timeout)
         return self.poll()
+
+    def _wait_streams_idle(self, deadline: float, timeout: float) -> None:
+        """Wait until the copy streams have run everything queued on them.
+
+        NOTE: a task can leave the in-flight list while its copy still runs (its done event
+        reported an error: on a GPU the copy is dead then, on a host-thread stream it is
+        not).  free_cache releases memory after drain, so drain must also know that nothing
+        queued on either stream can still touch it.  Stopped streams (after close) ran their
+        queue when they stopped.
+        """
+        if self._closed:
+            return
+        for stream, direction in ((self.input_stream, CopyDirection.HOST_TO_DEVICE),
+                                  (self.output_stream, CopyDirection.DEVICE_TO_HOST)):
+            event = self.backend.record_event(stream)
+            if not self.backend.event_wait_host(event, max(0.0, deadline - time.monotonic())):
+                raise LayerSwapTimeoutError(-1, -1, timeout, direction)
 
     # ------------------------------------------------------------------ introspection
     def in_flight_tasks(self) -> list[int]:

@@ -465,6 +465,52 @@ def test_cuda_error_surfacing_at_completion_fails_the_metadata(make_controller, 
     assert ctrl.get_stats()["d2h"]["failed"] == 1
 
 
+def test_free_cache_waits_for_a_copy_whose_task_already_failed() -> None:
+    """A task reported failed (its done event raised) while its copy is still queued on a
+    host-thread stream: free_cache must wait for that copy before releasing the memory it
+    writes.  Runs in a child process: the old code freed the host cache under the copy,
+    which then wrote into unmapped memory (SIGSEGV)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from worker_helpers import capi_or_skip
+
+    capi_or_skip()
+    code = f"""
+import sys, threading, time
+sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parent.parent)!r}]
+from worker_helpers import fill_block, small_config
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.worker import CacheController
+ctrl = CacheController(small_config(), backend="cpu", threaded=True)
+ctrl.initialize_kv_cache(); ctrl.initialize_host_cache()
+fill_block(ctrl, 1, seed=3)
+out = ctrl.transfer_manager.output_stream
+out.pause()
+meta = CacheSwapMetadata([1], [2], CacheLevel.DEVICE, CacheLevel.HOST, kind=TransferKind.BACKUP)
+ctrl.submit_swap_tasks(meta, None)
+ctrl.transfer_manager.flush_launches(10)
+task = ctrl.transfer_manager._inflight[0]
+real_done = ctrl.backend.event_done
+def poisoned(event):
+    if event is task.done_event:
+        raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
+    return real_done(event)
+ctrl.backend.event_done = poisoned
+assert ctrl.collect_finished() == [meta] and meta.success is False
+threading.Timer(0.3, out.resume).start()
+t0 = time.monotonic()
+ctrl.free_cache()
+print(f"waited {{time.monotonic() - t0:.3f}}")
+ctrl.close()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"child exited {proc.returncode}: {proc.stderr[-2000:]}"
+    waited = float(proc.stdout.split()[-1])
+    assert waited >= 0.25, f"free_cache returned after {waited:.3f} s, before the queued copy ran"
+
+
 def test_failed_device_allocation_leaves_nothing_behind(monkeypatch) -> None:
     """An allocation failure midway (OOM at some layer) frees what was allocated and can be retried."""
     from fastdeploy_kvcache.worker import CacheController
