@@ -570,13 +570,13 @@ LIVENESS_CHECKS: list[int] = []
 COVERAGE: dict[str, int] = {}
 
 
-def _settings(max_examples: int, steps: int) -> settings:
+def _settings(max_examples: int, steps: int, derandomize: bool) -> settings:
     return settings(
         max_examples=max_examples,
         stateful_step_count=steps,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-        derandomize=False,
+        derandomize=derandomize,
         print_blob=True,
     )
 
@@ -586,7 +586,10 @@ def test_cache_manager_state_machine():
     STEP_COUNTS.clear()
     COVERAGE.clear()
     LIVENESS_CHECKS.clear()
-    run_state_machine_as_test(CacheMachine, settings=_settings(200, 150), _min_steps=MIN_STEPS)
+    # NOTE: derandomized: the coverage gate below is a property of the drawn traces, and with
+    # fresh random traces each run it failed now and then (host_evictions 0 in one CI run of
+    # 200 examples).  The same 200 traces every run; the soak test below stays random.
+    run_state_machine_as_test(CacheMachine, settings=_settings(200, 150, derandomize=True), _min_steps=MIN_STEPS)
     # Examples hypothesis discards early (overruns) also tear down; count the full ones.
     assert sum(1 for n in STEP_COUNTS if n > MIN_STEPS) >= 200, sorted(STEP_COUNTS)
     # The traces must actually exercise every path the oracle is there for.
@@ -599,7 +602,7 @@ def test_cache_manager_state_machine():
 @pytest.mark.soak
 @pytest.mark.skipif(not SOAK, reason="long soak: set FDKV_SOAK=1")
 def test_cache_manager_state_machine_soak():
-    run_state_machine_as_test(CacheMachine, settings=_settings(3000, 400), _min_steps=200)
+    run_state_machine_as_test(CacheMachine, settings=_settings(3000, 400, derandomize=False), _min_steps=200)
 
 
 def _scripted_failed_load(machine: CacheMachine) -> None:
