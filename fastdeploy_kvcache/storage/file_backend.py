@@ -334,50 +334,39 @@ class FileBackend(StorageBackend):
             return Status.FULL
         return Status.OK
 
-    def _get_one(self, key: str, ptr: int, size: int) -> int:
-        path = self._file(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            self._forget(key)
-            return Status.MISSING
-        except OSError as exc:
-            return self._os_status("get", key, exc)
-        header = bytearray(HEADER.size)
-        past_end = bytearray(1)  # filled only when the file is longer than the buffer
-        view = _mem(ptr, size)
-        try:
-            got = os.preadv(fd, [header, view, past_end], 0)
-        except OSError as exc:
-            return self._os_status("get", key, exc)
-        finally:
-            os.close(fd)
-        if got < HEADER.size:
-            return self._corrupt(key, path, f"{got}-byte file has no header")
-        magic, version, header_size, payload_size, checksum, _ = HEADER.unpack(header)
-        if magic != MAGIC or version != FORMAT_VERSION or header_size != HEADER.size:
-            return self._corrupt(key, path, f"bad header (magic {magic!r}, version {version})")
-        if payload_size > size:
-            logger.warning("file storage get %s: object has %d bytes, buffer %d", key, payload_size, size)
-            return Status.INVALID
-        if got != HEADER.size + payload_size:
-            return self._corrupt(key, path, f"file has {got - HEADER.size} payload bytes, header says {payload_size}")
-        if xxhash.xxh3_64_intdigest(view[:payload_size]) != checksum:
-            return self._corrupt(key, path, "checksum mismatch")
-        self._touch(key)
-        return payload_size
+    @staticmethod
+    def _read_files_py(paths: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> tuple[bytearray, list[int]]:
+        """What ``read_files`` of the C ABI does, in Python (where the library is not built)."""
+        headers = bytearray(len(paths) * HEADER.size)
+        got: list[int] = []
+        for i, (path, ptr, size) in enumerate(zip(paths, ptrs, sizes)):
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                got.append(-(exc.errno or errno.EIO))
+                continue
+            past_end = bytearray(1)  # filled only when the file is longer than the buffer
+            try:
+                got.append(os.preadv(fd, [memoryview(headers)[i * HEADER.size:(i + 1) * HEADER.size],
+                                          _mem(ptr, size), past_end], 0))
+            except OSError as exc:
+                got.append(-(exc.errno or errno.EIO))
+            finally:
+                os.close(fd)
+        return headers, got
 
     def _get_slice(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """Read a slice of a batch: one native call for the I/O, then per-object checks."""
-        if self._native is None:
-            return [int(self._get_one(k, p, n)) for k, p, n in zip(keys, ptrs, sizes)]
+        """Read a slice of a batch (one native call where built), then check each object."""
         paths = [self._file(k) for k in keys]
-        headers, got = self._native.read_files([os.fsencode(p) for p in paths], ptrs, sizes, HEADER.size)
+        if self._native is None:
+            headers, got = self._read_files_py(paths, ptrs, sizes)
+        else:
+            headers, got = self._native.read_files([os.fsencode(p) for p in paths], ptrs, sizes, HEADER.size)
         return [self._check_read(k, path, ptr, size, headers, i * HEADER.size, n)
                 for i, (k, path, ptr, size, n) in enumerate(zip(keys, paths, ptrs, sizes, got))]
 
     def _check_read(self, key: str, path: str, ptr: int, size: int, headers: bytearray, at: int, got: int) -> int:
-        """The verdict on one object read by ``read_files`` (``got``: bytes or -errno)."""
+        """The verdict on one object as read (``got``: bytes or -errno), for both readers."""
         if got < 0:
             err = -got
             if err == errno.ENOENT:
