@@ -105,9 +105,24 @@ class MooncakeMaster:
         self.proc = None
 
     def pause(self) -> None:
-        """SIGSTOP: the master hangs (calls stall instead of failing) - a fault for tests."""
+        """SIGSTOP: the master hangs (calls stall instead of failing) - a fault for tests.
+
+        Returns once the kernel reports the process stopped: the signal is delivered
+        asynchronously, and a call sent in that window would still be answered.
+        """
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
+        stat = f"/proc/{self.proc.pid}/stat"
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            try:
+                with open(stat) as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                return  # no /proc (or the process is gone): nothing more to wait for
+            if state in ("T", "t"):
+                return
+            time.sleep(0.001)
 
     def resume(self) -> None:
         assert self.proc is not None
