@@ -375,6 +375,12 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
     def num_copies_in_flight(self) -> int:
         return len(self._inflight)
 
+    @property
+    def has_idle_backups(self) -> bool:
+        """Backups queued while no request runs: no step would issue them (the engine
+        issues them itself when it goes idle, ``issue_pending_backup_to_batch_request``)."""
+        return not self._requests and bool(self._backup_queue)
+
     def check_invariants(self) -> dict[str, int]:
         """Verify every bookkeeping invariant (see ``invariants.py``); returns per-pool counts.
 

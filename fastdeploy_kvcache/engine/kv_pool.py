@@ -118,11 +118,6 @@ class ManagedKVPool(KVPool):
         counter = self.controller.submit_swap_tasks(batch.cache_evict_metadata, batch.cache_swap_metadata)
         return batch, counter
 
-    def _idle_backups_queued(self) -> bool:
-        """Write-through backups queued while no request runs (no step would issue them)."""
-        m = self.manager
-        return not getattr(m, "_requests", True) and bool(getattr(m, "_backup_queue", ()))
-
     def _flush_idle_backups(self) -> None:
         """Issue queued backups when idle, so finished requests' blocks reach host without traffic.
 
@@ -131,7 +126,7 @@ class ManagedKVPool(KVPool):
         them from the device first (a lost backup: the next turn recomputes them).  Nothing
         computes while idle, so the device -> host copies are safe now.
         """
-        if self._idle_backups_queued():
+        if self.manager.has_idle_backups:
             meta = self.manager.issue_pending_backup_to_batch_request()
             if meta is not None:
                 self.controller.submit_swap_tasks(meta, None)
@@ -145,7 +140,7 @@ class ManagedKVPool(KVPool):
 
     @property
     def copies_in_flight(self) -> int:
-        return self.manager.num_copies_in_flight + int(self._idle_backups_queued())
+        return self.manager.num_copies_in_flight + int(self.manager.has_idle_backups)
 
     def stats(self) -> dict[str, Any]:
         m = self.manager.get_stats()
