@@ -76,7 +76,7 @@ def test_bad_config_raises_naming_the_field(kwargs: dict, field: str) -> None:
 
 def test_integral_numbers_are_accepted_and_stored_as_python_ints() -> None:
     """numpy integers (e.g. from a model config) are fine; they are stored as int."""
-    np = pytest.importorskip("numpy")
+    np = pytest.importorskip("numpy", reason="needs numpy (installed by `bash build.sh`)")
     cfg = CacheConfig(block_size=np.int64(16), num_layers=np.int32(3), swap_space=np.float32(0.5),
                       num_host_blocks=np.int64(4))
     assert type(cfg.block_size) is int and cfg.block_size == 16

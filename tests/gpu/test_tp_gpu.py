@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from skip_helpers import cuda_capi_missing
+
 pytestmark = pytest.mark.gpu
 
 TWO_GPU_REASON = (
@@ -23,28 +25,7 @@ TWO_GPU_REASON = (
 )
 
 
-def _reason() -> "str | None":
-    try:
-        import cupy
-    except ImportError:
-        return "cupy is not installed"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # noqa: BLE001 - no driver
-        return f"no usable CUDA GPU ({exc})"
-    if count < 2:
-        return f"{count} CUDA GPU(s) visible"
-    from fastdeploy_kvcache import ops
-
-    try:
-        if not ops.load_capi(variant="cuda").is_cuda:
-            return "the loaded libfdkv_capi is the CPU build"
-    except ops.OpsNotBuiltError as exc:
-        return f"CUDA C ABI library missing: {exc}"
-    return None
-
-
-_why = _reason()
+_why = cuda_capi_missing(min_gpus=2)
 if _why is not None:
     pytest.skip(f"{TWO_GPU_REASON} ({_why})", allow_module_level=True)
 

@@ -13,28 +13,14 @@ import sys
 
 import pytest
 
+from skip_helpers import cuda_capi_missing
+
 pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy", reason="needs CuPy and a CUDA GPU (run on the device tool)")
 
 
-def _gpu_reason() -> "str | None":
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA GPU visible"
-    except Exception as exc:  # noqa: BLE001
-        return f"no usable CUDA GPU ({exc})"
-    from fastdeploy_kvcache import ops
-
-    try:
-        if not ops.load_capi(variant="cuda").is_cuda:
-            return "the loaded libfdkv_capi is the CPU build"
-    except ops.OpsNotBuiltError as exc:
-        return f"CUDA C ABI library missing: {exc}"
-    return None
-
-
-_reason = _gpu_reason()
+_reason = cuda_capi_missing()
 if _reason is not None:
     pytest.skip(f"needs a CUDA GPU, CuPy and `bash build.sh gpu` (device tool): {_reason}", allow_module_level=True)
 

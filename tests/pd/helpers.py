@@ -13,33 +13,17 @@ import urllib.request
 from typing import Any, Optional, Sequence
 
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess, free_port, stop_child
-from server_helpers import scrape
+from server_helpers import (  # noqa: F401 - re-exported for the PD tests
+    BASE_ARGS,
+    BLOCK_SIZE,
+    MODEL,
+    file_store_args,
+    mooncake_store_args,
+    prompt_ids,
+    scrape,
+)
 
-MODEL = "tiny-llama-random"
-BLOCK_SIZE = 16
-BASE_ARGS = [
-    "--model", MODEL, "--device", "cpu", "--block-size", str(BLOCK_SIZE), "--max-model-len", "1024",
-    "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
-    "--swap-space", "0.05", "--write-policy", "write_through",
-]
 ENV = {"ENABLE_V1_KVCACHE_MANAGER": "1", "FD_PD_TRANSFER_VIA_STORAGE": "1"}
-
-
-def prompt_ids(seed: int, n: int) -> list[int]:
-    """A token-id prompt (fixed seed; ids inside tiny-llama-random's vocabulary of 503)."""
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
-
-
-def file_store_args(directory: Any) -> list[str]:
-    return ["--kvcache-storage-backend", "file", "--kvcache-storage-path", str(directory),
-            "--kvcache-storage-min-free", "0", "--kvcache-storage-prefetch-policy", "wait_complete"]
-
-
-def mooncake_store_args() -> list[str]:
-    return ["--kvcache-storage-backend", "mooncake", "--kvcache-storage-prefetch-policy", "wait_complete"]
 
 
 def start_server(role: str, store_args: Sequence[str], env: Optional[dict[str, str]] = None,

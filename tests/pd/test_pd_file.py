@@ -7,7 +7,6 @@ the same text with the recomputed tokens counted."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,10 +27,9 @@ from .helpers import (
     stop_cluster,
 )
 from server_helpers import wait_storage_quiet
+from skip_helpers import needs_server_modules
 
-_missing = [m for m in ("fastapi", "uvicorn", "httpx", "prometheus_client", "paddleformers")
-            if importlib.util.find_spec(m) is None]
-pytestmark = pytest.mark.skipif(bool(_missing), reason=f"needs {_missing} (installed by `bash build.sh`)")
+pytestmark = needs_server_modules()
 
 # Lengths not a multiple of the block size (16), plus one shorter than a block and one exact.
 LENGTHS = (45, 55, 5, 100)

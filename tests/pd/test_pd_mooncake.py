@@ -9,7 +9,6 @@ its decode (the decode server recomputes; same output)."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,8 +16,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from fastdeploy_kvcache.storage.mooncake_backend import mooncake_available
-from fastdeploy_kvcache.storage.mooncake_local import LocalMooncake, find_binary
+from fastdeploy_kvcache.storage.mooncake_local import LocalMooncake
+from skip_helpers import needs_mooncake, needs_server_modules
 
 from .helpers import (
     BLOCK_SIZE,
@@ -32,16 +31,7 @@ from .helpers import (
     stop_cluster,
 )
 
-_missing = [m for m in ("fastapi", "uvicorn", "httpx", "prometheus_client", "paddleformers")
-            if importlib.util.find_spec(m) is None]
-_why = mooncake_available()
-pytestmark = [
-    pytest.mark.skipif(bool(_missing), reason=f"needs {_missing} (installed by `bash build.sh`)"),
-    pytest.mark.skipif(
-        _why is not None or find_binary("mooncake_master") is None or find_binary("mooncake_client") is None,
-        reason=f"mooncake_master / mooncake_client / mooncake.store not installed ({_why}): run `bash build.sh`",
-    ),
-]
+pytestmark = [needs_server_modules(), needs_mooncake()]
 
 LENGTHS = (45, 55, 5, 100)
 PROMPTS = {n: prompt_ids(200 + n, n) for n in LENGTHS}

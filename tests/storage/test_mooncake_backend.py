@@ -16,21 +16,17 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache.storage import Status, StorageError
-from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig, mooncake_available, parse_size
+from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig, parse_size
 from fastdeploy_kvcache.storage.mooncake_local import (
     LocalMooncake,
     MooncakeHolder,
     MooncakeMaster,
-    find_binary,
 )
+from skip_helpers import needs_mooncake
 
 from .conftest import HostArena
 
-_WHY = mooncake_available()
-pytestmark = pytest.mark.skipif(
-    _WHY is not None or find_binary("mooncake_master") is None or find_binary("mooncake_client") is None,
-    reason=f"mooncake_master / mooncake_client / mooncake.store not installed ({_WHY}): run `bash build.sh`",
-)
+pytestmark = needs_mooncake()
 
 NS = "fdkv1-test-fedcba9876543210-tp0of1"
 MiB = 1 << 20

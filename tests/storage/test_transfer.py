@@ -16,16 +16,9 @@ from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.storage import KeyNamespace, Status, StorageError
 from fastdeploy_kvcache.storage.file_backend import HEADER, FileBackend
 from fastdeploy_kvcache.storage.transfer import HostTierLayout, StorageTransfer
+from skip_helpers import needs_cpu_capi
 
-try:
-    from fastdeploy_kvcache import ops
-
-    ops.load_capi(variant="cpu")
-    _NO_CAPI = None
-except Exception as exc:  # noqa: BLE001
-    _NO_CAPI = str(exc)
-
-pytestmark = pytest.mark.skipif(_NO_CAPI is not None, reason=f"CPU C ABI library missing ({_NO_CAPI}): run `bash build.sh`")
+pytestmark = needs_cpu_capi()
 
 
 def host_view(ptr: int, nbytes: int) -> np.ndarray:

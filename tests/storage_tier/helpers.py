@@ -9,25 +9,15 @@ from typing import Any, Optional, Sequence
 from fastdeploy_kvcache.core.hashing import storage_key
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess
-from server_helpers import scrape, wait_storage_quiet  # noqa: F401 - re-exported for the storage-tier tests
-
-MODEL = "tiny-llama-random"
-BLOCK_SIZE = 16
-# Device pool of 64 blocks of 16 tokens; host tier 0.05 GiB (hundreds of tiny-llama blocks).
-BASE_ARGS = [
-    "--model", MODEL, "--device", "cpu", "--block-size", str(BLOCK_SIZE), "--max-model-len", "1024",
-    "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
-    "--swap-space", "0.05", "--write-policy", "write_through",
-]
-
-
-def prompt_ids(seed: int, n: int) -> list[int]:
-    """A token-id prompt (fixed seed; ids inside tiny-llama-random's vocabulary of 503)."""
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
-
+from server_helpers import (  # noqa: F401 - re-exported for the storage-tier tests
+    BASE_ARGS,
+    BLOCK_SIZE,
+    MODEL,
+    file_store_args,
+    prompt_ids,
+    scrape,
+    wait_storage_quiet,
+)
 
 def start_server(storage_args: Sequence[str], env: Optional[dict[str, str]] = None,
                  extra: Sequence[str] = ()) -> ServerProcess:

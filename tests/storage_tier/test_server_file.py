@@ -7,16 +7,18 @@ cold), and ends with no block leaked and no host block left pinned.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from skip_helpers import needs_server_modules
 
 from .helpers import (
     BLOCK_SIZE,
     assert_no_leak,
     block_hashes,
     complete,
+    file_store_args,
     object_file,
     prompt_ids,
     scrape,
@@ -25,24 +27,17 @@ from .helpers import (
     wait_storage_quiet,
 )
 
-_missing = [m for m in ("fastapi", "uvicorn", "httpx", "prometheus_client", "paddleformers")
-            if importlib.util.find_spec(m) is None]
-pytestmark = pytest.mark.skipif(bool(_missing), reason=f"needs {_missing} (installed by `bash build.sh`)")
+pytestmark = needs_server_modules()
 
 P = prompt_ids(1, 200)  # 12 full blocks
 Q = prompt_ids(2, 200)
 R = prompt_ids(3, 120)
 
 
-def file_args(directory: Path, *more: str) -> list[str]:
-    return ["--kvcache-storage-backend", "file", "--kvcache-storage-path", str(directory),
-            "--kvcache-storage-min-free", "0", "--kvcache-storage-prefetch-policy", "wait_complete", *more]
-
-
 def test_restart_reuses_the_store_with_the_same_tokens_and_faults_recompute(tmp_path: Path) -> None:
     store = tmp_path / "kv"
     # 1. A cold server computes P, Q and R and stores them (write_through: host, then storage).
-    first = start_server(file_args(store))
+    first = start_server(file_store_args(store))
     try:
         cold = {name: complete(first, p) for name, p in (("P", P), ("Q", Q), ("R", R))}
         for text, tiers in cold.values():
@@ -65,7 +60,7 @@ def test_restart_reuses_the_store_with_the_same_tokens_and_faults_recompute(tmp_
     object_file(store, block_hashes(R)[2]).unlink()
 
     # 2. A restarted server in front of the same directory: storage hits, same tokens.
-    second = start_server(file_args(store))
+    second = start_server(file_store_args(store))
     try:
         text, tiers = complete(second, P)
         assert text == cold["P"][0], "storage-tier KV must give the same greedy output as recompute"
@@ -99,7 +94,7 @@ def test_restart_reuses_the_store_with_the_same_tokens_and_faults_recompute(tmp_
 
 def test_disk_full_stores_nothing_and_serves_correctly(tmp_path: Path) -> None:
     """A free-space floor the disk cannot meet: every put is FULL (as ENOSPC is)."""
-    server = start_server(file_args(tmp_path / "kv")[:-4] + [
+    server = start_server(file_store_args(tmp_path / "kv")[:-4] + [
         "--kvcache-storage-min-free", "1000000GB", "--kvcache-storage-prefetch-policy", "timeout"])
     baseline = start_server([])
     try:
@@ -154,13 +149,13 @@ def test_concurrent_requests_on_a_cold_server_share_one_prefetch(tmp_path: Path)
     from concurrent.futures import ThreadPoolExecutor
 
     store = tmp_path / "kv"
-    first = start_server(file_args(store))
+    first = start_server(file_store_args(store))
     try:
         cold, _ = complete(first, P)
         wait_storage_quiet(first)
     finally:
         first.stop()
-    second = start_server(file_args(store))
+    second = start_server(file_store_args(store))
     try:
         with ThreadPoolExecutor(4) as pool:
             outs = list(pool.map(lambda _: complete(second, P), range(4)))

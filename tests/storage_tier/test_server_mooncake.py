@@ -5,7 +5,6 @@ back; the holder's segment is too small (-200)."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 
@@ -13,23 +12,16 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache.storage import Status
-from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend, mooncake_available
-from fastdeploy_kvcache.storage.mooncake_local import LocalMooncake, MooncakeHolder, MooncakeMaster, find_binary
+from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend
+from fastdeploy_kvcache.storage.mooncake_local import LocalMooncake, MooncakeHolder, MooncakeMaster
+from server_helpers import mooncake_store_args
+from skip_helpers import needs_mooncake, needs_server_modules
 
 from .helpers import BLOCK_SIZE, assert_no_leak, complete, prompt_ids, scrape, start_server, storage_stats
 
-_missing = [m for m in ("fastapi", "uvicorn", "httpx", "prometheus_client", "paddleformers")
-            if importlib.util.find_spec(m) is None]
-_why = mooncake_available()
-pytestmark = [
-    pytest.mark.skipif(bool(_missing), reason=f"needs {_missing} (installed by `bash build.sh`)"),
-    pytest.mark.skipif(
-        _why is not None or find_binary("mooncake_master") is None or find_binary("mooncake_client") is None,
-        reason=f"mooncake_master / mooncake_client / mooncake.store not installed ({_why}): run `bash build.sh`",
-    ),
-]
+pytestmark = [needs_server_modules(), needs_mooncake()]
 
-MC_ARGS = ["--kvcache-storage-backend", "mooncake", "--kvcache-storage-prefetch-policy", "wait_complete"]
+MC_ARGS = mooncake_store_args()
 P = prompt_ids(11, 200)
 Q = prompt_ids(12, 200)
 R = prompt_ids(13, 200)

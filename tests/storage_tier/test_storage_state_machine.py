@@ -16,17 +16,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
 from fastdeploy_kvcache.core.request import Request
+from skip_helpers import needs_cpu_capi
 
-from .test_tier import _NO_CAPI, BS, Rig
+from .test_tier import BS, Rig
 
-pytestmark = pytest.mark.skipif(_NO_CAPI is not None, reason=f"CPU C ABI library missing ({_NO_CAPI}): run `bash build.sh`")
+pytestmark = needs_cpu_capi()
 
 # Four prompts sharing prefixes pairwise, so matches stop at every depth.
 _BASE = list(range(1000, 1000 + 6 * BS + 1))
