@@ -29,6 +29,7 @@ per-call path existed (evictions on the process-wide rule too).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import statistics
@@ -395,6 +396,35 @@ def main() -> int:
         capi_call_us(all_dev, all_host, ev_dev, ev_host, 0, tm.output_stream, 2, d2h_code)
         capi_evict_us = capi_call_us(all_dev, all_host, ev_dev, ev_host, 0, tm.output_stream, 4, d2h_code)
 
+        # One all-layer eviction call on an idle GPU (the host submit figure): the
+        # whole call, and the part spent outside Python (the native submit, GIL released),
+        # per path; median of 5.
+        def idle_call_us(p: int) -> tuple[float, float]:
+            whole, native = [], []
+            ptrs_c = [a.data.ptr for a in all_dev]
+            nblk_c = [a.shape[0] for a in all_dev]
+            bb_c = [a.nbytes // a.shape[0] for a in all_dev]
+            for _ in range(6):
+                cp.cuda.runtime.deviceSynchronize()
+                t0 = time.perf_counter()
+                capi.swap_all_layers([a.data.ptr for a in all_dev], all_host, [a.shape[0] for a in all_dev],
+                                     [a.nbytes // a.shape[0] for a in all_dev], total_blocks, ev_dev, ev_host, 0,
+                                     stream=tm.output_stream.ptr, path=p)
+                t1 = time.perf_counter()
+                cp.cuda.runtime.deviceSynchronize()
+                keep, cargs = capi._swap_args("bench", ptrs_c, nblk_c, bb_c, all_host, total_blocks, ev_dev, ev_host,
+                                              0, p)
+                t2 = time.perf_counter()
+                capi._lib.fdkv_swap_layers(b"bench", *cargs[:11], ctypes.c_void_p(tm.output_stream.ptr), 0, cargs[11])
+                t3 = time.perf_counter()
+                whole.append(t1 - t0)
+                native.append(t3 - t2)
+            return statistics.median(whole[1:]) * 1e6, statistics.median(native[1:]) * 1e6
+
+        idle_evict = {name: idle_call_us(code) for name, code in
+                      (("process", d2h_code), ("staged", ops.COPY_PATH_STAGED), ("dma", ops.COPY_PATH_DMA))}
+        cp.cuda.runtime.deviceSynchronize()
+
         ctrl.collect_finished(wait=True)
         stats = ctrl.get_stats()
         run = {
@@ -414,6 +444,8 @@ def main() -> int:
             "evict_submit_host_us": statistics.median(evict_submit_s) * 1e6,
             "capi_host_us_per_layer_load_call": capi_layer_us,
             "capi_host_us_per_eviction_call_back_to_back": capi_evict_us,
+            "eviction_call_idle_host_us": {k: v[0] for k, v in idle_evict.items()},
+            "eviction_call_idle_native_us": {k: v[1] for k, v in idle_evict.items()},
         }
         results["runs"].append(run)
 
@@ -426,7 +458,8 @@ def main() -> int:
     cols = ["copy_path", "d2h_copy_path", "h2d_paths_used", "d2h_paths_used", "matmul_n", "T_c_ms", "T_l_ms", "T_o_ms", "hidden_fraction", "hidden_fraction_with_backups", "load_GBps",
             "load_ratio_to_contiguous", "evict_GBps", "compute_slowdown_under_evictions",
             "fence_delay_ms", "submit_host_us_per_layer", "capi_host_us_per_layer_load_call",
-            "capi_host_us_per_eviction_call_back_to_back", "evict_submit_host_us"]
+            "capi_host_us_per_eviction_call_back_to_back", "evict_submit_host_us", "eviction_call_idle_host_us",
+            "eviction_call_idle_native_us"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for run in results["runs"]:

@@ -7,10 +7,11 @@ SDPA (flash / memory-efficient kernels; prefix attention with a lower-right caus
 Weights are random and shared by all layers (436 MB, far beyond L2, so each layer still
 streams its weights from HBM).  The KV cache is paged: blocks of 64 tokens, scattered
 device block ids, so attention gathers the request's blocks (the same cost for every
-source).  A host hit loads each layer's K and V blocks with one ``swap_all_layers`` call
-of two tensors (the process-wide copy path: ``auto`` unless ``--paths`` says otherwise) on
-a load stream, from a loader thread, and layer i's attention waits on layer i's event on
-the GPU.  The load starts with the step, so TTFT includes it.
+source).  A host hit loads the prefix layer by layer on a load stream from a loader thread:
+``--loaders groups`` issues the whole stack in one ``swap_layer_groups`` call that records
+each layer's event natively (the worker's way), ``per-layer`` one ``swap_all_layers`` call of
+K and V per layer from Python; ``--paths`` picks the copy path per call.  Layer i's
+attention waits on layer i's event on the GPU.  The load starts with the step, so TTFT includes it.
 
 Reported, with the limit measured in the same run (one contiguous 1 GiB pinned
 ``cudaMemcpyAsync`` host to device):
@@ -19,7 +20,8 @@ Reported, with the limit measured in the same run (one contiguous 1 GiB pinned
   (target <= 1.10);
 * ``host hit / recompute`` (target <= 0.25).
 
-    python benchmarks/bench_ttft.py [--prefixes 1k,8k,32k] [--new 1,128,2k] [--paths auto,dma]
+    python benchmarks/bench_ttft.py [--prefixes 1k,8k,32k] [--new 1,128,2k] [--paths auto,staged]
+        [--loaders groups,per-layer]
 
 Writes ``bench_ttft.json`` under ``--out``.  Exits 0 with a message without a GPU, torch or
 the CUDA C ABI library.
@@ -36,7 +38,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -88,6 +90,8 @@ class Model:
             ctypes.memmove(ptr, src_cpu.data_ptr(), self.nblocks * self.block_bytes)
         self.prefix_src = src
         self.used_paths: list[int] = []  # last_path() of the loader thread's calls
+        self._masks: dict[tuple[int, int], Any] = {}  # lower-right causal masks by (tq, tk)
+        self.prefix_attention = "mask"  # or "torch-bias" (--prefix-attention)
         self.load_stream = torch.cuda.Stream()
 
     def close(self) -> None:
@@ -102,22 +106,38 @@ class Model:
 
     # ------------------------------------------------------------------ compute
     def attention(self, q: Any, k: Any, v: Any, tq: int, tk: int) -> Any:
-        """q [1, 32, tq, 128]; k, v [1, 8, tk, 128]; causal, aligned to the last key."""
+        """q [1, 32, tq, 128]; k, v [1, 8, tk, 128]; causal, aligned to the last key.
+
+        NOTE: new tokens after a prefix use a boolean lower-right causal mask made once per
+        shape on the device and K/V expanded to the query heads, not torch's
+        ``causal_lower_right`` bias: with grouped heads that path fell back to code that
+        synchronized the host with the GPU in every layer (``--sync-check`` counts such
+        synchronizations), which turned the load/compute overlap of a host hit into a
+        serial chain and measured the benchmark, not the cache."""
         torch = self.torch
         F = torch.nn.functional
         if tq == tk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if tq == 1:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        from torch.nn.attention.bias import causal_lower_right
+        if self.prefix_attention == "torch-bias":  # torch's own lower-right causal bias
+            from torch.nn.attention.bias import causal_lower_right
 
-        bias = causal_lower_right(tq, tk)
-        try:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
-        except (TypeError, RuntimeError):
-            rep = Q_HEADS // KV_HEADS
-            return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                                  attn_mask=bias)
+            bias = causal_lower_right(tq, tk)
+            try:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+            except (TypeError, RuntimeError):
+                rep = Q_HEADS // KV_HEADS
+                return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                      attn_mask=bias)
+        mask = self._masks.get((tq, tk))
+        if mask is None:
+            mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+            self._masks[(tq, tk)] = mask
+        rep = Q_HEADS // KV_HEADS
+        k = k[:, :, None].expand(1, KV_HEADS, rep, tk, HEAD_DIM).reshape(1, Q_HEADS, tk, HEAD_DIM)
+        v = v[:, :, None].expand(1, KV_HEADS, rep, tk, HEAD_DIM).reshape(1, Q_HEADS, tk, HEAD_DIM)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def forward(self, x: Any, prefix: int, wait: Optional[Any] = None) -> Any:
         """x [T, 4096]: T new tokens after `prefix` cached tokens (prefix 0: recompute)."""
@@ -150,10 +170,16 @@ class Model:
         return x[-1:]
 
     # ------------------------------------------------------------------ host hit
-    def start_load(self, blocks: int, path: Any) -> tuple[list[Any], list[threading.Event], threading.Thread]:
-        """Loader thread: one call per layer (K and V) on the load stream, then the layer's
-        event; returns the events and a per-layer 'recorded' flag the compute side checks
-        before it enqueues its GPU wait (a wait on an unrecorded event would be a no-op)."""
+    def start_load(self, blocks: int, path: Any, loader: str = "groups"
+                   ) -> tuple[list[Any], Callable[[int], Any], threading.Thread]:
+        """Loader thread on the load stream, then each layer's event; returns the events and a
+        ``ready(l)`` that blocks until layer l's event is recorded, which the compute side
+        calls before it enqueues its GPU wait (a wait on an unrecorded event is a no-op).
+
+        ``loader``: ``per-layer`` calls ``swap_all_layers`` once per layer (K and V) from
+        Python and records the layer's event after it; ``groups`` issues the whole stack in
+        one ``swap_layer_groups`` call that records every layer's event natively (what the
+        worker's CuPy backend does)."""
         torch = self.torch
         events = [torch.cuda.Event() for _ in range(LAYERS)]
         recorded = [threading.Event() for _ in range(LAYERS)]
@@ -163,6 +189,24 @@ class Model:
         start = torch.cuda.Event()
         start.record(torch.cuda.current_stream())
         stream.wait_event(start)  # the load starts with the step
+
+        if loader == "groups":
+            for e in events:  # torch makes the CUDA event at its first record
+                e.record(stream)
+            handles = [e.cuda_event for e in events]
+            dev_ptrs = [t.data_ptr() for l in range(LAYERS) for t in (self.k[l], self.v[l])]
+
+            progress = self.capi.group_progress()
+
+            def run_groups() -> None:
+                self.capi.swap_layer_groups(dev_ptrs, self.host, 2, self.pool, self.block_bytes, self.nblocks,
+                                            dev_ids, host_ids, ops.MODE_H2D, stream=stream.cuda_stream,
+                                            events=handles, path=path, progress=progress)
+                self.used_paths.append(self.capi.last_path())
+
+            th = threading.Thread(target=run_groups)
+            th.start()
+            return events, (lambda l: progress.wait(l + 1, 60.0)), th
 
         def run() -> None:
             for l in range(LAYERS):
@@ -176,7 +220,23 @@ class Model:
 
         th = threading.Thread(target=run)
         th.start()
-        return events, recorded, th
+        return events, (lambda l: recorded[l].wait()), th
+
+
+def count_syncs(torch: Any, fn: Callable[[], Any]) -> int:
+    """Host<->GPU synchronizations torch reports while ``fn`` runs (its sync debug mode)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
 
 
 def measure_h2d_limit(torch: Any, nbytes: int = 1 << 30) -> float:
@@ -201,8 +261,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefixes", default="1k,8k,32k")
     p.add_argument("--new", default="1,128,2k")
-    p.add_argument("--paths", default="auto,dma", help="copy paths of the host-hit load (per call)")
+    p.add_argument("--paths", default="auto,staged", help="copy paths of the host-hit load (per call)")
+    p.add_argument("--loaders", default="groups,per-layer",
+                   help="how the host-hit load is issued: groups (one swap_layer_groups call for the stack, "
+                        "the worker's way) and/or per-layer (one Python call per layer)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--prefix-attention", default="mask", choices=["mask", "torch-bias"],
+                   help="attention of new tokens after a prefix: a device mask (default) or torch's causal_lower_right")
+    p.add_argument("--sync-check", action="store_true",
+                   help="count host<->GPU synchronizations in one forward of each kind (torch sync debug mode)")
     p.add_argument("--out", default=os.environ.get("OUT") or "build/bench")
     args = p.parse_args(argv)
     try:
@@ -221,8 +288,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     prefixes = [parse_tokens(x) for x in args.prefixes.split(",") if x]
     news = [parse_tokens(x) for x in args.new.split(",") if x]
     paths = [x for x in args.paths.split(",") if x]
+    loaders = [x for x in args.loaders.split(",") if x]
+    bad = sorted(set(loaders) - {"groups", "per-layer"})
+    if bad:
+        p.error(f"--loaders: {', '.join(bad)} is not a loader (groups, per-layer)")
     torch.backends.cuda.matmul.allow_tf32 = False
     model = Model(torch, capi, max(prefixes))
+    model.prefix_attention = args.prefix_attention
     limit = measure_h2d_limit(torch)
     name = torch.cuda.get_device_name(0)
     print(f"# bench_ttft on {name}, {time.strftime('%Y-%m-%d')}; contiguous pinned H2D limit {limit:.1f} GB/s",
@@ -255,31 +327,42 @@ def main(argv: Optional[list[str]] = None) -> int:
                 t_re = timed(lambda: model.forward(x_all, 0), reps)
                 model.fill_device_prefix(blocks)
                 t_dev = timed(lambda: model.forward(x_new, prefix), reps)
+                syncs = count_syncs(torch, lambda: model.forward(x_new, prefix)) if args.sync_check else None
                 row: dict[str, Any] = {"prefix": prefix, "new": new, "kv_bytes": kv_bytes, "recompute_ms": t_re,
                                        "device_hit_ms": t_dev, "h2d_limit_GBps": limit,
-                                       "pcie_floor_ms": kv_bytes / limit / 1e6, "host_hit": {}}
+                                       "pcie_floor_ms": kv_bytes / limit / 1e6, "host_hit": {},
+                                       "device_hit_syncs": syncs}
                 floor = max(t_dev, row["pcie_floor_ms"])
                 row["floor_ms"] = floor
-                for path in paths:
+                for path, loader in [(pa, lo) for lo in loaders for pa in paths]:
+                    key = f"{loader}/{path}"
 
                     def host_hit() -> None:
-                        events, recorded, th = model.start_load(blocks, path)
+                        events, ready, th = model.start_load(blocks, path, loader)
 
                         def wait(l: int) -> None:
-                            recorded[l].wait()
+                            ready(l)
                             compute.wait_event(events[l])
 
                         model.forward(x_new, prefix, wait)
                         th.join()
 
                     t_host = timed(host_hit, reps)
+
+                    def load_alone() -> None:
+                        events, _, th = model.start_load(blocks, path, loader)
+                        th.join()
+                        compute.wait_event(events[-1])
+
+                    t_load = timed(load_alone, reps)
                     used = sorted(set(model.used_paths))
                     model.used_paths.clear()
-                    row["host_hit"][path] = {"ms": t_host, "ratio_to_floor": t_host / floor,
+                    row["host_hit"][key] = {"ms": t_host, "load_alone_ms": t_load, "ratio_to_floor": t_host / floor,
                                              "ratio_to_recompute": t_host / t_re, "paths_used": used}
                     print(f"prefix {prefix:>6} new {new:>5}: recompute {t_re:8.2f} ms  device hit {t_dev:7.2f} ms  "
-                          f"PCIe floor {row['pcie_floor_ms']:6.2f} ms  host hit [{path}] {t_host:7.2f} ms  "
-                          f"host/floor {t_host / floor:.3f}  host/recompute {t_host / t_re:.3f} used={used}",
+                          f"PCIe floor {row['pcie_floor_ms']:6.2f} ms  syncs {syncs}  host hit [{key}] {t_host:7.2f} ms  "
+                          f"host/floor {t_host / floor:.3f}  host/recompute {t_host / t_re:.3f} load alone {t_load:.2f} ms "
+                          f"used={used}",
                           flush=True)
                 rows.append(row)
     finally:
@@ -289,7 +372,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "h2d_limit_GBps": limit, "layers": LAYERS, "rows": rows}
     (out / "bench_ttft.json").write_text(json.dumps(report, indent=1))
-    print("| prefix + new | recompute ms | device hit ms | KV / H2D limit ms | host hit ms (path) | host / floor "
+    print("| prefix + new | recompute ms | device hit ms | KV / H2D limit ms | host hit ms (loader/path) | host / floor "
           "| host / recompute |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -194,9 +194,9 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "FDKV_STAGING_BYTES",
-            str(64 << 20),
+            str(256 << 20),
             "Staged copy path: bytes of the device staging ring, per device and direction "
-            "(allocated once, at the first staged copy; cut into chunks of up to 32 MiB).",
+            "(allocated once, at the first staged copy; cut into chunks of up to 64 MiB).",
             int_in(1 << 20),
         ),
         EnvVar(

@@ -93,7 +93,8 @@ COPY_PATHS: dict[str, int] = {
     "process": COPY_PATH_PROCESS, "auto": COPY_PATH_AUTO, "kernel": COPY_PATH_KERNEL, "dma": COPY_PATH_DMA,
     "staged": COPY_PATH_STAGED,
 }
-_ABI_VERSION = 4  # fdkv_abi_version() of libraries with error fields, recorded host sizes, read_files
+_ABI_VERSION = 5  # fdkv_abi_version() of libraries with error fields, recorded host sizes, read_files,
+# swap_layer_groups
 
 _BUILD_HINT = "run `bash build.sh` (CPU) or `bash build.sh gpu` (CUDA C ABI) from the repository root"
 
@@ -168,7 +169,9 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 def _is_int(value: Any) -> bool:
     """An integer that is not a bool (``True`` as a block id is a bug, not block 1)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    # NOTE: the exact-int test first: the ABC check costs ~1 us, and an all-layer call checks
+    # a few hundred pointers and sizes (host submit time, docs/benchmarks.md).
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def _ids_error(op: str, name: str) -> Callable[..., SwapOpError]:
@@ -253,6 +256,8 @@ def _int_arg(value: Any, op: str, name: str, bits: int = 64) -> int:
 
 def _ptr_arg(value: Any, op: str, name: str) -> int:
     """An address: an integer in ``[0, 2**64)`` (a negative one would wrap in ctypes)."""
+    if type(value) is int and 0 <= value < (1 << 64):
+        return value
     if _is_int(value) and 0 <= int(value) < (1 << 64):
         return int(value)
     raise SwapOpError(f"{op}: {name} = {value!r} is not an address (an integer in [0, 2**64))", op, name, None)
@@ -352,6 +357,19 @@ def _declare_abi(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = i32
         fn.argtypes = [ctypes.c_char_p] + swap_args
+    lib.fdkv_swap_layer_groups.restype = i32
+    lib.fdkv_swap_layer_groups.argtypes = [
+        ctypes.c_char_p, pp, _C_INT64_P, _C_INT64_P, i64,  # op, dev ptrs, dev blocks, block bytes, tensors
+        pp, i64, i64,                                      # host ptrs, host blocks, group size
+        _C_INT64_P, i64, _C_INT64_P, i64,                  # dev ids, count, host ids, count
+        i32, vp, pp, i64, vp, i32, i32,                    # mode, stream, events, count, progress, sync, path
+    ]
+    lib.fdkv_progress_create.restype = i32
+    lib.fdkv_progress_create.argtypes = [pp]
+    lib.fdkv_progress_destroy.restype = i32
+    lib.fdkv_progress_destroy.argtypes = [vp]
+    lib.fdkv_progress_wait.restype = i32
+    lib.fdkv_progress_wait.argtypes = [vp, i64, i64, _C_INT64_P]
     lib.fdkv_set_option.restype = i32
     lib.fdkv_set_option.argtypes = [ctypes.c_char_p, i64]
     lib.fdkv_get_option.restype = i32
@@ -381,7 +399,7 @@ class CApi:
         if version < _ABI_VERSION:
             raise OpsNotBuiltError(
                 f"{path} has C ABI version {version}, this package needs {_ABI_VERSION} "
-                f"(error fields, recorded host sizes, read_files); rebuild it: {_BUILD_HINT}"
+                f"(error fields, recorded host sizes, read_files, swap_layer_groups); rebuild it: {_BUILD_HINT}"
             )
         _declare_abi(lib)
         self.is_cuda: bool = bool(lib.fdkv_is_cuda())
@@ -533,34 +551,106 @@ class CApi:
         sync: bool,
         path: Union[int, str, None] = None,
     ) -> None:
+        args = self._swap_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, dev_ids,
+                               host_ids, mode, path)
+        keep, (dev_arr, nblk, bbytes, count, host_arr, nhost, d_ptr, d_n, h_ptr, h_n, mode_v, code) = args
+        rc = getattr(self._lib, entry)(
+            op.encode(), dev_arr, nblk, bbytes, count, host_arr, nhost, d_ptr, d_n, h_ptr, h_n, mode_v,
+            ctypes.c_void_p(_stream_handle(stream)), 1 if sync else 0, code,
+        )
+        del keep
+        self._check(rc)
+
+    def _swap_args(
+        self,
+        op: str,
+        dev_ptrs: Sequence[int],
+        num_dev_blocks: Union[int, Sequence[int]],
+        block_bytes: Union[int, Sequence[int]],
+        host_ptrs: Sequence[int],
+        num_host_blocks: int,
+        dev_ids: IdsLike,
+        host_ids: IdsLike,
+        mode: int,
+        path: Union[int, str, None],
+    ) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
+        """The C arguments every swap entry shares, checked and converted once (the first item
+        holds the id buffers alive until the call returns)."""
         code = copy_path_code(path, op)
-        count = len(dev_ptrs)
-        dev_arr = (ctypes.c_void_p * max(count, 1))(*[_ptr_arg(p, op, "dev_ptrs") for p in dev_ptrs])
+        if isinstance(dev_ptrs, TensorTable):
+            # Converted and checked when the table was made (the caller's layout is fixed).
+            count, dev_p, nblk, bbytes = dev_ptrs.count, dev_ptrs.dev_ptrs, dev_ptrs.num_blocks, dev_ptrs.block_bytes
+        else:
+            count = len(dev_ptrs)
+            dev_p = ctypes.cast((ctypes.c_void_p * max(count, 1))(*[_ptr_arg(p, op, "dev_ptrs") for p in dev_ptrs]),
+                                ctypes.POINTER(ctypes.c_void_p))
+            nblk = self._per_tensor(num_dev_blocks, count, op, "num_dev_blocks")
+            bbytes = self._per_tensor(block_bytes, count, op, "block_bytes")
         host_arr = (ctypes.c_void_p * max(len(host_ptrs), 1))(*[_ptr_arg(p, op, "host_ptrs") for p in host_ptrs])
-        nblk = self._per_tensor(num_dev_blocks, count, op, "num_dev_blocks")
-        bbytes = self._per_tensor(block_bytes, count, op, "block_bytes")
         num_host_blocks = _int_arg(num_host_blocks, op, "num_host_blocks")
         mode = _int_arg(mode, op, "mode", 32)
         d_keep, d_ptr, d_n = self._ids(dev_ids, op, "dev_ids")
         h_keep, h_ptr, h_n = self._ids(host_ids, op, "host_ids")
-        rc = getattr(self._lib, entry)(
-            op.encode(),
-            ctypes.cast(dev_arr, ctypes.POINTER(ctypes.c_void_p)),
-            nblk,
-            bbytes,
-            count,
-            ctypes.cast(host_arr, ctypes.POINTER(ctypes.c_void_p)),
-            num_host_blocks,
-            d_ptr,
-            d_n,
-            h_ptr,
-            h_n,
-            mode,
-            ctypes.c_void_p(_stream_handle(stream)),
-            1 if sync else 0,
-            code,
+        return (d_keep, h_keep), (
+            dev_p, nblk, bbytes, count,
+            ctypes.cast(host_arr, ctypes.POINTER(ctypes.c_void_p)), num_host_blocks, d_ptr, d_n, h_ptr, h_n, mode, code,
         )
-        del d_keep, h_keep
+
+    def group_progress(self) -> "GroupProgress":
+        """A progress object for one :meth:`swap_layer_groups` call."""
+        return GroupProgress(self)
+
+    def swap_layer_groups(
+        self,
+        dev_ptrs: Sequence[int],
+        host_ptrs: Sequence[int],
+        group_size: int,
+        num_dev_blocks: Union[int, Sequence[int]],
+        block_bytes: Union[int, Sequence[int]],
+        num_host_blocks: int,
+        dev_ids: IdsLike,
+        host_ids: IdsLike,
+        mode: int,
+        stream: StreamLike = 0,
+        events: Optional[Sequence[int]] = None,
+        sync: bool = False,
+        path: Union[int, str, None] = None,
+        progress: Optional["GroupProgress"] = None,
+    ) -> None:
+        """Layer-by-layer copies in one call: tensors ``[g * group_size, (g + 1) * group_size)``
+        are group (layer) g, every tensor moves the same ids, and ``events[g]`` (a
+        ``cudaEvent_t`` handle as an int, e.g. ``cupy.cuda.Event().ptr``; 0 for none) is
+        recorded on ``stream`` right after group g's copies.
+
+        Why: a layer-by-layer load issued from Python pays ctypes, argument checks and the
+        GIL once per layer; a loader thread that shares the GIL with the forward pass's
+        launches falls behind the link (docs/ops.md, "Layer groups").  Here the GIL is
+        released once for the whole stack.  Everything is checked before the first copy; a
+        CUDA failure in group g names it (earlier groups stay enqueued, later ones are not).
+        The CPU build takes no events (pass None).  ``progress`` (from :meth:`group_progress`)
+        lets another thread wait until group g's event is recorded before it waits on it.
+        """
+        op = "swap_layer_groups"
+        if len(host_ptrs) != len(dev_ptrs):
+            raise SwapOpError(
+                f"{op}: host_ptrs has {len(host_ptrs)} entries but dev_ptrs has {len(dev_ptrs)}", op, "host_ptrs", None,
+            )
+        group_size = _int_arg(group_size, op, "group_size")
+        keep, (dev_arr, nblk, bbytes, count, host_arr, nhost, d_ptr, d_n, h_ptr, h_n, mode_v, code) = self._swap_args(
+            op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, dev_ids, host_ids, mode, path
+        )
+        if events is None:
+            ev_arr, ev_n = None, 0
+        else:
+            ev_list = [_ptr_arg(e, op, "events") for e in events]
+            ev_arr = ctypes.cast((ctypes.c_void_p * max(len(ev_list), 1))(*ev_list), ctypes.POINTER(ctypes.c_void_p))
+            ev_n = len(ev_list)
+        rc = self._lib.fdkv_swap_layer_groups(
+            op.encode(), dev_arr, nblk, bbytes, count, host_arr, nhost, group_size, d_ptr, d_n, h_ptr, h_n, mode_v,
+            ctypes.c_void_p(_stream_handle(stream)), ev_arr, ev_n,
+            None if progress is None else progress.handle, 1 if sync else 0, code,
+        )
+        del keep
         self._check(rc)
 
     def swap_per_layer(
@@ -639,6 +729,64 @@ class CApi:
         """
         self._swap("fdkv_swap_layout", "swap_layout", dev_ptrs, num_dev_blocks, block_bytes,
                    [host_ptr], num_host_blocks, dev_ids, host_ids, mode, stream, sync, path)
+
+
+class TensorTable:
+    """Cache tensors' device addresses, block counts and block sizes as the C arrays a swap
+    passes, checked and converted once.  Pass it as ``dev_ptrs`` of
+    :meth:`CApi.swap_all_layers` / :meth:`CApi.swap_layer_groups` (their ``num_dev_blocks``
+    and ``block_bytes`` are then ignored).
+
+    Why: a worker's layout is fixed, and converting ~100 addresses and sizes on every
+    all-layer call cost more host time (with the GIL held) than the native submit itself.
+    The caller keeps the tensors alive for as long as it uses the table.
+    """
+
+    def __init__(self, dev_ptrs: Sequence[int], num_dev_blocks: Union[int, Sequence[int]],
+                 block_bytes: Union[int, Sequence[int]], op: str = "tensor_table") -> None:
+        self.count = len(dev_ptrs)
+        self._dev = (ctypes.c_void_p * max(self.count, 1))(*[_ptr_arg(p, op, "dev_ptrs") for p in dev_ptrs])
+        self.dev_ptrs = ctypes.cast(self._dev, ctypes.POINTER(ctypes.c_void_p))
+        self.num_blocks = CApi._per_tensor(num_dev_blocks, self.count, op, "num_dev_blocks")
+        self.block_bytes = CApi._per_tensor(block_bytes, self.count, op, "block_bytes")
+
+    def __len__(self) -> int:
+        return self.count
+
+
+class GroupProgress:
+    """How many groups of one :meth:`CApi.swap_layer_groups` call are enqueued (their copies
+    and event), for a thread that must wait on group g's event only once it is recorded.
+
+    Waits release the GIL (a ctypes call), so a launcher thread issuing the stack and a
+    forward pass waiting layer by layer never contend for it.  One object per call.
+    """
+
+    def __init__(self, capi: "CApi") -> None:
+        self._capi = capi
+        out = ctypes.c_void_p()
+        capi._check(capi._lib.fdkv_progress_create(ctypes.byref(out)))
+        self.handle: Optional[int] = out.value
+
+    def wait(self, at_least: int, timeout_s: float) -> int:
+        """Groups enqueued once ``at_least`` are (or the timeout passed); -1 if the call failed."""
+        if self.handle is None:
+            raise ValueError("GroupProgress.wait: the progress object is closed")
+        done = ctypes.c_int64(0)
+        self._capi._check(self._capi._lib.fdkv_progress_wait(
+            self.handle, int(at_least), max(0, int(timeout_s * 1e6)), ctypes.byref(done)))
+        return int(done.value)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self._capi._lib.fdkv_progress_destroy(self.handle)
+            self.handle = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 _capi_lock = threading.Lock()

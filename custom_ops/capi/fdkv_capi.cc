@@ -144,6 +144,43 @@ FDKV_API int fdkv_swap_layers(const char* op, void* const* dev_ptrs, const int64
   });
 }
 
+FDKV_API int fdkv_swap_layer_groups(const char* op, void* const* dev_ptrs, const int64_t* num_dev_blocks,
+                                    const int64_t* block_bytes, int64_t num_tensors, void* const* host_ptrs,
+                                    int64_t num_host_blocks, int64_t group_size, const int64_t* dev_ids,
+                                    int64_t num_dev_ids, const int64_t* host_ids, int64_t num_host_ids, int mode,
+                                    void* stream, void* const* events, int64_t num_events, void* progress,
+                                    int sync, int path) {
+  return Guard([&] {
+    const char* name = (op != nullptr && *op != '\0') ? op : "swap_layer_groups";
+    CheckArrays(name, num_tensors, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs);
+    std::vector<fdkv::TensorDesc> tensors = Tensors(dev_ptrs, num_dev_blocks, block_bytes, num_tensors);
+    std::vector<void*> hosts(host_ptrs, host_ptrs + num_tensors);
+    fdkv::ExecTarget target{fdkv::BuiltWithCuda(), stream, sync != 0, path};
+    fdkv::SwapLayerGroups(name, tensors, hosts, num_host_blocks, group_size,
+                          fdkv::IdSpan{dev_ids, num_dev_ids, "dev_ids"},
+                          fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, target, events, num_events,
+                          static_cast<fdkv::GroupProgress*>(progress), fdkv::CapiArgNames("host_ptrs"));
+  });
+}
+
+FDKV_API int fdkv_progress_create(void** out) {
+  if (out == nullptr) return FailInvalid(fdkv::InvalidArgument("progress_create", "out", -1, " is a null pointer"));
+  *out = nullptr;
+  return Guard([&] { *out = new fdkv::GroupProgress(); });
+}
+
+FDKV_API int fdkv_progress_destroy(void* progress) {
+  return Guard([&] { delete static_cast<fdkv::GroupProgress*>(progress); });
+}
+
+FDKV_API int fdkv_progress_wait(void* progress, int64_t at_least, int64_t timeout_us, int64_t* done) {
+  if (progress == nullptr) {
+    return FailInvalid(fdkv::InvalidArgument("progress_wait", "progress", -1, " is a null pointer"));
+  }
+  if (done == nullptr) return FailInvalid(fdkv::InvalidArgument("progress_wait", "done", -1, " is a null pointer"));
+  return Guard([&] { *done = static_cast<fdkv::GroupProgress*>(progress)->Wait(at_least, timeout_us); });
+}
+
 FDKV_API int fdkv_swap_layout(const char* op, void* const* dev_ptrs, const int64_t* num_dev_blocks,
                               const int64_t* block_bytes, int64_t num_tensors, void* const* host_ptr,
                               int64_t num_host_blocks, const int64_t* dev_ids, int64_t num_dev_ids,

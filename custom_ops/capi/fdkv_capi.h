@@ -32,9 +32,9 @@ FDKV_API int fdkv_host_free(void* ptr);
 
 // ABI version: 2 added the trailing `path` argument of the swap functions; 3 the error
 // fields (fdkv_last_error_fields, fdkv_clear_error), fdkv_parse_env, FDKV_ERR_NO_MEMORY and
-// num_host_blocks = -1 (the size fdkv_host_alloc recorded); 4 fdkv_read_files.  ops.py
+// num_host_blocks = -1 (the size fdkv_host_alloc recorded); 4 fdkv_read_files; 5 fdkv_swap_layer_groups.  ops.py
 // checks it, so a library built from older sources fails loudly instead of misbehaving.
-#define FDKV_ABI_VERSION 4
+#define FDKV_ABI_VERSION 5
 FDKV_API int fdkv_abi_version(void);
 
 // Tensor t's block dev_ids[i] <-> host_ptrs[t]'s block host_ids[i], every tensor.
@@ -51,6 +51,29 @@ FDKV_API int fdkv_swap_layers(const char* op, void* const* dev_ptrs, const int64
                               int64_t num_host_blocks, const int64_t* dev_ids, int64_t num_dev_ids,
                               const int64_t* host_ids, int64_t num_host_ids, int mode, void* stream,
                               int sync, int path);
+
+// Layer by layer in one call: the num_tensors tensors are groups of group_size consecutive
+// tensors (a layer's K, V, scales); each group moves the same ids as fdkv_swap_layers
+// would, and events[g] (a cudaEvent_t, or null) is recorded on `stream` right after group
+// g's copies.  events may be null with num_events 0; otherwise num_events must equal
+// num_tensors / group_size.  The CPU build takes no events.  All arguments are checked
+// before any copy; a CUDA failure names the group (earlier groups stay enqueued).
+// progress (from fdkv_progress_create, or null) advances to g + 1 once group g's copies and
+// event are enqueued, and is marked failed if the call fails: another thread waits on it
+// with fdkv_progress_wait before it waits on events[g] (an unrecorded event is no fence).
+FDKV_API int fdkv_swap_layer_groups(const char* op, void* const* dev_ptrs, const int64_t* num_dev_blocks,
+                                    const int64_t* block_bytes, int64_t num_tensors, void* const* host_ptrs,
+                                    int64_t num_host_blocks, int64_t group_size, const int64_t* dev_ids,
+                                    int64_t num_dev_ids, const int64_t* host_ids, int64_t num_host_ids, int mode,
+                                    void* stream, void* const* events, int64_t num_events, void* progress,
+                                    int sync, int path);
+
+// One progress object per fdkv_swap_layer_groups call.  fdkv_progress_wait blocks (up to
+// timeout_us) until at least `at_least` groups are enqueued or the call failed, then sets
+// *done to the groups enqueued, or -1 if the call failed.
+FDKV_API int fdkv_progress_create(void** out);
+FDKV_API int fdkv_progress_destroy(void* progress);
+FDKV_API int fdkv_progress_wait(void* progress, int64_t at_least, int64_t timeout_us, int64_t* done);
 
 // Block-major host buffer host_ptr[0]: host block h = [tensor 0 block | tensor 1 block | ...].
 FDKV_API int fdkv_swap_layout(const char* op, void* const* dev_ptrs, const int64_t* num_dev_blocks,

@@ -47,8 +47,8 @@ const OptionSpec kSpecs[kNumOptions] = {
     {"dma_slice_bytes", "FDKV_DMA_SLICE_BYTES", 16 << 20, 1, kInt64Max, false},
     {"kernel_tables", "FDKV_KERNEL_TABLES", 1, 0, 1, false},
     // Staged path (swap_staged.cu).  env "" = set_option only (no environment variable).
-    {"staging_bytes", "FDKV_STAGING_BYTES", 64 << 20, 1 << 20, kInt64Max, false},
-    {"staging_chunk_bytes", "", 32 << 20, 64 << 10, kInt64Max, false},
+    {"staging_bytes", "FDKV_STAGING_BYTES", 256 << 20, 1 << 20, kInt64Max, false},
+    {"staging_chunk_bytes", "", 64 << 20, 64 << 10, kInt64Max, false},
     {"staging_grid", "", 16, 1, 65535, false},
     {"staged_min_bytes", "", 64 << 10, 0, kInt64Max, false},
     // 1: the DMAs as one cudaMemcpyAsync each, 0: one cudaMemcpyBatchAsync per chunk (faster).
@@ -388,9 +388,13 @@ ArgNames CapiArgNames(const char* host_ptr) {
   return n;
 }
 
-void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
-                const std::vector<void*>& host_ptrs, int64_t num_host_blocks, IdSpan dev_ids,
-                IdSpan host_ids, int mode, const ExecTarget& target, const ArgNames& names) {
+namespace {
+
+// Checks a per-tensor swap's arguments (everything SwapLayers and SwapLayerGroups take in
+// common) and returns its lanes.  Throws before any byte moves.
+std::vector<LaneDesc> LayerLanes(const char* op, const std::vector<TensorDesc>& tensors,
+                                 const std::vector<void*>& host_ptrs, int64_t num_host_blocks, IdSpan dev_ids,
+                                 IdSpan host_ids, int mode, const ExecTarget& target, const ArgNames& names) {
   InitFromEnv(op);
   CheckTensors(op, tensors, names);
   if (host_ptrs.size() != tensors.size()) {
@@ -417,7 +421,86 @@ void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
     if (mode == kDeviceToHost) lanes.push_back(LaneDesc{dev, host, bb, bb, bb});
     else lanes.push_back(LaneDesc{host, dev, bb, bb, bb});
   }
+  return lanes;
+}
+
+}  // namespace
+
+void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
+                const std::vector<void*>& host_ptrs, int64_t num_host_blocks, IdSpan dev_ids,
+                IdSpan host_ids, int mode, const ExecTarget& target, const ArgNames& names) {
+  const std::vector<LaneDesc> lanes =
+      LayerLanes(op, tensors, host_ptrs, num_host_blocks, dev_ids, host_ids, mode, target, names);
   Execute(lanes, dev_ids, host_ids, mode, target);
+}
+
+namespace {
+
+void SwapLayerGroupsImpl(const char* op, const std::vector<TensorDesc>& tensors,
+                         const std::vector<void*>& host_ptrs, int64_t num_host_blocks, int64_t group_size,
+                         IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target,
+                         void* const* events, int64_t num_events, GroupProgress* progress,
+                         const ArgNames& names) {
+  if (group_size <= 0) Fail(op, "group_size", -1, " = " + std::to_string(group_size) + " must be > 0");
+  const int64_t num_tensors = static_cast<int64_t>(tensors.size());
+  if (num_tensors % group_size != 0) {
+    Fail(op, "group_size", -1, " = " + std::to_string(group_size) + " does not divide the " +
+                                   std::to_string(num_tensors) + " cache tensors into whole groups");
+  }
+  const int64_t num_groups = num_tensors / group_size;
+  if (events != nullptr) {
+    if (num_events != num_groups) {
+      Fail(op, "events", -1, " has " + std::to_string(num_events) + " entries but there are " +
+                                 std::to_string(num_groups) + " groups (one event per group)");
+    }
+    for (int64_t g = 0; g < num_events; ++g) {
+      if (events[g] != nullptr && !target.cuda) {
+        Fail(op, "events", g, " is an event, but this call runs on the CPU (a library built without CUDA): "
+                              "pass no events");
+      }
+    }
+  } else if (num_events != 0) {
+    Fail(op, "events", -1, " is a null pointer but num_events = " + std::to_string(num_events));
+  }
+  const std::vector<LaneDesc> lanes =
+      LayerLanes(op, tensors, host_ptrs, num_host_blocks, dev_ids, host_ids, mode, target, names);
+  ExecTarget each = target;
+  each.sync = false;
+  int paths = 0;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const std::vector<LaneDesc> group(lanes.begin() + g * group_size, lanes.begin() + (g + 1) * group_size);
+    try {
+      Execute(group, dev_ids, host_ids, mode, each);
+      paths |= t_last_path;
+#if FDKV_WITH_CUDA
+      if (events != nullptr && events[g] != nullptr) CudaEventRecord(events[g], target.stream);
+#endif
+      if (progress != nullptr) progress->Advance(g + 1);
+    } catch (const CudaFailure& e) {
+      t_last_path = paths;
+      // Groups before g are enqueued and their events recorded; g and later are not.
+      throw CudaFailure(std::string(op) + ": group " + std::to_string(g) + " of " + std::to_string(num_groups) +
+                        ": " + e.what());
+    }
+  }
+  t_last_path = paths;
+  if (target.cuda && target.sync) StreamSynchronize(target.stream);
+}
+
+}  // namespace
+
+void SwapLayerGroups(const char* op, const std::vector<TensorDesc>& tensors,
+                     const std::vector<void*>& host_ptrs, int64_t num_host_blocks, int64_t group_size,
+                     IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target,
+                     void* const* events, int64_t num_events, GroupProgress* progress,
+                     const ArgNames& names) {
+  try {
+    SwapLayerGroupsImpl(op, tensors, host_ptrs, num_host_blocks, group_size, dev_ids, host_ids, mode, target, events,
+                        num_events, progress, names);
+  } catch (...) {
+    if (progress != nullptr) progress->Fail();  // a waiter must not wait for groups that never come
+    throw;
+  }
 }
 
 void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* host_ptr,

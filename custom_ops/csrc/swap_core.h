@@ -11,8 +11,11 @@
 // CPU paths exist and "device" pointers are host memory.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -157,6 +160,56 @@ void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
                 IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target,
                 const ArgNames& names = ArgNames{});
 
+// How far a SwapLayerGroups call has got: the number of groups whose copies and event are
+// enqueued, for a consumer on another thread that must not wait on an event before it is
+// recorded (a wait on an unrecorded event is a no-op).  One object per call.
+class GroupProgress {
+ public:
+  void Advance(int64_t done) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = done;
+    }
+    cv_.notify_all();
+  }
+  void Fail() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      failed_ = true;
+    }
+    cv_.notify_all();
+  }
+  // Groups done, or -1 once the call failed; blocks until >= at_least, failure or timeout.
+  int64_t Wait(int64_t at_least, int64_t timeout_us) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::microseconds(timeout_us < 0 ? 0 : timeout_us),
+                 [&] { return failed_ || done_ >= at_least; });
+    return failed_ ? -1 : done_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t done_ = 0;
+  bool failed_ = false;
+};
+
+// Layer-by-layer copy in one call: `tensors` are num_groups groups of `group_size`
+// consecutive tensors (one layer's K, V and scale caches), every tensor moves the same ids,
+// and after group g's copies are enqueued an event is recorded on the stream
+// (events[g]; null: none).  Why one call: a per-layer loop from Python pays ctypes,
+// validation and the GIL per layer, and a loader thread that shares the GIL with the
+// forward pass's launches falls behind the link (docs/ops.md, "Layer groups").  Everything
+// is validated before the first byte moves; a CUDA failure in group g names the group.
+// `events` is null or holds num_events == num_groups entries (cudaEvent_t); a CPU target
+// takes no events.  Which paths ran: LastPath(), the union over the groups.  `progress`
+// (optional) advances after each group and fails if the call throws.
+void SwapLayerGroups(const char* op, const std::vector<TensorDesc>& tensors,
+                     const std::vector<void*>& host_ptrs, int64_t num_host_blocks, int64_t group_size,
+                     IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target,
+                     void* const* events, int64_t num_events, GroupProgress* progress = nullptr,
+                     const ArgNames& names = ArgNames{});
+
 // Block-major layout copy: host block h is one contiguous object holding every tensor's
 // block in tensor order: [h][t][block_bytes[t]].  num_host_blocks: as in SwapLayers.
 void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* host_ptr,
@@ -221,6 +274,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids,
 void CudaHostAlloc(void** ptr, size_t nbytes, unsigned flags);
 void CudaHostFree(void* ptr);
 void CudaStreamSynchronize(void* stream);
+void CudaEventRecord(void* event, void* stream);
 #endif
 
 }  // namespace fdkv

@@ -596,10 +596,18 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
       // runs).  A call must be >= 16 MiB: each chunk costs ~15-20 us of link time at the
       // DMA <-> kernel hand-offs, which a per-layer call of a few MiB cannot amortize
       // (measured on H100: docs/benchmarks.md, "Copy path v2").
+      // Larger copies (>= dma_min_bytes) go staged too once a call is all-layer sized (>= 64
+      // MiB): the DMA batch pays ~0.5-1 us of host time per copy (a 128 KiB all-layer call:
+      // 1.1-1.5 ms against 0.2-0.3 ms staged) and reached 0.94-0.95 one way and 0.87 both
+      // ways where staged reached 0.96-0.98 and 1.0 (docs/benchmarks.md, "Ring and chunk
+      // size").  Per-layer calls of big blocks stay on the DMA batch: each staged call pays
+      // its pipeline's fill and drain.
       const int64_t avg_seg = total_bytes / std::max<int64_t>(1, num_segs);
       constexpr int64_t kStagedMinCallBytes = 16 << 20;
-      if (avg_copy_bytes < opts.dma_min_bytes && avg_seg >= opts.staged_min_bytes && avg_seg >= 2 * avg_copy_bytes &&
-          total_bytes >= kStagedMinCallBytes && HostSideIsPinned(lanes, mode)) {
+      constexpr int64_t kStagedMinLargeCopyCallBytes = 64 << 20;
+      const int64_t min_call = avg_copy_bytes < opts.dma_min_bytes ? kStagedMinCallBytes : kStagedMinLargeCopyCallBytes;
+      if (avg_seg >= opts.staged_min_bytes && avg_seg >= 2 * avg_copy_bytes && total_bytes >= min_call &&
+          HostSideIsPinned(lanes, mode)) {
         path = kCopyStaged;
       } else {
         path = avg_copy_bytes >= opts.dma_min_bytes ? kCopyDma : kCopyKernel;
@@ -665,6 +673,10 @@ void CudaHostFree(void* ptr) { FDKV_CUDA_CHECK(cudaFreeHost(ptr)); }
 
 void CudaStreamSynchronize(void* stream) {
   FDKV_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+
+void CudaEventRecord(void* event, void* stream) {
+  FDKV_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
 }
 
 }  // namespace fdkv

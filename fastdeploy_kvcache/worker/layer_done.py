@@ -134,12 +134,25 @@ class LayerDoneCounter:
         self._error: Optional[str] = None
         self._failed_layer: int = -1
         self._cond = threading.Condition()
+        # A one-call layer stack (attach_layer_groups): its events, handed out as its
+        # progress says they are recorded.
+        self._group_events: Optional[list[Any]] = None
+        self._group_progress: Any = None
 
     # ------------------------------------------------------------------ producer side
     def set_layer_event(self, layer: int, event: Any) -> None:
         """Attach the event recorded after ``layer``'s copy (called by the transfer manager)."""
         with self._cond:
             self._events[layer] = event
+            self._cond.notify_all()
+
+    def attach_layer_groups(self, events: list[Any], progress: Any) -> None:
+        """The load goes through one native call (``swap_layer_groups``): ``events[l]`` is
+        recorded once ``progress`` reaches ``l + 1``.  Waits block on the progress object (the
+        GIL released) instead of this condition variable."""
+        with self._cond:
+            self._group_events = list(events)
+            self._group_progress = progress
             self._cond.notify_all()
 
     def fail(self, layer: int, error: str) -> None:
@@ -243,6 +256,21 @@ class LayerDoneCounter:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise LayerSwapTimeoutError(layer, self.task_id, timeout_s)
+                progress, events = self._group_progress, self._group_events
+                if progress is not None and events is not None:
+                    self._cond.release()
+                    try:
+                        done = progress.wait(layer + 1, remaining)
+                    finally:
+                        self._cond.acquire()
+                    if done < 0:
+                        # The call failed: the launcher records the error (fail()) next.
+                        self._group_progress = None
+                        continue
+                    for i in range(min(done, self.num_layers)):
+                        if self._events[i] is None:
+                            self._events[i] = events[i]
+                    continue
                 self._cond.wait(remaining)
             if self._error is not None:
                 # Even if this layer's copy landed, the task as a whole failed and the

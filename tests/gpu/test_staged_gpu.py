@@ -178,6 +178,8 @@ def test_staged_large_call_default_ring(cupy, capi, pinned, cuda_stream, options
         ("host_runs", 16 << 10, 64, ops.PATH_STAGED),  # 64 lanes x 20-block host run: 20 MiB
         ("host_runs", 16 << 10, 8, ops.PATH_KERNEL),   # the same runs in a 2.5 MiB call: too small
         ("scattered", 16 << 10, 16, ops.PATH_KERNEL),  # no host runs: the old size rule
+        ("host_runs", 128 << 10, 32, ops.PATH_STAGED),  # big blocks, an all-layer call: 80 MiB
+        ("host_runs", 128 << 10, 8, ops.PATH_DMA),      # the same blocks per layer (20 MiB): DMA batch
         ("scattered", 128 << 10, 2, ops.PATH_DMA),
         ("consecutive", 128 << 10, 2, ops.PATH_DMA),   # both sides run together: nothing to gain
     ],

@@ -65,6 +65,99 @@ def test_all_layers_mixed_block_sizes(capi_cpu: ops.CApi, pattern: str, mode: in
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+def test_layer_groups_move_every_group_like_swap_all_layers(capi_cpu: ops.CApi, pattern: str, mode: int) -> None:
+    """Three layers of K, V and a scale cache (12 B blocks) in one swap_layer_groups call."""
+    rng = np.random.default_rng(31 + mode)
+    dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, rng)[pattern]
+    sizes = [256, 256, 12] * 3
+    devs = [_rand((NUM_DEV, b), 40 + i) for i, b in enumerate(sizes)]
+    hosts = [_rand((NUM_HOST, b), 60 + i) for i, b in enumerate(sizes)]
+    want_devs, want_hosts = zip(*(expected_after_swap(d, h, dev_ids, host_ids, mode) for d, h in zip(devs, hosts)))
+    capi_cpu.swap_layer_groups([d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], 3, NUM_DEV, sizes,
+                               NUM_HOST, dev_ids, host_ids, mode, events=None)
+    for got, want in zip(devs + hosts, list(want_devs) + list(want_hosts)):
+        np.testing.assert_array_equal(got, want)
+    assert capi_cpu.last_path() == (ops.PATH_CPU if dev_ids else 0)
+
+
+@pytest.mark.parametrize(
+    "group_size, events, argument, index",
+    [
+        (4, None, "group_size", None),  # 6 tensors do not split into groups of 4
+        (0, None, "group_size", None),
+        (-2, None, "group_size", None),
+        (2, [0, 0], "events", None),  # 3 groups, 2 events
+        (2, [0, 123, 0], "events", 1),  # the CPU build records no events
+        (2, [0, -1, 0], "events", None),  # not an address
+    ],
+)
+def test_layer_groups_bad_groups_and_events_move_nothing(capi_cpu: ops.CApi, group_size, events, argument,
+                                                          index) -> None:
+    devs = [_rand((NUM_DEV, 64), 80 + i) for i in range(6)]
+    hosts = [np.zeros((NUM_HOST, 64), np.uint8) for _ in range(6)]
+    with pytest.raises(ops.SwapOpError) as err:
+        capi_cpu.swap_layer_groups([d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], group_size,
+                                   NUM_DEV, 64, NUM_HOST, [1, 2], [3, 4], ops.MODE_D2H, events=events)
+    assert (err.value.op, err.value.argument, err.value.index) == ("swap_layer_groups", argument, index)
+    assert not any(h.any() for h in hosts)
+
+
+def test_layer_groups_check_every_tensor_before_the_first_group(capi_cpu: ops.CApi) -> None:
+    """A device id out of range for the last layer's (smaller) device tensor fails the whole
+    call: the first layer is not copied either."""
+    devs = [_rand((NUM_DEV, 64), 90 + i) for i in range(4)]
+    hosts = [np.zeros((NUM_HOST, 64), np.uint8) for _ in range(4)]
+    with pytest.raises(ops.SwapOpError) as err:
+        capi_cpu.swap_layer_groups([d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], 2,
+                                   [NUM_DEV, NUM_DEV, NUM_DEV, 3], 64, NUM_HOST, [1, 5], [3, 4], ops.MODE_D2H)
+    assert err.value.argument == "dev_ids" and err.value.index == 1
+    assert not any(h.any() for h in hosts)
+
+
+def test_tensor_table_moves_what_the_lists_move(capi_cpu: ops.CApi) -> None:
+    """A TensorTable (addresses and sizes converted once) in place of dev_ptrs: the same
+    bytes move as with the lists; a bad entry is refused when the table is made."""
+    sizes = [256, 256, 12, 12]
+    devs = [_rand((NUM_DEV, b), 120 + i) for i, b in enumerate(sizes)]
+    hosts = [np.zeros((NUM_HOST, b), np.uint8) for b in sizes]
+    table = ops.TensorTable([d.ctypes.data for d in devs], NUM_DEV, sizes)
+    capi_cpu.swap_all_layers(table, [h.ctypes.data for h in hosts], 0, 0, NUM_HOST, [4, 7], [1, 2], ops.MODE_D2H)
+    for d, h in zip(devs, hosts):
+        np.testing.assert_array_equal(h[[1, 2]], d[[4, 7]])
+    capi_cpu.swap_layer_groups(table, [h.ctypes.data for h in hosts], 2, 0, 0, NUM_HOST, [5], [3], ops.MODE_D2H)
+    for d, h in zip(devs, hosts):
+        np.testing.assert_array_equal(h[3], d[5])
+    with pytest.raises(ops.SwapOpError) as err:
+        ops.TensorTable([devs[0].ctypes.data, -5], NUM_DEV, 256)
+    assert err.value.argument == "dev_ptrs"
+    with pytest.raises(ops.SwapOpError) as err:
+        ops.TensorTable([devs[0].ctypes.data], NUM_DEV, [256, 256])
+    assert err.value.argument == "block_bytes"
+
+
+def test_layer_group_progress_counts_groups_and_reports_failure(capi_cpu: ops.CApi) -> None:
+    """The progress object reaches the number of groups after a call, a wait for more times
+    out with the count so far, and a refused call marks it failed (-1) so no waiter hangs."""
+    devs = [_rand((NUM_DEV, 64), 100 + i) for i in range(6)]
+    hosts = [np.zeros((NUM_HOST, 64), np.uint8) for _ in range(6)]
+    args = ([d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], 2, NUM_DEV, 64, NUM_HOST, [1, 2], [3, 4],
+            ops.MODE_D2H)
+    progress = capi_cpu.group_progress()
+    assert progress.wait(1, 0.0) == 0  # nothing enqueued yet: the timeout passes at once
+    capi_cpu.swap_layer_groups(*args, progress=progress)
+    assert progress.wait(3, 5.0) == 3
+    assert progress.wait(4, 0.01) == 3  # never more than the groups there are
+    failed = capi_cpu.group_progress()
+    with pytest.raises(ops.SwapOpError):
+        capi_cpu.swap_layer_groups(*args[:6], [1, NUM_DEV], [3, 4], ops.MODE_D2H, progress=failed)
+    assert failed.wait(1, 5.0) == -1
+    failed.close()
+    with pytest.raises(ValueError, match="closed"):
+        failed.wait(1, 0.0)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
 def test_layout_gather_scatter_round_trip(capi_cpu: ops.CApi, pattern: str) -> None:
     """Gather into [block][tensor][bytes], check the layout, scatter into fresh tensors."""
     rng = np.random.default_rng(17)

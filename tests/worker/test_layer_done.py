@@ -176,3 +176,74 @@ def test_timeouts_must_be_finite_non_negative_numbers(backend, bad, error) -> No
         counter.synchronize_layer(0, timeout_s=bad)
     with pytest.raises(error, match=r"timeout_s must be a finite number of seconds >= 0"):
         counter.wait_all(timeout_s=bad)
+
+
+class _Progress:
+    """Stands in for ops.GroupProgress (tested on the C ABI in tests/ops): a count the test
+    advances, or -1 once the call "failed"."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.cond = threading.Condition()
+        self.waits = 0
+
+    def advance(self, done: int) -> None:
+        with self.cond:
+            self.done = done
+            self.cond.notify_all()
+
+    def wait(self, at_least: int, timeout_s: float) -> int:
+        self.waits += 1
+        with self.cond:
+            self.cond.wait_for(lambda: self.done < 0 or self.done >= at_least, timeout_s)
+            return self.done
+
+
+def test_layer_groups_hand_out_each_event_once_its_group_is_enqueued(backend) -> None:
+    """A one-call load (attach_layer_groups): a wait for layer 1 blocks until the call's
+    progress passes layer 1, then gets layer 1's event; layer 0's came with it."""
+    counter = LayerDoneCounter(task_id=3, num_layers=3, backend=backend, timeout_s=10)
+    events = [HostEvent(already_set=True) for _ in range(3)]
+    progress = _Progress()
+    counter.attach_layer_groups(events, progress)
+    got: list[object] = []
+    thread = threading.Thread(target=lambda: got.append(counter._event_for(1)))
+    thread.start()
+    progress.advance(1)
+    thread.join(0.05)
+    assert thread.is_alive() and got == []  # layer 1 is not enqueued yet
+    progress.advance(2)
+    thread.join(10)
+    assert got == [events[1]]
+    assert counter._event_for(0) is events[0]
+    assert counter._events[2] is None  # not handed out before its group is enqueued
+
+
+def test_layer_groups_failure_reaches_waiters(backend) -> None:
+    """The call failed (progress -1): the waiter waits for the launcher's fail() and raises."""
+    counter = LayerDoneCounter(task_id=4, num_layers=2, backend=backend, timeout_s=10)
+    progress = _Progress()
+    counter.attach_layer_groups([HostEvent(True), HostEvent(True)], progress)
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            counter.wait_for_layer(1)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    progress.advance(-1)
+    thread.join(0.05)
+    assert thread.is_alive()  # failed progress alone does not say why: wait for fail()
+    counter.fail(1, "CudaError: group 1 of 2: invalid resource handle")
+    thread.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], LayerSwapError)
+
+
+def test_layer_groups_wait_times_out(backend) -> None:
+    counter = LayerDoneCounter(task_id=5, num_layers=2, backend=backend, timeout_s=0.05)
+    counter.attach_layer_groups([HostEvent(True), HostEvent(True)], _Progress())
+    with pytest.raises(LayerSwapTimeoutError):
+        counter.wait_for_layer(0)

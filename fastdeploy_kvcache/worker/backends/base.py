@@ -159,6 +159,37 @@ class Backend(abc.ABC):
         """``ops.PATH_*`` bits of the calling thread's last :meth:`swap_blocks` (0: unknown)."""
         return 0
 
+    #: True where :meth:`swap_layer_groups` issues a whole layer stack in one native call.
+    has_layer_groups = False
+
+    def layer_group_handles(self, num_layers: int) -> tuple[list[Any], Any]:
+        """Fresh per-layer events and a progress object (``ops.GroupProgress``) for one
+        :meth:`swap_layer_groups` call (only where :attr:`has_layer_groups`)."""
+        raise NotImplementedError(f"the {type(self).__name__} backend has no native layer-group copy")
+
+    def swap_layer_groups(
+        self,
+        layer_arrays: Sequence[Sequence[Any]],
+        layer_ptrs: Sequence[Sequence[int]],
+        num_host_blocks: int,
+        device_ids: Any,
+        host_ids: Any,
+        direction: CopyDirection,
+        stream: Any,
+        events: Sequence[Any],
+        progress: Any,
+        path: Optional[int] = None,
+    ) -> None:
+        """Copy layer by layer in one native call, recording ``events[l]`` on ``stream`` right
+        after layer l's copies and advancing ``progress`` (only where :attr:`has_layer_groups`).
+
+        Why: the layer loop in Python costs ctypes, argument checks and a GIL hand-off per
+        layer, and a launcher thread that shares the GIL with the forward pass's launches
+        falls behind the link; one call releases the GIL once for the whole stack, and a
+        consumer waits on ``progress`` (GIL released too) before it waits on an event.
+        """
+        raise NotImplementedError(f"the {type(self).__name__} backend has no native layer-group copy")
+
 
 # ---------------------------------------------------------------------- host-thread streams
 class HostEvent:
@@ -415,3 +446,43 @@ class CapiCopies:
 
     def last_path(self) -> int:
         return self._capi.last_path()
+
+    def _new_events(self, count: int) -> list[Any]:
+        """``count`` unrecorded events with a ``ptr`` (the cudaEvent_t handle)."""
+        raise NotImplementedError
+
+    def layer_group_handles(self, num_layers: int) -> tuple[list[Any], Any]:
+        return self._new_events(num_layers), self._capi.group_progress()
+
+    def swap_layer_groups(
+        self,
+        layer_arrays: Sequence[Sequence[Any]],
+        layer_ptrs: Sequence[Sequence[int]],
+        num_host_blocks: int,
+        device_ids: Any,
+        host_ids: Any,
+        direction: CopyDirection,
+        stream: Any,
+        events: Sequence[Any],
+        progress: Any,
+        path: Optional[int] = None,
+    ) -> None:
+        group = len(layer_arrays[0]) if layer_arrays else 0
+        if any(len(a) != group for a in layer_arrays) or len(layer_ptrs) != len(layer_arrays):
+            raise ValueError("swap_layer_groups: every layer needs the same number of arrays and host buffers")
+        arrays = [a for layer in layer_arrays for a in layer]
+        self._capi.swap_layer_groups(
+            [self._device_ptr(a) for a in arrays],
+            [p for layer in layer_ptrs for p in layer],
+            group,
+            [a.shape[0] for a in arrays],
+            [a.nbytes // a.shape[0] for a in arrays],
+            num_host_blocks,
+            device_ids,
+            host_ids,
+            int(direction),
+            stream=self._stream_handle(stream),
+            events=[e.ptr for e in events],
+            path=path,
+            progress=progress,
+        )

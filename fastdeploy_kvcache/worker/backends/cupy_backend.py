@@ -96,6 +96,16 @@ class CupyBackend(CapiCopies, CudaBackend):
         with self._device:
             super().swap_blocks(*args, **kwargs)
 
+    has_layer_groups = True
+
+    def swap_layer_groups(self, *args: Any, **kwargs: Any) -> None:
+        with self._device:
+            super().swap_layer_groups(*args, **kwargs)
+
+    def _new_events(self, count: int) -> list[Any]:
+        with self._device:
+            return [self._cp.cuda.Event(block=False, disable_timing=True) for _ in range(count)]
+
     def _device_ptr(self, array: Any) -> int:
         return array.data.ptr
 

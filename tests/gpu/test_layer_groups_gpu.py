@@ -1,0 +1,99 @@
+"""``swap_layer_groups`` on CuPy memory: one call moves a layer stack group by group and
+records one event per group on the stream.  Checked: the bytes of every group on every
+path, that each group's event is recorded right behind that group's copies (a stream that
+waits on event g sees group g complete even while later groups are still in flight), bad
+event arguments, and a CUDA failure mid-stack naming its group.  Skipped off-GPU
+(conftest.py says what makes them run)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastdeploy_kvcache import ops
+from swap_reference import PATTERNS, expected_after_swap, id_patterns
+
+pytestmark = pytest.mark.gpu
+
+NUM_DEV, NUM_HOST = 24, 32
+LAYERS, GROUP = 4, 2  # 4 layers of K and V
+
+
+def _stack(cupy, pinned, block_bytes: int, seed: int):
+    rng = np.random.default_rng(seed)
+    devs = [cupy.asarray(rng.integers(0, 256, (NUM_DEV, block_bytes), dtype=np.uint8)) for _ in range(LAYERS * GROUP)]
+    hosts = [pinned(NUM_HOST * block_bytes).reshape(NUM_HOST, block_bytes) for _ in range(LAYERS * GROUP)]
+    return devs, hosts
+
+
+@pytest.mark.parametrize("path", ["kernel", "dma", "staged", "auto"])
+@pytest.mark.parametrize("block_bytes", [4096, 24, 256 << 10])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+def test_every_group_moves_like_swap_all_layers(cupy, capi, pinned, cuda_stream, path, block_bytes, pattern,
+                                                mode) -> None:
+    dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, np.random.default_rng(block_bytes + mode))[pattern]
+    devs, hosts = _stack(cupy, pinned, block_bytes, 7)
+    want = [expected_after_swap(cupy.asnumpy(d), h, dev_ids, host_ids, mode) for d, h in zip(devs, hosts)]
+    stream = cuda_stream()
+    events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(LAYERS)]
+    capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, NUM_DEV, block_bytes,
+                           NUM_HOST, dev_ids, host_ids, mode, stream=stream.ptr, events=[e.ptr for e in events],
+                           path=path)
+    used = capi.last_path()
+    stream.synchronize()
+    for d, h, (want_dev, want_host) in zip(devs, hosts, want):
+        np.testing.assert_array_equal(cupy.asnumpy(d), want_dev)
+        np.testing.assert_array_equal(h, want_host)
+    if dev_ids:
+        assert used != 0
+
+
+def test_each_event_covers_its_group_while_later_groups_still_run(cupy, capi, pinned, cuda_stream) -> None:
+    """Each group's event sits right behind that group's copies, not at the end of the call:
+    the events complete in group order and group 0's well before the last (16 MiB per
+    group); a reader stream that waits on event 0 sees all of group 0's blocks."""
+    bb = 1 << 20
+    n = 16
+    devs = [cupy.zeros((n, bb), dtype=np.uint8) for _ in range(LAYERS * GROUP)]
+    hosts = [pinned(n * bb).reshape(n, bb) for _ in range(LAYERS * GROUP)]
+    ids = np.arange(n, dtype=np.int64)
+    stream = cuda_stream()
+    events = [cupy.cuda.Event(block=False, disable_timing=False) for _ in range(LAYERS)]
+    start = cupy.cuda.Event(block=False, disable_timing=False)
+    start.record(stream)
+    progress = capi.group_progress()
+    capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, n, bb, n, ids, ids,
+                           ops.MODE_H2D, stream=stream.ptr, events=[e.ptr for e in events], path="dma",
+                           progress=progress)
+    assert progress.wait(LAYERS, 5.0) == LAYERS
+    reader = cuda_stream()
+    reader.wait_event(events[0])
+    with reader:
+        first = [d.copy() for d in devs[:GROUP]]
+    stream.synchronize()
+    reader.synchronize()
+    for got, h in zip(first, hosts[:GROUP]):
+        np.testing.assert_array_equal(cupy.asnumpy(got), h)
+    times = [cupy.cuda.get_elapsed_time(start, e) for e in events]
+    assert times == sorted(times), times  # recorded in group order on one stream
+    assert times[0] < times[-1] * 0.6, times  # group 0's event is not at the end of the call
+
+
+def test_bad_events_are_refused_before_any_copy(cupy, capi, pinned, cuda_stream) -> None:
+    devs, hosts = _stack(cupy, pinned, 4096, 3)
+    before = [h.copy() for h in hosts]
+    args = ([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, NUM_DEV, 4096, NUM_HOST, [0, 1],
+            [2, 3], ops.MODE_D2H)
+    with pytest.raises(ops.SwapOpError) as err:
+        capi.swap_layer_groups(*args, stream=cuda_stream().ptr, events=[0] * (LAYERS - 1))
+    assert err.value.argument == "events"
+    with pytest.raises(ops.SwapOpError) as err:
+        capi.swap_layer_groups(*args[:2], 3, *args[3:], stream=cuda_stream().ptr)
+    assert err.value.argument == "group_size"
+    with pytest.raises(ops.SwapOpError) as err:
+        capi.swap_layer_groups(*args, stream=cuda_stream().ptr, events=[-1] * LAYERS)
+    assert err.value.argument == "events"
+    cupy.cuda.runtime.deviceSynchronize()
+    for h, b in zip(hosts, before):
+        np.testing.assert_array_equal(h, b)
