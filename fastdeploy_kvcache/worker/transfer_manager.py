@@ -5,7 +5,9 @@ Two streams, created once and owned here:
 * the **output stream** runs device->host copies (write_back evictions and write-through
   backups), all layers in one op launch per task;
 * the **input stream** runs host->device loads, one launch per layer, with an event after each
-  layer so the forward pass can start layer ``i`` as soon as its blocks have landed.
+  layer so the forward pass can start layer ``i`` as soon as its blocks have landed (on
+  backends with ``has_layer_groups``, one native call for the whole stack that records
+  every layer's event itself).
 
 Neither stream synchronizes with the compute stream or with the other except through the
 events listed below, which implement the ordering rules of ``docs/architecture.md, worker side``:
@@ -171,6 +173,25 @@ class _Task:
 
 
 @dataclass
+class _LayoutTables:
+    """A layout's arrays as the backend takes them (``Backend.describe_arrays``), made once
+    per layout: an all-layer call has ~100 arrays, and reading their addresses on every
+    call cost more host time than the native submit it feeds (docs/benchmarks.md)."""
+
+    all_arrays: Sequence[Any]
+    all_host: list[int]
+    layers: list[Sequence[Any]]
+
+    @classmethod
+    def of(cls, layout: "CacheLayout", backend: Backend) -> "_LayoutTables":
+        return cls(
+            backend.describe_arrays([a for layer in layout.device for a in layer]),
+            [p for layer in layout.host for p in layer],
+            [backend.describe_arrays(layer) for layer in layout.device],
+        )
+
+
+@dataclass
 class _DirectionStats:
     tasks: int = 0
     blocks: int = 0
@@ -237,6 +258,7 @@ class TransferManager:
         self.input_stream = backend.create_stream()
         self.output_stream = backend.create_stream()
         self.layout: Optional[CacheLayout] = None
+        self._tables: Optional[_LayoutTables] = None
         self.fault_injector: Optional[FaultInjector] = None
         self._inflight: list[_Task] = []
         self._finished: list[CacheSwapMetadata] = []
@@ -263,6 +285,7 @@ class TransferManager:
             if self._inflight:
                 raise RuntimeError("cannot change the cache layout with copies in flight; drain() first")
             self.layout = layout
+            self._tables = None if layout is None else _LayoutTables.of(layout, self.backend)
 
     # ------------------------------------------------------------------ submit
     def submit(
@@ -398,11 +421,10 @@ class TransferManager:
             task.fail(error)
             self._finish(task)
             return task
-        layout = self.layout
-        assert layout is not None
+        layout, tables = self.layout, self._tables
+        assert layout is not None and tables is not None
         out = self.output_stream
-        arrays = [a for layer in layout.device for a in layer]
-        ptrs = [p for layer in layout.host for p in layer]
+        arrays, ptrs = tables.all_arrays, tables.all_host
         self._inflight.append(task)
 
         def run() -> None:
@@ -461,7 +483,8 @@ class TransferManager:
             task.fail(error)
             self._finish(task)
             return counter
-        assert layout is not None
+        tables = self._tables
+        assert layout is not None and tables is not None
         inp = self.input_stream
         dev_ids = self.backend.prepare_ids(meta.dst_block_ids)
         host_ids = self.backend.prepare_ids(meta.src_block_ids)
@@ -484,8 +507,8 @@ class TransferManager:
                     events, progress = self.backend.layer_group_handles(num_layers)
                     counter.attach_layer_groups(events, progress)
                     self.backend.swap_layer_groups(
-                        layout.device, layout.host, layout.num_host_blocks, dev_ids, host_ids,
-                        CopyDirection.HOST_TO_DEVICE, inp, events, progress, path=ops.COPY_PATH_PROCESS,
+                        tables.all_arrays, tables.all_host, len(layout.device[0]), layout.num_host_blocks, dev_ids,
+                        host_ids, CopyDirection.HOST_TO_DEVICE, inp, events, progress, path=ops.COPY_PATH_PROCESS,
                     )
                     task.paths |= self.backend.last_path()
                     for layer, event in enumerate(events):
@@ -494,7 +517,7 @@ class TransferManager:
                 for layer in range(num_layers):
                     if task.error is not None:
                         break  # an earlier layer failed: the task is void, the counter failed
-                    arrays, ptrs = layout.device[layer], layout.host[layer]
+                    arrays, ptrs = tables.layers[layer], layout.host[layer]
 
                     def run(layer: int = layer, arrays: Sequence[Any] = arrays, ptrs: Sequence[int] = ptrs) -> None:
                         if task.error is not None:

@@ -159,6 +159,12 @@ class Backend(abc.ABC):
         """``ops.PATH_*`` bits of the calling thread's last :meth:`swap_blocks` (0: unknown)."""
         return 0
 
+    def describe_arrays(self, arrays: Sequence[Any]) -> Sequence[Any]:
+        """What :meth:`swap_blocks` takes for ``arrays``, worked out once (the transfer manager
+        keeps one per layout): backends that pass raw pointers read them here, not on every
+        call (an all-layer call has ~100 arrays)."""
+        return tuple(arrays)
+
     #: True where :meth:`swap_layer_groups` issues a whole layer stack in one native call.
     has_layer_groups = False
 
@@ -169,8 +175,9 @@ class Backend(abc.ABC):
 
     def swap_layer_groups(
         self,
-        layer_arrays: Sequence[Sequence[Any]],
-        layer_ptrs: Sequence[Sequence[int]],
+        device_arrays: Sequence[Any],
+        host_ptrs: Sequence[int],
+        group_size: int,
         num_host_blocks: int,
         device_ids: Any,
         host_ids: Any,
@@ -180,8 +187,10 @@ class Backend(abc.ABC):
         progress: Any,
         path: Optional[int] = None,
     ) -> None:
-        """Copy layer by layer in one native call, recording ``events[l]`` on ``stream`` right
-        after layer l's copies and advancing ``progress`` (only where :attr:`has_layer_groups`).
+        """Copy layer by layer in one native call: ``device_arrays`` (as from
+        :meth:`describe_arrays`) and ``host_ptrs`` hold every layer's arrays in layer order,
+        ``group_size`` per layer; ``events[l]`` is recorded on ``stream`` right after layer
+        l's copies and ``progress`` advances (only where :attr:`has_layer_groups`).
 
         Why: the layer loop in Python costs ctypes, argument checks and a GIL hand-off per
         layer, and a launcher thread that shares the GIL with the forward pass's launches
@@ -419,6 +428,21 @@ class CapiCopies:
 
         return np.ascontiguousarray(ids, dtype=np.int64)
 
+    def describe_arrays(self, arrays: Sequence[Any]) -> "ArrayTable":
+        from fastdeploy_kvcache import ops
+
+        return ArrayTable(
+            tuple(arrays),
+            ops.TensorTable(
+                [self._device_ptr(a) for a in arrays],
+                [a.shape[0] for a in arrays],
+                [a.nbytes // a.shape[0] for a in arrays],
+            ),
+        )
+
+    def _table(self, device_arrays: Sequence[Any]) -> "ArrayTable":
+        return device_arrays if isinstance(device_arrays, ArrayTable) else self.describe_arrays(device_arrays)
+
     def swap_blocks(
         self,
         device_arrays: Sequence[Any],
@@ -430,11 +454,12 @@ class CapiCopies:
         stream: Any,
         path: Optional[int] = None,
     ) -> None:
+        table = self._table(device_arrays)
         self._capi.swap_all_layers(
-            [self._device_ptr(a) for a in device_arrays],
-            list(host_ptrs),
-            [a.shape[0] for a in device_arrays],
-            [a.nbytes // a.shape[0] for a in device_arrays],
+            table.tensors,
+            host_ptrs,
+            0,  # block counts and sizes: in the table
+            0,
             num_host_blocks,
             device_ids,
             host_ids,
@@ -456,8 +481,9 @@ class CapiCopies:
 
     def swap_layer_groups(
         self,
-        layer_arrays: Sequence[Sequence[Any]],
-        layer_ptrs: Sequence[Sequence[int]],
+        device_arrays: Sequence[Any],
+        host_ptrs: Sequence[int],
+        group_size: int,
         num_host_blocks: int,
         device_ids: Any,
         host_ids: Any,
@@ -467,16 +493,13 @@ class CapiCopies:
         progress: Any,
         path: Optional[int] = None,
     ) -> None:
-        group = len(layer_arrays[0]) if layer_arrays else 0
-        if any(len(a) != group for a in layer_arrays) or len(layer_ptrs) != len(layer_arrays):
-            raise ValueError("swap_layer_groups: every layer needs the same number of arrays and host buffers")
-        arrays = [a for layer in layer_arrays for a in layer]
+        table = self._table(device_arrays)
         self._capi.swap_layer_groups(
-            [self._device_ptr(a) for a in arrays],
-            [p for layer in layer_ptrs for p in layer],
-            group,
-            [a.shape[0] for a in arrays],
-            [a.nbytes // a.shape[0] for a in arrays],
+            table.tensors,
+            host_ptrs,
+            group_size,
+            0,  # block counts and sizes: in the table
+            0,
             num_host_blocks,
             device_ids,
             host_ids,
@@ -486,3 +509,16 @@ class CapiCopies:
             path=path,
             progress=progress,
         )
+
+
+class ArrayTable(tuple):
+    """Device arrays with their addresses, block counts and block sizes converted once into
+    the C ABI's arrays (:meth:`CapiCopies.describe_arrays`).  A tuple of the arrays, so it
+    also iterates as one; holding them keeps the addresses valid while the table lives."""
+
+    tensors: Any  # ops.TensorTable
+
+    def __new__(cls, arrays: tuple[Any, ...], tensors: Any) -> "ArrayTable":
+        table = super().__new__(cls, arrays)
+        table.tensors = tensors
+        return table
