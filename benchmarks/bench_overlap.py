@@ -41,7 +41,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastdeploy_kvcache.config import CacheConfig  # noqa: E402
-from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind  # noqa: E402
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection, TransferKind  # noqa: E402
 
 logger = logging.getLogger("bench_overlap")
 
@@ -397,8 +397,12 @@ def main() -> int:
         capi_evict_us = capi_call_us(all_dev, all_host, ev_dev, ev_host, 0, tm.output_stream, 4, d2h_code)
 
         # One all-layer eviction call on an idle GPU (the host submit figure): the
-        # whole call, and the part spent outside Python (the native submit, GIL released),
+        # call as the worker's launcher makes it (backend.swap_blocks on the layout's array
+        # table), and the part of it inside the C library (the native submit, GIL released),
         # per path; median of 5.
+        table = tm.backend.describe_arrays(all_dev)
+        ev_dev_p, ev_host_p = tm.backend.prepare_ids(evict_dev), tm.backend.prepare_ids(evict_host)
+
         def idle_call_us(p: int) -> tuple[float, float]:
             whole, native = [], []
             ptrs_c = [a.data.ptr for a in all_dev]
@@ -407,9 +411,8 @@ def main() -> int:
             for _ in range(6):
                 cp.cuda.runtime.deviceSynchronize()
                 t0 = time.perf_counter()
-                capi.swap_all_layers([a.data.ptr for a in all_dev], all_host, [a.shape[0] for a in all_dev],
-                                     [a.nbytes // a.shape[0] for a in all_dev], total_blocks, ev_dev, ev_host, 0,
-                                     stream=tm.output_stream.ptr, path=p)
+                tm.backend.swap_blocks(table, all_host, total_blocks, ev_dev_p, ev_host_p, CopyDirection.DEVICE_TO_HOST,
+                                       tm.output_stream, path=p)
                 t1 = time.perf_counter()
                 cp.cuda.runtime.deviceSynchronize()
                 keep, cargs = capi._swap_args("bench", ptrs_c, nblk_c, bb_c, all_host, total_blocks, ev_dev, ev_host,

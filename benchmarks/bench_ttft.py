@@ -90,8 +90,6 @@ class Model:
             ctypes.memmove(ptr, src_cpu.data_ptr(), self.nblocks * self.block_bytes)
         self.prefix_src = src
         self.used_paths: list[int] = []  # last_path() of the loader thread's calls
-        self._masks: dict[tuple[int, int], Any] = {}  # lower-right causal masks by (tq, tk)
-        self.prefix_attention = "mask"  # or "torch-bias" (--prefix-attention)
         self.load_stream = torch.cuda.Stream()
 
     def close(self) -> None:
@@ -106,40 +104,24 @@ class Model:
 
     # ------------------------------------------------------------------ compute
     def attention(self, q: Any, k: Any, v: Any, tq: int, tk: int) -> Any:
-        """q [1, 32, tq, 128]; k, v [1, 8, tk, 128]; causal, aligned to the last key.
-
-        NOTE: new tokens after a prefix use a boolean lower-right causal mask made once per
-        shape on the device and K/V expanded to the query heads, not torch's
-        ``causal_lower_right`` bias: with grouped heads that path fell back to code that
-        synchronized the host with the GPU in every layer (``--sync-check`` counts such
-        synchronizations), which turned the load/compute overlap of a host hit into a
-        serial chain and measured the benchmark, not the cache."""
+        """q [1, 32, tq, 128]; k, v [1, 8, tk, 128]; causal, aligned to the last key."""
         torch = self.torch
         F = torch.nn.functional
         if tq == tk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if tq == 1:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        if self.prefix_attention == "torch-bias":  # torch's own lower-right causal bias
-            from torch.nn.attention.bias import causal_lower_right
+        from torch.nn.attention.bias import causal_lower_right
 
-            bias = causal_lower_right(tq, tk)
-            try:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
-            except (TypeError, RuntimeError):
-                rep = Q_HEADS // KV_HEADS
-                return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                                      attn_mask=bias)
-        mask = self._masks.get((tq, tk))
-        if mask is None:
-            mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
-            self._masks[(tq, tk)] = mask
-        rep = Q_HEADS // KV_HEADS
-        k = k[:, :, None].expand(1, KV_HEADS, rep, tk, HEAD_DIM).reshape(1, Q_HEADS, tk, HEAD_DIM)
-        v = v[:, :, None].expand(1, KV_HEADS, rep, tk, HEAD_DIM).reshape(1, Q_HEADS, tk, HEAD_DIM)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        bias = causal_lower_right(tq, tk)
+        try:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+        except (TypeError, RuntimeError):
+            rep = Q_HEADS // KV_HEADS
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                  attn_mask=bias)
 
-    def forward(self, x: Any, prefix: int, wait: Optional[Any] = None) -> Any:
+    def forward(self, x: Any, prefix: int, wait: Optional[Any] = None, marks: Optional[list[Any]] = None) -> Any:
         """x [T, 4096]: T new tokens after `prefix` cached tokens (prefix 0: recompute)."""
         torch = self.torch
         F = torch.nn.functional
@@ -167,10 +149,14 @@ class Model:
             h = F.rms_norm(x, (HIDDEN,), self.norm)
             gu = h @ self.w_gu
             x = x + (F.silu(gu[:, :MLP]) * gu[:, MLP:]) @ self.w_down
+            if marks is not None:  # --timeline: when layer l's compute ended
+                mark = torch.cuda.Event(enable_timing=True)
+                mark.record()
+                marks.append(mark)
         return x[-1:]
 
     # ------------------------------------------------------------------ host hit
-    def start_load(self, blocks: int, path: Any, loader: str = "groups"
+    def start_load(self, blocks: int, path: Any, loader: str = "groups", timing: bool = False
                    ) -> tuple[list[Any], Callable[[int], Any], threading.Thread]:
         """Loader thread on the load stream, then each layer's event; returns the events and a
         ``ready(l)`` that blocks until layer l's event is recorded, which the compute side
@@ -181,7 +167,7 @@ class Model:
         one ``swap_layer_groups`` call that records every layer's event natively (what the
         worker's CuPy backend does)."""
         torch = self.torch
-        events = [torch.cuda.Event() for _ in range(LAYERS)]
+        events = [torch.cuda.Event(enable_timing=timing) for _ in range(LAYERS)]
         recorded = [threading.Event() for _ in range(LAYERS)]
         dev_ids = self.dev_ids[:blocks]
         host_ids = np.arange(blocks, dtype=np.int64)
@@ -221,6 +207,27 @@ class Model:
         th = threading.Thread(target=run)
         th.start()
         return events, (lambda l: recorded[l].wait()), th
+
+
+def layer_timeline(torch: Any, model: "Model", compute: Any, x: Any, prefix: int, blocks: int, path: Any,
+                   loader: str) -> dict[str, list[float]]:
+    """One host hit with timing events: when each layer's load landed and when its compute
+    ended, in ms from the step's start on the compute stream (``--timeline``)."""
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    start.record(compute)
+    events, ready, th = model.start_load(blocks, path, loader, timing=True)
+    marks: list[Any] = []
+
+    def wait(l: int) -> None:
+        ready(l)
+        compute.wait_event(events[l])
+
+    model.forward(x, prefix, wait, marks)
+    th.join()
+    torch.cuda.synchronize()
+    return {"load_done_ms": [start.elapsed_time(e) for e in events],
+            "compute_done_ms": [start.elapsed_time(m) for m in marks]}
 
 
 def count_syncs(torch: Any, fn: Callable[[], Any]) -> int:
@@ -266,8 +273,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="how the host-hit load is issued: groups (one swap_layer_groups call for the stack, "
                         "the worker's way) and/or per-layer (one Python call per layer)")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--prefix-attention", default="mask", choices=["mask", "torch-bias"],
-                   help="attention of new tokens after a prefix: a device mask (default) or torch's causal_lower_right")
+    p.add_argument("--timeline", action="store_true",
+                   help="record when each layer's load landed and its compute ended (one extra host hit per row)")
     p.add_argument("--sync-check", action="store_true",
                    help="count host<->GPU synchronizations in one forward of each kind (torch sync debug mode)")
     p.add_argument("--out", default=os.environ.get("OUT") or "build/bench")
@@ -294,7 +301,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--loaders: {', '.join(bad)} is not a loader (groups, per-layer)")
     torch.backends.cuda.matmul.allow_tf32 = False
     model = Model(torch, capi, max(prefixes))
-    model.prefix_attention = args.prefix_attention
     limit = measure_h2d_limit(torch)
     name = torch.cuda.get_device_name(0)
     print(f"# bench_ttft on {name}, {time.strftime('%Y-%m-%d')}; contiguous pinned H2D limit {limit:.1f} GB/s",
@@ -355,9 +361,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                         compute.wait_event(events[-1])
 
                     t_load = timed(load_alone, reps)
+                    timeline = None
+                    if args.timeline:
+                        timeline = layer_timeline(torch, model, compute, x_new, prefix, blocks, path, loader)
                     used = sorted(set(model.used_paths))
                     model.used_paths.clear()
-                    row["host_hit"][key] = {"ms": t_host, "load_alone_ms": t_load, "ratio_to_floor": t_host / floor,
+                    row["host_hit"][key] = {"ms": t_host, "load_alone_ms": t_load, "timeline": timeline, "ratio_to_floor": t_host / floor,
                                              "ratio_to_recompute": t_host / t_re, "paths_used": used}
                     print(f"prefix {prefix:>6} new {new:>5}: recompute {t_re:8.2f} ms  device hit {t_dev:7.2f} ms  "
                           f"PCIe floor {row['pcie_floor_ms']:6.2f} ms  syncs {syncs}  host hit [{key}] {t_host:7.2f} ms  "
