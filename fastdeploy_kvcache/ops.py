@@ -539,10 +539,10 @@ class CApi:
         self,
         entry: str,
         op: str,
-        dev_ptrs: Sequence[int],
+        dev_ptrs: Union[Sequence[int], "TensorTable"],
         num_dev_blocks: Union[int, Sequence[int]],
         block_bytes: Union[int, Sequence[int]],
-        host_ptrs: Sequence[int],
+        host_ptrs: Optional[Sequence[int]],
         num_host_blocks: int,
         dev_ids: IdsLike,
         host_ids: IdsLike,
@@ -564,10 +564,10 @@ class CApi:
     def _swap_args(
         self,
         op: str,
-        dev_ptrs: Sequence[int],
+        dev_ptrs: Union[Sequence[int], "TensorTable"],
         num_dev_blocks: Union[int, Sequence[int]],
         block_bytes: Union[int, Sequence[int]],
-        host_ptrs: Sequence[int],
+        host_ptrs: Optional[Sequence[int]],
         num_host_blocks: int,
         dev_ids: IdsLike,
         host_ids: IdsLike,
@@ -586,14 +586,21 @@ class CApi:
                                 ctypes.POINTER(ctypes.c_void_p))
             nblk = self._per_tensor(num_dev_blocks, count, op, "num_dev_blocks")
             bbytes = self._per_tensor(block_bytes, count, op, "block_bytes")
-        host_arr = (ctypes.c_void_p * max(len(host_ptrs), 1))(*[_ptr_arg(p, op, "host_ptrs") for p in host_ptrs])
+        if host_ptrs is None:
+            if not isinstance(dev_ptrs, TensorTable) or dev_ptrs.host_ptrs is None:
+                raise SwapOpError(f"{op}: host_ptrs is None, and dev_ptrs is not a TensorTable made with host_ptrs",
+                                  op, "host_ptrs", None)
+            host_p = dev_ptrs.host_ptrs
+        else:
+            host_p = ctypes.cast(
+                (ctypes.c_void_p * max(len(host_ptrs), 1))(*[_ptr_arg(p, op, "host_ptrs") for p in host_ptrs]),
+                ctypes.POINTER(ctypes.c_void_p))
         num_host_blocks = _int_arg(num_host_blocks, op, "num_host_blocks")
         mode = _int_arg(mode, op, "mode", 32)
         d_keep, d_ptr, d_n = self._ids(dev_ids, op, "dev_ids")
         h_keep, h_ptr, h_n = self._ids(host_ids, op, "host_ids")
         return (d_keep, h_keep), (
-            dev_p, nblk, bbytes, count,
-            ctypes.cast(host_arr, ctypes.POINTER(ctypes.c_void_p)), num_host_blocks, d_ptr, d_n, h_ptr, h_n, mode, code,
+            dev_p, nblk, bbytes, count, host_p, num_host_blocks, d_ptr, d_n, h_ptr, h_n, mode, code,
         )
 
     def group_progress(self) -> "GroupProgress":
@@ -602,8 +609,8 @@ class CApi:
 
     def swap_layer_groups(
         self,
-        dev_ptrs: Sequence[int],
-        host_ptrs: Sequence[int],
+        dev_ptrs: Union[Sequence[int], "TensorTable"],
+        host_ptrs: Optional[Sequence[int]],
         group_size: int,
         num_dev_blocks: Union[int, Sequence[int]],
         block_bytes: Union[int, Sequence[int]],
@@ -631,7 +638,7 @@ class CApi:
         lets another thread wait until group g's event is recorded before it waits on it.
         """
         op = "swap_layer_groups"
-        if len(host_ptrs) != len(dev_ptrs):
+        if host_ptrs is not None and len(host_ptrs) != len(dev_ptrs):
             raise SwapOpError(
                 f"{op}: host_ptrs has {len(host_ptrs)} entries but dev_ptrs has {len(dev_ptrs)}", op, "host_ptrs", None,
             )
@@ -681,8 +688,8 @@ class CApi:
 
     def swap_all_layers(
         self,
-        dev_ptrs: Sequence[int],
-        host_ptrs: Sequence[int],
+        dev_ptrs: Union[Sequence[int], "TensorTable"],
+        host_ptrs: Optional[Sequence[int]],
         num_dev_blocks: Union[int, Sequence[int]],
         block_bytes: Union[int, Sequence[int]],
         num_host_blocks: int,
@@ -700,7 +707,7 @@ class CApi:
         per tensor, so K/V caches and their scale caches can go in one call.  ``path``: as
         in :meth:`swap_per_layer`.
         """
-        if len(host_ptrs) != len(dev_ptrs):
+        if host_ptrs is not None and len(host_ptrs) != len(dev_ptrs):
             raise SwapOpError(
                 f"swap_all_layers: host_ptrs has {len(host_ptrs)} entries but dev_ptrs has {len(dev_ptrs)}",
                 "swap_all_layers", "host_ptrs", None,
@@ -735,7 +742,8 @@ class TensorTable:
     """Cache tensors' device addresses, block counts and block sizes as the C arrays a swap
     passes, checked and converted once.  Pass it as ``dev_ptrs`` of
     :meth:`CApi.swap_all_layers` / :meth:`CApi.swap_layer_groups` (their ``num_dev_blocks``
-    and ``block_bytes`` are then ignored).
+    and ``block_bytes`` are then ignored; with ``host_ptrs`` in the table, pass
+    ``host_ptrs=None`` to the swap).
 
     Why: a worker's layout is fixed, and converting ~100 addresses and sizes on every
     all-layer call cost more host time (with the GIL held) than the native submit itself.
@@ -743,12 +751,21 @@ class TensorTable:
     """
 
     def __init__(self, dev_ptrs: Sequence[int], num_dev_blocks: Union[int, Sequence[int]],
-                 block_bytes: Union[int, Sequence[int]], op: str = "tensor_table") -> None:
+                 block_bytes: Union[int, Sequence[int]], host_ptrs: Optional[Sequence[int]] = None,
+                 op: str = "tensor_table") -> None:
         self.count = len(dev_ptrs)
         self._dev = (ctypes.c_void_p * max(self.count, 1))(*[_ptr_arg(p, op, "dev_ptrs") for p in dev_ptrs])
         self.dev_ptrs = ctypes.cast(self._dev, ctypes.POINTER(ctypes.c_void_p))
         self.num_blocks = CApi._per_tensor(num_dev_blocks, self.count, op, "num_dev_blocks")
         self.block_bytes = CApi._per_tensor(block_bytes, self.count, op, "block_bytes")
+        # Optional: the tensors' host buffers too.  A swap given host_ptrs=None uses them.
+        self.host_ptrs: Optional[Any] = None
+        if host_ptrs is not None:
+            if len(host_ptrs) != self.count:
+                raise SwapOpError(f"{op}: host_ptrs has {len(host_ptrs)} entries but dev_ptrs has {self.count}", op,
+                                  "host_ptrs", None)
+            self._host = (ctypes.c_void_p * max(self.count, 1))(*[_ptr_arg(p, op, "host_ptrs") for p in host_ptrs])
+            self.host_ptrs = ctypes.cast(self._host, ctypes.POINTER(ctypes.c_void_p))
 
     def __len__(self) -> int:
         return self.count

@@ -184,10 +184,11 @@ class _LayoutTables:
 
     @classmethod
     def of(cls, layout: "CacheLayout", backend: Backend) -> "_LayoutTables":
+        all_host = [p for layer in layout.host for p in layer]
         return cls(
-            backend.describe_arrays([a for layer in layout.device for a in layer]),
-            [p for layer in layout.host for p in layer],
-            [backend.describe_arrays(layer) for layer in layout.device],
+            backend.describe_arrays([a for layer in layout.device for a in layer], all_host),
+            all_host,
+            [backend.describe_arrays(layer, host) for layer, host in zip(layout.device, layout.host)],
         )
 
 

@@ -128,9 +128,19 @@ def test_tensor_table_moves_what_the_lists_move(capi_cpu: ops.CApi) -> None:
     capi_cpu.swap_layer_groups(table, [h.ctypes.data for h in hosts], 2, 0, 0, NUM_HOST, [5], [3], ops.MODE_D2H)
     for d, h in zip(devs, hosts):
         np.testing.assert_array_equal(h[3], d[5])
+    with_hosts = ops.TensorTable([d.ctypes.data for d in devs], NUM_DEV, sizes, [h.ctypes.data for h in hosts])
+    capi_cpu.swap_all_layers(with_hosts, None, 0, 0, NUM_HOST, [9], [0], ops.MODE_D2H)
+    for d, h in zip(devs, hosts):
+        np.testing.assert_array_equal(h[0], d[9])
+    with pytest.raises(ops.SwapOpError) as err:  # no host buffers anywhere
+        capi_cpu.swap_all_layers(table, None, 0, 0, NUM_HOST, [9], [0], ops.MODE_D2H)
+    assert err.value.argument == "host_ptrs"
     with pytest.raises(ops.SwapOpError) as err:
         ops.TensorTable([devs[0].ctypes.data, -5], NUM_DEV, 256)
     assert err.value.argument == "dev_ptrs"
+    with pytest.raises(ops.SwapOpError) as err:
+        ops.TensorTable([devs[0].ctypes.data], NUM_DEV, 256, [hosts[0].ctypes.data] * 2)
+    assert err.value.argument == "host_ptrs"
     with pytest.raises(ops.SwapOpError) as err:
         ops.TensorTable([devs[0].ctypes.data], NUM_DEV, [256, 256])
     assert err.value.argument == "block_bytes"

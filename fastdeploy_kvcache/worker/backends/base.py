@@ -159,10 +159,12 @@ class Backend(abc.ABC):
         """``ops.PATH_*`` bits of the calling thread's last :meth:`swap_blocks` (0: unknown)."""
         return 0
 
-    def describe_arrays(self, arrays: Sequence[Any]) -> Sequence[Any]:
+    def describe_arrays(self, arrays: Sequence[Any], host_ptrs: Optional[Sequence[int]] = None) -> Sequence[Any]:
         """What :meth:`swap_blocks` takes for ``arrays``, worked out once (the transfer manager
         keeps one per layout): backends that pass raw pointers read them here, not on every
-        call (an all-layer call has ~100 arrays)."""
+        call (an all-layer call has ~100 arrays).  ``host_ptrs``: the host buffers the
+        arrays are always copied with, if fixed (a call that passes this very list then
+        skips converting it)."""
         return tuple(arrays)
 
     #: True where :meth:`swap_layer_groups` issues a whole layer stack in one native call.
@@ -428,7 +430,7 @@ class CapiCopies:
 
         return np.ascontiguousarray(ids, dtype=np.int64)
 
-    def describe_arrays(self, arrays: Sequence[Any]) -> "ArrayTable":
+    def describe_arrays(self, arrays: Sequence[Any], host_ptrs: Optional[Sequence[int]] = None) -> "ArrayTable":
         from fastdeploy_kvcache import ops
 
         return ArrayTable(
@@ -437,11 +439,19 @@ class CapiCopies:
                 [self._device_ptr(a) for a in arrays],
                 [a.shape[0] for a in arrays],
                 [a.nbytes // a.shape[0] for a in arrays],
+                host_ptrs,
             ),
+            host_ptrs,
         )
 
     def _table(self, device_arrays: Sequence[Any]) -> "ArrayTable":
         return device_arrays if isinstance(device_arrays, ArrayTable) else self.describe_arrays(device_arrays)
+
+    @staticmethod
+    def _host_arg(table: "ArrayTable", host_ptrs: Sequence[int]) -> Optional[Sequence[int]]:
+        """None (the table's converted copy) when ``host_ptrs`` is the very list the table was
+        made with; the list otherwise."""
+        return None if table.host_list is not None and host_ptrs is table.host_list else host_ptrs
 
     def swap_blocks(
         self,
@@ -457,7 +467,7 @@ class CapiCopies:
         table = self._table(device_arrays)
         self._capi.swap_all_layers(
             table.tensors,
-            host_ptrs,
+            self._host_arg(table, host_ptrs),
             0,  # block counts and sizes: in the table
             0,
             num_host_blocks,
@@ -496,7 +506,7 @@ class CapiCopies:
         table = self._table(device_arrays)
         self._capi.swap_layer_groups(
             table.tensors,
-            host_ptrs,
+            self._host_arg(table, host_ptrs),
             group_size,
             0,  # block counts and sizes: in the table
             0,
@@ -517,8 +527,10 @@ class ArrayTable(tuple):
     also iterates as one; holding them keeps the addresses valid while the table lives."""
 
     tensors: Any  # ops.TensorTable
+    host_list: Optional[Sequence[int]]  # the host pointer list the table converted, if any
 
-    def __new__(cls, arrays: tuple[Any, ...], tensors: Any) -> "ArrayTable":
+    def __new__(cls, arrays: tuple[Any, ...], tensors: Any, host_list: Optional[Sequence[int]] = None) -> "ArrayTable":
         table = super().__new__(cls, arrays)
         table.tensors = tensors
+        table.host_list = host_list
         return table
