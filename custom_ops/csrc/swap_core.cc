@@ -467,6 +467,22 @@ void SwapLayerGroupsImpl(const char* op, const std::vector<TensorDesc>& tensors,
   ExecTarget each = target;
   each.sync = false;
   int paths = 0;
+#if FDKV_WITH_CUDA
+  if (target.cuda) {
+    const int64_t* src = mode == kDeviceToHost ? dev_ids.data : host_ids.data;
+    const int64_t* dst = mode == kDeviceToHost ? host_ids.data : dev_ids.data;
+    paths = ExecuteCudaGroups(lanes, src, dst, dev_ids.size, mode, target.stream, target.copy_path, group_size,
+                              [&](int64_t g, void* s) {
+                                if (events != nullptr && events[g] != nullptr) CudaEventRecord(events[g], s);
+                                if (progress != nullptr) progress->Advance(g + 1);
+                              });
+    if (paths != 0) {
+      t_last_path = paths;
+      if (target.sync) StreamSynchronize(target.stream);
+      return;
+    }
+  }
+#endif
   for (int64_t g = 0; g < num_groups; ++g) {
     const std::vector<LaneDesc> group(lanes.begin() + g * group_size, lanes.begin() + (g + 1) * group_size);
     try {

@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -275,6 +276,14 @@ void CudaHostAlloc(void** ptr, size_t nbytes, unsigned flags);
 void CudaHostFree(void* ptr);
 void CudaStreamSynchronize(void* stream);
 void CudaEventRecord(void* event, void* stream);
+// A whole layer stack (SwapLayerGroups) as one staged pipeline, where the call's path is
+// staged, or auto and the stack's host side merges into runs: every lane moves n blocks,
+// lanes [g * group_size, (g + 1) * group_size) are group g, and on_group(g, stream) runs
+// once group g's copies are enqueued (the stream to record its event on).  Returns the
+// path bits, or 0 when the stack should go group by group instead (nothing enqueued).
+int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
+                      int64_t n, int mode, void* stream, int copy_path, int64_t group_size,
+                      const std::function<void(int64_t, void*)>& on_group);
 #endif
 
 }  // namespace fdkv

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <unordered_set>
@@ -557,6 +558,43 @@ bool HostSideIsPinned(const std::vector<LaneDesc>& lanes, int mode) {
     pinned.insert(key);
   }
   return true;
+}
+
+// ------------------------------------------------------------------------ layer stacks
+int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
+                      int64_t n, int mode, void* stream_ptr, int copy_path, int64_t group_size,
+                      const std::function<void(int64_t, void*)>& on_group) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const Options opts = GetOptions();
+  int64_t path = copy_path == kCopyProcess ? opts.copy_path : copy_path;
+  if (n <= 0 || (path != kCopyAuto && path != kCopyStaged) || !DmaBatchAvailable(stream)) return 0;
+  thread_local staged::Plan plan;
+  int64_t num_segs = 0;
+  staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, &plan, &num_segs);
+  if (plan.geo.block_major) return 0;
+  if (path == kCopyAuto) {
+    // The stack as one staged pipeline where its host side merges into runs (the rule of
+    // ExecuteCuda's auto for a call of this size): a layer's chunks no longer pay the
+    // pipeline's fill and drain, and the submit is O(chunks), not O(blocks x layers).
+    const std::vector<Run> runs = PlanRuns(src_ids, dst_ids, n);
+    int64_t total_bytes = 0;
+    for (const LaneDesc& l : lanes) total_bytes += l.bytes * n;
+    const int64_t num_copies = static_cast<int64_t>(runs.size() * lanes.size());
+    const int64_t avg_copy_bytes = total_bytes / std::max<int64_t>(1, num_copies);
+    const int64_t avg_seg = total_bytes / std::max<int64_t>(1, num_segs);
+    constexpr int64_t kStagedMinStackBytes = 16 << 20;
+    if (avg_seg < opts.staged_min_bytes || avg_seg < 2 * avg_copy_bytes || total_bytes < kStagedMinStackBytes) {
+      return 0;
+    }
+  }
+  if (!HostSideIsPinned(lanes, mode)) return 0;
+  staged::GroupMarks marks;
+  const int64_t num_groups = static_cast<int64_t>(lanes.size()) / group_size;
+  for (int64_t g = 1; g <= num_groups; ++g) {
+    marks.ends.push_back(g == num_groups ? plan.total : n * plan.lanes[static_cast<size_t>(g * group_size)].boff);
+  }
+  marks.done = [&](int64_t g, cudaStream_t s) { on_group(g, s); };
+  return ExecuteStaged(plan, n, mode, stream, opts, &marks);
 }
 
 // ------------------------------------------------------------------------ planning

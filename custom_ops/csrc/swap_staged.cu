@@ -27,6 +27,8 @@
 // Included by swap_cuda.cu (single translation unit); uses its WarpCopy, FDKV_CUDA_CHECK,
 // ScratchRing and LaunchDmaBatch.
 
+#include <functional>
+#include <iterator>
 #include <type_traits>
 
 namespace fdkv {
@@ -439,7 +441,8 @@ void IssueChunkDma(const Plan& plan, size_t* si, char* slot, int64_t v0, int64_t
 // the last scatter for H2D) gets a small chunk, and sizes grow 4x from there up to a slot:
 // the next chunk's gather (at HBM speed, >10x the link) is ready before the current
 // chunk's DMA ends.  A call of one chunk runs on the caller's stream alone.
-void PlanChunks(int64_t total, int64_t slot, int mode, std::vector<int64_t>* bounds) {
+void PlanChunks(int64_t total, int64_t slot, int mode, std::vector<int64_t>* bounds,
+                const std::vector<int64_t>* cuts = nullptr) {
   thread_local std::vector<int64_t> sizes;
   sizes.clear();
   int64_t left = total;
@@ -454,15 +457,40 @@ void PlanChunks(int64_t total, int64_t slot, int mode, std::vector<int64_t>* bou
   bounds->clear();
   bounds->push_back(0);
   for (int64_t s : sizes) bounds->push_back(bounds->back() + s);
+  if (cuts != nullptr && !cuts->empty()) {
+    // A layer stack: no chunk straddles a group's end, so each group's event can follow the
+    // chunk that completes it.  (Group ends are multiples of every lane's block size, so the
+    // vector width still divides every boundary.)
+    thread_local std::vector<int64_t> merged;
+    merged.clear();
+    std::merge(bounds->begin(), bounds->end(), cuts->begin(), cuts->end(), std::back_inserter(merged));
+    merged.erase(std::unique(merged.begin(), merged.end()), merged.end());
+    while (!merged.empty() && merged.back() > total) merged.pop_back();
+    bounds->swap(merged);
+  }
 }
+
+// A layer stack's group ends (virtual offsets, ascending; the last is the total) and what
+// to do once a group's last chunk is enqueued: `done(g, stream)` records group g's event on
+// the stream that ran that chunk's last step.
+struct GroupMarks {
+  std::vector<int64_t> ends;
+  std::function<void(int64_t, cudaStream_t)> done;
+};
 
 }  // namespace staged
 
 // Staged execution of a plan (staged::BuildPlan) on `stream` (see the file comment).
 // Returns kPathStaged.
-int ExecuteStaged(const staged::Plan& plan, int64_t n, int mode, cudaStream_t stream, const Options& opts) {
+int ExecuteStaged(const staged::Plan& plan, int64_t n, int mode, cudaStream_t stream, const Options& opts,
+                  const staged::GroupMarks* marks = nullptr) {
   using namespace staged;
-  if (plan.total <= 0) return kPathStaged;
+  if (plan.total <= 0) {
+    if (marks != nullptr) {
+      for (size_t g = 0; g < marks->ends.size(); ++g) marks->done(static_cast<int64_t>(g), stream);
+    }
+    return kPathStaged;
+  }
 
   StagingRing& ring = RingFor(mode);
   std::lock_guard<std::mutex> ring_lock(ring.mu);
@@ -472,7 +500,7 @@ int ExecuteStaged(const staged::Plan& plan, int64_t n, int mode, cudaStream_t st
   ring.Ensure(opts.staging_bytes, opts.staging_chunk_bytes);
   // Chunk boundaries must keep 16-byte vectors aligned: slot sizes are 4 KiB multiples.
   thread_local std::vector<int64_t> bounds;
-  PlanChunks(plan.total, ring.slot_bytes, mode, &bounds);
+  PlanChunks(plan.total, ring.slot_bytes, mode, &bounds, marks != nullptr ? &marks->ends : nullptr);
   const size_t num_chunks = bounds.size() - 1;
 
   const bool use_side = num_chunks > 1;
@@ -488,6 +516,15 @@ int ExecuteStaged(const staged::Plan& plan, int64_t n, int mode, cudaStream_t st
       FDKV_CUDA_CHECK(cudaStreamWaitEvent(side, ring.start, 0));
     }
     size_t si = 0;
+    size_t next_group = 0;
+    // Group events behind the chunk that completes each group (layer stacks only).
+    auto mark_groups = [&](int64_t v1, cudaStream_t s) {
+      if (marks == nullptr) return;
+      while (next_group < marks->ends.size() && marks->ends[next_group] <= v1) {
+        marks->done(static_cast<int64_t>(next_group), s);
+        ++next_group;
+      }
+    };
     for (size_t c = 0; c < num_chunks; ++c) {
       const int64_t v0 = bounds[c], v1 = bounds[c + 1];
       const int slot_idx = ring.cursor;
@@ -506,17 +543,26 @@ int ExecuteStaged(const staged::Plan& plan, int64_t n, int mode, cudaStream_t st
         }
         IssueChunkDma(plan, &si, slot, v0, v1, mode, stream, batch);
         ring.MarkFree(slot_idx, stream);
+        mark_groups(v1, stream);
       } else {
         ring.WaitFree(slot_idx, stream);
         IssueChunkDma(plan, &si, slot, v0, v1, mode, stream, batch);
         if (c + 1 == num_chunks) {  // the last scatter on the caller's stream: no hop at the end
           LaunchChunk<false>(plan, near, slot, v0, v1, grid, stream);
           ring.MarkFree(slot_idx, stream);
+          if (marks != nullptr && use_side) {
+            // The groups this chunk completes may have earlier chunks scattered on the side
+            // stream: their events must cover those too.
+            FDKV_CUDA_CHECK(cudaEventRecord(ring.side_done, side));
+            FDKV_CUDA_CHECK(cudaStreamWaitEvent(stream, ring.side_done, 0));
+          }
+          mark_groups(v1, stream);
         } else {
           FDKV_CUDA_CHECK(cudaEventRecord(slot_ready, stream));
           FDKV_CUDA_CHECK(cudaStreamWaitEvent(side, slot_ready, 0));
           LaunchChunk<false>(plan, far, slot, v0, v1, grid, side);
           ring.MarkFree(slot_idx, side);
+          mark_groups(v1, side);
         }
       }
     }

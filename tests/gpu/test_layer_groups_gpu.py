@@ -49,10 +49,13 @@ def test_every_group_moves_like_swap_all_layers(cupy, capi, pinned, cuda_stream,
         assert used != 0
 
 
-def test_each_event_covers_its_group_while_later_groups_still_run(cupy, capi, pinned, cuda_stream) -> None:
+@pytest.mark.parametrize("path", ["dma", "staged"])  # staged: the whole stack is one pipeline
+def test_each_event_covers_its_group_while_later_groups_still_run(cupy, capi, pinned, cuda_stream, path) -> None:
     """Each group's event sits right behind that group's copies, not at the end of the call:
     the events complete in group order and group 0's well before the last (16 MiB per
-    group); a reader stream that waits on event 0 sees all of group 0's blocks."""
+    group); a reader stream that waits on event 0 sees all of group 0's blocks, and one
+    that waits on the last event all of the last group's (on the staged stack the last
+    group's early chunks are scattered on the ring's side stream)."""
     bb = 1 << 20
     n = 16
     devs = [cupy.zeros((n, bb), dtype=np.uint8) for _ in range(LAYERS * GROUP)]
@@ -64,19 +67,24 @@ def test_each_event_covers_its_group_while_later_groups_still_run(cupy, capi, pi
     start.record(stream)
     progress = capi.group_progress()
     capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, n, bb, n, ids, ids,
-                           ops.MODE_H2D, stream=stream.ptr, events=[e.ptr for e in events], path="dma",
+                           ops.MODE_H2D, stream=stream.ptr, events=[e.ptr for e in events], path=path,
                            progress=progress)
     assert progress.wait(LAYERS, 5.0) == LAYERS
-    reader = cuda_stream()
+    assert capi.last_path() == (ops.PATH_DMA if path == "dma" else ops.PATH_STAGED)
+    reader, last_reader = cuda_stream(), cuda_stream()
     reader.wait_event(events[0])
     with reader:
         first = [d.copy() for d in devs[:GROUP]]
+    last_reader.wait_event(events[-1])  # the last group's event covers all of its chunks
+    with last_reader:
+        last = [d.copy() for d in devs[-GROUP:]]
     stream.synchronize()
     reader.synchronize()
-    for got, h in zip(first, hosts[:GROUP]):
+    last_reader.synchronize()
+    for got, h in zip(first + last, hosts[:GROUP] + hosts[-GROUP:]):
         np.testing.assert_array_equal(cupy.asnumpy(got), h)
     times = [cupy.cuda.get_elapsed_time(start, e) for e in events]
-    assert times == sorted(times), times  # recorded in group order on one stream
+    assert times == sorted(times), times  # complete in group order
     assert times[0] < times[-1] * 0.6, times  # group 0's event is not at the end of the call
 
 
