@@ -540,6 +540,16 @@ namespace fdkv {
 // (page-locked, mapped) memory; pageable memory would fault and poison the context.
 // Known-good bases are cached, so the check costs a hash lookup per tensor per call.
 bool HostSideIsPinned(const std::vector<LaneDesc>& lanes, int mode) {
+  // NOTE: on a thread that has made no CUDA runtime call yet (a Python loader thread that
+  // only passes stream handles) no context is current, and cudaPointerGetAttributes then
+  // reports pinned memory as unregistered: such calls fell back to per-run cudaMemcpyAsync.
+  // Making the current device's primary context current once per thread fixes that.
+  thread_local bool context_current = false;
+  if (!context_current) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess && cudaSetDevice(dev) == cudaSuccess) context_current = true;
+    (void)cudaGetLastError();
+  }
   static std::mutex mu;
   static std::unordered_set<uintptr_t> pinned;
   std::lock_guard<std::mutex> lock(mu);
@@ -582,8 +592,13 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
     const int64_t num_copies = static_cast<int64_t>(runs.size() * lanes.size());
     const int64_t avg_copy_bytes = total_bytes / std::max<int64_t>(1, num_copies);
     const int64_t avg_seg = total_bytes / std::max<int64_t>(1, num_segs);
+    // NOTE: only where the copies are small (< dma_min_bytes): there the alternative per
+    // layer is the SM-holding kernel or a slow DMA batch, and the stack did better (16 KiB
+    // loads in bench_overlap: 0.88 hidden against 0.84-0.86).  With 128 KiB blocks the
+    // per-layer DMA batch overlapped better (0.91-0.92 against 0.88; docs/benchmarks.md).
     constexpr int64_t kStagedMinStackBytes = 16 << 20;
-    if (avg_seg < opts.staged_min_bytes || avg_seg < 2 * avg_copy_bytes || total_bytes < kStagedMinStackBytes) {
+    if (avg_copy_bytes >= opts.dma_min_bytes || avg_seg < opts.staged_min_bytes || avg_seg < 2 * avg_copy_bytes ||
+        total_bytes < kStagedMinStackBytes) {
       return 0;
     }
   }

@@ -105,3 +105,28 @@ def test_bad_events_are_refused_before_any_copy(cupy, capi, pinned, cuda_stream)
     cupy.cuda.runtime.deviceSynchronize()
     for h, b in zip(hosts, before):
         np.testing.assert_array_equal(h, b)
+
+
+def test_a_fresh_thread_gets_the_staged_path(cupy, capi, pinned, cuda_stream) -> None:
+    """A thread that made no CUDA call before (a Python loader thread handed a stream
+    handle) still sees pinned memory as pinned: the staged path runs, not the per-run
+    memcpy fallback (it did fall back before the thread's context was made current)."""
+    import threading
+
+    devs, hosts = _stack(cupy, pinned, 256 << 10, 11)
+    stream = cuda_stream()
+    ids = list(range(20))
+    used: list[int] = []
+
+    def load() -> None:
+        capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, NUM_DEV, 256 << 10,
+                               NUM_HOST, ids[::-1], ids, ops.MODE_H2D, stream=stream.ptr, path="staged")
+        used.append(capi.last_path())
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join()
+    stream.synchronize()
+    assert used == [ops.PATH_STAGED]
+    for d, h in zip(devs, hosts):
+        np.testing.assert_array_equal(cupy.asnumpy(d)[ids[::-1]], h[ids])
