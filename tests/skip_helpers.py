@@ -5,16 +5,26 @@ from __future__ import annotations
 import pytest
 
 
-def cpu_capi_or_skip(needed_by: str) -> None:
-    """Skip unless the CPU build of the C ABI library is loaded; ``needed_by`` names the tests."""
+def cpu_capi_missing() -> "str | None":
+    """Why the CPU build of the C ABI library does not load here (None: it does)."""
     from fastdeploy_kvcache import ops
 
     try:
-        capi = ops.load_capi(variant="cpu")
-    except ops.OpsNotBuiltError as exc:
-        pytest.skip(f"needs the CPU C ABI library (run `bash build.sh`): {exc}")
-    if capi.is_cuda:
-        pytest.skip(f"the loaded libfdkv_capi is the CUDA build; {needed_by} need `bash build.sh` (CPU)")
+        ops.load_capi(variant="cpu")
+    except Exception as exc:  # noqa: BLE001 - OpsNotBuiltError, or an old library
+        return str(exc)
+    return None
+
+
+_CPU_CAPI_FIX = ("run `bash build.sh` to build build/libfdkv_capi_cpu.so (and if FDKV_OPS_LIB is set, point it at "
+                 "that file)")
+
+
+def cpu_capi_or_skip(needed_by: str) -> None:
+    """Skip unless the CPU build of the C ABI library loads; ``needed_by`` names the tests."""
+    missing = cpu_capi_missing()
+    if missing is not None:
+        pytest.skip(f"{needed_by} need the CPU C ABI library ({missing}): {_CPU_CAPI_FIX}")
 
 
 # What the tests that start a real server import in the server process or the test itself.
@@ -70,11 +80,5 @@ def cuda_capi_missing(min_gpus: int = 1) -> "str | None":
 
 def needs_cpu_capi() -> pytest.MarkDecorator:
     """Skip unless the CPU build of the C ABI library loads (a marker, for ``pytestmark``)."""
-    from fastdeploy_kvcache import ops
-
-    try:
-        ops.load_capi(variant="cpu")
-        missing = None
-    except Exception as exc:  # noqa: BLE001 - OpsNotBuiltError, or an old library
-        missing = str(exc)
-    return pytest.mark.skipif(missing is not None, reason=f"CPU C ABI library missing ({missing}): run `bash build.sh`")
+    missing = cpu_capi_missing()
+    return pytest.mark.skipif(missing is not None, reason=f"CPU C ABI library missing ({missing}): {_CPU_CAPI_FIX}")
