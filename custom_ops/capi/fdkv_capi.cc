@@ -97,6 +97,25 @@ void CheckArrays(const char* op, int64_t num_tensors, void* const* dev_ptrs, con
   if (host_ptrs == nullptr) throw fdkv::InvalidArgument(op, "host_ptrs", -1, " is a null pointer");
 }
 
+// The per-tensor swaps' shared arguments (fdkv_swap_layers, fdkv_swap_layer_groups), checked
+// and converted once: the op's name, the tensors, one host pointer per tensor, the target.
+struct LayerArgs {
+  const char* name;
+  std::vector<fdkv::TensorDesc> tensors;
+  std::vector<void*> hosts;
+  fdkv::ExecTarget target;
+};
+
+LayerArgs PrepareLayers(const char* op, const char* default_name, void* const* dev_ptrs,
+                        const int64_t* num_dev_blocks, const int64_t* block_bytes, int64_t num_tensors,
+                        void* const* host_ptrs, void* stream, int sync, int path) {
+  const char* name = (op != nullptr && *op != '\0') ? op : default_name;
+  CheckArrays(name, num_tensors, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs);
+  return LayerArgs{name, Tensors(dev_ptrs, num_dev_blocks, block_bytes, num_tensors),
+                   std::vector<void*>(host_ptrs, host_ptrs + num_tensors),
+                   fdkv::ExecTarget{fdkv::BuiltWithCuda(), stream, sync != 0, path}};
+}
+
 }  // namespace
 
 extern "C" {
@@ -132,14 +151,10 @@ FDKV_API int fdkv_swap_layers(const char* op, void* const* dev_ptrs, const int64
                               const int64_t* host_ids, int64_t num_host_ids, int mode, void* stream,
                               int sync, int path) {
   return Guard([&] {
-    const char* name = (op != nullptr && *op != '\0') ? op : "swap_all_layers";
-    CheckArrays(name, num_tensors, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs);
-    std::vector<fdkv::TensorDesc> tensors = Tensors(dev_ptrs, num_dev_blocks, block_bytes, num_tensors);
-    std::vector<void*> hosts(host_ptrs, host_ptrs + num_tensors);
-    fdkv::ExecTarget target{fdkv::BuiltWithCuda(), stream, sync != 0, path};
-    fdkv::SwapLayers(name, tensors, hosts, num_host_blocks,
-                     fdkv::IdSpan{dev_ids, num_dev_ids, "dev_ids"},
-                     fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, target,
+    const LayerArgs a = PrepareLayers(op, "swap_all_layers", dev_ptrs, num_dev_blocks, block_bytes, num_tensors,
+                                      host_ptrs, stream, sync, path);
+    fdkv::SwapLayers(a.name, a.tensors, a.hosts, num_host_blocks, fdkv::IdSpan{dev_ids, num_dev_ids, "dev_ids"},
+                     fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, a.target,
                      fdkv::CapiArgNames("host_ptrs"));
   });
 }
@@ -151,14 +166,11 @@ FDKV_API int fdkv_swap_layer_groups(const char* op, void* const* dev_ptrs, const
                                     void* stream, void* const* events, int64_t num_events, void* progress,
                                     int sync, int path) {
   return Guard([&] {
-    const char* name = (op != nullptr && *op != '\0') ? op : "swap_layer_groups";
-    CheckArrays(name, num_tensors, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs);
-    std::vector<fdkv::TensorDesc> tensors = Tensors(dev_ptrs, num_dev_blocks, block_bytes, num_tensors);
-    std::vector<void*> hosts(host_ptrs, host_ptrs + num_tensors);
-    fdkv::ExecTarget target{fdkv::BuiltWithCuda(), stream, sync != 0, path};
-    fdkv::SwapLayerGroups(name, tensors, hosts, num_host_blocks, group_size,
+    const LayerArgs a = PrepareLayers(op, "swap_layer_groups", dev_ptrs, num_dev_blocks, block_bytes, num_tensors,
+                                      host_ptrs, stream, sync, path);
+    fdkv::SwapLayerGroups(a.name, a.tensors, a.hosts, num_host_blocks, group_size,
                           fdkv::IdSpan{dev_ids, num_dev_ids, "dev_ids"},
-                          fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, target, events, num_events,
+                          fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, a.target, events, num_events,
                           static_cast<fdkv::GroupProgress*>(progress), fdkv::CapiArgNames("host_ptrs"));
   });
 }

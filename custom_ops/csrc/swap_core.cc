@@ -467,15 +467,21 @@ void SwapLayerGroupsImpl(const char* op, const std::vector<TensorDesc>& tensors,
   ExecTarget each = target;
   each.sync = false;
   int paths = 0;
+  // Group g's copies are enqueued on `stream`: its event, then the progress.
+  auto group_done = [&](int64_t g, void* stream) {
+#if FDKV_WITH_CUDA
+    if (events != nullptr && events[g] != nullptr) CudaEventRecord(events[g], stream);
+#else
+    (void)stream;
+#endif
+    if (progress != nullptr) progress->Advance(g + 1);
+  };
 #if FDKV_WITH_CUDA
   if (target.cuda) {
     const int64_t* src = mode == kDeviceToHost ? dev_ids.data : host_ids.data;
     const int64_t* dst = mode == kDeviceToHost ? host_ids.data : dev_ids.data;
     paths = ExecuteCudaGroups(lanes, src, dst, dev_ids.size, mode, target.stream, target.copy_path, group_size,
-                              [&](int64_t g, void* s) {
-                                if (events != nullptr && events[g] != nullptr) CudaEventRecord(events[g], s);
-                                if (progress != nullptr) progress->Advance(g + 1);
-                              });
+                              group_done);
     if (paths != 0) {
       t_last_path = paths;
       if (target.sync) StreamSynchronize(target.stream);
@@ -488,10 +494,7 @@ void SwapLayerGroupsImpl(const char* op, const std::vector<TensorDesc>& tensors,
     try {
       Execute(group, dev_ids, host_ids, mode, each);
       paths |= t_last_path;
-#if FDKV_WITH_CUDA
-      if (events != nullptr && events[g] != nullptr) CudaEventRecord(events[g], target.stream);
-#endif
-      if (progress != nullptr) progress->Advance(g + 1);
+      group_done(g, target.stream);
     } catch (const CudaFailure& e) {
       t_last_path = paths;
       // Groups before g are enqueued and their events recorded; g and later are not.

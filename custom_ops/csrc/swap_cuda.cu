@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -570,6 +571,25 @@ bool HostSideIsPinned(const std::vector<LaneDesc>& lanes, int mode) {
   return true;
 }
 
+// ------------------------------------------------------------------------ auto's staged rule
+// Whether auto takes the staged path for a call (or a layer stack) of `total_bytes` whose
+// copies both sides share average `avg_copy_bytes` and whose host side merges into
+// `num_segs` contiguous ranges.  Staged wins where the alternatives are weak: copies below
+// dma_min_bytes, where the DMA batch pays ~1 us per copy and the kernel holds SMs for the
+// whole transfer and loses a third of the link in both directions at once, while the host
+// side merges into runs (>= staged_min_bytes, and >= 2x the shared runs).  Such a call must
+// be >= 16 MiB: each chunk costs ~15-20 us of link time at the DMA <-> kernel hand-offs,
+// which a per-layer call of a few MiB cannot amortize.  Larger copies go staged only from
+// `large_copy_min_bytes` (measured on H100: docs/benchmarks.md, "Copy path v2" and "Ring
+// and chunk size").
+bool StagedRuleHolds(int64_t total_bytes, int64_t avg_copy_bytes, int64_t num_segs, const Options& opts,
+                     int64_t large_copy_min_bytes) {
+  constexpr int64_t kStagedMinCallBytes = 16 << 20;
+  const int64_t avg_seg = total_bytes / std::max<int64_t>(1, num_segs);
+  const int64_t min_call = avg_copy_bytes < opts.dma_min_bytes ? kStagedMinCallBytes : large_copy_min_bytes;
+  return avg_seg >= opts.staged_min_bytes && avg_seg >= 2 * avg_copy_bytes && total_bytes >= min_call;
+}
+
 // ------------------------------------------------------------------------ layer stacks
 int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
                       int64_t n, int mode, void* stream_ptr, int copy_path, int64_t group_size,
@@ -591,16 +611,11 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
     for (const LaneDesc& l : lanes) total_bytes += l.bytes * n;
     const int64_t num_copies = static_cast<int64_t>(runs.size() * lanes.size());
     const int64_t avg_copy_bytes = total_bytes / std::max<int64_t>(1, num_copies);
-    const int64_t avg_seg = total_bytes / std::max<int64_t>(1, num_segs);
-    // NOTE: only where the copies are small (< dma_min_bytes): there the alternative per
-    // layer is the SM-holding kernel or a slow DMA batch, and the stack did better (16 KiB
-    // loads in bench_overlap: 0.88 hidden against 0.84-0.86).  With 128 KiB blocks the
+    // NOTE: only copies below dma_min_bytes (no large-copy threshold): there the alternative
+    // per layer is the SM-holding kernel or a slow DMA batch, and the stack did better (16
+    // KiB loads in bench_overlap: 0.88 hidden against 0.84-0.86).  With 128 KiB blocks the
     // per-layer DMA batch overlapped better (0.91-0.92 against 0.88; docs/benchmarks.md).
-    constexpr int64_t kStagedMinStackBytes = 16 << 20;
-    if (avg_copy_bytes >= opts.dma_min_bytes || avg_seg < opts.staged_min_bytes || avg_seg < 2 * avg_copy_bytes ||
-        total_bytes < kStagedMinStackBytes) {
-      return 0;
-    }
+    if (!StagedRuleHolds(total_bytes, avg_copy_bytes, num_segs, opts, INT64_MAX)) return 0;
   }
   if (!HostSideIsPinned(lanes, mode)) return 0;
   staged::GroupMarks marks;
@@ -642,24 +657,13 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
     int64_t num_segs = 0;
     staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, &plan, &num_segs);
     if (path == kCopyAuto) {
-      // NOTE: staged wins where the alternatives are weak: copies (runs both sides share)
-      // below dma_min_bytes, where the DMA batch pays ~1 us per copy and the kernel holds SMs
-      // for the whole transfer and loses a third of the link in both directions at once,
-      // while the host side merges into runs (>= staged_min_bytes, and >= 2x the shared
-      // runs).  A call must be >= 16 MiB: each chunk costs ~15-20 us of link time at the
-      // DMA <-> kernel hand-offs, which a per-layer call of a few MiB cannot amortize
-      // (measured on H100: docs/benchmarks.md, "Copy path v2").
-      // Larger copies (>= dma_min_bytes) go staged too once a call is all-layer sized (>= 64
-      // MiB): the DMA batch pays ~0.5-1 us of host time per copy (a 128 KiB all-layer call:
-      // 1.1-1.5 ms against 0.2-0.3 ms staged) and reached 0.94-0.95 one way and 0.87 both
-      // ways where staged reached 0.96-0.98 and 1.0 (docs/benchmarks.md, "Ring and chunk
-      // size").  Per-layer calls of big blocks stay on the DMA batch: each staged call pays
-      // its pipeline's fill and drain.
-      const int64_t avg_seg = total_bytes / std::max<int64_t>(1, num_segs);
-      constexpr int64_t kStagedMinCallBytes = 16 << 20;
+      // NOTE: larger copies go staged once a call is all-layer sized (>= 64 MiB): the DMA
+      // batch pays ~0.5-1 us of host time per copy (a 128 KiB all-layer call: 1.1-1.5 ms
+      // against 0.2-0.3 ms staged) and reached 0.94-0.95 one way and 0.87 both ways where
+      // staged reached 0.96-0.98 and 1.0.  Per-layer calls of big blocks stay on the DMA
+      // batch: each staged call pays its pipeline's fill and drain.
       constexpr int64_t kStagedMinLargeCopyCallBytes = 64 << 20;
-      const int64_t min_call = avg_copy_bytes < opts.dma_min_bytes ? kStagedMinCallBytes : kStagedMinLargeCopyCallBytes;
-      if (avg_seg >= opts.staged_min_bytes && avg_seg >= 2 * avg_copy_bytes && total_bytes >= min_call &&
+      if (StagedRuleHolds(total_bytes, avg_copy_bytes, num_segs, opts, kStagedMinLargeCopyCallBytes) &&
           HostSideIsPinned(lanes, mode)) {
         path = kCopyStaged;
       } else {
