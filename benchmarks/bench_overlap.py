@@ -400,14 +400,14 @@ def main() -> int:
         # call as the worker's launcher makes it (backend.swap_blocks on the layout's array
         # table), and the part of it inside the C library (the native submit, GIL released),
         # per path; median of 5.
-        table = tm.backend.describe_arrays(all_dev)
+        table = tm.backend.describe_arrays(all_dev, all_host)  # the worker's table: addresses and host buffers
         ev_dev_p, ev_host_p = tm.backend.prepare_ids(evict_dev), tm.backend.prepare_ids(evict_host)
+        bench_table = ops.TensorTable([a.data.ptr for a in all_dev], [a.shape[0] for a in all_dev],
+                                      [a.nbytes // a.shape[0] for a in all_dev], all_host)
 
         def idle_call_us(p: int) -> tuple[float, float]:
             whole, native = [], []
-            ptrs_c = [a.data.ptr for a in all_dev]
-            nblk_c = [a.shape[0] for a in all_dev]
-            bb_c = [a.nbytes // a.shape[0] for a in all_dev]
+            c = capi._swap_args("bench", bench_table, 0, 0, None, total_blocks, ev_dev_p, ev_host_p, 0, p)
             for _ in range(6):
                 cp.cuda.runtime.deviceSynchronize()
                 t0 = time.perf_counter()
@@ -415,10 +415,10 @@ def main() -> int:
                                        tm.output_stream, path=p)
                 t1 = time.perf_counter()
                 cp.cuda.runtime.deviceSynchronize()
-                keep, cargs = capi._swap_args("bench", ptrs_c, nblk_c, bb_c, all_host, total_blocks, ev_dev, ev_host,
-                                              0, p)
                 t2 = time.perf_counter()
-                capi._lib.fdkv_swap_layers(b"bench", *cargs[:11], ctypes.c_void_p(tm.output_stream.ptr), 0, cargs[11])
+                capi._lib.fdkv_swap_layers(b"bench", c.dev_ptrs, c.num_blocks, c.block_bytes, c.count, c.host_ptrs,
+                                           c.num_host_blocks, c.dev_ids, c.num_dev_ids, c.host_ids, c.num_host_ids,
+                                           c.mode, ctypes.c_void_p(tm.output_stream.ptr), 0, c.path)
                 t3 = time.perf_counter()
                 whole.append(t1 - t0)
                 native.append(t3 - t2)

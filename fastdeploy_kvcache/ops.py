@@ -26,7 +26,7 @@ import logging
 import numbers
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 from fastdeploy_kvcache import envs, libpaths
 from fastdeploy_kvcache.core.metadata import CopyDirection
@@ -551,14 +551,13 @@ class CApi:
         sync: bool,
         path: Union[int, str, None] = None,
     ) -> None:
-        args = self._swap_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, dev_ids,
-                               host_ids, mode, path)
-        keep, (dev_arr, nblk, bbytes, count, host_arr, nhost, d_ptr, d_n, h_ptr, h_n, mode_v, code) = args
+        a = self._swap_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, dev_ids, host_ids,
+                            mode, path, host_per_tensor=entry != "fdkv_swap_layout")
         rc = getattr(self._lib, entry)(
-            op.encode(), dev_arr, nblk, bbytes, count, host_arr, nhost, d_ptr, d_n, h_ptr, h_n, mode_v,
-            ctypes.c_void_p(_stream_handle(stream)), 1 if sync else 0, code,
+            op.encode(), a.dev_ptrs, a.num_blocks, a.block_bytes, a.count, a.host_ptrs, a.num_host_blocks,
+            a.dev_ids, a.num_dev_ids, a.host_ids, a.num_host_ids, a.mode,
+            ctypes.c_void_p(_stream_handle(stream)), 1 if sync else 0, a.path,
         )
-        del keep
         self._check(rc)
 
     def _swap_args(
@@ -573,10 +572,15 @@ class CApi:
         host_ids: IdsLike,
         mode: int,
         path: Union[int, str, None],
-    ) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
-        """The C arguments every swap entry shares, checked and converted once (the first item
-        holds the id buffers alive until the call returns)."""
+        host_per_tensor: bool = True,
+    ) -> "_SwapArgs":
+        """The C arguments every swap entry shares, checked and converted once.
+        ``host_per_tensor``: one host pointer per tensor (every entry but the layout op's)."""
         code = copy_path_code(path, op)
+        if host_per_tensor and host_ptrs is not None and len(host_ptrs) != len(dev_ptrs):
+            raise SwapOpError(
+                f"{op}: host_ptrs has {len(host_ptrs)} entries but dev_ptrs has {len(dev_ptrs)}", op, "host_ptrs", None,
+            )
         if isinstance(dev_ptrs, TensorTable):
             # Converted and checked when the table was made (the caller's layout is fixed).
             count, dev_p, nblk, bbytes = dev_ptrs.count, dev_ptrs.dev_ptrs, dev_ptrs.num_blocks, dev_ptrs.block_bytes
@@ -595,13 +599,10 @@ class CApi:
             host_p = ctypes.cast(
                 (ctypes.c_void_p * max(len(host_ptrs), 1))(*[_ptr_arg(p, op, "host_ptrs") for p in host_ptrs]),
                 ctypes.POINTER(ctypes.c_void_p))
-        num_host_blocks = _int_arg(num_host_blocks, op, "num_host_blocks")
-        mode = _int_arg(mode, op, "mode", 32)
         d_keep, d_ptr, d_n = self._ids(dev_ids, op, "dev_ids")
         h_keep, h_ptr, h_n = self._ids(host_ids, op, "host_ids")
-        return (d_keep, h_keep), (
-            dev_p, nblk, bbytes, count, host_p, num_host_blocks, d_ptr, d_n, h_ptr, h_n, mode, code,
-        )
+        return _SwapArgs(dev_p, nblk, bbytes, count, host_p, _int_arg(num_host_blocks, op, "num_host_blocks"), d_ptr,
+                         d_n, h_ptr, h_n, _int_arg(mode, op, "mode", 32), code, (d_keep, h_keep))
 
     def group_progress(self) -> "GroupProgress":
         """A progress object for one :meth:`swap_layer_groups` call."""
@@ -638,14 +639,9 @@ class CApi:
         lets another thread wait until group g's event is recorded before it waits on it.
         """
         op = "swap_layer_groups"
-        if host_ptrs is not None and len(host_ptrs) != len(dev_ptrs):
-            raise SwapOpError(
-                f"{op}: host_ptrs has {len(host_ptrs)} entries but dev_ptrs has {len(dev_ptrs)}", op, "host_ptrs", None,
-            )
         group_size = _int_arg(group_size, op, "group_size")
-        keep, (dev_arr, nblk, bbytes, count, host_arr, nhost, d_ptr, d_n, h_ptr, h_n, mode_v, code) = self._swap_args(
-            op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, dev_ids, host_ids, mode, path
-        )
+        a = self._swap_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, dev_ids, host_ids,
+                            mode, path)
         if events is None:
             ev_arr, ev_n = None, 0
         else:
@@ -653,11 +649,10 @@ class CApi:
             ev_arr = ctypes.cast((ctypes.c_void_p * max(len(ev_list), 1))(*ev_list), ctypes.POINTER(ctypes.c_void_p))
             ev_n = len(ev_list)
         rc = self._lib.fdkv_swap_layer_groups(
-            op.encode(), dev_arr, nblk, bbytes, count, host_arr, nhost, group_size, d_ptr, d_n, h_ptr, h_n, mode_v,
-            ctypes.c_void_p(_stream_handle(stream)), ev_arr, ev_n,
-            None if progress is None else progress.handle, 1 if sync else 0, code,
+            op.encode(), a.dev_ptrs, a.num_blocks, a.block_bytes, a.count, a.host_ptrs, a.num_host_blocks, group_size,
+            a.dev_ids, a.num_dev_ids, a.host_ids, a.num_host_ids, a.mode, ctypes.c_void_p(_stream_handle(stream)),
+            ev_arr, ev_n, None if progress is None else progress.handle, 1 if sync else 0, a.path,
         )
-        del keep
         self._check(rc)
 
     def swap_per_layer(
@@ -707,11 +702,6 @@ class CApi:
         per tensor, so K/V caches and their scale caches can go in one call.  ``path``: as
         in :meth:`swap_per_layer`.
         """
-        if host_ptrs is not None and len(host_ptrs) != len(dev_ptrs):
-            raise SwapOpError(
-                f"swap_all_layers: host_ptrs has {len(host_ptrs)} entries but dev_ptrs has {len(dev_ptrs)}",
-                "swap_all_layers", "host_ptrs", None,
-            )
         self._swap("fdkv_swap_layers", "swap_all_layers", dev_ptrs, num_dev_blocks, block_bytes,
                    host_ptrs, num_host_blocks, dev_ids, host_ids, mode, stream, sync, path)
 
@@ -736,6 +726,25 @@ class CApi:
         """
         self._swap("fdkv_swap_layout", "swap_layout", dev_ptrs, num_dev_blocks, block_bytes,
                    [host_ptr], num_host_blocks, dev_ids, host_ids, mode, stream, sync, path)
+
+
+class _SwapArgs(NamedTuple):
+    """A swap's C arguments (``CApi._swap_args``), by name; ``keep`` holds the id buffers
+    alive until the call returns."""
+
+    dev_ptrs: Any
+    num_blocks: Any
+    block_bytes: Any
+    count: int
+    host_ptrs: Any
+    num_host_blocks: int
+    dev_ids: Any
+    num_dev_ids: int
+    host_ids: Any
+    num_host_ids: int
+    mode: int
+    path: int
+    keep: tuple[Any, Any]
 
 
 class TensorTable:
