@@ -138,6 +138,7 @@ class LayerDoneCounter:
         # progress says they are recorded.
         self._group_events: Optional[list[Any]] = None
         self._group_progress: Any = None
+        self._group_handed = 0  # group events handed to self._events so far
 
     # ------------------------------------------------------------------ producer side
     def set_layer_event(self, layer: int, event: Any) -> None:
@@ -267,9 +268,10 @@ class LayerDoneCounter:
                         # The call failed: the launcher records the error (fail()) next.
                         self._group_progress = None
                         continue
-                    for i in range(min(done, self.num_layers)):
+                    for i in range(self._group_handed, min(done, self.num_layers)):
                         if self._events[i] is None:
                             self._events[i] = events[i]
+                    self._group_handed = max(self._group_handed, min(done, self.num_layers))
                     continue
                 self._cond.wait(remaining)
             if self._error is not None:
