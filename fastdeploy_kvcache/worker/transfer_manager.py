@@ -181,14 +181,17 @@ class _LayoutTables:
     all_arrays: Sequence[Any]
     all_host: list[int]
     layers: list[Sequence[Any]]
+    group_size: int  # arrays per layer, the same for every layer; 0 if the layers differ
 
     @classmethod
     def of(cls, layout: "CacheLayout", backend: Backend) -> "_LayoutTables":
         all_host = [p for layer in layout.host for p in layer]
+        sizes = {len(a) for a in layout.device} | {len(p) for p in layout.host}
         return cls(
             backend.describe_arrays([a for layer in layout.device for a in layer], all_host),
             all_host,
             [backend.describe_arrays(layer, host) for layer, host in zip(layout.device, layout.host)],
+            sizes.pop() if len(sizes) == 1 else 0,
         )
 
 
@@ -501,14 +504,15 @@ class TransferManager:
                 # and rule 2 (one still reading a device block we are about to overwrite).
                 self._wait_on_conflicts(inp, task, {"device": 2, "host": 5})
                 task.start_event = self.backend.record_event(inp, timing=True)
-                if self._native_layer_groups(layout):
+                if self.backend.has_layer_groups and tables.group_size and self.fault_injector is None:
                     # One native call enqueues every layer and records its event (the GIL is
-                    # released once, not per layer).  The counter hands layer l's event out
+                    # released once, not per layer); the test fault hook is per layer, so it
+                    # keeps the loop below.  The counter hands layer l's event out
                     # once the call's progress says it is recorded.
                     events, progress = self.backend.layer_group_handles(num_layers)
                     counter.attach_layer_groups(events, progress)
                     self.backend.swap_layer_groups(
-                        tables.all_arrays, tables.all_host, len(layout.device[0]), layout.num_host_blocks, dev_ids,
+                        tables.all_arrays, tables.all_host, tables.group_size, layout.num_host_blocks, dev_ids,
                         host_ids, CopyDirection.HOST_TO_DEVICE, inp, events, progress, path=ops.COPY_PATH_PROCESS,
                     )
                     task.paths |= self.backend.last_path()
@@ -540,14 +544,6 @@ class TransferManager:
 
         self._dispatch(CopyDirection.HOST_TO_DEVICE, job)
         return counter
-
-    def _native_layer_groups(self, layout: CacheLayout) -> bool:
-        """Whether a load goes through the backend's one-call layer stack: the backend has
-        it, every layer has as many arrays, and no test fault hook needs the per-layer loop."""
-        if not self.backend.has_layer_groups or self.fault_injector is not None or not layout.device:
-            return False
-        group = len(layout.device[0])
-        return all(len(a) == group for a in layout.device) and all(len(p) == group for p in layout.host)
 
     # ------------------------------------------------------------------ completion
     def _finish(self, task: _Task) -> None:
