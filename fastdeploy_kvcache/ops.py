@@ -75,6 +75,9 @@ PATH_KERNEL = 2
 PATH_DMA = 4
 PATH_CPU = 8
 PATH_STAGED = 16
+PATH_DMA_ROWS = 32
+"""Set with PATH_DMA: the copies went as one 2D copy per run of blocks over tensors that sit
+at one pitch (docs/ops.md, "Lanes at one pitch"), not a batch entry per tensor."""
 
 # Per-call copy path (the ``path`` argument of every swap): which path this one call takes,
 # whatever the process-wide ``copy_path`` option says.  See docs/ops.md, "Which path runs when".

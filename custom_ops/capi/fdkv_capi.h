@@ -96,7 +96,8 @@ FDKV_API int fdkv_parse_env(const char* name, const char* raw, int64_t* value);
 // file could not be opened or read).  Holds no lock of the caller's (ctypes drops the GIL).
 FDKV_API int fdkv_read_files(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,
                              void* headers, int64_t header_bytes, int64_t* got);
-// Bit mask of the paths the calling thread's last swap used: 1 memcpy, 2 kernel, 4 DMA, 8 CPU.
+// Bit mask of the paths the calling thread's last swap used: 1 memcpy, 2 kernel, 4 DMA, 8 CPU,
+// 16 staged, 32 (with 4) DMA as 2D rows over tensors at one pitch.
 FDKV_API int fdkv_last_path(void);
 FDKV_API int fdkv_stream_synchronize(void* stream);
 

@@ -30,7 +30,9 @@ namespace fdkv {
 enum Mode : int { kDeviceToHost = 0, kHostToDevice = 1 };
 
 // Which copy paths a call used (bit mask; reported by LastPath() for tests/benchmarks).
-enum PathBits : int { kPathMemcpy = 1, kPathKernel = 2, kPathDma = 4, kPathCpu = 8, kPathStaged = 16 };
+// kPathDmaRows comes with kPathDma: the DMA path's copies went as one 2D copy per run over
+// lanes at one pitch (swap_cuda.cu, LanesAtOnePitch) instead of a batch entry per lane.
+enum PathBits : int { kPathMemcpy = 1, kPathKernel = 2, kPathDma = 4, kPathCpu = 8, kPathStaged = 16, kPathDmaRows = 32 };
 
 // copy_path option values.  A per-call override (ExecTarget::copy_path) uses the same
 // values, plus kCopyProcess: "use the process-wide copy_path option".

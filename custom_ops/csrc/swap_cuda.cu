@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -571,6 +572,71 @@ bool HostSideIsPinned(const std::vector<LaneDesc>& lanes, int mode) {
   return true;
 }
 
+// ------------------------------------------------------------------------ lanes at one pitch
+// The widest pitch cudaMemcpy2DAsync takes on the current device (cudaDevAttrMaxPitch).
+int64_t MaxPitch() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> cached[kMaxDevices] = {};
+  int dev = 0;
+  FDKV_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) return 0;
+  int64_t v = cached[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int pitch = 0;
+    FDKV_CUDA_CHECK(cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, dev));
+    v = std::max<int64_t>(1, pitch);
+    cached[dev].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+// Whether the lanes sit at one pitch on each side: every lane has lane 0's block size and
+// strides, and lane l starts l * pitch bytes after lane 0 (a cache allocated as one slab,
+// as the worker does).  Then a run of blocks is one 2D copy over all lanes (width: the
+// run's bytes, height: the lane count), where the DMA batch needs a copy per lane.
+// Measured on H100 (docs/benchmarks.md, "2D copies"): 96 lanes of 128 KiB blocks moved at
+// 0.95 (D2H) and 1.0 (H2D) of the link with ~2.5 us of host time per 2D copy, against
+// ~0.85 us per lane in the batch; rows of 16 KiB reached only 0.56 (the staged path's case).
+// Three lanes at least: below that the batch costs no more.
+bool LanesAtOnePitch(const std::vector<LaneDesc>& lanes, int64_t* src_pitch, int64_t* dst_pitch) {
+  constexpr size_t kMinLanes = 3;
+  if (lanes.size() < kMinLanes) return false;
+  const LaneDesc& a = lanes.front();
+  const int64_t sp = lanes[1].src - a.src;
+  const int64_t dp = lanes[1].dst - a.dst;
+  if (sp <= 0 || dp <= 0) return false;
+  for (size_t l = 1; l < lanes.size(); ++l) {
+    const LaneDesc& b = lanes[l];
+    const int64_t i = static_cast<int64_t>(l);
+    if (b.bytes != a.bytes || b.src_stride != a.src_stride || b.dst_stride != a.dst_stride ||
+        b.src != a.src + i * sp || b.dst != a.dst + i * dp) {
+      return false;
+    }
+  }
+  const int64_t max_pitch = MaxPitch();
+  if (sp > max_pitch || dp > max_pitch) return false;
+  *src_pitch = sp;
+  *dst_pitch = dp;
+  return true;
+}
+
+// One cudaMemcpy2DAsync per run over every lane; false (nothing enqueued) if a run is wider
+// than a pitch (its rows would overlap the next lane's).
+bool LaunchLaneRows(const std::vector<LaneDesc>& lanes, const std::vector<Run>& runs, int64_t src_pitch,
+                    int64_t dst_pitch, cudaStream_t stream) {
+  const LaneDesc& l = lanes.front();
+  for (const Run& r : runs) {
+    if (r.count * l.bytes > std::min(src_pitch, dst_pitch)) return false;
+  }
+  for (const Run& r : runs) {
+    FDKV_CUDA_CHECK(cudaMemcpy2DAsync(l.dst + r.dst_id * l.dst_stride, static_cast<size_t>(dst_pitch),
+                                      l.src + r.src_id * l.src_stride, static_cast<size_t>(src_pitch),
+                                      static_cast<size_t>(r.count * l.bytes), lanes.size(), cudaMemcpyDefault,
+                                      stream));
+  }
+  return true;
+}
+
 // ------------------------------------------------------------------------ auto's staged rule
 // Whether auto takes the staged path for a call (or a layer stack) of `total_bytes` whose
 // copies both sides share average `avg_copy_bytes` and whose host side merges into
@@ -661,9 +727,15 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
       // batch pays ~0.5-1 us of host time per copy (a 128 KiB all-layer call: 1.1-1.5 ms
       // against 0.2-0.3 ms staged) and reached 0.94-0.95 one way and 0.87 both ways where
       // staged reached 0.96-0.98 and 1.0.  Per-layer calls of big blocks stay on the DMA
-      // batch: each staged call pays its pipeline's fill and drain.
+      // batch: each staged call pays its pipeline's fill and drain.  Lanes at one pitch
+      // keep large copies on DMA at any call size: one 2D copy per run costs about what the
+      // staged path's submit does and holds no SMs (the staged gathers cost a forward pass
+      // 3-4% while evictions run at full rate).
       constexpr int64_t kStagedMinLargeCopyCallBytes = 64 << 20;
-      if (StagedRuleHolds(total_bytes, avg_copy_bytes, num_segs, opts, kStagedMinLargeCopyCallBytes) &&
+      int64_t sp = 0, dp = 0;
+      const bool large_rows = avg_copy_bytes >= opts.dma_min_bytes && LanesAtOnePitch(lanes, &sp, &dp);
+      if (!large_rows &&
+          StagedRuleHolds(total_bytes, avg_copy_bytes, num_segs, opts, kStagedMinLargeCopyCallBytes) &&
           HostSideIsPinned(lanes, mode)) {
         path = kCopyStaged;
       } else {
@@ -681,6 +753,10 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   const bool kernel_ok = path != kCopyKernel || HostSideIsPinned(lanes, mode);
 
   if (path == kCopyDma) {
+    int64_t src_pitch = 0, dst_pitch = 0;
+    if (LanesAtOnePitch(lanes, &src_pitch, &dst_pitch) && LaunchLaneRows(lanes, runs, src_pitch, dst_pitch, stream)) {
+      return kPathDma | kPathDmaRows;
+    }
     thread_local std::vector<Copy> copies;
     copies.clear();
     copies.reserve(static_cast<size_t>(num_copies));

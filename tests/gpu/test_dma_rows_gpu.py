@@ -1,0 +1,161 @@
+"""DMA as 2D rows: tensors at one pitch on both sides (the worker's slab caches) move a run of
+blocks of every tensor as one ``cudaMemcpy2DAsync`` (``ops.PATH_DMA_ROWS``), and anything
+short of one pitch takes the per-tensor DMA batch.  Every case checks every byte against a
+numpy model, including the bytes between the moved blocks (a row written too wide or at the
+wrong pitch lands there)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fastdeploy_kvcache import ops
+
+pytestmark = pytest.mark.gpu
+
+LANES, NUM_DEV, NUM_HOST = 6, 24, 20
+
+
+def _slab(cupy, capi, pinned, block_bytes: int, dev_gap: int = 0, host_gap: int = 0, seed: int = 0):
+    """LANES device tensors carved from one CuPy array and LANES host tensors from one pinned
+    buffer, each side at one pitch (a tensor plus ``*_gap`` spare blocks)."""
+    rng = np.random.default_rng(seed)
+    dev_pitch_blocks, host_pitch_blocks = NUM_DEV + dev_gap, NUM_HOST + host_gap
+    dev = cupy.asarray(rng.integers(0, 256, (LANES, dev_pitch_blocks, block_bytes), dtype=np.uint8))
+    host = pinned(LANES * host_pitch_blocks * block_bytes).reshape(LANES, host_pitch_blocks, block_bytes)
+    host[:] = rng.integers(0, 256, host.shape, dtype=np.uint8)
+    dev_ptrs = [dev[l].data.ptr for l in range(LANES)]
+    host_ptrs = [host[l].ctypes.data for l in range(LANES)]
+    return dev, host, dev_ptrs, host_ptrs
+
+
+def _swap(cupy, capi, stream, dev, host, dev_ptrs, host_ptrs, block_bytes, dev_ids, host_ids, mode, path) -> int:
+    """One all-layer call; checks every byte of both sides against the model; returns last_path()."""
+    want_dev, want_host = cupy.asnumpy(dev), host.copy()
+    for l in range(LANES):
+        if mode == ops.MODE_D2H:
+            want_host[l, host_ids] = want_dev[l, dev_ids]
+        else:
+            want_dev[l, dev_ids] = want_host[l, host_ids]
+    capi.swap_all_layers(dev_ptrs, host_ptrs, NUM_DEV, block_bytes, NUM_HOST, dev_ids, host_ids, mode,
+                         stream=stream, path=path)
+    used = capi.last_path()
+    stream.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(dev), want_dev)
+    np.testing.assert_array_equal(host, want_host)
+    return used
+
+
+ROWS = ops.PATH_DMA | ops.PATH_DMA_ROWS
+
+ID_SETS = {
+    # (device ids, host ids): scattered pairs, a host run with scattered device ids, and both
+    # sides consecutive (one merged run: one 2D copy as wide as four blocks).
+    "scattered": ([5, 1, 9, 3, 12, 0, 7], [2, 8, 4, 0, 11, 6, 14]),
+    "host_run": ([17, 3, 11, 6, 22], [7, 8, 9, 10, 11]),
+    "merged_run": ([4, 5, 6, 7], [12, 13, 14, 15]),
+}
+
+
+@pytest.mark.parametrize("ids", sorted(ID_SETS))
+@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("block_bytes", [64 << 10, 128 << 10, 96 << 10])
+@pytest.mark.parametrize("gaps", [(0, 0), (3, 1)], ids=["packed", "gaps"])
+def test_lanes_at_one_pitch_move_as_rows(cupy, capi, pinned, cuda_stream, ids, mode, block_bytes, gaps) -> None:
+    dev, host, dev_ptrs, host_ptrs = _slab(cupy, capi, pinned, block_bytes, *gaps, seed=block_bytes + mode)
+    d, h = ID_SETS[ids]
+    for path in ("dma", "auto"):  # auto: copies >= FDKV_DMA_MIN_BYTES at one pitch stay on DMA
+        used = _swap(cupy, capi, cuda_stream(), dev, host, dev_ptrs, host_ptrs, block_bytes, d, h, mode, path)
+        assert used == ROWS, f"{path}: last_path()={used}"
+
+
+def test_auto_keeps_an_all_layer_call_at_one_pitch_off_the_staged_path(cupy, capi, pinned, cuda_stream) -> None:
+    """The staged rule takes all-layer-sized calls (>= 64 MiB, host runs) of any block size
+    when the tensors are spread out; at one pitch the same call stays on DMA rows."""
+    bb, lanes, n = 128 << 10, 32, 20  # 32 tensors x 20 blocks x 128 KiB = 80 MiB, one host run
+    dev = cupy.zeros((lanes, 2 * n, bb), dtype=cupy.uint8)
+    dev[:, :n] = 7
+    host = pinned(lanes * n * bb).reshape(lanes, n, bb)
+    host[:] = 0
+    dev_ids = list(np.random.default_rng(3).permutation(n))
+    stream = cuda_stream()
+    capi.swap_all_layers([dev[l].data.ptr for l in range(lanes)], [host[l].ctypes.data for l in range(lanes)],
+                         2 * n, bb, n, dev_ids, list(range(n)), ops.MODE_D2H, stream=stream, path="auto")
+    used = capi.last_path()
+    stream.synchronize()
+    assert used == ROWS, f"last_path()={used}"
+    assert (host == 7).all()
+    # The same call over the slab's tensors in reverse order (a negative pitch) goes staged.
+    spread = [dev[l].data.ptr for l in reversed(range(lanes))]
+    capi.swap_all_layers(spread, [host[l].ctypes.data for l in range(lanes)], 2 * n, bb, n, dev_ids, list(range(n)),
+                         ops.MODE_D2H, stream=stream, path="auto")
+    assert capi.last_path() == ops.PATH_STAGED
+    stream.synchronize()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["two_lanes", "one_lane_off_pitch", "sizes_differ", "descending"],
+)
+def test_lanes_short_of_one_pitch_take_the_batch(cupy, capi, pinned, cuda_stream, layout) -> None:
+    """Each way of missing "one pitch" gets the per-tensor batch (and the right bytes)."""
+    bb = 128 << 10
+    dev, host, dev_ptrs, host_ptrs = _slab(cupy, capi, pinned, bb, dev_gap=1, host_gap=1, seed=11)
+    lanes = list(range(LANES))
+    block_bytes: Any = bb
+    if layout == "two_lanes":  # too few tensors for a row to pay
+        lanes = [0, 1]
+    elif layout == "one_lane_off_pitch":  # lanes 0, 1, 2, 4, 5: a hole breaks the pitch
+        lanes = [0, 1, 2, 4, 5]
+    elif layout == "descending":  # a negative pitch
+        lanes = list(reversed(lanes))
+    dp = [dev_ptrs[l] for l in lanes]
+    hp = [host_ptrs[l] for l in lanes]
+    if layout == "sizes_differ":  # the last tensor's blocks are half as big
+        block_bytes = [bb] * (LANES - 1) + [bb // 2]
+    d, h = ID_SETS["scattered"]
+    want_host = host.copy()
+    want_dev = cupy.asnumpy(dev)
+    for i, l in enumerate(lanes):
+        size = block_bytes[i] if isinstance(block_bytes, list) else bb
+        # A tensor of `size`-byte blocks over the same memory.
+        want_host[l].reshape(-1, size)[h] = want_dev[l].reshape(-1, size)[d]
+    stream = cuda_stream()
+    capi.swap_all_layers(dp, hp, NUM_DEV, block_bytes, NUM_HOST, d, h, ops.MODE_D2H, stream=stream, path="dma")
+    used = capi.last_path()
+    stream.synchronize()
+    assert used == ops.PATH_DMA, f"last_path()={used}"
+    np.testing.assert_array_equal(host, want_host)
+
+
+def test_the_worker_caches_sit_at_one_pitch(cupy) -> None:
+    """The worker's device cache (CuPy backend) and host cache are slabs at one pitch, so its
+    all-layer evictions of big blocks go as rows."""
+    from fastdeploy_kvcache.config import CacheConfig
+    from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata
+    from fastdeploy_kvcache.worker import CacheController
+
+    config = CacheConfig(num_layers=4, num_kv_heads=8, block_size=64, head_dim=128, dtype="float16")  # 128 KiB
+    ctrl = CacheController(config, backend="cupy", d2h_copy_path="dma")
+    try:
+        caches = ctrl.initialize_kv_cache(16)
+        ctrl.initialize_host_cache(16)
+        dev_ptrs = [c.data.ptr for c in caches]
+        host_ptrs = [ctrl.get_host_cache_kvs_map()[name] for name in ctrl.get_kv_caches()]
+        assert len({b - a for a, b in zip(dev_ptrs, dev_ptrs[1:])}) == 1
+        assert len({b - a for a, b in zip(host_ptrs, host_ptrs[1:])}) == 1
+        for i, c in enumerate(caches):
+            c[:] = i + 1
+        ctrl.submit_swap_tasks(CacheSwapMetadata([3, 9], [5, 6], CacheLevel.DEVICE, CacheLevel.HOST), None)
+        (done,) = ctrl.collect_finished(wait=True)
+        assert done.success
+        assert ctrl.get_stats()["d2h"]["paths"] == ROWS
+        block = config.bytes_per_layer_block
+        for i, ptr in enumerate(host_ptrs):
+            got = np.ctypeslib.as_array((ctypes.c_uint8 * (16 * block)).from_address(ptr))
+            assert (got[5 * block:7 * block].view(np.float16) == i + 1).all()
+    finally:
+        ctrl.close()
