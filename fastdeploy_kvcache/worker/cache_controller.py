@@ -77,6 +77,7 @@ class CacheController:
         self.cache_kvs_map: dict[str, Any] = {}
         self.host_cache_kvs_map: dict[str, int] = {}
         self._host_nbytes: dict[str, int] = {}
+        self._host_slab: Optional[int] = None  # the one host allocation the buffers share
         self.num_gpu_blocks = 0
         self.num_host_blocks = 0
         self.numa_node: Optional[int] = None
@@ -147,12 +148,12 @@ class CacheController:
             if self.cache_kvs_map:
                 raise RuntimeError("the device KV cache is already initialized; free_cache() first")
             try:
-                for layer in range(self.num_layers):
-                    names = self.cache_names(layer)
-                    for kind in self._kinds():
-                        shape, dtype = self._shape(kind, blocks)
-                        # No local name holds an array: on failure the map is the only owner.
-                        self.cache_kvs_map[names[kind]] = self.backend.alloc_device(shape, dtype)
+                # Every array in the copy op's lane order, at one pitch where the backend can
+                # (CuPy: one slab), so an all-layer copy moves a run of blocks as one 2D copy.
+                names = [self.cache_names(layer)[kind] for layer in range(self.num_layers) for kind in self._kinds()]
+                shapes = [self._shape(kind, blocks) for _layer in range(self.num_layers) for kind in self._kinds()]
+                # No local name holds an array past this: on failure the map is the only owner.
+                self.cache_kvs_map.update(zip(names, self.backend.alloc_device_lanes(shapes)))
             except BaseException:
                 # A failure midway (out of memory at some layer) must not leave a half-built
                 # cache behind: it would hold device memory and refuse every retry.  The map
@@ -183,11 +184,14 @@ class CacheController:
 
     # ------------------------------------------------------------------ host cache
     def initialize_host_cache(self, num_host_blocks: Optional[int] = None) -> None:
-        """Allocate pinned host caches (one buffer per device cache) for the host tier.
+        """Allocate the pinned host cache (a buffer per device cache) for the host tier.
 
-        Allocated on the GPU's NUMA node when it can be found: pinned pages are placed by the
-        allocating thread's memory policy, and a remote node costs host->device bandwidth.
-        Binding is best effort, logged, and never fatal.
+        One allocation holds every buffer, back to back in the copy op's lane order: buffers
+        of one size then sit at one pitch, and an all-layer copy moves a run of blocks as one
+        2D copy over every layer (docs/ops.md, "Lanes at one pitch"); it is also one pinned
+        registration instead of ~100.  Allocated on the GPU's NUMA node when it can be
+        found: pinned pages are placed by the allocating thread's memory policy, and a remote
+        node costs host->device bandwidth.  Binding is best effort, logged, and never fatal.
         """
         self.config.validate()
         blocks = self.config.host_block_count if num_host_blocks is None else num_host_blocks
@@ -201,12 +205,17 @@ class CacheController:
             self.numa_node = node
             with numa.PreferredNumaNode(node):
                 try:
-                    for layer in range(self.num_layers):
-                        names = self.cache_names(layer)
-                        for kind in self._kinds():
-                            nbytes = blocks * self._block_bytes(kind)
-                            self.host_cache_kvs_map[names[kind]] = self.backend.host_alloc(nbytes)
-                            self._host_nbytes[names[kind]] = nbytes
+                    sizes = {
+                        self.cache_names(layer)[kind]: blocks * self._block_bytes(kind)
+                        for layer in range(self.num_layers)
+                        for kind in self._kinds()
+                    }
+                    self._host_slab = self.backend.host_alloc(sum(sizes.values()))
+                    offset = 0
+                    for name, nbytes in sizes.items():
+                        self.host_cache_kvs_map[name] = self._host_slab + offset
+                        self._host_nbytes[name] = nbytes
+                        offset += nbytes
                 except Exception:
                     self._free_host()
                     raise
@@ -344,11 +353,12 @@ class CacheController:
             return finished
 
     def _free_host(self) -> None:
-        for name, ptr in list(self.host_cache_kvs_map.items()):
+        slab, self._host_slab = self._host_slab, None
+        if slab is not None:
             try:
-                self.backend.host_free(ptr)
-            except Exception:  # noqa: BLE001 - keep freeing the rest
-                logger.warning("failed to free host cache %s", name, exc_info=True)
+                self.backend.host_free(slab)
+            except Exception:  # noqa: BLE001 - the maps are cleared all the same
+                logger.warning("failed to free the host cache", exc_info=True)
         self.host_cache_kvs_map.clear()
         self._host_nbytes.clear()
         self.num_host_blocks = 0

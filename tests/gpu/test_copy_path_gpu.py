@@ -1,6 +1,6 @@
 """The per-call copy path on a GPU: the ``path`` argument beats the process-wide
 ``copy_path`` option for that one call (and only for it, also with two threads issuing
-calls at once), and the worker's device->host copies take the DMA batch by default while
+calls at once), and the worker's device->host copies take the DMA path by default while
 its loads follow the process-wide rule.  CPU counterparts: tests/ops/test_ops_copy_path.py,
 tests/worker/test_d2h_copy_path.py."""
 
@@ -191,14 +191,15 @@ def test_worker_evictions_use_dma_by_default(cupy, capi, process_path, monkeypat
     try:
         stats = _step(cupy, ctrl)
         assert stats["d2h_copy_path"] == "dma"
-        assert stats["d2h"]["paths"] == ops.PATH_DMA
+        # The worker's caches are slabs at one pitch: its DMA evictions go as 2D rows.
+        assert stats["d2h"]["paths"] == ops.PATH_DMA | ops.PATH_DMA_ROWS
         assert stats["h2d"]["paths"] == ops.PATH_KERNEL  # loads: the process rule (kernel at 16 KiB)
     finally:
         ctrl.close()
 
 
 @pytest.mark.parametrize("setting,want", [("process", ops.PATH_KERNEL), ("kernel", ops.PATH_KERNEL),
-                                          ("auto", ops.PATH_KERNEL), ("dma", ops.PATH_DMA)])
+                                          ("auto", ops.PATH_KERNEL), ("dma", ops.PATH_DMA | ops.PATH_DMA_ROWS)])
 def test_worker_d2h_path_is_configurable(cupy, capi, process_path, monkeypatch, setting, want) -> None:
     process_path(ops.COPY_PATH_AUTO)
     monkeypatch.setenv("FDKV_D2H_COPY_PATH", setting)

@@ -60,6 +60,28 @@ def test_quantized_cache_has_fp32_scales_that_travel(make_controller, backend: s
     assert device_block_bytes(ctrl, 6) == device_block_bytes(ctrl, 1)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_host_buffers_are_one_slab_in_lane_order(make_controller, monkeypatch, quantized: bool) -> None:
+    """The host buffers sit back to back in one allocation, in the all-layer call's tensor
+    order (the copy op's 2D rows need one pitch), and free_cache() frees that one allocation."""
+    cfg = {"dtype": "uint8", "kv_cache_quant": "int8"} if quantized else {}
+    ctrl = make_controller(num_layers=3, **cfg)
+    kinds = ("key", "value", "key_scale", "value_scale") if quantized else ("key", "value")
+    order = [ctrl.cache_names(layer)[kind] for layer in range(3) for kind in kinds]
+    ptrs = [ctrl.host_cache_kvs_map[name] for name in order]
+    sizes = [ctrl._host_nbytes[name] for name in order]
+    assert [b - a for a, b in zip(ptrs, ptrs[1:])] == sizes[:-1]  # packed, in lane order
+    if not quantized:
+        assert len(set(sizes)) == 1  # every key/value buffer at one pitch
+    freed: list[int] = []
+    real_free = ctrl.backend.host_free
+    monkeypatch.setattr(ctrl.backend, "host_free", lambda p: (freed.append(p), real_free(p)))
+    ctrl.free_cache()
+    assert freed == [ptrs[0]] and ctrl.host_cache_kvs_map == {}
+    ctrl.initialize_host_cache()  # and a fresh one can be made after
+    assert len(ctrl.host_cache_kvs_map) == len(order)
+
+
 def test_rank_in_names_is_modulo_tensor_parallel(make_controller) -> None:
     from fastdeploy_kvcache.worker import CacheController
     from worker_helpers import capi_or_skip, small_config

@@ -67,6 +67,15 @@ class Backend(abc.ABC):
     def alloc_device(self, shape: Sequence[int], dtype: str) -> Any:
         """A zero-filled device array of the cache dtype (bf16 may be stored as uint16)."""
 
+    def alloc_device_lanes(self, shapes: Sequence[tuple[Sequence[int], str]]) -> list[Any]:
+        """Zero-filled device arrays, one per ``(shape, dtype)``, in this order.
+
+        Backends that can carve views from one allocation do, at one pitch (the copy op then
+        moves a run of blocks of every layer as one 2D copy: docs/ops.md, "Lanes at one
+        pitch"); this default allocates each array on its own.
+        """
+        return [self.alloc_device(shape, dtype) for shape, dtype in shapes]
+
     @abc.abstractmethod
     def fill_zero(self, array: Any) -> None:
         """Zero a device array in place (reset_cache)."""
