@@ -68,6 +68,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fence-blocks", type=int, default=8, help="blocks of the write_back eviction fence row")
     p.add_argument("--json", default="", help="write the results here too")
     p.add_argument("--staging-grids", default="", help="--sm-check: staged path at these staging_grid values too")
+    p.add_argument("--compute-priority", default="normal", choices=["normal", "high"],
+                   help="priority of the compute stream: 'high' lets the forward's kernels take SMs ahead of "
+                        "the staged path's gathers (an engine choice; CUDA streams default to the lowest)")
+    p.add_argument("--staging-grid", type=int, default=0,
+                   help="CTAs of the staged path's gather/scatter kernel for this run (0: the library's default)")
     p.add_argument("--sm-check", action="store_true",
                    help="only run the SM-sharing check: cuBLAS GEMMs and elementwise kernels, alone and "
                         "while device->host copies run through the copy kernel or the DMA batch")
@@ -95,7 +100,16 @@ def _skip_reason() -> "str | None":
     return None
 
 
-def sm_sharing_check(staging_grids: "list[int]") -> int:
+def compute_stream(cp: Any, priority: str) -> Any:
+    """The benchmark's compute stream; 'high' = the device's greatest stream priority."""
+    if priority == "high":
+        # CUDA clamps a priority outside cudaDeviceGetStreamPriorityRange to the nearest end
+        # (CuPy does not wrap that query): -1000 asks for the greatest.
+        return cp.cuda.Stream(non_blocking=True, priority=-1000)
+    return cp.cuda.Stream(non_blocking=True)
+
+
+def sm_sharing_check(staging_grids: "list[int]", priority: str = "normal") -> int:
     """Why the copy kernel path slows GEMMs far more than its 8 SMs would suggest.
 
     A GEMM and an elementwise kernel are timed alone and while all-layer device->host copies
@@ -112,7 +126,7 @@ def sm_sharing_check(staging_grids: "list[int]") -> int:
     host = [capi.host_alloc(nblocks * block_bytes) for _ in range(tensors)]
     ids = np.random.default_rng(0).permutation(nblocks).astype(np.int64)
     host_ids = np.arange(nblocks, dtype=np.int64)  # a host run: what the staged path merges
-    copy_stream, compute = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    copy_stream, compute = cp.cuda.Stream(non_blocking=True), compute_stream(cp, priority)
     mat = cp.ones((4928, 4928), cp.float16)
     vec = cp.ones(1 << 27, cp.float32)
 
@@ -161,7 +175,7 @@ def main() -> int:
         print(f"bench_overlap: skipped ({reason})")
         return 0
     if args.sm_check:
-        return sm_sharing_check([int(g) for g in args.staging_grids.split(",") if g])
+        return sm_sharing_check([int(g) for g in args.staging_grids.split(",") if g], args.compute_priority)
     import cupy as cp
     import numpy as np
 
@@ -169,6 +183,8 @@ def main() -> int:
     from fastdeploy_kvcache.worker import CacheController
 
     capi = ops.load_capi(variant="cuda")
+    if args.staging_grid > 0:
+        capi.set_option("staging_grid", args.staging_grid)
     props = cp.cuda.runtime.getDeviceProperties(0)
     device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
 
@@ -199,7 +215,7 @@ def main() -> int:
         fence_host = list(range(2 * n_blocks, 2 * n_blocks + args.fence_blocks))
     load_bytes = n_blocks * config.bytes_per_block
 
-    compute = cp.cuda.Stream(non_blocking=True)
+    compute = compute_stream(cp, args.compute_priority)
 
     def run_once(body: Any) -> float:
         """Seconds on the compute stream from before ``body`` to after it.
@@ -258,10 +274,11 @@ def main() -> int:
         "blocks_loaded": n_blocks, "bytes_per_block_all_layers": config.bytes_per_block,
         "layer_load_bytes": n_blocks * 2 * config.bytes_per_layer_block,
         "contiguous_pinned_h2d_GBps": contiguous_h2d, "host_cache_numa_node": ctrl.numa_node,
-        "d2h_copy_path": tm.d2h_copy_path, "host_ids": args.host_ids, "runs": [],
+        "d2h_copy_path": tm.d2h_copy_path, "host_ids": args.host_ids,
+        "staging_grid": capi.get_option("staging_grid"), "compute_priority": args.compute_priority, "runs": [],
     }
     path_names = {ops.PATH_MEMCPY: "memcpy", ops.PATH_KERNEL: "kernel", ops.PATH_DMA: "dma", ops.PATH_CPU: "cpu",
-                  ops.PATH_STAGED: "staged"}
+                  ops.PATH_STAGED: "staged", ops.PATH_DMA_ROWS: "rows"}
 
     def paths_str(bits: int) -> str:
         return "+".join(name for bit, name in path_names.items() if bits & bit) or "-"

@@ -1,7 +1,8 @@
 """Bandwidth of the KV swap ops on a GPU (CuPy memory + the CUDA C ABI).
 
-64 layers, random block ids, block sizes 4 KiB .. 2 MiB; per-layer calls (one per layer,
-as a layer-by-layer load issues them) and all-layers calls (one per step); host to
+64 layers, random block ids, block sizes 4 KiB .. 2 MiB; per-layer calls (one per layer),
+layer-group calls (one ``swap_layer_groups`` call per stack with an event recorded after each
+layer: how the worker's layer-by-layer load issues it) and all-layers calls (one per step); host to
 device, device to host, and both at once on two streams; scattered and fully
 consecutive ids; every copy path (auto, kernel at several grid sizes, DMA batch).
 
@@ -38,7 +39,8 @@ from fastdeploy_kvcache import ops  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PATH_NAMES = {0: "-", ops.PATH_MEMCPY: "memcpy", ops.PATH_KERNEL: "kernel", ops.PATH_DMA: "dma",
-              ops.PATH_MEMCPY | ops.PATH_KERNEL: "memcpy+kernel", ops.PATH_STAGED: "staged"}
+              ops.PATH_MEMCPY | ops.PATH_KERNEL: "memcpy+kernel", ops.PATH_STAGED: "staged",
+              ops.PATH_DMA | ops.PATH_DMA_ROWS: "dma rows", ops.PATH_DMA | ops.PATH_DMA_ROWS | ops.PATH_STAGED: "dma rows+staged"}
 COPY_PATH = {"auto": 0, "kernel": 1, "dma": 2, "staged": 3}
 # Id patterns (device ids, host ids): "scattered" both random; "host_runs" random device ids
 # and one run of consecutive host ids (what the block allocator hands out for one request);
@@ -52,7 +54,7 @@ KERNEL_CHUNK, KERNEL_WARPS_PER_CTA, TMA_CHUNK = 8192, 16, 16384  # mirror swap_c
 class Row:
     block_bytes: int
     ids: str            # one of ID_PATTERNS
-    api: str            # all_layers | per_layer
+    api: str            # all_layers | per_layer | layer_groups
     path: str           # requested: auto | kernel | dma
     grid: int           # kernel grid cap for this row
     kernel: int         # kernel variant (copy_kernel option)
@@ -166,6 +168,8 @@ class SizeBench:
         # Fill host memory from random device data (fast) rather than numpy's generator.
         cp.cuda.runtime.memcpy(self.host_ptr, self.dev.data.ptr, self.host.nbytes, cp.cuda.runtime.memcpyDeviceToHost)
         self.dev_ptrs = [int(self.dev[l].data.ptr) for l in range(layers)]
+        # One event per layer for the layer_groups api (the load's per-layer fences).
+        self.events = [cp.cuda.Event(disable_timing=True) for _ in range(layers)]
         self.host_ptrs = [self.host_ptr + l * self.pool * block_bytes for l in range(layers)]
         rng = np.random.default_rng(seed)
         dp, hp = rng.permutation(self.pool), rng.permutation(self.pool)
@@ -203,6 +207,16 @@ class SizeBench:
                 for mode, d, h, s in jobs:
                     capi.swap_all_layers(self.dev_ptrs, self.host_ptrs, self.pool, self.bb, self.pool, d, h, mode,
                                          stream=s.ptr)
+                    used |= capi.last_path()
+                return used
+        elif api == "layer_groups":
+            events = [e.ptr for e in self.events]
+
+            def run() -> int:
+                used = 0
+                for mode, d, h, s in jobs:  # one call per direction; an event behind each layer
+                    capi.swap_layer_groups(self.dev_ptrs, self.host_ptrs, 1, self.pool, self.bb, self.pool, d, h,
+                                           mode, stream=s.ptr, events=events if mode == ops.MODE_H2D else None)
                     used |= capi.last_path()
                 return used
         else:
@@ -306,7 +320,7 @@ def run(args: argparse.Namespace) -> Optional[Report]:
                     capi.set_option("staging_chunk_bytes", chunk)
                     id_set = args.ids if scope == "full" else (("host_runs",) if scope == "chunk" else ("scattered",))
                     for ids in id_set:
-                        for api in ("all_layers", "per_layer") if scope in ("full", "per_layer") else ("all_layers",):
+                        for api in args.apis if scope in ("full", "per_layer") else ("all_layers",):
                             for direction in ("h2d", "d2h", "both"):
                                 issue = bench.issue(api, direction, ids, s_h2d, s_d2h)
                                 streams = [s_h2d, s_d2h] if direction == "both" else [s_h2d if direction == "h2d" else s_d2h]
@@ -404,6 +418,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--grid", type=int, default=8, help="kernel grid cap (FDKV_COPY_GRID) for the main rows")
     parser.add_argument("--paths", default="auto,kernel,dma,staged", help="copy paths of the full matrix")
     parser.add_argument("--ids", default=",".join(ID_PATTERNS), help="id patterns of the full matrix")
+    parser.add_argument("--apis", default="all_layers,per_layer,layer_groups",
+                        help="call shapes of the full matrix: all_layers, per_layer, layer_groups")
     parser.add_argument("--staging-chunks", default="", help="extra staging chunk sizes (staged, host runs), e.g. 4M,32M")
     parser.add_argument("--grid-sweep", default="", help="extra kernel grid caps (all-layers, scattered), e.g. 4,16,32")
     parser.add_argument("--kernel-variants", default="", help="extra kernel variants to sweep, e.g. 1,2,3")
@@ -425,6 +441,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.dma_slices = [parse_size(v) for v in args.dma_slices.split(",") if v]
     args.paths = [p for p in args.paths.split(",") if p]
     args.ids = [i for i in args.ids.split(",") if i]
+    args.apis = [a for a in args.apis.split(",") if a]
+    unknown = sorted(set(args.apis) - {"all_layers", "per_layer", "layer_groups"})
+    if unknown:
+        parser.error(f"--apis: unknown call shape(s) {', '.join(unknown)} (all_layers, per_layer, layer_groups)")
     args.staging_chunks = [parse_size(v) for v in args.staging_chunks.split(",") if v]
     if args.quick:
         args.sizes, args.iters, args.grid_sweep, args.rounds = [8 * KiB, 512 * KiB], 3, [], 1
