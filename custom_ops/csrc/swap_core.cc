@@ -37,7 +37,7 @@ struct OptionSpec {
   int64_t hi;
   bool copy_path;      // value is a copy path name (auto|kernel|dma), not an integer
 };
-constexpr int kNumOptions = 12;
+constexpr int kNumOptions = 13;
 const OptionSpec kSpecs[kNumOptions] = {
     {"copy_grid", "FDKV_COPY_GRID", 8, 1, 65535, false},
     {"copy_path", "FDKV_COPY_PATH", kCopyAuto, kCopyAuto, kCopyStaged, true},
@@ -54,6 +54,9 @@ const OptionSpec kSpecs[kNumOptions] = {
     // 1: the DMAs as one cudaMemcpyAsync each, 0: one cudaMemcpyBatchAsync per chunk (faster).
     // For measurements and the GPU tests; read with GetOption.
     {"staging_mode", "", 0, 0, 1, false},
+    // DMA rows (swap_cuda.cu, LanesAtOnePitch): the fewest tensors at one pitch that go as
+    // one 2D copy per run.  For measurements and tests; read with GetOption.
+    {"dma_rows_min_lanes", "", 16, 1, 1 << 20, false},
 };
 
 std::atomic<int64_t> g_values[kNumOptions];

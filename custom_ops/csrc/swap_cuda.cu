@@ -594,13 +594,17 @@ int64_t MaxPitch() {
 // strides, and lane l starts l * pitch bytes after lane 0 (a cache allocated as one slab,
 // as the worker does).  Then a run of blocks is one 2D copy over all lanes (width: the
 // run's bytes, height: the lane count), where the DMA batch needs a copy per lane.
-// Measured on H100 (docs/benchmarks.md, "2D copies"): 96 lanes of 128 KiB blocks moved at
-// 0.95 (D2H) and 1.0 (H2D) of the link with ~2.5 us of host time per 2D copy, against
-// ~0.85 us per lane in the batch; rows of 16 KiB reached only 0.56 (the staged path's case).
-// Three lanes at least: below that the batch costs no more.
+// Measured on H100 (docs/benchmarks.md, "Third pass"): ~2.5 us of host time per 2D copy
+// against ~0.85 us per lane in the batch, but the copy engines take longer per row than per
+// batch entry: 128 KiB rows moved at 0.73-0.78 of the link with 3-4 lanes, 0.85-0.91 with
+// 8-16, 0.89-0.96 with 32-96 (the batch: 0.95-0.97); 2 MiB rows at 0.97-0.99 at any count;
+// 16 KiB rows at 0.56-0.66.  Hence 16 lanes at least by default (option
+// dma_rows_min_lanes): an all-layer call of any real model, where the batch pays ~1 ms of
+// submissions per 256 MiB and holds up every other thread's CUDA calls meanwhile.
 bool LanesAtOnePitch(const std::vector<LaneDesc>& lanes, int64_t* src_pitch, int64_t* dst_pitch) {
-  constexpr size_t kMinLanes = 3;
-  if (lanes.size() < kMinLanes) return false;
+  int64_t min_lanes = 16;
+  GetOption("dma_rows_min_lanes", &min_lanes);
+  if (lanes.size() < 2 || static_cast<int64_t>(lanes.size()) < min_lanes) return false;
   const LaneDesc& a = lanes.front();
   const int64_t sp = lanes[1].src - a.src;
   const int64_t dp = lanes[1].dst - a.dst;
@@ -716,6 +720,10 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
 
   // The call's own path wins over the process-wide option (see ExecTarget::copy_path).
   int64_t path = copy_path == kCopyProcess ? opts.copy_path : copy_path;
+  // Whether the DMA path (auto's or a forced one) can go as rows; worked out once.
+  int64_t row_src_pitch = 0, row_dst_pitch = 0;
+  const bool at_one_pitch =
+      (path == kCopyAuto || path == kCopyDma) && LanesAtOnePitch(lanes, &row_src_pitch, &row_dst_pitch);
   // The staged path's plan (host order, runs, segments) is built once, for auto's rule
   // and for the execution.
   thread_local staged::Plan plan;
@@ -732,8 +740,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
       // staged path's submit does and holds no SMs (the staged gathers cost a forward pass
       // 3-4% while evictions run at full rate).
       constexpr int64_t kStagedMinLargeCopyCallBytes = 64 << 20;
-      int64_t sp = 0, dp = 0;
-      const bool large_rows = avg_copy_bytes >= opts.dma_min_bytes && LanesAtOnePitch(lanes, &sp, &dp);
+      const bool large_rows = at_one_pitch && avg_copy_bytes >= opts.dma_min_bytes;
       if (!large_rows &&
           StagedRuleHolds(total_bytes, avg_copy_bytes, num_segs, opts, kStagedMinLargeCopyCallBytes) &&
           HostSideIsPinned(lanes, mode)) {
@@ -753,8 +760,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   const bool kernel_ok = path != kCopyKernel || HostSideIsPinned(lanes, mode);
 
   if (path == kCopyDma) {
-    int64_t src_pitch = 0, dst_pitch = 0;
-    if (LanesAtOnePitch(lanes, &src_pitch, &dst_pitch) && LaunchLaneRows(lanes, runs, src_pitch, dst_pitch, stream)) {
+    if (at_one_pitch && LaunchLaneRows(lanes, runs, row_src_pitch, row_dst_pitch, stream)) {
       return kPathDma | kPathDmaRows;
     }
     thread_local std::vector<Copy> copies;

@@ -17,6 +17,17 @@ from fastdeploy_kvcache import ops
 pytestmark = pytest.mark.gpu
 
 LANES, NUM_DEV, NUM_HOST = 6, 24, 20
+DEFAULT_MIN_LANES = 16  # dma_rows_min_lanes: fewer tensors take the batch (docs/ops.md)
+
+
+@pytest.fixture(autouse=True)
+def rows_from_three_lanes(capi):
+    """These tests use LANES tensors: rows from 3 tensors on (restored afterwards)."""
+    saved = capi.get_option("dma_rows_min_lanes")
+    assert saved == DEFAULT_MIN_LANES
+    capi.set_option("dma_rows_min_lanes", 3)
+    yield
+    capi.set_option("dma_rows_min_lanes", saved)
 
 
 def _slab(cupy, capi, pinned, block_bytes: int, dev_gap: int = 0, host_gap: int = 0, seed: int = 0):
@@ -70,6 +81,25 @@ def test_lanes_at_one_pitch_move_as_rows(cupy, capi, pinned, cuda_stream, ids, m
     for path in ("dma", "auto"):  # auto: copies >= FDKV_DMA_MIN_BYTES at one pitch stay on DMA
         used = _swap(cupy, capi, cuda_stream(), dev, host, dev_ptrs, host_ptrs, block_bytes, d, h, mode, path)
         assert used == ROWS, f"{path}: last_path()={used}"
+
+
+def test_the_default_needs_sixteen_tensors(cupy, capi, pinned, cuda_stream) -> None:
+    """Rows pay per row in the copy engines (0.73-0.87 of the link with 3-8 tensors of 128
+    KiB blocks against 0.95-0.97 for the batch): by default only 16 or more go as rows."""
+    capi.set_option("dma_rows_min_lanes", DEFAULT_MIN_LANES)
+    bb, lanes, n = 64 << 10, 16, 8
+    dev = cupy.asarray(np.random.default_rng(5).integers(0, 256, (lanes, n, bb), dtype=np.uint8))
+    host = pinned(lanes * n * bb).reshape(lanes, n, bb)
+    stream = cuda_stream()
+    for count, want in ((lanes - 1, ops.PATH_DMA), (lanes, ROWS)):
+        host[:] = 0
+        capi.swap_all_layers([dev[l].data.ptr for l in range(count)], [host[l].ctypes.data for l in range(count)],
+                             n, bb, n, [3, 0, 6], [1, 2, 7], ops.MODE_D2H, stream=stream, path="dma")
+        used = capi.last_path()
+        stream.synchronize()
+        assert used == want, f"{count} tensors: last_path()={used}"
+        np.testing.assert_array_equal(host[:count, [1, 2, 7]], cupy.asnumpy(dev[:count, [3, 0, 6]]))
+        assert not host[count:].any()
 
 
 def test_auto_keeps_an_all_layer_call_at_one_pitch_off_the_staged_path(cupy, capi, pinned, cuda_stream) -> None:
@@ -131,14 +161,16 @@ def test_lanes_short_of_one_pitch_take_the_batch(cupy, capi, pinned, cuda_stream
     np.testing.assert_array_equal(host, want_host)
 
 
-def test_the_worker_caches_sit_at_one_pitch(cupy) -> None:
+def test_the_worker_caches_sit_at_one_pitch(cupy, capi) -> None:
     """The worker's device cache (CuPy backend) and host cache are slabs at one pitch, so its
     all-layer evictions of big blocks go as rows."""
     from fastdeploy_kvcache.config import CacheConfig
     from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata
     from fastdeploy_kvcache.worker import CacheController
 
-    config = CacheConfig(num_layers=4, num_kv_heads=8, block_size=64, head_dim=128, dtype="float16")  # 128 KiB
+    # 8 layers x (key, value) = 16 tensors of 128 KiB blocks: the default's rows.
+    capi.set_option("dma_rows_min_lanes", DEFAULT_MIN_LANES)
+    config = CacheConfig(num_layers=8, num_kv_heads=8, block_size=64, head_dim=128, dtype="float16")
     ctrl = CacheController(config, backend="cupy", d2h_copy_path="dma")
     try:
         caches = ctrl.initialize_kv_cache(16)
