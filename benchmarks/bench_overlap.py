@@ -71,6 +71,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compute-priority", default="normal", choices=["normal", "high"],
                    help="priority of the compute stream: 'high' lets the forward's kernels take SMs ahead of "
                         "the staged path's gathers (an engine choice; CUDA streams default to the lowest)")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", help="set a C library option for this run (CApi.set_option), e.g. dma_rows_min_lanes=2; repeatable")
     p.add_argument("--staging-grid", type=int, default=0,
                    help="CTAs of the staged path's gather/scatter kernel for this run (0: the library's default)")
     p.add_argument("--sm-check", action="store_true",
@@ -183,6 +184,7 @@ def main() -> int:
     from fastdeploy_kvcache.worker import CacheController
 
     capi = ops.load_capi(variant="cuda")
+    capi.set_options(args.option)
     if args.staging_grid > 0:
         capi.set_option("staging_grid", args.staging_grid)
     props = cp.cuda.runtime.getDeviceProperties(0)
@@ -275,7 +277,8 @@ def main() -> int:
         "layer_load_bytes": n_blocks * 2 * config.bytes_per_layer_block,
         "contiguous_pinned_h2d_GBps": contiguous_h2d, "host_cache_numa_node": ctrl.numa_node,
         "d2h_copy_path": tm.d2h_copy_path, "host_ids": args.host_ids,
-        "staging_grid": capi.get_option("staging_grid"), "compute_priority": args.compute_priority, "runs": [],
+        "staging_grid": capi.get_option("staging_grid"), "compute_priority": args.compute_priority,
+        "options": list(args.option), "runs": [],
     }
     path_names = {ops.PATH_MEMCPY: "memcpy", ops.PATH_KERNEL: "kernel", ops.PATH_DMA: "dma", ops.PATH_CPU: "cpu",
                   ops.PATH_STAGED: "staged", ops.PATH_DMA_ROWS: "rows"}

@@ -264,6 +264,7 @@ def run(args: argparse.Namespace) -> Optional[Report]:
         print("bench_swap: skipped (needs build/libfdkv_capi.so from `bash build.sh gpu`)")
         return None
 
+    capi.set_options(args.option)
     props = cp.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     report = Report(device=name, sms=int(props["multiProcessorCount"]), date=_dt.date.today().isoformat(),
@@ -418,6 +419,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--grid", type=int, default=8, help="kernel grid cap (FDKV_COPY_GRID) for the main rows")
     parser.add_argument("--paths", default="auto,kernel,dma,staged", help="copy paths of the full matrix")
     parser.add_argument("--ids", default=",".join(ID_PATTERNS), help="id patterns of the full matrix")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", help="set a C library option for this run (CApi.set_option), e.g. dma_rows_min_lanes=2; repeatable")
     parser.add_argument("--apis", default="all_layers,per_layer,layer_groups",
                         help="call shapes of the full matrix: all_layers, per_layer, layer_groups")
     parser.add_argument("--staging-chunks", default="", help="extra staging chunk sizes (staged, host runs), e.g. 4M,32M")

@@ -74,16 +74,18 @@ class Model:
         self.nblocks = max_prefix // BLOCK
         self.pool = self.nblocks + 8
         self.block_bytes = BLOCK * KV_HEADS * HEAD_DIM * 2
-        # Device KV cache per layer: K and V, [pool, BLOCK, KV_HEADS, HEAD_DIM].
-        self.k = [torch.empty(self.pool, BLOCK, KV_HEADS, HEAD_DIM, device=dev, dtype=dt) for _ in range(LAYERS)]
-        self.v = [torch.empty_like(self.k[0]) for _ in range(LAYERS)]
+        # Device KV cache per layer: K and V, [pool, BLOCK, KV_HEADS, HEAD_DIM], views of one
+        # allocation in the copy op's tensor order, as the worker allocates it (one pitch).
+        kv = torch.empty(LAYERS, 2, self.pool, BLOCK, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)
+        self.k = [kv[l, 0] for l in range(LAYERS)]
+        self.v = [kv[l, 1] for l in range(LAYERS)]
         rng = np.random.default_rng(seed)
         self.dev_ids = rng.permutation(self.pool)[: self.nblocks].astype(np.int64)  # scattered, as a pool looks
         self.block_table = torch.as_tensor(self.dev_ids, device=dev)
-        # Pinned host cache, one buffer per tensor, the prefix in one run of host blocks.
-        self.host = []
-        for _ in range(2 * LAYERS):
-            self.host.append(capi.host_alloc(self.nblocks * self.block_bytes))
+        # Pinned host cache, a buffer per tensor carved from one allocation (the worker's
+        # layout), the prefix in one run of host blocks.
+        self.host_slab = capi.host_alloc(2 * LAYERS * self.nblocks * self.block_bytes)
+        self.host = [self.host_slab + i * self.nblocks * self.block_bytes for i in range(2 * LAYERS)]
         src = torch.randn(self.nblocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g, device=dev).to(dt) * 0.5
         src_cpu = src.cpu()
         for ptr in self.host:  # random prefix KV in the host tier
@@ -94,8 +96,7 @@ class Model:
 
     def close(self) -> None:
         self.torch.cuda.synchronize()
-        for ptr in self.host:
-            self.capi.host_free(ptr)
+        self.capi.host_free(self.host_slab)
 
     def fill_device_prefix(self, blocks: int) -> None:
         for l in range(LAYERS):
@@ -277,6 +278,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="record when each layer's load landed and its compute ended (one extra host hit per row)")
     p.add_argument("--sync-check", action="store_true",
                    help="count host<->GPU synchronizations in one forward of each kind (torch sync debug mode)")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", help="set a C library option for this run (CApi.set_option), e.g. dma_rows_min_lanes=2; repeatable")
     p.add_argument("--out", default=os.environ.get("OUT") or "build/bench")
     args = p.parse_args(argv)
     try:
@@ -292,6 +294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ops.OpsNotBuiltError:
         print("bench_ttft: skipped (needs build/libfdkv_capi.so from `bash build.sh gpu`)")
         return 0
+    capi.set_options(args.option)
     prefixes = [parse_tokens(x) for x in args.prefixes.split(",") if x]
     news = [parse_tokens(x) for x in args.new.split(",") if x]
     paths = [x for x in args.paths.split(",") if x]
@@ -378,7 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         model.close()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+    report = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "options": list(args.option),
               "h2d_limit_GBps": limit, "layers": LAYERS, "rows": rows}
     (out / "bench_ttft.json").write_text(json.dumps(report, indent=1))
     print("| prefix + new | recompute ms | device hit ms | KV / H2D limit ms | host hit ms (loader/path) | host / floor "

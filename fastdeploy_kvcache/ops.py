@@ -480,10 +480,28 @@ class CApi:
         (0 auto, 1 kernel, 2 dma), ``dma_min_bytes``, ``merge_min_bytes``,
         ``dma_slice_bytes``, ``copy_kernel`` (0-3), ``kernel_tables`` (0/1).
 
+        Staged path: ``staging_bytes``, ``staging_chunk_bytes``, ``staging_grid``,
+        ``staged_min_bytes``, ``staging_mode``; DMA rows: ``dma_rows_min_lanes``.
+
         Meant for benchmarks and tests; an engine sets the environment instead.
         """
         value = _int_arg(value, "set_option", "value")  # ctypes would wrap 2**70 to 0
         self._check(self._lib.fdkv_set_option(name.encode(), value))
+
+    def set_options(self, assignments: Sequence[str]) -> None:
+        """:meth:`set_option` for each ``"name=value"`` string (the benchmarks' ``--option``
+        flags); a malformed one raises SwapOpError naming it before any is set."""
+        parsed = []
+        for text in assignments:
+            name, sep, value = str(text).partition("=")
+            try:
+                parsed.append((name.strip(), int(value.strip(), 0)))
+            except ValueError:
+                sep = ""
+            if not sep or not name.strip():
+                raise SwapOpError(f"set_option: {text!r} is not NAME=INTEGER", "set_option", "assignments", None)
+        for name, value in parsed:
+            self.set_option(name, value)
 
     def get_option(self, name: str) -> int:
         out = ctypes.c_int64()

@@ -228,6 +228,25 @@ def test_options_round_trip_and_reject_bad_values(capi_cpu: ops.CApi) -> None:
             capi_cpu.set_option(k, v)
 
 
+def test_set_options_from_strings_sets_all_or_none(capi_cpu: ops.CApi) -> None:
+    """The benchmarks' --option NAME=VALUE flags: every assignment is parsed before any is
+    set, so a malformed one leaves the options as they were."""
+    before = {k: capi_cpu.get_option(k) for k in ("copy_grid", "dma_rows_min_lanes")}
+    assert before["dma_rows_min_lanes"] == 16  # the default
+    try:
+        capi_cpu.set_options(["copy_grid=5", " dma_rows_min_lanes = 0x2 "])
+        assert (capi_cpu.get_option("copy_grid"), capi_cpu.get_option("dma_rows_min_lanes")) == (5, 2)
+        for bad in ("copy_grid", "copy_grid=four", "=3"):
+            with pytest.raises(ops.SwapOpError, match="is not NAME=INTEGER"):
+                capi_cpu.set_options(["copy_grid=7", bad])
+            assert capi_cpu.get_option("copy_grid") == 5
+        with pytest.raises(ops.SwapOpError, match="'dma_rows_min_lanes' is unknown or value 0 is out of its range"):
+            capi_cpu.set_options(["dma_rows_min_lanes=0"])
+    finally:
+        for k, v in before.items():
+            capi_cpu.set_option(k, v)
+
+
 def test_capi_is_cpu_build(capi_cpu: ops.CApi) -> None:
     assert capi_cpu.is_cuda is False
 
