@@ -151,10 +151,10 @@ ENV_VARS: dict[str, EnvVar] = {
             "write-through backups), per call: dma (default), auto, kernel, staged, or process "
             "(the process-wide FDKV_COPY_PATH). Host->device loads always follow FDKV_COPY_PATH. "
             "dma because this traffic runs beside the forward pass and the copy engines hold no "
-            "SMs: on an H100, 128 KiB-block evictions as DMA rows (the worker's caches sit at one "
-            "pitch) cost a forward pass under 1% at 0.92-0.95 of the link, staged 3-4.5%, the "
-            "copy kernel up to +218%. At 16 KiB blocks DMA moves ~0.6 of the link; auto (staged) "
-            "~0.95 for 1.5-4% of compute (docs/benchmarks.md).",
+            "SMs: on an H100, all-layer evictions of 128 KiB blocks as DMA rows (the worker's "
+            "caches sit at one pitch; 16 or more tensors) cost a forward pass under 1% at ~0.91 "
+            "of the link, staged 3-4.6%, the copy kernel up to +218%. At 16 KiB blocks DMA moves "
+            "~0.58 of the link; auto (staged) ~0.95 for 1.5-4.6% of compute (docs/benchmarks.md).",
             _copy_path,
         ),
         EnvVar(
