@@ -31,6 +31,9 @@ from fastdeploy_kvcache.worker.transfer_manager import CacheLayout, ControllerCl
 
 logger = logging.getLogger(__name__)
 
+# Alignment of each host buffer inside the host cache's one allocation.
+_HOST_ALIGN = 256
+
 CACHE_KINDS = ("key", "value", "key_scale", "value_scale")
 
 
@@ -210,12 +213,15 @@ class CacheController:
                         for layer in range(self.num_layers)
                         for kind in self._kinds()
                     }
-                    self._host_slab = self.backend.host_alloc(sum(sizes.values()))
+                    # Each buffer starts 256-byte aligned (the copy kernels' widest vectors
+                    # need 16); buffers of one size still sit at one pitch.
+                    pitches = {name: -(-nbytes // _HOST_ALIGN) * _HOST_ALIGN for name, nbytes in sizes.items()}
+                    self._host_slab = self.backend.host_alloc(sum(pitches.values()))
                     offset = 0
                     for name, nbytes in sizes.items():
                         self.host_cache_kvs_map[name] = self._host_slab + offset
                         self._host_nbytes[name] = nbytes
-                        offset += nbytes
+                        offset += pitches[name]
                 except Exception:
                     self._free_host()
                     raise

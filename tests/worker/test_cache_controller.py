@@ -60,17 +60,21 @@ def test_quantized_cache_has_fp32_scales_that_travel(make_controller, backend: s
     assert device_block_bytes(ctrl, 6) == device_block_bytes(ctrl, 1)
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_host_buffers_are_one_slab_in_lane_order(make_controller, monkeypatch, quantized: bool) -> None:
+@pytest.mark.parametrize("quantized,head_dim", [(False, 8), (True, 8), (False, 3)])
+def test_host_buffers_are_one_slab_in_lane_order(make_controller, monkeypatch, quantized: bool,
+                                                 head_dim: int) -> None:
     """The host buffers sit back to back in one allocation, in the all-layer call's tensor
-    order (the copy op's 2D rows need one pitch), and free_cache() frees that one allocation."""
+    order (the copy op's 2D rows need one pitch), each 256-byte aligned (head_dim 3: 384-byte
+    buffers), and free_cache() frees that one allocation."""
     cfg = {"dtype": "uint8", "kv_cache_quant": "int8"} if quantized else {}
-    ctrl = make_controller(num_layers=3, **cfg)
+    ctrl = make_controller(num_layers=3, head_dim=head_dim, **cfg)
     kinds = ("key", "value", "key_scale", "value_scale") if quantized else ("key", "value")
     order = [ctrl.cache_names(layer)[kind] for layer in range(3) for kind in kinds]
     ptrs = [ctrl.host_cache_kvs_map[name] for name in order]
     sizes = [ctrl._host_nbytes[name] for name in order]
-    assert [b - a for a, b in zip(ptrs, ptrs[1:])] == sizes[:-1]  # packed, in lane order
+    padded = [-(-n // 256) * 256 for n in sizes]  # each buffer 256-byte aligned
+    assert [b - a for a, b in zip(ptrs, ptrs[1:])] == padded[:-1]  # back to back, in lane order
+    assert all(p % 256 == 0 for p in ptrs)
     if not quantized:
         assert len(set(sizes)) == 1  # every key/value buffer at one pitch
     freed: list[int] = []
