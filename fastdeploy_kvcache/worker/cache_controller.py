@@ -152,7 +152,8 @@ class CacheController:
                 raise RuntimeError("the device KV cache is already initialized; free_cache() first")
             try:
                 # Every array in the copy op's lane order, at one pitch where the backend can
-                # (CuPy: one slab), so an all-layer copy moves a run of blocks as one 2D copy.
+                # (one slab: CuPy; Paddle when unquantized), so an all-layer copy moves a run
+                # of blocks as one 2D copy.
                 names = [self.cache_names(layer)[kind] for layer in range(self.num_layers) for kind in self._kinds()]
                 shapes = [self._shape(kind, blocks) for _layer in range(self.num_layers) for kind in self._kinds()]
                 # No local name holds an array past this: on failure the map is the only owner.

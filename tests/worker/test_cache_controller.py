@@ -86,6 +86,27 @@ def test_host_buffers_are_one_slab_in_lane_order(make_controller, monkeypatch, q
     assert len(ctrl.host_cache_kvs_map) == len(order)
 
 
+def test_paddle_caches_of_one_shape_are_views_of_one_slab_the_ops_write_through(make_controller) -> None:
+    """The Paddle backends carve an unquantized model's key/value caches out of one tensor
+    (views at one pitch); the custom ops must write the views in place, not copies of them:
+    a backup then a load into another block has to land in the slab."""
+    ctrl = make_controller(backend="paddle", num_layers=3)
+    caches = [ctrl.get_kv_caches()[ctrl.cache_names(l)[k]] for l in range(3) for k in ("key", "value")]
+    ptrs = [c.data_ptr() for c in caches]
+    assert len({b - a for a, b in zip(ptrs, ptrs[1:])}) == 1
+    assert ptrs[1] - ptrs[0] == int(caches[0].numel()) * caches[0].element_size()  # packed
+    assert [int(c.offset) for c in caches] == [i * (ptrs[1] - ptrs[0]) for i in range(6)]  # views of one tensor
+    fill_block(ctrl, 2, seed=5)
+    ctrl.submit_swap_tasks(backup([2], [4]), None)
+    assert [m.success for m in ctrl.collect_finished(wait=True)] == [True]
+    counter = ctrl.submit_swap_tasks(None, swap_in([4], [7]))
+    counter.wait_all()
+    assert [m.success for m in ctrl.collect_finished(wait=True)] == [True]
+    assert block_seed(ctrl, 7) == 5
+    assert device_block_bytes(ctrl, 7) == device_block_bytes(ctrl, 2)
+    assert [c.data_ptr() for c in caches] == ptrs  # still the slab's views
+
+
 def test_rank_in_names_is_modulo_tensor_parallel(make_controller) -> None:
     from fastdeploy_kvcache.worker import CacheController
     from worker_helpers import capi_or_skip, small_config

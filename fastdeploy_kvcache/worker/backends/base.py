@@ -72,7 +72,8 @@ class Backend(abc.ABC):
 
         Backends that can carve views from one allocation do, at one pitch (the copy op then
         moves a run of blocks of every layer as one 2D copy: docs/ops.md, "Lanes at one
-        pitch"); this default allocates each array on its own.
+        pitch"): CuPy always, Paddle for arrays of one shape and dtype.  This default
+        allocates each array on its own.
         """
         return [self.alloc_device(shape, dtype) for shape, dtype in shapes]
 

@@ -51,6 +51,24 @@ class PaddleOpsCopies:
     def fill_zero(self, array: Any) -> None:
         array.zero_()
 
+    def alloc_device_lanes(self, shapes: Sequence[tuple[Sequence[int], str]]) -> list[Any]:
+        # Arrays of one shape and dtype (an unquantized model's key/value caches) are slab[i]
+        # of one allocation: views at one pitch, which the ops write in place (the CPU suite
+        # checks that with real bytes).  Quantized caches mix dtypes: a tensor each, as the
+        # Paddle versions at hand offer no dtype view that shares memory (a `view(dtype)` of
+        # a slice did not, on Paddle 3.3).  The addresses are checked, so a Paddle whose
+        # indexing copied would get a tensor per cache, not a wrong cache.
+        if len(shapes) < 2 or any(tuple(s) != tuple(shapes[0][0]) or d != shapes[0][1] for s, d in shapes):
+            return super().alloc_device_lanes(shapes)  # type: ignore[misc]
+        shape, dtype = tuple(shapes[0][0]), shapes[0][1]
+        slab = self.alloc_device([len(shapes), *shape], dtype)
+        views = [slab[i] for i in range(len(shapes))]
+        pitch = views[1].data_ptr() - views[0].data_ptr()
+        if pitch <= 0 or any(v.data_ptr() != slab.data_ptr() + i * pitch for i, v in enumerate(views)):
+            logger.info("paddle: slab indexing did not give views; one allocation per cache")
+            return super().alloc_device_lanes(shapes)  # type: ignore[misc]
+        return views
+
     def host_alloc(self, nbytes: int) -> int:
         return zeroed_host_alloc(self._ops.cuda_host_alloc, nbytes)
 
