@@ -26,13 +26,11 @@ from fastdeploy_kvcache.config import GiB, CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata
 from fastdeploy_kvcache.worker import numa
 from fastdeploy_kvcache.worker.backends import Backend, make_backend
+from fastdeploy_kvcache.worker.backends.base import slab_offsets
 from fastdeploy_kvcache.worker.layer_done import LayerDoneCounter
 from fastdeploy_kvcache.worker.transfer_manager import CacheLayout, ControllerClosedError, TransferManager
 
 logger = logging.getLogger(__name__)
-
-# Alignment of each host buffer inside the host cache's one allocation.
-_HOST_ALIGN = 256
 
 CACHE_KINDS = ("key", "value", "key_scale", "value_scale")
 
@@ -214,15 +212,11 @@ class CacheController:
                         for layer in range(self.num_layers)
                         for kind in self._kinds()
                     }
-                    # Each buffer starts 256-byte aligned (the copy kernels' widest vectors
-                    # need 16); buffers of one size still sit at one pitch.
-                    pitches = {name: -(-nbytes // _HOST_ALIGN) * _HOST_ALIGN for name, nbytes in sizes.items()}
-                    self._host_slab = self.backend.host_alloc(sum(pitches.values()))
-                    offset = 0
-                    for name, nbytes in sizes.items():
+                    offsets, total = slab_offsets(sizes.values())
+                    self._host_slab = self.backend.host_alloc(total)
+                    for (name, nbytes), offset in zip(sizes.items(), offsets):
                         self.host_cache_kvs_map[name] = self._host_slab + offset
                         self._host_nbytes[name] = nbytes
-                        offset += pitches[name]
                 except Exception:
                     self._free_host()
                     raise

@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from fastdeploy_kvcache.core.metadata import CopyDirection
 
@@ -36,6 +36,21 @@ ErrorSink = Callable[[BaseException], None]
 # NOTE: one table for every backend: the copies move bytes only, so a bf16 cache held as
 # uint16 round-trips exactly; Paddle keeps the real dtype but accepts the same names.
 CACHE_DTYPES: dict[str, str] = {"bfloat16": "uint16", "float16": "float16", "float32": "float32", "uint8": "uint8"}
+
+
+# Alignment of each buffer carved out of a cache slab (host or device): the copy kernels'
+# widest vectors need 16 bytes; buffers of one size still sit at one pitch.
+SLAB_ALIGN = 256
+
+
+def slab_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Offsets of buffers of ``sizes`` bytes laid back to back in one allocation, each
+    SLAB_ALIGN-aligned, and the allocation's size (the host and device cache slabs)."""
+    offsets, total = [], 0
+    for nbytes in sizes:
+        offsets.append(total)
+        total += -(-int(nbytes) // SLAB_ALIGN) * SLAB_ALIGN
+    return offsets, total
 
 
 def storage_dtype(dtype: str) -> str:

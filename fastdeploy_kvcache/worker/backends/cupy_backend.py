@@ -10,13 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from fastdeploy_kvcache.worker.backends.base import CapiCopies, CudaBackend, storage_dtype
+from fastdeploy_kvcache.worker.backends.base import CapiCopies, CudaBackend, slab_offsets, storage_dtype
 
 logger = logging.getLogger(__name__)
-
-# Offsets of the arrays in a device slab (CuPy's own allocations are 512-byte aligned; the
-# copy kernels need 16).
-_SLAB_ALIGN = 256
 
 
 class CupyBackend(CapiCopies, CudaBackend):
@@ -46,21 +42,19 @@ class CupyBackend(CapiCopies, CudaBackend):
             return self._cp.zeros(tuple(shape), dtype=storage_dtype(dtype))
 
     def alloc_device_lanes(self, shapes: Sequence[tuple[Sequence[int], str]]) -> list[Any]:
-        # One slab, each array a view at a 256-byte aligned offset: arrays of one size then
-        # sit at one pitch (the 2D copies of the DMA path), and a cache of ~100 arrays is
-        # one allocation instead of ~100 in CuPy's pool.
+        # One slab, each array a view at an aligned offset (slab_offsets): arrays of one size
+        # then sit at one pitch (the 2D copies of the DMA path), and a cache of ~100 arrays
+        # is one allocation instead of ~100 in CuPy's pool.
         import numpy as np
 
         sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(storage_dtype(dtype)).itemsize for shape, dtype in shapes]
-        pitches = [(n + _SLAB_ALIGN - 1) // _SLAB_ALIGN * _SLAB_ALIGN for n in sizes]
+        offsets, total = slab_offsets(sizes)
         with self._device:
-            slab = self._cp.zeros(max(1, sum(pitches)), dtype=self._cp.uint8)
-            arrays, offset = [], 0
-            for (shape, dtype), nbytes, pitch in zip(shapes, sizes, pitches):
-                view = slab[offset:offset + nbytes].view(storage_dtype(dtype)).reshape(tuple(shape))
-                arrays.append(view)
-                offset += pitch
-        return arrays
+            slab = self._cp.zeros(max(1, total), dtype=self._cp.uint8)
+            return [
+                slab[offset:offset + nbytes].view(storage_dtype(dtype)).reshape(tuple(shape))
+                for (shape, dtype), nbytes, offset in zip(shapes, sizes, offsets)
+            ]
 
     def fill_zero(self, array: Any) -> None:
         with self._device:
