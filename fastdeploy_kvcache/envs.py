@@ -158,6 +158,15 @@ ENV_VARS: dict[str, EnvVar] = {
             _copy_path,
         ),
         EnvVar(
+            "FDKV_BACKUPS_AFTER_LOADS",
+            "1",
+            "A write-through backup submitted in the same step as a load starts once that load "
+            "has landed, so the load has the host link to itself (the forward pass waits for the "
+            "load; nothing waits for the backup). Applies when the two share no block; evictions "
+            "that free device blocks never wait. 0: both directions run at once.",
+            _bool,
+        ),
+        EnvVar(
             "FDKV_DMA_MIN_BYTES",
             str(64 << 10),
             "auto copy path: use the cudaMemcpyBatchAsync DMA batch when the average copy "

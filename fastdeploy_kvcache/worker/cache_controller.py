@@ -49,6 +49,8 @@ class CacheController:
             wait for all layers' launches (default: on GPU backends).
         d2h_copy_path: copy path of evictions and backups ("dma", "auto", "kernel",
             "process"); default FDKV_D2H_COPY_PATH ("dma"), see TransferManager.
+        backups_after_loads: start a step's backup behind the step's load; default
+            FDKV_BACKUPS_AFTER_LOADS (on), see TransferManager.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class CacheController:
         disabled_rules: Optional[set[int]] = None,
         async_launch: Optional[bool] = None,
         d2h_copy_path: Optional[str] = None,
+        backups_after_loads: Optional[bool] = None,
     ) -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
@@ -73,7 +76,11 @@ class CacheController:
         self.device_id = device_id
         self.backend = make_backend(backend, device_id, threaded=threaded)
         self.transfer_manager = TransferManager(
-            self.backend, disabled_rules=disabled_rules, async_launch=async_launch, d2h_copy_path=d2h_copy_path
+            self.backend,
+            disabled_rules=disabled_rules,
+            async_launch=async_launch,
+            d2h_copy_path=d2h_copy_path,
+            backups_after_loads=backups_after_loads,
         )
         self.cache_kvs_map: dict[str, Any] = {}
         self.host_cache_kvs_map: dict[str, int] = {}

@@ -33,6 +33,14 @@ events listed below, which implement the ordering rules of ``docs/architecture.m
 Fences 2, 4 and 5 are per block: a stream waits only on in-flight tasks of the other stream
 that share a block with the new one, so unrelated loads and evictions keep overlapping.
 
+Backups after loads (a scheduling choice, not an ordering rule).  A write-through backup
+submitted in the same step as a load, sharing no block with it, waits on the output stream
+for the load's done event (``FDKV_BACKUPS_AFTER_LOADS``, default on).  Both directions at
+once share the host link (84-94 GB/s both ways against 55 one way on an H100), so a load that
+runs beside a backup lands later and the forward pass, which waits for it layer by layer,
+stalls; nothing waits for a backup.  Evictions that free device blocks never wait: this
+step's compute waits for them (rule 2).
+
 Launches.  On GPU backends the copies are launched by two launcher threads, one per
 direction, each in submit order, so ``submit`` returns at once and the forward pass can start
 while later layers are still being launched.  A ``wait_for_layer(i)`` that arrives before
@@ -222,6 +230,8 @@ class TransferManager:
         d2h_copy_path: copy path of device->host copies, "dma", "auto", "kernel" or
             "process" (the process-wide option); default FDKV_D2H_COPY_PATH ("dma").
             Loads always follow the process-wide option.
+        backups_after_loads: start a backup of a step behind the step's load (module
+            docstring); default FDKV_BACKUPS_AFTER_LOADS (on).
     """
 
     def __init__(
@@ -231,8 +241,12 @@ class TransferManager:
         timeout_s: Optional[float] = None,
         async_launch: Optional[bool] = None,
         d2h_copy_path: Optional[str] = None,
+        backups_after_loads: Optional[bool] = None,
     ) -> None:
         self.backend = backend
+        self.backups_after_loads = (
+            bool(envs.get("FDKV_BACKUPS_AFTER_LOADS")) if backups_after_loads is None else bool(backups_after_loads)
+        )
         # NOTE: evictions and write-through backups take the DMA batch by default, whatever
         # the block size.  They are background traffic beside the forward pass, and the copy
         # kernel (what the auto rule picks below 64 KiB) keeps its CTAs resident for the
@@ -300,7 +314,9 @@ class TransferManager:
         """Enqueue this step's device->host task, then its host->device task.
 
         Returns the load's LayerDoneCounter (None without a load).  The device->host task is
-        enqueued first so that rule 5 can order a load after an eviction of the same step.
+        enqueued first so that rule 5 can order a load after an eviction of the same step;
+        a backup that shares no block with the step's load goes second and waits for it
+        (``backups_after_loads``).
         Raises TypeError when an argument is neither None nor a CacheSwapMetadata, and
         ControllerClosedError after :meth:`close`; in both cases nothing is enqueued.
         """
@@ -315,11 +331,17 @@ class TransferManager:
             if 1 not in self.disabled_rules and (evict_metadata is not None or swap_in_metadata is not None):
                 compute_done = self.backend.record_event(compute)
             evict_task: Optional[_Task] = None
-            counter: Optional[LayerDoneCounter] = None
-            if evict_metadata is not None:
-                evict_task = self._submit_d2h(evict_metadata, compute_done)
-            if swap_in_metadata is not None:
-                counter = self._submit_h2d(swap_in_metadata, compute_done)
+            load_task: Optional[_Task] = None
+            if self._backup_goes_after_load(evict_metadata, swap_in_metadata):
+                assert evict_metadata is not None and swap_in_metadata is not None
+                load_task = self._submit_h2d(swap_in_metadata, compute_done)
+                evict_task = self._submit_d2h(evict_metadata, compute_done, after=load_task)
+            else:
+                if evict_metadata is not None:
+                    evict_task = self._submit_d2h(evict_metadata, compute_done)
+                if swap_in_metadata is not None:
+                    load_task = self._submit_h2d(swap_in_metadata, compute_done)
+            counter = None if load_task is None else load_task.counter
         if (
             evict_task is not None
             and evict_metadata is not None
@@ -341,6 +363,26 @@ class TransferManager:
                 except TimeoutError:
                     raise LayerSwapTimeoutError(-1, task_id, self.timeout_s, to_host) from None
         return counter
+
+    def _backup_goes_after_load(
+        self, evict_metadata: Optional[CacheSwapMetadata], swap_in_metadata: Optional[CacheSwapMetadata]
+    ) -> bool:
+        """Whether this step's device->host task is a backup to start behind its load.
+
+        Only a backup (no device block freed: nothing in this step waits for it) that shares
+        no device or host block with the load: with a shared block, rules 2, 4 and 5 order
+        the two, and the backup must keep its place ahead of the load.
+        """
+        if not self.backups_after_loads or evict_metadata is None or swap_in_metadata is None:
+            return False
+        if evict_metadata.frees_device_blocks or evict_metadata.is_empty or swap_in_metadata.is_empty:
+            return False
+        try:
+            return frozenset(evict_metadata.src_block_ids).isdisjoint(swap_in_metadata.dst_block_ids) and frozenset(
+                evict_metadata.dst_block_ids
+            ).isdisjoint(swap_in_metadata.src_block_ids)
+        except TypeError:  # unhashable ids: validation fails the task; keep the plain order
+            return False
 
     def _dispatch(self, direction: CopyDirection, job: Callable[[], None]) -> None:
         """Run a launch job on the direction's launcher thread (in submit order) or right here."""
@@ -414,7 +456,8 @@ class TransferManager:
             if prior.done_event is not None:
                 self.backend.stream_wait_event(stream, prior.done_event, self.timeout_s)
 
-    def _submit_d2h(self, meta: CacheSwapMetadata, compute_done: Any) -> _Task:
+    def _submit_d2h(self, meta: CacheSwapMetadata, compute_done: Any, after: Optional[_Task] = None) -> _Task:
+        """Enqueue a device->host task; ``after``: a load of the same step to start behind."""
         task = _Task(meta, CopyDirection.DEVICE_TO_HOST, next(self._seq), None)
         self._stats[CopyDirection.DEVICE_TO_HOST].tasks += 1
         if meta.is_empty:
@@ -448,6 +491,12 @@ class TransferManager:
                 # Rule 2 (a load still writing a block we read) and rule 4 (a load still
                 # reading a host block we are about to overwrite).
                 self._wait_on_conflicts(out, task, {"device": 2, "host": 4})
+                if after is not None:
+                    # Backups after loads: the load's launcher records its done event, then sets launched.
+                    if not after.launched.wait(self.timeout_s):
+                        raise LayerSwapTimeoutError(-1, after.meta.task_id, self.timeout_s, after.direction)
+                    if after.done_event is not None:
+                        self.backend.stream_wait_event(out, after.done_event, self.timeout_s)
                 task.start_event = self.backend.record_event(out, timing=True)
                 # NOTE: one launch moves every layer (a pointer table), so an eviction costs
                 # one launch whatever the depth of the model.
@@ -471,7 +520,8 @@ class TransferManager:
         finally:
             task.launched.set()
 
-    def _submit_h2d(self, meta: CacheSwapMetadata, compute_done: Any) -> Optional[LayerDoneCounter]:
+    def _submit_h2d(self, meta: CacheSwapMetadata, compute_done: Any) -> _Task:
+        """Enqueue a load; the task's ``counter`` is what submit returns (None if empty)."""
         layout = self.layout
         num_layers = layout.num_layers if layout is not None else 0
         counter = LayerDoneCounter(
@@ -480,13 +530,14 @@ class TransferManager:
         task = _Task(meta, CopyDirection.HOST_TO_DEVICE, next(self._seq), counter)
         self._stats[CopyDirection.HOST_TO_DEVICE].tasks += 1
         if meta.is_empty:
+            task.counter = None  # nothing to wait for: submit returns no counter
             self._finish(task)
-            return None
+            return task
         error = self._validate(meta, CopyDirection.HOST_TO_DEVICE)
         if error is not None:
             task.fail(error)
             self._finish(task)
-            return counter
+            return task
         tables = self._tables
         assert layout is not None and tables is not None
         inp = self.input_stream
@@ -543,7 +594,7 @@ class TransferManager:
                 self._close_task(task, inp)
 
         self._dispatch(CopyDirection.HOST_TO_DEVICE, job)
-        return counter
+        return task
 
     # ------------------------------------------------------------------ completion
     def _finish(self, task: _Task) -> None:

@@ -251,6 +251,31 @@ def test_rule5_load_reads_host_blocks_after_the_eviction_into_them(compute, enfo
     ctrl.close()
 
 
+@pytest.mark.parametrize("after_loads", [True, False], ids=["backups-after-loads", "backups-beside-loads"])
+def test_a_backup_starts_after_the_same_steps_load_on_gpu(compute, after_loads) -> None:
+    """A spin kernel holds the load; the backup of the same step (no shared block) ends after
+    the load with backups_after_loads, while the spin still runs without it."""
+    ctrl = make_ctrl()
+    tm = ctrl.transfer_manager
+    tm.backups_after_loads = after_loads
+    fill(ctrl, 0, seed=3)
+    fill(ctrl, 1, seed=9)
+    ctrl.submit_swap_tasks(evict([0], [0], TransferKind.BACKUP), None)
+    settle(ctrl)
+    spin(tm.input_stream)
+    ctrl.submit_swap_tasks(evict([1], [1], TransferKind.BACKUP), swap_in([0], [2]))
+    tm.flush_launches()
+    backup_done = cp.cuda.Event(disable_timing=True)
+    backup_done.record(tm.output_stream)
+    load_done = cp.cuda.Event(disable_timing=True)
+    load_done.record(tm.input_stream)
+    backup_done.synchronize()
+    assert load_done.done is after_loads
+    settle(ctrl)
+    assert device_seed(ctrl, 2) == 3 and host_seed(ctrl, 1) == 9
+    ctrl.close()
+
+
 # ---------------------------------------------------------------------- random trace
 CHECK_SRC = r"""
 extern "C" __global__ void check(const unsigned short* a, const long long* blocks, const unsigned short* want,

@@ -474,6 +474,62 @@ def test_unrelated_copies_do_not_wait_on_each_other(make_controller) -> None:
     ctrl.transfer_manager.output_stream.resume()
 
 
+AFTER_LOADS = [pytest.param("1", id="backups-after-loads"), pytest.param("0", id="backups-beside-loads")]
+
+
+@pytest.mark.parametrize("launch", LAUNCH)
+@pytest.mark.parametrize("after_loads", AFTER_LOADS)
+def test_a_backup_starts_after_the_same_steps_load(make_controller, monkeypatch, after_loads, launch) -> None:
+    """FDKV_BACKUPS_AFTER_LOADS: a backup sharing no block with the step's load waits for it
+    (the output stream cannot get past the paused load); with 0 it runs beside the load."""
+    monkeypatch.setenv("FDKV_BACKUPS_AFTER_LOADS", after_loads)
+    ctrl = make_controller(async_launch=launch)
+    tm = ctrl.transfer_manager
+    assert tm.backups_after_loads is (after_loads == "1")
+    fill_block(ctrl, 0, seed=3)
+    fill_block(ctrl, 1, seed=9)
+    ctrl.submit_swap_tasks(backup([0], [0]), None)
+    ctrl.collect_finished(wait=True)
+    host_before = host_block_bytes(ctrl, 1)
+    tm.input_stream.pause()
+    back, load = backup([1], [1]), swap_in([0], [2])
+    counter = ctrl.submit_swap_tasks(back, load)
+    _race(ctrl, after_loads == "1", tm.input_stream, tm.output_stream)
+    counter.wait_all(timeout_s=10)
+    assert back.success and load.success
+    assert block_seed(ctrl, 2) == 3 and host_block_bytes(ctrl, 1) == device_block_bytes(ctrl, 1) != host_before
+
+
+@pytest.mark.parametrize("launch", LAUNCH)
+def test_an_eviction_never_waits_for_the_same_steps_load(make_controller, launch) -> None:
+    """An eviction frees device blocks this step's compute may write (rule 2 fences the
+    compute behind it): it keeps its place ahead of the load, policy or not."""
+    ctrl = make_controller(async_launch=launch)
+    tm = ctrl.transfer_manager
+    assert tm.backups_after_loads
+    fill_block(ctrl, 1, seed=5)
+    tm.input_stream.pause()
+    out = evict([1], [1])
+    ctrl.submit_swap_tasks(out, swap_in([0], [2]))
+    tm.flush_launches(10)
+    assert ctrl.backend.record_event(tm.output_stream).wait(10), "the eviction waited for the paused load"
+    assert host_block_bytes(ctrl, 1) == device_block_bytes(ctrl, 1)
+    tm.input_stream.resume()
+    done = ctrl.collect_finished(wait=True)
+    assert out in done and all(m.success for m in done)
+
+
+def test_a_backup_sharing_a_block_with_the_load_keeps_its_place(make_controller) -> None:
+    """A backup into the host block the same step's load reads goes first (rule 5 orders the
+    load after it), so the load reads the backed-up bytes, with the policy on."""
+    ctrl = make_controller(async_launch=True)
+    assert ctrl.transfer_manager.backups_after_loads
+    fill_block(ctrl, 1, seed=6)
+    ctrl.submit_swap_tasks(backup([1], [4]), swap_in([4], [2])).wait_all(timeout_s=10)
+    assert all(m.success for m in ctrl.collect_finished(wait=True))
+    assert block_seed(ctrl, 2) == 6
+
+
 def test_worker_import_loads_no_framework() -> None:
     """Importing the worker package is cheap: Paddle and CuPy load only with a backend."""
     import subprocess
