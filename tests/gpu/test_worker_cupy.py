@@ -276,6 +276,26 @@ def test_a_backup_starts_after_the_same_steps_load_on_gpu(compute, after_loads) 
     ctrl.close()
 
 
+def test_every_load_gets_fresh_layer_events(compute) -> None:
+    """The worker makes the next load's events ahead of time (off its first layer's path);
+    no event object is ever handed to two loads, so an old counter's waits stay its own."""
+    ctrl = make_ctrl()
+    fill(ctrl, 0, seed=4)
+    ctrl.submit_swap_tasks(evict([0], [0], TransferKind.BACKUP), None)
+    settle(ctrl)
+    handed: list = []  # kept alive, so no id() is recycled
+    for dst in (1, 2, 3):
+        counter = ctrl.submit_swap_tasks(None, swap_in([0], [dst]))
+        counter.wait_all()
+        events = [counter._event_for(layer) for layer in range(ctrl.num_layers)]
+        assert len({id(e) for e in events}) == ctrl.num_layers
+        assert not {id(e) for e in events} & {id(e) for e in handed}
+        handed += events
+        assert device_seed(ctrl, dst) == 4
+    settle(ctrl)
+    ctrl.close()
+
+
 # ---------------------------------------------------------------------- random trace
 CHECK_SRC = r"""
 extern "C" __global__ void check(const unsigned short* a, const long long* blocks, const unsigned short* want,

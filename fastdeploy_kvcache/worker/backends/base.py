@@ -512,7 +512,13 @@ class CapiCopies:
         raise NotImplementedError
 
     def layer_group_handles(self, num_layers: int) -> tuple[list[Any], Any]:
-        return self._new_events(num_layers), self._capi.group_progress()
+        # NOTE: a load's first layer waited for these: making 48 CuPy events took 150-200 us
+        # on an H100 host, ahead of the first copy (docs/benchmarks.md, "Load startup").
+        # swap_layer_groups makes the next load's set once this stack is enqueued, off that
+        # path.  Every set is fresh, never re-recorded: an old counter's events stay its own.
+        spare = self.__dict__.pop("_spare_layer_events", None)  # atomic: one taker per set
+        events = spare if spare is not None and len(spare) == num_layers else self._new_events(num_layers)
+        return events, self._capi.group_progress()
 
     def swap_layer_groups(
         self,
@@ -544,6 +550,7 @@ class CapiCopies:
             path=path,
             progress=progress,
         )
+        self._spare_layer_events = self._new_events(len(events))  # the next load's (layer_group_handles)
 
 
 class ArrayTable(tuple):
