@@ -652,12 +652,20 @@ bool LaunchLaneRows(const std::vector<LaneDesc>& lanes, const std::vector<Run>& 
 // which a per-layer call of a few MiB cannot amortize.  Larger copies go staged only from
 // `large_copy_min_bytes` (measured on H100: docs/benchmarks.md, "Copy path v2" and "Ring
 // and chunk size").
+// The part of the rule that needs no plan (the call's size): checked first, so that calls
+// that cannot go staged (a per-layer load of big blocks) skip building the staged plan.
+bool StagedCallSizeHolds(int64_t total_bytes, int64_t avg_copy_bytes, const Options& opts,
+                         int64_t large_copy_min_bytes) {
+  constexpr int64_t kStagedMinCallBytes = 16 << 20;
+  const int64_t min_call = avg_copy_bytes < opts.dma_min_bytes ? kStagedMinCallBytes : large_copy_min_bytes;
+  return total_bytes >= min_call;
+}
+
 bool StagedRuleHolds(int64_t total_bytes, int64_t avg_copy_bytes, int64_t num_segs, const Options& opts,
                      int64_t large_copy_min_bytes) {
-  constexpr int64_t kStagedMinCallBytes = 16 << 20;
   const int64_t avg_seg = total_bytes / std::max<int64_t>(1, num_segs);
-  const int64_t min_call = avg_copy_bytes < opts.dma_min_bytes ? kStagedMinCallBytes : large_copy_min_bytes;
-  return avg_seg >= opts.staged_min_bytes && avg_seg >= 2 * avg_copy_bytes && total_bytes >= min_call;
+  return avg_seg >= opts.staged_min_bytes && avg_seg >= 2 * avg_copy_bytes &&
+         StagedCallSizeHolds(total_bytes, avg_copy_bytes, opts, large_copy_min_bytes);
 }
 
 // ------------------------------------------------------------------------ layer stacks
@@ -668,25 +676,27 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
   const Options opts = GetOptions();
   int64_t path = copy_path == kCopyProcess ? opts.copy_path : copy_path;
   if (n <= 0 || (path != kCopyAuto && path != kCopyStaged) || !DmaBatchAvailable(stream)) return 0;
+  // The stack as one staged pipeline where its host side merges into runs (the rule of
+  // ExecuteCuda's auto for a call of this size): a layer's chunks no longer pay the
+  // pipeline's fill and drain, and the submit is O(chunks), not O(blocks x layers).
+  // NOTE: only copies below dma_min_bytes (no large-copy threshold): there the alternative
+  // per layer is the SM-holding kernel or a slow DMA batch, and the stack did better (16
+  // KiB loads in bench_overlap: 0.88 hidden against 0.84-0.86).  With 128 KiB blocks the
+  // per-layer DMA batch overlapped better (0.91-0.92 against 0.88; docs/benchmarks.md).
+  int64_t total_bytes = 0, avg_copy_bytes = 0;
+  if (path == kCopyAuto) {
+    const std::vector<Run> runs = PlanRuns(src_ids, dst_ids, n);
+    for (const LaneDesc& l : lanes) total_bytes += l.bytes * n;
+    const int64_t num_copies = static_cast<int64_t>(runs.size() * lanes.size());
+    avg_copy_bytes = total_bytes / std::max<int64_t>(1, num_copies);
+    // Before the plan: the first layer of a load waits for this call's set-up.
+    if (!StagedCallSizeHolds(total_bytes, avg_copy_bytes, opts, INT64_MAX)) return 0;
+  }
   thread_local staged::Plan plan;
   int64_t num_segs = 0;
   staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, &plan, &num_segs);
   if (plan.geo.block_major) return 0;
-  if (path == kCopyAuto) {
-    // The stack as one staged pipeline where its host side merges into runs (the rule of
-    // ExecuteCuda's auto for a call of this size): a layer's chunks no longer pay the
-    // pipeline's fill and drain, and the submit is O(chunks), not O(blocks x layers).
-    const std::vector<Run> runs = PlanRuns(src_ids, dst_ids, n);
-    int64_t total_bytes = 0;
-    for (const LaneDesc& l : lanes) total_bytes += l.bytes * n;
-    const int64_t num_copies = static_cast<int64_t>(runs.size() * lanes.size());
-    const int64_t avg_copy_bytes = total_bytes / std::max<int64_t>(1, num_copies);
-    // NOTE: only copies below dma_min_bytes (no large-copy threshold): there the alternative
-    // per layer is the SM-holding kernel or a slow DMA batch, and the stack did better (16
-    // KiB loads in bench_overlap: 0.88 hidden against 0.84-0.86).  With 128 KiB blocks the
-    // per-layer DMA batch overlapped better (0.91-0.92 against 0.88; docs/benchmarks.md).
-    if (!StagedRuleHolds(total_bytes, avg_copy_bytes, num_segs, opts, INT64_MAX)) return 0;
-  }
+  if (path == kCopyAuto && !StagedRuleHolds(total_bytes, avg_copy_bytes, num_segs, opts, INT64_MAX)) return 0;
   if (!HostSideIsPinned(lanes, mode)) return 0;
   staged::GroupMarks marks;
   const int64_t num_groups = static_cast<int64_t>(lanes.size()) / group_size;
@@ -727,7 +737,17 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   // The staged path's plan (host order, runs, segments) is built once, for auto's rule
   // and for the execution.
   thread_local staged::Plan plan;
-  if (path == kCopyAuto || path == kCopyStaged) {
+  // NOTE: larger copies go staged only in calls >= 64 MiB (below).  Auto builds the staged
+  // plan only where the call's size lets the rule hold: a per-layer load of big blocks is
+  // planned for the DMA batch alone (the plan cost the first layer of each load).
+  constexpr int64_t kStagedMinLargeCopyCallBytes = 64 << 20;
+  const bool large_rows = at_one_pitch && avg_copy_bytes >= opts.dma_min_bytes;
+  const bool may_stage =
+      path == kCopyStaged ||
+      (path == kCopyAuto && !large_rows &&
+       StagedCallSizeHolds(total_bytes, avg_copy_bytes, opts, kStagedMinLargeCopyCallBytes));
+  if (path == kCopyAuto && !may_stage) path = avg_copy_bytes >= opts.dma_min_bytes ? kCopyDma : kCopyKernel;
+  if (may_stage) {
     int64_t num_segs = 0;
     staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, &plan, &num_segs);
     if (path == kCopyAuto) {
@@ -739,10 +759,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
       // keep large copies on DMA at any call size: one 2D copy per run costs about what the
       // staged path's submit does and holds no SMs (the staged gathers cost a forward pass
       // 3-4% while evictions run at full rate).
-      constexpr int64_t kStagedMinLargeCopyCallBytes = 64 << 20;
-      const bool large_rows = at_one_pitch && avg_copy_bytes >= opts.dma_min_bytes;
-      if (!large_rows &&
-          StagedRuleHolds(total_bytes, avg_copy_bytes, num_segs, opts, kStagedMinLargeCopyCallBytes) &&
+      if (StagedRuleHolds(total_bytes, avg_copy_bytes, num_segs, opts, kStagedMinLargeCopyCallBytes) &&
           HostSideIsPinned(lanes, mode)) {
         path = kCopyStaged;
       } else {
