@@ -11,6 +11,11 @@ one layer's host->device load.  Measured on the compute stream (CUDA events), me
 * hidden fraction ``(T_c + T_l - T_o) / min(T_c, T_l)`` (target >= 0.9);
 * compute slowdown while device->host backups run at full rate on the output stream
   (target <= 3%), and the delay a write_back eviction's rule-2 fence adds to compute;
+* the hidden fraction of a step whose submit carries a backup as large as the load, as
+  configured (``FDKV_BACKUPS_AFTER_LOADS``: the backup starts once the load landed) and
+  with the backup beside the load (both directions on the link at once);
+* a timeline of one overlapped step: per layer, how long the compute stream stalled
+  waiting for the layer's load;
 * the contiguous pinned host->device bandwidth measured in the same run (1 GiB
   ``cudaMemcpyAsync``) and the load's ratio to it.
 
@@ -340,8 +345,39 @@ def main() -> int:
                 counter.wait_for_layer(layer)
                 layer_compute(layer)
 
-        t_c, t_o = timed(compute_only, overlapped)
+        # NOTE: every figure of a hidden fraction comes from one timed() call, its bodies
+        # alternating: the GPU's clocks drift between calls (a later call's GEMMs ran a few
+        # percent faster), which read as a step with backups hiding more than one without.
+        t_c, t_l, t_o = timed(compute_only, load_only, overlapped)
         hidden = (t_c + t_l - t_o) / min(t_c, t_l)
+
+        # ---- where the overlapped step loses time: on the compute stream, when each layer's
+        # wait for its load was passed and when its compute ended (one more step)
+        def timeline() -> dict[str, Any]:
+            cp.cuda.runtime.deviceSynchronize()
+            ctrl.collect_finished()
+            with compute:
+                start = cp.cuda.Event()
+                start.record(compute)
+                counter = ctrl.submit_swap_tasks(None, load_meta())
+                passed, ended = [], []
+                for layer in range(args.layers):
+                    counter.wait_for_layer(layer)
+                    passed.append(cp.cuda.Event())
+                    passed[-1].record(compute)
+                    layer_compute(layer)
+                    ended.append(cp.cuda.Event())
+                    ended[-1].record(compute)
+            ended[-1].synchronize()
+            ms = lambda e: cp.cuda.get_elapsed_time(start, e)  # noqa: E731
+            stalls = [ms(passed[0])] + [ms(passed[i]) - ms(ended[i - 1]) for i in range(1, args.layers)]
+            ctrl.collect_finished(wait=True)
+            return {"step_ms": ms(ended[-1]), "stall_ms_total": sum(stalls), "stall_ms_first_layer": stalls[0],
+                    "stall_ms_per_layer": [round(x, 4) for x in stalls],
+                    "compute_ms_per_layer_median": statistics.median(ms(ended[i]) - ms(passed[i])
+                                                                       for i in range(args.layers))}
+
+        step_timeline = timeline()
 
         # ---- compute while device->host backups run at full rate (no rule-2 fence: BACKUP)
         def backup_meta() -> CacheSwapMetadata:
@@ -381,11 +417,24 @@ def main() -> int:
         t_c3, t_fence = timed(compute_only, fenced_step)
 
         # ---- a mixed step: this step's write-through backups plus the layer-by-layer load
+        # NOTE: the backup goes in the same submit as the load, as a scheduler's step hands
+        # them over; with backups_after_loads (the default) it starts once the load landed.
         def overlapped_with_backups() -> None:
-            ctrl.submit_swap_tasks(backup_meta(), None)
-            overlapped()
+            counter = ctrl.submit_swap_tasks(backup_meta(), load_meta())
+            for layer in range(args.layers):
+                counter.wait_for_layer(layer)
+                layer_compute(layer)
 
-        (t_ob,) = timed(overlapped_with_backups)
+        configured = tm.backups_after_loads  # FDKV_BACKUPS_AFTER_LOADS
+
+        def overlapped_beside_backups() -> None:
+            tm.backups_after_loads = False
+            try:
+                overlapped_with_backups()
+            finally:
+                tm.backups_after_loads = configured
+
+        t_cb, t_lb, t_ob, t_obb = timed(compute_only, load_only, overlapped_with_backups, overlapped_beside_backups)
 
         # ---- host cost of one op launch, straight through the C ABI (no worker code)
         layer0 = tm.layout.device[0]
@@ -463,7 +512,11 @@ def main() -> int:
             "fence_blocks": args.fence_blocks, "T_step_with_writeback_fence_ms": t_fence * 1e3,
             "fence_delay_ms": (t_fence - t_c3) * 1e3,
             "T_o_with_backups_ms": t_ob * 1e3,
-            "hidden_fraction_with_backups": (t_c + t_l - t_ob) / min(t_c, t_l),
+            "backups_after_loads": configured,
+            "hidden_fraction_with_backups": (t_cb + t_lb - t_ob) / min(t_cb, t_lb),
+            "T_o_with_backups_beside_ms": t_obb * 1e3,
+            "hidden_fraction_with_backups_beside": (t_cb + t_lb - t_obb) / min(t_cb, t_lb),
+            "timeline": step_timeline,
             "evict_submit_host_us": statistics.median(evict_submit_s) * 1e6,
             "capi_host_us_per_layer_load_call": capi_layer_us,
             "capi_host_us_per_eviction_call_back_to_back": capi_evict_us,
@@ -478,7 +531,7 @@ def main() -> int:
     print(f"# bench_overlap on {device_name}, {results['date']}")
     print(f"layers={args.layers} blocks/step={n_blocks} layer load={results['layer_load_bytes'] / 2**20:.1f} MiB "
           f"contiguous pinned H2D (1 GiB cudaMemcpyAsync, this run) = {contiguous_h2d:.1f} GB/s")
-    cols = ["copy_path", "d2h_copy_path", "h2d_paths_used", "d2h_paths_used", "matmul_n", "T_c_ms", "T_l_ms", "T_o_ms", "hidden_fraction", "hidden_fraction_with_backups", "load_GBps",
+    cols = ["copy_path", "d2h_copy_path", "h2d_paths_used", "d2h_paths_used", "matmul_n", "T_c_ms", "T_l_ms", "T_o_ms", "hidden_fraction", "hidden_fraction_with_backups", "hidden_fraction_with_backups_beside", "load_GBps",
             "load_ratio_to_contiguous", "evict_GBps", "compute_slowdown_under_evictions",
             "fence_delay_ms", "submit_host_us_per_layer", "capi_host_us_per_layer_load_call",
             "capi_host_us_per_eviction_call_back_to_back", "evict_submit_host_us", "eviction_call_idle_host_us",
