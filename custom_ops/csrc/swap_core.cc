@@ -296,7 +296,7 @@ void Execute(const std::vector<LaneDesc>& lanes, IdSpan dev_ids, IdSpan host_ids
     if (target.cuda) {
 #if FDKV_WITH_CUDA
       t_last_path = ExecuteCuda(lanes, src_ids, dst_ids, n, LanesMergeable(lanes), mode, target.stream,
-                                target.copy_path);
+                                target.copy_path, target.ramp);
 #else
       throw CudaFailure("fdkv: CUDA execution requested but the library was built without CUDA");
 #endif
@@ -495,6 +495,7 @@ void SwapLayerGroupsImpl(const char* op, const std::vector<TensorDesc>& tensors,
   for (int64_t g = 0; g < num_groups; ++g) {
     const std::vector<LaneDesc> group(lanes.begin() + g * group_size, lanes.begin() + (g + 1) * group_size);
     try {
+      each.ramp = g == 0;
       Execute(group, dev_ids, host_ids, mode, each);
       paths |= t_last_path;
       group_done(g, target.stream);

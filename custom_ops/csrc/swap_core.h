@@ -92,6 +92,9 @@ struct ExecTarget {
   // different paths.  Validated (CheckCopyPath) with the other arguments; ignored by the
   // CPU implementation, which has one path.
   int copy_path = kCopyProcess;
+  // Start a DMA batch with small slices, doubling (LaunchDmaBatch): the first group of a
+  // layer stack, whose event the forward pass waits for before anything else runs.
+  bool ramp = false;
 };
 
 // Throws InvalidArgument ("<op>: path = <v> must be ...") unless -1 <= copy_path <= 3.
@@ -270,10 +273,11 @@ void ValidateIds(const char* op, IdSpan dev_ids, int64_t num_dev_blocks, IdSpan 
 #if FDKV_WITH_CUDA
 // Run a planned copy on a CUDA stream (swap_cuda.cu).  `mergeable` says whether a run of
 // consecutive ids is contiguous on both sides for every lane (false for the layout op).
-// `copy_path` is the call's CopyPath (kCopyProcess: the process-wide option).
+// `copy_path` is the call's CopyPath (kCopyProcess: the process-wide option); `ramp`
+// (ExecTarget::ramp) starts a DMA batch with small slices.
 int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids,
                 const int64_t* dst_ids, int64_t n, bool mergeable, int mode, void* stream,
-                int copy_path);
+                int copy_path, bool ramp = false);
 void CudaHostAlloc(void** ptr, size_t nbytes, unsigned flags);
 void CudaHostFree(void* ptr);
 void CudaStreamSynchronize(void* stream);

@@ -476,7 +476,12 @@ bool DmaBatchAvailable(cudaStream_t stream) {
 #endif
 }
 
-void LaunchDmaBatch(const std::vector<Copy>& copies, int mode, cudaStream_t stream, size_t slice_bytes) {
+// `first_slice_bytes` (0: none): the first slice is at most that large and each next one
+// twice the last, up to `slice_bytes`: the copy engines start once a call returns, so a
+// load's first layer no longer waits for the whole layer's batch to be submitted (~110 us
+// for 128 copies on an H100 host) before its first byte moves.
+void LaunchDmaBatch(const std::vector<Copy>& copies, int mode, cudaStream_t stream, size_t slice_bytes,
+                    size_t first_slice_bytes = 0) {
 #if CUDART_VERSION >= 12080
   thread_local std::vector<void*> dsts;
   thread_local std::vector<const void*> srcs;
@@ -501,9 +506,11 @@ void LaunchDmaBatch(const std::vector<Copy>& copies, int mode, cudaStream_t stre
   size_t total_bytes = 0;
   for (const Copy& c : copies) total_bytes += c.bytes;
   const size_t avg = std::max<size_t>(1, total_bytes / std::max<size_t>(1, copies.size()));
-  const size_t kSlice = std::min<size_t>(8192, std::max<size_t>(1, slice_bytes / avg));
-  for (size_t begin = 0; begin < copies.size(); begin += kSlice) {
-    const size_t count = std::min(kSlice, copies.size() - begin);
+  size_t slice_cap = first_slice_bytes > 0 ? std::min(first_slice_bytes, slice_bytes) : slice_bytes;
+  for (size_t begin = 0, count = 0; begin < copies.size(); begin += count) {
+    const size_t slice = std::min<size_t>(8192, std::max<size_t>(1, slice_cap / avg));
+    count = std::min(slice, copies.size() - begin);
+    slice_cap = std::min(slice_bytes, slice_cap * 2);
     dsts.resize(count);
     srcs.resize(count);
     sizes.resize(count);
@@ -709,7 +716,7 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
 
 // ------------------------------------------------------------------------ planning
 int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
-                int64_t n, bool mergeable, int mode, void* stream_ptr, int copy_path) {
+                int64_t n, bool mergeable, int mode, void* stream_ptr, int copy_path, bool ramp) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const Options opts = GetOptions();
 
@@ -789,7 +796,8 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
                               static_cast<size_t>(r.count * l.bytes)});
       }
     }
-    LaunchDmaBatch(copies, mode, stream, static_cast<size_t>(opts.dma_slice_bytes));
+    constexpr size_t kRampFirstSliceBytes = 1 << 20;
+    LaunchDmaBatch(copies, mode, stream, static_cast<size_t>(opts.dma_slice_bytes), ramp ? kRampFirstSliceBytes : 0);
     return kPathDma;
   }
 
