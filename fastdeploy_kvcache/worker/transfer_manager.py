@@ -427,29 +427,38 @@ class TransferManager:
                 seen.add(block)
         return None
 
-    def _wait_on_conflicts(self, stream: Any, task: _Task, rules: dict[str, int]) -> None:
-        """Make ``stream`` wait for earlier in-flight tasks of the other direction sharing blocks.
+    def _conflicting_priors(self, task: _Task, rules: dict[str, int]) -> list[_Task]:
+        """Earlier in-flight tasks of the other direction that share a block with ``task``.
 
-        ``rules`` maps "device"/"host" to the ordering rule that guards overlaps on that tier;
-        a disabled rule's overlaps are ignored.  Runs on this direction's launcher.  A
-        conflicting earlier task may still be in the other launcher's hands: we wait (host)
-        for its launch first.  No cycle is possible: that task only ever waits for tasks
-        older than itself, and this launcher handled those before the current one.
+        Called at submit, under the lock: every earlier task is in ``_inflight`` then, so
+        the launcher needs neither the lock nor a scan (a task that finishes meanwhile
+        costs one wait on a completed event).  ``rules`` maps "device"/"host" to the
+        ordering rule that guards overlaps on that tier; a disabled rule's overlaps are
+        ignored.
         """
         other = CopyDirection(1 - task.direction)
         check_dev = rules["device"] not in self.disabled_rules
         check_host = rules["host"] not in self.disabled_rules
-        with self._lock:
-            priors = [
-                prior
-                for prior in self._inflight
-                if prior.seq < task.seq
-                and prior.direction == other
-                and (
-                    (check_dev and not task.device_ids.isdisjoint(prior.device_ids))
-                    or (check_host and not task.host_ids.isdisjoint(prior.host_ids))
-                )
-            ]
+        if not (check_dev or check_host):
+            return []
+        return [
+            prior
+            for prior in self._inflight
+            if prior.seq < task.seq
+            and prior.direction == other
+            and (
+                (check_dev and not task.device_ids.isdisjoint(prior.device_ids))
+                or (check_host and not task.host_ids.isdisjoint(prior.host_ids))
+            )
+        ]
+
+    def _wait_for_priors(self, stream: Any, priors: Sequence[_Task]) -> None:
+        """Make ``stream`` wait for each prior's done event (on the launcher).
+
+        A prior may still be in the other launcher's hands: we wait (host) for its launch
+        first.  No cycle is possible: a prior only ever waits for tasks older than itself,
+        and this launcher handled those before the current one.
+        """
         for prior in priors:
             if not prior.launched.wait(self.timeout_s):
                 raise LayerSwapTimeoutError(-1, prior.meta.task_id, self.timeout_s, prior.direction)
@@ -472,6 +481,9 @@ class TransferManager:
         assert layout is not None and tables is not None
         out = self.output_stream
         arrays, ptrs = tables.all_arrays, tables.all_host
+        # Rule 2 (a load still writing a block we read) and rule 4 (a load still reading a
+        # host block we are about to overwrite).
+        priors = self._conflicting_priors(task, {"device": 2, "host": 4})
         self._inflight.append(task)
 
         def run() -> None:
@@ -488,9 +500,7 @@ class TransferManager:
                 if compute_done is not None:
                     # Rule 1: the compute that wrote these blocks was enqueued before submit.
                     self.backend.stream_wait_event(out, compute_done, self.timeout_s)
-                # Rule 2 (a load still writing a block we read) and rule 4 (a load still
-                # reading a host block we are about to overwrite).
-                self._wait_on_conflicts(out, task, {"device": 2, "host": 4})
+                self._wait_for_priors(out, priors)
                 if after is not None:
                     # Backups after loads: the load's launcher records its done event, then sets launched.
                     if not after.launched.wait(self.timeout_s):
@@ -543,6 +553,9 @@ class TransferManager:
         inp = self.input_stream
         dev_ids = self.backend.prepare_ids(meta.dst_block_ids)
         host_ids = self.backend.prepare_ids(meta.src_block_ids)
+        # Rule 5 (an in-flight device->host copy still writing a host block we read) and
+        # rule 2 (one still reading a device block we are about to overwrite).
+        priors = self._conflicting_priors(task, {"device": 2, "host": 5})
         self._inflight.append(task)
 
         def job() -> None:
@@ -551,9 +564,7 @@ class TransferManager:
                 if compute_done is not None:
                     # Rule 1 for loads: earlier compute may still read a block we overwrite.
                     self.backend.stream_wait_event(inp, compute_done, self.timeout_s)
-                # Rule 5 (an in-flight device->host copy still writing a host block we read)
-                # and rule 2 (one still reading a device block we are about to overwrite).
-                self._wait_on_conflicts(inp, task, {"device": 2, "host": 5})
+                self._wait_for_priors(inp, priors)
                 task.start_event = self.backend.record_event(inp, timing=True)
                 if self.backend.has_layer_groups and tables.group_size and self.fault_injector is None:
                     # One native call enqueues every layer and records its event (the GIL is
