@@ -147,12 +147,20 @@ class _Task:
     )
 
     def __init__(
-        self, meta: CacheSwapMetadata, direction: CopyDirection, seq: int, counter: Optional[LayerDoneCounter]
+        self,
+        meta: CacheSwapMetadata,
+        direction: CopyDirection,
+        seq: int,
+        counter: Optional[LayerDoneCounter],
+        id_sets: Optional[tuple[frozenset, frozenset]] = None,
     ) -> None:
+        """``id_sets``: the (device, host) id sets when the caller has made them already."""
         self.meta = meta
         self.direction = direction
         self.seq = seq
-        if direction is CopyDirection.DEVICE_TO_HOST:
+        if id_sets is not None:
+            self.device_ids, self.host_ids = id_sets
+        elif direction is CopyDirection.DEVICE_TO_HOST:
             self.device_ids = frozenset(meta.src_block_ids)
             self.host_ids = frozenset(meta.dst_block_ids)
         else:
@@ -332,10 +340,11 @@ class TransferManager:
                 compute_done = self.backend.record_event(compute)
             evict_task: Optional[_Task] = None
             load_task: Optional[_Task] = None
-            if self._backup_goes_after_load(evict_metadata, swap_in_metadata):
+            backup_ids = self._backup_after_load_ids(evict_metadata, swap_in_metadata)
+            if backup_ids is not None:
                 assert evict_metadata is not None and swap_in_metadata is not None
                 load_task = self._submit_h2d(swap_in_metadata, compute_done)
-                evict_task = self._submit_d2h(evict_metadata, compute_done, after=load_task)
+                evict_task = self._submit_d2h(evict_metadata, compute_done, after=load_task, id_sets=backup_ids)
             else:
                 if evict_metadata is not None:
                     evict_task = self._submit_d2h(evict_metadata, compute_done)
@@ -364,25 +373,30 @@ class TransferManager:
                     raise LayerSwapTimeoutError(-1, task_id, self.timeout_s, to_host) from None
         return counter
 
-    def _backup_goes_after_load(
+    def _backup_after_load_ids(
         self, evict_metadata: Optional[CacheSwapMetadata], swap_in_metadata: Optional[CacheSwapMetadata]
-    ) -> bool:
-        """Whether this step's device->host task is a backup to start behind its load.
+    ) -> Optional[tuple[frozenset, frozenset]]:
+        """The backup's (device, host) id sets if this step's device->host task is a backup
+        to start behind its load, else None (the sets go on to its task, made once).
 
         Only a backup (no device block freed: nothing in this step waits for it) that shares
         no device or host block with the load: with a shared block, rules 2, 4 and 5 order
         the two, and the backup must keep its place ahead of the load.
         """
         if not self.backups_after_loads or evict_metadata is None or swap_in_metadata is None:
-            return False
+            return None
         if evict_metadata.frees_device_blocks or evict_metadata.is_empty or swap_in_metadata.is_empty:
-            return False
+            return None
         try:
-            return frozenset(evict_metadata.src_block_ids).isdisjoint(swap_in_metadata.dst_block_ids) and frozenset(
-                evict_metadata.dst_block_ids
-            ).isdisjoint(swap_in_metadata.src_block_ids)
+            device_ids = frozenset(evict_metadata.src_block_ids)
+            host_ids = frozenset(evict_metadata.dst_block_ids)
+            if device_ids.isdisjoint(swap_in_metadata.dst_block_ids) and host_ids.isdisjoint(
+                swap_in_metadata.src_block_ids
+            ):
+                return device_ids, host_ids
         except TypeError:  # unhashable ids: validation fails the task; keep the plain order
-            return False
+            pass
+        return None
 
     def _dispatch(self, direction: CopyDirection, job: Callable[[], None]) -> None:
         """Run a launch job on the direction's launcher thread (in submit order) or right here."""
@@ -465,9 +479,15 @@ class TransferManager:
             if prior.done_event is not None:
                 self.backend.stream_wait_event(stream, prior.done_event, self.timeout_s)
 
-    def _submit_d2h(self, meta: CacheSwapMetadata, compute_done: Any, after: Optional[_Task] = None) -> _Task:
+    def _submit_d2h(
+        self,
+        meta: CacheSwapMetadata,
+        compute_done: Any,
+        after: Optional[_Task] = None,
+        id_sets: Optional[tuple[frozenset, frozenset]] = None,
+    ) -> _Task:
         """Enqueue a device->host task; ``after``: a load of the same step to start behind."""
-        task = _Task(meta, CopyDirection.DEVICE_TO_HOST, next(self._seq), None)
+        task = _Task(meta, CopyDirection.DEVICE_TO_HOST, next(self._seq), None, id_sets)
         self._stats[CopyDirection.DEVICE_TO_HOST].tasks += 1
         if meta.is_empty:
             self._finish(task)
