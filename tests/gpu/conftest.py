@@ -1,8 +1,8 @@
 """Shared fixtures for tests that need a CUDA GPU (run them on the device machine).
 
 Generic on purpose: ``cupy`` (the module, on a working GPU), ``capi`` (the CUDA build of
-the C ABI), ``pinned`` (pinned host buffers as numpy views) and ``cuda_stream`` (fresh
-non-blocking CuPy streams).  Every skip says what would make the test run.
+the C ABI), ``pinned`` (pinned host buffers as numpy views), ``cuda_stream`` (fresh
+non-blocking CuPy streams) and ``blocker`` (a stream held busy until released).  Every skip says what would make the test run.
 """
 
 from __future__ import annotations
@@ -79,3 +79,36 @@ def cuda_stream(cupy) -> Callable[[], object]:
         return s
 
     return make
+
+
+_WAIT_SRC = r"""
+extern "C" __global__ void wait_flag(const volatile int* flag, long long max_cycles) {
+    long long start = clock64();
+    while (*flag == 0 && clock64() - start < max_cycles) { }
+}
+"""
+
+
+@pytest.fixture
+def blocker(cupy, capi):
+    """``block(stream)`` enqueues a kernel that spins until ``release()`` sets a flag in
+    pinned memory (with a ~10 s safety cap): a stream held busy for as long as the test
+    needs, with no timing assumption."""
+    flag_ptr = capi.host_alloc(4)
+    flag = np.ctypeslib.as_array((ctypes.c_int32 * 1).from_address(flag_ptr))
+    flag[0] = 0
+    kernel = cupy.RawKernel(_WAIT_SRC, "wait_flag")
+
+    class Blocker:
+        def block(self, stream) -> None:
+            with stream:
+                kernel((1,), (1,), (np.uint64(flag_ptr), np.int64(20_000_000_000)))
+
+        def release(self) -> None:
+            flag[0] = 1
+
+    b = Blocker()
+    yield b
+    b.release()
+    cupy.cuda.runtime.deviceSynchronize()
+    capi.host_free(flag_ptr)

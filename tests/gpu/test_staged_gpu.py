@@ -14,7 +14,6 @@ DMA per contiguous host run; custom_ops/csrc/swap_staged.cu) on a GPU.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import subprocess
@@ -214,37 +213,6 @@ def test_staged_option_ranges(capi, options) -> None:
 
 
 # ----------------------------------------------------------------------------- streams
-_WAIT_SRC = r"""
-extern "C" __global__ void wait_flag(const volatile int* flag, long long max_cycles) {
-    long long start = clock64();
-    while (*flag == 0 && clock64() - start < max_cycles) { }
-}
-"""
-
-
-@pytest.fixture
-def blocker(cupy, capi):
-    """``block(stream)`` holds a stream busy until ``release()`` (10 s safety cap)."""
-    flag_ptr = capi.host_alloc(4)
-    flag = np.ctypeslib.as_array((ctypes.c_int32 * 1).from_address(flag_ptr))
-    flag[0] = 0
-    kernel = cupy.RawKernel(_WAIT_SRC, "wait_flag")
-
-    class Blocker:
-        def block(self, stream) -> None:
-            with stream:
-                kernel((1,), (1,), (np.uint64(flag_ptr), np.int64(20_000_000_000)))
-
-        def release(self) -> None:
-            flag[0] = 1
-
-    b = Blocker()
-    yield b
-    b.release()
-    cupy.cuda.runtime.deviceSynchronize()
-    capi.host_free(flag_ptr)
-
-
 @pytest.mark.parametrize("path,staging_mode", [("staged", 0), ("staged", 1), ("dma", 0)])
 @pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
 def test_staged_never_synchronizes_and_orders_after_the_stream(cupy, capi, pinned, cuda_stream, options, blocker,

@@ -4,7 +4,6 @@ and a compute-sanitizer memcheck run.  Skipped off-GPU (see conftest.py)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import subprocess
@@ -148,39 +147,6 @@ def test_validation_error_writes_nothing_on_gpu(cupy, capi, pinned) -> None:
 
 
 # ----------------------------------------------------------------------------- streams
-_WAIT_SRC = r"""
-extern "C" __global__ void wait_flag(const volatile int* flag, long long max_cycles) {
-    long long start = clock64();
-    while (*flag == 0 && clock64() - start < max_cycles) { }
-}
-"""
-
-
-@pytest.fixture
-def blocker(cupy, capi):
-    """``block(stream)`` enqueues a kernel that spins until ``release()`` sets a flag in
-    pinned memory (with a ~10 s safety cap): a stream held busy for as long as the test
-    needs, with no timing assumption."""
-    flag_ptr = capi.host_alloc(4)
-    flag = np.ctypeslib.as_array((ctypes.c_int32 * 1).from_address(flag_ptr))
-    flag[0] = 0
-    kernel = cupy.RawKernel(_WAIT_SRC, "wait_flag")
-
-    class Blocker:
-        def block(self, stream) -> None:
-            with stream:
-                kernel((1,), (1,), (np.uint64(flag_ptr), np.int64(20_000_000_000)))
-
-        def release(self) -> None:
-            flag[0] = 1
-
-    b = Blocker()
-    yield b
-    b.release()
-    cupy.cuda.runtime.deviceSynchronize()
-    capi.host_free(flag_ptr)
-
-
 @pytest.mark.parametrize("path", ["kernel", "dma"])
 @pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
 def test_copy_completes_on_transfer_stream_while_compute_stream_is_busy(
