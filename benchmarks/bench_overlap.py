@@ -337,13 +337,17 @@ def main() -> int:
 
         submit_s: list[float] = []
 
+        def forward(counter: Any) -> None:
+            """The step's layers, each after its load (ordering rule 3)."""
+            for layer in range(args.layers):
+                counter.wait_for_layer(layer)
+                layer_compute(layer)
+
         def overlapped() -> None:
             t0 = time.perf_counter()
             counter = ctrl.submit_swap_tasks(None, load_meta())
             submit_s.append(time.perf_counter() - t0)
-            for layer in range(args.layers):
-                counter.wait_for_layer(layer)
-                layer_compute(layer)
+            forward(counter)
 
         # NOTE: every figure of a hidden fraction comes from one timed() call, its bodies
         # alternating: the GPU's clocks drift between calls (a later call's GEMMs ran a few
@@ -420,10 +424,7 @@ def main() -> int:
         # NOTE: the backup goes in the same submit as the load, as a scheduler's step hands
         # them over; with backups_after_loads (the default) it starts once the load landed.
         def overlapped_with_backups() -> None:
-            counter = ctrl.submit_swap_tasks(backup_meta(), load_meta())
-            for layer in range(args.layers):
-                counter.wait_for_layer(layer)
-                layer_compute(layer)
+            forward(ctrl.submit_swap_tasks(backup_meta(), load_meta()))
 
         configured = tm.backups_after_loads  # FDKV_BACKUPS_AFTER_LOADS
 

@@ -502,8 +502,11 @@ class TransferManager:
         out = self.output_stream
         arrays, ptrs = tables.all_arrays, tables.all_host
         # Rule 2 (a load still writing a block we read) and rule 4 (a load still reading a
-        # host block we are about to overwrite).
+        # host block we are about to overwrite); a backup after loads waits for its step's
+        # load the same way.
         priors = self._conflicting_priors(task, {"device": 2, "host": 4})
+        if after is not None:
+            priors.append(after)
         self._inflight.append(task)
 
         def run() -> None:
@@ -521,12 +524,6 @@ class TransferManager:
                     # Rule 1: the compute that wrote these blocks was enqueued before submit.
                     self.backend.stream_wait_event(out, compute_done, self.timeout_s)
                 self._wait_for_priors(out, priors)
-                if after is not None:
-                    # Backups after loads: the load's launcher records its done event, then sets launched.
-                    if not after.launched.wait(self.timeout_s):
-                        raise LayerSwapTimeoutError(-1, after.meta.task_id, self.timeout_s, after.direction)
-                    if after.done_event is not None:
-                        self.backend.stream_wait_event(out, after.done_event, self.timeout_s)
                 task.start_event = self.backend.record_event(out, timing=True)
                 # NOTE: one launch moves every layer (a pointer table), so an eviction costs
                 # one launch whatever the depth of the model.
