@@ -37,6 +37,7 @@ SOURCES = [
     ROOT / "custom_ops" / "csrc" / "swap_core.h",
     ROOT / "custom_ops" / "csrc" / "swap_core.cc",
     ROOT / "custom_ops" / "csrc" / "file_io.cc",
+    ROOT / "custom_ops" / "csrc" / "stack_launcher.cc",
     ROOT / "custom_ops" / "csrc" / "swap_cuda.cu",
     ROOT / "custom_ops" / "csrc" / "swap_staged.cu",
     Path(__file__).resolve(),

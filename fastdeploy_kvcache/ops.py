@@ -96,8 +96,8 @@ COPY_PATHS: dict[str, int] = {
     "process": COPY_PATH_PROCESS, "auto": COPY_PATH_AUTO, "kernel": COPY_PATH_KERNEL, "dma": COPY_PATH_DMA,
     "staged": COPY_PATH_STAGED,
 }
-_ABI_VERSION = 5  # fdkv_abi_version() of libraries with error fields, recorded host sizes, read_files,
-# swap_layer_groups
+_ABI_VERSION = 6  # fdkv_abi_version() of libraries with error fields, recorded host sizes, read_files,
+# swap_layer_groups, launch_layer_groups
 
 _BUILD_HINT = "run `bash build.sh` (CPU) or `bash build.sh gpu` (CUDA C ABI) from the repository root"
 
@@ -373,6 +373,29 @@ def _declare_abi(lib: ctypes.CDLL) -> None:
     lib.fdkv_progress_destroy.argtypes = [vp]
     lib.fdkv_progress_wait.restype = i32
     lib.fdkv_progress_wait.argtypes = [vp, i64, i64, _C_INT64_P]
+    i32p = ctypes.POINTER(ctypes.c_int)
+    lib.fdkv_progress_wait_closed.restype = i32
+    lib.fdkv_progress_wait_closed.argtypes = [vp, i64, i32p]
+    lib.fdkv_progress_state.restype = i32
+    lib.fdkv_progress_state.argtypes = [vp, _C_INT64_P, i32p, i32p, i32p, _C_INT64_P]
+    lib.fdkv_progress_error.restype = ctypes.c_char_p
+    lib.fdkv_progress_error.argtypes = [vp]
+    lib.fdkv_progress_abandon.restype = i32
+    lib.fdkv_progress_abandon.argtypes = [vp, ctypes.c_char_p]
+    lib.fdkv_launcher_create.restype = i32
+    lib.fdkv_launcher_create.argtypes = [pp]
+    lib.fdkv_launcher_destroy.restype = i32
+    lib.fdkv_launcher_destroy.argtypes = [vp]
+    lib.fdkv_launcher_wait_idle.restype = i32
+    lib.fdkv_launcher_wait_idle.argtypes = [vp, i64, i32p]
+    lib.fdkv_launch_layer_groups.restype = i32
+    lib.fdkv_launch_layer_groups.argtypes = [
+        vp, ctypes.c_char_p, pp, _C_INT64_P, _C_INT64_P, i64,  # launcher, op, dev ptrs, dev blocks, block bytes, tensors
+        pp, i64, i64,                                          # host ptrs, host blocks, group size
+        _C_INT64_P, i64, _C_INT64_P, i64,                      # dev ids, count, host ids, count
+        i32, vp, pp, i64, vp,                                  # mode, stream, events, count, progress
+        pp, i64, vp, vp, i32, i64,                             # waits, count, start, done event, path, inline groups
+    ]
     lib.fdkv_set_option.restype = i32
     lib.fdkv_set_option.argtypes = [ctypes.c_char_p, i64]
     lib.fdkv_get_option.restype = i32
@@ -402,7 +425,7 @@ class CApi:
         if version < _ABI_VERSION:
             raise OpsNotBuiltError(
                 f"{path} has C ABI version {version}, this package needs {_ABI_VERSION} "
-                f"(error fields, recorded host sizes, read_files, swap_layer_groups); rebuild it: {_BUILD_HINT}"
+                f"(error fields, recorded host sizes, read_files, layer groups, launched stacks); rebuild it: {_BUILD_HINT}"
             )
         _declare_abi(lib)
         self.is_cuda: bool = bool(lib.fdkv_is_cuda())
@@ -481,7 +504,9 @@ class CApi:
         ``dma_slice_bytes``, ``copy_kernel`` (0-3), ``kernel_tables`` (0/1).
 
         Staged path: ``staging_bytes``, ``staging_chunk_bytes``, ``staging_grid``,
-        ``staged_min_bytes``, ``staging_mode``; DMA rows: ``dma_rows_min_lanes``.
+        ``staged_min_bytes``, ``staging_mode``; DMA rows: ``dma_rows_min_lanes``; layer
+        stacks: ``staged_stack_from_group`` (docs/ops.md, "Layer groups") and, for tests,
+        ``stack_fail_group``.
 
         Meant for benchmarks and tests; an engine sets the environment instead.
         """
@@ -663,18 +688,88 @@ class CApi:
         group_size = _int_arg(group_size, op, "group_size")
         a = self._swap_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, dev_ids, host_ids,
                             mode, path)
-        if events is None:
-            ev_arr, ev_n = None, 0
-        else:
-            ev_list = [_ptr_arg(e, op, "events") for e in events]
-            ev_arr = ctypes.cast((ctypes.c_void_p * max(len(ev_list), 1))(*ev_list), ctypes.POINTER(ctypes.c_void_p))
-            ev_n = len(ev_list)
+        ev_arr, ev_n = self._handles(events, op, "events")
         rc = self._lib.fdkv_swap_layer_groups(
             op.encode(), a.dev_ptrs, a.num_blocks, a.block_bytes, a.count, a.host_ptrs, a.num_host_blocks, group_size,
             a.dev_ids, a.num_dev_ids, a.host_ids, a.num_host_ids, a.mode, ctypes.c_void_p(_stream_handle(stream)),
             ev_arr, ev_n, None if progress is None else progress.handle, 1 if sync else 0, a.path,
         )
         self._check(rc)
+
+    def stack_launcher(self) -> "StackLauncher":
+        """A launcher thread for :meth:`launch_layer_groups` (one per stream user)."""
+        return StackLauncher(self)
+
+    def launch_layer_groups(
+        self,
+        launcher: Optional["StackLauncher"],
+        dev_ptrs: Union[Sequence[int], "TensorTable"],
+        host_ptrs: Optional[Sequence[int]],
+        group_size: int,
+        num_dev_blocks: Union[int, Sequence[int]],
+        block_bytes: Union[int, Sequence[int]],
+        num_host_blocks: int,
+        dev_ids: IdsLike,
+        host_ids: IdsLike,
+        mode: int,
+        progress: "GroupProgress",
+        stream: StreamLike = 0,
+        events: Optional[Sequence[int]] = None,
+        waits: Sequence[int] = (),
+        start_event: int = 0,
+        done_event: int = 0,
+        path: Union[int, str, None] = None,
+        inline_groups: int = 1,
+    ) -> None:
+        """:meth:`swap_layer_groups` without waiting for its copies to be enqueued.
+
+        Everything is checked here (a bad argument raises and fails ``progress``; nothing is
+        enqueued).  Then, in launch order on ``stream``: a wait on each event of ``waits``,
+        ``start_event``, the groups with ``events[g]``, ``done_event`` (``cudaEvent_t``
+        handles as ints; 0 for none).  With an idle ``launcher`` this thread enqueues the
+        fences and the first ``inline_groups`` groups itself, the launcher's thread the
+        rest; a busy launcher queues the whole stack behind the ones it holds; ``launcher``
+        None enqueues everything here.  ``progress`` advances per group and is closed
+        (:meth:`GroupProgress.wait_closed`) once ``done_event`` is recorded; a CUDA failure
+        fails it (:meth:`GroupProgress.error` names the group) and still records
+        ``done_event``.  Ids and handles are copied before this returns; the events
+        themselves must live until ``progress`` is closed (the launcher may enqueue a wait
+        or a record later).
+
+        Why: a load's first copy waited for a Python launcher thread (its wake-up, the GIL
+        it shares with the forward pass, the argument conversion): 0.5-0.9 ms on an H100
+        host, where the copy itself took 0.3 (docs/benchmarks.md, "Load startup").
+        """
+        op = "launch_layer_groups"
+        group_size = _int_arg(group_size, op, "group_size")
+        inline_groups = _int_arg(inline_groups, op, "inline_groups")
+        if not isinstance(progress, GroupProgress) or progress.handle is None:
+            raise SwapOpError(f"{op}: progress must be an open GroupProgress (capi.group_progress()), got {progress!r}",
+                              op, "progress", None)
+        if launcher is not None and (not isinstance(launcher, StackLauncher) or launcher.handle is None):
+            raise SwapOpError(f"{op}: launcher must be None or an open StackLauncher, got {launcher!r}",
+                              op, "launcher", None)
+        a = self._swap_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, dev_ids, host_ids,
+                            mode, path)
+        ev_arr, ev_n = self._handles(events, op, "events")
+        wait_arr, wait_n = self._handles(waits, op, "waits")
+        rc = self._lib.fdkv_launch_layer_groups(
+            None if launcher is None else launcher.handle, op.encode(), a.dev_ptrs, a.num_blocks, a.block_bytes,
+            a.count, a.host_ptrs, a.num_host_blocks, group_size, a.dev_ids, a.num_dev_ids, a.host_ids,
+            a.num_host_ids, a.mode, ctypes.c_void_p(_stream_handle(stream)), ev_arr, ev_n, progress.handle,
+            wait_arr, wait_n, ctypes.c_void_p(_ptr_arg(start_event, op, "start_event")),
+            ctypes.c_void_p(_ptr_arg(done_event, op, "done_event")), a.path, inline_groups,
+        )
+        self._check(rc)
+
+    @staticmethod
+    def _handles(handles: Optional[Sequence[int]], op: str, name: str) -> tuple[Any, int]:
+        """A C array of handles (``void**``) and its length; (None, 0) for None."""
+        if handles is None:
+            return None, 0
+        values = [_ptr_arg(h, op, name) for h in handles]
+        array = (ctypes.c_void_p * max(len(values), 1))(*values)
+        return ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p)), len(values)
 
     def swap_per_layer(
         self,
@@ -824,10 +919,87 @@ class GroupProgress:
             self.handle, int(at_least), max(0, int(timeout_s * 1e6)), ctypes.byref(done)))
         return int(done.value)
 
+    def _open_handle(self, what: str) -> int:
+        if self.handle is None:
+            raise ValueError(f"GroupProgress.{what}: the progress object is closed")
+        return self.handle
+
+    def wait_closed(self, timeout_s: float) -> bool:
+        """Whether every stream operation of the call is enqueued (or it failed and nothing
+        more will be), waiting up to ``timeout_s`` for it."""
+        closed = ctypes.c_int(0)
+        self._capi._check(self._capi._lib.fdkv_progress_wait_closed(
+            self._open_handle("wait_closed"), max(0, int(timeout_s * 1e6)), ctypes.byref(closed)))
+        return bool(closed.value)
+
+    def is_closed(self) -> bool:
+        return self.state().closed
+
+    def state(self) -> "ProgressState":
+        """A snapshot: groups done, failed, closed, the ``PATH_*`` bits used, the failed group."""
+        done, failed, closed, paths, group = (ctypes.c_int64(0), ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0),
+                                              ctypes.c_int64(-1))
+        self._capi._check(self._capi._lib.fdkv_progress_state(
+            self._open_handle("state"), ctypes.byref(done), ctypes.byref(failed), ctypes.byref(closed),
+            ctypes.byref(paths), ctypes.byref(group)))
+        return ProgressState(int(done.value), bool(failed.value), bool(closed.value), int(paths.value),
+                             int(group.value))
+
+    def error(self) -> str:
+        """The call's failure message ("" if it has not failed)."""
+        return (self._capi._lib.fdkv_progress_error(self._open_handle("error")) or b"").decode("utf-8", "replace")
+
+    def abandon(self, error: str) -> None:
+        """Fail and close the progress of a call that will not be launched (no-op once closed)."""
+        self._capi._check(self._capi._lib.fdkv_progress_abandon(self._open_handle("abandon"), error.encode()))
+
     def close(self) -> None:
         if self.handle is not None:
             self._capi._lib.fdkv_progress_destroy(self.handle)
             self.handle = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class ProgressState(NamedTuple):
+    """:meth:`GroupProgress.state`: groups enqueued, whether the call failed (at
+    ``failed_group``, -1 before any group), whether it is closed, and its ``PATH_*`` bits."""
+
+    done: int
+    failed: bool
+    closed: bool
+    paths: int
+    failed_group: int
+
+
+class StackLauncher:
+    """The C library's launcher thread of :meth:`CApi.launch_layer_groups`: it enqueues the
+    stacks launched through it in launch order.  :meth:`close` enqueues what is still
+    queued, then stops the thread."""
+
+    def __init__(self, capi: "CApi") -> None:
+        self._capi = capi
+        out = ctypes.c_void_p()
+        capi._check(capi._lib.fdkv_launcher_create(ctypes.byref(out)))
+        self.handle: Optional[int] = out.value
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether every stack launched so far is wholly enqueued, waiting up to ``timeout_s``."""
+        if self.handle is None:
+            return True
+        idle = ctypes.c_int(0)
+        self._capi._check(self._capi._lib.fdkv_launcher_wait_idle(self.handle, max(0, int(timeout_s * 1e6)),
+                                                                 ctypes.byref(idle)))
+        return bool(idle.value)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            self._capi._check(self._capi._lib.fdkv_launcher_destroy(handle))
 
     def __del__(self) -> None:
         try:

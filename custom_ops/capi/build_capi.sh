@@ -12,7 +12,7 @@ kind=${1:-cpu}
 case "$kind" in cpu) out=build/libfdkv_capi_cpu.so ;; *) out=build/libfdkv_capi.so ;; esac
 mkdir -p build
 srcs=(custom_ops/capi/fdkv_capi.cc custom_ops/capi/fdkv_capi.h custom_ops/csrc/swap_core.h
-      custom_ops/csrc/swap_core.cc custom_ops/csrc/file_io.cc custom_ops/csrc/swap_cuda.cu custom_ops/csrc/swap_staged.cu
+      custom_ops/csrc/swap_core.cc custom_ops/csrc/file_io.cc custom_ops/csrc/stack_launcher.cc custom_ops/csrc/swap_cuda.cu custom_ops/csrc/swap_staged.cu
       custom_ops/capi/build_capi.sh)
 up_to_date() {
   [ -f "$out" ] || return 1

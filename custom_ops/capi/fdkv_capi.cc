@@ -7,6 +7,7 @@
 // build to one compiler invocation.
 #include "../csrc/swap_core.cc"
 #include "../csrc/file_io.cc"
+#include "../csrc/stack_launcher.cc"
 #if FDKV_WITH_CUDA
 #include "../csrc/swap_cuda.cu"
 #endif
@@ -175,6 +176,51 @@ FDKV_API int fdkv_swap_layer_groups(const char* op, void* const* dev_ptrs, const
   });
 }
 
+FDKV_API int fdkv_launch_layer_groups(void* launcher, const char* op, void* const* dev_ptrs,
+                                      const int64_t* num_dev_blocks, const int64_t* block_bytes, int64_t num_tensors,
+                                      void* const* host_ptrs, int64_t num_host_blocks, int64_t group_size,
+                                      const int64_t* dev_ids, int64_t num_dev_ids, const int64_t* host_ids,
+                                      int64_t num_host_ids, int mode, void* stream, void* const* events,
+                                      int64_t num_events, void* progress, void* const* waits, int64_t num_waits,
+                                      void* start_event, void* done_event, int path, int64_t inline_groups) {
+  return Guard([&] {
+    const char* name = (op != nullptr && *op != '\0') ? op : "launch_layer_groups";
+    if (num_waits < 0 || (num_waits > 0 && waits == nullptr)) {
+      throw fdkv::InvalidArgument(name, "waits", -1, " is a null pointer or num_waits = " + std::to_string(num_waits) +
+                                                         " is negative");
+    }
+    const LayerArgs a = PrepareLayers(op, "launch_layer_groups", dev_ptrs, num_dev_blocks, block_bytes, num_tensors,
+                                      host_ptrs, stream, 0, path);
+    fdkv::StackFences fences;
+    if (num_waits > 0) fences.waits.assign(waits, waits + num_waits);
+    fences.start_event = start_event;
+    fences.done_event = done_event;
+    fdkv::LaunchLayerStack(static_cast<fdkv::StackLauncher*>(launcher), a.name, a.tensors, a.hosts, num_host_blocks,
+                           group_size, fdkv::IdSpan{dev_ids, num_dev_ids, "dev_ids"},
+                           fdkv::IdSpan{host_ids, num_host_ids, "host_ids"}, mode, a.target, events, num_events,
+                           static_cast<fdkv::GroupProgress*>(progress), fences, inline_groups,
+                           fdkv::CapiArgNames("host_ptrs"));
+  });
+}
+
+FDKV_API int fdkv_launcher_create(void** out) {
+  if (out == nullptr) return FailInvalid(fdkv::InvalidArgument("launcher_create", "out", -1, " is a null pointer"));
+  *out = nullptr;
+  return Guard([&] { *out = fdkv::NewStackLauncher(); });
+}
+
+FDKV_API int fdkv_launcher_destroy(void* launcher) {
+  return Guard([&] { fdkv::DeleteStackLauncher(static_cast<fdkv::StackLauncher*>(launcher)); });
+}
+
+FDKV_API int fdkv_launcher_wait_idle(void* launcher, int64_t timeout_us, int* idle) {
+  if (launcher == nullptr || idle == nullptr) {
+    return FailInvalid(fdkv::InvalidArgument("launcher_wait_idle", launcher == nullptr ? "launcher" : "idle", -1,
+                                             " is a null pointer"));
+  }
+  return Guard([&] { *idle = fdkv::StackLauncherWaitIdle(static_cast<fdkv::StackLauncher*>(launcher), timeout_us); });
+}
+
 FDKV_API int fdkv_progress_create(void** out) {
   if (out == nullptr) return FailInvalid(fdkv::InvalidArgument("progress_create", "out", -1, " is a null pointer"));
   *out = nullptr;
@@ -182,7 +228,7 @@ FDKV_API int fdkv_progress_create(void** out) {
 }
 
 FDKV_API int fdkv_progress_destroy(void* progress) {
-  return Guard([&] { delete static_cast<fdkv::GroupProgress*>(progress); });
+  return Guard([&] { fdkv::GroupProgress::Unref(static_cast<fdkv::GroupProgress*>(progress)); });
 }
 
 FDKV_API int fdkv_progress_wait(void* progress, int64_t at_least, int64_t timeout_us, int64_t* done) {
@@ -191,6 +237,45 @@ FDKV_API int fdkv_progress_wait(void* progress, int64_t at_least, int64_t timeou
   }
   if (done == nullptr) return FailInvalid(fdkv::InvalidArgument("progress_wait", "done", -1, " is a null pointer"));
   return Guard([&] { *done = static_cast<fdkv::GroupProgress*>(progress)->Wait(at_least, timeout_us); });
+}
+
+FDKV_API int fdkv_progress_wait_closed(void* progress, int64_t timeout_us, int* closed) {
+  if (progress == nullptr || closed == nullptr) {
+    return FailInvalid(fdkv::InvalidArgument("progress_wait_closed", progress == nullptr ? "progress" : "closed", -1,
+                                             " is a null pointer"));
+  }
+  return Guard([&] { *closed = static_cast<fdkv::GroupProgress*>(progress)->WaitClosed(timeout_us) ? 1 : 0; });
+}
+
+FDKV_API int fdkv_progress_state(void* progress, int64_t* done, int* failed, int* closed, int* paths,
+                                 int64_t* failed_group) {
+  if (progress == nullptr) {
+    return FailInvalid(fdkv::InvalidArgument("progress_state", "progress", -1, " is a null pointer"));
+  }
+  return Guard([&] {
+    const fdkv::GroupProgress::State st = static_cast<fdkv::GroupProgress*>(progress)->Get();
+    if (done != nullptr) *done = st.done;
+    if (failed != nullptr) *failed = st.failed ? 1 : 0;
+    if (closed != nullptr) *closed = st.closed ? 1 : 0;
+    if (paths != nullptr) *paths = st.paths;
+    if (failed_group != nullptr) *failed_group = st.failed_group;
+  });
+}
+
+FDKV_API const char* fdkv_progress_error(void* progress) {
+  return progress == nullptr ? "" : static_cast<fdkv::GroupProgress*>(progress)->Error();
+}
+
+FDKV_API int fdkv_progress_abandon(void* progress, const char* error) {
+  if (progress == nullptr) {
+    return FailInvalid(fdkv::InvalidArgument("progress_abandon", "progress", -1, " is a null pointer"));
+  }
+  return Guard([&] {
+    auto* p = static_cast<fdkv::GroupProgress*>(progress);
+    if (p->Get().closed) return;  // the call ran: its own outcome stands
+    p->Fail(-1, error != nullptr ? error : "abandoned before launch");
+    p->Close(0);
+  });
 }
 
 FDKV_API int fdkv_swap_layout(const char* op, void* const* dev_ptrs, const int64_t* num_dev_blocks,

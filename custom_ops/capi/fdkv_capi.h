@@ -32,9 +32,10 @@ FDKV_API int fdkv_host_free(void* ptr);
 
 // ABI version: 2 added the trailing `path` argument of the swap functions; 3 the error
 // fields (fdkv_last_error_fields, fdkv_clear_error), fdkv_parse_env, FDKV_ERR_NO_MEMORY and
-// num_host_blocks = -1 (the size fdkv_host_alloc recorded); 4 fdkv_read_files; 5 fdkv_swap_layer_groups.  ops.py
+// num_host_blocks = -1 (the size fdkv_host_alloc recorded); 4 fdkv_read_files; 5 fdkv_swap_layer_groups;
+// 6 fdkv_launch_layer_groups, the launcher and the progress state.  ops.py
 // checks it, so a library built from older sources fails loudly instead of misbehaving.
-#define FDKV_ABI_VERSION 5
+#define FDKV_ABI_VERSION 6
 FDKV_API int fdkv_abi_version(void);
 
 // Tensor t's block dev_ids[i] <-> host_ptrs[t]'s block host_ids[i], every tensor.
@@ -71,9 +72,50 @@ FDKV_API int fdkv_swap_layer_groups(const char* op, void* const* dev_ptrs, const
 // One progress object per fdkv_swap_layer_groups call.  fdkv_progress_wait blocks (up to
 // timeout_us) until at least `at_least` groups are enqueued or the call failed, then sets
 // *done to the groups enqueued, or -1 if the call failed.
+// fdkv_progress_destroy drops the caller's reference (a launched stack holds its own until
+// it is closed).
 FDKV_API int fdkv_progress_create(void** out);
 FDKV_API int fdkv_progress_destroy(void* progress);
 FDKV_API int fdkv_progress_wait(void* progress, int64_t at_least, int64_t timeout_us, int64_t* done);
+// Closed: every stream operation of the call is enqueued (a launched stack's done event
+// included), or it failed and nothing more will be.  Waits up to timeout_us.
+FDKV_API int fdkv_progress_wait_closed(void* progress, int64_t timeout_us, int* closed);
+// A snapshot: groups done, failed, closed, the PathBits its groups used, and the group that
+// failed (-1: before any group).  Any out pointer may be null.
+FDKV_API int fdkv_progress_state(void* progress, int64_t* done, int* failed, int* closed, int* paths,
+                                 int64_t* failed_group);
+// The failure's message ("" if none); valid while the progress object lives.
+FDKV_API const char* fdkv_progress_error(void* progress);
+// For a caller that will not launch the call after all: fails and closes the progress
+// with `error`, unless it is closed already.
+FDKV_API int fdkv_progress_abandon(void* progress, const char* error);
+
+// A thread that enqueues launched layer stacks in launch order.  Destroy enqueues what is
+// still queued first; fdkv_launcher_wait_idle waits up to timeout_us until every stack
+// launched so far is wholly enqueued (*idle = 1) or the timeout passes (*idle = 0).
+FDKV_API int fdkv_launcher_create(void** out);
+FDKV_API int fdkv_launcher_destroy(void* launcher);
+FDKV_API int fdkv_launcher_wait_idle(void* launcher, int64_t timeout_us, int* idle);
+
+// fdkv_swap_layer_groups without waiting for the copies to be enqueued: everything is
+// checked on the calling thread (a bad argument fails the call and the progress, nothing
+// enqueued); then, on `stream` in launch order: a wait on each of waits[0..num_waits)
+// (cudaEvent_t), start_event (null: none), the groups with events[g], done_event (null:
+// none).  With an idle `launcher`, the calling thread enqueues the fences and the first
+// inline_groups groups itself and the launcher's thread the rest; a busy launcher queues
+// the whole stack; a null launcher enqueues everything on the calling thread.  progress is
+// required: it advances per group and closes once done_event is recorded; a CUDA failure
+// fails it (fdkv_progress_error names the group), records done_event still, and closes it.
+// The ids and handles are copied, but the events themselves (waits, start, done, per group)
+// must stay alive until the progress is closed: the launcher may enqueue them later.
+// The CPU build takes no events and copies on the enqueuing thread.
+FDKV_API int fdkv_launch_layer_groups(void* launcher, const char* op, void* const* dev_ptrs,
+                                      const int64_t* num_dev_blocks, const int64_t* block_bytes, int64_t num_tensors,
+                                      void* const* host_ptrs, int64_t num_host_blocks, int64_t group_size,
+                                      const int64_t* dev_ids, int64_t num_dev_ids, const int64_t* host_ids,
+                                      int64_t num_host_ids, int mode, void* stream, void* const* events,
+                                      int64_t num_events, void* progress, void* const* waits, int64_t num_waits,
+                                      void* start_event, void* done_event, int path, int64_t inline_groups);
 
 // Block-major host buffer host_ptr[0]: host block h = [tensor 0 block | tensor 1 block | ...].
 FDKV_API int fdkv_swap_layout(const char* op, void* const* dev_ptrs, const int64_t* num_dev_blocks,

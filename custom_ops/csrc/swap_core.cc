@@ -37,7 +37,7 @@ struct OptionSpec {
   int64_t hi;
   bool copy_path;      // value is a copy path name (auto|kernel|dma), not an integer
 };
-constexpr int kNumOptions = 13;
+constexpr int kNumOptions = 15;
 const OptionSpec kSpecs[kNumOptions] = {
     {"copy_grid", "FDKV_COPY_GRID", 8, 1, 65535, false},
     {"copy_path", "FDKV_COPY_PATH", kCopyAuto, kCopyAuto, kCopyStaged, true},
@@ -57,6 +57,16 @@ const OptionSpec kSpecs[kNumOptions] = {
     // DMA rows (swap_cuda.cu, LanesAtOnePitch): the fewest tensors at one pitch that go as
     // one 2D copy per run.  For measurements and tests; read with GetOption.
     {"dma_rows_min_lanes", "", 16, 1, 1 << 20, false},
+    // Tests only: a layer stack (SwapLayerGroups, LaunchLayerStack) fails as a CUDA failure
+    // would when it reaches this group (-1: never), so the failure path of an asynchronous
+    // launch can be exercised.  Read with GetOption.
+    {"stack_fail_group", "", -1, -1, 1 << 20, false},
+    // A layer stack that auto stages (swap_cuda.cu, ExecuteCudaGroups) starts its pipeline
+    // at this group; the groups before it go one by one through the copy kernel (a forced
+    // staged path stages them all).  1: the first layer does not wait for the stack's
+    // staged plan and pipeline start (~0.2 ms of host time for 48 layers of 512 blocks on
+    // an H100 host), which the forward pass would.
+    {"staged_stack_from_group", "", 1, 0, 1 << 20, false},
 };
 
 std::atomic<int64_t> g_values[kNumOptions];
@@ -439,11 +449,13 @@ void SwapLayers(const char* op, const std::vector<TensorDesc>& tensors,
 
 namespace {
 
-void SwapLayerGroupsImpl(const char* op, const std::vector<TensorDesc>& tensors,
-                         const std::vector<void*>& host_ptrs, int64_t num_host_blocks, int64_t group_size,
-                         IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target,
-                         void* const* events, int64_t num_events, GroupProgress* progress,
-                         const ArgNames& names) {
+// Checks a layer stack's arguments (all of SwapLayerGroups') and copies them into a job.
+// Throws InvalidArgument before anything is enqueued.
+std::unique_ptr<StackJob> PrepareStackJob(const char* op, const std::vector<TensorDesc>& tensors,
+                                          const std::vector<void*>& host_ptrs, int64_t num_host_blocks,
+                                          int64_t group_size, IdSpan dev_ids, IdSpan host_ids, int mode,
+                                          const ExecTarget& target, void* const* events, int64_t num_events,
+                                          const StackFences& fences, const ArgNames& names) {
   if (group_size <= 0) Fail(op, "group_size", -1, " = " + std::to_string(group_size) + " must be > 0");
   const int64_t num_tensors = static_cast<int64_t>(tensors.size());
   if (num_tensors % group_size != 0) {
@@ -465,65 +477,198 @@ void SwapLayerGroupsImpl(const char* op, const std::vector<TensorDesc>& tensors,
   } else if (num_events != 0) {
     Fail(op, "events", -1, " is a null pointer but num_events = " + std::to_string(num_events));
   }
-  const std::vector<LaneDesc> lanes =
-      LayerLanes(op, tensors, host_ptrs, num_host_blocks, dev_ids, host_ids, mode, target, names);
-  ExecTarget each = target;
-  each.sync = false;
-  int paths = 0;
-  // Group g's copies are enqueued on `stream`: its event, then the progress.
-  auto group_done = [&](int64_t g, void* stream) {
-#if FDKV_WITH_CUDA
-    if (events != nullptr && events[g] != nullptr) CudaEventRecord(events[g], stream);
-#else
-    (void)stream;
-#endif
-    if (progress != nullptr) progress->Advance(g + 1);
-  };
+  if (!target.cuda) {
+    for (size_t w = 0; w < fences.waits.size(); ++w) {
+      if (fences.waits[w] != nullptr) {
+        Fail(op, "waits", static_cast<int64_t>(w), " is an event, but this call runs on the CPU: pass no events");
+      }
+    }
+    if (fences.start_event != nullptr || fences.done_event != nullptr) {
+      Fail(op, fences.start_event != nullptr ? "start_event" : "done_event", -1,
+           " is an event, but this call runs on the CPU: pass no events");
+    }
+  }
+  auto job = std::make_unique<StackJob>();
+  job->lanes = LayerLanes(op, tensors, host_ptrs, num_host_blocks, dev_ids, host_ids, mode, target, names);
+  job->op = op;
+  const IdSpan& src = mode == kDeviceToHost ? dev_ids : host_ids;
+  const IdSpan& dst = mode == kDeviceToHost ? host_ids : dev_ids;
+  job->src_ids.assign(src.data, src.data + src.size);
+  job->dst_ids.assign(dst.data, dst.data + dst.size);
+  job->mode = mode;
+  job->target = target;
+  job->target.sync = false;
+  job->group_size = group_size;
+  if (events != nullptr) job->events.assign(events, events + num_events);
+  job->fences = fences;
 #if FDKV_WITH_CUDA
   if (target.cuda) {
-    const int64_t* src = mode == kDeviceToHost ? dev_ids.data : host_ids.data;
-    const int64_t* dst = mode == kDeviceToHost ? host_ids.data : dev_ids.data;
-    paths = ExecuteCudaGroups(lanes, src, dst, dev_ids.size, mode, target.stream, target.copy_path, group_size,
-                              group_done);
-    if (paths != 0) {
-      t_last_path = paths;
-      if (target.sync) StreamSynchronize(target.stream);
-      return;
-    }
+    job->device = CudaCurrentDevice();
+    job->may_stage = StackMayStage(job->lanes, job->src_ids.data(), job->dst_ids.data(),
+                                   static_cast<int64_t>(job->src_ids.size()), target.copy_path);
+    GetOption("staged_stack_from_group", &job->staged_from);
+    // A forced staged path stages every group; the kernel-first split is auto's choice.
+    const int64_t path = target.copy_path == kCopyProcess ? GetOptions(op).copy_path : target.copy_path;
+    if (path == kCopyStaged) job->staged_from = 0;
   }
 #endif
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const std::vector<LaneDesc> group(lanes.begin() + g * group_size, lanes.begin() + (g + 1) * group_size);
-    try {
-      each.ramp = g == 0;
-      Execute(group, dev_ids, host_ids, mode, each);
-      paths |= t_last_path;
-      group_done(g, target.stream);
-    } catch (const CudaFailure& e) {
-      t_last_path = paths;
-      // Groups before g are enqueued and their events recorded; g and later are not.
-      throw CudaFailure(std::string(op) + ": group " + std::to_string(g) + " of " + std::to_string(num_groups) +
-                        ": " + e.what());
-    }
-  }
-  t_last_path = paths;
-  if (target.cuda && target.sync) StreamSynchronize(target.stream);
+  return job;
 }
 
 }  // namespace
+
+bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
+  const int64_t num_groups = static_cast<int64_t>(job.lanes.size()) / job.group_size;
+  const int64_t n = static_cast<int64_t>(job.src_ids.size());
+  void* stream = job.target.stream;
+  // Group g's copies are enqueued on `s`: its event, then the progress.
+  auto group_done = [&](int64_t g, void* s) {
+#if FDKV_WITH_CUDA
+    if (!job.events.empty() && job.events[static_cast<size_t>(g)] != nullptr) {
+      CudaEventRecord(job.events[static_cast<size_t>(g)], s);
+    }
+#else
+    (void)s;
+#endif
+    if (job.progress != nullptr) job.progress->Advance(g + 1);
+  };
+  try {
+#if FDKV_WITH_CUDA
+    if (job.target.cuda && job.device >= 0) {
+      // NOTE: the launcher thread runs on the device the stack was launched from (a new
+      // thread starts on device 0), and sets it once even where cudaGetDevice reports it
+      // already: cudaSetDevice binds the device's primary context to the thread.
+      thread_local int bound_device = -1;
+      if (bound_device != job.device || CudaCurrentDevice() != job.device) {
+        CudaSetDevice(job.device);
+        bound_device = job.device;
+      }
+    }
+    if (!job.started) {
+      for (void* w : job.fences.waits) {
+        if (w != nullptr) CudaStreamWaitEvent(stream, w);
+      }
+      if (job.fences.start_event != nullptr) CudaEventRecord(job.fences.start_event, stream);
+      job.started = true;
+    }
+#else
+    job.started = true;
+#endif
+    int64_t fail_group = -1;
+    GetOption("stack_fail_group", &fail_group);
+    if (fail_group >= 0) job.may_stage = false;  // an injected failure goes group by group
+    ExecTarget each = job.target;
+    for (int64_t budget = max_groups; job.next_group < num_groups; --budget) {
+      const int64_t g = job.next_group;
+#if FDKV_WITH_CUDA
+      if (job.may_stage && g >= job.staged_from) {
+        // The remaining groups as one staged pipeline (or group by group if the rest of
+        // auto's rule says so), in one part: only a part that may finish the stack runs it.
+        if (budget < num_groups - g) return false;
+        job.may_stage = false;
+        const std::vector<LaneDesc> rest(job.lanes.begin() + g * job.group_size, job.lanes.end());
+        const int paths =
+            ExecuteCudaGroups(rest, job.src_ids.data(), job.dst_ids.data(), n, job.mode, stream,
+                              job.target.copy_path, job.group_size, [&](int64_t r, void* s) { group_done(g + r, s); });
+        if (paths != 0) {
+          job.paths |= paths;
+          job.next_group = num_groups;
+          break;
+        }
+      }
+#endif
+      if (budget <= 0) break;
+      if (g == fail_group) throw CudaFailure("injected failure (option stack_fail_group)");
+      const std::vector<LaneDesc> group(job.lanes.begin() + g * job.group_size,
+                                        job.lanes.begin() + (g + 1) * job.group_size);
+      each.ramp = g == 0;
+      // Groups ahead of a staged rest take the copy kernel: one launch, where the per-call
+      // rule would build a staged plan (or a DMA batch of a copy per block) for them; the
+      // SMs are free then, since the forward pass waits for the first layer.
+      if (job.may_stage) each.copy_path = kCopyKernel;
+      Execute(group, IdSpan{job.mode == kDeviceToHost ? job.src_ids.data() : job.dst_ids.data(), n, "dev_ids"},
+              IdSpan{job.mode == kDeviceToHost ? job.dst_ids.data() : job.src_ids.data(), n, "host_ids"}, job.mode,
+              each);
+      job.paths |= t_last_path;
+      group_done(g, stream);
+      ++job.next_group;
+    }
+    if (job.next_group < num_groups) return false;
+#if FDKV_WITH_CUDA
+    if (job.fences.done_event != nullptr) CudaEventRecord(job.fences.done_event, stream);
+#endif
+    if (job.progress != nullptr) job.progress->Close(job.paths);
+    return true;
+  } catch (const std::exception& e) {
+    const std::string what = job.op + ": group " + std::to_string(job.next_group) + " of " +
+                             std::to_string(num_groups) + ": " + e.what();
+#if FDKV_WITH_CUDA
+    // Groups before next_group are enqueued and their events recorded; the rest are not.
+    // The done event is still recorded (if the stream takes it), so a fence on it is valid.
+    if (job.started && job.fences.done_event != nullptr) {
+      try {
+        CudaEventRecord(job.fences.done_event, stream);
+      } catch (const std::exception&) {
+      }
+    }
+#endif
+    if (job.progress != nullptr) {
+      job.progress->Fail(job.next_group, what);
+      job.progress->Close(job.paths);
+    }
+    if (rethrow) {
+      if (dynamic_cast<const CudaFailure*>(&e) != nullptr) throw CudaFailure(what);
+      throw;
+    }
+    return true;
+  }
+}
 
 void SwapLayerGroups(const char* op, const std::vector<TensorDesc>& tensors,
                      const std::vector<void*>& host_ptrs, int64_t num_host_blocks, int64_t group_size,
                      IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target,
                      void* const* events, int64_t num_events, GroupProgress* progress,
                      const ArgNames& names) {
+  std::unique_ptr<StackJob> job;
   try {
-    SwapLayerGroupsImpl(op, tensors, host_ptrs, num_host_blocks, group_size, dev_ids, host_ids, mode, target, events,
-                        num_events, progress, names);
-  } catch (...) {
-    if (progress != nullptr) progress->Fail();  // a waiter must not wait for groups that never come
+    job = PrepareStackJob(op, tensors, host_ptrs, num_host_blocks, group_size, dev_ids, host_ids, mode, target,
+                          events, num_events, StackFences{}, names);
+  } catch (const std::exception& e) {
+    if (progress != nullptr) {  // a waiter must not wait for groups that never come
+      progress->Fail(-1, e.what());
+      progress->Close(0);
+    }
     throw;
   }
+  if (progress != nullptr) progress->Ref();
+  job->progress = progress;
+  RunStackJob(*job, INT64_MAX, true);
+  t_last_path = job->paths;
+  if (target.cuda && target.sync) StreamSynchronize(target.stream);
+}
+
+void LaunchLayerStack(StackLauncher* launcher, const char* op, const std::vector<TensorDesc>& tensors,
+                      const std::vector<void*>& host_ptrs, int64_t num_host_blocks, int64_t group_size,
+                      IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target, void* const* events,
+                      int64_t num_events, GroupProgress* progress, const StackFences& fences,
+                      int64_t inline_groups, const ArgNames& names) {
+  if (progress == nullptr) Fail(op, "progress", -1, " is a null pointer; a launched stack reports through it");
+  std::unique_ptr<StackJob> job;
+  try {
+    job = PrepareStackJob(op, tensors, host_ptrs, num_host_blocks, group_size, dev_ids, host_ids, mode, target,
+                          events, num_events, fences, names);
+  } catch (const std::exception& e) {
+    progress->Fail(-1, e.what());
+    progress->Close(0);
+    throw;
+  }
+  progress->Ref();
+  job->progress = progress;
+  if (launcher == nullptr) {
+    RunStackJob(*job, INT64_MAX, false);
+    return;
+  }
+  LauncherEnqueue(launcher, std::move(job), inline_groups);
 }
 
 void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* host_ptr,

@@ -11,11 +11,13 @@
 // CPU paths exist and "device" pointers are host memory.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -178,10 +180,25 @@ class GroupProgress {
     }
     cv_.notify_all();
   }
-  void Fail() {
+  // The call failed at `group` (-1: before any group); the first failure is kept.
+  void Fail(int64_t group = -1, const std::string& error = std::string()) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      failed_ = true;
+      if (!failed_) {
+        failed_ = true;
+        failed_group_ = group;
+        error_ = error;
+      }
+    }
+    cv_.notify_all();
+  }
+  // Every stream operation of the call is enqueued (its done event included), or it failed
+  // and nothing more will be; `paths` is the union of the PathBits its groups used.
+  void Close(int paths) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = true;
+      paths_ |= paths;
     }
     cv_.notify_all();
   }
@@ -192,12 +209,44 @@ class GroupProgress {
                  [&] { return failed_ || done_ >= at_least; });
     return failed_ ? -1 : done_;
   }
+  // Whether the call is closed; blocks until it is or the timeout passes.
+  bool WaitClosed(int64_t timeout_us) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::microseconds(timeout_us < 0 ? 0 : timeout_us), [&] { return closed_; });
+  }
+  struct State {
+    int64_t done;
+    bool failed;
+    bool closed;
+    int paths;
+    int64_t failed_group;
+  };
+  State Get() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return State{done_, failed_, closed_, paths_, failed_group_};
+  }
+  // The failure's message ("" if none).  Stable once failed: the first failure is kept.
+  const char* Error() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_.c_str();
+  }
+  // Shared by its creator and an asynchronous launch (LaunchLayerStack) that advances it
+  // after the creator may have let go.  Starts at one reference.
+  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  static void Unref(GroupProgress* p) {
+    if (p != nullptr && p->refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete p;
+  }
 
  private:
+  std::atomic<int> refs_{1};
   std::mutex mu_;
   std::condition_variable cv_;
   int64_t done_ = 0;
   bool failed_ = false;
+  bool closed_ = false;
+  int paths_ = 0;
+  int64_t failed_group_ = -1;
+  std::string error_;
 };
 
 // Layer-by-layer copy in one call: `tensors` are num_groups groups of `group_size`
@@ -215,6 +264,41 @@ void SwapLayerGroups(const char* op, const std::vector<TensorDesc>& tensors,
                      IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target,
                      void* const* events, int64_t num_events, GroupProgress* progress = nullptr,
                      const ArgNames& names = ArgNames{});
+
+// The stream operations a launched layer stack (LaunchLayerStack) enqueues around its
+// groups, in this order on the target stream: a wait on each of `waits`, `start_event`,
+// the groups with their events, `done_event` (cudaEvent_t handles; null: none).
+struct StackFences {
+  std::vector<void*> waits;
+  void* start_event = nullptr;
+  void* done_event = nullptr;
+};
+
+// A thread that enqueues launched layer stacks in launch order (stack_launcher.cc).
+class StackLauncher;
+StackLauncher* NewStackLauncher();
+// Enqueues what is still queued, then stops the thread.
+void DeleteStackLauncher(StackLauncher* launcher);
+// Whether every launched stack is wholly enqueued; waits up to timeout_us for it.
+bool StackLauncherWaitIdle(StackLauncher* launcher, int64_t timeout_us);
+
+// SwapLayerGroups with its fences, enqueued asynchronously.  Everything is checked on the
+// calling thread first: a bad argument throws InvalidArgument with nothing enqueued (the
+// progress then fails and closes).  Then, in launch order on target.stream: with a
+// `launcher` that is idle, the fences and the first `inline_groups` groups are enqueued
+// on the calling thread, the rest on the launcher's thread; a busy launcher takes the
+// whole stack behind the stacks it holds; with no launcher the calling thread enqueues it
+// all.  `progress` (required) advances per group and closes once done_event is recorded;
+// a CUDA failure in group g fails it naming the group (later groups are not enqueued) and
+// still records done_event, so a fence on it stays valid.
+// Why: a load's first copy used to wait 0.5-0.9 ms for the Python side to hand the stack
+// to a launcher thread and convert its arguments (docs/benchmarks.md, "Load startup"),
+// and the forward pass waits for that first copy.
+void LaunchLayerStack(StackLauncher* launcher, const char* op, const std::vector<TensorDesc>& tensors,
+                      const std::vector<void*>& host_ptrs, int64_t num_host_blocks, int64_t group_size,
+                      IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target, void* const* events,
+                      int64_t num_events, GroupProgress* progress, const StackFences& fences,
+                      int64_t inline_groups, const ArgNames& names = ArgNames{});
 
 // Block-major layout copy: host block h is one contiguous object holding every tensor's
 // block in tensor order: [h][t][block_bytes[t]].  num_host_blocks: as in SwapLayers.
@@ -262,6 +346,35 @@ struct Run {
   int64_t count;
 };
 
+// One layer stack, checked and copied (ids, lanes, handles), ready to be enqueued in parts
+// (RunStackJob): what LaunchLayerStack queues and SwapLayerGroups runs at once.
+struct StackJob {
+  std::string op;
+  std::vector<LaneDesc> lanes;  // every group's, group-major
+  std::vector<int64_t> src_ids, dst_ids;
+  int mode = kHostToDevice;
+  ExecTarget target;
+  int64_t group_size = 1;
+  int device = -1;  // the launching thread's CUDA device (the launcher thread takes it on)
+  std::vector<void*> events;  // per group; empty: none
+  GroupProgress* progress = nullptr;  // one reference held while queued
+  StackFences fences;
+  // The groups from `staged_from` on may go as one staged pipeline (enqueued in one part);
+  // the ones before it go group by group (option staged_stack_from_group).
+  bool may_stage = false;
+  int64_t staged_from = 1;
+  bool started = false;    // fences before the groups enqueued
+  int64_t next_group = 0;  // groups enqueued so far
+  int paths = 0;
+  ~StackJob() { GroupProgress::Unref(progress); }
+};
+// Enqueues the job's next part: its leading fences, then up to `max_groups` groups, then (at
+// the end) its done event.  Returns true once the job is finished (closed, or failed and
+// closed).  With `rethrow` a failure is rethrown after the progress records it.
+bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow);
+// Hands a job to a launcher (stack_launcher.cc): see LaunchLayerStack.
+void LauncherEnqueue(StackLauncher* launcher, std::unique_ptr<StackJob> job, int64_t inline_groups);
+
 // Merge consecutive (src, dst) pairs into runs.  O(n).
 std::vector<Run> PlanRuns(const int64_t* src_ids, const int64_t* dst_ids, int64_t n);
 
@@ -282,6 +395,13 @@ void CudaHostAlloc(void** ptr, size_t nbytes, unsigned flags);
 void CudaHostFree(void* ptr);
 void CudaStreamSynchronize(void* stream);
 void CudaEventRecord(void* event, void* stream);
+void CudaStreamWaitEvent(void* stream, void* event);
+int CudaCurrentDevice();
+void CudaSetDevice(int device);
+// Whether ExecuteCudaGroups might take a stack of this shape as one staged pipeline (its
+// checks that need no plan); false: the stack goes group by group.
+bool StackMayStage(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids, int64_t n,
+                   int copy_path);
 // A whole layer stack (SwapLayerGroups) as one staged pipeline, where the call's path is
 // staged, or auto and the stack's host side merges into runs: every lane moves n blocks,
 // lanes [g * group_size, (g + 1) * group_size) are group g, and on_group(g, stream) runs

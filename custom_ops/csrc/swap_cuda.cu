@@ -676,13 +676,43 @@ bool StagedRuleHolds(int64_t total_bytes, int64_t avg_copy_bytes, int64_t num_se
 }
 
 // ------------------------------------------------------------------------ layer stacks
+namespace {
+
+// The checks of a stack's staged rule that need no plan: the call's path, and with auto the
+// call's size (StagedCallSizeHolds); `total_bytes` and `avg_copy_bytes` are what the rest of
+// auto's rule takes.
+bool StackStagedCandidate(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
+                          int64_t n, int copy_path, const Options& opts, int64_t* path, int64_t* total_bytes,
+                          int64_t* avg_copy_bytes) {
+  *path = copy_path == kCopyProcess ? opts.copy_path : copy_path;
+  *total_bytes = 0;
+  *avg_copy_bytes = 0;
+  if (n <= 0 || (*path != kCopyAuto && *path != kCopyStaged)) return false;
+  if (*path == kCopyAuto) {
+    const std::vector<Run> runs = PlanRuns(src_ids, dst_ids, n);
+    for (const LaneDesc& l : lanes) *total_bytes += l.bytes * n;
+    const int64_t num_copies = static_cast<int64_t>(runs.size() * lanes.size());
+    *avg_copy_bytes = *total_bytes / std::max<int64_t>(1, num_copies);
+    // Before the plan: the first layer of a load waits for this call's set-up.
+    if (!StagedCallSizeHolds(*total_bytes, *avg_copy_bytes, opts, INT64_MAX)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool StackMayStage(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids, int64_t n,
+                   int copy_path) {
+  int64_t path = 0, total_bytes = 0, avg_copy_bytes = 0;
+  return StackStagedCandidate(lanes, src_ids, dst_ids, n, copy_path, GetOptions(), &path, &total_bytes,
+                              &avg_copy_bytes);
+}
+
 int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
                       int64_t n, int mode, void* stream_ptr, int copy_path, int64_t group_size,
                       const std::function<void(int64_t, void*)>& on_group) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const Options opts = GetOptions();
-  int64_t path = copy_path == kCopyProcess ? opts.copy_path : copy_path;
-  if (n <= 0 || (path != kCopyAuto && path != kCopyStaged) || !DmaBatchAvailable(stream)) return 0;
   // The stack as one staged pipeline where its host side merges into runs (the rule of
   // ExecuteCuda's auto for a call of this size): a layer's chunks no longer pay the
   // pipeline's fill and drain, and the submit is O(chunks), not O(blocks x layers).
@@ -690,14 +720,10 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
   // per layer is the SM-holding kernel or a slow DMA batch, and the stack did better (16
   // KiB loads in bench_overlap: 0.88 hidden against 0.84-0.86).  With 128 KiB blocks the
   // per-layer DMA batch overlapped better (0.91-0.92 against 0.88; docs/benchmarks.md).
-  int64_t total_bytes = 0, avg_copy_bytes = 0;
-  if (path == kCopyAuto) {
-    const std::vector<Run> runs = PlanRuns(src_ids, dst_ids, n);
-    for (const LaneDesc& l : lanes) total_bytes += l.bytes * n;
-    const int64_t num_copies = static_cast<int64_t>(runs.size() * lanes.size());
-    avg_copy_bytes = total_bytes / std::max<int64_t>(1, num_copies);
-    // Before the plan: the first layer of a load waits for this call's set-up.
-    if (!StagedCallSizeHolds(total_bytes, avg_copy_bytes, opts, INT64_MAX)) return 0;
+  int64_t path = 0, total_bytes = 0, avg_copy_bytes = 0;
+  if (!StackStagedCandidate(lanes, src_ids, dst_ids, n, copy_path, opts, &path, &total_bytes, &avg_copy_bytes) ||
+      !DmaBatchAvailable(stream)) {
+    return 0;
   }
   thread_local staged::Plan plan;
   int64_t num_segs = 0;
@@ -842,5 +868,17 @@ void CudaStreamSynchronize(void* stream) {
 void CudaEventRecord(void* event, void* stream) {
   FDKV_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
 }
+
+void CudaStreamWaitEvent(void* stream, void* event) {
+  FDKV_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
+}
+
+int CudaCurrentDevice() {
+  int device = 0;
+  FDKV_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+void CudaSetDevice(int device) { FDKV_CUDA_CHECK(cudaSetDevice(device)); }
 
 }  // namespace fdkv
