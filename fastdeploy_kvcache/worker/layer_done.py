@@ -265,8 +265,10 @@ class LayerDoneCounter:
                     finally:
                         self._cond.acquire()
                     if done < 0:
-                        # The call failed: the launcher records the error (fail()) next.
+                        # The call failed: its progress says where and why (a launched
+                        # stack has no Python launcher that would call fail()).
                         self._group_progress = None
+                        self.fail(progress.state().failed_group, progress.error() or "the layer-group copy failed")
                         continue
                     for i in range(self._group_handed, min(done, self.num_layers)):
                         if self._events[i] is None:

@@ -48,7 +48,10 @@ layer ``i``'s event exists waits on a condition variable (no polling) until the 
 records it, then enqueues the device-side wait.  This matters because one op launch costs
 tens to hundreds of microseconds of host time: launching every layer before the forward
 starts would delay compute by the sum.  ``async_launch=False`` launches on the calling
-thread instead (the default for the host-thread CPU backends).
+thread instead (the default for the host-thread CPU backends).  On backends that enqueue a
+whole layer stack natively (``has_layer_groups``), a load skips the Python launcher: submit
+hands it, fences included, to the C library's launcher thread, and enqueues its waits and
+first layer itself when that thread is idle (``_launch_stack``; docs/architecture.md).
 
 Copy paths.  Device->host copies name their copy path per call (``FDKV_D2H_COPY_PATH``,
 default the DMA batch); loads follow the process-wide ``FDKV_COPY_PATH`` rule.  The two
@@ -63,12 +66,13 @@ import logging
 import numbers
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from fastdeploy_kvcache import envs, ops
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection
-from fastdeploy_kvcache.worker.backends.base import Backend, HostEvent, HostStream
+from fastdeploy_kvcache.worker.backends.base import Backend, HostEvent, HostStream, LayerStackHandles
 from fastdeploy_kvcache.worker.layer_done import (
     LayerDoneCounter,
     LayerSwapTimeoutError,
@@ -85,6 +89,8 @@ ORDERING_RULES: dict[int, str] = {
     4: "no device->host write into a host block an in-flight load reads",
     5: "a load waits for in-flight device->host copies into its host blocks",
 }
+
+_INT_TYPE = {int}  # the one id type the fast path of _validate accepts (bool is not int)
 
 #: Test hook signature: (direction, layer or -1 for all layers, metadata) -> None; may raise.
 FaultInjector = Callable[[CopyDirection, int, CacheSwapMetadata], None]
@@ -143,7 +149,7 @@ class _Task:
 
     __slots__ = (
         "meta", "direction", "seq", "device_ids", "host_ids", "counter", "error", "start_event",
-        "done_event", "launched", "paths", "_lock",
+        "done_event", "launched", "paths", "progress", "fences", "_lock",
     )
 
     def __init__(
@@ -170,11 +176,31 @@ class _Task:
         self.error: Optional[str] = None
         self.start_event: Any = None
         self.done_event: Any = None
-        # Set by the launcher once every launch and event of the task has been enqueued.
-        self.launched = threading.Event()
+        # Set by the launcher once every launch and event of the task has been enqueued
+        # (a launched layer stack's: its progress, closed by the native launcher).
+        self.launched: Any = threading.Event()
         # ops.PATH_* bits of the copy paths the task's launches used (0: unknown/none).
         self.paths = 0
+        self.progress: Any = None  # a launched layer stack's ops.GroupProgress
+        # The events a launched stack's stream waits on: kept alive until it is closed,
+        # since the native launcher may enqueue the waits after submit returns.
+        self.fences: Sequence[Any] = ()
         self._lock = threading.Lock()
+
+    def attach_stack(self, handles: LayerStackHandles) -> None:
+        """The task goes as a launched layer stack: its events and launch state are the stack's."""
+        self.progress = handles.progress
+        self.start_event, self.done_event = handles.start_event, handles.done_event
+        self.launched = _StackClosed(handles.progress)
+
+    def take_stack_outcome(self) -> None:
+        """Once launched: the paths a layer stack used, and its failure if it failed."""
+        if self.progress is None:
+            return
+        state = self.progress.state()
+        self.paths |= state.paths
+        if state.failed:
+            self.fail(self.progress.error() or "the layer stack failed", state.failed_group)
 
     def fail(self, error: Any, layer: int = -1) -> None:
         """Record the first failure (thread-safe: launcher and stream threads call this)."""
@@ -186,6 +212,25 @@ class _Task:
         logger.error("%s task %d failed at layer %d: %s", self.direction.short, self.meta.task_id, layer, text)
         if self.counter is not None:
             self.counter.fail(layer, text)
+
+
+class _StackClosed:
+    """A launched layer stack's ``launched`` flag: its progress is closed once every stream
+    operation of the stack (the done event included) is enqueued, or it failed."""
+
+    __slots__ = ("_progress",)
+
+    def __init__(self, progress: Any) -> None:
+        self._progress = progress
+
+    def is_set(self) -> bool:
+        return bool(self._progress.is_closed())
+
+    def wait(self, timeout_s: Optional[float]) -> bool:
+        return bool(self._progress.wait_closed(1e9 if timeout_s is None else timeout_s))
+
+    def set(self) -> None:
+        """Nothing to do: only the native launcher (or an abandoned launch) closes it."""
 
 
 @dataclass
@@ -297,12 +342,23 @@ class TransferManager:
         # a load the forward pass is waiting for.  Cross-direction order is kept per task:
         # a task waits only for the launch of earlier other-direction tasks it conflicts with.
         self._launchers: dict[CopyDirection, HostStream] = {}
+        # Loads handed to the host->device launcher thread, and those it has run: while
+        # they differ, a new load queues behind them (stream order is launch order).
+        self._h2d_jobs_queued = 0
+        self._h2d_jobs_run = 0
         self._closed = False
+        # NOTE: where the backend enqueues a whole layer stack natively, loads go to a
+        # native launcher thread: the submitting thread checks the stack and enqueues its
+        # fences and first layer itself, with no Python thread hand-off before the first
+        # copy (docs/architecture.md, "Launches").
+        self._stack_launcher: Any = None
         if self.async_launch:
             for direction in (CopyDirection.DEVICE_TO_HOST, CopyDirection.HOST_TO_DEVICE):
                 launcher = HostStream(f"launch-{direction.short}")
                 launcher.submit(backend.bind_thread)
                 self._launchers[direction] = launcher
+            if backend.has_layer_groups:
+                self._stack_launcher = backend.create_stack_launcher()
 
     # ------------------------------------------------------------------ setup
     def set_layout(self, layout: Optional[CacheLayout]) -> None:
@@ -401,10 +457,20 @@ class TransferManager:
     def _dispatch(self, direction: CopyDirection, job: Callable[[], None]) -> None:
         """Run a launch job on the direction's launcher thread (in submit order) or right here."""
         launcher = self._launchers.get(direction)
-        if launcher is not None:
-            launcher.submit(job)
-        else:
+        if launcher is None:
             job()
+        elif direction is CopyDirection.HOST_TO_DEVICE:
+            self._h2d_jobs_queued += 1
+
+            def counted() -> None:
+                try:
+                    job()
+                finally:
+                    self._h2d_jobs_run += 1  # only this launcher thread writes it
+
+            launcher.submit(counted)
+        else:
+            launcher.submit(job)
 
     def _validate(self, meta: CacheSwapMetadata, direction: CopyDirection) -> Optional[str]:
         """Reason the metadata cannot be carried out, or None.  Nothing is launched if bad."""
@@ -428,7 +494,7 @@ class TransferManager:
                 fine = not ids or (min(ids) >= 0 and max(ids) < limit)  # O(n) in C, the common case
             except TypeError:
                 fine = False
-            if fine and all(type(b) is int for b in ids):
+            if fine and set(map(type, ids)) <= _INT_TYPE:  # no Python loop: ~2x faster at 512 ids
                 continue
             for index, block in enumerate(ids):
                 if not isinstance(block, numbers.Integral) or isinstance(block, bool) or not 0 <= block < limit:
@@ -574,30 +640,23 @@ class TransferManager:
         # rule 2 (one still reading a device block we are about to overwrite).
         priors = self._conflicting_priors(task, {"device": 2, "host": 5})
         self._inflight.append(task)
+        if self.backend.has_layer_groups and tables.group_size and self.fault_injector is None:
+            # One native launch enqueues every layer and records its event (the test fault
+            # hook is per layer, so it keeps the loop below).
+            self._launch_stack(task, counter, compute_done, priors, dev_ids, host_ids)
+            return task
 
         def job() -> None:
             layer = -1
             try:
+                if self._stack_launcher is not None and not self._stack_launcher.wait_idle(self.timeout_s):
+                    # Stacks still being enqueued: our waits must not land between their layers.
+                    raise LayerSwapTimeoutError(-1, meta.task_id, self.timeout_s, CopyDirection.HOST_TO_DEVICE)
                 if compute_done is not None:
                     # Rule 1 for loads: earlier compute may still read a block we overwrite.
                     self.backend.stream_wait_event(inp, compute_done, self.timeout_s)
                 self._wait_for_priors(inp, priors)
                 task.start_event = self.backend.record_event(inp, timing=True)
-                if self.backend.has_layer_groups and tables.group_size and self.fault_injector is None:
-                    # One native call enqueues every layer and records its event (the GIL is
-                    # released once, not per layer); the test fault hook is per layer, so it
-                    # keeps the loop below.  The counter hands layer l's event out
-                    # once the call's progress says it is recorded.
-                    events, progress = self.backend.layer_group_handles(num_layers)
-                    counter.attach_layer_groups(events, progress)
-                    self.backend.swap_layer_groups(
-                        tables.all_arrays, tables.all_host, tables.group_size, layout.num_host_blocks, dev_ids,
-                        host_ids, CopyDirection.HOST_TO_DEVICE, inp, events, progress, path=ops.COPY_PATH_PROCESS,
-                    )
-                    task.paths |= self.backend.last_path()
-                    for layer, event in enumerate(events):
-                        counter.set_layer_event(layer, event)
-                    return
                 for layer in range(num_layers):
                     if task.error is not None:
                         break  # an earlier layer failed: the task is void, the counter failed
@@ -624,10 +683,67 @@ class TransferManager:
         self._dispatch(CopyDirection.HOST_TO_DEVICE, job)
         return task
 
+    def _launch_stack(
+        self,
+        task: _Task,
+        counter: LayerDoneCounter,
+        compute_done: Any,
+        priors: Sequence[_Task],
+        dev_ids: Any,
+        host_ids: Any,
+    ) -> None:
+        """Launch a load as one native layer stack (under the lock, at submit).
+
+        Its fences travel with it: rule 1's compute event and the done events of its
+        conflicting priors (rules 2 and 5).  Where every prior is launched and no earlier
+        load waits on the Python launcher, this thread launches it, and the native launcher
+        lets it enqueue the fences and the first layer itself when idle; otherwise the
+        Python launcher waits (host-side) for the priors' launches first.
+        """
+        layout, tables = self.layout, self._tables
+        assert layout is not None and tables is not None
+        handles = self.backend.layer_stack_handles(layout.num_layers)
+        counter.attach_layer_groups(handles.events, handles.progress)
+        # The layer events serve again once no one can wait on them: the counter is gone.
+        weakref.finalize(counter, self.backend.recycle_layer_events, handles.events)
+        task.attach_stack(handles)
+        fences = [] if compute_done is None else [compute_done]
+
+        def launch() -> None:
+            waits = fences + [prior.done_event for prior in priors if prior.done_event is not None]
+            task.fences = waits
+            try:
+                self.backend.launch_layer_groups(
+                    self._stack_launcher, tables.all_arrays, tables.all_host, tables.group_size,
+                    layout.num_host_blocks, dev_ids, host_ids, CopyDirection.HOST_TO_DEVICE, self.input_stream,
+                    handles, waits, path=ops.COPY_PATH_PROCESS,
+                )
+            except Exception as exc:  # noqa: BLE001 - a bad argument fails the task, nothing enqueued
+                handles.progress.abandon(f"{type(exc).__name__}: {exc}")
+                task.fail(exc, -1)
+
+        if self._h2d_jobs_queued == self._h2d_jobs_run and all(prior.launched.is_set() for prior in priors):
+            launch()
+            return
+
+        def job() -> None:
+            try:
+                for prior in priors:
+                    if not prior.launched.wait(self.timeout_s):
+                        raise LayerSwapTimeoutError(-1, prior.meta.task_id, self.timeout_s, prior.direction)
+            except Exception as exc:  # noqa: BLE001 - never launched: the task fails
+                handles.progress.abandon(f"{type(exc).__name__}: {exc}")
+                task.fail(exc, -1)
+                return
+            launch()
+
+        self._dispatch(CopyDirection.HOST_TO_DEVICE, job)
+
     # ------------------------------------------------------------------ completion
     def _finish(self, task: _Task) -> None:
         """Mark the metadata (only now, after the bytes moved) and queue it for the engine."""
         task.launched.set()  # a task rejected before launch has nothing left to wait for
+        task.take_stack_outcome()
         stats = self._stats[task.direction]
         ok = task.error is None
         task.meta.mark_done(ok, task.error)
@@ -685,6 +801,11 @@ class TransferManager:
             launcher.submit(idle.set)
             if not idle.wait(max(0.0, deadline - time.monotonic())):
                 raise LayerSwapTimeoutError(-1, -1, timeout_s, direction)
+        # After the Python launchers: their loads are in the native launcher's hands by now.
+        if self._stack_launcher is not None and not self._stack_launcher.wait_idle(
+            max(0.0, deadline - time.monotonic())
+        ):
+            raise LayerSwapTimeoutError(-1, -1, timeout_s, CopyDirection.HOST_TO_DEVICE)
 
     def drain(self, timeout_s: Optional[float] = None) -> list[CacheSwapMetadata]:
         """Wait (host-side) for every in-flight task, then return all finished metadata."""
@@ -694,6 +815,8 @@ class TransferManager:
         with self._lock:
             tasks = list(self._inflight)
         for task in tasks:
+            if not task.launched.wait(max(0.0, deadline - time.monotonic())):
+                raise LayerSwapTimeoutError(-1, task.meta.task_id, timeout, task.direction)
             if task.done_event is None:
                 continue
             try:
@@ -766,6 +889,8 @@ class TransferManager:
         for launcher in self._launchers.values():
             launcher.close()
         self._launchers.clear()
+        if self._stack_launcher is not None:
+            self._stack_launcher.close()  # enqueues what it still holds, then stops
         close = getattr(self.backend, "close_streams", None)
         if close is not None:
             close()

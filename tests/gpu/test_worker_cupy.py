@@ -276,23 +276,147 @@ def test_a_backup_starts_after_the_same_steps_load_on_gpu(compute, after_loads) 
     ctrl.close()
 
 
-def test_every_load_gets_fresh_layer_events(compute) -> None:
-    """The worker makes the next load's events ahead of time (off its first layer's path);
-    no event object is ever handed to two loads, so an old counter's waits stay its own."""
+def test_layer_events_serve_one_live_counter_only(compute) -> None:
+    """No event object is handed to two loads whose counters are alive (an old counter's
+    waits stay its own); once a counter is gone its events serve a later load."""
+    import gc
+
     ctrl = make_ctrl()
     fill(ctrl, 0, seed=4)
     ctrl.submit_swap_tasks(evict([0], [0], TransferKind.BACKUP), None)
     settle(ctrl)
-    handed: list = []  # kept alive, so no id() is recycled
+    counters: list = []
     for dst in (1, 2, 3):
         counter = ctrl.submit_swap_tasks(None, swap_in([0], [dst]))
         counter.wait_all()
-        events = [counter._event_for(layer) for layer in range(ctrl.num_layers)]
-        assert len({id(e) for e in events}) == ctrl.num_layers
-        assert not {id(e) for e in events} & {id(e) for e in handed}
-        handed += events
+        counters.append(counter)
         assert device_seed(ctrl, dst) == 4
+    events = [[c._event_for(layer) for layer in range(ctrl.num_layers)] for c in counters]
+    ids = [id(e) for layer_events in events for e in layer_events]
+    assert len(set(ids)) == 3 * ctrl.num_layers
+    settle(ctrl)  # the tasks are finished: only our list holds the counters
+    first = {id(e) for e in events[0]}
+    del counters[0], events[0]
+    gc.collect()
+    reused = ctrl.submit_swap_tasks(None, swap_in([0], [5]))
+    reused.wait_all()
+    assert {id(reused._event_for(layer)) for layer in range(ctrl.num_layers)} == first
+    assert device_seed(ctrl, 5) == 4
     settle(ctrl)
+    ctrl.close()
+
+
+@pytest.mark.parametrize("enforced", ENFORCED)
+def test_rule5_fence_of_a_load_launched_from_the_submitting_thread(compute, enforced) -> None:
+    """The eviction is launched before the load is submitted, so the load's stack goes out
+    from the submitting thread with the eviction's done event among its waits."""
+    ctrl = make_ctrl(set() if enforced else {5})
+    tm = ctrl.transfer_manager
+    fill(ctrl, 1, seed=8)
+    settle(ctrl)
+    spin(tm.output_stream)
+    ctrl.submit_swap_tasks(evict([1], [4], TransferKind.BACKUP), None)
+    tm.flush_launches()  # the backup is launched: the load needs no Python launcher
+    queued = tm._h2d_jobs_queued
+    ctrl.submit_swap_tasks(None, swap_in([4], [2]))
+    assert tm._h2d_jobs_queued == queued  # launched here, not handed to the Python thread
+    settle(ctrl)
+    assert (device_seed(ctrl, 2) == 8) is enforced
+    ctrl.close()
+
+
+def test_a_layer_stack_failing_mid_way_fails_its_load_only(compute) -> None:
+    """A CUDA failure at layer 2 of a launched stack (the test-only stack_fail_group
+    option): waits on the counter raise with the group named, the metadata comes back
+    failed, a backup fenced on the failed load still runs, and the next load is fine."""
+    from fastdeploy_kvcache import ops
+
+    capi = ops.load_capi(variant="cuda")
+    ctrl = make_ctrl()
+    fill(ctrl, 0, seed=9)
+    fill(ctrl, 6, seed=11)
+    ctrl.submit_swap_tasks(evict([0], [0], TransferKind.BACKUP), None)
+    settle(ctrl)
+    capi.set_option("stack_fail_group", 2)
+    try:
+        bad = swap_in([0], [3])
+        backup = evict([6], [7], TransferKind.BACKUP)
+        # The backup starts behind the load (backups after loads): it waits for the failed
+        # stack to close and for its done event.
+        counter = ctrl.submit_swap_tasks(backup, bad)
+        with pytest.raises(LayerSwapError, match="group 2 of 4: injected failure"):
+            for layer in range(ctrl.num_layers):
+                counter.wait_for_layer(layer)
+    finally:
+        capi.set_option("stack_fail_group", -1)
+    finished = ctrl.collect_finished(wait=True)
+    assert bad in finished and backup in finished
+    assert bad.success is False and "group 2 of 4" in (bad.error_message or "")
+    assert backup.success and host_seed(ctrl, 7) == 11
+    good = swap_in([0], [4])
+    ctrl.submit_swap_tasks(None, good).wait_all()
+    assert ctrl.collect_finished(wait=True) == [good] and good.success
+    assert device_seed(ctrl, 4) == 9
+    stats = ctrl.transfer_manager.get_stats()
+    assert stats["h2d"]["failed"] == 1 and stats["in_flight"] == 0
+    ctrl.close()
+
+
+def test_a_queued_load_keeps_its_fence_events_alive(compute) -> None:
+    """The native launcher is kept busy by a stack of 4096 one-block groups launched on it
+    directly, so the load queues: its waits are enqueued after submit returned and after
+    Python let go of its own references (collected here).  The task keeps its fence events
+    (rule 1's compute event) alive until the stack is closed; a collected event made the
+    queued wait fail (cudaErrorContextIsDestroyed)."""
+    import gc
+
+    from fastdeploy_kvcache import ops
+
+    capi = ops.load_capi(variant="cuda")
+    ctrl = make_ctrl()
+    tm = ctrl.transfer_manager
+    fill(ctrl, 0, seed=13)
+    ctrl.submit_swap_tasks(evict([0], [0], TransferKind.BACKUP), None)
+    settle(ctrl)
+    groups = 4096
+    busy_dev = cp.zeros((1, 256), np.uint8)
+    busy_host = capi.host_alloc(256)
+    busy_stream = cp.cuda.Stream(non_blocking=True)
+    busy = capi.group_progress()
+    try:
+        capi.launch_layer_groups(tm._stack_launcher, [busy_dev.data.ptr] * groups, [busy_host] * groups, 1, 1, 256,
+                                 1, [0], [0], ops.MODE_H2D, busy, stream=busy_stream.ptr, inline_groups=0)
+        meta = swap_in([0], [5])
+        counter = ctrl.submit_swap_tasks(None, meta)
+        assert not busy.is_closed()  # the load is queued behind the busy stack
+        gc.collect()
+        counter.wait_all()
+        assert ctrl.collect_finished(wait=True) == [meta] and meta.success, meta.error_message
+        assert device_seed(ctrl, 5) == 13
+    finally:
+        assert busy.wait_closed(30.0)
+        busy_stream.synchronize()
+        capi.host_free(busy_host)
+    ctrl.close()
+
+
+def test_drain_waits_for_every_launched_stack(compute) -> None:
+    """Loads submitted back to back behind a stream held busy: drain returns only once every
+    one is enqueued by the native launcher and done (most of them queue behind the busy
+    launcher)."""
+    ctrl = make_ctrl(blocks=64)
+    tm = ctrl.transfer_manager
+    fill(ctrl, 0, seed=12)
+    ctrl.submit_swap_tasks(evict([0], [0], TransferKind.BACKUP), None)
+    settle(ctrl)
+    spin(tm.input_stream, ms=50)
+    metas = [swap_in([0], [dst]) for dst in range(1, 64)]
+    for meta in metas:
+        ctrl.submit_swap_tasks(None, meta)
+    finished = ctrl.collect_finished(wait=True)
+    assert set(map(id, finished)) == set(map(id, metas))
+    assert [m.error_message for m in metas if not m.success] == []
+    assert all(device_seed(ctrl, dst) == 12 for dst in range(1, 64))
     ctrl.close()
 
 

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from fastdeploy_kvcache import ops
 from fastdeploy_kvcache.worker.backends.base import CALLER_STREAM, HostEvent, HostStream, HostThreadBackend
 from fastdeploy_kvcache.worker.layer_done import LayerDoneCounter, LayerSwapError, LayerSwapTimeoutError
 
@@ -180,17 +181,30 @@ def test_timeouts_must_be_finite_non_negative_numbers(backend, bad, error) -> No
 
 class _Progress:
     """Stands in for ops.GroupProgress (tested on the C ABI in tests/ops): a count the test
-    advances, or -1 once the call "failed"."""
+    advances, or -1 once the call "failed" (at a group, with a message)."""
 
     def __init__(self) -> None:
         self.done = 0
         self.cond = threading.Condition()
         self.waits = 0
+        self.failed_group = -1
+        self.message = ""
 
     def advance(self, done: int) -> None:
         with self.cond:
             self.done = done
             self.cond.notify_all()
+
+    def fail(self, group: int, message: str) -> None:
+        with self.cond:
+            self.failed_group, self.message, self.done = group, message, -1
+            self.cond.notify_all()
+
+    def error(self) -> str:
+        return self.message
+
+    def state(self) -> ops.ProgressState:
+        return ops.ProgressState(self.done, self.done < 0, self.done < 0, 0, self.failed_group)
 
     def wait(self, at_least: int, timeout_s: float) -> int:
         self.waits += 1
@@ -220,7 +234,8 @@ def test_layer_groups_hand_out_each_event_once_its_group_is_enqueued(backend) ->
 
 
 def test_layer_groups_failure_reaches_waiters(backend) -> None:
-    """The call failed (progress -1): the waiter waits for the launcher's fail() and raises."""
+    """The call failed (progress -1): the waiter raises with the progress's own error, and
+    no launcher needs to call fail() (a launched stack has none)."""
     counter = LayerDoneCounter(task_id=4, num_layers=2, backend=backend, timeout_s=10)
     progress = _Progress()
     counter.attach_layer_groups([HostEvent(True), HostEvent(True)], progress)
@@ -234,12 +249,12 @@ def test_layer_groups_failure_reaches_waiters(backend) -> None:
 
     thread = threading.Thread(target=waiter)
     thread.start()
-    progress.advance(-1)
-    thread.join(0.05)
-    assert thread.is_alive()  # failed progress alone does not say why: wait for fail()
-    counter.fail(1, "CudaError: group 1 of 2: invalid resource handle")
+    progress.fail(1, "load: group 1 of 2: invalid resource handle")
     thread.join(10)
+    assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], LayerSwapError)
+    assert "group 1 of 2: invalid resource handle" in str(errors[0])
+    assert counter.failed and counter.error == "load: group 1 of 2: invalid resource handle"
 
 
 def test_layer_groups_wait_times_out(backend) -> None:

@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 from fastdeploy_kvcache.core.metadata import CopyDirection
 
@@ -192,16 +192,26 @@ class Backend(abc.ABC):
         skips converting it)."""
         return tuple(arrays)
 
-    #: True where :meth:`swap_layer_groups` issues a whole layer stack in one native call.
+    #: True where :meth:`launch_layer_groups` enqueues a whole layer stack natively.
     has_layer_groups = False
 
-    def layer_group_handles(self, num_layers: int) -> tuple[list[Any], Any]:
-        """Fresh per-layer events and a progress object (``ops.GroupProgress``) for one
-        :meth:`swap_layer_groups` call (only where :attr:`has_layer_groups`)."""
+    def create_stack_launcher(self) -> Any:
+        """A native launcher thread for :meth:`launch_layer_groups` (``ops.StackLauncher``),
+        owned by the caller, who closes it (only where :attr:`has_layer_groups`)."""
         raise NotImplementedError(f"the {type(self).__name__} backend has no native layer-group copy")
 
-    def swap_layer_groups(
+    def layer_stack_handles(self, num_layers: int) -> "LayerStackHandles":
+        """The events and progress object of one :meth:`launch_layer_groups` call (only where
+        :attr:`has_layer_groups`).  Every event is one no earlier call's consumer can still
+        see: a layer event comes back for reuse only through :meth:`recycle_layer_events`."""
+        raise NotImplementedError(f"the {type(self).__name__} backend has no native layer-group copy")
+
+    def recycle_layer_events(self, events: Sequence[Any]) -> None:  # noqa: B027 - optional hook
+        """Take back a call's layer events once nothing can wait on them any more."""
+
+    def launch_layer_groups(
         self,
+        launcher: Any,
         device_arrays: Sequence[Any],
         host_ptrs: Sequence[int],
         group_size: int,
@@ -210,21 +220,35 @@ class Backend(abc.ABC):
         host_ids: Any,
         direction: CopyDirection,
         stream: Any,
-        events: Sequence[Any],
-        progress: Any,
+        handles: "LayerStackHandles",
+        waits: Sequence[Any],
         path: Optional[int] = None,
     ) -> None:
-        """Copy layer by layer in one native call: ``device_arrays`` (as from
+        """Enqueue a layer stack on ``stream`` without waiting for it: a wait on each event of
+        ``waits``, ``handles.start_event``, each layer's copies followed by its event
+        (``handles.events[l]``), ``handles.done_event``.  ``device_arrays`` (as from
         :meth:`describe_arrays`) and ``host_ptrs`` hold every layer's arrays in layer order,
-        ``group_size`` per layer; ``events[l]`` is recorded on ``stream`` right after layer
-        l's copies and ``progress`` advances (only where :attr:`has_layer_groups`).
+        ``group_size`` per layer.  ``handles.progress`` advances per layer, closes once the
+        done event is recorded, and carries a CUDA failure (``ops.CApi.launch_layer_groups``).
+        With an idle ``launcher`` (:meth:`create_stack_launcher`) the calling thread
+        enqueues the waits and the first layer, the launcher's thread the rest; ``launcher``
+        None enqueues it all here.  Raises on a bad argument (nothing enqueued).  The caller
+        keeps ``waits`` and ``handles`` alive until the progress is closed.
 
-        Why: the layer loop in Python costs ctypes, argument checks and a GIL hand-off per
-        layer, and a launcher thread that shares the GIL with the forward pass's launches
-        falls behind the link; one call releases the GIL once for the whole stack, and a
-        consumer waits on ``progress`` (GIL released too) before it waits on an event.
+        Why: a Python loop per layer pays ctypes, checks and the GIL per layer, and a Python
+        launcher thread made the first layer wait for its wake-up and the GIL; the native
+        launcher takes the stack as one checked job.
         """
         raise NotImplementedError(f"the {type(self).__name__} backend has no native layer-group copy")
+
+
+class LayerStackHandles(NamedTuple):
+    """What one :meth:`Backend.launch_layer_groups` call records and reports through."""
+
+    events: list[Any]  # one per layer, recorded after its copies
+    progress: Any  # ops.GroupProgress
+    start_event: Any  # timing events around the whole stack
+    done_event: Any
 
 
 # ---------------------------------------------------------------------- host-thread streams
@@ -507,21 +531,39 @@ class CapiCopies:
     def last_path(self) -> int:
         return self._capi.last_path()
 
-    def _new_events(self, count: int) -> list[Any]:
-        """``count`` unrecorded events with a ``ptr`` (the cudaEvent_t handle)."""
+    def _new_events(self, count: int, timing: bool = False) -> list[Any]:
+        """``count`` unrecorded events with a ``ptr`` (the cudaEvent_t handle); ``timing``:
+        ones :meth:`elapsed_s` can time."""
         raise NotImplementedError
 
-    def layer_group_handles(self, num_layers: int) -> tuple[list[Any], Any]:
-        # NOTE: a load's first layer waited for these: making 48 CuPy events took 150-200 us
-        # on an H100 host, ahead of the first copy (docs/benchmarks.md, "Load startup").
-        # swap_layer_groups makes the next load's set once this stack is enqueued, off that
-        # path.  Every set is fresh, never re-recorded: an old counter's events stay its own.
-        spare = self.__dict__.pop("_spare_layer_events", None)  # atomic: one taker per set
-        events = spare if spare is not None and len(spare) == num_layers else self._new_events(num_layers)
-        return events, self._capi.group_progress()
+    #: layer event sets kept for reuse (recycle_layer_events), per layer count
+    _MAX_SPARE_EVENT_SETS = 4
 
-    def swap_layer_groups(
+    def create_stack_launcher(self) -> Any:
+        return self._capi.stack_launcher()
+
+    def layer_stack_handles(self, num_layers: int) -> LayerStackHandles:
+        # NOTE: a load's first layer waited for these: making 48 CuPy events took 150-200 us
+        # on an H100 host (docs/benchmarks.md, "Load startup"), now on the thread that
+        # enqueues the first copy.  Layer events come back for reuse once their load's
+        # counter is gone (recycle_layer_events); the two timing events are always new,
+        # since a later task may still hold a finished task's done event as a fence.
+        spare = self._spare_layer_events().get(num_layers)
+        events = spare.pop() if spare else self._new_events(num_layers)  # list.pop: one taker per set
+        start, done = self._new_events(2, timing=True)
+        return LayerStackHandles(events, self._capi.group_progress(), start, done)
+
+    def recycle_layer_events(self, events: Sequence[Any]) -> None:
+        spare = self._spare_layer_events().setdefault(len(events), [])
+        if len(spare) < self._MAX_SPARE_EVENT_SETS:
+            spare.append(list(events))
+
+    def _spare_layer_events(self) -> dict[int, list[list[Any]]]:
+        return self.__dict__.setdefault("_spare_event_sets", {})
+
+    def launch_layer_groups(
         self,
+        launcher: Any,
         device_arrays: Sequence[Any],
         host_ptrs: Sequence[int],
         group_size: int,
@@ -530,12 +572,13 @@ class CapiCopies:
         host_ids: Any,
         direction: CopyDirection,
         stream: Any,
-        events: Sequence[Any],
-        progress: Any,
+        handles: LayerStackHandles,
+        waits: Sequence[Any],
         path: Optional[int] = None,
     ) -> None:
         table = self._table(device_arrays)
-        self._capi.swap_layer_groups(
+        self._capi.launch_layer_groups(
+            launcher,
             table.tensors,
             self._host_arg(table, host_ptrs),
             group_size,
@@ -545,12 +588,14 @@ class CapiCopies:
             device_ids,
             host_ids,
             int(direction),
+            handles.progress,
             stream=self._stream_handle(stream),
-            events=[e.ptr for e in events],
+            events=[e.ptr for e in handles.events],
+            waits=[w.ptr for w in waits],
+            start_event=handles.start_event.ptr,
+            done_event=handles.done_event.ptr,
             path=path,
-            progress=progress,
         )
-        self._spare_layer_events = self._new_events(len(events))  # the next load's (layer_group_handles)
 
 
 class ArrayTable(tuple):

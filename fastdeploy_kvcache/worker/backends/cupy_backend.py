@@ -113,13 +113,14 @@ class CupyBackend(CapiCopies, CudaBackend):
 
     has_layer_groups = True
 
-    def swap_layer_groups(self, *args: Any, **kwargs: Any) -> None:
+    def launch_layer_groups(self, *args: Any, **kwargs: Any) -> None:
+        # The launch records the calling thread's device for the launcher thread.
         with self._device:
-            super().swap_layer_groups(*args, **kwargs)
+            super().launch_layer_groups(*args, **kwargs)
 
-    def _new_events(self, count: int) -> list[Any]:
+    def _new_events(self, count: int, timing: bool = False) -> list[Any]:
         with self._device:
-            return [self._cp.cuda.Event(block=False, disable_timing=True) for _ in range(count)]
+            return [self._cp.cuda.Event(block=False, disable_timing=not timing) for _ in range(count)]
 
     def _device_ptr(self, array: Any) -> int:
         return array.data.ptr
