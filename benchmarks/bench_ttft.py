@@ -7,10 +7,13 @@ SDPA (flash / memory-efficient kernels; prefix attention with a lower-right caus
 Weights are random and shared by all layers (436 MB, far beyond L2, so each layer still
 streams its weights from HBM).  The KV cache is paged: blocks of 64 tokens, scattered
 device block ids, so attention gathers the request's blocks (the same cost for every
-source).  A host hit loads the prefix layer by layer on a load stream from a loader thread:
-``--loaders groups`` issues the whole stack in one ``swap_layer_groups`` call that records
-each layer's event natively (the worker's way), ``per-layer`` one ``swap_all_layers`` call of
-K and V per layer from Python; ``--paths`` picks the copy path per call.  Layer i's
+source).  A host hit loads the prefix layer by layer on a load stream: ``--loaders launched``
+hands the whole stack to the library's launcher thread in one ``launch_layer_groups`` call
+from the step's own thread, which enqueues the first layer itself (the worker's way);
+``groups`` issues it in one ``swap_layer_groups`` call from a Python loader thread (the
+worker's way before); ``per-layer`` one ``swap_all_layers`` call of K and V per layer from a
+Python loader thread.  Each layer's event is recorded natively in the first two;
+``--paths`` picks the copy path per call.  Layer i's
 attention waits on layer i's event on the GPU.  The load starts with the step, so TTFT includes it.
 
 Reported, with the limit measured in the same run (one contiguous 1 GiB pinned
@@ -21,7 +24,7 @@ Reported, with the limit measured in the same run (one contiguous 1 GiB pinned
 * ``host hit / recompute`` (target <= 0.25).
 
     python benchmarks/bench_ttft.py [--prefixes 1k,8k,32k] [--new 1,128,2k] [--paths auto,staged]
-        [--loaders groups,per-layer]
+        [--loaders launched,groups,per-layer]
 
 Writes ``bench_ttft.json`` under ``--out``.  Exits 0 with a message without a GPU, torch or
 the CUDA C ABI library.
@@ -60,6 +63,7 @@ class Model:
 
     def __init__(self, torch: Any, capi: ops.CApi, max_prefix: int, seed: int = 0) -> None:
         self.torch, self.capi = torch, capi
+        self.launcher = capi.stack_launcher()  # the "launched" loader's
         g = torch.Generator(device="cuda").manual_seed(seed)
         dt, dev = torch.bfloat16, "cuda"
 
@@ -165,8 +169,10 @@ class Model:
 
         ``loader``: ``per-layer`` calls ``swap_all_layers`` once per layer (K and V) from
         Python and records the layer's event after it; ``groups`` issues the whole stack in
-        one ``swap_layer_groups`` call that records every layer's event natively (what the
-        worker's CuPy backend does)."""
+        one ``swap_layer_groups`` call that records every layer's event natively; ``launched``
+        hands the stack to the library's launcher with one ``launch_layer_groups`` call from
+        this thread (what the worker's CuPy backend does): no loader thread, and the "thread"
+        returned only waits for the launch to close."""
         torch = self.torch
         events = [torch.cuda.Event(enable_timing=timing) for _ in range(LAYERS)]
         recorded = [threading.Event() for _ in range(LAYERS)]
@@ -175,13 +181,24 @@ class Model:
         stream = self.load_stream
         start = torch.cuda.Event()
         start.record(torch.cuda.current_stream())
-        stream.wait_event(start)  # the load starts with the step
+        dev_ptrs = [t.data_ptr() for l in range(LAYERS) for t in (self.k[l], self.v[l])]
 
+        if loader == "launched":
+            for e in events:  # torch makes the CUDA event at its first record
+                e.record(stream)
+            progress = self.capi.group_progress()
+            # The load starts with the step: the launch's own fence (it is enqueued in order).
+            self.capi.launch_layer_groups(self.launcher, dev_ptrs, self.host, 2, self.pool, self.block_bytes,
+                                          self.nblocks, dev_ids, host_ids, ops.MODE_H2D, progress,
+                                          stream=stream.cuda_stream, events=[e.cuda_event for e in events],
+                                          waits=[start.cuda_event], path=path)
+            return events, (lambda l: progress.wait(l + 1, 60.0)), _LaunchClosed(progress, self.used_paths, start)
+
+        stream.wait_event(start)  # the load starts with the step
         if loader == "groups":
             for e in events:  # torch makes the CUDA event at its first record
                 e.record(stream)
             handles = [e.cuda_event for e in events]
-            dev_ptrs = [t.data_ptr() for l in range(LAYERS) for t in (self.k[l], self.v[l])]
 
             progress = self.capi.group_progress()
 
@@ -208,6 +225,19 @@ class Model:
         th = threading.Thread(target=run)
         th.start()
         return events, (lambda l: recorded[l].wait()), th
+
+
+class _LaunchClosed:
+    """``join()`` of a launched load: waits until the launcher has enqueued all of it."""
+
+    def __init__(self, progress: Any, used_paths: list[int], fence: Any) -> None:
+        # The fence event lives until the launch is closed (the launcher may wait on it late).
+        self.progress, self.used_paths, self.fence = progress, used_paths, fence
+
+    def join(self) -> None:
+        if not self.progress.wait_closed(60.0):
+            raise TimeoutError("the launched load was not enqueued within 60 s")
+        self.used_paths.append(self.progress.state().paths)
 
 
 def layer_timeline(torch: Any, model: "Model", compute: Any, x: Any, prefix: int, blocks: int, path: Any,
@@ -270,9 +300,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--prefixes", default="1k,8k,32k")
     p.add_argument("--new", default="1,128,2k")
     p.add_argument("--paths", default="auto,staged", help="copy paths of the host-hit load (per call)")
-    p.add_argument("--loaders", default="groups,per-layer",
-                   help="how the host-hit load is issued: groups (one swap_layer_groups call for the stack, "
-                        "the worker's way) and/or per-layer (one Python call per layer)")
+    p.add_argument("--loaders", default="launched,groups",
+                   help="how the host-hit load is issued: launched (one launch_layer_groups call from the step's "
+                        "thread, the worker's way), groups (one swap_layer_groups call from a loader thread) "
+                        "and/or per-layer (one Python call per layer from a loader thread)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--timeline", action="store_true",
                    help="record when each layer's load landed and its compute ended (one extra host hit per row)")
@@ -299,9 +330,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     news = [parse_tokens(x) for x in args.new.split(",") if x]
     paths = [x for x in args.paths.split(",") if x]
     loaders = [x for x in args.loaders.split(",") if x]
-    bad = sorted(set(loaders) - {"groups", "per-layer"})
+    bad = sorted(set(loaders) - {"launched", "groups", "per-layer"})
     if bad:
-        p.error(f"--loaders: {', '.join(bad)} is not a loader (groups, per-layer)")
+        p.error(f"--loaders: {', '.join(bad)} is not a loader (launched, groups, per-layer)")
     torch.backends.cuda.matmul.allow_tf32 = False
     model = Model(torch, capi, max(prefixes))
     limit = measure_h2d_limit(torch)
