@@ -651,7 +651,7 @@ class CApi:
                          d_n, h_ptr, h_n, _int_arg(mode, op, "mode", 32), code, (d_keep, h_keep))
 
     def group_progress(self) -> "GroupProgress":
-        """A progress object for one :meth:`swap_layer_groups` call."""
+        """A progress object for one :meth:`swap_layer_groups` or :meth:`launch_layer_groups` call."""
         return GroupProgress(self)
 
     def swap_layer_groups(
@@ -897,8 +897,9 @@ class TensorTable:
 
 
 class GroupProgress:
-    """How many groups of one :meth:`CApi.swap_layer_groups` call are enqueued (their copies
-    and event), for a thread that must wait on group g's event only once it is recorded.
+    """How many groups of one :meth:`CApi.swap_layer_groups` or :meth:`CApi.launch_layer_groups`
+    call are enqueued (their copies and event), for a thread that must wait on group g's
+    event only once it is recorded; whether the call is closed, and how it failed.
 
     Waits release the GIL (a ctypes call), so a launcher thread issuing the stack and a
     forward pass waiting layer by layer never contend for it.  One object per call.
