@@ -61,9 +61,9 @@ const OptionSpec kSpecs[kNumOptions] = {
     // would when it reaches this group (-1: never), so the failure path of an asynchronous
     // launch can be exercised.  Read with GetOption.
     {"stack_fail_group", "", -1, -1, 1 << 20, false},
-    // A layer stack that auto stages (swap_cuda.cu, ExecuteCudaGroups) starts its pipeline
-    // at this group; the groups before it go one by one through the copy kernel (a forced
-    // staged path stages them all).  1: the first layer does not wait for the stack's
+    // A load's layer stack that auto stages (swap_cuda.cu, ExecuteCudaGroups) starts its
+    // pipeline at this group; the groups before it go one by one through the copy kernel (a
+    // forced staged path, or a device-to-host stack, stages them all).  1: the first layer does not wait for the stack's
     // staged plan and pipeline start (~0.2 ms of host time for 48 layers of 512 blocks on
     // an H100 host), which the forward pass would.
     {"staged_stack_from_group", "", 1, 0, 1 << 20, false},
@@ -507,9 +507,10 @@ std::unique_ptr<StackJob> PrepareStackJob(const char* op, const std::vector<Tens
     job->may_stage = StackMayStage(job->lanes, job->src_ids.data(), job->dst_ids.data(),
                                    static_cast<int64_t>(job->src_ids.size()), target.copy_path);
     GetOption("staged_stack_from_group", &job->staged_from);
-    // A forced staged path stages every group; the kernel-first split is auto's choice.
+    // A forced staged path stages every group; the kernel-first split is auto's choice, and
+    // a load's: nothing waits for the first group of a device-to-host stack.
     const int64_t path = target.copy_path == kCopyProcess ? GetOptions(op).copy_path : target.copy_path;
-    if (path == kCopyStaged) job->staged_from = 0;
+    if (path == kCopyStaged || mode != kHostToDevice) job->staged_from = 0;
   }
 #endif
   return job;
@@ -584,8 +585,9 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
       each.ramp = g == 0;
       // Groups ahead of a staged rest take the copy kernel: one launch, where the per-call
       // rule would build a staged plan (or a DMA batch of a copy per block) for them; the
-      // SMs are free then, since the forward pass waits for the first layer.
-      if (job.may_stage) each.copy_path = kCopyKernel;
+      // SMs are free then, since the forward pass waits for the first layer.  (A rest that
+      // did not stage after all goes on the call's own path.)
+      each.copy_path = job.may_stage ? static_cast<int>(kCopyKernel) : job.target.copy_path;
       Execute(group, IdSpan{job.mode == kDeviceToHost ? job.src_ids.data() : job.dst_ids.data(), n, "dev_ids"},
               IdSpan{job.mode == kDeviceToHost ? job.dst_ids.data() : job.src_ids.data(), n, "host_ids"}, job.mode,
               each);

@@ -130,3 +130,55 @@ def test_a_fresh_thread_gets_the_staged_path(cupy, capi, pinned, cuda_stream) ->
     assert used == [ops.PATH_STAGED]
     for d, h in zip(devs, hosts):
         np.testing.assert_array_equal(cupy.asnumpy(d)[ids[::-1]], h[ids])
+
+
+@pytest.mark.parametrize("mode", [ops.MODE_H2D, ops.MODE_D2H])
+@pytest.mark.parametrize("from_group", [1, 0])
+def test_auto_stages_a_load_from_its_second_group(cupy, capi, pinned, cuda_stream, mode, from_group) -> None:
+    """A stack that auto stages (16 KiB blocks, host ids in one run, 24 MiB in all, 18 MiB
+    after group 0): a load sends group 0 through the copy kernel and stages the rest
+    (option staged_stack_from_group, default 1); 0 stages every group, and so does a
+    device-to-host stack (nothing waits for its first group).  Every byte is checked."""
+    n, num_dev, bb = 192, 256, 16 << 10
+    rng = np.random.default_rng(from_group * 2 + mode)
+    devs = [cupy.asarray(rng.integers(0, 256, (num_dev, bb), dtype=np.uint8)) for _ in range(LAYERS * GROUP)]
+    hosts = [pinned(n * bb).reshape(n, bb) for _ in range(LAYERS * GROUP)]
+    for h in hosts:
+        h[:] = rng.integers(0, 256, h.shape, dtype=np.uint8)
+    dev_ids = rng.permutation(num_dev)[:n].tolist()
+    host_ids = list(range(n))
+    want = [expected_after_swap(cupy.asnumpy(d), h, dev_ids, host_ids, mode) for d, h in zip(devs, hosts)]
+    saved = capi.get_option("staged_stack_from_group")
+    capi.set_option("staged_stack_from_group", from_group)
+    try:
+        stream = cuda_stream()
+        capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, num_dev, bb, n,
+                               dev_ids, host_ids, mode, stream=stream.ptr, path="auto")
+        used = capi.last_path()
+        stream.synchronize()
+    finally:
+        capi.set_option("staged_stack_from_group", saved)
+    kernel_first = mode == ops.MODE_H2D and from_group == 1
+    assert used == (ops.PATH_KERNEL | ops.PATH_STAGED if kernel_first else ops.PATH_STAGED)
+    for d, h, (want_dev, want_host) in zip(devs, hosts, want):
+        np.testing.assert_array_equal(cupy.asnumpy(d), want_dev)
+        np.testing.assert_array_equal(h, want_host)
+
+
+def test_a_rest_too_small_to_stage_goes_on_the_calls_own_path(cupy, capi, pinned, cuda_stream) -> None:
+    """16 MiB in all but 12 MiB after group 0: the rest is below the staged rule's call
+    size, so after the kernel's group 0 it goes group by group on auto's own choice (the
+    kernel again at 16 KiB copies), not staged; every byte still lands."""
+    n, num_dev, bb = 128, 256, 16 << 10
+    rng = np.random.default_rng(5)
+    devs = [cupy.zeros((num_dev, bb), dtype=np.uint8) for _ in range(LAYERS * GROUP)]
+    hosts = [pinned(n * bb).reshape(n, bb) for _ in range(LAYERS * GROUP)]
+    dev_ids = rng.permutation(num_dev)[:n].tolist()
+    stream = cuda_stream()
+    capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, num_dev, bb, n,
+                           dev_ids, list(range(n)), ops.MODE_H2D, stream=stream.ptr, path="auto")
+    used = capi.last_path()
+    stream.synchronize()
+    assert used == ops.PATH_KERNEL
+    for d, h in zip(devs, hosts):
+        np.testing.assert_array_equal(cupy.asnumpy(d)[dev_ids], h)
