@@ -38,9 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fastdeploy_kvcache import ops  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-PATH_NAMES = {0: "-", ops.PATH_MEMCPY: "memcpy", ops.PATH_KERNEL: "kernel", ops.PATH_DMA: "dma",
-              ops.PATH_MEMCPY | ops.PATH_KERNEL: "memcpy+kernel", ops.PATH_STAGED: "staged",
-              ops.PATH_DMA | ops.PATH_DMA_ROWS: "dma rows", ops.PATH_DMA | ops.PATH_DMA_ROWS | ops.PATH_STAGED: "dma rows+staged"}
+_PATH_BITS = ((ops.PATH_MEMCPY, "memcpy"), (ops.PATH_KERNEL, "kernel"), (ops.PATH_DMA, "dma"),
+              (ops.PATH_CPU, "cpu"), (ops.PATH_STAGED, "staged"))
+
+
+def path_name(bits: int) -> str:
+    """``last_path()`` bits as words: "kernel+staged", "dma rows", "-" for none."""
+    names = [name + (" rows" if bit == ops.PATH_DMA and bits & ops.PATH_DMA_ROWS else "")
+             for bit, name in _PATH_BITS if bits & bit]
+    return "+".join(names) or "-"
 COPY_PATH = {"auto": 0, "kernel": 1, "dma": 2, "staged": 3}
 # Id patterns (device ids, host ids): "scattered" both random; "host_runs" random device ids
 # and one run of consecutive host ids (what the block allocator hands out for one request);
@@ -343,7 +349,7 @@ def run(args: argparse.Namespace) -> Optional[Report]:
                                 if used & ops.PATH_KERNEL:
                                     ctas = kernel_ctas(api, bench.n, args.layers, bb, grid, variant)
                                 row = Row(bb, ids, api, path, grid, variant, dslice, tables, direction, chunk,
-                                          PATH_NAMES.get(used, str(used)), ctas, gbps, 0.0, ms, nbytes,
+                                          path_name(used), ctas, gbps, 0.0, ms, nbytes,
                                           statistics.median(host_s) * 1e6)
                                 raw.append(row)
                                 print(f"pass {rnd + 1} {bb // KiB:>5} KiB {ids:<11} {api:<10} {path:<6} grid={grid:<3} "
