@@ -63,9 +63,9 @@ const OptionSpec kSpecs[kNumOptions] = {
     {"stack_fail_group", "", -1, -1, 1 << 20, false},
     // A load's layer stack that auto stages (swap_cuda.cu, ExecuteCudaGroups) starts its
     // pipeline at this group; the groups before it go one by one through the copy kernel (a
-    // forced staged path, or a device-to-host stack, stages them all).  1: the first layer does not wait for the stack's
-    // staged plan and pipeline start (~0.2 ms of host time for 48 layers of 512 blocks on
-    // an H100 host), which the forward pass would.
+    // forced staged path, or a device-to-host stack, stages them all).  1: the first layer
+    // does not wait for the stack's staged plan and pipeline start (~0.2 ms of host time for
+    // 48 layers of 512 blocks on an H100 host), which the forward pass would.
     {"staged_stack_from_group", "", 1, 0, 1 << 20, false},
 };
 
@@ -516,6 +516,30 @@ std::unique_ptr<StackJob> PrepareStackJob(const char* op, const std::vector<Tens
   return job;
 }
 
+// PrepareStackJob with its progress: a refused stack fails and closes `progress` (no waiter
+// may wait for groups that never come); an accepted one holds a reference to it.
+std::unique_ptr<StackJob> PrepareReportingJob(const char* op, const std::vector<TensorDesc>& tensors,
+                                              const std::vector<void*>& host_ptrs, int64_t num_host_blocks,
+                                              int64_t group_size, IdSpan dev_ids, IdSpan host_ids, int mode,
+                                              const ExecTarget& target, void* const* events, int64_t num_events,
+                                              const StackFences& fences, GroupProgress* progress,
+                                              const ArgNames& names) {
+  std::unique_ptr<StackJob> job;
+  try {
+    job = PrepareStackJob(op, tensors, host_ptrs, num_host_blocks, group_size, dev_ids, host_ids, mode, target,
+                          events, num_events, fences, names);
+  } catch (const std::exception& e) {
+    if (progress != nullptr) {
+      progress->Fail(-1, e.what());
+      progress->Close(0);
+    }
+    throw;
+  }
+  if (progress != nullptr) progress->Ref();
+  job->progress = progress;
+  return job;
+}
+
 }  // namespace
 
 bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
@@ -631,20 +655,15 @@ void SwapLayerGroups(const char* op, const std::vector<TensorDesc>& tensors,
                      IdSpan dev_ids, IdSpan host_ids, int mode, const ExecTarget& target,
                      void* const* events, int64_t num_events, GroupProgress* progress,
                      const ArgNames& names) {
-  std::unique_ptr<StackJob> job;
+  std::unique_ptr<StackJob> job =
+      PrepareReportingJob(op, tensors, host_ptrs, num_host_blocks, group_size, dev_ids, host_ids, mode, target,
+                          events, num_events, StackFences{}, progress, names);
   try {
-    job = PrepareStackJob(op, tensors, host_ptrs, num_host_blocks, group_size, dev_ids, host_ids, mode, target,
-                          events, num_events, StackFences{}, names);
-  } catch (const std::exception& e) {
-    if (progress != nullptr) {  // a waiter must not wait for groups that never come
-      progress->Fail(-1, e.what());
-      progress->Close(0);
-    }
+    RunStackJob(*job, INT64_MAX, true);
+  } catch (...) {
+    t_last_path = job->paths;  // the groups enqueued before the failure
     throw;
   }
-  if (progress != nullptr) progress->Ref();
-  job->progress = progress;
-  RunStackJob(*job, INT64_MAX, true);
   t_last_path = job->paths;
   if (target.cuda && target.sync) StreamSynchronize(target.stream);
 }
@@ -655,17 +674,9 @@ void LaunchLayerStack(StackLauncher* launcher, const char* op, const std::vector
                       int64_t num_events, GroupProgress* progress, const StackFences& fences,
                       int64_t inline_groups, const ArgNames& names) {
   if (progress == nullptr) Fail(op, "progress", -1, " is a null pointer; a launched stack reports through it");
-  std::unique_ptr<StackJob> job;
-  try {
-    job = PrepareStackJob(op, tensors, host_ptrs, num_host_blocks, group_size, dev_ids, host_ids, mode, target,
-                          events, num_events, fences, names);
-  } catch (const std::exception& e) {
-    progress->Fail(-1, e.what());
-    progress->Close(0);
-    throw;
-  }
-  progress->Ref();
-  job->progress = progress;
+  std::unique_ptr<StackJob> job = PrepareReportingJob(op, tensors, host_ptrs, num_host_blocks, group_size, dev_ids,
+                                                      host_ids, mode, target, events, num_events, fences, progress,
+                                                      names);
   if (launcher == nullptr) {
     RunStackJob(*job, INT64_MAX, false);
     return;
