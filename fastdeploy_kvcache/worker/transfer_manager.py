@@ -342,10 +342,6 @@ class TransferManager:
         # a load the forward pass is waiting for.  Cross-direction order is kept per task:
         # a task waits only for the launch of earlier other-direction tasks it conflicts with.
         self._launchers: dict[CopyDirection, HostStream] = {}
-        # Loads handed to the host->device launcher thread, and those it has run: while
-        # they differ, a new load queues behind them (stream order is launch order).
-        self._h2d_jobs_queued = 0
-        self._h2d_jobs_run = 0
         self._closed = False
         # NOTE: where the backend enqueues a whole layer stack natively, loads go to a
         # native launcher thread: the submitting thread checks the stack and enqueues its
@@ -457,20 +453,10 @@ class TransferManager:
     def _dispatch(self, direction: CopyDirection, job: Callable[[], None]) -> None:
         """Run a launch job on the direction's launcher thread (in submit order) or right here."""
         launcher = self._launchers.get(direction)
-        if launcher is None:
-            job()
-        elif direction is CopyDirection.HOST_TO_DEVICE:
-            self._h2d_jobs_queued += 1
-
-            def counted() -> None:
-                try:
-                    job()
-                finally:
-                    self._h2d_jobs_run += 1  # only this launcher thread writes it
-
-            launcher.submit(counted)
-        else:
+        if launcher is not None:
             launcher.submit(job)
+        else:
+            job()
 
     def _validate(self, meta: CacheSwapMetadata, direction: CopyDirection) -> Optional[str]:
         """Reason the metadata cannot be carried out, or None.  Nothing is launched if bad."""
@@ -722,7 +708,10 @@ class TransferManager:
                 handles.progress.abandon(f"{type(exc).__name__}: {exc}")
                 task.fail(exc, -1)
 
-        if self._h2d_jobs_queued == self._h2d_jobs_run and all(prior.launched.is_set() for prior in priors):
+        # While an earlier load waits on the Python launcher, this one queues behind it there
+        # (loads reach the native launcher in submit order).
+        python_launcher = self._launchers.get(CopyDirection.HOST_TO_DEVICE)
+        if (python_launcher is None or python_launcher.idle()) and all(prior.launched.is_set() for prior in priors):
             launch()
             return
 

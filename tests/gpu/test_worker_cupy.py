@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache.config import CacheConfig
-from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection, TransferKind
 
 pytestmark = pytest.mark.gpu
 
@@ -317,9 +317,13 @@ def test_rule5_fence_of_a_load_launched_from_the_submitting_thread(compute, enfo
     spin(tm.output_stream)
     ctrl.submit_swap_tasks(evict([1], [4], TransferKind.BACKUP), None)
     tm.flush_launches()  # the backup is launched: the load needs no Python launcher
-    queued = tm._h2d_jobs_queued
-    ctrl.submit_swap_tasks(None, swap_in([4], [2]))
-    assert tm._h2d_jobs_queued == queued  # launched here, not handed to the Python thread
+    python_launcher = tm._launchers[CopyDirection.HOST_TO_DEVICE]
+    python_launcher.pause()  # a load handed to it would never be launched
+    try:
+        counter = ctrl.submit_swap_tasks(None, swap_in([4], [2]))
+        counter.wait_all(timeout_s=10.0)  # launched here, not handed to the Python thread
+    finally:
+        python_launcher.resume()
     settle(ctrl)
     assert (device_seed(ctrl, 2) == 8) is enforced
     ctrl.close()

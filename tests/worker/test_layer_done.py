@@ -137,6 +137,31 @@ def test_synchronous_host_stream_runs_inline() -> None:
         stream.pause()
 
 
+def test_host_stream_is_idle_only_once_every_task_has_run() -> None:
+    """idle() counts a task from submit until it has run (queued, or held by pause())."""
+    stream = HostStream("idle-check")
+    try:
+        assert stream.idle()
+        stream.pause()
+        done = HostEvent()
+        stream.submit(done.set)
+        assert not stream.idle()  # queued behind the pause
+        stream.resume()
+        assert done.wait(10.0)
+        stream.submit(lambda: None)  # a task after done.set: once it ran, the stream is idle
+        finished = HostEvent()
+        stream.submit(finished.set)
+        assert finished.wait(10.0)
+        for _ in range(1000):
+            if stream.idle():
+                break
+            threading.Event().wait(0.001)
+        assert stream.idle()
+    finally:
+        stream.close()
+    assert HostStream("sync", synchronous=True).idle()
+
+
 def test_caller_stream_events_are_complete_at_once(backend) -> None:
     event = backend.record_event(CALLER_STREAM)
     assert backend.event_done(event)

@@ -317,6 +317,10 @@ class HostStream:
     def resume(self) -> None:
         self._gate.set()
 
+    def idle(self) -> bool:
+        """True once every submitted task has run (a synchronous stream always is)."""
+        return self._queue.unfinished_tasks == 0
+
     def close(self) -> None:
         if self._thread is not None:
             self._gate.set()
@@ -334,6 +338,8 @@ class HostStream:
                 fn()
             except BaseException:  # noqa: BLE001 - tasks route their own errors; keep serving
                 logger.exception("unhandled error on host stream %s", self.name)
+            finally:
+                self._queue.task_done()  # idle() counts what is still queued or running
 
     def __repr__(self) -> str:
         mode = "sync" if self.synchronous else "thread"
