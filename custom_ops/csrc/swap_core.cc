@@ -509,7 +509,7 @@ std::unique_ptr<StackJob> PrepareStackJob(const char* op, const std::vector<Tens
     GetOption("staged_stack_from_group", &job->staged_from);
     // A forced staged path stages every group; the kernel-first split is auto's choice, and
     // a load's: nothing waits for the first group of a device-to-host stack.
-    const int64_t path = target.copy_path == kCopyProcess ? GetOptions(op).copy_path : target.copy_path;
+    const int64_t path = ResolveCopyPath(target.copy_path, GetOptions(op));
     if (path == kCopyStaged || mode != kHostToDevice) job->staged_from = 0;
   }
 #endif

@@ -123,6 +123,10 @@ struct Options {
 // variable (argument = the variable's name), on every call until it is fixed: it is
 // never replaced by the default.  `op` names the caller in the message.
 Options GetOptions(const char* op = "fdkv");
+// The path a call's copy_path stands for: kCopyProcess resolves to the process-wide option.
+inline int64_t ResolveCopyPath(int copy_path, const Options& opts) {
+  return copy_path == kCopyProcess ? opts.copy_path : copy_path;
+}
 // Returns false if the name is unknown or the value out of the option's range.
 bool SetOption(const std::string& name, int64_t value);
 bool GetOption(const std::string& name, int64_t* value);

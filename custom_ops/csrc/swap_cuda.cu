@@ -684,7 +684,7 @@ namespace {
 bool StackStagedCandidate(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
                           int64_t n, int copy_path, const Options& opts, int64_t* path, int64_t* total_bytes,
                           int64_t* avg_copy_bytes) {
-  *path = copy_path == kCopyProcess ? opts.copy_path : copy_path;
+  *path = ResolveCopyPath(copy_path, opts);
   *total_bytes = 0;
   *avg_copy_bytes = 0;
   if (n <= 0 || (*path != kCopyAuto && *path != kCopyStaged)) return false;
@@ -762,7 +762,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   const int64_t avg_copy_bytes = total_bytes / std::max<int64_t>(1, num_copies);
 
   // The call's own path wins over the process-wide option (see ExecTarget::copy_path).
-  int64_t path = copy_path == kCopyProcess ? opts.copy_path : copy_path;
+  int64_t path = ResolveCopyPath(copy_path, opts);
   // Whether the DMA path (auto's or a forced one) can go as rows; worked out once.
   int64_t row_src_pitch = 0, row_dst_pitch = 0;
   const bool at_one_pitch =
