@@ -622,6 +622,26 @@ class CApi:
     ) -> "_SwapArgs":
         """The C arguments every swap entry shares, checked and converted once.
         ``host_per_tensor``: one host pointer per tensor (every entry but the layout op's)."""
+        t = self._table_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, mode, path,
+                             host_per_tensor)
+        d_keep, d_ptr, d_n = self._ids(dev_ids, op, "dev_ids")
+        h_keep, h_ptr, h_n = self._ids(host_ids, op, "host_ids")
+        return _SwapArgs(t.dev_ptrs, t.num_blocks, t.block_bytes, t.count, t.host_ptrs, t.num_host_blocks, d_ptr,
+                         d_n, h_ptr, h_n, t.mode, t.path, (d_keep, h_keep))
+
+    def _table_args(
+        self,
+        op: str,
+        dev_ptrs: Union[Sequence[int], "TensorTable"],
+        num_dev_blocks: Union[int, Sequence[int]],
+        block_bytes: Union[int, Sequence[int]],
+        host_ptrs: Optional[Sequence[int]],
+        num_host_blocks: int,
+        mode: int,
+        path: Union[int, str, None],
+        host_per_tensor: bool = True,
+    ) -> "_TableArgs":
+        """The id-independent part of :meth:`_swap_args` (what a :class:`LayerStackCall` keeps)."""
         code = copy_path_code(path, op)
         if host_per_tensor and host_ptrs is not None and len(host_ptrs) != len(dev_ptrs):
             raise SwapOpError(
@@ -645,10 +665,8 @@ class CApi:
             host_p = ctypes.cast(
                 (ctypes.c_void_p * max(len(host_ptrs), 1))(*[_ptr_arg(p, op, "host_ptrs") for p in host_ptrs]),
                 ctypes.POINTER(ctypes.c_void_p))
-        d_keep, d_ptr, d_n = self._ids(dev_ids, op, "dev_ids")
-        h_keep, h_ptr, h_n = self._ids(host_ids, op, "host_ids")
-        return _SwapArgs(dev_p, nblk, bbytes, count, host_p, _int_arg(num_host_blocks, op, "num_host_blocks"), d_ptr,
-                         d_n, h_ptr, h_n, _int_arg(mode, op, "mode", 32), code, (d_keep, h_keep))
+        return _TableArgs(dev_p, nblk, bbytes, count, host_p, _int_arg(num_host_blocks, op, "num_host_blocks"),
+                          _int_arg(mode, op, "mode", 32), code)
 
     def group_progress(self) -> "GroupProgress":
         """A progress object for one :meth:`swap_layer_groups` or :meth:`launch_layer_groups` call."""
@@ -714,8 +732,8 @@ class CApi:
         mode: int,
         progress: "GroupProgress",
         stream: StreamLike = 0,
-        events: Optional[Sequence[int]] = None,
-        waits: Sequence[int] = (),
+        events: Union[None, Sequence[int], "HandleArray"] = None,
+        waits: Union[Sequence[int], "HandleArray"] = (),
         start_event: int = 0,
         done_event: int = 0,
         path: Union[int, str, None] = None,
@@ -726,7 +744,8 @@ class CApi:
         Everything is checked here (a bad argument raises and fails ``progress``; nothing is
         enqueued).  Then, in launch order on ``stream``: a wait on each event of ``waits``,
         ``start_event``, the groups with ``events[g]``, ``done_event`` (``cudaEvent_t``
-        handles as ints; 0 for none).  With an idle ``launcher`` this thread enqueues the
+        handles as ints, or a :class:`HandleArray` of them; 0 for none).  With an idle
+        ``launcher`` this thread enqueues the
         fences and the first ``inline_groups`` groups itself, the launcher's thread the
         rest; a busy launcher queues the whole stack behind the ones it holds; ``launcher``
         None enqueues everything here.  ``progress`` advances per group and is closed
@@ -740,33 +759,41 @@ class CApi:
         it shares with the forward pass, the argument conversion): 0.5-0.9 ms on an H100
         host, where the copy itself took 0.3 (docs/benchmarks.md, "Load startup").
         """
-        op = "launch_layer_groups"
-        group_size = _int_arg(group_size, op, "group_size")
-        inline_groups = _int_arg(inline_groups, op, "inline_groups")
-        if not isinstance(progress, GroupProgress) or progress.handle is None:
-            raise SwapOpError(f"{op}: progress must be an open GroupProgress (capi.group_progress()), got {progress!r}",
-                              op, "progress", None)
-        if launcher is not None and (not isinstance(launcher, StackLauncher) or launcher.handle is None):
-            raise SwapOpError(f"{op}: launcher must be None or an open StackLauncher, got {launcher!r}",
-                              op, "launcher", None)
-        a = self._swap_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, dev_ids, host_ids,
-                            mode, path)
-        ev_arr, ev_n = self._handles(events, op, "events")
-        wait_arr, wait_n = self._handles(waits, op, "waits")
-        rc = self._lib.fdkv_launch_layer_groups(
-            None if launcher is None else launcher.handle, op.encode(), a.dev_ptrs, a.num_blocks, a.block_bytes,
-            a.count, a.host_ptrs, a.num_host_blocks, group_size, a.dev_ids, a.num_dev_ids, a.host_ids,
-            a.num_host_ids, a.mode, ctypes.c_void_p(_stream_handle(stream)), ev_arr, ev_n, progress.handle,
-            wait_arr, wait_n, ctypes.c_void_p(_ptr_arg(start_event, op, "start_event")),
-            ctypes.c_void_p(_ptr_arg(done_event, op, "done_event")), a.path, inline_groups,
-        )
-        self._check(rc)
+        return self.layer_stack_call(launcher, dev_ptrs, host_ptrs, group_size, num_dev_blocks, block_bytes,
+                                     num_host_blocks, mode, stream, path, inline_groups).launch(
+            dev_ids, host_ids, progress, events, waits, start_event, done_event)
+
+    def layer_stack_call(
+        self,
+        launcher: Optional["StackLauncher"],
+        dev_ptrs: Union[Sequence[int], "TensorTable"],
+        host_ptrs: Optional[Sequence[int]],
+        group_size: int,
+        num_dev_blocks: Union[int, Sequence[int]],
+        block_bytes: Union[int, Sequence[int]],
+        num_host_blocks: int,
+        mode: int,
+        stream: StreamLike = 0,
+        path: Union[int, str, None] = None,
+        inline_groups: int = 1,
+    ) -> "LayerStackCall":
+        """The arguments of :meth:`launch_layer_groups` that stay the same from one load to
+        the next, checked and converted once; :meth:`LayerStackCall.launch` takes the rest.
+
+        Why: a load's start-up is host time before its first copy, and on a GPU host the
+        Python conversions of one launch cost ~100 us there (docs/benchmarks.md, "Sixth
+        pass"); a worker launches every load with the same tensors, stream and launcher.
+        """
+        return LayerStackCall(self, launcher, dev_ptrs, host_ptrs, group_size, num_dev_blocks, block_bytes,
+                              num_host_blocks, mode, stream, path, inline_groups)
 
     @staticmethod
-    def _handles(handles: Optional[Sequence[int]], op: str, name: str) -> tuple[Any, int]:
+    def _handles(handles: Union[None, Sequence[int], "HandleArray"], op: str, name: str) -> tuple[Any, int]:
         """A C array of handles (``void**``) and its length; (None, 0) for None."""
         if handles is None:
             return None, 0
+        if type(handles) is HandleArray:
+            return handles.pointer, handles.count
         values = [_ptr_arg(h, op, name) for h in handles]
         array = (ctypes.c_void_p * max(len(values), 1))(*values)
         return ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p)), len(values)
@@ -861,6 +888,107 @@ class _SwapArgs(NamedTuple):
     mode: int
     path: int
     keep: tuple[Any, Any]
+
+
+class _TableArgs(NamedTuple):
+    """A swap's id-independent C arguments (``CApi._table_args``)."""
+
+    dev_ptrs: Any
+    num_blocks: Any
+    block_bytes: Any
+    count: int
+    host_ptrs: Any
+    num_host_blocks: int
+    mode: int
+    path: int
+
+
+class HandleArray:
+    """Handles (``cudaEvent_t`` as ints) converted once into the C array (``void**``) that
+    :meth:`CApi.launch_layer_groups` takes as ``events`` or ``waits``.
+
+    Why: a worker passes the same set of layer events with many loads (it reuses them), and
+    converting 48 handles per load was a measurable part of a load's start-up.
+    """
+
+    __slots__ = ("pointer", "count", "_array")
+
+    def __init__(self, handles: Sequence[int], op: str = "handle_array", name: str = "handles") -> None:
+        values = [_ptr_arg(h, op, name) for h in handles]
+        self._array = (ctypes.c_void_p * max(len(values), 1))(*values)
+        self.pointer = ctypes.cast(self._array, ctypes.POINTER(ctypes.c_void_p))
+        self.count = len(values)
+
+    def __len__(self) -> int:
+        return self.count
+
+
+class LayerStackCall:
+    """:meth:`CApi.launch_layer_groups` with its load-independent arguments bound
+    (:meth:`CApi.layer_stack_call`): each :meth:`launch` converts only the ids, the events
+    and the progress."""
+
+    _OP = "launch_layer_groups"
+    _OP_NAME = _OP.encode()
+
+    def __init__(
+        self,
+        capi: "CApi",
+        launcher: Optional["StackLauncher"],
+        dev_ptrs: Union[Sequence[int], "TensorTable"],
+        host_ptrs: Optional[Sequence[int]],
+        group_size: int,
+        num_dev_blocks: Union[int, Sequence[int]],
+        block_bytes: Union[int, Sequence[int]],
+        num_host_blocks: int,
+        mode: int,
+        stream: StreamLike,
+        path: Union[int, str, None],
+        inline_groups: int,
+    ) -> None:
+        op = self._OP
+        self._capi = capi
+        self._group_size = _int_arg(group_size, op, "group_size")
+        self._inline_groups = _int_arg(inline_groups, op, "inline_groups")
+        if launcher is not None and (not isinstance(launcher, StackLauncher) or launcher.handle is None):
+            raise SwapOpError(f"{op}: launcher must be None or an open StackLauncher, got {launcher!r}",
+                              op, "launcher", None)
+        self._launcher = launcher
+        self._table = capi._table_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, mode,
+                                       path)
+        self._stream = ctypes.c_void_p(_stream_handle(stream))
+
+    def launch(
+        self,
+        dev_ids: IdsLike,
+        host_ids: IdsLike,
+        progress: "GroupProgress",
+        events: Union[None, Sequence[int], HandleArray] = None,
+        waits: Union[Sequence[int], HandleArray] = (),
+        start_event: int = 0,
+        done_event: int = 0,
+    ) -> None:
+        """Launch one stack (see :meth:`CApi.launch_layer_groups` for what it enqueues)."""
+        op, capi, t = self._OP, self._capi, self._table
+        if not isinstance(progress, GroupProgress) or progress.handle is None:
+            raise SwapOpError(f"{op}: progress must be an open GroupProgress (capi.group_progress()), got {progress!r}",
+                              op, "progress", None)
+        launcher = None
+        if self._launcher is not None:
+            launcher = self._launcher.handle
+            if launcher is None:
+                raise SwapOpError(f"{op}: the launcher is closed", op, "launcher", None)
+        d_keep, d_ptr, d_n = capi._ids(dev_ids, op, "dev_ids")
+        h_keep, h_ptr, h_n = capi._ids(host_ids, op, "host_ids")
+        ev_arr, ev_n = capi._handles(events, op, "events")
+        wait_arr, wait_n = capi._handles(waits, op, "waits")
+        rc = capi._lib.fdkv_launch_layer_groups(
+            launcher, self._OP_NAME, t.dev_ptrs, t.num_blocks, t.block_bytes, t.count, t.host_ptrs,
+            t.num_host_blocks, self._group_size, d_ptr, d_n, h_ptr, h_n, t.mode, self._stream, ev_arr, ev_n,
+            progress.handle, wait_arr, wait_n, _ptr_arg(start_event, op, "start_event"),
+            _ptr_arg(done_event, op, "done_event"), t.path, self._inline_groups,
+        )
+        capi._check(rc)  # (d_keep and h_keep held the id buffers through the call)
 
 
 class TensorTable:

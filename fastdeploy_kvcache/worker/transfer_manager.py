@@ -148,7 +148,7 @@ class _Task:
     """One CacheSwapMetadata being carried out."""
 
     __slots__ = (
-        "meta", "direction", "seq", "device_ids", "host_ids", "counter", "error", "start_event",
+        "meta", "direction", "seq", "_id_sets", "counter", "error", "start_event",
         "done_event", "launched", "paths", "progress", "fences", "_lock",
     )
 
@@ -164,14 +164,9 @@ class _Task:
         self.meta = meta
         self.direction = direction
         self.seq = seq
-        if id_sets is not None:
-            self.device_ids, self.host_ids = id_sets
-        elif direction is CopyDirection.DEVICE_TO_HOST:
-            self.device_ids = frozenset(meta.src_block_ids)
-            self.host_ids = frozenset(meta.dst_block_ids)
-        else:
-            self.device_ids = frozenset(meta.dst_block_ids)
-            self.host_ids = frozenset(meta.src_block_ids)
+        # Made on first use (_conflicting_priors): most tasks never meet a conflicting one,
+        # and 512 ids cost a load's start-up ~15-30 us of host time (docs/benchmarks.md).
+        self._id_sets = id_sets
         self.counter = counter
         self.error: Optional[str] = None
         self.start_event: Any = None
@@ -186,6 +181,24 @@ class _Task:
         # since the native launcher may enqueue the waits after submit returns.
         self.fences: Sequence[Any] = ()
         self._lock = threading.Lock()
+
+    @property
+    def device_ids(self) -> frozenset:
+        return self._ids()[0]
+
+    @property
+    def host_ids(self) -> frozenset:
+        return self._ids()[1]
+
+    def _ids(self) -> tuple[frozenset, frozenset]:
+        """The (device, host) block id sets (made once, under the manager's lock)."""
+        if self._id_sets is None:
+            meta = self.meta
+            if self.direction is CopyDirection.DEVICE_TO_HOST:
+                self._id_sets = frozenset(meta.src_block_ids), frozenset(meta.dst_block_ids)
+            else:
+                self._id_sets = frozenset(meta.dst_block_ids), frozenset(meta.src_block_ids)
+        return self._id_sets
 
     def attach_stack(self, handles: LayerStackHandles) -> None:
         """The task goes as a launched layer stack: its events and launch state are the stack's."""
@@ -330,6 +343,9 @@ class TransferManager:
         self.output_stream = backend.create_stream()
         self.layout: Optional[CacheLayout] = None
         self._tables: Optional[_LayoutTables] = None
+        # A load's launch with the layout's arrays, stream and launcher bound (made at the
+        # first load of a layout).
+        self._load_stack: Any = None
         self.fault_injector: Optional[FaultInjector] = None
         self._inflight: list[_Task] = []
         self._finished: list[CacheSwapMetadata] = []
@@ -364,6 +380,7 @@ class TransferManager:
                 raise RuntimeError("cannot change the cache layout with copies in flight; drain() first")
             self.layout = layout
             self._tables = None if layout is None else _LayoutTables.of(layout, self.backend)
+            self._load_stack = None
 
     # ------------------------------------------------------------------ submit
     def submit(
@@ -602,18 +619,14 @@ class TransferManager:
     def _submit_h2d(self, meta: CacheSwapMetadata, compute_done: Any) -> _Task:
         """Enqueue a load; the task's ``counter`` is what submit returns (None if empty)."""
         layout = self.layout
-        num_layers = layout.num_layers if layout is not None else 0
-        counter = LayerDoneCounter(
-            meta.task_id, max(num_layers, 1), self.backend, self.timeout_s, enforce=3 not in self.disabled_rules
-        )
-        task = _Task(meta, CopyDirection.HOST_TO_DEVICE, next(self._seq), counter)
+        task = _Task(meta, CopyDirection.HOST_TO_DEVICE, next(self._seq), None)
         self._stats[CopyDirection.HOST_TO_DEVICE].tasks += 1
         if meta.is_empty:
-            task.counter = None  # nothing to wait for: submit returns no counter
-            self._finish(task)
+            self._finish(task)  # nothing to wait for: submit returns no counter
             return task
         error = self._validate(meta, CopyDirection.HOST_TO_DEVICE)
         if error is not None:
+            task.counter = self._new_counter(meta)
             task.fail(error)
             self._finish(task)
             return task
@@ -629,8 +642,10 @@ class TransferManager:
         if self.backend.has_layer_groups and tables.group_size and self.fault_injector is None:
             # One native launch enqueues every layer and records its event (the test fault
             # hook is per layer, so it keeps the loop below).
-            self._launch_stack(task, counter, compute_done, priors, dev_ids, host_ids)
+            self._launch_stack(task, compute_done, priors, dev_ids, host_ids)
             return task
+        num_layers = layout.num_layers
+        task.counter = counter = self._new_counter(meta)
 
         def job() -> None:
             layer = -1
@@ -672,7 +687,6 @@ class TransferManager:
     def _launch_stack(
         self,
         task: _Task,
-        counter: LayerDoneCounter,
         compute_done: Any,
         priors: Sequence[_Task],
         dev_ids: Any,
@@ -684,26 +698,28 @@ class TransferManager:
         conflicting priors (rules 2 and 5).  Where every prior is launched and no earlier
         load waits on the Python launcher, this thread launches it, and the native launcher
         lets it enqueue the fences and the first layer itself when idle; otherwise the
-        Python launcher waits (host-side) for the priors' launches first.
+        Python launcher waits (host-side) for the priors' launches first.  The load's
+        counter is made after the launch: nothing reads it before submit returns, and the
+        first copy waits for every line of Python ahead of it (docs/benchmarks.md, "Sixth
+        pass").
         """
         layout, tables = self.layout, self._tables
         assert layout is not None and tables is not None
         handles = self.backend.layer_stack_handles(layout.num_layers)
-        counter.attach_layer_groups(handles.events, handles.progress)
-        # The layer events serve again once no one can wait on them: the counter is gone.
-        weakref.finalize(counter, self.backend.recycle_layer_events, handles.events)
         task.attach_stack(handles)
+        if self._load_stack is None:
+            self._load_stack = self.backend.prepare_layer_stack(
+                self._stack_launcher, tables.all_arrays, tables.all_host, tables.group_size, layout.num_host_blocks,
+                CopyDirection.HOST_TO_DEVICE, self.input_stream, path=ops.COPY_PATH_PROCESS,
+            )
+        stack = self._load_stack
         fences = [] if compute_done is None else [compute_done]
 
         def launch() -> None:
             waits = fences + [prior.done_event for prior in priors if prior.done_event is not None]
             task.fences = waits
             try:
-                self.backend.launch_layer_groups(
-                    self._stack_launcher, tables.all_arrays, tables.all_host, tables.group_size,
-                    layout.num_host_blocks, dev_ids, host_ids, CopyDirection.HOST_TO_DEVICE, self.input_stream,
-                    handles, waits, path=ops.COPY_PATH_PROCESS,
-                )
+                stack.launch(dev_ids, host_ids, handles, waits)
             except Exception as exc:  # noqa: BLE001 - a bad argument fails the task, nothing enqueued
                 handles.progress.abandon(f"{type(exc).__name__}: {exc}")
                 task.fail(exc, -1)
@@ -713,20 +729,34 @@ class TransferManager:
         python_launcher = self._launchers.get(CopyDirection.HOST_TO_DEVICE)
         if (python_launcher is None or python_launcher.idle()) and all(prior.launched.is_set() for prior in priors):
             launch()
-            return
+        else:
 
-        def job() -> None:
-            try:
-                for prior in priors:
-                    if not prior.launched.wait(self.timeout_s):
-                        raise LayerSwapTimeoutError(-1, prior.meta.task_id, self.timeout_s, prior.direction)
-            except Exception as exc:  # noqa: BLE001 - never launched: the task fails
-                handles.progress.abandon(f"{type(exc).__name__}: {exc}")
-                task.fail(exc, -1)
-                return
-            launch()
+            def job() -> None:
+                try:
+                    for prior in priors:
+                        if not prior.launched.wait(self.timeout_s):
+                            raise LayerSwapTimeoutError(-1, prior.meta.task_id, self.timeout_s, prior.direction)
+                except Exception as exc:  # noqa: BLE001 - never launched: the task fails
+                    handles.progress.abandon(f"{type(exc).__name__}: {exc}")
+                    task.fail(exc, -1)
+                    return
+                launch()
 
-        self._dispatch(CopyDirection.HOST_TO_DEVICE, job)
+            self._dispatch(CopyDirection.HOST_TO_DEVICE, job)
+        counter = self._new_counter(task.meta)
+        counter.attach_layer_groups(handles.events, handles.progress)
+        # The layer events serve again once no one can wait on them: the counter is gone.
+        weakref.finalize(counter, self.backend.recycle_layer_events, handles.events, handles.event_array)
+        task.counter = counter
+        if task.error is not None:  # the launch was refused before the counter existed
+            counter.fail(-1, task.error)
+
+    def _new_counter(self, meta: CacheSwapMetadata) -> LayerDoneCounter:
+        """A load's counter (what submit returns)."""
+        num_layers = self.layout.num_layers if self.layout is not None else 0
+        return LayerDoneCounter(
+            meta.task_id, max(num_layers, 1), self.backend, self.timeout_s, enforce=3 not in self.disabled_rules
+        )
 
     # ------------------------------------------------------------------ completion
     def _finish(self, task: _Task) -> None:

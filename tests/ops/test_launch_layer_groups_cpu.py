@@ -158,3 +158,38 @@ def test_abandon_closes_a_progress_that_will_never_be_launched(capi_cpu) -> None
     assert progress.wait_closed(0.0)
     assert progress.state().failed and progress.wait(1, 0.0) == -1
     assert progress.error() == "prior task 7 was never launched"
+
+
+def test_a_layer_stack_call_binds_the_fixed_arguments_once(capi_cpu, launcher) -> None:
+    """A prepared call (what the worker keeps per layout) launches many stacks, each with its
+    own ids, and takes its events as a HandleArray converted once."""
+    stack = Stack(2)
+    devs, hosts, group, num_dev, block, num_host, _, _, mode = stack.args([], [])
+    call = capi_cpu.layer_stack_call(launcher, devs, hosts, group, num_dev, block, num_host, mode)
+    events = ops.HandleArray([0] * LAYERS)  # the CPU build takes null events only
+    assert len(events) == LAYERS
+    for dev_ids, host_ids in (([0, 1], [10, 11]), ([7, 2, 5], [60, 3, 33]), ([4], [63])):
+        progress = capi_cpu.group_progress()
+        call.launch(np.asarray(dev_ids, np.int64), host_ids, progress, events=events)
+        assert progress.wait_closed(10.0)
+        assert progress.state() == ops.ProgressState(LAYERS, False, True, ops.PATH_CPU, -1)
+        assert stack.loaded(dev_ids, host_ids)
+
+
+def test_a_layer_stack_call_refuses_bad_ids_and_a_closed_launcher(capi_cpu) -> None:
+    stack = Stack(3)
+    devs, hosts, group, num_dev, block, num_host, _, _, mode = stack.args([], [])
+    own = capi_cpu.stack_launcher()
+    call = capi_cpu.layer_stack_call(own, devs, hosts, group, num_dev, block, num_host, mode)
+    progress = capi_cpu.group_progress()
+    with pytest.raises(ops.SwapOpError, match=r"dev_ids\[1\]"):
+        call.launch([0, 2.5], [1, 2], progress)
+    assert not stack.loaded([0], [1])
+    own.close()
+    with pytest.raises(ops.SwapOpError, match="launcher is closed"):
+        call.launch([0], [1], capi_cpu.group_progress())
+    assert not stack.loaded([0], [1])
+    with pytest.raises(ops.SwapOpError, match="launcher"):
+        capi_cpu.layer_stack_call(own, devs, hosts, group, num_dev, block, num_host, mode)
+    with pytest.raises(ops.SwapOpError, match="group_size"):
+        capi_cpu.layer_stack_call(None, devs, hosts, 2.0, num_dev, block, num_host, mode)

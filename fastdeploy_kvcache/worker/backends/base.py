@@ -19,6 +19,7 @@ mode for simple tests.
 from __future__ import annotations
 
 import abc
+import contextlib
 import ctypes
 import logging
 import queue
@@ -206,8 +207,9 @@ class Backend(abc.ABC):
         see: a layer event comes back for reuse only through :meth:`recycle_layer_events`."""
         raise NotImplementedError(f"the {type(self).__name__} backend has no native layer-group copy")
 
-    def recycle_layer_events(self, events: Sequence[Any]) -> None:  # noqa: B027 - optional hook
-        """Take back a call's layer events once nothing can wait on them any more."""
+    def recycle_layer_events(self, events: Sequence[Any], event_array: Any) -> None:  # noqa: B027 - optional hook
+        """Take back a call's layer events (and their ``LayerStackHandles.event_array``) once
+        nothing can wait on them any more."""
 
     def launch_layer_groups(
         self,
@@ -239,7 +241,39 @@ class Backend(abc.ABC):
         launcher thread made the first layer wait for its wake-up and the GIL; the native
         launcher takes the stack as one checked job.
         """
+        self.prepare_layer_stack(launcher, device_arrays, host_ptrs, group_size, num_host_blocks, direction, stream,
+                                 path).launch(device_ids, host_ids, handles, waits)
+
+    def prepare_layer_stack(
+        self,
+        launcher: Any,
+        device_arrays: Sequence[Any],
+        host_ptrs: Sequence[int],
+        group_size: int,
+        num_host_blocks: int,
+        direction: CopyDirection,
+        stream: Any,
+        path: Optional[int] = None,
+    ) -> "PreparedLayerStack":
+        """:meth:`launch_layer_groups` with everything but the ids, handles and waits bound
+        and converted once (a worker launches every load with the same arrays and stream)."""
         raise NotImplementedError(f"the {type(self).__name__} backend has no native layer-group copy")
+
+
+class PreparedLayerStack:
+    """A layer stack's fixed arguments (:meth:`Backend.prepare_layer_stack`); :meth:`launch`
+    enqueues one stack as :meth:`Backend.launch_layer_groups` does."""
+
+    __slots__ = ("_call", "_scope")
+
+    def __init__(self, call: Any, scope: Callable[[], Any]) -> None:
+        self._call = call  # ops.LayerStackCall
+        self._scope = scope  # a context manager factory: the backend's device, where it has one
+
+    def launch(self, device_ids: Any, host_ids: Any, handles: "LayerStackHandles", waits: Sequence[Any]) -> None:
+        with self._scope():
+            self._call.launch(device_ids, host_ids, handles.progress, handles.event_array,
+                              [w.ptr for w in waits], handles.start_event.ptr, handles.done_event.ptr)
 
 
 class LayerStackHandles(NamedTuple):
@@ -249,6 +283,7 @@ class LayerStackHandles(NamedTuple):
     progress: Any  # ops.GroupProgress
     start_event: Any  # timing events around the whole stack
     done_event: Any
+    event_array: Any  # ops.HandleArray of ``events``, converted once per event set
 
 
 # ---------------------------------------------------------------------- host-thread streams
@@ -552,38 +587,41 @@ class CapiCopies:
         # NOTE: a load's first layer waited for these: making 48 CuPy events took 150-200 us
         # on an H100 host (docs/benchmarks.md, "Load startup"), now on the thread that
         # enqueues the first copy.  Layer events come back for reuse once their load's
-        # counter is gone (recycle_layer_events); the two timing events are always new,
-        # since a later task may still hold a finished task's done event as a fence.
-        spare = self._spare_layer_events().get(num_layers)
-        events = spare.pop() if spare else self._new_events(num_layers)  # list.pop: one taker per set
-        start, done = self._new_events(2, timing=True)
-        return LayerStackHandles(events, self._capi.group_progress(), start, done)
+        # counter is gone (recycle_layer_events), with their C array; the two timing events
+        # are always new, since a later task may still hold a finished task's done event as
+        # a fence.
+        from fastdeploy_kvcache import ops
 
-    def recycle_layer_events(self, events: Sequence[Any]) -> None:
+        spare = self._spare_layer_events().get(num_layers)
+        if spare:
+            events, array = spare.pop()  # list.pop: one taker per set
+        else:
+            events = self._new_events(num_layers)
+            array = ops.HandleArray([e.ptr for e in events], "layer_stack_handles", "events")
+        start, done = self._new_events(2, timing=True)
+        return LayerStackHandles(events, self._capi.group_progress(), start, done, array)
+
+    def recycle_layer_events(self, events: Sequence[Any], event_array: Any) -> None:
         spare = self._spare_layer_events().setdefault(len(events), [])
         if len(spare) < self._MAX_SPARE_EVENT_SETS:
-            spare.append(list(events))
+            spare.append((list(events), event_array))
 
-    def _spare_layer_events(self) -> dict[int, list[list[Any]]]:
+    def _spare_layer_events(self) -> dict[int, list[tuple[list[Any], Any]]]:
         return self.__dict__.setdefault("_spare_event_sets", {})
 
-    def launch_layer_groups(
+    def prepare_layer_stack(
         self,
         launcher: Any,
         device_arrays: Sequence[Any],
         host_ptrs: Sequence[int],
         group_size: int,
         num_host_blocks: int,
-        device_ids: Any,
-        host_ids: Any,
         direction: CopyDirection,
         stream: Any,
-        handles: LayerStackHandles,
-        waits: Sequence[Any],
         path: Optional[int] = None,
-    ) -> None:
+    ) -> PreparedLayerStack:
         table = self._table(device_arrays)
-        self._capi.launch_layer_groups(
+        call = self._capi.layer_stack_call(
             launcher,
             table.tensors,
             self._host_arg(table, host_ptrs),
@@ -591,17 +629,15 @@ class CapiCopies:
             0,  # block counts and sizes: in the table
             0,
             num_host_blocks,
-            device_ids,
-            host_ids,
             int(direction),
-            handles.progress,
             stream=self._stream_handle(stream),
-            events=[e.ptr for e in handles.events],
-            waits=[w.ptr for w in waits],
-            start_event=handles.start_event.ptr,
-            done_event=handles.done_event.ptr,
             path=path,
         )
+        return PreparedLayerStack(call, self._launch_scope)
+
+    def _launch_scope(self) -> Any:
+        """The context a launch runs in (CuPy: its device, which the launch records)."""
+        return contextlib.nullcontext()
 
 
 class ArrayTable(tuple):

@@ -113,10 +113,9 @@ class CupyBackend(CapiCopies, CudaBackend):
 
     has_layer_groups = True
 
-    def launch_layer_groups(self, *args: Any, **kwargs: Any) -> None:
+    def _launch_scope(self) -> Any:
         # The launch records the calling thread's device for the launcher thread.
-        with self._device:
-            super().launch_layer_groups(*args, **kwargs)
+        return self._device
 
     def _new_events(self, count: int, timing: bool = False) -> list[Any]:
         with self._device:
