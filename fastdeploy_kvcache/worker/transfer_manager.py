@@ -61,6 +61,7 @@ call instead of through the process-wide option.
 
 from __future__ import annotations
 
+import array
 import itertools
 import logging
 import numbers
@@ -68,7 +69,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 from fastdeploy_kvcache import envs, ops
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection
@@ -91,6 +92,35 @@ ORDERING_RULES: dict[int, str] = {
 }
 
 _INT_TYPE = {int}  # the one id type the fast path of _validate accepts (bool is not int)
+
+
+def _plain_int_ids(ids: Any) -> Any:
+    """``ids`` as an int64 numpy array when every one is an integer that is not a bool and
+    fits in int64; None otherwise (the caller's loop then names the bad one).
+
+    Why: one C-speed pass (``array('q')`` refuses floats, strings, None and overflow) where
+    a load of 512 ids paid a type scan, ``min``, ``max`` and the backend's conversion, each
+    a pass of its own; on the GPU hosts that Python ran ahead of the first copy at 4-8x
+    its loop speed (docs/benchmarks.md, "Sixth pass").
+    """
+    import numpy as np
+
+    try:
+        arr = np.frombuffer(array.array("q", ids), dtype=np.int64)
+    except (TypeError, OverflowError, ValueError):
+        return None
+    # A bool is 0 or 1: only a list whose least id is <= 1 can hold one.
+    if arr.size and arr.min() <= 1 and not set(map(type, ids)) <= _INT_TYPE:
+        return None
+    return arr
+
+
+class _CheckedIds(NamedTuple):
+    """What :meth:`TransferManager._validate` found: an error, or the ids as the backend takes them."""
+
+    error: Optional[str]
+    device: Any = None
+    host: Any = None
 
 #: Test hook signature: (direction, layer or -1 for all layers, metadata) -> None; may raise.
 FaultInjector = Callable[[CopyDirection, int, CacheSwapMetadata], None]
@@ -475,40 +505,43 @@ class TransferManager:
         else:
             job()
 
-    def _validate(self, meta: CacheSwapMetadata, direction: CopyDirection) -> Optional[str]:
-        """Reason the metadata cannot be carried out, or None.  Nothing is launched if bad."""
+    def _validate(self, meta: CacheSwapMetadata, direction: CopyDirection) -> "_CheckedIds":
+        """The metadata's ids checked and converted for the backend, or the reason it cannot be
+        carried out (``error``; nothing is launched then)."""
         layout = self.layout
         if layout is None:
-            return "the host cache is not initialized (initialize_kv_cache/initialize_host_cache)"
+            return _CheckedIds("the host cache is not initialized (initialize_kv_cache/initialize_host_cache)")
         to_host = direction is CopyDirection.DEVICE_TO_HOST
         want = (CacheLevel.DEVICE, CacheLevel.HOST) if to_host else (CacheLevel.HOST, CacheLevel.DEVICE)
         if (meta.src_type, meta.dst_type) != want:
-            return (
+            return _CheckedIds(
                 f"{direction.short} task expects {want[0].name}->{want[1].name}, "
                 f"got {meta.src_type.name}->{meta.dst_type.name}"
             )
         if len(meta.src_block_ids) != len(meta.dst_block_ids):
-            return f"src_block_ids has {len(meta.src_block_ids)} ids, dst_block_ids {len(meta.dst_block_ids)}"
+            return _CheckedIds(
+                f"src_block_ids has {len(meta.src_block_ids)} ids, dst_block_ids {len(meta.dst_block_ids)}"
+            )
         dev_ids, host_ids = (
             (meta.src_block_ids, meta.dst_block_ids) if to_host else (meta.dst_block_ids, meta.src_block_ids)
         )
+        arrays = []
         for name, ids, limit in (("device", dev_ids, layout.num_device_blocks), ("host", host_ids, layout.num_host_blocks)):
-            try:
-                fine = not ids or (min(ids) >= 0 and max(ids) < limit)  # O(n) in C, the common case
-            except TypeError:
-                fine = False
-            if fine and set(map(type, ids)) <= _INT_TYPE:  # no Python loop: ~2x faster at 512 ids
+            arr = _plain_int_ids(ids)
+            if arr is not None and (arr.size == 0 or (arr.min() >= 0 and arr.max() < limit)):
+                arrays.append(arr)
                 continue
             for index, block in enumerate(ids):
                 if not isinstance(block, numbers.Integral) or isinstance(block, bool) or not 0 <= block < limit:
-                    return f"{name} block id {block!r} at index {index} is out of range [0, {limit})"
+                    return _CheckedIds(f"{name} block id {block!r} at index {index} is out of range [0, {limit})")
+            arrays.append(ids)  # numpy integers among them: valid, converted by the backend
         if len(set(meta.dst_block_ids)) != len(meta.dst_block_ids):
             seen: set[int] = set()
             for index, block in enumerate(meta.dst_block_ids):
                 if block in seen:
-                    return f"duplicate destination block id {block} at index {index}"
+                    return _CheckedIds(f"duplicate destination block id {block} at index {index}")
                 seen.add(block)
-        return None
+        return _CheckedIds(None, self.backend.prepare_ids(arrays[0]), self.backend.prepare_ids(arrays[1]))
 
     def _conflicting_priors(self, task: _Task, rules: dict[str, int]) -> list[_Task]:
         """Earlier in-flight tasks of the other direction that share a block with ``task``.
@@ -561,11 +594,12 @@ class TransferManager:
         if meta.is_empty:
             self._finish(task)
             return task
-        error = self._validate(meta, CopyDirection.DEVICE_TO_HOST)
-        if error is not None:
-            task.fail(error)
+        checked = self._validate(meta, CopyDirection.DEVICE_TO_HOST)
+        if checked.error is not None:
+            task.fail(checked.error)
             self._finish(task)
             return task
+        dev_ids, host_ids = checked.device, checked.host
         layout, tables = self.layout, self._tables
         assert layout is not None and tables is not None
         out = self.output_stream
@@ -602,8 +636,6 @@ class TransferManager:
             finally:
                 self._close_task(task, out)
 
-        dev_ids = self.backend.prepare_ids(meta.src_block_ids)
-        host_ids = self.backend.prepare_ids(meta.dst_block_ids)
         self._dispatch(CopyDirection.DEVICE_TO_HOST, job)
         return task
 
@@ -624,17 +656,16 @@ class TransferManager:
         if meta.is_empty:
             self._finish(task)  # nothing to wait for: submit returns no counter
             return task
-        error = self._validate(meta, CopyDirection.HOST_TO_DEVICE)
-        if error is not None:
+        checked = self._validate(meta, CopyDirection.HOST_TO_DEVICE)
+        if checked.error is not None:
             task.counter = self._new_counter(meta)
-            task.fail(error)
+            task.fail(checked.error)
             self._finish(task)
             return task
         tables = self._tables
         assert layout is not None and tables is not None
         inp = self.input_stream
-        dev_ids = self.backend.prepare_ids(meta.dst_block_ids)
-        host_ids = self.backend.prepare_ids(meta.src_block_ids)
+        dev_ids, host_ids = checked.device, checked.host
         # Rule 5 (an in-flight device->host copy still writing a host block we read) and
         # rule 2 (one still reading a device block we are about to overwrite).
         priors = self._conflicting_priors(task, {"device": 2, "host": 5})

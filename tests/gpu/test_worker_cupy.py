@@ -55,6 +55,7 @@ if _reason is not None:
     pytest.skip(f"needs a CUDA GPU, CuPy and `bash build.sh gpu` (device tool): {_reason}", allow_module_level=True)
 
 from fastdeploy_kvcache.worker import CacheController, LayerSwapError  # noqa: E402
+from fastdeploy_kvcache.worker.transfer_manager import _CheckedIds  # noqa: E402
 
 SPIN_SRC = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -564,7 +565,10 @@ def test_op_validation_error_fails_the_metadata(compute) -> None:
     """The op's own id check (bypassing the worker's) surfaces as a failed metadata."""
     ctrl = make_ctrl()
     tm = ctrl.transfer_manager
-    tm._validate = lambda meta, direction: None  # let the op see the bad id
+    # Let the op see the bad id: the worker's check passes it through as it converts ids.
+    tm._validate = lambda meta, direction: _CheckedIds(
+        None, tm.backend.prepare_ids(meta.dst_block_ids), tm.backend.prepare_ids(meta.src_block_ids)
+    )
     bad = swap_in([99], [1])
     counter = ctrl.submit_swap_tasks(None, bad)
     with pytest.raises(LayerSwapError):

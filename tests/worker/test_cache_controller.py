@@ -165,6 +165,9 @@ def test_empty_metadata_completes_without_a_counter(make_controller) -> None:
     [
         (swap_in([8], [0]), "host block id 8 at index 0 is out of range"),
         (swap_in([0, 1], [3, 3]), "duplicate destination block id 3 at index 1"),
+        # A bool is an int to Python (and to array('q')): block True is a bug, not block 1.
+        (swap_in([0, True], [1, 2]), "host block id True at index 1 is out of range"),
+        (swap_in([2, 3], [1.0, 2]), "device block id 1.0 at index 0 is out of range"),
         (evict([9], [0]), "device block id 9 at index 0"),
         (CacheSwapMetadata([0], [0], CacheLevel.HOST, CacheLevel.HOST), "expects"),
     ],
