@@ -49,7 +49,10 @@ const OptionSpec kSpecs[kNumOptions] = {
     // Staged path (swap_staged.cu).  env "" = set_option only (no environment variable).
     {"staging_bytes", "FDKV_STAGING_BYTES", 256 << 20, 1 << 20, kInt64Max, false},
     {"staging_chunk_bytes", "", 64 << 20, 64 << 10, kInt64Max, false},
-    {"staging_grid", "", 16, 1, 65535, false},
+    // 64: a load's scatter kernels overlapped a cuBLAS forward pass best at 64 CTAs (16 KiB
+    // blocks hid 0.922-0.927 of the load against 0.901-0.916 at 16; docs/benchmarks.md,
+    // "Sixth pass"), and the copy alone moves the same at 16, 64 or 132.
+    {"staging_grid", "", 64, 1, 65535, false},
     {"staged_min_bytes", "", 64 << 10, 0, kInt64Max, false},
     // 1: the DMAs as one cudaMemcpyAsync each, 0: one cudaMemcpyBatchAsync per chunk (faster).
     // For measurements and the GPU tests; read with GetOption.
