@@ -745,10 +745,9 @@ class CApi:
         enqueued).  Then, in launch order on ``stream``: a wait on each event of ``waits``,
         ``start_event``, the groups with ``events[g]``, ``done_event`` (``cudaEvent_t``
         handles as ints, or a :class:`HandleArray` of them; 0 for none).  With an idle
-        ``launcher`` this thread enqueues the
-        fences and the first ``inline_groups`` groups itself, the launcher's thread the
-        rest; a busy launcher queues the whole stack behind the ones it holds; ``launcher``
-        None enqueues everything here.  ``progress`` advances per group and is closed
+        ``launcher`` this thread enqueues the fences and the first ``inline_groups`` groups
+        itself, the launcher's thread the rest; a busy launcher queues the whole stack behind
+        the ones it holds; ``launcher`` None enqueues everything here.  ``progress`` advances per group and is closed
         (:meth:`GroupProgress.wait_closed`) once ``done_event`` is recorded; a CUDA failure
         fails it (:meth:`GroupProgress.error` names the group) and still records
         ``done_event``.  Ids and handles are copied before this returns; the events

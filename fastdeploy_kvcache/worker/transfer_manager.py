@@ -91,7 +91,7 @@ ORDERING_RULES: dict[int, str] = {
     5: "a load waits for in-flight device->host copies into its host blocks",
 }
 
-_INT_TYPE = {int}  # the one id type the fast path of _validate accepts (bool is not int)
+_INT_TYPE = {int}  # the one id type _plain_int_ids lets through where a bool could hide
 
 
 def _plain_int_ids(ids: Any) -> Any:
@@ -121,6 +121,7 @@ class _CheckedIds(NamedTuple):
     error: Optional[str]
     device: Any = None
     host: Any = None
+
 
 #: Test hook signature: (direction, layer or -1 for all layers, metadata) -> None; may raise.
 FaultInjector = Callable[[CopyDirection, int, CacheSwapMetadata], None]

@@ -193,16 +193,16 @@ class Backend(abc.ABC):
         skips converting it)."""
         return tuple(arrays)
 
-    #: True where :meth:`launch_layer_groups` enqueues a whole layer stack natively.
+    #: True where :meth:`prepare_layer_stack` enqueues a whole layer stack natively.
     has_layer_groups = False
 
     def create_stack_launcher(self) -> Any:
-        """A native launcher thread for :meth:`launch_layer_groups` (``ops.StackLauncher``),
+        """A native launcher thread for :meth:`prepare_layer_stack` (``ops.StackLauncher``),
         owned by the caller, who closes it (only where :attr:`has_layer_groups`)."""
         raise NotImplementedError(f"the {type(self).__name__} backend has no native layer-group copy")
 
     def layer_stack_handles(self, num_layers: int) -> "LayerStackHandles":
-        """The events and progress object of one :meth:`launch_layer_groups` call (only where
+        """The events and progress object of one :meth:`PreparedLayerStack.launch` (only where
         :attr:`has_layer_groups`).  Every event is one no earlier call's consumer can still
         see: a layer event comes back for reuse only through :meth:`recycle_layer_events`."""
         raise NotImplementedError(f"the {type(self).__name__} backend has no native layer-group copy")
@@ -210,39 +210,6 @@ class Backend(abc.ABC):
     def recycle_layer_events(self, events: Sequence[Any], event_array: Any) -> None:  # noqa: B027 - optional hook
         """Take back a call's layer events (and their ``LayerStackHandles.event_array``) once
         nothing can wait on them any more."""
-
-    def launch_layer_groups(
-        self,
-        launcher: Any,
-        device_arrays: Sequence[Any],
-        host_ptrs: Sequence[int],
-        group_size: int,
-        num_host_blocks: int,
-        device_ids: Any,
-        host_ids: Any,
-        direction: CopyDirection,
-        stream: Any,
-        handles: "LayerStackHandles",
-        waits: Sequence[Any],
-        path: Optional[int] = None,
-    ) -> None:
-        """Enqueue a layer stack on ``stream`` without waiting for it: a wait on each event of
-        ``waits``, ``handles.start_event``, each layer's copies followed by its event
-        (``handles.events[l]``), ``handles.done_event``.  ``device_arrays`` (as from
-        :meth:`describe_arrays`) and ``host_ptrs`` hold every layer's arrays in layer order,
-        ``group_size`` per layer.  ``handles.progress`` advances per layer, closes once the
-        done event is recorded, and carries a CUDA failure (``ops.CApi.launch_layer_groups``).
-        With an idle ``launcher`` (:meth:`create_stack_launcher`) the calling thread
-        enqueues the waits and the first layer, the launcher's thread the rest; ``launcher``
-        None enqueues it all here.  Raises on a bad argument (nothing enqueued).  The caller
-        keeps ``waits`` and ``handles`` alive until the progress is closed.
-
-        Why: a Python loop per layer pays ctypes, checks and the GIL per layer, and a Python
-        launcher thread made the first layer wait for its wake-up and the GIL; the native
-        launcher takes the stack as one checked job.
-        """
-        self.prepare_layer_stack(launcher, device_arrays, host_ptrs, group_size, num_host_blocks, direction, stream,
-                                 path).launch(device_ids, host_ids, handles, waits)
 
     def prepare_layer_stack(
         self,
@@ -255,14 +222,17 @@ class Backend(abc.ABC):
         stream: Any,
         path: Optional[int] = None,
     ) -> "PreparedLayerStack":
-        """:meth:`launch_layer_groups` with everything but the ids, handles and waits bound
-        and converted once (a worker launches every load with the same arrays and stream)."""
+        """A layer stack's launch with everything but the ids, handles and waits bound and
+        converted once (a worker launches every load with the same arrays and stream):
+        :meth:`PreparedLayerStack.launch` enqueues one stack.  ``device_arrays`` (as from
+        :meth:`describe_arrays`) and ``host_ptrs`` hold every layer's arrays in layer order,
+        ``group_size`` per layer (only where :attr:`has_layer_groups`)."""
         raise NotImplementedError(f"the {type(self).__name__} backend has no native layer-group copy")
 
 
 class PreparedLayerStack:
     """A layer stack's fixed arguments (:meth:`Backend.prepare_layer_stack`); :meth:`launch`
-    enqueues one stack as :meth:`Backend.launch_layer_groups` does."""
+    enqueues one stack."""
 
     __slots__ = ("_call", "_scope")
 
@@ -271,13 +241,27 @@ class PreparedLayerStack:
         self._scope = scope  # a context manager factory: the backend's device, where it has one
 
     def launch(self, device_ids: Any, host_ids: Any, handles: "LayerStackHandles", waits: Sequence[Any]) -> None:
+        """Enqueue a layer stack without waiting for it: a wait on each event of ``waits``,
+        ``handles.start_event``, each layer's copies followed by its event
+        (``handles.events[l]``), ``handles.done_event``.  ``handles.progress`` advances per
+        layer, closes once the done event is recorded, and carries a CUDA failure
+        (``ops.CApi.launch_layer_groups``).  With an idle launcher
+        (:meth:`Backend.create_stack_launcher`) the calling thread enqueues the waits and the
+        first layer, the launcher's thread the rest; no launcher: all of it here.  Raises on a
+        bad argument (nothing enqueued).  The caller keeps ``waits`` and ``handles`` alive
+        until the progress is closed.
+
+        Why: a Python loop per layer pays ctypes, checks and the GIL per layer, and a Python
+        launcher thread made the first layer wait for its wake-up and the GIL; the native
+        launcher takes the stack as one checked job.
+        """
         with self._scope():
             self._call.launch(device_ids, host_ids, handles.progress, handles.event_array,
                               [w.ptr for w in waits], handles.start_event.ptr, handles.done_event.ptr)
 
 
 class LayerStackHandles(NamedTuple):
-    """What one :meth:`Backend.launch_layer_groups` call records and reports through."""
+    """What one :meth:`PreparedLayerStack.launch` records and reports through."""
 
     events: list[Any]  # one per layer, recorded after its copies
     progress: Any  # ops.GroupProgress
