@@ -725,11 +725,14 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
       !DmaBatchAvailable(stream)) {
     return 0;
   }
+  if (path == kCopyAuto &&
+      !StagedRuleHolds(total_bytes, avg_copy_bytes, staged::CountSegments(lanes, src_ids, dst_ids, n, mode), opts,
+                       INT64_MAX)) {
+    return 0;  // decided before the plan is built
+  }
   thread_local staged::Plan plan;
-  int64_t num_segs = 0;
-  staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, &plan, &num_segs);
+  staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, &plan);
   if (plan.geo.block_major) return 0;
-  if (path == kCopyAuto && !StagedRuleHolds(total_bytes, avg_copy_bytes, num_segs, opts, INT64_MAX)) return 0;
   if (!HostSideIsPinned(lanes, mode)) return 0;
   staged::GroupMarks marks;
   const int64_t num_groups = static_cast<int64_t>(lanes.size()) / group_size;
@@ -767,8 +770,8 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   int64_t row_src_pitch = 0, row_dst_pitch = 0;
   const bool at_one_pitch =
       (path == kCopyAuto || path == kCopyDma) && LanesAtOnePitch(lanes, &row_src_pitch, &row_dst_pitch);
-  // The staged path's plan (host order, runs, segments) is built once, for auto's rule
-  // and for the execution.
+  // The staged path's plan (host order, runs, segments): built only for a call that stages
+  // (auto's rule counts the plan's segments without building it).
   thread_local staged::Plan plan;
   // NOTE: larger copies go staged only in calls >= 64 MiB (below).  Auto builds the staged
   // plan only where the call's size lets the rule hold: a per-layer load of big blocks is
@@ -781,8 +784,12 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
        StagedCallSizeHolds(total_bytes, avg_copy_bytes, opts, kStagedMinLargeCopyCallBytes));
   if (path == kCopyAuto && !may_stage) path = avg_copy_bytes >= opts.dma_min_bytes ? kCopyDma : kCopyKernel;
   if (may_stage) {
-    int64_t num_segs = 0;
-    staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, &plan, &num_segs);
+    // Auto decides on the plan's segment count: a plan it would turn down is never built.
+    const bool stage =
+        path == kCopyStaged || StagedRuleHolds(total_bytes, avg_copy_bytes,
+                                               staged::CountSegments(lanes, src_ids, dst_ids, n, mode), opts,
+                                               kStagedMinLargeCopyCallBytes);
+    if (stage) staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, &plan);
     if (path == kCopyAuto) {
       // NOTE: larger copies go staged once a call is all-layer sized (>= 64 MiB): the DMA
       // batch pays ~0.5-1 us of host time per copy (a 128 KiB all-layer call: 1.1-1.5 ms
@@ -792,8 +799,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
       // keep large copies on DMA at any call size: one 2D copy per run costs about what the
       // staged path's submit does and holds no SMs (the staged gathers cost a forward pass
       // 3-4% while evictions run at full rate).
-      if (StagedRuleHolds(total_bytes, avg_copy_bytes, num_segs, opts, kStagedMinLargeCopyCallBytes) &&
-          HostSideIsPinned(lanes, mode)) {
+      if (stage && HostSideIsPinned(lanes, mode)) {
         path = kCopyStaged;
       } else {
         path = avg_copy_bytes >= opts.dma_min_bytes ? kCopyDma : kCopyKernel;

@@ -288,22 +288,78 @@ struct Plan {
   }
 };
 
+// A lane's host side: its base and block stride.
+inline char* HostBase(const LaneDesc& d, bool d2h) { return d2h ? d.dst : const_cast<char*>(d.src); }
+inline int64_t HostStride(const LaneDesc& d, bool d2h) { return d2h ? d.dst_stride : d.src_stride; }
+
+// Block-major host layout (the layout op): lane l of host block h sits at
+// base + h * sum_bytes + (bytes of the lanes before l), so a run of host blocks is
+// contiguous across lanes.
+bool HostIsBlockMajor(const std::vector<LaneDesc>& lanes, bool d2h) {
+  const size_t L = lanes.size();
+  if (L <= 1) return false;
+  int64_t sum = 0;
+  for (const LaneDesc& d : lanes) sum += d.bytes;
+  int64_t boff = 0;
+  for (const LaneDesc& d : lanes) {
+    if (HostStride(d, d2h) != sum || HostBase(d, d2h) != HostBase(lanes.front(), d2h) + boff) return false;
+    boff += d.bytes;
+  }
+  return true;
+}
+
+// The pairs in host-id order (`order`, stable) and the runs of consecutive host ids in that
+// order as (first k, length).
+void SortedHostRuns(const int64_t* host_ids, int64_t n, std::vector<int64_t>* order,
+                    std::vector<std::pair<int64_t, int64_t>>* runs) {
+  order->resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) (*order)[static_cast<size_t>(i)] = i;
+  bool sorted = true;
+  for (int64_t i = 1; i < n && sorted; ++i) sorted = host_ids[i - 1] <= host_ids[i];
+  if (!sorted) {
+    std::stable_sort(order->begin(), order->end(),
+                     [host_ids](int64_t a, int64_t b) { return host_ids[a] < host_ids[b]; });
+  }
+  runs->clear();
+  int64_t prev = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t h = host_ids[(*order)[static_cast<size_t>(k)]];
+    if (!runs->empty() && prev + 1 == h) {
+      ++runs->back().second;
+    } else {
+      runs->emplace_back(k, 1);
+    }
+    prev = h;
+  }
+}
+
+// The number of host segments BuildPlan would make for these pairs, without making them:
+// auto's staged rule needs only the count, and a call it turns down (fully scattered host
+// ids: a segment per block per lane) spent ~0.1-0.2 ms of its submit building the segments
+// of a plan it then dropped (docs/benchmarks.md, "Sixth pass").
+int64_t CountSegments(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
+                      int64_t n, int mode) {
+  const bool d2h = mode == kDeviceToHost;
+  thread_local std::vector<int64_t> order;
+  thread_local std::vector<std::pair<int64_t, int64_t>> runs;
+  SortedHostRuns(d2h ? dst_ids : src_ids, n, &order, &runs);
+  const int64_t num_runs = static_cast<int64_t>(runs.size());
+  if (HostIsBlockMajor(lanes, d2h)) return num_runs;
+  int64_t segs = 0;
+  for (const LaneDesc& d : lanes) segs += HostStride(d, d2h) == d.bytes ? num_runs : n;
+  return segs;
+}
+
 // Builds the plan: sorts pairs by host id (longest runs), finds the host runs and the
 // contiguous host segments.  Lanes use the device side as "dev" and the host side as host.
 void BuildPlan(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids, int64_t n,
-               int mode, Plan* plan, int64_t* num_segments_out) {
+               int mode, Plan* plan) {
   const bool d2h = mode == kDeviceToHost;
   const int64_t* dev_ids = d2h ? src_ids : dst_ids;
   const int64_t* host_ids = d2h ? dst_ids : src_ids;
   thread_local std::vector<int64_t> order;
-  order.resize(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
-  bool sorted = true;
-  for (int64_t i = 1; i < n && sorted; ++i) sorted = host_ids[i - 1] <= host_ids[i];
-  if (!sorted) {
-    std::stable_sort(order.begin(), order.end(),
-                     [host_ids](int64_t a, int64_t b) { return host_ids[a] < host_ids[b]; });
-  }
+  thread_local std::vector<std::pair<int64_t, int64_t>> runs;
+  SortedHostRuns(host_ids, n, &order, &runs);
   plan->dev_ids.resize(static_cast<size_t>(n));
   for (int64_t k = 0; k < n; ++k) plan->dev_ids[static_cast<size_t>(k)] = dev_ids[order[static_cast<size_t>(k)]];
 
@@ -328,59 +384,34 @@ void BuildPlan(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const
       break;
     }
   }
-  // Block-major host layout (the layout op): lane l of host block h sits at
-  // base + h * sum_bytes + boff[l], so a run of host blocks is contiguous across lanes.
-  auto host_base = [&](int l) -> char* {
-    const LaneDesc& d = lanes[static_cast<size_t>(l)];
-    return d2h ? d.dst : const_cast<char*>(d.src);
-  };
-  auto host_stride = [&](int l) -> int64_t {
-    const LaneDesc& d = lanes[static_cast<size_t>(l)];
-    return d2h ? d.dst_stride : d.src_stride;
-  };
-  bool block_major = L > 1;
-  for (int l = 0; l < L && block_major; ++l) {
-    block_major = host_stride(l) == boff && host_base(l) == host_base(0) + plan->lanes[static_cast<size_t>(l)].boff;
-  }
+  const bool block_major = HostIsBlockMajor(lanes, d2h);
   plan->geo = Geometry{L, n, block_major ? 1 : 0, boff, pp};
   plan->total = boff * n;
 
-  // Runs of consecutive host ids in sorted order: (first k, length).
-  thread_local std::vector<std::pair<int64_t, int64_t>> runs;
-  runs.clear();
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t h = host_ids[order[static_cast<size_t>(k)]];
-    if (!runs.empty() && host_ids[order[static_cast<size_t>(runs.back().first + runs.back().second - 1)]] + 1 == h) {
-      ++runs.back().second;
-    } else {
-      runs.emplace_back(k, 1);
-    }
-  }
   plan->segs.clear();
   if (block_major) {
     for (const auto& r : runs) {
       const int64_t h = host_ids[order[static_cast<size_t>(r.first)]];
-      plan->segs.push_back(Seg{host_base(0) + h * boff, r.first * boff, r.second * boff});
+      plan->segs.push_back(Seg{HostBase(lanes.front(), d2h) + h * boff, r.first * boff, r.second * boff});
     }
   } else {
     for (int l = 0; l < L; ++l) {
+      const LaneDesc& d = lanes[static_cast<size_t>(l)];
       const SLane& s = plan->lanes[static_cast<size_t>(l)];
-      const bool contiguous = host_stride(l) == s.bytes;
+      const int64_t stride = HostStride(d, d2h);
       for (const auto& r : runs) {
-        if (contiguous) {
+        if (stride == s.bytes) {
           const int64_t h = host_ids[order[static_cast<size_t>(r.first)]];
-          plan->segs.push_back(Seg{host_base(l) + h * s.bytes, n * s.boff + r.first * s.bytes, r.second * s.bytes});
+          plan->segs.push_back(Seg{HostBase(d, d2h) + h * s.bytes, n * s.boff + r.first * s.bytes, r.second * s.bytes});
         } else {
           for (int64_t j = 0; j < r.second; ++j) {
             const int64_t h = host_ids[order[static_cast<size_t>(r.first + j)]];
-            plan->segs.push_back(
-                Seg{host_base(l) + h * host_stride(l), n * s.boff + (r.first + j) * s.bytes, s.bytes});
+            plan->segs.push_back(Seg{HostBase(d, d2h) + h * stride, n * s.boff + (r.first + j) * s.bytes, s.bytes});
           }
         }
       }
     }
   }
-  *num_segments_out = static_cast<int64_t>(plan->segs.size());
 }
 
 template <bool kToStaging, typename Tables>
