@@ -747,12 +747,12 @@ class CApi:
         handles as ints, or a :class:`HandleArray` of them; 0 for none).  With an idle
         ``launcher`` this thread enqueues the fences and the first ``inline_groups`` groups
         itself, the launcher's thread the rest; a busy launcher queues the whole stack behind
-        the ones it holds; ``launcher`` None enqueues everything here.  ``progress`` advances per group and is closed
-        (:meth:`GroupProgress.wait_closed`) once ``done_event`` is recorded; a CUDA failure
-        fails it (:meth:`GroupProgress.error` names the group) and still records
-        ``done_event``.  Ids and handles are copied before this returns; the events
-        themselves must live until ``progress`` is closed (the launcher may enqueue a wait
-        or a record later).
+        the ones it holds; ``launcher`` None enqueues everything here.  ``progress`` advances
+        per group and is closed (:meth:`GroupProgress.wait_closed`) once ``done_event`` is
+        recorded; a CUDA failure fails it (:meth:`GroupProgress.error` names the group) and
+        still records ``done_event``.  Ids and handles are copied before this returns; the
+        events themselves must live until ``progress`` is closed (the launcher may enqueue a
+        wait or a record later).
 
         Why: a load's first copy waited for a Python launcher thread (its wake-up, the GIL
         it shares with the forward pass, the argument conversion): 0.5-0.9 ms on an H100
