@@ -791,11 +791,9 @@ class CApi:
         """A C array of handles (``void**``) and its length; (None, 0) for None."""
         if handles is None:
             return None, 0
-        if type(handles) is HandleArray:
-            return handles.pointer, handles.count
-        values = [_ptr_arg(h, op, name) for h in handles]
-        array = (ctypes.c_void_p * max(len(values), 1))(*values)
-        return ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p)), len(values)
+        if type(handles) is not HandleArray:
+            handles = HandleArray(handles, op, name)  # the cast pointer keeps its array alive
+        return handles.pointer, handles.count
 
     def swap_per_layer(
         self,

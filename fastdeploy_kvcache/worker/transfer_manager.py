@@ -94,9 +94,9 @@ ORDERING_RULES: dict[int, str] = {
 _INT_TYPE = {int}  # the one id type _plain_int_ids lets through where a bool could hide
 
 
-def _plain_int_ids(ids: Any) -> Any:
-    """``ids`` as an int64 numpy array when every one is an integer that is not a bool and
-    fits in int64; None otherwise (the caller's loop then names the bad one).
+def _plain_int_ids(ids: Any, limit: int) -> Any:
+    """``ids`` as an int64 numpy array when every one is an integer (not a bool) in
+    ``[0, limit)``; None otherwise (the caller's loop then names the bad one).
 
     Why: one C-speed pass (``array('q')`` refuses floats, strings, None and overflow) where
     a load of 512 ids paid a type scan, ``min``, ``max`` and the backend's conversion, each
@@ -109,10 +109,13 @@ def _plain_int_ids(ids: Any) -> Any:
         arr = np.frombuffer(array.array("q", ids), dtype=np.int64)
     except (TypeError, OverflowError, ValueError):
         return None
+    if arr.size == 0:
+        return arr
+    lo = int(arr.min())
     # A bool is 0 or 1: only a list whose least id is <= 1 can hold one.
-    if arr.size and arr.min() <= 1 and not set(map(type, ids)) <= _INT_TYPE:
+    if lo <= 1 and not set(map(type, ids)) <= _INT_TYPE:
         return None
-    return arr
+    return arr if 0 <= lo and int(arr.max()) < limit else None
 
 
 class _CheckedIds(NamedTuple):
@@ -528,8 +531,8 @@ class TransferManager:
         )
         arrays = []
         for name, ids, limit in (("device", dev_ids, layout.num_device_blocks), ("host", host_ids, layout.num_host_blocks)):
-            arr = _plain_int_ids(ids)
-            if arr is not None and (arr.size == 0 or (arr.min() >= 0 and arr.max() < limit)):
+            arr = _plain_int_ids(ids, limit)
+            if arr is not None:
                 arrays.append(arr)
                 continue
             for index, block in enumerate(ids):
@@ -576,11 +579,17 @@ class TransferManager:
         first.  No cycle is possible: a prior only ever waits for tasks older than itself,
         and this launcher handled those before the current one.
         """
+        self._wait_priors_launched(priors)
+        for prior in priors:
+            if prior.done_event is not None:
+                self.backend.stream_wait_event(stream, prior.done_event, self.timeout_s)
+
+    def _wait_priors_launched(self, priors: Sequence[_Task]) -> None:
+        """Wait (host) until each prior's stream operations are enqueued, so its done event
+        exists; raises LayerSwapTimeoutError naming the prior that did not make it."""
         for prior in priors:
             if not prior.launched.wait(self.timeout_s):
                 raise LayerSwapTimeoutError(-1, prior.meta.task_id, self.timeout_s, prior.direction)
-            if prior.done_event is not None:
-                self.backend.stream_wait_event(stream, prior.done_event, self.timeout_s)
 
     def _submit_d2h(
         self,
@@ -765,9 +774,7 @@ class TransferManager:
 
             def job() -> None:
                 try:
-                    for prior in priors:
-                        if not prior.launched.wait(self.timeout_s):
-                            raise LayerSwapTimeoutError(-1, prior.meta.task_id, self.timeout_s, prior.direction)
+                    self._wait_priors_launched(priors)
                 except Exception as exc:  # noqa: BLE001 - never launched: the task fails
                     handles.progress.abandon(f"{type(exc).__name__}: {exc}")
                     task.fail(exc, -1)
