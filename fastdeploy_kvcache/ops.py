@@ -504,8 +504,9 @@ class CApi:
         ``dma_slice_bytes``, ``copy_kernel`` (0-3), ``kernel_tables`` (0/1).
 
         Staged path: ``staging_bytes``, ``staging_chunk_bytes``, ``staging_grid``,
-        ``staged_min_bytes``, ``staging_mode``; DMA rows: ``dma_rows_min_lanes``; layer
-        stacks: ``staged_stack_from_group`` (docs/ops.md, "Layer groups") and, for tests,
+        ``staged_min_bytes``, ``staging_mode``; DMA rows: ``dma_rows_min_lanes``,
+        ``rows_d2h_min_bytes``; layer stacks: ``staged_stack_from_group``,
+        ``stack_span_min_bytes`` (docs/ops.md, "Layer groups") and, for tests,
         ``stack_fail_group``.
 
         Meant for benchmarks and tests; an engine sets the environment instead.

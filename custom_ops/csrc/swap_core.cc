@@ -37,7 +37,7 @@ struct OptionSpec {
   int64_t hi;
   bool copy_path;      // value is a copy path name (auto|kernel|dma), not an integer
 };
-constexpr int kNumOptions = 15;
+constexpr int kNumOptions = 17;
 const OptionSpec kSpecs[kNumOptions] = {
     {"copy_grid", "FDKV_COPY_GRID", 8, 1, 65535, false},
     {"copy_path", "FDKV_COPY_PATH", kCopyAuto, kCopyAuto, kCopyStaged, true},
@@ -60,6 +60,18 @@ const OptionSpec kSpecs[kNumOptions] = {
     // DMA rows (swap_cuda.cu, LanesAtOnePitch): the fewest tensors at one pitch that go as
     // one 2D copy per run.  For measurements and tests; read with GetOption.
     {"dma_rows_min_lanes", "", 16, 1, 1 << 20, false},
+    // Auto keeps device-to-host copies at one pitch on DMA rows only from this row width;
+    // narrower rows go staged where the call is large enough (swap_cuda.cu, ExecuteCuda).
+    // 256 KiB: 128 KiB rows wrote host memory at 0.927-0.942 of the link where staged moved
+    // 0.961-0.973, 256 KiB rows 0.950-0.967 against 0.962-0.964, 512 KiB rows won
+    // (docs/benchmarks.md, "Seventh pass").  Read with GetOption.
+    {"rows_d2h_min_bytes", "", 256 << 10, 0, kInt64Max, false},
+    // A layer stack's groups after the first go to the copy engines in spans of at least
+    // this many bytes (one DMA batch, or one staged chunk boundary, per span; every group's
+    // event follows its span): each batch call costs the link ~2.5 us (a layer of 4 MiB per
+    // call moved 0.96 of the link, 16 MiB 0.99; docs/benchmarks.md, "Seventh pass").
+    // 0: a span per group.  Read with GetOption.
+    {"stack_span_min_bytes", "", 8 << 20, 0, kInt64Max, false},
     // Tests only: a layer stack (SwapLayerGroups, LaunchLayerStack) fails as a CUDA failure
     // would when it reaches this group (-1: never), so the failure path of an asynchronous
     // launch can be exercised.  Read with GetOption.
@@ -309,7 +321,7 @@ void Execute(const std::vector<LaneDesc>& lanes, IdSpan dev_ids, IdSpan host_ids
     if (target.cuda) {
 #if FDKV_WITH_CUDA
       t_last_path = ExecuteCuda(lanes, src_ids, dst_ids, n, LanesMergeable(lanes), mode, target.stream,
-                                target.copy_path, target.ramp);
+                                target.copy_path, target.ramp, target.rows);
 #else
       throw CudaFailure("fdkv: CUDA execution requested but the library was built without CUDA");
 #endif
@@ -585,8 +597,10 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
     int64_t fail_group = -1;
     GetOption("stack_fail_group", &fail_group);
     if (fail_group >= 0) job.may_stage = false;  // an injected failure goes group by group
+    int64_t span_min_bytes = 0;
+    GetOption("stack_span_min_bytes", &span_min_bytes);
     ExecTarget each = job.target;
-    for (int64_t budget = max_groups; job.next_group < num_groups; --budget) {
+    for (int64_t budget = max_groups; job.next_group < num_groups;) {
       const int64_t g = job.next_group;
 #if FDKV_WITH_CUDA
       if (job.may_stage && g >= job.staged_from) {
@@ -595,9 +609,9 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
         if (budget < num_groups - g) return false;
         job.may_stage = false;
         const std::vector<LaneDesc> rest(job.lanes.begin() + g * job.group_size, job.lanes.end());
-        const int paths =
-            ExecuteCudaGroups(rest, job.src_ids.data(), job.dst_ids.data(), n, job.mode, stream,
-                              job.target.copy_path, job.group_size, [&](int64_t r, void* s) { group_done(g + r, s); });
+        const int paths = ExecuteCudaGroups(rest, job.src_ids.data(), job.dst_ids.data(), n, job.mode, stream,
+                                            job.target.copy_path, job.group_size, g == 0,
+                                            [&](int64_t r, void* s) { group_done(g + r, s); });
         if (paths != 0) {
           job.paths |= paths;
           job.next_group = num_groups;
@@ -607,20 +621,38 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
 #endif
       if (budget <= 0) break;
       if (g == fail_group) throw CudaFailure("injected failure (option stack_fail_group)");
-      const std::vector<LaneDesc> group(job.lanes.begin() + g * job.group_size,
-                                        job.lanes.begin() + (g + 1) * job.group_size);
+      // The span [g, end): one group, or, once the first group went as a plain DMA batch,
+      // the groups after it until the span holds stack_span_min_bytes (within the budget,
+      // short of an injected failure), as one DMA batch: each batch call costs the link
+      // ~2.5 us, a tenth of a 1 MiB layer's copy.  Every group's event follows its span.
+      int64_t end = g + 1;
+      if (job.span_batches) {
+        int64_t bytes = job.GroupBytes(g);
+        while (end < num_groups && bytes < span_min_bytes && end - g < budget && end != fail_group) {
+          bytes += job.GroupBytes(end);
+          ++end;
+        }
+      }
+      const std::vector<LaneDesc> span(job.lanes.begin() + g * job.group_size,
+                                       job.lanes.begin() + end * job.group_size);
       each.ramp = g == 0;
       // Groups ahead of a staged rest take the copy kernel: one launch, where the per-call
       // rule would build a staged plan (or a DMA batch of a copy per block) for them; the
       // SMs are free then, since the forward pass waits for the first layer.  (A rest that
-      // did not stage after all goes on the call's own path.)
-      each.copy_path = job.may_stage ? static_cast<int>(kCopyKernel) : job.target.copy_path;
-      Execute(group, IdSpan{job.mode == kDeviceToHost ? job.src_ids.data() : job.dst_ids.data(), n, "dev_ids"},
+      // did not stage after all goes on the call's own path.)  A span of several groups is
+      // the DMA batch its first group took, never 2D rows.
+      each.copy_path = job.may_stage ? static_cast<int>(kCopyKernel)
+                                     : (end - g > 1 ? static_cast<int>(kCopyDma) : job.target.copy_path);
+      each.rows = end - g == 1;
+      Execute(span, IdSpan{job.mode == kDeviceToHost ? job.src_ids.data() : job.dst_ids.data(), n, "dev_ids"},
               IdSpan{job.mode == kDeviceToHost ? job.dst_ids.data() : job.src_ids.data(), n, "host_ids"}, job.mode,
               each);
       job.paths |= t_last_path;
-      group_done(g, stream);
-      ++job.next_group;
+      // Spans only where a group goes as a plain DMA batch (not rows, staged or the kernel).
+      if (g == 0 && !job.may_stage) job.span_batches = t_last_path == kPathDma && span_min_bytes > 0;
+      for (int64_t k = g; k < end; ++k) group_done(k, stream);
+      job.next_group = end;
+      budget -= end - g;
     }
     if (job.next_group < num_groups) return false;
 #if FDKV_WITH_CUDA

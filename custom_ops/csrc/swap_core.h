@@ -97,6 +97,10 @@ struct ExecTarget {
   // Start a DMA batch with small slices, doubling (LaunchDmaBatch): the first group of a
   // layer stack, whose event the forward pass waits for before anything else runs.
   bool ramp = false;
+  // Whether the DMA path may move lanes at one pitch as 2D rows.  false: one batch entry
+  // per lane (a layer stack's span of several groups, RunStackJob: a few lanes per group,
+  // where rows are slower than the batch).
+  bool rows = true;
 };
 
 // Throws InvalidArgument ("<op>: path = <v> must be ...") unless -1 <= copy_path <= 3.
@@ -367,9 +371,18 @@ struct StackJob {
   // the ones before it go group by group (option staged_stack_from_group).
   bool may_stage = false;
   int64_t staged_from = 1;
+  // Whether the groups after the first go in spans of several groups (RunStackJob): set
+  // once the first group went as a plain DMA batch.
+  bool span_batches = false;
   bool started = false;    // fences before the groups enqueued
   int64_t next_group = 0;  // groups enqueued so far
   int paths = 0;
+  // Bytes group g moves.
+  int64_t GroupBytes(int64_t g) const {
+    int64_t b = 0;
+    for (int64_t t = g * group_size; t < (g + 1) * group_size; ++t) b += lanes[static_cast<size_t>(t)].bytes;
+    return b * static_cast<int64_t>(src_ids.size());
+  }
   ~StackJob() { GroupProgress::Unref(progress); }
 };
 // Enqueues the job's next part: its leading fences, then up to `max_groups` groups, then (at
@@ -391,10 +404,11 @@ void ValidateIds(const char* op, IdSpan dev_ids, int64_t num_dev_blocks, IdSpan 
 // Run a planned copy on a CUDA stream (swap_cuda.cu).  `mergeable` says whether a run of
 // consecutive ids is contiguous on both sides for every lane (false for the layout op).
 // `copy_path` is the call's CopyPath (kCopyProcess: the process-wide option); `ramp`
-// (ExecTarget::ramp) starts a DMA batch with small slices.
+// (ExecTarget::ramp) starts a DMA batch with small slices; `rows` (ExecTarget::rows) lets
+// the DMA path go as 2D rows.
 int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids,
                 const int64_t* dst_ids, int64_t n, bool mergeable, int mode, void* stream,
-                int copy_path, bool ramp = false);
+                int copy_path, bool ramp = false, bool rows = true);
 void CudaHostAlloc(void** ptr, size_t nbytes, unsigned flags);
 void CudaHostFree(void* ptr);
 void CudaStreamSynchronize(void* stream);
@@ -409,10 +423,12 @@ bool StackMayStage(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, c
 // A whole layer stack (SwapLayerGroups) as one staged pipeline, where the call's path is
 // staged, or auto and the stack's host side merges into runs: every lane moves n blocks,
 // lanes [g * group_size, (g + 1) * group_size) are group g, and on_group(g, stream) runs
-// once group g's copies are enqueued (the stream to record its event on).  Returns the
-// path bits, or 0 when the stack should go group by group instead (nothing enqueued).
+// once group g's copies are enqueued (the stream to record its event on).  Chunks end at
+// span ends (option stack_span_min_bytes; with `first_alone` the first group is a span of
+// its own).  Returns the path bits, or 0 when the stack should go group by group instead
+// (nothing enqueued).
 int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
-                      int64_t n, int mode, void* stream, int copy_path, int64_t group_size,
+                      int64_t n, int mode, void* stream, int copy_path, int64_t group_size, bool first_alone,
                       const std::function<void(int64_t, void*)>& on_group);
 #endif
 

@@ -709,7 +709,7 @@ bool StackMayStage(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, c
 }
 
 int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
-                      int64_t n, int mode, void* stream_ptr, int copy_path, int64_t group_size,
+                      int64_t n, int mode, void* stream_ptr, int copy_path, int64_t group_size, bool first_alone,
                       const std::function<void(int64_t, void*)>& on_group) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const Options opts = GetOptions();
@@ -736,8 +736,15 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
   if (!HostSideIsPinned(lanes, mode)) return 0;
   staged::GroupMarks marks;
   const int64_t num_groups = static_cast<int64_t>(lanes.size()) / group_size;
+  int64_t span_min_bytes = 0;
+  GetOption("stack_span_min_bytes", &span_min_bytes);
   for (int64_t g = 1; g <= num_groups; ++g) {
-    marks.ends.push_back(g == num_groups ? plan.total : n * plan.lanes[static_cast<size_t>(g * group_size)].boff);
+    const int64_t end = g == num_groups ? plan.total : n * plan.lanes[static_cast<size_t>(g * group_size)].boff;
+    marks.ends.push_back(end);
+    // A chunk ends at each span's end (stack_span_min_bytes): a chunk per group cost each
+    // group a DMA batch call (~2.5 us of link time) and a scatter launch.
+    const int64_t span_start = marks.cuts.empty() ? 0 : marks.cuts.back();
+    if (g == num_groups || end - span_start >= span_min_bytes || (g == 1 && first_alone)) marks.cuts.push_back(end);
   }
   marks.done = [&](int64_t g, cudaStream_t s) { on_group(g, s); };
   return ExecuteStaged(plan, n, mode, stream, opts, &marks);
@@ -745,7 +752,7 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
 
 // ------------------------------------------------------------------------ planning
 int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
-                int64_t n, bool mergeable, int mode, void* stream_ptr, int copy_path, bool ramp) {
+                int64_t n, bool mergeable, int mode, void* stream_ptr, int copy_path, bool ramp, bool rows) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const Options opts = GetOptions();
 
@@ -769,7 +776,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   // Whether the DMA path (auto's or a forced one) can go as rows; worked out once.
   int64_t row_src_pitch = 0, row_dst_pitch = 0;
   const bool at_one_pitch =
-      (path == kCopyAuto || path == kCopyDma) && LanesAtOnePitch(lanes, &row_src_pitch, &row_dst_pitch);
+      rows && (path == kCopyAuto || path == kCopyDma) && LanesAtOnePitch(lanes, &row_src_pitch, &row_dst_pitch);
   // The staged path's plan (host order, runs, segments): built only for a call that stages
   // (auto's rule counts the plan's segments without building it).
   thread_local staged::Plan plan;
@@ -777,7 +784,12 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   // plan only where the call's size lets the rule hold: a per-layer load of big blocks is
   // planned for the DMA batch alone (the plan cost the first layer of each load).
   constexpr int64_t kStagedMinLargeCopyCallBytes = 64 << 20;
-  const bool large_rows = at_one_pitch && avg_copy_bytes >= opts.dma_min_bytes;
+  // Device-to-host rows narrower than rows_d2h_min_bytes write host memory more slowly
+  // than the staged path (one DMA per host run): auto lets such calls stage.
+  int64_t rows_d2h_min_bytes = 0;
+  GetOption("rows_d2h_min_bytes", &rows_d2h_min_bytes);
+  const bool large_rows = at_one_pitch && avg_copy_bytes >= opts.dma_min_bytes &&
+                          (mode != kDeviceToHost || avg_copy_bytes >= rows_d2h_min_bytes);
   const bool may_stage =
       path == kCopyStaged ||
       (path == kCopyAuto && !large_rows &&
@@ -796,9 +808,11 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
       // against 0.2-0.3 ms staged) and reached 0.94-0.95 one way and 0.87 both ways where
       // staged reached 0.96-0.98 and 1.0.  Per-layer calls of big blocks stay on the DMA
       // batch: each staged call pays its pipeline's fill and drain.  Lanes at one pitch
-      // keep large copies on DMA at any call size: one 2D copy per run costs about what the
-      // staged path's submit does and holds no SMs (the staged gathers cost a forward pass
-      // 3-4% while evictions run at full rate).
+      // keep large copies on DMA rows at any call size (one 2D copy per run costs about
+      // what the staged path's submit does), except device-to-host rows narrower than
+      // rows_d2h_min_bytes, which the staged path outruns.  NOTE: the staged gathers cost a
+      // forward pass 3-4% while evictions run at full rate; the worker's device-to-host
+      // default is therefore `dma` (rows), not auto (docs/architecture.md).
       if (stage && HostSideIsPinned(lanes, mode)) {
         path = kCopyStaged;
       } else {

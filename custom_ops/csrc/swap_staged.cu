@@ -489,9 +489,10 @@ void PlanChunks(int64_t total, int64_t slot, int mode, std::vector<int64_t>* bou
   bounds->push_back(0);
   for (int64_t s : sizes) bounds->push_back(bounds->back() + s);
   if (cuts != nullptr && !cuts->empty()) {
-    // A layer stack: no chunk straddles a group's end, so each group's event can follow the
-    // chunk that completes it.  (Group ends are multiples of every lane's block size, so the
-    // vector width still divides every boundary.)
+    // A layer stack: no chunk straddles a span's end (GroupMarks::cuts), so each group's
+    // event follows the chunk that completes it, at most a span later.  (Group ends are
+    // multiples of every lane's block size, so the vector width still divides every
+    // boundary.)
     thread_local std::vector<int64_t> merged;
     merged.clear();
     std::merge(bounds->begin(), bounds->end(), cuts->begin(), cuts->end(), std::back_inserter(merged));
@@ -501,11 +502,13 @@ void PlanChunks(int64_t total, int64_t slot, int mode, std::vector<int64_t>* bou
   }
 }
 
-// A layer stack's group ends (virtual offsets, ascending; the last is the total) and what
-// to do once a group's last chunk is enqueued: `done(g, stream)` records group g's event on
-// the stream that ran that chunk's last step.
+// A layer stack's group ends (virtual offsets, ascending; the last is the total), the ends
+// its chunks must stop at (`cuts`: span ends, a subset of `ends` holding the total), and
+// what to do once a group's last chunk is enqueued: `done(g, stream)` records group g's
+// event on the stream that ran the step of the chunk that completes the group.
 struct GroupMarks {
   std::vector<int64_t> ends;
+  std::vector<int64_t> cuts;
   std::function<void(int64_t, cudaStream_t)> done;
 };
 
@@ -531,7 +534,7 @@ int ExecuteStaged(const staged::Plan& plan, int64_t n, int mode, cudaStream_t st
   ring.Ensure(opts.staging_bytes, opts.staging_chunk_bytes);
   // Chunk boundaries must keep 16-byte vectors aligned: slot sizes are 4 KiB multiples.
   thread_local std::vector<int64_t> bounds;
-  PlanChunks(plan.total, ring.slot_bytes, mode, &bounds, marks != nullptr ? &marks->ends : nullptr);
+  PlanChunks(plan.total, ring.slot_bytes, mode, &bounds, marks != nullptr ? &marks->cuts : nullptr);
   const size_t num_chunks = bounds.size() - 1;
 
   const bool use_side = num_chunks > 1;

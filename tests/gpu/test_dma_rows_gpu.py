@@ -102,28 +102,54 @@ def test_the_default_needs_sixteen_tensors(cupy, capi, pinned, cuda_stream) -> N
         assert not host[count:].any()
 
 
-def test_auto_keeps_an_all_layer_call_at_one_pitch_off_the_staged_path(cupy, capi, pinned, cuda_stream) -> None:
+DEFAULT_ROWS_D2H_MIN_BYTES = 256 << 10  # rows_d2h_min_bytes: narrower device-to-host rows may stage
+
+
+@pytest.mark.parametrize(
+    "mode,rows_d2h_min_bytes,want",
+    [
+        (ops.MODE_H2D, DEFAULT_ROWS_D2H_MIN_BYTES, ROWS),  # host to device: rows at any width
+        (ops.MODE_D2H, DEFAULT_ROWS_D2H_MIN_BYTES, ops.PATH_STAGED),  # 128 KiB rows write host memory slowly
+        (ops.MODE_D2H, 128 << 10, ROWS),  # from 128 KiB on: rows again
+    ],
+)
+def test_auto_at_one_pitch_stages_only_narrow_device_to_host_rows(cupy, capi, pinned, cuda_stream, mode,
+                                                                  rows_d2h_min_bytes, want) -> None:
     """The staged rule takes all-layer-sized calls (>= 64 MiB, host runs) of any block size
-    when the tensors are spread out; at one pitch the same call stays on DMA rows."""
-    bb, lanes, n = 128 << 10, 32, 20  # 32 tensors x 20 blocks x 128 KiB = 80 MiB, one host run
-    dev = cupy.zeros((lanes, 2 * n, bb), dtype=cupy.uint8)
-    dev[:, :n] = 7
-    host = pinned(lanes * n * bb).reshape(lanes, n, bb)
-    host[:] = 0
-    dev_ids = list(np.random.default_rng(3).permutation(n))
-    stream = cuda_stream()
-    capi.swap_all_layers([dev[l].data.ptr for l in range(lanes)], [host[l].ctypes.data for l in range(lanes)],
-                         2 * n, bb, n, dev_ids, list(range(n)), ops.MODE_D2H, stream=stream, path="auto")
-    used = capi.last_path()
-    stream.synchronize()
-    assert used == ROWS, f"last_path()={used}"
-    assert (host == 7).all()
-    # The same call over the slab's tensors in reverse order (a negative pitch) goes staged.
-    spread = [dev[l].data.ptr for l in reversed(range(lanes))]
-    capi.swap_all_layers(spread, [host[l].ctypes.data for l in range(lanes)], 2 * n, bb, n, dev_ids, list(range(n)),
-                         ops.MODE_D2H, stream=stream, path="auto")
-    assert capi.last_path() == ops.PATH_STAGED
-    stream.synchronize()
+    when the tensors are spread out; at one pitch the same call stays on DMA rows, except
+    device to host with rows narrower than ``rows_d2h_min_bytes``."""
+    saved = capi.get_option("rows_d2h_min_bytes")
+    assert saved == DEFAULT_ROWS_D2H_MIN_BYTES
+    capi.set_option("rows_d2h_min_bytes", rows_d2h_min_bytes)
+    try:
+        bb, lanes, n = 128 << 10, 32, 20  # 32 tensors x 20 blocks x 128 KiB = 80 MiB, one host run
+        dev = cupy.zeros((lanes, 2 * n, bb), dtype=cupy.uint8)
+        host = pinned(lanes * n * bb).reshape(lanes, n, bb)
+        if mode == ops.MODE_D2H:
+            dev[:, :n] = 7
+            host[:] = 0
+        else:
+            host[:] = 7
+        dev_ids = [int(i) for i in np.random.default_rng(3).permutation(n)]
+        stream = cuda_stream()
+        capi.swap_all_layers([dev[l].data.ptr for l in range(lanes)], [host[l].ctypes.data for l in range(lanes)],
+                             2 * n, bb, n, dev_ids, list(range(n)), mode, stream=stream, path="auto")
+        used = capi.last_path()
+        stream.synchronize()
+        assert used == want, f"last_path()={used}"
+        if mode == ops.MODE_D2H:
+            assert (host == 7).all()
+            # The same call over the slab's tensors in reverse order (a negative pitch) goes staged.
+            spread = [dev[l].data.ptr for l in reversed(range(lanes))]
+            capi.swap_all_layers(spread, [host[l].ctypes.data for l in range(lanes)], 2 * n, bb, n, dev_ids,
+                                 list(range(n)), ops.MODE_D2H, stream=stream, path="auto")
+            assert capi.last_path() == ops.PATH_STAGED
+            stream.synchronize()
+        else:
+            assert (cupy.asnumpy(dev[:, dev_ids]) == 7).all()
+            assert not cupy.asnumpy(dev[:, [i for i in range(2 * n) if i not in dev_ids]]).any()
+    finally:
+        capi.set_option("rows_d2h_min_bytes", saved)
 
 
 @pytest.mark.parametrize(
