@@ -247,7 +247,7 @@ class SizeBench:
                     used |= capi.last_path()
                 return used
         elif api == "layer_groups":
-            events = [e.ptr for e in self.events]
+            events = ops.HandleArray([e.ptr for e in self.events])  # converted once, as the worker's are
 
             def run() -> int:
                 used = 0

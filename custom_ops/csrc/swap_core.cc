@@ -62,9 +62,9 @@ const OptionSpec kSpecs[kNumOptions] = {
     {"dma_rows_min_lanes", "", 16, 1, 1 << 20, false},
     // Auto keeps device-to-host copies at one pitch on DMA rows only from this row width;
     // narrower rows go staged where the call is large enough (swap_cuda.cu, ExecuteCuda).
-    // 256 KiB: 128 KiB rows wrote host memory at 0.927-0.942 of the link where staged moved
-    // 0.961-0.973, 256 KiB rows 0.950-0.967 against 0.962-0.964, 512 KiB rows won
-    // (docs/benchmarks.md, "Seventh pass").  Read with GetOption.
+    // 256 KiB: 128 KiB rows wrote host memory at 0.927-0.944 of the link where staged moved
+    // 0.961-0.985, 256 KiB rows 0.950-0.967 against 0.962-0.964, 512 KiB rows as fast
+    // (docs/ops.md, "auto"; docs/benchmarks.md, "Seventh pass").  Read with GetOption.
     {"rows_d2h_min_bytes", "", 256 << 10, 0, kInt64Max, false},
     // A layer stack's groups after the first go to the copy engines in spans of at least
     // this many bytes (one DMA batch, or one staged chunk boundary, per span; every group's
@@ -623,8 +623,8 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
       if (g == fail_group) throw CudaFailure("injected failure (option stack_fail_group)");
       // The span [g, end): one group, or, once the first group went as a plain DMA batch,
       // the groups after it until the span holds stack_span_min_bytes (within the budget,
-      // short of an injected failure), as one DMA batch: each batch call costs the link
-      // ~2.5 us, a tenth of a 1 MiB layer's copy.  Every group's event follows its span.
+      // short of an injected failure), as one DMA batch (option stack_span_min_bytes says
+      // why).  Every group's event follows its span.
       int64_t end = g + 1;
       if (job.span_batches) {
         int64_t bytes = job.GroupBytes(g);

@@ -741,8 +741,8 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
   for (int64_t g = 1; g <= num_groups; ++g) {
     const int64_t end = g == num_groups ? plan.total : n * plan.lanes[static_cast<size_t>(g * group_size)].boff;
     marks.ends.push_back(end);
-    // A chunk ends at each span's end (stack_span_min_bytes): a chunk per group cost each
-    // group a DMA batch call (~2.5 us of link time) and a scatter launch.
+    // A chunk ends at each span's end (option stack_span_min_bytes), not at every group's:
+    // each chunk costs a DMA batch call and a scatter launch.
     const int64_t span_start = marks.cuts.empty() ? 0 : marks.cuts.back();
     if (g == num_groups || end - span_start >= span_min_bytes || (g == 1 && first_alone)) marks.cuts.push_back(end);
   }
