@@ -62,6 +62,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--reps", type=int, default=11)
+    p.add_argument("--matmul-n", type=int, default=0,
+                   help="size n of one layer's n x n fp16 matmul; 0 (default) calibrates it in the run so a "
+                        "layer's compute takes about as long as its load. Fix it (the matmul_n of an earlier run) "
+                        "to compare two builds: the calibration follows the run's first timed loads, which vary "
+                        "with the machine's state")
     p.add_argument("--copy-paths", default="auto", help="comma list of copy paths to run: auto,kernel,dma,staged")
     p.add_argument("--host-ids", default="runs", choices=["runs", "scattered"],
                    help="host block ids of loads and evictions: 'runs' (consecutive per step, as the block "
@@ -82,7 +87,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sm-check", action="store_true",
                    help="only run the SM-sharing check: cuBLAS GEMMs and elementwise kernels, alone and "
                         "while device->host copies run through the copy kernel or the DMA batch")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.matmul_n < 0:
+        p.error(f"--matmul-n must be >= 0 (0: calibrate), got {args.matmul_n}")
+    return args
 
 
 def _skip_reason() -> "str | None":
@@ -318,13 +326,13 @@ def main() -> int:
             return cp.cuda.get_elapsed_time(s, e) / 1e3 / 10
 
         lo, hi = 256, 16384
-        while hi - lo > 64:
+        while not args.matmul_n and hi - lo > 64:
             mid = (lo + hi) // 2 // 64 * 64
             if matmul_time(mid) < per_layer_load:
                 lo = mid
             else:
                 hi = mid
-        n = hi
+        n = args.matmul_n or hi
         mats = [cp.ones((n, n), dtype=cp.float16) * 0.001 for _ in range(2)]
         out = cp.empty((n, n), dtype=cp.float16)
 
