@@ -66,11 +66,11 @@ const OptionSpec kSpecs[kNumOptions] = {
     // 0.961-0.985, 256 KiB rows 0.950-0.967 against 0.962-0.964, 512 KiB rows as fast
     // (docs/ops.md, "auto"; docs/benchmarks.md, "Seventh pass").  Read with GetOption.
     {"rows_d2h_min_bytes", "", 256 << 10, 0, kInt64Max, false},
-    // A layer stack's groups after the first go to the copy engines in spans of at least
-    // this many bytes (one DMA batch, or one staged chunk boundary, per span; every group's
-    // event follows its span): each batch call costs the link ~2.5 us (a layer of 4 MiB per
-    // call moved 0.96 of the link, 16 MiB 0.99; docs/benchmarks.md, "Seventh pass").
-    // 0: a span per group.  Read with GetOption.
+    // A layer stack's groups go in spans of at least this many bytes (one DMA batch or one
+    // copy-kernel launch, or one staged chunk boundary, per span; every group's event
+    // follows its span): each batch call costs the link ~2.5 us (a layer of 4 MiB per call
+    // moved 0.96 of the link, 16 MiB 0.99; docs/ops.md, "Spans"; docs/benchmarks.md,
+    // "Seventh pass").  0: a span per group.  Read with GetOption.
     {"stack_span_min_bytes", "", 8 << 20, 0, kInt64Max, false},
     // Tests only: a layer stack (SwapLayerGroups, LaunchLayerStack) fails as a CUDA failure
     // would when it reaches this group (-1: never), so the failure path of an asynchronous
@@ -621,12 +621,13 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
 #endif
       if (budget <= 0) break;
       if (g == fail_group) throw CudaFailure("injected failure (option stack_fail_group)");
-      // The span [g, end): one group, or, once the first group went as a plain DMA batch,
-      // the groups after it until the span holds stack_span_min_bytes (within the budget,
-      // short of an injected failure), as one DMA batch (option stack_span_min_bytes says
-      // why).  Every group's event follows its span.
+      // The span [g, end): one group, or, once a group on the call's own path went as a
+      // plain DMA batch or one copy-kernel launch, the groups after it until the span holds
+      // stack_span_min_bytes (within the budget, short of an injected failure), as one
+      // batch or one launch (option stack_span_min_bytes says why).  Every group's event
+      // follows its span.
       int64_t end = g + 1;
-      if (job.span_batches) {
+      if (job.span_path != kCopyProcess) {
         int64_t bytes = job.GroupBytes(g);
         while (end < num_groups && bytes < span_min_bytes && end - g < budget && end != fail_group) {
           bytes += job.GroupBytes(end);
@@ -639,17 +640,23 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
       // Groups ahead of a staged rest take the copy kernel: one launch, where the per-call
       // rule would build a staged plan (or a DMA batch of a copy per block) for them; the
       // SMs are free then, since the forward pass waits for the first layer.  (A rest that
-      // did not stage after all goes on the call's own path.)  A span of several groups is
-      // the DMA batch its first group took, never 2D rows.
-      each.copy_path = job.may_stage ? static_cast<int>(kCopyKernel)
-                                     : (end - g > 1 ? static_cast<int>(kCopyDma) : job.target.copy_path);
+      // did not stage after all goes on the call's own path.)  A span of several groups
+      // takes the path the deciding group took, never 2D rows.
+      const bool ahead_of_staged_rest = job.may_stage;
+      each.copy_path = ahead_of_staged_rest ? static_cast<int>(kCopyKernel)
+                                            : (end - g > 1 ? job.span_path : job.target.copy_path);
       each.rows = end - g == 1;
       Execute(span, IdSpan{job.mode == kDeviceToHost ? job.src_ids.data() : job.dst_ids.data(), n, "dev_ids"},
               IdSpan{job.mode == kDeviceToHost ? job.dst_ids.data() : job.src_ids.data(), n, "host_ids"}, job.mode,
               each);
       job.paths |= t_last_path;
-      // Spans only where a group goes as a plain DMA batch (not rows, staged or the kernel).
-      if (g == 0 && !job.may_stage) job.span_batches = t_last_path == kPathDma && span_min_bytes > 0;
+      // The first group on the call's own path decides: spans where it went as a plain DMA
+      // batch or one kernel launch (not rows, staged, or memcpys per run).
+      if (!job.span_decided && !ahead_of_staged_rest) {
+        job.span_decided = true;
+        if (span_min_bytes > 0 && t_last_path == kPathDma) job.span_path = kCopyDma;
+        if (span_min_bytes > 0 && t_last_path == kPathKernel) job.span_path = kCopyKernel;
+      }
       for (int64_t k = g; k < end; ++k) group_done(k, stream);
       job.next_group = end;
       budget -= end - g;

@@ -371,9 +371,11 @@ struct StackJob {
   // the ones before it go group by group (option staged_stack_from_group).
   bool may_stage = false;
   int64_t staged_from = 1;
-  // Whether the groups after the first go in spans of several groups (RunStackJob): set
-  // once the first group went as a plain DMA batch.
-  bool span_batches = false;
+  // The path of a span of several groups (RunStackJob): kCopyDma or kCopyKernel, the path
+  // the first group on the call's own path took (span_decided once it ran); kCopyProcess:
+  // a span per group.
+  int span_path = kCopyProcess;
+  bool span_decided = false;
   bool started = false;    // fences before the groups enqueued
   int64_t next_group = 0;  // groups enqueued so far
   int paths = 0;

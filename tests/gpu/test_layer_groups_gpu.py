@@ -184,31 +184,47 @@ def test_a_rest_too_small_to_stage_goes_on_the_calls_own_path(cupy, capi, pinned
         np.testing.assert_array_equal(cupy.asnumpy(d)[dev_ids], h)
 
 
-@pytest.mark.parametrize(
-    "path,block_bytes,n,span_min_bytes",
-    [
-        ("dma", 128 << 10, 8, 0),        # 2 MiB per group, a DMA batch per group
-        ("dma", 128 << 10, 8, 6 << 20),  # spans [1, 3], [4, 6], [7]
-        ("dma", 128 << 10, 8, None),     # the default (8 MiB): [1, 4], [5, 7]
-        ("auto", 16 << 10, 128, 0),      # 4 MiB per group: kernel group 0, a staged rest chunked per group
-        ("auto", 16 << 10, 128, None),   # the staged rest chunked at span ends: [1, 2], [3, 4], [5, 6], [7]
-    ],
-)
+# (path, block bytes, blocks, host ids, stack_span_min_bytes (None: the default, 8 MiB), the
+# spans after group 0 whose events complete together (None: not timed), the path bits)
+SPAN_CASES = {
+    "dma_per_group": ("dma", 128 << 10, 8, "run", 0, [[g] for g in range(1, 8)], ops.PATH_DMA),
+    "dma_6MiB": ("dma", 128 << 10, 8, "run", 6 << 20, [[1, 2, 3], [4, 5, 6], [7]], ops.PATH_DMA),
+    "dma_default": ("dma", 128 << 10, 8, "run", None, [[1, 2, 3, 4], [5, 6, 7]], ops.PATH_DMA),
+    "kernel_per_group": ("kernel", 16 << 10, 64, "run", 0, [[g] for g in range(1, 8)], ops.PATH_KERNEL),
+    "kernel_default": ("kernel", 16 << 10, 64, "run", None, [[1, 2, 3, 4], [5, 6, 7]], ops.PATH_KERNEL),
+    # auto, fully scattered host ids, 32 MiB: a load's group 0 takes the kernel ahead of a
+    # rest that may stage; the rest cannot (no host runs), so group 1 goes alone on auto's
+    # own path (the kernel) and decides the spans after it.  A device-to-host stack tries
+    # to stage from group 0, which then decides.
+    "auto_scattered": ("auto", 16 << 10, 128, "scattered", None,
+                       {ops.MODE_H2D: [[2, 3], [4, 5], [6, 7]], ops.MODE_D2H: [[1, 2], [3, 4], [5, 6], [7]]},
+                       ops.PATH_KERNEL),
+    "staged_per_group": ("auto", 16 << 10, 128, "run", 0, None, None),  # a staged rest chunked per group
+    "staged_default": ("auto", 16 << 10, 128, "run", None, None, None),  # chunks cut at span ends
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPAN_CASES))
 @pytest.mark.parametrize("mode", [ops.MODE_H2D, ops.MODE_D2H])
-def test_small_groups_go_in_spans_and_each_event_covers_its_group(cupy, capi, pinned, cuda_stream, path, block_bytes,
-                                                                  n, span_min_bytes, mode) -> None:
-    """Groups after the first go to the copy engines in spans of >= stack_span_min_bytes
-    (one DMA batch, or on the staged path one chunk boundary, per span).  Every group's
-    event still covers that group: a reader stream that waits on event g sees all of group
-    g's blocks, for every g.  On the DMA path the events of one span complete together and
-    the next span's come a copy later, where a span per group spaces every event out."""
+def test_small_groups_go_in_spans_and_each_event_covers_its_group(cupy, capi, pinned, cuda_stream, case,
+                                                                  mode) -> None:
+    """Groups go in spans of >= stack_span_min_bytes once a group on the call's own path went
+    as one DMA batch or one copy-kernel launch (one batch or launch per span), and on the
+    staged path with one chunk boundary per span.  Every group's event still covers that
+    group: a reader stream that waits on event g sees all of group g's blocks, for every g.
+    On the DMA and kernel paths the events of one span complete together and the next
+    span's come a copy later, where a span per group spaces every event out."""
+    path, block_bytes, n, host_pattern, span_min_bytes, spans, want_path = SPAN_CASES[case]
+    if isinstance(spans, dict):
+        spans = spans[mode]
     layers = 8
     rng = np.random.default_rng(n + mode)
     num_dev = 2 * n
+    num_host = 4 * n if host_pattern == "scattered" else n
     devs = [cupy.asarray(rng.integers(0, 256, (num_dev, block_bytes), dtype=np.uint8)) for _ in range(layers * GROUP)]
-    hosts = [pinned(n * block_bytes).reshape(n, block_bytes) for _ in range(layers * GROUP)]
+    hosts = [pinned(num_host * block_bytes).reshape(num_host, block_bytes) for _ in range(layers * GROUP)]
     dev_ids = rng.permutation(num_dev)[:n].tolist()
-    host_ids = list(range(n))
+    host_ids = rng.permutation(num_host)[:n].tolist() if host_pattern == "scattered" else list(range(n))
     want = [expected_after_swap(cupy.asnumpy(d), h, dev_ids, host_ids, mode) for d, h in zip(devs, hosts)]
     saved = capi.get_option("stack_span_min_bytes")
     assert saved == 8 << 20  # the default
@@ -220,19 +236,17 @@ def test_small_groups_go_in_spans_and_each_event_covers_its_group(cupy, capi, pi
         start = cupy.cuda.Event(block=False, disable_timing=False)
         start.record(stream)
         capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, num_dev,
-                               block_bytes, n, dev_ids, host_ids, mode, stream=stream.ptr,
+                               block_bytes, num_host, dev_ids, host_ids, mode, stream=stream.ptr,
                                events=[e.ptr for e in events], path=path)
         used = capi.last_path()
         readers = []
         for g in range(layers):  # each group's bytes as seen behind its own event
             reader = cuda_stream()
             reader.wait_event(events[g])
-            with reader:
-                if mode == ops.MODE_H2D:
+            if mode == ops.MODE_H2D:
+                with reader:
                     readers.append([devs[t][dev_ids].copy() for t in range(g * GROUP, (g + 1) * GROUP)])
-                else:
-                    readers.append(None)
-            if mode == ops.MODE_D2H:
+            else:
                 reader.synchronize()  # event g done: group g's host blocks are written
                 for t in range(g * GROUP, (g + 1) * GROUP):
                     np.testing.assert_array_equal(hosts[t], want[t][1], err_msg=f"group {g} behind its event")
@@ -247,17 +261,15 @@ def test_small_groups_go_in_spans_and_each_event_covers_its_group(cupy, capi, pi
     for d, h, (want_dev, want_host) in zip(devs, hosts, want):
         np.testing.assert_array_equal(cupy.asnumpy(d), want_dev)
         np.testing.assert_array_equal(h, want_host)
-    if path == "dma":
-        assert used == ops.PATH_DMA
-        times = [cupy.cuda.get_elapsed_time(start, e) * 1e3 for e in events]  # us
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        copy_us = n * GROUP * block_bytes / 60e3  # one group's copy at >= 60 GB/s would take this long
-        spans = {0: [[1], [2], [3], [4], [5], [6], [7]], 6 << 20: [[1, 2, 3], [4, 5, 6], [7]],
-                 None: [[1, 2, 3, 4], [5, 6, 7]]}[span_min_bytes]
-        for span in spans:
-            for a, b in zip(span, span[1:]):
-                assert gaps[a] < copy_us / 4, (span, times)  # one span: complete together
-            if span[-1] < layers - 1:
-                assert gaps[span[-1]] > copy_us / 2, (span, times)  # the next span comes a copy later
-    else:
-        assert used == ops.PATH_KERNEL | ops.PATH_STAGED if mode == ops.MODE_H2D else used == ops.PATH_STAGED
+    if want_path is None:  # the staged stack: group 0 on the kernel ahead of the rest when loading
+        assert used == (ops.PATH_KERNEL | ops.PATH_STAGED if mode == ops.MODE_H2D else ops.PATH_STAGED)
+        return
+    assert used == want_path, f"last_path()={used}"
+    times = [cupy.cuda.get_elapsed_time(start, e) * 1e3 for e in events]  # us
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    copy_us = n * GROUP * block_bytes / 60e3  # one group's copy at >= 60 GB/s would take this long
+    for span in spans:
+        for a, b in zip(span, span[1:]):
+            assert gaps[a] < copy_us / 4, (span, times)  # one span: complete together
+        if span[-1] < layers - 1:
+            assert gaps[span[-1]] > copy_us / 2, (span, times)  # the next span comes a copy later
