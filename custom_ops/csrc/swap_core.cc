@@ -600,6 +600,8 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
     int64_t span_min_bytes = 0;
     GetOption("stack_span_min_bytes", &span_min_bytes);
     ExecTarget each = job.target;
+    const IdSpan dev_span{job.mode == kDeviceToHost ? job.src_ids.data() : job.dst_ids.data(), n, "dev_ids"};
+    const IdSpan host_span{job.mode == kDeviceToHost ? job.dst_ids.data() : job.src_ids.data(), n, "host_ids"};
     for (int64_t budget = max_groups; job.next_group < num_groups;) {
       const int64_t g = job.next_group;
 #if FDKV_WITH_CUDA
@@ -646,9 +648,7 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
       each.copy_path = ahead_of_staged_rest ? static_cast<int>(kCopyKernel)
                                             : (end - g > 1 ? job.span_path : job.target.copy_path);
       each.rows = end - g == 1;
-      Execute(span, IdSpan{job.mode == kDeviceToHost ? job.src_ids.data() : job.dst_ids.data(), n, "dev_ids"},
-              IdSpan{job.mode == kDeviceToHost ? job.dst_ids.data() : job.src_ids.data(), n, "host_ids"}, job.mode,
-              each);
+      Execute(span, dev_span, host_span, job.mode, each);
       job.paths |= t_last_path;
       // The first group on the call's own path decides: spans where it went as a plain DMA
       // batch or one kernel launch (not rows, staged, or memcpys per run).

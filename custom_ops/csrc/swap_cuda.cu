@@ -725,13 +725,15 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
       !DmaBatchAvailable(stream)) {
     return 0;
   }
+  thread_local staged::HostOrder host_order;
+  staged::SortHostIds(staged::HostIdsOf(src_ids, dst_ids, mode), n, &host_order);
   if (path == kCopyAuto &&
-      !StagedRuleHolds(total_bytes, avg_copy_bytes, staged::CountSegments(lanes, src_ids, dst_ids, n, mode), opts,
+      !StagedRuleHolds(total_bytes, avg_copy_bytes, staged::CountSegments(lanes, host_order, n, mode), opts,
                        INT64_MAX)) {
     return 0;  // decided before the plan is built
   }
   thread_local staged::Plan plan;
-  staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, &plan);
+  staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, host_order, &plan);
   if (plan.geo.block_major) return 0;
   if (!HostSideIsPinned(lanes, mode)) return 0;
   staged::GroupMarks marks;
@@ -797,11 +799,14 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   if (path == kCopyAuto && !may_stage) path = avg_copy_bytes >= opts.dma_min_bytes ? kCopyDma : kCopyKernel;
   if (may_stage) {
     // Auto decides on the plan's segment count: a plan it would turn down is never built.
+    // The host ids are sorted once, for the count and the plan.
+    thread_local staged::HostOrder host_order;
+    staged::SortHostIds(staged::HostIdsOf(src_ids, dst_ids, mode), n, &host_order);
     const bool stage =
         path == kCopyStaged || StagedRuleHolds(total_bytes, avg_copy_bytes,
-                                               staged::CountSegments(lanes, src_ids, dst_ids, n, mode), opts,
+                                               staged::CountSegments(lanes, host_order, n, mode), opts,
                                                kStagedMinLargeCopyCallBytes);
-    if (stage) staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, &plan);
+    if (stage) staged::BuildPlan(lanes, src_ids, dst_ids, n, mode, host_order, &plan);
     if (path == kCopyAuto) {
       // NOTE: larger copies go staged once a call is all-layer sized (>= 64 MiB): the DMA
       // batch pays ~0.5-1 us of host time per copy (a 128 KiB all-layer call: 1.1-1.5 ms

@@ -308,26 +308,36 @@ bool HostIsBlockMajor(const std::vector<LaneDesc>& lanes, bool d2h) {
   return true;
 }
 
-// The pairs in host-id order (`order`, stable) and the runs of consecutive host ids in that
-// order as (first k, length).
-void SortedHostRuns(const int64_t* host_ids, int64_t n, std::vector<int64_t>* order,
-                    std::vector<std::pair<int64_t, int64_t>>* runs) {
-  order->resize(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) (*order)[static_cast<size_t>(i)] = i;
+// A call's pairs in host-id order (`order`, stable) and the runs of consecutive host ids
+// in that order as (first k, length).  Made once per call (SortHostIds) and read by both
+// auto's segment count and the plan, which used to sort the ids once each.
+struct HostOrder {
+  std::vector<int64_t> order;
+  std::vector<std::pair<int64_t, int64_t>> runs;
+};
+
+// The host side's ids of (src_ids, dst_ids) in `mode`.
+inline const int64_t* HostIdsOf(const int64_t* src_ids, const int64_t* dst_ids, int mode) {
+  return mode == kDeviceToHost ? dst_ids : src_ids;
+}
+
+void SortHostIds(const int64_t* host_ids, int64_t n, HostOrder* out) {
+  std::vector<int64_t>& order = out->order;
+  order.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
   bool sorted = true;
   for (int64_t i = 1; i < n && sorted; ++i) sorted = host_ids[i - 1] <= host_ids[i];
   if (!sorted) {
-    std::stable_sort(order->begin(), order->end(),
-                     [host_ids](int64_t a, int64_t b) { return host_ids[a] < host_ids[b]; });
+    std::stable_sort(order.begin(), order.end(), [host_ids](int64_t a, int64_t b) { return host_ids[a] < host_ids[b]; });
   }
-  runs->clear();
+  out->runs.clear();
   int64_t prev = 0;
   for (int64_t k = 0; k < n; ++k) {
-    const int64_t h = host_ids[(*order)[static_cast<size_t>(k)]];
-    if (!runs->empty() && prev + 1 == h) {
-      ++runs->back().second;
+    const int64_t h = host_ids[order[static_cast<size_t>(k)]];
+    if (!out->runs.empty() && prev + 1 == h) {
+      ++out->runs.back().second;
     } else {
-      runs->emplace_back(k, 1);
+      out->runs.emplace_back(k, 1);
     }
     prev = h;
   }
@@ -337,13 +347,9 @@ void SortedHostRuns(const int64_t* host_ids, int64_t n, std::vector<int64_t>* or
 // auto's staged rule needs only the count, and a call it turns down (fully scattered host
 // ids: a segment per block per lane) spent ~0.1-0.2 ms of its submit building the segments
 // of a plan it then dropped (docs/benchmarks.md, "Sixth pass").
-int64_t CountSegments(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
-                      int64_t n, int mode) {
+int64_t CountSegments(const std::vector<LaneDesc>& lanes, const HostOrder& host_order, int64_t n, int mode) {
   const bool d2h = mode == kDeviceToHost;
-  thread_local std::vector<int64_t> order;
-  thread_local std::vector<std::pair<int64_t, int64_t>> runs;
-  SortedHostRuns(d2h ? dst_ids : src_ids, n, &order, &runs);
-  const int64_t num_runs = static_cast<int64_t>(runs.size());
+  const int64_t num_runs = static_cast<int64_t>(host_order.runs.size());
   if (HostIsBlockMajor(lanes, d2h)) return num_runs;
   int64_t segs = 0;
   for (const LaneDesc& d : lanes) segs += HostStride(d, d2h) == d.bytes ? num_runs : n;
@@ -352,14 +358,14 @@ int64_t CountSegments(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
 
 // Builds the plan: sorts pairs by host id (longest runs), finds the host runs and the
 // contiguous host segments.  Lanes use the device side as "dev" and the host side as host.
+// `host_order`: SortHostIds of these pairs' host ids.
 void BuildPlan(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids, int64_t n,
-               int mode, Plan* plan) {
+               int mode, const HostOrder& host_order, Plan* plan) {
   const bool d2h = mode == kDeviceToHost;
   const int64_t* dev_ids = d2h ? src_ids : dst_ids;
   const int64_t* host_ids = d2h ? dst_ids : src_ids;
-  thread_local std::vector<int64_t> order;
-  thread_local std::vector<std::pair<int64_t, int64_t>> runs;
-  SortedHostRuns(host_ids, n, &order, &runs);
+  const std::vector<int64_t>& order = host_order.order;
+  const std::vector<std::pair<int64_t, int64_t>>& runs = host_order.runs;
   plan->dev_ids.resize(static_cast<size_t>(n));
   for (int64_t k = 0; k < n; ++k) plan->dev_ids[static_cast<size_t>(k)] = dev_ids[order[static_cast<size_t>(k)]];
 
