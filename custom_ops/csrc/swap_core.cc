@@ -320,8 +320,7 @@ void Execute(const std::vector<LaneDesc>& lanes, IdSpan dev_ids, IdSpan host_ids
   if (n > 0) {
     if (target.cuda) {
 #if FDKV_WITH_CUDA
-      t_last_path = ExecuteCuda(lanes, src_ids, dst_ids, n, LanesMergeable(lanes), mode, target.stream,
-                                target.copy_path, target.ramp, target.rows);
+      t_last_path = ExecuteCuda(lanes, src_ids, dst_ids, n, LanesMergeable(lanes), mode, target);
 #else
       throw CudaFailure("fdkv: CUDA execution requested but the library was built without CUDA");
 #endif
@@ -602,6 +601,9 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
     ExecTarget each = job.target;
     const IdSpan dev_span{job.mode == kDeviceToHost ? job.src_ids.data() : job.dst_ids.data(), n, "dev_ids"};
     const IdSpan host_span{job.mode == kDeviceToHost ? job.dst_ids.data() : job.src_ids.data(), n, "host_ids"};
+    // Whether this part's last Execute ended with a copy kernel (ExecTarget::after_own_kernel).
+    // Per part: between parts the stream may take other work.
+    bool last_was_kernel = false;
     for (int64_t budget = max_groups; job.next_group < num_groups;) {
       const int64_t g = job.next_group;
 #if FDKV_WITH_CUDA
@@ -648,7 +650,9 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
       each.copy_path = ahead_of_staged_rest ? static_cast<int>(kCopyKernel)
                                             : (end - g > 1 ? job.span_path : job.target.copy_path);
       each.rows = end - g == 1;
+      each.after_own_kernel = last_was_kernel;
       Execute(span, dev_span, host_span, job.mode, each);
+      last_was_kernel = (t_last_path & kPathKernel) != 0;
       job.paths |= t_last_path;
       // The first group on the call's own path decides: spans where it went as a plain DMA
       // batch or one kernel launch (not rows, staged, or memcpys per run).

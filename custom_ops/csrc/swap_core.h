@@ -101,6 +101,11 @@ struct ExecTarget {
   // per lane (a layer stack's span of several groups, RunStackJob: a few lanes per group,
   // where rows are slower than the batch).
   bool rows = true;
+  // The stream's last work before this call is a copy kernel of the same layer stack (with
+  // only group events recorded after it), whose bytes this call does not touch: a copy
+  // kernel launched here may start while that one drains (programmatic dependent launch,
+  // sm_90).  Set by RunStackJob for a span that follows a span on the kernel.
+  bool after_own_kernel = false;
 };
 
 // Throws InvalidArgument ("<op>: path = <v> must be ...") unless -1 <= copy_path <= 3.
@@ -405,12 +410,10 @@ void ValidateIds(const char* op, IdSpan dev_ids, int64_t num_dev_blocks, IdSpan 
 #if FDKV_WITH_CUDA
 // Run a planned copy on a CUDA stream (swap_cuda.cu).  `mergeable` says whether a run of
 // consecutive ids is contiguous on both sides for every lane (false for the layout op).
-// `copy_path` is the call's CopyPath (kCopyProcess: the process-wide option); `ramp`
-// (ExecTarget::ramp) starts a DMA batch with small slices; `rows` (ExecTarget::rows) lets
-// the DMA path go as 2D rows.
+// The target's stream, copy_path, ramp, rows and after_own_kernel say where and how
+// (ExecTarget).
 int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids,
-                const int64_t* dst_ids, int64_t n, bool mergeable, int mode, void* stream,
-                int copy_path, bool ramp = false, bool rows = true);
+                const int64_t* dst_ids, int64_t n, bool mergeable, int mode, const ExecTarget& target);
 void CudaHostAlloc(void** ptr, size_t nbytes, unsigned flags);
 void CudaHostFree(void* ptr);
 void CudaStreamSynchronize(void* stream);

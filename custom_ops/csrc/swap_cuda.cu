@@ -151,6 +151,15 @@ struct ItemCursor {
   }
 };
 
+// griddepcontrol.launch_dependents: a kernel launched after this one with programmatic
+// stream serialization may start once every thread of this grid has called it or exited.
+// A no-op before sm_90 and for launches without dependents.
+__device__ __forceinline__ void TriggerDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <typename V, int kVariant>
 __global__ void __launch_bounds__(kThreads)
 SwapCopyKernel(const KLane* __restrict__ lanes, int num_lanes, const int64_t* __restrict__ src_ids,
@@ -160,6 +169,10 @@ SwapCopyKernel(const KLane* __restrict__ lanes, int num_lanes, const int64_t* __
   const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   ItemCursor<kChunkBytes> cursor(lanes, num_lanes, n);
   for (int64_t g = warp; g < total_items; g += num_warps) {
+    // At its last item a thread lets a dependent launch begin (LaunchWarpKernel's
+    // `overlap`): once every thread has, the next span's kernel fills the link while this
+    // one's last items drain.
+    if (g + num_warps >= total_items) TriggerDependentLaunch();
     const char* s;
     char* d;
     int64_t len;
@@ -363,34 +376,68 @@ ScratchRing& RingForCurrentDevice() {
 size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 // ------------------------------------------------------------------------ launchers
-bool TmaSupportedOnCurrentDevice() {
-  static int cached[64] = {};  // 0 unknown, 1 yes, 2 no
+// What the current device supports, worked out once per device: the bulk-copy (TMA)
+// kernel and programmatic dependent launch both need sm_90.
+struct DeviceFeatures {
+  bool tma = false;
+  bool programmatic_launch = false;
+};
+
+const DeviceFeatures& FeaturesOfCurrentDevice() {
+  static DeviceFeatures features[64];
+  static bool known[64] = {};
+  static std::mutex mu;
   int dev = 0;
   FDKV_CUDA_CHECK(cudaGetDevice(&dev));
-  int& c = cached[dev & 63];
-  if (c == 0) {
+  std::lock_guard<std::mutex> lock(mu);
+  DeviceFeatures& f = features[dev & 63];
+  if (!known[dev & 63]) {
     int major = 0;
     FDKV_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    bool ok = major >= 9;
-    if (ok) {
-      ok = cudaFuncSetAttribute(SwapCopyKernelTma, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmemBytes) ==
-           cudaSuccess;
+    f.programmatic_launch = major >= 9;
+    if (major >= 9) {
+      f.tma = cudaFuncSetAttribute(SwapCopyKernelTma, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmemBytes) ==
+              cudaSuccess;
       (void)cudaGetLastError();
     }
-    c = ok ? 1 : 2;
+    known[dev & 63] = true;
   }
-  return c == 1;
+  return f;
+}
+
+// `overlap`: launch with programmatic stream serialization, so the grid may start while
+// the kernel ahead of it on the stream drains its last items (it triggers at its last
+// item, TriggerDependentLaunch).  The grid never waits for that kernel's results
+// (cudaGridDependencySynchronize): the caller vouches that it touches none of its bytes
+// (ExecTarget::after_own_kernel).  Work queued after this grid still follows both.
+template <typename V, int kVariant>
+void LaunchWarpKernelAs(int grid, cudaStream_t stream, bool overlap, const KLane* d_lanes, int nl,
+                        const int64_t* d_src, const int64_t* d_dst, int64_t n, int64_t items) {
+  if (!overlap) {
+    SwapCopyKernel<V, kVariant><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, items);
+    return;
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  FDKV_CUDA_CHECK(cudaLaunchKernelEx(&config, SwapCopyKernel<V, kVariant>, d_lanes, nl, d_src, d_dst, n, items));
 }
 
 template <int kVariant>
-void LaunchWarpKernel(int width, int grid, cudaStream_t stream, const KLane* d_lanes, int nl,
+void LaunchWarpKernel(int width, int grid, cudaStream_t stream, bool overlap, const KLane* d_lanes, int nl,
                       const int64_t* d_src, const int64_t* d_dst, int64_t n, int64_t items) {
   switch (width) {
-    case 16: SwapCopyKernel<int4, kVariant><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, items); break;
-    case 8: SwapCopyKernel<long long, kVariant><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, items); break;
-    case 4: SwapCopyKernel<int, kVariant><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, items); break;
-    case 2: SwapCopyKernel<short, kVariant><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, items); break;
-    default: SwapCopyKernel<char, kVariant><<<grid, kThreads, 0, stream>>>(d_lanes, nl, d_src, d_dst, n, items); break;
+    case 16: LaunchWarpKernelAs<int4, kVariant>(grid, stream, overlap, d_lanes, nl, d_src, d_dst, n, items); break;
+    case 8: LaunchWarpKernelAs<long long, kVariant>(grid, stream, overlap, d_lanes, nl, d_src, d_dst, n, items); break;
+    case 4: LaunchWarpKernelAs<int, kVariant>(grid, stream, overlap, d_lanes, nl, d_src, d_dst, n, items); break;
+    case 2: LaunchWarpKernelAs<short, kVariant>(grid, stream, overlap, d_lanes, nl, d_src, d_dst, n, items); break;
+    default: LaunchWarpKernelAs<char, kVariant>(grid, stream, overlap, d_lanes, nl, d_src, d_dst, n, items); break;
   }
 }
 
@@ -401,14 +448,15 @@ int64_t CountItems(const std::vector<LaneDesc>& lanes, int64_t n, int64_t chunk)
 }
 
 void LaunchKernel(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
-                  int64_t n, cudaStream_t stream, int64_t grid_cap, int64_t variant, bool tables_in_host) {
+                  int64_t n, cudaStream_t stream, int64_t grid_cap, int64_t variant, bool tables_in_host,
+                  bool after_own_kernel) {
   const size_t lane_bytes = AlignUp(lanes.size() * sizeof(KLane), 16);
   const size_t ids_bytes = static_cast<size_t>(n) * sizeof(int64_t);
   const size_t total = lane_bytes + 2 * AlignUp(ids_bytes, 16);
   const int width = VectorWidth(lanes);
   // NOTE: the bulk-copy variant needs 16-byte granularity and sm_90; anything else takes
   // the warp kernel, which handles every width.
-  if (variant == kBulkTma && (width != 16 || !TmaSupportedOnCurrentDevice())) variant = kWarpStreaming;
+  if (variant == kBulkTma && (width != 16 || !FeaturesOfCurrentDevice().tma)) variant = kWarpStreaming;
 
   ScratchRing& ring = RingForCurrentDevice();
   ScratchSlot* slot = ring.Acquire(total);
@@ -444,12 +492,14 @@ void LaunchKernel(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, co
       const int64_t warps_per_cta = kThreads / 32;
       const int grid = static_cast<int>(
           std::max<int64_t>(1, std::min(grid_cap, (items + warps_per_cta - 1) / warps_per_cta)));
+      // A table upload (kernel_tables 0) lands between the two kernels: no overlap then.
+      const bool overlap = after_own_kernel && tables_in_host && FeaturesOfCurrentDevice().programmatic_launch;
       if (variant == kWarpNcL2Prefetch) {
-        LaunchWarpKernel<kWarpNcL2Prefetch>(width, grid, stream, d_lanes, nl, d_src, d_dst, n, items);
+        LaunchWarpKernel<kWarpNcL2Prefetch>(width, grid, stream, overlap, d_lanes, nl, d_src, d_dst, n, items);
       } else if (variant == kWarpDefault) {
-        LaunchWarpKernel<kWarpDefault>(width, grid, stream, d_lanes, nl, d_src, d_dst, n, items);
+        LaunchWarpKernel<kWarpDefault>(width, grid, stream, overlap, d_lanes, nl, d_src, d_dst, n, items);
       } else {
-        LaunchWarpKernel<kWarpStreaming>(width, grid, stream, d_lanes, nl, d_src, d_dst, n, items);
+        LaunchWarpKernel<kWarpStreaming>(width, grid, stream, overlap, d_lanes, nl, d_src, d_dst, n, items);
       }
     }
     FDKV_CUDA_CHECK(cudaGetLastError());
@@ -754,8 +804,10 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
 
 // ------------------------------------------------------------------------ planning
 int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
-                int64_t n, bool mergeable, int mode, void* stream_ptr, int copy_path, bool ramp, bool rows) {
-  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+                int64_t n, bool mergeable, int mode, const ExecTarget& target) {
+  cudaStream_t stream = static_cast<cudaStream_t>(target.stream);
+  const bool ramp = target.ramp;
+  const bool rows = target.rows;
   const Options opts = GetOptions();
 
   // Runs of consecutive ids: one copy each when every lane is contiguous across blocks.
@@ -774,7 +826,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   const int64_t avg_copy_bytes = total_bytes / std::max<int64_t>(1, num_copies);
 
   // The call's own path wins over the process-wide option (see ExecTarget::copy_path).
-  int64_t path = ResolveCopyPath(copy_path, opts);
+  int64_t path = ResolveCopyPath(target.copy_path, opts);
   // Whether the DMA path (auto's or a forced one) can go as rows; worked out once.
   int64_t row_src_pitch = 0, row_dst_pitch = 0;
   const bool at_one_pitch =
@@ -874,7 +926,8 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   }
   if (!k_src.empty()) {
     LaunchKernel(lanes, k_src.data(), k_dst.data(), static_cast<int64_t>(k_src.size()), stream,
-                 opts.copy_grid, opts.copy_kernel, opts.kernel_tables != 0);
+                 opts.copy_grid, opts.copy_kernel, opts.kernel_tables != 0,
+                 target.after_own_kernel && used == 0);
     used |= kPathKernel;
   }
   return used;

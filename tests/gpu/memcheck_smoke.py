@@ -40,6 +40,22 @@ def main() -> int:
                                  0, stream=stream, sync=True)
             capi.swap_layout([dev.data.ptr], num_dev, bb, hp, num_host, [num_dev - 1], [num_host - 1], 1,
                              stream=stream, sync=True)
+            # A layer stack: on the kernel its span after group 0 launches overlapped with
+            # group 0's kernel (programmatic dependent launch).
+            layers = [cp.asarray(rng.integers(0, 256, (num_dev, bb), dtype=np.uint8)) for _ in range(4)]
+            stack_host = [capi.host_alloc(num_host * bb) for _ in layers]
+            ptrs.extend(stack_host)
+            capi.swap_layer_groups([d.data.ptr for d in layers], stack_host, 1, num_dev, bb, num_host, d_ids, h_ids,
+                                   0, stream=stream, sync=True)
+            for d, hp_l in zip(layers, stack_host):
+                got = np.ctypeslib.as_array((ctypes.c_uint8 * (num_host * bb)).from_address(hp_l)).reshape(num_host, bb)
+                assert (got[h_ids] == cp.asnumpy(d)[d_ids]).all()
+                d[:] = 0
+            capi.swap_layer_groups([d.data.ptr for d in layers], stack_host, 1, num_dev, bb, num_host, d_ids, h_ids,
+                                   1, stream=stream, sync=True)
+            for d, hp_l in zip(layers, stack_host):
+                got = np.ctypeslib.as_array((ctypes.c_uint8 * (num_host * bb)).from_address(hp_l)).reshape(num_host, bb)
+                assert (cp.asnumpy(d)[d_ids] == got[h_ids]).all()
     cp.cuda.runtime.deviceSynchronize()
     for p in ptrs:
         capi.host_free(p)
