@@ -273,3 +273,60 @@ def test_small_groups_go_in_spans_and_each_event_covers_its_group(cupy, capi, pi
             assert gaps[a] < copy_us / 4, (span, times)  # one span: complete together
         if span[-1] < layers - 1:
             assert gaps[span[-1]] > copy_us / 2, (span, times)  # the next span comes a copy later
+
+
+@pytest.mark.parametrize("mode", [ops.MODE_H2D, ops.MODE_D2H])
+def test_overlapped_kernel_launches_keep_every_event_behind_its_group(cupy, capi, pinned, cuda_stream,
+                                                                      mode) -> None:
+    """With a span per group on the copy kernel, every launch after the first may start
+    while the one ahead of it drains (programmatic dependent launch).  Each group's event
+    must still follow all of that group's copies: over repeated stacks of fresh bytes, a
+    reader behind event g sees every block of group g, and the events complete in order."""
+    layers, n, bb = 16, 96, 16 << 10
+    rng = np.random.default_rng(11 + mode)
+    num_dev, num_host = 2 * n, 4 * n
+    devs = [cupy.empty((num_dev, bb), dtype=np.uint8) for _ in range(layers * GROUP)]
+    hosts = [pinned(num_host * bb).reshape(num_host, bb) for _ in range(layers * GROUP)]
+    saved = capi.get_option("stack_span_min_bytes")
+    capi.set_option("stack_span_min_bytes", 0)  # a launch per group: 15 overlapped launches
+    try:
+        for rep in range(8):
+            for d in devs:
+                d[:] = cupy.asarray(rng.integers(0, 256, (num_dev, bb), dtype=np.uint8))
+            for h in hosts:
+                h[:] = rng.integers(0, 256, h.shape, dtype=np.uint8)
+            dev_ids = rng.permutation(num_dev)[:n].tolist()
+            host_ids = rng.permutation(num_host)[:n].tolist()  # fully scattered: the kernel's case
+            want = [expected_after_swap(cupy.asnumpy(d), h, dev_ids, host_ids, mode) for d, h in zip(devs, hosts)]
+            stream = cuda_stream()
+            events = [cupy.cuda.Event(block=False, disable_timing=False) for _ in range(layers)]
+            start = cupy.cuda.Event(block=False, disable_timing=False)
+            start.record(stream)
+            capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, num_dev, bb,
+                                   num_host, dev_ids, host_ids, mode, stream=stream.ptr,
+                                   events=[e.ptr for e in events], path="kernel")
+            assert capi.last_path() == ops.PATH_KERNEL
+            seen = []
+            for g in range(layers):
+                if mode == ops.MODE_H2D:
+                    reader = cuda_stream()
+                    reader.wait_event(events[g])
+                    with reader:
+                        seen.append([devs[t][dev_ids].copy() for t in range(g * GROUP, (g + 1) * GROUP)])
+                else:
+                    events[g].synchronize()  # group g's host blocks are written once its event is done
+                    seen.append([hosts[t][host_ids].copy() for t in range(g * GROUP, (g + 1) * GROUP)])
+            stream.synchronize()
+            cupy.cuda.runtime.deviceSynchronize()
+            for g, got in enumerate(seen):
+                for t, a in zip(range(g * GROUP, (g + 1) * GROUP), got):
+                    if mode == ops.MODE_H2D:
+                        np.testing.assert_array_equal(cupy.asnumpy(a), want[t][0][dev_ids],
+                                                      err_msg=f"stack {rep}, group {g} behind its event")
+                    else:
+                        np.testing.assert_array_equal(a, want[t][1][host_ids],
+                                                      err_msg=f"stack {rep}, group {g} behind its event")
+            times = [cupy.cuda.get_elapsed_time(start, e) for e in events]
+            assert times == sorted(times), (rep, times)
+    finally:
+        capi.set_option("stack_span_min_bytes", saved)
