@@ -70,8 +70,10 @@ const OptionSpec kSpecs[kNumOptions] = {
     // copy-kernel launch, or one staged chunk boundary, per span; every group's event
     // follows its span): each batch call costs the link ~2.5 us (a layer of 4 MiB per call
     // moved 0.96 of the link, 16 MiB 0.99; docs/ops.md, "Spans"; docs/benchmarks.md,
-    // "Seventh pass").  0: a span per group.  Read with GetOption.
-    {"stack_span_min_bytes", "", 8 << 20, 0, kInt64Max, false},
+    // "Seventh pass").  16 MiB: a load's stack of 4 MiB layers moved ~1% more than in 8 MiB
+    // spans (0.970-0.974 against 0.961-0.965), and TTFT at 1k-2k prefixes read the same
+    // ("Eighth pass").  0: a span per group.  Read with GetOption.
+    {"stack_span_min_bytes", "", 16 << 20, 0, kInt64Max, false},
     // Tests only: a layer stack (SwapLayerGroups, LaunchLayerStack) fails as a CUDA failure
     // would when it reaches this group (-1: never), so the failure path of an asynchronous
     // launch can be exercised.  Read with GetOption.

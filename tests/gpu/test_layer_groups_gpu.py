@@ -184,19 +184,20 @@ def test_a_rest_too_small_to_stage_goes_on_the_calls_own_path(cupy, capi, pinned
         np.testing.assert_array_equal(cupy.asnumpy(d)[dev_ids], h)
 
 
-# (path, block bytes, blocks, host ids, stack_span_min_bytes (None: the default, 8 MiB), the
+# (path, block bytes, blocks, host ids, stack_span_min_bytes (None: the default, 16 MiB), the
 # spans after group 0 whose events complete together (None: not timed), the path bits)
 SPAN_CASES = {
     "dma_per_group": ("dma", 128 << 10, 8, "run", 0, [[g] for g in range(1, 8)], ops.PATH_DMA),
     "dma_6MiB": ("dma", 128 << 10, 8, "run", 6 << 20, [[1, 2, 3], [4, 5, 6], [7]], ops.PATH_DMA),
-    "dma_default": ("dma", 128 << 10, 8, "run", None, [[1, 2, 3, 4], [5, 6, 7]], ops.PATH_DMA),
+    "dma_default": ("dma", 128 << 10, 16, "run", None, [[1, 2, 3, 4], [5, 6, 7]], ops.PATH_DMA),
     "kernel_per_group": ("kernel", 16 << 10, 64, "run", 0, [[g] for g in range(1, 8)], ops.PATH_KERNEL),
-    "kernel_default": ("kernel", 16 << 10, 64, "run", None, [[1, 2, 3, 4], [5, 6, 7]], ops.PATH_KERNEL),
+    "kernel_8MiB": ("kernel", 16 << 10, 64, "run", 8 << 20, [[1, 2, 3, 4], [5, 6, 7]], ops.PATH_KERNEL),
+    "kernel_default": ("kernel", 16 << 10, 128, "run", None, [[1, 2, 3, 4], [5, 6, 7]], ops.PATH_KERNEL),
     # auto, fully scattered host ids, 32 MiB: a load's group 0 takes the kernel ahead of a
     # rest that may stage; the rest cannot (no host runs), so group 1 goes alone on auto's
     # own path (the kernel) and decides the spans after it.  A device-to-host stack tries
     # to stage from group 0, which then decides.
-    "auto_scattered": ("auto", 16 << 10, 128, "scattered", None,
+    "auto_scattered": ("auto", 16 << 10, 128, "scattered", 8 << 20,
                        {ops.MODE_H2D: [[2, 3], [4, 5], [6, 7]], ops.MODE_D2H: [[1, 2], [3, 4], [5, 6], [7]]},
                        ops.PATH_KERNEL),
     "staged_per_group": ("auto", 16 << 10, 128, "run", 0, None, None),  # a staged rest chunked per group
@@ -227,7 +228,7 @@ def test_small_groups_go_in_spans_and_each_event_covers_its_group(cupy, capi, pi
     host_ids = rng.permutation(num_host)[:n].tolist() if host_pattern == "scattered" else list(range(n))
     want = [expected_after_swap(cupy.asnumpy(d), h, dev_ids, host_ids, mode) for d, h in zip(devs, hosts)]
     saved = capi.get_option("stack_span_min_bytes")
-    assert saved == 8 << 20  # the default
+    assert saved == 16 << 20  # the default
     if span_min_bytes is not None:
         capi.set_option("stack_span_min_bytes", span_min_bytes)
     try:
