@@ -806,8 +806,6 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
 int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const int64_t* dst_ids,
                 int64_t n, bool mergeable, int mode, const ExecTarget& target) {
   cudaStream_t stream = static_cast<cudaStream_t>(target.stream);
-  const bool ramp = target.ramp;
-  const bool rows = target.rows;
   const Options opts = GetOptions();
 
   // Runs of consecutive ids: one copy each when every lane is contiguous across blocks.
@@ -830,7 +828,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
   // Whether the DMA path (auto's or a forced one) can go as rows; worked out once.
   int64_t row_src_pitch = 0, row_dst_pitch = 0;
   const bool at_one_pitch =
-      rows && (path == kCopyAuto || path == kCopyDma) && LanesAtOnePitch(lanes, &row_src_pitch, &row_dst_pitch);
+      target.rows && (path == kCopyAuto || path == kCopyDma) && LanesAtOnePitch(lanes, &row_src_pitch, &row_dst_pitch);
   // The staged path's plan (host order, runs, segments): built only for a call that stages
   // (auto's rule counts the plan's segments without building it).
   thread_local staged::Plan plan;
@@ -900,7 +898,7 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
       }
     }
     constexpr size_t kRampFirstSliceBytes = 1 << 20;
-    LaunchDmaBatch(copies, mode, stream, static_cast<size_t>(opts.dma_slice_bytes), ramp ? kRampFirstSliceBytes : 0);
+    LaunchDmaBatch(copies, mode, stream, static_cast<size_t>(opts.dma_slice_bytes), target.ramp ? kRampFirstSliceBytes : 0);
     return kPathDma;
   }
 
@@ -925,6 +923,8 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
     }
   }
   if (!k_src.empty()) {
+    // Overlapped only right behind the stack's previous kernel: not behind this call's own
+    // memcpys of merged runs.
     LaunchKernel(lanes, k_src.data(), k_dst.data(), static_cast<int64_t>(k_src.size()), stream,
                  opts.copy_grid, opts.copy_kernel, opts.kernel_tables != 0,
                  target.after_own_kernel && used == 0);

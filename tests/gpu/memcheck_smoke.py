@@ -13,6 +13,11 @@ import numpy as np
 from fastdeploy_kvcache import ops
 
 
+def host_view(ptr: int, rows: int, row_bytes: int) -> np.ndarray:
+    """A (rows, row_bytes) uint8 view of pinned memory at ``ptr``."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * (rows * row_bytes)).from_address(ptr)).reshape(rows, row_bytes)
+
+
 def main() -> int:
     capi = ops.load_capi(variant="cuda")
     rng = np.random.default_rng(0)
@@ -27,7 +32,7 @@ def main() -> int:
             dev = cp.asarray(rng.integers(0, 256, (num_dev, bb), dtype=np.uint8))
             hp = capi.host_alloc(num_host * bb)
             ptrs.append(hp)
-            host = np.ctypeslib.as_array((ctypes.c_uint8 * (num_host * bb)).from_address(hp)).reshape(num_host, bb)
+            host = host_view(hp, num_host, bb)
             host[:] = 0
             d_ids = rng.choice(num_dev, 6, replace=False)
             h_ids = rng.choice(num_host, 6, replace=False)
@@ -48,13 +53,13 @@ def main() -> int:
             capi.swap_layer_groups([d.data.ptr for d in layers], stack_host, 1, num_dev, bb, num_host, d_ids, h_ids,
                                    0, stream=stream, sync=True)
             for d, hp_l in zip(layers, stack_host):
-                got = np.ctypeslib.as_array((ctypes.c_uint8 * (num_host * bb)).from_address(hp_l)).reshape(num_host, bb)
+                got = host_view(hp_l, num_host, bb)
                 assert (got[h_ids] == cp.asnumpy(d)[d_ids]).all()
                 d[:] = 0
             capi.swap_layer_groups([d.data.ptr for d in layers], stack_host, 1, num_dev, bb, num_host, d_ids, h_ids,
                                    1, stream=stream, sync=True)
             for d, hp_l in zip(layers, stack_host):
-                got = np.ctypeslib.as_array((ctypes.c_uint8 * (num_host * bb)).from_address(hp_l)).reshape(num_host, bb)
+                got = host_view(hp_l, num_host, bb)
                 assert (cp.asnumpy(d)[d_ids] == got[h_ids]).all()
     cp.cuda.runtime.deviceSynchronize()
     for p in ptrs:

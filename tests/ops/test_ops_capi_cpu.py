@@ -207,7 +207,7 @@ def test_options_round_trip_and_reject_bad_values(capi_cpu: ops.CApi) -> None:
              "kernel_tables", "rows_d2h_min_bytes", "stack_span_min_bytes")
     before = {k: capi_cpu.get_option(k) for k in names}
     assert before["copy_grid"] >= 1
-    # The defaults docs/ops.md gives: device-to-host rows from 256 KiB, stack spans of 8 MiB.
+    # The defaults docs/ops.md gives: device-to-host rows from 256 KiB, stack spans of 16 MiB.
     assert (before["rows_d2h_min_bytes"], before["stack_span_min_bytes"]) == (256 << 10, 16 << 20)
     try:
         capi_cpu.set_option("copy_grid", 4)
