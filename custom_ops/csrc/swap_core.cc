@@ -632,14 +632,11 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
       // stack_span_min_bytes (within the budget, short of an injected failure), as one
       // batch or one launch (option stack_span_min_bytes says why).  Every group's event
       // follows its span.
-      int64_t end = g + 1;
-      if (job.span_path != kCopyProcess) {
-        int64_t bytes = job.GroupBytes(g);
-        while (end < num_groups && bytes < span_min_bytes && end - g < budget && end != fail_group) {
-          bytes += job.GroupBytes(end);
-          ++end;
-        }
-      }
+      int64_t limit = std::min(num_groups, g + budget);
+      if (fail_group > g) limit = std::min(limit, fail_group);
+      const int64_t end = job.span_path == kCopyProcess
+                              ? g + 1
+                              : SpanEnd(g, limit, span_min_bytes, [&job](int64_t k) { return job.GroupBytes(k); });
       const std::vector<LaneDesc> span(job.lanes.begin() + g * job.group_size,
                                        job.lanes.begin() + end * job.group_size);
       each.ramp = g == 0;

@@ -359,6 +359,17 @@ struct Run {
   int64_t count;
 };
 
+// The end (exclusive) of a layer stack's span that starts at group `g`: groups join it
+// while it holds fewer than `span_min_bytes` (option stack_span_min_bytes) and the next is
+// below `limit`.  One rule for both ways a stack goes: RunStackJob's batches or launches
+// and ExecuteCudaGroups' staged chunk ends.  `group_bytes(k)`: the bytes group k moves.
+template <typename GroupBytes>
+int64_t SpanEnd(int64_t g, int64_t limit, int64_t span_min_bytes, const GroupBytes& group_bytes) {
+  int64_t end = g + 1;
+  for (int64_t bytes = group_bytes(g); end < limit && bytes < span_min_bytes; ++end) bytes += group_bytes(end);
+  return end;
+}
+
 // One layer stack, checked and copied (ids, lanes, handles), ready to be enqueued in parts
 // (RunStackJob): what LaunchLayerStack queues and SwapLayerGroups runs at once.
 struct StackJob {

@@ -790,13 +790,17 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
   const int64_t num_groups = static_cast<int64_t>(lanes.size()) / group_size;
   int64_t span_min_bytes = 0;
   GetOption("stack_span_min_bytes", &span_min_bytes);
-  for (int64_t g = 1; g <= num_groups; ++g) {
-    const int64_t end = g == num_groups ? plan.total : n * plan.lanes[static_cast<size_t>(g * group_size)].boff;
-    marks.ends.push_back(end);
-    // A chunk ends at each span's end (option stack_span_min_bytes), not at every group's:
-    // each chunk costs a DMA batch call and a scatter launch.
-    const int64_t span_start = marks.cuts.empty() ? 0 : marks.cuts.back();
-    if (g == num_groups || end - span_start >= span_min_bytes || (g == 1 && first_alone)) marks.cuts.push_back(end);
+  // Group g ends at virtual offset group_end(g) (the start of group g + 1's lanes).
+  auto group_end = [&](int64_t g) {
+    return g + 1 == num_groups ? plan.total : n * plan.lanes[static_cast<size_t>((g + 1) * group_size)].boff;
+  };
+  for (int64_t g = 0; g < num_groups; ++g) marks.ends.push_back(group_end(g));
+  // A chunk ends at each span's end (SpanEnd), not at every group's: each chunk costs a DMA
+  // batch call and a scatter launch.
+  auto group_bytes = [&](int64_t g) { return group_end(g) - (g == 0 ? 0 : group_end(g - 1)); };
+  for (int64_t g = 0; g < num_groups;) {
+    g = g == 0 && first_alone ? 1 : SpanEnd(g, num_groups, span_min_bytes, group_bytes);
+    marks.cuts.push_back(group_end(g - 1));
   }
   marks.done = [&](int64_t g, cudaStream_t s) { on_group(g, s); };
   return ExecuteStaged(plan, n, mode, stream, opts, &marks);

@@ -363,7 +363,7 @@ void BuildPlan(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, const
                int mode, const HostOrder& host_order, Plan* plan) {
   const bool d2h = mode == kDeviceToHost;
   const int64_t* dev_ids = d2h ? src_ids : dst_ids;
-  const int64_t* host_ids = d2h ? dst_ids : src_ids;
+  const int64_t* host_ids = HostIdsOf(src_ids, dst_ids, mode);
   const std::vector<int64_t>& order = host_order.order;
   const std::vector<std::pair<int64_t, int64_t>>& runs = host_order.runs;
   plan->dev_ids.resize(static_cast<size_t>(n));
