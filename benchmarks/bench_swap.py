@@ -2,7 +2,9 @@
 
 64 layers, random block ids, block sizes 4 KiB .. 2 MiB; per-layer calls (one per layer),
 layer-group calls (one ``swap_layer_groups`` call per stack with an event recorded after each
-layer: how the worker's layer-by-layer load issues it) and all-layers calls (one per step); host to
+layer: how the worker's layer-by-layer load issues it), all-layers calls (one per step), and
+the worker's own pairing (``--apis worker``: loads as layer stacks, evictions and backups as
+one all-layer call on the worker's device-to-host path, ``FDKV_D2H_COPY_PATH``); host to
 device, device to host, and both at once on two streams; scattered and fully
 consecutive ids; every copy path (auto, kernel at several grid sizes, DMA batch).
 
@@ -37,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fastdeploy_kvcache import ops  # noqa: E402
+from fastdeploy_kvcache import envs, ops  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _PATH_BITS = ((ops.PATH_MEMCPY, "memcpy"), (ops.PATH_KERNEL, "kernel"), (ops.PATH_DMA, "dma"),
@@ -55,6 +57,9 @@ COPY_PATH = {"auto": 0, "kernel": 1, "dma": 2, "staged": 3}
 # "host_runs8" random device ids and host runs of 8 blocks at random places; "consecutive"
 # both sides consecutive (one merged run).
 ID_PATTERNS = ("scattered", "host_runs", "host_runs8", "consecutive")
+# Call shapes (Row.api).  "worker": loads as layer stacks, device-to-host as one all-layer
+# call on FDKV_D2H_COPY_PATH, the pairing the worker makes (not in the default matrix).
+APIS = ("all_layers", "per_layer", "layer_groups", "worker")
 KERNEL_CHUNK, KERNEL_WARPS_PER_CTA, TMA_CHUNK = 8192, 16, 16384  # mirror swap_cuda.cu (CTA counts)
 
 
@@ -62,7 +67,7 @@ KERNEL_CHUNK, KERNEL_WARPS_PER_CTA, TMA_CHUNK = 8192, 16, 16384  # mirror swap_c
 class Row:
     block_bytes: int
     ids: str            # one of ID_PATTERNS
-    api: str            # all_layers | per_layer | layer_groups
+    api: str            # all_layers | per_layer | layer_groups | worker
     path: str           # requested: auto | kernel | dma
     grid: int           # kernel grid cap for this row
     kernel: int         # kernel variant (copy_kernel option)
@@ -246,14 +251,21 @@ class SizeBench:
                     capi.swap_all_layers(self.table, None, 0, 0, self.pool, d, h, mode, stream=s.ptr)
                     used |= capi.last_path()
                 return used
-        elif api == "layer_groups":
+        elif api in ("layer_groups", "worker"):
             events = ops.HandleArray([e.ptr for e in self.events])  # converted once, as the worker's are
+            # The worker never issues a device-to-host stack: its evictions and backups are one
+            # all-layer call each, on its own device-to-host path (TransferManager).
+            d2h_path = ops.copy_path_code(str(envs.get("FDKV_D2H_COPY_PATH"))) if api == "worker" else None
 
             def run() -> int:
                 used = 0
                 for mode, d, h, s in jobs:  # one call per direction; an event behind each layer
-                    capi.swap_layer_groups(self.table, None, 1, 0, 0, self.pool, d, h, mode, stream=s.ptr,
-                                           events=events if mode == ops.MODE_H2D else None)
+                    if mode == ops.MODE_D2H and d2h_path is not None:
+                        capi.swap_all_layers(self.table, None, 0, 0, self.pool, d, h, mode, stream=s.ptr,
+                                             path=d2h_path)
+                    else:
+                        capi.swap_layer_groups(self.table, None, 1, 0, 0, self.pool, d, h, mode, stream=s.ptr,
+                                               events=events if mode == ops.MODE_H2D else None)
                     used |= capi.last_path()
                 return used
         else:
@@ -462,7 +474,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ids", default=",".join(ID_PATTERNS), help="id patterns of the full matrix")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", help="set a C library option for this run (CApi.set_option), e.g. dma_rows_min_lanes=2; repeatable")
     parser.add_argument("--apis", default="all_layers,per_layer,layer_groups",
-                        help="call shapes of the full matrix: all_layers, per_layer, layer_groups")
+                        help="call shapes of the full matrix: all_layers, per_layer, layer_groups, worker (loads as "
+                             "layer stacks, device-to-host as one all-layer call on FDKV_D2H_COPY_PATH)")
     parser.add_argument("--staging-chunks", default="", help="extra staging chunk sizes (staged, host runs), e.g. 4M,32M")
     parser.add_argument("--grid-sweep", default="", help="extra kernel grid caps (all-layers, scattered), e.g. 4,16,32")
     parser.add_argument("--kernel-variants", default="", help="extra kernel variants to sweep, e.g. 1,2,3")
@@ -488,9 +501,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.paths = [p for p in args.paths.split(",") if p]
     args.ids = [i for i in args.ids.split(",") if i]
     args.apis = [a for a in args.apis.split(",") if a]
-    unknown = sorted(set(args.apis) - {"all_layers", "per_layer", "layer_groups"})
+    unknown = sorted(set(args.apis) - set(APIS))
     if unknown:
-        parser.error(f"--apis: unknown call shape(s) {', '.join(unknown)} (all_layers, per_layer, layer_groups)")
+        parser.error(f"--apis: unknown call shape(s) {', '.join(unknown)} ({', '.join(APIS)})")
     args.staging_chunks = [parse_size(v) for v in args.staging_chunks.split(",") if v]
     if args.quick:
         args.sizes, args.iters, args.grid_sweep, args.rounds = [8 * KiB, 512 * KiB], 3, [], 1
