@@ -58,7 +58,8 @@ COPY_PATH = {"auto": 0, "kernel": 1, "dma": 2, "staged": 3}
 # both sides consecutive (one merged run).
 ID_PATTERNS = ("scattered", "host_runs", "host_runs8", "consecutive")
 # Call shapes (Row.api).  "worker": loads as layer stacks, device-to-host as one all-layer
-# call on FDKV_D2H_COPY_PATH, the pairing the worker makes (not in the default matrix).
+# call on FDKV_D2H_COPY_PATH, the pairing the worker makes (not in the default matrix); its
+# device-to-host call keeps that path whatever --paths asks (the row's path is the load's).
 APIS = ("all_layers", "per_layer", "layer_groups", "worker")
 KERNEL_CHUNK, KERNEL_WARPS_PER_CTA, TMA_CHUNK = 8192, 16, 16384  # mirror swap_cuda.cu (CTA counts)
 
