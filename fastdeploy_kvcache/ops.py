@@ -173,7 +173,7 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 def _is_int(value: Any) -> bool:
     """An integer that is not a bool (``True`` as a block id is a bug, not block 1)."""
     # NOTE: the exact-int test first: the ABC check costs ~1 us, and an all-layer call checks
-    # a few hundred pointers and sizes (host submit time, docs/benchmarks.md).
+    # a few hundred pointers and sizes (host submit time, docs/ops.md, "Measured costs").
     return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
@@ -757,7 +757,7 @@ class CApi:
 
         Why: a load's first copy waited for a Python launcher thread (its wake-up, the GIL
         it shares with the forward pass, the argument conversion): 0.5-0.9 ms on an H100
-        host, where the copy itself took 0.3 (docs/benchmarks.md, "Load startup").
+        host, where the copy itself took 0.3 (docs/ops.md, "Measured costs").
         """
         return self.layer_stack_call(launcher, dev_ptrs, host_ptrs, group_size, num_dev_blocks, block_bytes,
                                      num_host_blocks, mode, stream, path, inline_groups).launch(
@@ -781,8 +781,8 @@ class CApi:
         the next, checked and converted once; :meth:`LayerStackCall.launch` takes the rest.
 
         Why: a load's start-up is host time before its first copy, and on a GPU host the
-        Python conversions of one launch cost ~100 us there (docs/benchmarks.md, "Sixth
-        pass"); a worker launches every load with the same tensors, stream and launcher.
+        Python conversions of one launch cost ~100 us there (docs/ops.md, "Measured
+        costs"); a worker launches every load with the same tensors, stream and launcher.
         """
         return LayerStackCall(self, launcher, dev_ptrs, host_ptrs, group_size, num_dev_blocks, block_bytes,
                               num_host_blocks, mode, stream, path, inline_groups)

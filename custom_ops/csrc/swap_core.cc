@@ -27,8 +27,8 @@ namespace {
 // error naming the variable, never a silent fallback to the default.
 constexpr int64_t kInt64Max = INT64_MAX;
 
-// Defaults.  NOTE: dma_min_bytes and merge_min_bytes were set from the measurements in
-// docs/benchmarks.md (H100 PCIe Gen5); FDKV_* environment variables override them.
+// Defaults.  NOTE: set from measurements on an H100 (PCIe Gen5): docs/ops.md, "Options"
+// and "Measured costs".  FDKV_* environment variables override the ones that have one.
 struct OptionSpec {
   const char* option;  // set_option / get_option name
   const char* env;     // environment variable
@@ -50,8 +50,8 @@ const OptionSpec kSpecs[kNumOptions] = {
     {"staging_bytes", "FDKV_STAGING_BYTES", 256 << 20, 1 << 20, kInt64Max, false},
     {"staging_chunk_bytes", "", 64 << 20, 64 << 10, kInt64Max, false},
     // 64: a load's scatter kernels overlapped a cuBLAS forward pass best at 64 CTAs (16 KiB
-    // blocks hid 0.922-0.927 of the load against 0.901-0.916 at 16; docs/benchmarks.md,
-    // "Sixth pass"), and the copy alone moves the same at 16, 64 or 132.
+    // blocks hid 0.922-0.927 of the load against 0.901-0.916 at 16; docs/ops.md,
+    // "Measured costs"), and the copy alone moves the same at 16, 64 or 132.
     {"staging_grid", "", 64, 1, 65535, false},
     {"staged_min_bytes", "", 64 << 10, 0, kInt64Max, false},
     // 1: the DMAs as one cudaMemcpyAsync each, 0: one cudaMemcpyBatchAsync per chunk (faster).
@@ -64,15 +64,15 @@ const OptionSpec kSpecs[kNumOptions] = {
     // narrower rows go staged where the call is large enough (swap_cuda.cu, ExecuteCuda).
     // 256 KiB: 128 KiB rows wrote host memory at 0.927-0.944 of the link where staged moved
     // 0.961-0.985, 256 KiB rows 0.950-0.967 against 0.962-0.964, 512 KiB rows as fast
-    // (docs/ops.md, "auto"; docs/benchmarks.md, "Seventh pass").  Read with GetOption.
+    // (docs/ops.md, "auto").  Read with GetOption.
     {"rows_d2h_min_bytes", "", 256 << 10, 0, kInt64Max, false},
     // A layer stack's groups go in spans of at least this many bytes (one DMA batch or one
     // copy-kernel launch, or one staged chunk boundary, per span; every group's event
     // follows its span): each batch call costs the link ~2.5 us (a layer of 4 MiB per call
-    // moved 0.96 of the link, 16 MiB 0.99; docs/ops.md, "Spans"; docs/benchmarks.md,
-    // "Seventh pass").  16 MiB: a load's stack of 4 MiB layers moved ~1% more than in 8 MiB
-    // spans (0.970-0.974 against 0.961-0.965), and TTFT at 1k-2k prefixes read the same
-    // ("Eighth pass").  0: a span per group.  Read with GetOption.
+    // moved 0.96 of the link, 16 MiB 0.99; docs/ops.md, "Spans").  16 MiB: a load's stack
+    // of 4 MiB layers moved ~1% more than in 8 MiB spans (0.970-0.974 against
+    // 0.961-0.965), and TTFT at 1k-2k prefixes read the same.  0: a span per group.  Read
+    // with GetOption.
     {"stack_span_min_bytes", "", 16 << 20, 0, kInt64Max, false},
     // Tests only: a layer stack (SwapLayerGroups, LaunchLayerStack) fails as a CUDA failure
     // would when it reaches this group (-1: never), so the failure path of an asynchronous

@@ -305,7 +305,7 @@ bool StackLauncherWaitIdle(StackLauncher* launcher, int64_t timeout_us);
 // a CUDA failure in group g fails it naming the group (later groups are not enqueued) and
 // still records done_event, so a fence on it stays valid.
 // Why: a load's first copy used to wait 0.5-0.9 ms for the Python side to hand the stack
-// to a launcher thread and convert its arguments (docs/benchmarks.md, "Load startup"),
+// to a launcher thread and convert its arguments (docs/ops.md, "Measured costs"),
 // and the forward pass waits for that first copy.
 void LaunchLayerStack(StackLauncher* launcher, const char* op, const std::vector<TensorDesc>& tensors,
                       const std::vector<void*>& host_ptrs, int64_t num_host_blocks, int64_t group_size,

@@ -551,7 +551,7 @@ void LaunchDmaBatch(const std::vector<Copy>& copies, int mode, cudaStream_t stre
   size_t attr_idx = 0;
   // NOTE: the batch is issued in slices of about slice_bytes: the copy engines start on
   // one slice while the driver still processes the next, instead of idling through one
-  // huge call.  Measured on H100 PCIe (docs/benchmarks.md): ~16 MiB slices beat both
+  // huge call.  Measured on H100 PCIe (docs/ops.md, "Measured costs"): ~16 MiB slices beat both
   // 1-4 MiB (per-call overhead shows) and one call for everything (no overlap).
   size_t total_bytes = 0;
   for (const Copy& c : copies) total_bytes += c.bytes;
@@ -651,7 +651,7 @@ int64_t MaxPitch() {
 // strides, and lane l starts l * pitch bytes after lane 0 (a cache allocated as one slab,
 // as the worker does).  Then a run of blocks is one 2D copy over all lanes (width: the
 // run's bytes, height: the lane count), where the DMA batch needs a copy per lane.
-// Measured on H100 (docs/benchmarks.md, "Third pass"): ~2.5 us of host time per 2D copy
+// Measured on H100 (docs/ops.md, "Lanes at one pitch"): ~2.5 us of host time per 2D copy
 // against ~0.85 us per lane in the batch, but the copy engines take longer per row than per
 // batch entry: 128 KiB rows moved at 0.73-0.78 of the link with 3-4 lanes, 0.85-0.91 with
 // 8-16, 0.89-0.96 with 32-96 (the batch: 0.95-0.97); 2 MiB rows at 0.97-0.99 at any count;
@@ -707,8 +707,8 @@ bool LaunchLaneRows(const std::vector<LaneDesc>& lanes, const std::vector<Run>& 
 // side merges into runs (>= staged_min_bytes, and >= 2x the shared runs).  Such a call must
 // be >= 16 MiB: each chunk costs ~15-20 us of link time at the DMA <-> kernel hand-offs,
 // which a per-layer call of a few MiB cannot amortize.  Larger copies go staged only from
-// `large_copy_min_bytes` (measured on H100: docs/benchmarks.md, "Copy path v2" and "Ring
-// and chunk size").
+// `large_copy_min_bytes` (measured on H100: docs/ops.md, "auto" and "The staged
+// pipeline").
 // The part of the rule that needs no plan (the call's size): checked first, so that calls
 // that cannot go staged (a per-layer load of big blocks) skip building the staged plan.
 bool StagedCallSizeHolds(int64_t total_bytes, int64_t avg_copy_bytes, const Options& opts,
@@ -769,7 +769,8 @@ int ExecuteCudaGroups(const std::vector<LaneDesc>& lanes, const int64_t* src_ids
   // NOTE: only copies below dma_min_bytes (no large-copy threshold): there the alternative
   // per layer is the SM-holding kernel or a slow DMA batch, and the stack did better (16
   // KiB loads in bench_overlap: 0.88 hidden against 0.84-0.86).  With 128 KiB blocks the
-  // per-layer DMA batch overlapped better (0.91-0.92 against 0.88; docs/benchmarks.md).
+  // per-layer DMA batch overlapped better (0.91-0.92 against 0.88; docs/ops.md, "Layer
+  // groups").
   int64_t path = 0, total_bytes = 0, avg_copy_bytes = 0;
   if (!StackStagedCandidate(lanes, src_ids, dst_ids, n, copy_path, opts, &path, &total_bytes, &avg_copy_bytes) ||
       !DmaBatchAvailable(stream)) {
@@ -871,7 +872,8 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids, cons
       // what the staged path's submit does), except device-to-host rows narrower than
       // rows_d2h_min_bytes, which the staged path outruns.  NOTE: the staged gathers cost a
       // forward pass 3-4% while evictions run at full rate; the worker's device-to-host
-      // default is therefore `dma` (rows), not auto (docs/architecture.md).
+      // default is therefore `dma` (rows), not auto (docs/architecture.md, "Copy path per
+      // direction").
       if (stage && HostSideIsPinned(lanes, mode)) {
         path = kCopyStaged;
       } else {

@@ -346,7 +346,7 @@ void SortHostIds(const int64_t* host_ids, int64_t n, HostOrder* out) {
 // The number of host segments BuildPlan would make for these pairs, without making them:
 // auto's staged rule needs only the count, and a call it turns down (fully scattered host
 // ids: a segment per block per lane) spent ~0.1-0.2 ms of its submit building the segments
-// of a plan it then dropped (docs/benchmarks.md, "Sixth pass").
+// of a plan it then dropped (docs/ops.md, "auto").
 int64_t CountSegments(const std::vector<LaneDesc>& lanes, const HostOrder& host_order, int64_t n, int mode) {
   const bool d2h = mode == kDeviceToHost;
   const int64_t num_runs = static_cast<int64_t>(host_order.runs.size());
@@ -462,7 +462,7 @@ void IssueChunkDma(const Plan& plan, size_t* si, char* slot, int64_t v0, int64_t
     else break;  // the segment continues in the next chunk
   }
   *si = i;
-  // NOTE: cudaMemcpyBatchAsync even for one copy: measured on H100 (docs/benchmarks.md),
+  // NOTE: cudaMemcpyBatchAsync even for one copy: measured on H100 (docs/ops.md, "Measured costs"),
   // 4 MiB copies back to back reached 0.96 of the link through the batch API against 0.93
   // as separate cudaMemcpyAsync calls.  The legacy default stream cannot take a batch.
   if (!batch || !DmaBatchAvailable(stream)) {

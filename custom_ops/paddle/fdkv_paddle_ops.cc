@@ -219,7 +219,7 @@ void SwapCacheLayout(const std::vector<paddle::Tensor>& cache_gpu_tensors, int64
 }
 
 // ------------------------------------------------------------------------ registration
-// Attribute lists follow the FastDeploy design (DESIGN.md), each with one optional trailing
+// Attribute lists follow FastDeploy's swap ops (docs/ops.md, "API"), each with one optional trailing
 // attribute `path` (the call's copy path: -1 the process-wide option, 0 auto, 1 kernel,
 // 2 dma; ignored on CPU tensors) that ops.py fills with -1 unless the caller passes one.
 PD_BUILD_STATIC_OP(swap_cache_per_layer)

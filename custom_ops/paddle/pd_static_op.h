@@ -1,5 +1,5 @@
 // PD_BUILD_STATIC_OP: the registration macro the FastDeploy op sources use.  Paddle ships
-// only PD_BUILD_OP; this project's ops register under their plain DESIGN.md names, so the
+// only PD_BUILD_OP; this project's ops register under FastDeploy's op names, so the
 // macro is a thin alias that keeps the sources in FastDeploy's style.
 #pragma once
 

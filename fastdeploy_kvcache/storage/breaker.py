@@ -1,7 +1,7 @@
 """Circuit breaker: turns a failing remote tier off, and lets one probe turn it back on.
 
 Why: with the Mooncake master dead, every batch call costs ~4.3 s before it fails
-(MOONCAKE.md).  Paying that on every scheduler step would stall serving; after
+(docs/storage.md, "`mooncake`").  Paying that on every scheduler step would stall serving; after
 ``failure_threshold`` consecutive failures the breaker *opens* and calls fail at once with
 ``StorageError("unreachable")``.  After ``reset_timeout_s`` it goes *half open*: one call
 (or the backend's background probe) is let through; success closes it, failure re-opens it

@@ -7,7 +7,7 @@ arguments override them.  Two more are ours: ``MOONCAKE_MASTER_METRICS_ADDR`` (t
 ``--metrics_host:--metrics_port``, polled at ``/health``; default the master's host, port
 9003, Mooncake's default) and ``MOONCAKE_LOCAL_BUFFER_SIZE``.
 
-Never blocking the caller (measured facts in MOONCAKE.md):
+Never blocking the caller (the measured behaviour is in docs/storage.md, "`mooncake`"):
 
 * **Set-up** runs on a background thread.  It polls the master's ``/health`` first (a dead
   master would block ``setup()`` for ~90 s), then calls ``setup()`` with
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MooncakeBackend", "MooncakeConfig", "parse_size", "mooncake_available", "MOONCAKE_CODES"]
 
-# Mooncake error codes seen on these machines (MOONCAKE.md) -> per-key Status.
+# Mooncake error codes as its calls return them (docs/storage.md, "`mooncake`") -> per-key Status.
 MOONCAKE_CODES = {
     -704: Status.MISSING,  # object not found
     -706: Status.MISSING,  # leased (remove) - never returned for data calls here
@@ -148,7 +148,7 @@ class MooncakeConfig:
         master_host = self.master_server_addr.rsplit(":", 1)[0]
         self.metadata_server: str = pick(metadata_server, "MOONCAKE_METADATA_SERVER")
         self.protocol: str = pick(protocol, "MOONCAKE_PROTOCOL")
-        # NOTE: "127.0.0.1", not "localhost" (MOONCAKE.md); a remote master gets the address
+        # NOTE: "127.0.0.1", not "localhost" (docs/storage.md, "`mooncake`"); a remote master gets the address
         # that routes to it, so other machines can reach this client's segment.
         self.local_hostname: str = pick(local_hostname, "MOONCAKE_LOCAL_HOSTNAME") or (
             "127.0.0.1" if master_host in ("127.0.0.1", "localhost") else _route_ip(master_host)

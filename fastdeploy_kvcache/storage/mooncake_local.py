@@ -2,7 +2,7 @@
 
 ``python -m fastdeploy_kvcache.storage.mooncake_local --segment 4GB`` runs both in the
 foreground and prints the environment a server needs (``MOONCAKE_MASTER_SERVER_ADDR`` ...).
-Every port is passed explicitly: the master's defaults bind 0.0.0.0 (MOONCAKE.md).
+Every port is passed explicitly: the master's defaults bind 0.0.0.0 (docs/storage.md, "One machine").
 
 The *holder* is ``mooncake_client``: a process that only contributes memory (its
 ``--global_segment_size``) to the store.  Keys placed in its segment outlive the processes

@@ -10,7 +10,7 @@ Two streams, created once and owned here:
   every layer's event itself).
 
 Neither stream synchronizes with the compute stream or with the other except through the
-events listed below, which implement the ordering rules of ``docs/architecture.md, worker side``:
+events listed below, which implement the ordering rules of ``docs/architecture.md``, "Worker side":
 
 1. A device->host copy starts after the compute that wrote its blocks: an event recorded on the
    compute stream at submit time, waited on by the output stream.  Loads wait on the same
@@ -101,7 +101,7 @@ def _plain_int_ids(ids: Any, limit: int) -> Any:
     Why: one C-speed pass (``array('q')`` refuses floats, strings, None and overflow) where
     a load of 512 ids paid a type scan, ``min``, ``max`` and the backend's conversion, each
     a pass of its own; on the GPU hosts that Python ran ahead of the first copy at 4-8x
-    its loop speed (docs/benchmarks.md, "Sixth pass").
+    its loop speed (docs/ops.md, "Measured costs").
     """
     import numpy as np
 
@@ -199,7 +199,7 @@ class _Task:
         self.direction = direction
         self.seq = seq
         # Made on first use (_conflicting_priors): most tasks never meet a conflicting one,
-        # and 512 ids cost a load's start-up ~15-30 us of host time (docs/benchmarks.md).
+        # and 512 ids cost a load's start-up ~15-30 us of host time (docs/ops.md, "Measured costs").
         self._id_sets = id_sets
         self.counter = counter
         self.error: Optional[str] = None
@@ -284,7 +284,7 @@ class _StackClosed:
 class _LayoutTables:
     """A layout's arrays as the backend takes them (``Backend.describe_arrays``), made once
     per layout: an all-layer call has ~100 arrays, and reading their addresses on every
-    call cost more host time than the native submit it feeds (docs/benchmarks.md)."""
+    call cost more host time than the native submit it feeds (docs/ops.md, "Measured costs")."""
 
     all_arrays: Sequence[Any]
     all_host: list[int]
@@ -352,7 +352,7 @@ class TransferManager:
         # kernel (what the auto rule picks below 64 KiB) keeps its CTAs resident for the
         # whole copy: on an H100 a cuBLAS forward pass ran +218% slower next to 16 KiB-block
         # evictions on it, against +0.6% next to the DMA batch, which uses copy engines and
-        # no SMs (docs/benchmarks.md, "Load/compute overlap").
+        # no SMs (docs/architecture.md, "Copy path per direction").
         # The price is device->host bandwidth at small blocks (~0.47 of the link at 16 KiB), which
         # only delays when a host copy is ready, and a write_back eviction's rule-2 fence.
         # Loads stay on the process-wide rule: the forward pass waits for them.
@@ -741,8 +741,8 @@ class TransferManager:
         lets it enqueue the fences and the first layer itself when idle; otherwise the
         Python launcher waits (host-side) for the priors' launches first.  The load's
         counter is made after the launch: nothing reads it before submit returns, and the
-        first copy waits for every line of Python ahead of it (docs/benchmarks.md, "Sixth
-        pass").
+        first copy waits for every line of Python ahead of it (docs/ops.md, "Measured
+        costs").
         """
         layout, tables = self.layout, self._tables
         assert layout is not None and tables is not None

@@ -175,7 +175,7 @@ def test_paddle_ops_reject_bad_path_and_write_nothing(paddle_ops: Any, name: str
 
 
 def test_paddle_ops_without_path_follow_the_design_attributes(paddle_ops: Any) -> None:
-    """Calls with only the attributes DESIGN.md names (no ``path``) work as before."""
+    """Calls with only FastDeploy's attributes (no trailing ``path``) work as before."""
     src = (np.arange(NUM_DEV * BB) % 251).astype(np.uint8).reshape(NUM_DEV, BB)
     cache = paddle_ops.to_tensor(src)
     host = np.zeros((NUM_HOST, BB), np.uint8)

@@ -569,7 +569,7 @@ class CapiCopies:
 
     def layer_stack_handles(self, num_layers: int) -> LayerStackHandles:
         # NOTE: a load's first layer waited for these: making 48 CuPy events took 150-200 us
-        # on an H100 host (docs/benchmarks.md, "Load startup"), now on the thread that
+        # on an H100 host (docs/ops.md, "Measured costs"), now on the thread that
         # enqueues the first copy.  Layer events come back for reuse once their load's
         # counter is gone (recycle_layer_events), with their C array; the two timing events
         # are always new, since a later task may still hold a finished task's done event as
