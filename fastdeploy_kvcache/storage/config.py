@@ -1,8 +1,8 @@
-"""Storage tier flags (``--kvcache-storage-*``) and the policies the scheduler will follow.
+"""Storage tier flags (``--kvcache-storage-*``) and the policies the scheduler follows.
 
 Kept apart from :mod:`fastdeploy_kvcache.config` so the storage tier can be wired in by one
 call (``add_storage_cli_args(parser)``) without touching the cache flags; the scheduler-side
-integration reads :class:`StorageConfig` (see docs/storage.md, "Policies").
+integration reads :class:`StorageConfig` (see docs/storage.md, "Scheduler integration").
 """
 
 from __future__ import annotations
