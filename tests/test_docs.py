@@ -23,7 +23,8 @@ CODE_SUFFIXES = {".py", ".cc", ".cu", ".h", ".sh"}
 CODE_DIRS = ("fastdeploy_kvcache", "custom_ops", "benchmarks", "tests", "build.sh", "setup_ops.py")
 
 ORDINALS = "first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
-# "Sixth pass", "the eighth pass's", "pass 3" (a numbered measurement pass), "machine L".
+# An ordinal before "pass", "pass" before a number (a numbered measurement pass), or
+# "machine" before a single capital letter or digit (a lent machine's nickname).
 PASS_RE = re.compile(rf"\b(?:{ORDINALS}) pass(?:es)?\b|(?<!forward )\bpass(?:es)? [0-9]+\b(?![-%.0-9])",
                      re.IGNORECASE)
 MACHINE_RE = re.compile(r"\bmachines? [A-Z0-9](?![\w-])")
