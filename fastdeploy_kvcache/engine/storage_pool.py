@@ -62,7 +62,7 @@ class StorageKVPool(ManagedKVPool):
         if config.host_block_count <= 0:
             raise ValueError(
                 "--kvcache-storage-backend needs a host tier to stage blocks through: give --swap-space "
-                "(GiB) or --num-host-blocks"
+                "(GiB, > 0)"
             )
         super().__init__(config, backend)
         self.storage_config = storage_config
