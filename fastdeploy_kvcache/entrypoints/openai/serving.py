@@ -23,6 +23,7 @@ from starlette.requests import Request as HTTPRequest
 
 from fastdeploy_kvcache.entrypoints.openai.engine_client import (
     AsyncEngineClient,
+    EngineDraining,
     RequestGroup,
     SubRequest,
     first_token_latency,
@@ -281,6 +282,8 @@ class OpenAIServing:
             return self.client.submit(subs, on_abandoned_finish=lambda out: self.metrics.observe_finished(out, None))
         except ValueError as exc:  # the engine's own validation (contract: a clear message)
             raise RequestError(str(exc), param=prompt_param) from exc
+        except EngineDraining as exc:
+            raise RequestError(str(exc), status=503, type_="server_error", code="shutting_down") from exc
 
     async def _outputs(self, group: RequestGroup, arrival: float) -> AsyncIterator[tuple[int, Any]]:
         """The group's outputs, with metrics recorded; aborts the group if left early."""
