@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fastdeploy_kvcache.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, BodyTooLarge
 from fastdeploy_kvcache.entrypoints.openai.engine_client import AsyncEngineClient
 from fastdeploy_kvcache.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy_kvcache.entrypoints.openai.protocol import (
@@ -81,6 +82,11 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
              "this, those still running are then aborted (streams end cleanly), and the engine's shutdown "
              "(pending storage writes) gets the rest; the process exits 0. Give the process manager more "
              f"than this before it kills (default: {DEFAULT_GRACE_S:g}).")
+    add("--max-request-body-bytes", dest="max_request_body_bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="Larger request bodies get HTTP 413, before they are read when they declare their length, "
+             "else as soon as they pass it; 0: no limit (default: "
+             f"{DEFAULT_MAX_BODY_BYTES}, {DEFAULT_MAX_BODY_BYTES >> 20} MiB).")
     add_engine_cli_args(parser)
     return parser
 
@@ -188,6 +194,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         try:
             yield
         finally:
+            state["serving"].close()
             budget = plan.engine_budget()
             logger.info("shutting down the engine (within %.1f s)", budget)
             if await run_bounded(client.shutdown, budget, "engine shutdown"):
@@ -196,6 +203,12 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="fastdeploy_kvcache OpenAI-compatible server", lifespan=lifespan)
     app.state.shutdown_plan = plan
     _install_error_handlers(app)
+
+    async def reject_body(exc: BodyTooLarge, scope: Any, receive: Any, send: Any) -> None:
+        await error_response(exc.status_code, str(exc.detail))(scope, receive, send)
+
+    app.add_middleware(BodySizeLimit, on_reject=reject_body,
+                       max_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES))
 
     def serving() -> OpenAIServing:
         return state["serving"]
