@@ -39,6 +39,7 @@ THIRD_PARTY: dict[str, str] = {
     "--metadata_server": "mooncake_client",
     "--query-gpu": "nvidia-smi (worker/numa.py)",
     "--format": "nvidia-smi (worker/numa.py)",
+    "--stop-timeout": "docker run (docs/operations.md)",
 }
 
 # Text that looks like a flag but is none: the arrows of docs/pd_disaggregation.md's
