@@ -76,6 +76,18 @@ def _wait_until(cond: Any, timeout_s: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def _clean_exit(server: ServerProcess, streams: list[Stream], code: Optional[int], what: str) -> str:
+    """The server's log, once every stream has ended; it exited 0, no stream was cut, no traceback."""
+    log = server.log_tail(400)
+    for s in streams:
+        s.join(30)
+    assert code == 0, f"exit code {code} after {what}:\n{log}"
+    for s in streams:
+        assert s.error is None, f"a stream in flight was cut instead of ended: {s.error!r}\n{log}"
+    assert "Traceback" not in log, log
+    return log
+
+
 def _start(store: Path, *extra: str) -> ServerProcess:
     # Two sequences at a time: of six streams, four wait in the engine's queue when the
     # signal comes, so their prompts are computed (and owed to the store) after it.
@@ -102,12 +114,8 @@ def test_signal_under_load_finishes_streams_writes_the_store_and_exits_0(tmp_pat
         code = server.proc.wait(180)
     finally:
         server.stop()
-    log = server.log_tail(400)
+    _clean_exit(server, streams, code, signal.Signals(sig).name)
     for s in streams:
-        s.join(30)
-    assert code == 0, f"exit code {code} after {signal.Signals(sig).name}:\n{log}"
-    for s in streams:
-        assert s.error is None, f"a stream in flight was cut: {s.error!r}\n{log}"
         assert s.finish_reason == "length" and s.completion_tokens == 48, (s.finish_reason, s.completion_tokens)
     assert refused_at < max(s.ended_at for s in streams), "new connections must be refused while draining"
     assert refused_at - signalled < 5
@@ -116,11 +124,13 @@ def test_signal_under_load_finishes_streams_writes_the_store_and_exits_0(tmp_pat
     for p in prompts:
         for h in block_hashes(p):
             object_file(store, h)
-    assert "Traceback" not in log, log
 
 
-def test_grace_period_spent_ends_streams_cleanly_and_exits_0(tmp_path: Path) -> None:
-    grace = 4.0
+@pytest.mark.parametrize("grace,second_signal", [(4.0, None), (120.0, signal.SIGINT)],
+                         ids=["grace period spent", "second signal"])
+def test_unfinished_streams_end_cleanly_and_the_server_exits_0(tmp_path: Path, grace: float,
+                                                                second_signal: Optional[int]) -> None:
+    """Past 3/4 of the grace period, or on a second signal, running streams are ended."""
     server = _start(tmp_path / "kv", "--graceful-shutdown-timeout", str(grace))
     # Far more tokens than the grace period leaves time for: each stream must be ended.
     streams = [Stream(server, prompt_ids(200 + i, 40), max_tokens=900) for i in range(2)]
@@ -130,21 +140,22 @@ def test_grace_period_spent_ends_streams_cleanly_and_exits_0(tmp_path: Path) -> 
         _wait_until(lambda: all(s.chunks for s in streams), 120, "both streams to start")
         signalled = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
+        if second_signal is not None:
+            time.sleep(0.5)
+            server.proc.send_signal(second_signal)
         code = server.proc.wait(60)
         took = time.monotonic() - signalled
     finally:
         server.stop()
-    log = server.log_tail(400)
-    for s in streams:
-        s.join(30)
-    assert code == 0, f"exit code {code}:\n{log}"
+    log = _clean_exit(server, streams, code, "SIGTERM")
     # The streams ended with a last chunk and [DONE], not a cut connection.
     for s in streams:
-        assert s.error is None, f"stream cut instead of ended: {s.error!r}\n{log}"
         assert s.finish_reason == "abort", s.finish_reason
         assert s.completion_tokens is not None and s.completion_tokens < 900
-    assert took < grace + 10, f"shutdown took {took:.1f} s with a grace period of {grace} s"
-    assert "grace period" in log and "Traceback" not in log, log
+    limit = 10.0 if second_signal is not None else grace + 10
+    assert took < limit, f"shutdown took {took:.1f} s (grace period {grace} s, second signal {second_signal})"
+    why = "SIGINT again" if second_signal is not None else "grace period spent"
+    assert f"{why}: ending 2 in-flight request(s)" in log, log
 
 
 def test_plan_splits_the_grace_period_between_requests_and_engine() -> None:
