@@ -185,3 +185,13 @@ def test_guard_undoes_paddles_reset_of_sigterm() -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("argv", [["--graceful-shutdown-timeout", "-1"], ["--graceful-shutdown-timeout", "inf"],
+                                  ["--max-request-body-bytes", "-5"], ["--max-request-body-bytes", "2MiB"]])
+def test_bad_limits_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from fastdeploy_kvcache.entrypoints.openai.api_server import make_arg_parser
+
+    with pytest.raises(SystemExit) as info:
+        make_arg_parser().parse_args(argv)
+    assert info.value.code == 2 and argv[0] in capsys.readouterr().err

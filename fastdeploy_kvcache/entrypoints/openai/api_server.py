@@ -51,6 +51,21 @@ DEFAULT_PORT = 8188
 
 
 # ---------------------------------------------------------------------- flags
+def _at_least_zero(kind: type) -> Any:
+    """argparse ``type=``: a finite number >= 0 (anything else is a usage error, not a traceback)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (value >= 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Server flags (``--host``, ``--port``, ...) plus the engine's and the cache's flags.
 
@@ -76,13 +91,15 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--log-level", dest="log_level", default="info",
         choices=["critical", "error", "warning", "info", "debug"],
         help="Log level of fastdeploy_kvcache's own loggers (default: info).")
-    add("--graceful-shutdown-timeout", dest="graceful_shutdown_timeout", type=float, default=DEFAULT_GRACE_S,
+    add("--graceful-shutdown-timeout", dest="graceful_shutdown_timeout", type=_at_least_zero(float),
+        default=DEFAULT_GRACE_S,
         metavar="SECONDS",
         help="On SIGTERM or SIGINT: new connections are refused, in-flight requests may finish for 3/4 of "
              "this, those still running are then aborted (streams end cleanly), and the engine's shutdown "
              "(pending storage writes) gets the rest; the process exits 0. Give the process manager more "
              f"than this before it kills (default: {DEFAULT_GRACE_S:g}).")
-    add("--max-request-body-bytes", dest="max_request_body_bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+    add("--max-request-body-bytes", dest="max_request_body_bytes", type=_at_least_zero(int),
+        default=DEFAULT_MAX_BODY_BYTES,
         metavar="BYTES",
         help="Larger request bodies get HTTP 413, before they are read when they declare their length, "
              "else as soon as they pass it; 0: no limit (default: "
