@@ -241,13 +241,20 @@ async def run_bounded(fn: Callable[[float], None], budget_s: float, what: str) -
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
+    def settle(error: Optional[BaseException]) -> None:
+        if not done.done():
+            done.set_result(None) if error is None else done.set_exception(error)
+
     def target() -> None:
+        error: Optional[BaseException] = None
         try:
             fn(budget_s)
         except BaseException as exc:  # noqa: BLE001 - reported on the loop
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(exc))
-        else:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, error)
+        except RuntimeError:  # the loop is closed: nobody waits for it any more
+            pass
 
     threading.Thread(target=target, name=f"fdkv-{what.replace(' ', '-')}", daemon=True).start()
     try:
