@@ -197,7 +197,7 @@ class StorageTier:
         stored_memory: int = 1 << 20,
     ) -> None:
         if manager.host_pool.num_blocks == 0:
-            raise ValueError("the storage tier needs a host tier (--swap-space or --num-host-blocks > 0)")
+            raise ValueError("the storage tier needs a host tier (--swap-space > 0, or CacheConfig.num_host_blocks > 0)")
         self.manager = manager
         self.backend = backend
         self.ns = namespace

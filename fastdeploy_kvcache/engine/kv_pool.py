@@ -75,7 +75,8 @@ class KVPool:
     def check_invariants(self) -> dict[str, int]:
         raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Free the caches; ``timeout_s`` bounds what a subclass still writes out first."""
         self.layer_caches = []
         self.controller.close()
 

@@ -201,15 +201,20 @@ class LLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the thread, abort what is left, drain copies and free the caches (idempotent)."""
+        """Stop the thread, abort what is left, drain copies, let the pool write what it owes
+        (the storage tier's puts) and free the caches, all within ``timeout_s`` (idempotent).
+
+        The server passes what is left of its grace period (``--graceful-shutdown-timeout``).
+        """
         if self._closed:
             return
+        deadline = time.monotonic() + timeout_s
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
             if self._thread.is_alive():
-                logger.error("engine thread did not stop within %.0f s", timeout_s)
+                logger.error("engine thread did not stop within %.1f s", timeout_s)
                 return
         self._thread = None
         self._drain_inbox()
@@ -222,7 +227,7 @@ class LLMEngine:
         self._closed = True
         if self.pd is not None:
             self.pd.close()
-        self.pool.close()
+        self.pool.close(timeout_s=max(0.0, deadline - time.monotonic()))
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

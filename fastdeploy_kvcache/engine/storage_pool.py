@@ -62,7 +62,7 @@ class StorageKVPool(ManagedKVPool):
         if config.host_block_count <= 0:
             raise ValueError(
                 "--kvcache-storage-backend needs a host tier to stage blocks through: give --swap-space "
-                "(GiB) or --num-host-blocks"
+                "(GiB, > 0)"
             )
         super().__init__(config, backend)
         self.storage_config = storage_config
@@ -165,9 +165,9 @@ class StorageKVPool(ManagedKVPool):
         self.tier.check_invariants()
         return self.manager.check_invariants()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
         # Finish what the last requests left: backups to host, then their puts (all bounded).
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + timeout_s
         while self.copies_in_flight and time.monotonic() < deadline:
             try:
                 self.complete_finished(wait=True)
@@ -175,7 +175,7 @@ class StorageKVPool(ManagedKVPool):
                 logger.warning("draining storage work at close failed", exc_info=True)
                 break
         try:
-            for job in self.storage_worker.close():
+            for job in self.storage_worker.close(timeout_s=max(0.0, deadline - time.monotonic())):
                 try:
                     self.tier.complete(job)
                 except ValueError:

@@ -116,10 +116,9 @@ class ServerProcess:
         return self.get_json("/health?verbose=1")["engine"]
 
     def stop(self, timeout_s: float = 30.0) -> Optional[int]:
-        """SIGTERM (uvicorn's graceful shutdown, which stops the engine), then SIGKILL.
+        """SIGTERM (the server's graceful shutdown, which stops the engine), then SIGKILL.
 
-        NOTE: uvicorn re-raises the signal after its graceful shutdown, so a clean stop
-        exits with -SIGTERM; SIGINT would do the same but print a KeyboardInterrupt trace.
+        A clean stop exits 0 (see ``entrypoints/openai/shutdown.py``).
         """
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode

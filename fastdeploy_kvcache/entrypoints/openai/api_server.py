@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fastdeploy_kvcache.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, BodyTooLarge
 from fastdeploy_kvcache.entrypoints.openai.engine_client import AsyncEngineClient
 from fastdeploy_kvcache.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy_kvcache.entrypoints.openai.protocol import (
@@ -41,6 +42,7 @@ from fastdeploy_kvcache.entrypoints.openai.protocol import (
     ModelList,
 )
 from fastdeploy_kvcache.entrypoints.openai.serving import ClientDisconnected, OpenAIServing, RequestError
+from fastdeploy_kvcache.entrypoints.openai.shutdown import DEFAULT_GRACE_S, GracefulServer, ShutdownPlan, run_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,21 @@ DEFAULT_PORT = 8188
 
 
 # ---------------------------------------------------------------------- flags
+def _at_least_zero(kind: type) -> Any:
+    """argparse ``type=``: a finite number >= 0 (anything else is a usage error, not a traceback)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (value >= 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Server flags (``--host``, ``--port``, ...) plus the engine's and the cache's flags.
 
@@ -74,6 +91,19 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--log-level", dest="log_level", default="info",
         choices=["critical", "error", "warning", "info", "debug"],
         help="Log level of fastdeploy_kvcache's own loggers (default: info).")
+    add("--graceful-shutdown-timeout", dest="graceful_shutdown_timeout", type=_at_least_zero(float),
+        default=DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help="On SIGTERM or SIGINT: new connections are refused, in-flight requests may finish for 3/4 of "
+             "this, those still running are then aborted (streams end cleanly), and the engine's shutdown "
+             "(pending storage writes) gets the rest; the process exits 0. Give the process manager more "
+             f"than this before it kills (default: {DEFAULT_GRACE_S:g}).")
+    add("--max-request-body-bytes", dest="max_request_body_bytes", type=_at_least_zero(int),
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="Larger request bodies get HTTP 413, before they are read when they declare their length, "
+             "else as soon as they pass it; 0: no limit (default: "
+             f"{DEFAULT_MAX_BODY_BYTES}, {DEFAULT_MAX_BODY_BYTES >> 20} MiB).")
     add_engine_cli_args(parser)
     return parser
 
@@ -159,6 +189,7 @@ def _reply(result: Any, stream: Optional[bool]) -> Response:
 def build_app(args: argparse.Namespace) -> FastAPI:
     """The FastAPI app; the engine is built and started in its lifespan, stopped at exit."""
     state: dict[str, Any] = {}
+    plan = ShutdownPlan(getattr(args, "graceful_shutdown_timeout", DEFAULT_GRACE_S))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -173,17 +204,28 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         metrics = ServerMetrics(names[0], client.get_stats)
         state.update(client=client, metrics=metrics, names=names,
                      serving=OpenAIServing(client, metrics, names))
+        plan.on_abort(client.end_inflight)
         client.start()
         logger.info("serving %s on http://%s:%s (max_model_len=%d)", ", ".join(names), args.host, args.port,
                     engine.max_model_len)
         try:
             yield
         finally:
-            logger.info("shutting down the engine")
-            await asyncio.to_thread(client.shutdown)
+            state["serving"].close()
+            budget = plan.engine_budget()
+            logger.info("shutting down the engine (within %.1f s)", budget)
+            if await run_bounded(client.shutdown, budget, "engine shutdown"):
+                logger.info("engine shut down")
 
     app = FastAPI(title="fastdeploy_kvcache OpenAI-compatible server", lifespan=lifespan)
+    app.state.shutdown_plan = plan
     _install_error_handlers(app)
+
+    async def reject_body(exc: BodyTooLarge, scope: Any, receive: Any, send: Any) -> None:
+        await error_response(exc.status_code, str(exc.detail))(scope, receive, send)
+
+    app.add_middleware(BodySizeLimit, on_reject=reject_body,
+                       max_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES))
 
     def serving() -> OpenAIServing:
         return state["serving"]
@@ -218,13 +260,20 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn handles both and runs the lifespan's shutdown)."""
+    """Serve until SIGTERM or SIGINT, then shut down gracefully and return (exit 0).
+
+    See :mod:`.shutdown` for what a signal does, and why the handlers need guarding.
+    """
     import uvicorn
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    server = GracefulServer(config, app.state.shutdown_plan)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # uvicorn's start-up failure status (it logged why)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
@@ -113,6 +114,14 @@ class RequestGroup:
     def finished(self) -> bool:
         return not self._unfinished
 
+    def end_early(self) -> int:
+        """Ask the engine to abort the unfinished sub-requests, but keep reading: each still
+        delivers its final output (``finish_reason`` "abort"), so a stream ends cleanly.
+        Returns how many were asked."""
+        for rid in self._unfinished:
+            self._engine.abort(rid)
+        return len(self._unfinished)
+
     def abort(self) -> None:
         """Abort every sub-request that has not finished (the engine frees its blocks)."""
         self._abandoned = True
@@ -122,17 +131,32 @@ class RequestGroup:
         self._unfinished.clear()
 
 
+class EngineDraining(RuntimeError):
+    """The server is shutting down: the engine takes no new requests."""
+
+
 class AsyncEngineClient:
     """Owns the engine's life cycle (start in the lifespan, shutdown at exit) for the server."""
 
     def __init__(self, engine: "LLMEngine") -> None:
         self.engine = engine
+        self._groups: "weakref.WeakSet[RequestGroup]" = weakref.WeakSet()
+        self._draining = False
 
     def start(self) -> None:
         self.engine.start()
 
-    def shutdown(self) -> None:
-        self.engine.shutdown()
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine within ``timeout_s`` (it flushes what the storage tier owes)."""
+        self._draining = True
+        self.engine.shutdown(timeout_s)
+
+    def end_inflight(self) -> int:
+        """Stop taking requests and end every one in flight (abort in the engine; their
+        responses still get their last output).  Call on the loop's thread.  Returns how
+        many engine requests were asked to stop."""
+        self._draining = True
+        return sum(group.end_early() for group in list(self._groups) if not group.finished)
 
     def submit(self, subs: list[SubRequest],
                on_abandoned_finish: Optional[Callable[["RequestOutput"], None]] = None) -> RequestGroup:
@@ -141,8 +165,11 @@ class AsyncEngineClient:
         Must be called from the event loop's thread.  ``on_abandoned_finish`` receives the
         final output of each sub-request that finishes after the group was aborted.
         """
+        if self._draining:
+            raise EngineDraining("the server is shutting down and takes no new requests")
         group = RequestGroup(self.engine, subs, on_abandoned_finish)
         group._submit()
+        self._groups.add(group)
         return group
 
     def get_stats(self) -> dict[str, Any]:

@@ -7,6 +7,11 @@ engine's ``RequestOutput`` stream into OpenAI responses or server-sent events.
 
 Every path that leaves before the engine request finishes (client disconnect, error,
 cancellation) aborts it, so the engine frees its blocks at its next step.
+
+Work that grows with a request's size stays off the event loop, so one huge prompt cannot
+stall every other client: tokenization and chat templating run on a small thread pool
+(the tokenizer releases the GIL), and a text prompt that cannot fit the context is refused
+before it is tokenized, from its UTF-8 length and the longest token of the vocabulary.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from starlette.requests import Request as HTTPRequest
 
 from fastdeploy_kvcache.entrypoints.openai.engine_client import (
     AsyncEngineClient,
+    EngineDraining,
     RequestGroup,
     SubRequest,
     first_token_latency,
@@ -49,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 # The most choices one request may ask for (n, or a list of prompts times n).
 MAX_CHOICES = 64
+# Threads that tokenize and render chat templates (off the event loop).
+TOKENIZER_THREADS = 2
 
 
 class RequestError(Exception):
@@ -118,11 +127,7 @@ def build_sampling_params(
     _reject_unsupported(req)
     if prompt_len == 0:
         raise RequestError(f"{prompt_param}: the prompt is empty", param=prompt_param)
-    if prompt_len >= max_model_len:
-        raise RequestError(
-            f"{prompt_param}: the prompt has {prompt_len} tokens; this model's maximum context length "
-            f"(--max-model-len) is {max_model_len}, which leaves no room to generate",
-            param=prompt_param, code="context_length_exceeded")
+    check_prompt_fits(prompt_len, max_model_len, prompt_param)
     room = max_model_len - prompt_len
     max_tokens = req.max_tokens
     param = "max_tokens"
@@ -174,6 +179,43 @@ def build_sampling_params(
         field = str(exc).split(":", 1)[0].strip()
         raise RequestError(str(exc), param=field if field.isidentifier() else None) from exc
     return params
+
+
+def check_prompt_fits(prompt_len: int, max_model_len: int, prompt_param: str, what: str = "") -> None:
+    """400 unless a prompt of ``prompt_len`` tokens leaves room to generate one.
+
+    ``what`` says how the length was found when it is a lower bound (from the text's bytes).
+    """
+    if prompt_len >= max_model_len:
+        raise RequestError(
+            f"{prompt_param}: the prompt has {what}{prompt_len} tokens; this model's maximum context length "
+            f"(--max-model-len) is {max_model_len}, which leaves no room to generate",
+            param=prompt_param, code="context_length_exceeded")
+
+
+def utf8_size(text: str, param: str) -> int:
+    """Bytes of ``text`` in UTF-8; 400 for a lone UTF-16 surrogate (JSON allows ``"\\ud800"``)."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            f"{param}: not valid Unicode text: a lone UTF-16 surrogate U+{ord(text[exc.start]):04X} at "
+            f"character {exc.start} (a \\uD800-\\uDFFF escape must be half of a pair)", param=param) from None
+
+
+def max_token_bytes(tokenizer: Any) -> Optional[int]:
+    """The most UTF-8 bytes one token's text spans (an upper bound), or None if unknown.
+
+    For the byte-level BPE tokenizers the engine builds, a token's string has one
+    character per input byte, so its UTF-8 length bounds the bytes it covers; hence a text
+    of B bytes has at least B / max_token_bytes tokens.
+    """
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= 0 or not hasattr(tokenizer, "convert_ids_to_tokens"):
+        return None
+    tokens = tokenizer.convert_ids_to_tokens(range(vocab))
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in tokens if t), default=0)
+    return longest or None
 
 
 def _with_seed(params: Any, seed: Optional[int]) -> Any:
@@ -235,6 +277,16 @@ class OpenAIServing:
         self.client = client
         self.metrics = metrics
         self.served_model_names = served_model_names
+        self.max_token_bytes = max_token_bytes(client.tokenizer)
+        # Its own pool: the default executor serves /metrics and /health?verbose=1, which
+        # must not queue behind a long tokenization.
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="fdkv-tokenize")
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     # ------------------------------------------------------------------ helpers
     def check_model(self, model: str) -> None:
@@ -250,28 +302,54 @@ class OpenAIServing:
                 raise RequestError(f"{param}: token id {t} at position {i} is out of range [0, {vocab})",
                                    param=param)
 
+    def _encode(self, text: str, param: str) -> list[int]:
+        """Token ids of a text prompt; refused first if its size alone shows it cannot fit."""
+        size = utf8_size(text, param)
+        if self.max_token_bytes:
+            check_prompt_fits(-(-size // self.max_token_bytes), self.client.max_model_len, param,
+                              what=f"{size} bytes of text, so at least ")
+        return self.client.tokenizer.encode(text)
+
     def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """The prompts as token ids, length-checked before any range check (runs off the loop)."""
         p = req.prompt
-        tok = self.client.tokenizer
         if isinstance(p, str):
-            prompts = [tok.encode(p)]
+            prompts = [self._encode(p, "prompt")]
         elif not p:
             raise RequestError("prompt: must not be an empty list", param="prompt")
         elif all(isinstance(x, int) for x in p):
             prompts = [list(p)]  # type: ignore[arg-type]
         elif all(isinstance(x, str) for x in p):
-            prompts = [tok.encode(x) for x in p]  # type: ignore[arg-type]
+            prompts = [self._encode(x, "prompt") for x in p]  # type: ignore[arg-type]
         else:
             prompts = [list(x) for x in p]  # type: ignore[union-attr]
         for ids in prompts:
+            if ids:
+                check_prompt_fits(len(ids), self.client.max_model_len, "prompt")
             self._check_token_ids(ids, "prompt")
         return prompts
 
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The messages rendered by the chat template, as token ids (runs off the loop)."""
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        # Every template renders each message's content, so their bytes bound the prompt's.
+        size = sum(utf8_size(m["content"], f"messages[{i}].content") for i, m in enumerate(messages))
+        if self.max_token_bytes:
+            check_prompt_fits(-(-size // self.max_token_bytes), self.client.max_model_len, "messages",
+                              what=f"{size} bytes of message text, so at least ")
+        try:
+            return list(self.client.tokenizer.apply_chat_template(messages))
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+            raise RequestError(f"messages: the chat template failed: {exc}", param="messages") from exc
+
+    def _check_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > MAX_CHOICES:
+            raise RequestError(f"n: at most {MAX_CHOICES} choices per request (prompts x n), got "
+                               f"{num_prompts * n}", param="n")
+
     def _submit(self, prompts: list[list[int]], req: Union[CompletionRequest, ChatCompletionRequest],
                 prompt_param: str) -> RequestGroup:
-        if len(prompts) * req.n > MAX_CHOICES:
-            raise RequestError(f"n: at most {MAX_CHOICES} choices per request (prompts x n), got "
-                               f"{len(prompts) * req.n}", param="n")
+        self._check_choices(len(prompts), req.n)
         params_per_prompt = [build_sampling_params(req, len(ids), self.client.max_model_len, prompt_param,
                                                    self.client.max_request_tokens)
                              for ids in prompts]
@@ -281,6 +359,8 @@ class OpenAIServing:
             return self.client.submit(subs, on_abandoned_finish=lambda out: self.metrics.observe_finished(out, None))
         except ValueError as exc:  # the engine's own validation (contract: a clear message)
             raise RequestError(str(exc), param=prompt_param) from exc
+        except EngineDraining as exc:
+            raise RequestError(str(exc), status=503, type_="server_error", code="shutting_down") from exc
 
     async def _outputs(self, group: RequestGroup, arrival: float) -> AsyncIterator[tuple[int, Any]]:
         """The group's outputs, with metrics recorded; aborts the group if left early."""
@@ -344,7 +424,10 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest, raw: HTTPRequest) -> Any:
         arrival = time.monotonic()
         self.check_model(req.model)
-        prompts = self._completion_prompts(req)
+        p = req.prompt
+        single = isinstance(p, str) or bool(p) and all(isinstance(x, int) for x in p)  # type: ignore[union-attr]
+        self._check_choices(1 if single else len(p), req.n)  # before tokenizing every prompt
+        prompts = await self._off_loop(self._completion_prompts, req)
         group = self._submit(prompts, req, "prompt")
         if req.stream:
             return self._completion_stream(req, group, arrival)
@@ -383,11 +466,7 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: HTTPRequest) -> Any:
         arrival = time.monotonic()
         self.check_model(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            ids = list(self.client.tokenizer.apply_chat_template(messages))
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
-            raise RequestError(f"messages: the chat template failed: {exc}", param="messages") from exc
+        ids = await self._off_loop(self._chat_prompt, req)
         group = self._submit([ids], req, "messages")
         if req.stream:
             return self._chat_stream(req, group, arrival)
