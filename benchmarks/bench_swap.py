@@ -1,7 +1,7 @@
 """Bandwidth of the KV swap ops on a GPU (CuPy memory + the CUDA C ABI).
 
 64 layers, random block ids, block sizes 4 KiB .. 2 MiB; per-layer calls (one per layer),
-layer-group calls (one ``swap_layer_groups`` call per stack with an event recorded after each
+layer-group calls (one ``LayerStackCall.run`` per stack with an event recorded after each
 layer: how the worker's layer-by-layer load issues it), all-layers calls (one per step), and
 the worker's own pairing (``--apis worker``: loads as layer stacks, evictions and backups as
 one all-layer call on the worker's device-to-host path, ``FDKV_D2H_COPY_PATH``); host to
@@ -241,9 +241,9 @@ class SizeBench:
         (d_a, h_a), (d_b, h_b) = self.ids[ids]
         jobs = []  # (mode, dev ids, host ids, stream)
         if direction in ("h2d", "both"):
-            jobs.append((ops.MODE_H2D, d_a, h_a, s_h2d))
+            jobs.append((ops.CopyDirection.HOST_TO_DEVICE, d_a, h_a, s_h2d))
         if direction in ("d2h", "both"):
-            jobs.append((ops.MODE_D2H, d_b if direction == "both" else d_a, h_b if direction == "both" else h_a, s_d2h))
+            jobs.append((ops.CopyDirection.DEVICE_TO_HOST, d_b if direction == "both" else d_a, h_b if direction == "both" else h_a, s_d2h))
 
         if api == "all_layers":
             def run() -> int:
@@ -261,12 +261,12 @@ class SizeBench:
             def run() -> int:
                 used = 0
                 for mode, d, h, s in jobs:  # one call per direction; an event behind each layer
-                    if mode == ops.MODE_D2H and d2h_path is not None:
+                    if mode == ops.CopyDirection.DEVICE_TO_HOST and d2h_path is not None:
                         capi.swap_all_layers(self.table, None, 0, 0, self.pool, d, h, mode, stream=s.ptr,
                                              path=d2h_path)
                     else:
-                        capi.swap_layer_groups(self.table, None, 1, 0, 0, self.pool, d, h, mode, stream=s.ptr,
-                                               events=events if mode == ops.MODE_H2D else None)
+                        capi.layer_stack_call(None, self.table, None, 1, 0, 0, self.pool, mode, stream=s.ptr).run(
+                            d, h, events=events if mode == ops.CopyDirection.HOST_TO_DEVICE else None)
                     used |= capi.last_path()
                 return used
         else:

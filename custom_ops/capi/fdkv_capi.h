@@ -33,7 +33,7 @@ FDKV_API int fdkv_host_free(void* ptr);
 // ABI version: 2 added the trailing `path` argument of the swap functions; 3 the error
 // fields (fdkv_last_error_fields, fdkv_clear_error), fdkv_parse_env, FDKV_ERR_NO_MEMORY and
 // num_host_blocks = -1 (the size fdkv_host_alloc recorded); 4 fdkv_read_files; 5 fdkv_swap_layer_groups;
-// 6 fdkv_launch_layer_groups, the launcher and the progress state.  ops.py
+// 6 fdkv_launch_layer_groups, the launcher and the progress state.  fastdeploy_kvcache/ops
 // checks it, so a library built from older sources fails loudly instead of misbehaving.
 #define FDKV_ABI_VERSION 6
 FDKV_API int fdkv_abi_version(void);

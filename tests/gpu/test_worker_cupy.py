@@ -389,8 +389,9 @@ def test_a_queued_load_keeps_its_fence_events_alive(compute) -> None:
     busy_stream = cp.cuda.Stream(non_blocking=True)
     busy = capi.group_progress()
     try:
-        capi.launch_layer_groups(tm._stack_launcher, [busy_dev.data.ptr] * groups, [busy_host] * groups, 1, 1, 256,
-                                 1, [0], [0], ops.MODE_H2D, busy, stream=busy_stream.ptr, inline_groups=0)
+        capi.layer_stack_call(tm._stack_launcher, [busy_dev.data.ptr] * groups, [busy_host] * groups, 1, 1, 256, 1,
+                              ops.CopyDirection.HOST_TO_DEVICE, stream=busy_stream.ptr,
+                              inline_groups=0).launch([0], [0], busy)
         meta = swap_in([0], [5])
         counter = ctrl.submit_swap_tasks(None, meta)
         assert not busy.is_closed()  # the load is queued behind the busy stack

@@ -13,8 +13,7 @@ from typing import Any, Optional
 import pytest
 
 from fastdeploy_kvcache import ops
-from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
-from fastdeploy_kvcache.worker.backends import MODE_D2H, MODE_H2D
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection, TransferKind
 
 from worker_helpers import block_seed, capi_or_skip, fill_block, paddle_ops_or_skip, small_config
 
@@ -71,8 +70,8 @@ def test_evictions_and_backups_default_to_dma_loads_follow_the_process_option(
     try:
         calls = _spy(ctrl)
         _step(ctrl)
-        assert [p for m, p in calls if m == MODE_D2H] == [ops.COPY_PATH_DMA] * 2
-        assert {p for m, p in calls if m == MODE_H2D} == {ops.COPY_PATH_PROCESS}
+        assert [p for m, p in calls if m == CopyDirection.DEVICE_TO_HOST] == [ops.COPY_PATH_DMA] * 2
+        assert {p for m, p in calls if m == CopyDirection.HOST_TO_DEVICE} == {ops.COPY_PATH_PROCESS}
         stats = ctrl.get_stats()
         assert stats["d2h_copy_path"] == "dma"
         # the CPU implementation ignores the path and says so
@@ -88,7 +87,7 @@ def test_env_var_picks_the_d2h_path(name: str, code: int, monkeypatch: pytest.Mo
     try:
         calls = _spy(ctrl)
         _step(ctrl)
-        assert {p for m, p in calls if m == MODE_D2H} == {code}
+        assert {p for m, p in calls if m == CopyDirection.DEVICE_TO_HOST} == {code}
         assert ctrl.get_stats()["d2h_copy_path"] == name.lower()
     finally:
         ctrl.close()
