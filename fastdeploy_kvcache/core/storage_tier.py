@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from fastdeploy_kvcache.core.block_pool import BlockPool, BlockPoolError
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, TransferKind, next_task_id
+from fastdeploy_kvcache.core.storage_status import Status
 
 logger = logging.getLogger(__name__)
 
@@ -594,8 +595,6 @@ class StorageTier:
 
 
 def _status_kind(r: int) -> str:
-    from fastdeploy_kvcache.storage.base import Status
-
     try:
         return Status(r).kind
     except ValueError:
