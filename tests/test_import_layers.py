@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "envs": 0,
     "libpaths": 0,
     "processes": 0,
+    "cli_flags": 0,
     "core": 1,
     "ops": 2,
     "storage": 3,

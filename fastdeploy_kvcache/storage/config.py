@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from fastdeploy_kvcache.cli_flags import add_flag
 from fastdeploy_kvcache.storage import BACKENDS, make_storage_backend
 from fastdeploy_kvcache.storage.base import StorageBackend
 from fastdeploy_kvcache.storage.mooncake_backend import parse_size
@@ -97,25 +98,26 @@ class StorageConfig:
 
 
 def add_storage_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--kvcache-storage-*`` flags (dest ``kvcache_storage_<field>``)."""
+    """Add ``--kvcache-storage-*`` flags (dest ``kvcache_storage_<field>``); a flag the parser
+    defines already keeps its own meaning there (:func:`~fastdeploy_kvcache.cli_flags.add_flag`)."""
     g = parser.add_argument_group("KV cache storage tier (fastdeploy_kvcache.storage)")
-    g.add_argument("--kvcache-storage-backend", dest="kvcache_storage_backend", choices=BACKENDS, default=None,
-                   help="Third tier below host memory: file (a directory) or mooncake (MOONCAKE_* env). Off if unset.")
-    g.add_argument("--kvcache-storage-path", dest="kvcache_storage_path", default=None,
-                   help="Directory of the file backend.")
-    g.add_argument("--kvcache-storage-size", dest="kvcache_storage_size", default=None,
-                   help="Byte cap of the file backend (e.g. 200GB; 0: only the free-space floor). LRU eviction.")
-    g.add_argument("--kvcache-storage-min-free", dest="kvcache_storage_min_free", default=None,
-                   help="Free disk space the file backend never uses (default 1GB).")
-    g.add_argument("--kvcache-storage-write-policy", dest="kvcache_storage_write_policy",
-                   choices=STORAGE_WRITE_POLICIES, default=None,
-                   help="write_through: store when backed up to host; write_back: when evicted from host.")
-    g.add_argument("--kvcache-storage-prefetch-policy", dest="kvcache_storage_prefetch_policy",
-                   choices=PREFETCH_POLICIES, default=None,
-                   help="best_effort: use what arrived; wait_complete: wait for all; timeout: wait up to "
-                        "base + per-ktoken * tokens seconds.")
-    g.add_argument("--kvcache-storage-prefetch-timeout-base", dest="kvcache_storage_prefetch_timeout_base_s",
-                   type=float, default=None, help="timeout policy: seconds for any prefetch (default 0.05).")
-    g.add_argument("--kvcache-storage-prefetch-timeout-per-ktoken", dest="kvcache_storage_prefetch_timeout_per_ktoken_s",
-                   type=float, default=None, help="timeout policy: extra seconds per 1000 tokens (default 0.01).")
+    add_flag(g, "--kvcache-storage-backend", dest="kvcache_storage_backend", choices=BACKENDS, default=None,
+             help="Third tier below host memory: file (a directory) or mooncake (MOONCAKE_* env). Off if unset.")
+    add_flag(g, "--kvcache-storage-path", dest="kvcache_storage_path", default=None,
+             help="Directory of the file backend.")
+    add_flag(g, "--kvcache-storage-size", dest="kvcache_storage_size", default=None,
+             help="Byte cap of the file backend (e.g. 200GB; 0: only the free-space floor). LRU eviction.")
+    add_flag(g, "--kvcache-storage-min-free", dest="kvcache_storage_min_free", default=None,
+             help="Free disk space the file backend never uses (default 1GB).")
+    add_flag(g, "--kvcache-storage-write-policy", dest="kvcache_storage_write_policy",
+             choices=STORAGE_WRITE_POLICIES, default=None,
+             help="write_through: store when backed up to host; write_back: when evicted from host.")
+    add_flag(g, "--kvcache-storage-prefetch-policy", dest="kvcache_storage_prefetch_policy",
+             choices=PREFETCH_POLICIES, default=None,
+             help="best_effort: use what arrived; wait_complete: wait for all; timeout: wait up to "
+                  "base + per-ktoken * tokens seconds.")
+    add_flag(g, "--kvcache-storage-prefetch-timeout-base", dest="kvcache_storage_prefetch_timeout_base_s",
+             type=float, default=None, help="timeout policy: seconds for any prefetch (default 0.05).")
+    add_flag(g, "--kvcache-storage-prefetch-timeout-per-ktoken", dest="kvcache_storage_prefetch_timeout_per_ktoken_s",
+             type=float, default=None, help="timeout policy: extra seconds per 1000 tokens (default 0.01).")
     return parser
