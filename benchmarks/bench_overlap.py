@@ -12,7 +12,7 @@ one layer's host->device load.  Measured on the compute stream (CUDA events), me
 * compute slowdown while device->host backups run at full rate on the output stream
   (target <= 3%), and the delay a write_back eviction's rule-2 fence adds to compute;
 * the hidden fraction of a step whose submit carries a backup as large as the load, as
-  configured (``FDKV_BACKUPS_AFTER_LOADS``: the backup starts once the load landed) and
+  configured (the worker's ``backups_after_loads``: the backup starts once the load landed) and
   with the backup beside the load (both directions on the link at once);
 * a timeline of one overlapped step: per layer, how long the compute stream stalled
   waiting for the layer's load;
@@ -27,7 +27,7 @@ Usage (on the device tool, after ``bash build.sh gpu``)::
 
 ``--copy-paths`` sets the process-wide ``copy_path`` option, which the loads follow; the
 worker's device->host copies take their own per-call path (``--d2h-copy-path``, default
-FDKV_D2H_COPY_PATH = dma).  ``--d2h-copy-path process`` gives the behaviour before the
+the worker's, dma).  ``--d2h-copy-path process`` gives the behaviour before the
 per-call path existed (evictions on the process-wide rule too).
 """
 
@@ -73,7 +73,7 @@ def parse_args() -> argparse.Namespace:
                         "allocator hands them out) or 'scattered' (random: the worst case); device ids are "
                         "always scattered")
     p.add_argument("--d2h-copy-path", default=None, choices=["dma", "auto", "kernel", "staged", "process"],
-                   help="the worker's device->host copy path (default: FDKV_D2H_COPY_PATH, i.e. dma); "
+                   help="the worker's device->host copy path (default: the worker's, dma); "
                         "'process' follows --copy-paths like loads do")
     p.add_argument("--fence-blocks", type=int, default=8, help="blocks of the write_back eviction fence row")
     p.add_argument("--json", default="", help="write the results here too")
@@ -434,7 +434,7 @@ def main() -> int:
         def overlapped_with_backups() -> None:
             forward(ctrl.submit_swap_tasks(backup_meta(), load_meta()))
 
-        configured = tm.backups_after_loads  # FDKV_BACKUPS_AFTER_LOADS
+        configured = tm.backups_after_loads  # the worker's default
 
         def overlapped_beside_backups() -> None:
             tm.backups_after_loads = False

@@ -234,12 +234,12 @@ def test_env_switch_parses_booleans(monkeypatch: pytest.MonkeyPatch) -> None:
         envs.enable_v1_kvcache_manager()
 
 
-def test_env_int_parsing_names_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FDKV_COPY_GRID", "x")
-    with pytest.raises(ValueError, match="FDKV_COPY_GRID"):
-        envs.get("FDKV_COPY_GRID")
-    monkeypatch.setenv("FDKV_COPY_GRID", "4")
-    assert envs.get("FDKV_COPY_GRID") == 4
+def test_env_number_parsing_names_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FDKV_LAYER_WAIT_TIMEOUT_S", "x")
+    with pytest.raises(ValueError, match="FDKV_LAYER_WAIT_TIMEOUT_S"):
+        envs.get("FDKV_LAYER_WAIT_TIMEOUT_S")
+    monkeypatch.setenv("FDKV_LAYER_WAIT_TIMEOUT_S", " 4 ")
+    assert envs.get("FDKV_LAYER_WAIT_TIMEOUT_S") == 4.0
 
 
 def test_readme_lists_every_env_var_with_its_default() -> None:
@@ -250,3 +250,6 @@ def test_readme_lists_every_env_var_with_its_default() -> None:
     for var in envs.ENV_VARS.values():
         row = f"| `{var.name}` | `{var.default or '(unset)'}` |"
         assert row in readme, f"README.md env-var table lacks or misstates {var.name}"
+    section = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
+    assert listed == set(envs.ENV_VARS), "README.md lists a variable the library does not read"

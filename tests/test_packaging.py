@@ -128,9 +128,9 @@ print("installed package OK:", pkg)
 
 def _require_ops() -> bool:
     """FDKV_REQUIRE_OPS (CI): fail instead of skipping when the build cannot include the ops."""
-    from fastdeploy_kvcache import envs
+    from skip_helpers import env_switch
 
-    return bool(envs.get("FDKV_REQUIRE_OPS"))
+    return env_switch("FDKV_REQUIRE_OPS")
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from fastdeploy_kvcache import config as _config
+from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.cli_flags import add_flag
 from fastdeploy_kvcache.config import WRITE_POLICIES, CacheConfig, add_cli_args
 
@@ -29,7 +30,7 @@ SPLITWISE_ROLES = ("mixed", "prefill", "decode")  # engine/pd.py ROLES
 
 def default_model_cache_dir() -> str:
     """Where converted models live: ``$FDKV_MODEL_CACHE_DIR`` or ``~/.cache/fastdeploy_kvcache/models``."""
-    env = os.environ.get("FDKV_MODEL_CACHE_DIR")
+    env = str(envs.get("FDKV_MODEL_CACHE_DIR"))
     if env:
         return env
     return os.path.join(os.path.expanduser("~"), ".cache", "fastdeploy_kvcache", "models")

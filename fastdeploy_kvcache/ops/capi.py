@@ -76,8 +76,6 @@ def _declare_abi(lib: ctypes.CDLL) -> None:
     lib.fdkv_last_error_fields.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p), _C_INT64_P]
     lib.fdkv_clear_error.restype = None
     lib.fdkv_clear_error.argtypes = []
-    lib.fdkv_parse_env.restype = i32
-    lib.fdkv_parse_env.argtypes = [ctypes.c_char_p, ctypes.c_char_p, _C_INT64_P]
     lib.fdkv_is_cuda.restype = i32
     lib.fdkv_is_cuda.argtypes = []
     lib.fdkv_abi_version.restype = i32
@@ -200,15 +198,6 @@ class CApi:
             return
         raise self.error_from_last() or RuntimeError(f"fdkv: status {rc} without an error message")
 
-    def parse_env(self, name: str, raw: str) -> int:
-        """Parse ``raw`` as the value of the FDKV_* variable ``name`` by the library's own
-        rule (the one it applies to its environment); :class:`SwapOpError` naming ``name``
-        if bad.  Copy path names come back as their COPY_PATH_* values."""
-        out = ctypes.c_int64()
-        self._check(self._lib.fdkv_parse_env(name.encode(), raw.encode("utf-8", "surrogateescape"),
-                                             ctypes.byref(out)))
-        return int(out.value)
-
     # ---------------------------------------------------------------- pinned memory
     def host_alloc(self, nbytes: int, flags: int = 0) -> int:
         """Pinned host memory (``cudaHostAlloc``), or 4 KiB-aligned memory without CUDA.
@@ -234,10 +223,11 @@ class CApi:
 
     # ---------------------------------------------------------------- options
     def set_option(self, name: str, value: int) -> None:
-        """Set a process-wide copy option of this library (defaults come from the FDKV_*
-        environment variables, see envs.py): ``copy_grid`` (kernel CTAs), ``copy_path``
-        (0 auto, 1 kernel, 2 dma), ``dma_min_bytes``, ``merge_min_bytes``,
-        ``dma_slice_bytes``, ``copy_kernel`` (0-3), ``kernel_tables`` (0/1).
+        """Set a process-wide copy option of this library: the one way to change one
+        (each starts at its measured default; the environment is not read; docs/ops.md,
+        "Options").  ``copy_grid`` (kernel CTAs), ``copy_path`` (0 auto, 1 kernel, 2 dma,
+        3 staged), ``dma_min_bytes``, ``merge_min_bytes``, ``dma_slice_bytes``,
+        ``copy_kernel`` (0-3), ``kernel_tables`` (0/1).
 
         Staged path: ``staging_bytes``, ``staging_chunk_bytes``, ``staging_grid``,
         ``staged_min_bytes``, ``staging_mode``; DMA rows: ``dma_rows_min_lanes``,
@@ -245,7 +235,9 @@ class CApi:
         ``stack_span_min_bytes`` (docs/ops.md, "Layer groups") and, for tests,
         ``stack_fail_group``.
 
-        Meant for benchmarks and tests; an engine sets the environment instead.
+        Options are per library: the Paddle extension (:func:`paddle_ops_capi`) and the
+        standalone C ABI library each hold their own.  Meant for benchmarks, tests and
+        tuning; the defaults are what serving uses.
         """
         value = int_arg(value, "set_option", "value")  # ctypes would wrap 2**70 to 0
         self._check(self._lib.fdkv_set_option(name.encode(), value))

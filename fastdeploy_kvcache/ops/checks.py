@@ -22,8 +22,7 @@ class SwapOpError(ValueError):
     ``op``, ``argument`` and ``index`` name the offending op, argument and position
     (``index`` is ``None`` when the problem is not tied to one position, e.g. a bad mode).
     For an error found by the C++ core they are the values the core filled in
-    (``fdkv_last_error_fields``); the message repeats them for people.  A bad ``FDKV_*``
-    environment value read by the core has the variable's name as ``argument``.
+    (``fdkv_last_error_fields``); the message repeats them for people.
     """
 
     def __init__(self, message: str, op: str = "", argument: str = "", index: Optional[int] = None):

@@ -21,11 +21,11 @@ at one pitch (docs/ops.md, "Lanes at one pitch"), not a batch entry per tensor."
 # Per-call copy path (the ``path`` argument of every swap): which path this one call takes,
 # whatever the process-wide ``copy_path`` option says.  See docs/ops.md, "Which path runs when".
 COPY_PATH_PROCESS = -1
-"""Follow the process-wide ``copy_path`` option (FDKV_COPY_PATH / ``set_option``); the default."""
+"""Follow the process-wide ``copy_path`` option (``CApi.set_option``); the default."""
 COPY_PATH_AUTO = 0
 """The size rule: DMA batch for average copies >= dma_min_bytes, else the copy kernel."""
 COPY_PATH_KERNEL = 1
-"""The copy kernel (<= FDKV_COPY_GRID CTAs); merged runs >= merge_min_bytes still use memcpy."""
+"""The copy kernel (<= ``copy_grid`` CTAs); merged runs >= merge_min_bytes still use memcpy."""
 COPY_PATH_DMA = 2
 """The cudaMemcpyBatchAsync DMA batch: copy engines, no SMs (kernel on the legacy stream)."""
 COPY_PATH_STAGED = 3

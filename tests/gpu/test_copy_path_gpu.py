@@ -184,8 +184,7 @@ def _step(cupy, ctrl) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("process", [ops.COPY_PATH_KERNEL, ops.COPY_PATH_AUTO])
-def test_worker_evictions_use_dma_by_default(cupy, capi, process_path, monkeypatch, process) -> None:
-    monkeypatch.delenv("FDKV_D2H_COPY_PATH", raising=False)
+def test_worker_evictions_use_dma_by_default(cupy, capi, process_path, process) -> None:
     process_path(process)  # even a process-wide "kernel" does not put evictions on SMs
     ctrl = _worker()
     try:
@@ -200,10 +199,9 @@ def test_worker_evictions_use_dma_by_default(cupy, capi, process_path, monkeypat
 
 @pytest.mark.parametrize("setting,want", [("process", ops.PATH_KERNEL), ("kernel", ops.PATH_KERNEL),
                                           ("auto", ops.PATH_KERNEL), ("dma", ops.PATH_DMA)])
-def test_worker_d2h_path_is_configurable(cupy, capi, process_path, monkeypatch, setting, want) -> None:
+def test_worker_d2h_path_is_configurable(cupy, capi, process_path, setting, want) -> None:
     process_path(ops.COPY_PATH_AUTO)
-    monkeypatch.setenv("FDKV_D2H_COPY_PATH", setting)
-    ctrl = _worker()
+    ctrl = _worker(d2h_copy_path=setting)
     try:
         stats = _step(cupy, ctrl)
         assert stats["d2h"]["paths"] == want

@@ -78,7 +78,7 @@ ID_SETS = {
 def test_lanes_at_one_pitch_move_as_rows(cupy, capi, pinned, cuda_stream, ids, mode, block_bytes, gaps) -> None:
     dev, host, dev_ptrs, host_ptrs = _slab(cupy, capi, pinned, block_bytes, *gaps, seed=block_bytes + mode)
     d, h = ID_SETS[ids]
-    for path in ("dma", "auto"):  # auto: copies >= FDKV_DMA_MIN_BYTES at one pitch stay on DMA
+    for path in ("dma", "auto"):  # auto: copies >= dma_min_bytes at one pitch stay on DMA
         used = _swap(cupy, capi, cuda_stream(), dev, host, dev_ptrs, host_ptrs, block_bytes, d, h, mode, path)
         assert used == ROWS, f"{path}: last_path()={used}"
 

@@ -20,12 +20,13 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pytest
 
 from fastdeploy_kvcache import ops
+from fastdeploy_kvcache.worker.transfer_manager import TransferManager
 from swap_reference import PATTERNS, expected_after_swap, id_patterns
 
 pytestmark = pytest.mark.gpu
@@ -344,15 +345,15 @@ def test_two_threads_both_directions_at_once(cupy, capi, pinned) -> None:
 
 
 # ----------------------------------------------------------------------------- sanitizer
-def _sanitize(tool: str, script: str, env_extra: dict[str, str]) -> str:
+def _sanitize(tool: str, script: str, args: Sequence[str] = ()) -> str:
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not os.path.exists(exe):
         pytest.skip("needs compute-sanitizer (CUDA toolkit) on PATH or in /usr/local/cuda/bin")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), **env_extra)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     cmd = [exe, "--tool", tool, "--error-exitcode", "99"]
     if tool == "memcheck":
         cmd += ["--leak-check", "no"]
-    proc = subprocess.run(cmd + [sys.executable, str(Path(__file__).with_name(script))], capture_output=True,
+    proc = subprocess.run(cmd + [sys.executable, str(Path(__file__).with_name(script)), *args], capture_output=True,
                           text=True, env=env, timeout=500)
     out = proc.stdout + proc.stderr
     log_dir = os.environ.get("FDKV_SANITIZER_LOG_DIR")
@@ -368,19 +369,19 @@ def _sanitize(tool: str, script: str, env_extra: dict[str, str]) -> str:
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_sanitizer_staged_smoke(capi, tool: str) -> None:
-    out = _sanitize(tool, "staged_smoke.py", {})
+    out = _sanitize(tool, "staged_smoke.py")
     assert "staged smoke: ok" in out
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_sanitizer_worker_on_the_staged_path(capi, tool: str) -> None:
-    out = _sanitize(tool, "worker_sanitizer_smoke.py", {"FDKV_COPY_PATH": "staged", "FDKV_D2H_COPY_PATH": "staged"})
+    out = _sanitize(tool, "worker_sanitizer_smoke.py", ["--copy-path", "staged", "--d2h-copy-path", "staged"])
     assert "worker sanitizer smoke: ok" in out
 
 
 # ----------------------------------------------------------------------------- the worker
 # The ordering-rule race tests and the random trace, unchanged, re-run here with the
-# worker's loads (process copy_path) and evictions/backups (FDKV_D2H_COPY_PATH) on the
+# worker's loads (process copy_path) and evictions/backups (the worker's d2h copy path) on the
 # staged path: each still passes with its fence and fails with the fence switched off.
 from test_worker_cupy import (  # noqa: E402,F401  (collected again under this module's fixture)
     compute,
@@ -397,13 +398,14 @@ from test_worker_cupy import (  # noqa: E402,F401  (collected again under this m
 
 @pytest.fixture(autouse=True)
 def _worker_on_staged(request: Any, monkeypatch) -> Any:
-    """For the tests imported from test_worker_cupy: both directions on the staged path."""
+    """For the tests imported from test_worker_cupy: both directions on the staged path (the
+    process-wide option for loads, the workers' default d2h path for evictions and backups)."""
     if request.function.__module__ != "test_worker_cupy":
         yield
         return
     capi = ops.load_capi(variant="cuda")
     saved = capi.get_option("copy_path")
     capi.set_option("copy_path", ops.COPY_PATH_STAGED)
-    monkeypatch.setenv("FDKV_D2H_COPY_PATH", "staged")
+    monkeypatch.setattr(TransferManager, "DEFAULT_D2H_COPY_PATH", "staged")
     yield
     capi.set_option("copy_path", saved)

@@ -257,16 +257,3 @@ def test_capi_is_cpu_build(capi_cpu: ops.CApi) -> None:
 def test_missing_library_raises_clear_error(tmp_path) -> None:
     with pytest.raises(ops.OpsNotBuiltError, match="build.sh"):
         ops.load_capi(path=str(tmp_path / "nope.so"))
-
-
-def test_options_default_from_environment(capi_cpu: ops.CApi) -> None:
-    """The library reads FDKV_* once per process; a fresh process sees the variables."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("from fastdeploy_kvcache import ops; c = ops.load_capi(variant='cpu'); "
-            "print(c.get_option('copy_grid'), c.get_option('copy_path'), c.get_option('dma_min_bytes'))")
-    env = dict(os.environ, FDKV_COPY_GRID="3", FDKV_COPY_PATH="dma", FDKV_DMA_MIN_BYTES="4096")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["3", "2", "4096"]
