@@ -485,7 +485,7 @@ def main() -> int:
 
         def idle_call_us(p: int) -> tuple[float, float]:
             whole, native = [], []
-            c = capi._swap_args("bench", bench_table, 0, 0, None, total_blocks, ev_dev_p, ev_host_p, 0, p)
+            c = capi.swap_args("bench", bench_table, 0, 0, None, total_blocks, ev_dev_p, ev_host_p, 0, p)
             for _ in range(6):
                 cp.cuda.runtime.deviceSynchronize()
                 t0 = time.perf_counter()
@@ -494,7 +494,7 @@ def main() -> int:
                 t1 = time.perf_counter()
                 cp.cuda.runtime.deviceSynchronize()
                 t2 = time.perf_counter()
-                capi._lib.fdkv_swap_layers(b"bench", c.dev_ptrs, c.num_blocks, c.block_bytes, c.count, c.host_ptrs,
+                capi.lib.fdkv_swap_layers(b"bench", c.dev_ptrs, c.num_blocks, c.block_bytes, c.count, c.host_ptrs,
                                            c.num_host_blocks, c.dev_ids, c.num_dev_ids, c.host_ids, c.num_host_ids,
                                            c.mode, ctypes.c_void_p(tm.output_stream.ptr), 0, c.path)
                 t3 = time.perf_counter()

@@ -19,7 +19,7 @@ from fastdeploy_kvcache.ops.checks import (
     OpsNotBuiltError,
     StreamLike,
     SwapOpError,
-    id_array,
+    id_buffer,
     int_arg,
     is_int,
     per_tensor,
@@ -151,7 +151,7 @@ class CApi:
     """
 
     def __init__(self, lib: ctypes.CDLL, path: str):
-        self._lib = lib
+        self.lib = lib
         self.path = path
         # NOTE: a library built from older sources would silently ignore the trailing `path`
         # argument of the swaps (ctypes passes it, the C function never reads it): refuse it.
@@ -173,14 +173,14 @@ class CApi:
         library report through this too.
         """
         op, arg, index = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int64(-1)
-        code = int(self._lib.fdkv_last_error_fields(ctypes.byref(op), ctypes.byref(arg), ctypes.byref(index)))
-        message = (self._lib.fdkv_last_error() or b"").decode("utf-8", "replace")
+        code = int(self.lib.fdkv_last_error_fields(ctypes.byref(op), ctypes.byref(arg), ctypes.byref(index)))
+        message = (self.lib.fdkv_last_error() or b"").decode("utf-8", "replace")
         return (code, message, (op.value or b"").decode("utf-8", "replace"),
                 (arg.value or b"").decode("utf-8", "replace"), index.value if index.value >= 0 else None)
 
     def clear_error(self) -> None:
         """Reset the calling thread's last status (done before each Paddle op)."""
-        self._lib.fdkv_clear_error()
+        self.lib.fdkv_clear_error()
 
     def error_from_last(self) -> Optional[Exception]:
         """The exception for the calling thread's last failure; None if it succeeded."""
@@ -193,7 +193,8 @@ class CApi:
             return MemoryError(message)
         return RuntimeError(message or "fdkv: unknown error")
 
-    def _check(self, rc: int) -> None:
+    def check(self, rc: int) -> None:
+        """Raise the calling thread's last error for a failed status ``rc`` (no-op on success)."""
         if rc == _ERR_OK:
             return
         raise self.error_from_last() or RuntimeError(f"fdkv: status {rc} without an error message")
@@ -212,14 +213,14 @@ class CApi:
         if flags < 0:
             raise SwapOpError(f"cuda_host_alloc: flags = {flags} must be >= 0", "cuda_host_alloc", "flags", None)
         out = ctypes.c_void_p()
-        self._check(self._lib.fdkv_host_alloc(int(nbytes), flags, ctypes.byref(out)))
+        self.check(self.lib.fdkv_host_alloc(int(nbytes), flags, ctypes.byref(out)))
         return int(out.value or 0)
 
     def host_free(self, ptr: int) -> None:
         """Free memory from :meth:`host_alloc` (0 is a no-op; any other pointer this library
         did not hand out, or one already freed, is a :class:`SwapOpError`)."""
         ptr = ptr_arg(ptr, "cuda_host_free", "ptr")
-        self._check(self._lib.fdkv_host_free(ctypes.c_void_p(ptr)))
+        self.check(self.lib.fdkv_host_free(ctypes.c_void_p(ptr)))
 
     # ---------------------------------------------------------------- options
     def set_option(self, name: str, value: int) -> None:
@@ -240,7 +241,7 @@ class CApi:
         tuning; the defaults are what serving uses.
         """
         value = int_arg(value, "set_option", "value")  # ctypes would wrap 2**70 to 0
-        self._check(self._lib.fdkv_set_option(name.encode(), value))
+        self.check(self.lib.fdkv_set_option(name.encode(), value))
 
     def set_options(self, assignments: Sequence[str]) -> None:
         """:meth:`set_option` for each ``"name=value"`` string (the benchmarks' ``--option``
@@ -259,7 +260,7 @@ class CApi:
 
     def get_option(self, name: str) -> int:
         out = ctypes.c_int64()
-        self._check(self._lib.fdkv_get_option(name.encode(), ctypes.byref(out)))
+        self.check(self.lib.fdkv_get_option(name.encode(), ctypes.byref(out)))
         return int(out.value)
 
     def read_files(self, paths: Sequence[bytes], dsts: Sequence[int], sizes: Sequence[int],
@@ -281,23 +282,18 @@ class CApi:
         got = (ctypes.c_int64 * max(n, 1))()
         headers = bytearray(max(n * header_bytes, 1))
         hbuf = (ctypes.c_char * len(headers)).from_buffer(headers)
-        self._check(self._lib.fdkv_read_files(c_paths, n, c_dsts, c_sizes, ctypes.addressof(hbuf), header_bytes, got))
+        self.check(self.lib.fdkv_read_files(c_paths, n, c_dsts, c_sizes, ctypes.addressof(hbuf), header_bytes, got))
         del hbuf  # release the export so the bytearray stays resizable for the caller
         return headers, list(got[:n])
 
     def last_path(self) -> int:
         """Bit mask (PATH_*) of the copy paths the calling thread's last swap used."""
-        return int(self._lib.fdkv_last_path())
+        return int(self.lib.fdkv_last_path())
 
     def stream_synchronize(self, stream: StreamLike = 0) -> None:
-        self._check(self._lib.fdkv_stream_synchronize(ctypes.c_void_p(stream_handle(stream))))
+        self.check(self.lib.fdkv_stream_synchronize(ctypes.c_void_p(stream_handle(stream))))
 
     # ---------------------------------------------------------------- swaps
-    @staticmethod
-    def _ids(ids: IdsLike, op: str, name: str) -> tuple[Any, Any, int]:
-        arr = id_array(ids, op, name)
-        return arr, arr.ctypes.data_as(_C_INT64_P), int(arr.size)
-
     def _swap(
         self,
         entry: str,
@@ -314,16 +310,16 @@ class CApi:
         sync: bool,
         path: Union[int, str, None] = None,
     ) -> None:
-        a = self._swap_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, dev_ids, host_ids,
+        a = self.swap_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, dev_ids, host_ids,
                             mode, path, host_per_tensor=entry != "fdkv_swap_layout")
-        rc = getattr(self._lib, entry)(
+        rc = getattr(self.lib, entry)(
             op.encode(), a.dev_ptrs, a.num_blocks, a.block_bytes, a.count, a.host_ptrs, a.num_host_blocks,
             a.dev_ids, a.num_dev_ids, a.host_ids, a.num_host_ids, a.mode,
             ctypes.c_void_p(stream_handle(stream)), 1 if sync else 0, a.path,
         )
-        self._check(rc)
+        self.check(rc)
 
-    def _swap_args(
+    def swap_args(
         self,
         op: str,
         dev_ptrs: Union[Sequence[int], "TensorTable"],
@@ -339,14 +335,14 @@ class CApi:
     ) -> "_SwapArgs":
         """The C arguments every swap entry shares, checked and converted once.
         ``host_per_tensor``: one host pointer per tensor (every entry but the layout op's)."""
-        t = self._table_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, mode, path,
+        t = self.table_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, mode, path,
                              host_per_tensor)
-        d_keep, d_ptr, d_n = self._ids(dev_ids, op, "dev_ids")
-        h_keep, h_ptr, h_n = self._ids(host_ids, op, "host_ids")
+        d_keep, d_ptr, d_n = id_buffer(dev_ids, op, "dev_ids")
+        h_keep, h_ptr, h_n = id_buffer(host_ids, op, "host_ids")
         return _SwapArgs(t.dev_ptrs, t.num_blocks, t.block_bytes, t.count, t.host_ptrs, t.num_host_blocks, d_ptr,
                          d_n, h_ptr, h_n, t.mode, t.path, (d_keep, h_keep))
 
-    def _table_args(
+    def table_args(
         self,
         op: str,
         dev_ptrs: Union[Sequence[int], "TensorTable"],
@@ -358,7 +354,7 @@ class CApi:
         path: Union[int, str, None],
         host_per_tensor: bool = True,
     ) -> TableArgs:
-        """The id-independent part of :meth:`_swap_args` (what a :class:`LayerStackCall` keeps)."""
+        """The id-independent part of :meth:`swap_args` (what a :class:`LayerStackCall` keeps)."""
         code = copy_path_code(path, op)
         if host_per_tensor and host_ptrs is not None and len(host_ptrs) != len(dev_ptrs):
             raise SwapOpError(
@@ -496,7 +492,7 @@ class CApi:
 
 
 class _SwapArgs(NamedTuple):
-    """A swap's C arguments (``CApi._swap_args``), by name; ``keep`` holds the id buffers
+    """A swap's C arguments (``CApi.swap_args``), by name; ``keep`` holds the id buffers
     alive until the call returns."""
 
     dev_ptrs: Any

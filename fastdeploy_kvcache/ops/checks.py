@@ -106,6 +106,13 @@ def id_array(ids: IdsLike, op: str, name: str) -> Any:
     return np.asarray(checked_values(ids, bad), dtype=np.int64)
 
 
+def id_buffer(ids: IdsLike, op: str, name: str) -> tuple[Any, Any, int]:
+    """Checked ids as the C arguments of a call: ``(keep, pointer, count)``, where ``keep``
+    (the int64 array) must stay referenced until the call returns."""
+    arr = id_array(ids, op, name)
+    return arr, arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), int(arr.size)
+
+
 def checked_values(ids: Any, bad: Callable[..., SwapOpError]) -> list[int]:
     """The elements of a Python sequence of ids, each checked to be an int within int64."""
     try:

@@ -16,14 +16,14 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Union
 
-from fastdeploy_kvcache.ops.checks import IdsLike, StreamLike, SwapOpError, int_arg, ptr_arg, stream_handle
+from fastdeploy_kvcache.ops.checks import IdsLike, StreamLike, SwapOpError, id_buffer, int_arg, ptr_arg, stream_handle
 
 if TYPE_CHECKING:
     from fastdeploy_kvcache.ops.capi import CApi, TensorTable
 
 
 class TableArgs(NamedTuple):
-    """A swap's id-independent C arguments (``CApi._table_args``)."""
+    """A swap's id-independent C arguments (``CApi.table_args``)."""
 
     dev_ptrs: Any
     num_blocks: Any
@@ -100,7 +100,7 @@ class LayerStackCall:
             raise SwapOpError(f"{op}: launcher must be None or an open StackLauncher, got {launcher!r}",
                               op, "launcher", None)
         self._launcher = launcher
-        self._table = capi._table_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, mode,
+        self._table = capi.table_args(op, dev_ptrs, num_dev_blocks, block_bytes, host_ptrs, num_host_blocks, mode,
                                        path)
         self._stream = ctypes.c_void_p(stream_handle(stream))
 
@@ -134,15 +134,15 @@ class LayerStackCall:
         if progress is not None and (not isinstance(progress, GroupProgress) or progress.handle is None):
             raise SwapOpError(f"{op}: progress must be None or an open GroupProgress, got {progress!r}",
                               op, "progress", None)
-        d_keep, d_ptr, d_n = capi._ids(dev_ids, op, "dev_ids")
-        h_keep, h_ptr, h_n = capi._ids(host_ids, op, "host_ids")
+        d_keep, d_ptr, d_n = id_buffer(dev_ids, op, "dev_ids")
+        h_keep, h_ptr, h_n = id_buffer(host_ids, op, "host_ids")
         ev_arr, ev_n = handles_arg(events, op, "events")
-        rc = capi._lib.fdkv_swap_layer_groups(
+        rc = capi.lib.fdkv_swap_layer_groups(
             op.encode(), t.dev_ptrs, t.num_blocks, t.block_bytes, t.count, t.host_ptrs, t.num_host_blocks,
             self._group_size, d_ptr, d_n, h_ptr, h_n, t.mode, self._stream, ev_arr, ev_n,
             None if progress is None else progress.handle, 1 if sync else 0, t.path,
         )
-        capi._check(rc)  # (d_keep and h_keep held the id buffers through the call)
+        capi.check(rc)  # (d_keep and h_keep held the id buffers through the call)
 
     def launch(
         self,
@@ -182,17 +182,17 @@ class LayerStackCall:
             launcher = self._launcher.handle
             if launcher is None:
                 raise SwapOpError(f"{op}: the launcher is closed", op, "launcher", None)
-        d_keep, d_ptr, d_n = capi._ids(dev_ids, op, "dev_ids")
-        h_keep, h_ptr, h_n = capi._ids(host_ids, op, "host_ids")
+        d_keep, d_ptr, d_n = id_buffer(dev_ids, op, "dev_ids")
+        h_keep, h_ptr, h_n = id_buffer(host_ids, op, "host_ids")
         ev_arr, ev_n = handles_arg(events, op, "events")
         wait_arr, wait_n = handles_arg(waits, op, "waits")
-        rc = capi._lib.fdkv_launch_layer_groups(
+        rc = capi.lib.fdkv_launch_layer_groups(
             launcher, op.encode(), t.dev_ptrs, t.num_blocks, t.block_bytes, t.count, t.host_ptrs,
             t.num_host_blocks, self._group_size, d_ptr, d_n, h_ptr, h_n, t.mode, self._stream, ev_arr, ev_n,
             progress.handle, wait_arr, wait_n, ptr_arg(start_event, op, "start_event"),
             ptr_arg(done_event, op, "done_event"), t.path, self._inline_groups,
         )
-        capi._check(rc)  # (d_keep and h_keep held the id buffers through the call)
+        capi.check(rc)  # (d_keep and h_keep held the id buffers through the call)
 
 
 class GroupProgress:
@@ -207,7 +207,7 @@ class GroupProgress:
     def __init__(self, capi: "CApi") -> None:
         self._capi = capi
         out = ctypes.c_void_p()
-        capi._check(capi._lib.fdkv_progress_create(ctypes.byref(out)))
+        capi.check(capi.lib.fdkv_progress_create(ctypes.byref(out)))
         self.handle: Optional[int] = out.value
 
     def wait(self, at_least: int, timeout_s: float) -> int:
@@ -215,7 +215,7 @@ class GroupProgress:
         if self.handle is None:
             raise ValueError("GroupProgress.wait: the progress object is closed")
         done = ctypes.c_int64(0)
-        self._capi._check(self._capi._lib.fdkv_progress_wait(
+        self._capi.check(self._capi.lib.fdkv_progress_wait(
             self.handle, int(at_least), max(0, int(timeout_s * 1e6)), ctypes.byref(done)))
         return int(done.value)
 
@@ -228,7 +228,7 @@ class GroupProgress:
         """Whether every stream operation of the call is enqueued (or it failed and nothing
         more will be), waiting up to ``timeout_s`` for it."""
         closed = ctypes.c_int(0)
-        self._capi._check(self._capi._lib.fdkv_progress_wait_closed(
+        self._capi.check(self._capi.lib.fdkv_progress_wait_closed(
             self._open_handle("wait_closed"), max(0, int(timeout_s * 1e6)), ctypes.byref(closed)))
         return bool(closed.value)
 
@@ -239,7 +239,7 @@ class GroupProgress:
         """A snapshot: groups done, failed, closed, the ``PATH_*`` bits used, the failed group."""
         done, failed, closed, paths, group = (ctypes.c_int64(0), ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0),
                                               ctypes.c_int64(-1))
-        self._capi._check(self._capi._lib.fdkv_progress_state(
+        self._capi.check(self._capi.lib.fdkv_progress_state(
             self._open_handle("state"), ctypes.byref(done), ctypes.byref(failed), ctypes.byref(closed),
             ctypes.byref(paths), ctypes.byref(group)))
         return ProgressState(int(done.value), bool(failed.value), bool(closed.value), int(paths.value),
@@ -247,15 +247,15 @@ class GroupProgress:
 
     def error(self) -> str:
         """The call's failure message ("" if it has not failed)."""
-        return (self._capi._lib.fdkv_progress_error(self._open_handle("error")) or b"").decode("utf-8", "replace")
+        return (self._capi.lib.fdkv_progress_error(self._open_handle("error")) or b"").decode("utf-8", "replace")
 
     def abandon(self, error: str) -> None:
         """Fail and close the progress of a call that will not be launched (no-op once closed)."""
-        self._capi._check(self._capi._lib.fdkv_progress_abandon(self._open_handle("abandon"), error.encode()))
+        self._capi.check(self._capi.lib.fdkv_progress_abandon(self._open_handle("abandon"), error.encode()))
 
     def close(self) -> None:
         if self.handle is not None:
-            self._capi._lib.fdkv_progress_destroy(self.handle)
+            self._capi.lib.fdkv_progress_destroy(self.handle)
             self.handle = None
 
     def __del__(self) -> None:
@@ -284,7 +284,7 @@ class StackLauncher:
     def __init__(self, capi: "CApi") -> None:
         self._capi = capi
         out = ctypes.c_void_p()
-        capi._check(capi._lib.fdkv_launcher_create(ctypes.byref(out)))
+        capi.check(capi.lib.fdkv_launcher_create(ctypes.byref(out)))
         self.handle: Optional[int] = out.value
 
     def wait_idle(self, timeout_s: float) -> bool:
@@ -292,14 +292,14 @@ class StackLauncher:
         if self.handle is None:
             return True
         idle = ctypes.c_int(0)
-        self._capi._check(self._capi._lib.fdkv_launcher_wait_idle(self.handle, max(0, int(timeout_s * 1e6)),
+        self._capi.check(self._capi.lib.fdkv_launcher_wait_idle(self.handle, max(0, int(timeout_s * 1e6)),
                                                                  ctypes.byref(idle)))
         return bool(idle.value)
 
     def close(self) -> None:
         if self.handle is not None:
             handle, self.handle = self.handle, None
-            self._capi._check(self._capi._lib.fdkv_launcher_destroy(handle))
+            self._capi.check(self._capi.lib.fdkv_launcher_destroy(handle))
 
     def __del__(self) -> None:
         try:

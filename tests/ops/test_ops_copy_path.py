@@ -45,7 +45,7 @@ def test_copy_path_code_rejects_names_and_types(bad: Any) -> None:
 
 
 def test_abi_version_is_checked(capi_cpu: ops.CApi) -> None:
-    assert capi_cpu._lib.fdkv_abi_version() >= 2
+    assert capi_cpu.lib.fdkv_abi_version() >= 2
 
     class OldLibrary:  # a library built before the per-call path: no fdkv_abi_version
         pass

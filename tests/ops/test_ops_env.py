@@ -52,7 +52,7 @@ def test_the_core_sources_read_no_environment_variable() -> None:
 def test_options_start_at_their_defaults_whatever_the_environment(capi_cpu: ops.CApi) -> None:
     """A fresh process with the old tuning variables set still starts from the defaults;
     set_option is the one way to change an option."""
-    if hasattr(capi_cpu._lib, "fdkv_parse_env"):
+    if hasattr(capi_cpu.lib, "fdkv_parse_env"):
         pytest.skip(f"{capi_cpu.path} was built from sources that still read FDKV_* variables: "
                     "rebuild it with `bash build.sh`")
     code = ("from fastdeploy_kvcache import ops; c = ops.load_capi(variant='cpu'); "

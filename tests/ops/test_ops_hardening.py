@@ -224,7 +224,7 @@ def test_capi_host_alloc_rejects_sizes_that_cannot_be_allocated(capi_cpu: ops.CA
 def test_core_rejects_a_wrapped_size_passed_straight_to_the_abi(capi_cpu: ops.CApi) -> None:
     """The check lives in C++ too: a caller of the raw ABI gets an error, not a pointer."""
     out = ctypes.c_void_p()
-    rc = capi_cpu._lib.fdkv_host_alloc(2**64 - 1, 0, ctypes.byref(out))
+    rc = capi_cpu.lib.fdkv_host_alloc(2**64 - 1, 0, ctypes.byref(out))
     assert rc == 1 and not out.value
     code, _message, op, argument, index = capi_cpu.last_error()
     assert (code, op, argument, index) == (1, "cuda_host_alloc", "nbytes", None)
