@@ -89,7 +89,7 @@ class BuildPyWithLibs(build_py):
     def run(self) -> None:
         super().run()
         if getattr(self, "editable_mode", False):
-            return  # the checkout flow: ops.py finds build/ (bash build.sh builds it)
+            return  # the checkout flow: fastdeploy_kvcache/ops finds build/ (bash build.sh builds it)
         out = Path(self.build_lib) / LIB_SUBDIR
         out.mkdir(parents=True, exist_ok=True)
         info: dict = {"built": {}, "skipped": {}}

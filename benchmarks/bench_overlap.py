@@ -12,7 +12,7 @@ one layer's host->device load.  Measured on the compute stream (CUDA events), me
 * compute slowdown while device->host backups run at full rate on the output stream
   (target <= 3%), and the delay a write_back eviction's rule-2 fence adds to compute;
 * the hidden fraction of a step whose submit carries a backup as large as the load, as
-  configured (``FDKV_BACKUPS_AFTER_LOADS``: the backup starts once the load landed) and
+  configured (the worker's ``backups_after_loads``: the backup starts once the load landed) and
   with the backup beside the load (both directions on the link at once);
 * a timeline of one overlapped step: per layer, how long the compute stream stalled
   waiting for the layer's load;
@@ -27,7 +27,7 @@ Usage (on the device tool, after ``bash build.sh gpu``)::
 
 ``--copy-paths`` sets the process-wide ``copy_path`` option, which the loads follow; the
 worker's device->host copies take their own per-call path (``--d2h-copy-path``, default
-FDKV_D2H_COPY_PATH = dma).  ``--d2h-copy-path process`` gives the behaviour before the
+the worker's, dma).  ``--d2h-copy-path process`` gives the behaviour before the
 per-call path existed (evictions on the process-wide rule too).
 """
 
@@ -73,7 +73,7 @@ def parse_args() -> argparse.Namespace:
                         "allocator hands them out) or 'scattered' (random: the worst case); device ids are "
                         "always scattered")
     p.add_argument("--d2h-copy-path", default=None, choices=["dma", "auto", "kernel", "staged", "process"],
-                   help="the worker's device->host copy path (default: FDKV_D2H_COPY_PATH, i.e. dma); "
+                   help="the worker's device->host copy path (default: the worker's, dma); "
                         "'process' follows --copy-paths like loads do")
     p.add_argument("--fence-blocks", type=int, default=8, help="blocks of the write_back eviction fence row")
     p.add_argument("--json", default="", help="write the results here too")
@@ -434,7 +434,7 @@ def main() -> int:
         def overlapped_with_backups() -> None:
             forward(ctrl.submit_swap_tasks(backup_meta(), load_meta()))
 
-        configured = tm.backups_after_loads  # FDKV_BACKUPS_AFTER_LOADS
+        configured = tm.backups_after_loads  # the worker's default
 
         def overlapped_beside_backups() -> None:
             tm.backups_after_loads = False
@@ -485,7 +485,7 @@ def main() -> int:
 
         def idle_call_us(p: int) -> tuple[float, float]:
             whole, native = [], []
-            c = capi._swap_args("bench", bench_table, 0, 0, None, total_blocks, ev_dev_p, ev_host_p, 0, p)
+            c = capi.swap_args("bench", bench_table, 0, 0, None, total_blocks, ev_dev_p, ev_host_p, 0, p)
             for _ in range(6):
                 cp.cuda.runtime.deviceSynchronize()
                 t0 = time.perf_counter()
@@ -494,7 +494,7 @@ def main() -> int:
                 t1 = time.perf_counter()
                 cp.cuda.runtime.deviceSynchronize()
                 t2 = time.perf_counter()
-                capi._lib.fdkv_swap_layers(b"bench", c.dev_ptrs, c.num_blocks, c.block_bytes, c.count, c.host_ptrs,
+                capi.lib.fdkv_swap_layers(b"bench", c.dev_ptrs, c.num_blocks, c.block_bytes, c.count, c.host_ptrs,
                                            c.num_host_blocks, c.dev_ids, c.num_dev_ids, c.host_ids, c.num_host_ids,
                                            c.mode, ctypes.c_void_p(tm.output_stream.ptr), 0, c.path)
                 t3 = time.perf_counter()

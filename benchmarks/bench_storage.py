@@ -269,9 +269,9 @@ def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, wor
     mb = None
     mc_failed: dict[str, list[int]] = {"put": [], "get": [], "multi_put": [], "multi_get": []}
     if mooncake is not None:
-        from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend
+        from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
 
-        mb = MooncakeBackend(**mooncake, local_buffer_size=16 << 20, global_segment_size=0)
+        mb = MooncakeBackend(MooncakeConfig(**mooncake, local_buffer_size=16 << 20, global_segment_size=0))
         if not mb.wait_ready(30):
             raise RuntimeError(f"mooncake not ready: {mb.health()}")
         mb.register_buffer(staging, total)

@@ -1,10 +1,10 @@
 """Bandwidth of the KV swap ops on a GPU (CuPy memory + the CUDA C ABI).
 
 64 layers, random block ids, block sizes 4 KiB .. 2 MiB; per-layer calls (one per layer),
-layer-group calls (one ``swap_layer_groups`` call per stack with an event recorded after each
+layer-group calls (one ``LayerStackCall.run`` per stack with an event recorded after each
 layer: how the worker's layer-by-layer load issues it), all-layers calls (one per step), and
 the worker's own pairing (``--apis worker``: loads as layer stacks, evictions and backups as
-one all-layer call on the worker's device-to-host path, ``FDKV_D2H_COPY_PATH``); host to
+one all-layer call on the worker's device-to-host path, ``--d2h-copy-path``); host to
 device, device to host, and both at once on two streams; scattered and fully
 consecutive ids; every copy path (auto, kernel at several grid sizes, DMA batch).
 
@@ -39,7 +39,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fastdeploy_kvcache import envs, ops  # noqa: E402
+from fastdeploy_kvcache import ops  # noqa: E402
+from fastdeploy_kvcache.worker.transfer_manager import TransferManager  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _PATH_BITS = ((ops.PATH_MEMCPY, "memcpy"), (ops.PATH_KERNEL, "kernel"), (ops.PATH_DMA, "dma"),
@@ -58,7 +59,7 @@ COPY_PATH = {"auto": 0, "kernel": 1, "dma": 2, "staged": 3}
 # both sides consecutive (one merged run).
 ID_PATTERNS = ("scattered", "host_runs", "host_runs8", "consecutive")
 # Call shapes (Row.api).  "worker": loads as layer stacks, device-to-host as one all-layer
-# call on FDKV_D2H_COPY_PATH, the pairing the worker makes (not in the default matrix); its
+# call on --d2h-copy-path, the pairing the worker makes (not in the default matrix); its
 # device-to-host call keeps that path whatever --paths asks (the row's path is the load's).
 APIS = ("all_layers", "per_layer", "layer_groups", "worker")
 KERNEL_CHUNK, KERNEL_WARPS_PER_CTA, TMA_CHUNK = 8192, 16, 16384  # mirror swap_cuda.cu (CTA counts)
@@ -196,8 +197,10 @@ class SizeBench:
     """Buffers for one block size: L device layers and L pinned host layers, each a pool of
     blocks; two disjoint id sets so the two directions of a 'both' case never overlap."""
 
-    def __init__(self, cp, capi, layers: int, block_bytes: int, call_bytes: int, seed: int):
+    def __init__(self, cp, capi, layers: int, block_bytes: int, call_bytes: int, seed: int,
+                 d2h_copy_path: str = TransferManager.DEFAULT_D2H_COPY_PATH):
         self.cp, self.capi, self.layers, self.bb = cp, capi, layers, block_bytes
+        self.d2h_copy_path = d2h_copy_path
         self.n = max(1, call_bytes // (layers * block_bytes))
         self.pool = max(4 * self.n, self.n * 2 + 8)
         self.dev = cp.random.randint(0, 256, (layers, self.pool, block_bytes), dtype=cp.uint8)
@@ -241,9 +244,9 @@ class SizeBench:
         (d_a, h_a), (d_b, h_b) = self.ids[ids]
         jobs = []  # (mode, dev ids, host ids, stream)
         if direction in ("h2d", "both"):
-            jobs.append((ops.MODE_H2D, d_a, h_a, s_h2d))
+            jobs.append((ops.CopyDirection.HOST_TO_DEVICE, d_a, h_a, s_h2d))
         if direction in ("d2h", "both"):
-            jobs.append((ops.MODE_D2H, d_b if direction == "both" else d_a, h_b if direction == "both" else h_a, s_d2h))
+            jobs.append((ops.CopyDirection.DEVICE_TO_HOST, d_b if direction == "both" else d_a, h_b if direction == "both" else h_a, s_d2h))
 
         if api == "all_layers":
             def run() -> int:
@@ -256,17 +259,17 @@ class SizeBench:
             events = ops.HandleArray([e.ptr for e in self.events])  # converted once, as the worker's are
             # The worker never issues a device-to-host stack: its evictions and backups are one
             # all-layer call each, on its own device-to-host path (TransferManager).
-            d2h_path = ops.copy_path_code(str(envs.get("FDKV_D2H_COPY_PATH"))) if api == "worker" else None
+            d2h_path = ops.copy_path_code(self.d2h_copy_path) if api == "worker" else None
 
             def run() -> int:
                 used = 0
                 for mode, d, h, s in jobs:  # one call per direction; an event behind each layer
-                    if mode == ops.MODE_D2H and d2h_path is not None:
+                    if mode == ops.CopyDirection.DEVICE_TO_HOST and d2h_path is not None:
                         capi.swap_all_layers(self.table, None, 0, 0, self.pool, d, h, mode, stream=s.ptr,
                                              path=d2h_path)
                     else:
-                        capi.swap_layer_groups(self.table, None, 1, 0, 0, self.pool, d, h, mode, stream=s.ptr,
-                                               events=events if mode == ops.MODE_H2D else None)
+                        capi.layer_stack_call(None, self.table, None, 1, 0, 0, self.pool, mode, stream=s.ptr).run(
+                            d, h, events=events if mode == ops.CopyDirection.HOST_TO_DEVICE else None)
                     used |= capi.last_path()
                 return used
         else:
@@ -359,7 +362,7 @@ def run(args: argparse.Namespace) -> Optional[Report]:
         for rnd in range(args.rounds):
             reference(f"before pass {rnd + 1}")
             for bb in args.sizes:
-                bench = SizeBench(cp, capi, args.layers, bb, args.call_bytes, seed=bb)
+                bench = SizeBench(cp, capi, args.layers, bb, args.call_bytes, seed=bb, d2h_copy_path=args.d2h_copy_path)
                 for path, grid, variant, dslice, tables, chunk, scope in configs:
                     if scope in ("sweep", "per_layer") and path == "kernel" and bb >= args.kernel_max_bytes:
                         continue  # kernel sweeps only where auto picks the kernel
@@ -470,13 +473,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--sizes", default="8K,16K,32K,128K,512K,2M")
     parser.add_argument("--call-bytes", default="256M", help="bytes per direction per measured unit")
     parser.add_argument("--ref-bytes", default="1G")
-    parser.add_argument("--grid", type=int, default=8, help="kernel grid cap (FDKV_COPY_GRID) for the main rows")
+    parser.add_argument("--grid", type=int, default=8, help="kernel grid cap (option copy_grid) for the main rows")
     parser.add_argument("--paths", default="auto,kernel,dma,staged", help="copy paths of the full matrix")
     parser.add_argument("--ids", default=",".join(ID_PATTERNS), help="id patterns of the full matrix")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", help="set a C library option for this run (CApi.set_option), e.g. dma_rows_min_lanes=2; repeatable")
     parser.add_argument("--apis", default="all_layers,per_layer,layer_groups",
                         help="call shapes of the full matrix: all_layers, per_layer, layer_groups, worker (loads as "
-                             "layer stacks, device-to-host as one all-layer call on FDKV_D2H_COPY_PATH)")
+                             "layer stacks, device-to-host as one all-layer call on --d2h-copy-path)")
+    parser.add_argument("--d2h-copy-path", default=TransferManager.DEFAULT_D2H_COPY_PATH,
+                        choices=TransferManager.D2H_COPY_PATHS,
+                        help="--apis worker: the device-to-host copy path, as the worker's d2h_copy_path "
+                             f"(default {TransferManager.DEFAULT_D2H_COPY_PATH}, the worker's)")
     parser.add_argument("--staging-chunks", default="", help="extra staging chunk sizes (staged, host runs), e.g. 4M,32M")
     parser.add_argument("--grid-sweep", default="", help="extra kernel grid caps (all-layers, scattered), e.g. 4,16,32")
     parser.add_argument("--kernel-variants", default="", help="extra kernel variants to sweep, e.g. 1,2,3")

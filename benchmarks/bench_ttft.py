@@ -8,9 +8,9 @@ Weights are random and shared by all layers (436 MB, far beyond L2, so each laye
 streams its weights from HBM).  The KV cache is paged: blocks of 64 tokens, scattered
 device block ids, so attention gathers the request's blocks (the same cost for every
 source).  A host hit loads the prefix layer by layer on a load stream: ``--loaders launched``
-hands the whole stack to the library's launcher thread in one ``launch_layer_groups`` call
+hands the whole stack to the library's launcher thread in one ``LayerStackCall.launch``
 from the step's own thread, which enqueues the first layer itself (the worker's way);
-``groups`` issues it in one ``swap_layer_groups`` call from a Python loader thread (the
+``groups`` issues it in one ``LayerStackCall.run`` from a Python loader thread (the
 worker's way before); ``per-layer`` one ``swap_all_layers`` call of K and V per layer from a
 Python loader thread.  Each layer's event is recorded natively in the first two;
 ``--paths`` picks the copy path per call.  Layer i's
@@ -169,8 +169,8 @@ class Model:
 
         ``loader``: ``per-layer`` calls ``swap_all_layers`` once per layer (K and V) from
         Python and records the layer's event after it; ``groups`` issues the whole stack in
-        one ``swap_layer_groups`` call that records every layer's event natively; ``launched``
-        hands the stack to the library's launcher with one ``launch_layer_groups`` call from
+        one layer-stack ``run`` that records every layer's event natively; ``launched``
+        hands the stack to the library's launcher with one layer-stack ``launch`` from
         this thread (what the worker's CuPy backend does): no loader thread, and the "thread"
         returned only waits for the launch to close."""
         torch = self.torch
@@ -188,10 +188,11 @@ class Model:
                 e.record(stream)
             progress = self.capi.group_progress()
             # The load starts with the step: the launch's own fence (it is enqueued in order).
-            self.capi.launch_layer_groups(self.launcher, dev_ptrs, self.host, 2, self.pool, self.block_bytes,
-                                          self.nblocks, dev_ids, host_ids, ops.MODE_H2D, progress,
-                                          stream=stream.cuda_stream, events=[e.cuda_event for e in events],
-                                          waits=[start.cuda_event], path=path)
+            call = self.capi.layer_stack_call(self.launcher, dev_ptrs, self.host, 2, self.pool, self.block_bytes,
+                                              self.nblocks, ops.CopyDirection.HOST_TO_DEVICE,
+                                              stream=stream.cuda_stream, path=path)
+            call.launch(dev_ids, host_ids, progress, events=[e.cuda_event for e in events],
+                        waits=[start.cuda_event])
             return events, (lambda l: progress.wait(l + 1, 60.0)), _LaunchClosed(progress, self.used_paths, start)
 
         stream.wait_event(start)  # the load starts with the step
@@ -203,9 +204,10 @@ class Model:
             progress = self.capi.group_progress()
 
             def run_groups() -> None:
-                self.capi.swap_layer_groups(dev_ptrs, self.host, 2, self.pool, self.block_bytes, self.nblocks,
-                                            dev_ids, host_ids, ops.MODE_H2D, stream=stream.cuda_stream,
-                                            events=handles, path=path, progress=progress)
+                call = self.capi.layer_stack_call(None, dev_ptrs, self.host, 2, self.pool, self.block_bytes,
+                                                  self.nblocks, ops.CopyDirection.HOST_TO_DEVICE,
+                                                  stream=stream.cuda_stream, path=path)
+                call.run(dev_ids, host_ids, events=handles, progress=progress)
                 self.used_paths.append(self.capi.last_path())
 
             th = threading.Thread(target=run_groups)
@@ -216,7 +218,7 @@ class Model:
             for l in range(LAYERS):
                 self.capi.swap_all_layers([self.k[l].data_ptr(), self.v[l].data_ptr()],
                                           [self.host[2 * l], self.host[2 * l + 1]], self.pool, self.block_bytes,
-                                          self.nblocks, dev_ids, host_ids, ops.MODE_H2D, stream=stream.cuda_stream,
+                                          self.nblocks, dev_ids, host_ids, ops.CopyDirection.HOST_TO_DEVICE, stream=stream.cuda_stream,
                                           path=path)
                 self.used_paths.append(self.capi.last_path())
                 events[l].record(stream)
@@ -301,8 +303,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--new", default="1,128,2k")
     p.add_argument("--paths", default="auto,staged", help="copy paths of the host-hit load (per call)")
     p.add_argument("--loaders", default="launched,groups",
-                   help="how the host-hit load is issued: launched (one launch_layer_groups call from the step's "
-                        "thread, the worker's way), groups (one swap_layer_groups call from a loader thread) "
+                   help="how the host-hit load is issued: launched (one LayerStackCall.launch from the step's "
+                        "thread, the worker's way), groups (one LayerStackCall.run from a loader thread) "
                         "and/or per-layer (one Python call per layer from a loader thread)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--timeline", action="store_true",

@@ -14,6 +14,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from fastdeploy_kvcache.cli_flags import add_flag, existing_flag
+
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -274,26 +276,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     Every flag defaults to None ("not given"), so the CacheConfig defaults apply; the help
     text states them.  Range errors are argparse usage errors (exit status 2).
     """
-    # NOTE: argparse has no public "does this parser have option X" query; the option
-    # table it checks conflicts against (_option_string_actions) has kept its name since
-    # Python 2.7 and is what other frameworks' parsers read too.
-    existing: dict[str, argparse.Action] = getattr(parser, "_option_string_actions", {})
     group = parser.add_argument_group(
         "KV cache (fastdeploy_kvcache)",
         "Tiered KV cache; a flag the server already defines keeps its own meaning there.",
     )
     dests: dict[str, str] = {}
     for spec in CLI_FLAGS:
-        have = existing.get(spec.flag)
-        have_negative = existing.get(spec.negative) if spec.negative else None
+        have = existing_flag(parser, spec.flag)
+        have_negative = existing_flag(parser, spec.negative) if spec.negative else None
         if have is not None:
             dests[spec.field] = have.dest
         elif have_negative is not None:
             dests[spec.field] = have_negative.dest
         dest = dests.get(spec.field, spec.dest)
         if spec.negative is None:
-            if have is None:
-                group.add_argument(spec.flag, dest=dest, **spec.kwargs)
+            add_flag(group, spec.flag, dest=dest, **spec.kwargs)
             continue
         if have is None and have_negative is None:
             group.add_argument(spec.flag, dest=dest, action=argparse.BooleanOptionalAction, **spec.kwargs)

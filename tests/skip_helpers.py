@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The test suite's own switches (not the library's; envs.py holds those): FDKV_REQUIRE_OPS=1
+# (CI sets it) fails a test that needs the compiled ops instead of skipping it; FDKV_SOAK=1
+# runs the long hypothesis soak.
+TEST_SWITCHES = ("FDKV_REQUIRE_OPS", "FDKV_SOAK")
+
+
+def env_switch(name: str) -> bool:
+    """A test switch's value: 1/true/yes/on or 0/false/no/off/unset; anything else raises
+    naming the variable (a typo must not quietly turn a CI check off)."""
+    if name not in TEST_SWITCHES:
+        raise KeyError(f"{name} is not one of the test switches {TEST_SWITCHES}")
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"bad value for test switch {name}={os.environ[name]!r}: expected 0/1/true/false/yes/no/on/off")
 
 
 def cpu_capi_missing() -> "str | None":

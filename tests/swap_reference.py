@@ -6,11 +6,11 @@ the ops, so every test compares the op against the same definition.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from fastdeploy_kvcache.ops import MODE_D2H
+from fastdeploy_kvcache.core.metadata import CopyDirection
 
 PATTERNS = ["consecutive", "scattered", "reversed", "single", "empty", "runs"]
 
@@ -38,8 +38,19 @@ def expected_after_swap(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Copies of ``(dev, host)`` as a swap in ``mode`` must leave them (block = dim 0)."""
     want_dev, want_host = np.array(dev, copy=True), np.array(host, copy=True)
-    if mode == MODE_D2H:
+    if mode == CopyDirection.DEVICE_TO_HOST:
         want_host[host_ids] = want_dev[dev_ids]
     else:
         want_dev[dev_ids] = want_host[host_ids]
     return want_dev, want_host
+
+
+def run_stack(capi: Any, dev_ptrs: Any, host_ptrs: Any, group_size: int, num_dev_blocks: Any, block_bytes: Any,
+              num_host_blocks: int, dev_ids: Any, host_ids: Any, mode: int, *, stream: Any = 0,
+              events: Any = None, path: Any = None, progress: Any = None, sync: bool = False) -> None:
+    """One layer stack enqueued on the calling thread through the library's one entry point
+    (``capi.layer_stack_call(None, ...).run(...)``), with every argument in one call, the way
+    the stack tests state their cases."""
+    call = capi.layer_stack_call(None, dev_ptrs, host_ptrs, group_size, num_dev_blocks, block_bytes,
+                                 num_host_blocks, mode, stream=stream, path=path)
+    call.run(dev_ids, host_ids, events=events, progress=progress, sync=sync)

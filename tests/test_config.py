@@ -191,6 +191,26 @@ def test_add_cli_args_skips_flags_the_parser_already_has() -> None:
     assert CacheConfig.from_cli_args(parser.parse_args(["--block-size", "8"])).block_size == 8
 
 
+def test_the_server_engine_and_storage_flags_keep_a_host_parsers_own_flags() -> None:
+    """Each flag the host parser defines (FastDeploy's --port, one of the storage flags) keeps
+    its own default there; every other flag is added, and adding all of them twice is harmless."""
+    from fastdeploy_kvcache.cli_flags import add_flag, existing_flag
+    from fastdeploy_kvcache.entrypoints.openai.api_server import add_server_cli_args
+
+    parser = _fastdeploy_like_parser()
+    own_port = parser.add_argument("--port", type=int, default=9999, help="the host's port")
+    own_path = parser.add_argument("--kvcache-storage-path", dest="kvcache_storage_path", default="/host/kv",
+                                   help="the host's storage directory")
+    add_server_cli_args(parser)
+    add_server_cli_args(parser)
+    assert existing_flag(parser, "--port") is own_port
+    assert existing_flag(parser, "--kvcache-storage-path") is own_path
+    assert add_flag(parser, "--port", type=str) is own_port
+    args = parser.parse_args(["--kvcache-storage-backend", "file", "--model", "tiny-llama-random"])
+    assert (args.port, args.kvcache_storage_path, args.kvcache_storage_backend) == (9999, "/host/kv", "file")
+    assert existing_flag(parser, "--no-such-flag") is None
+
+
 def test_help_describes_every_flag() -> None:
     parser = add_cli_args(argparse.ArgumentParser(prog="serve"))
     text = " ".join(parser.format_help().split())
@@ -214,12 +234,12 @@ def test_env_switch_parses_booleans(monkeypatch: pytest.MonkeyPatch) -> None:
         envs.enable_v1_kvcache_manager()
 
 
-def test_env_int_parsing_names_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FDKV_COPY_GRID", "x")
-    with pytest.raises(ValueError, match="FDKV_COPY_GRID"):
-        envs.get("FDKV_COPY_GRID")
-    monkeypatch.setenv("FDKV_COPY_GRID", "4")
-    assert envs.get("FDKV_COPY_GRID") == 4
+def test_env_number_parsing_names_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FDKV_LAYER_WAIT_TIMEOUT_S", "x")
+    with pytest.raises(ValueError, match="FDKV_LAYER_WAIT_TIMEOUT_S"):
+        envs.get("FDKV_LAYER_WAIT_TIMEOUT_S")
+    monkeypatch.setenv("FDKV_LAYER_WAIT_TIMEOUT_S", " 4 ")
+    assert envs.get("FDKV_LAYER_WAIT_TIMEOUT_S") == 4.0
 
 
 def test_readme_lists_every_env_var_with_its_default() -> None:
@@ -230,3 +250,6 @@ def test_readme_lists_every_env_var_with_its_default() -> None:
     for var in envs.ENV_VARS.values():
         row = f"| `{var.name}` | `{var.default or '(unset)'}` |"
         assert row in readme, f"README.md env-var table lacks or misstates {var.name}"
+    section = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
+    assert listed == set(envs.ENV_VARS), "README.md lists a variable the library does not read"

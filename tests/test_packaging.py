@@ -64,26 +64,26 @@ rng = np.random.default_rng(7)
 dev = rng.integers(0, 256, (6, 64), dtype=np.uint8)
 host = np.zeros((8, 64), np.uint8)
 original = dev.copy()
-capi.swap_per_layer(dev.ctypes.data, 6, 64, host.ctypes.data, 8, [1, 4], [7, 0], ops.MODE_D2H)
+capi.swap_per_layer(dev.ctypes.data, 6, 64, host.ctypes.data, 8, [1, 4], [7, 0], ops.CopyDirection.DEVICE_TO_HOST)
 assert (host[7] == original[1]).all() and (host[0] == original[4]).all()
 dev[:] = 0
-capi.swap_per_layer(dev.ctypes.data, 6, 64, host.ctypes.data, 8, [1, 4], [7, 0], ops.MODE_H2D)
+capi.swap_per_layer(dev.ctypes.data, 6, 64, host.ctypes.data, 8, [1, 4], [7, 0], ops.CopyDirection.HOST_TO_DEVICE)
 assert (dev[1] == original[1]).all() and (dev[4] == original[4]).all() and not dev[0].any()
 
 # 2. The Paddle op, on a CPU tensor and host memory from ops.cuda_host_alloc.
 import paddle
 
-assert Path(ops._paddle_so_path()).parent == lib_dir, ops._paddle_so_path()
+assert Path(ops.paddle_ops.paddle_ops_path()).parent == lib_dir, ops.paddle_ops.paddle_ops_path()
 cache = paddle.to_tensor(rng.standard_normal((5, 2, 4, 8)).astype(np.float32))
 before = cache.numpy().copy()
 block_bytes = before[0].nbytes
 ptr = ops.cuda_host_alloc(4 * block_bytes)
 try:
     host_view = np.ctypeslib.as_array((ctypes.c_uint8 * (4 * block_bytes)).from_address(ptr)).reshape(4, block_bytes)
-    out = ops.swap_cache_per_layer(cache, ptr, 4, [3], [2], 0, ops.MODE_D2H)
+    out = ops.swap_cache_per_layer(cache, ptr, 4, [3], [2], 0, ops.CopyDirection.DEVICE_TO_HOST)
     assert out.data_ptr() == cache.data_ptr()
     assert host_view[2].tobytes() == before[3].tobytes()
-    ops.swap_cache_per_layer(cache, ptr, 4, [0], [2], 0, ops.MODE_H2D)
+    ops.swap_cache_per_layer(cache, ptr, 4, [0], [2], 0, ops.CopyDirection.HOST_TO_DEVICE)
     assert cache.numpy()[0].tobytes() == before[3].tobytes()
 finally:
     ops.cuda_host_free(ptr)
@@ -128,9 +128,9 @@ print("installed package OK:", pkg)
 
 def _require_ops() -> bool:
     """FDKV_REQUIRE_OPS (CI): fail instead of skipping when the build cannot include the ops."""
-    from fastdeploy_kvcache import envs
+    from skip_helpers import env_switch
 
-    return bool(envs.get("FDKV_REQUIRE_OPS"))
+    return env_switch("FDKV_REQUIRE_OPS")
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int) -> str:

@@ -313,13 +313,6 @@ FDKV_API int fdkv_get_option(const char* name, int64_t* value) {
   });
 }
 
-FDKV_API int fdkv_parse_env(const char* name, const char* raw, int64_t* value) {
-  return Guard([&] {
-    if (name == nullptr || value == nullptr) throw fdkv::InvalidArgument("parse_env", "name", -1, " is a null pointer");
-    *value = fdkv::ParseEnvValue("parse_env", name, raw);
-  });
-}
-
 FDKV_API int fdkv_read_files(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,
                              void* headers, int64_t header_bytes, int64_t* got) {
   return Guard([&] { fdkv::ReadFiles(paths, n, dsts, dst_bytes, headers, header_bytes, got); });

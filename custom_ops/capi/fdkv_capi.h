@@ -31,9 +31,9 @@ FDKV_API int fdkv_host_alloc(size_t nbytes, unsigned flags, void** out);
 FDKV_API int fdkv_host_free(void* ptr);
 
 // ABI version: 2 added the trailing `path` argument of the swap functions; 3 the error
-// fields (fdkv_last_error_fields, fdkv_clear_error), fdkv_parse_env, FDKV_ERR_NO_MEMORY and
+// fields (fdkv_last_error_fields, fdkv_clear_error), FDKV_ERR_NO_MEMORY and
 // num_host_blocks = -1 (the size fdkv_host_alloc recorded); 4 fdkv_read_files; 5 fdkv_swap_layer_groups;
-// 6 fdkv_launch_layer_groups, the launcher and the progress state.  ops.py
+// 6 fdkv_launch_layer_groups, the launcher and the progress state.  fastdeploy_kvcache/ops
 // checks it, so a library built from older sources fails loudly instead of misbehaving.
 #define FDKV_ABI_VERSION 6
 FDKV_API int fdkv_abi_version(void);
@@ -124,14 +124,13 @@ FDKV_API int fdkv_swap_layout(const char* op, void* const* dev_ptrs, const int64
                               const int64_t* host_ids, int64_t num_host_ids, int mode, void* stream,
                               int sync, int path);
 
-// Options: "copy_grid", "copy_path" (0 auto, 1 kernel, 2 dma), "dma_min_bytes",
-// "merge_min_bytes", "dma_slice_bytes", "copy_kernel", "kernel_tables".  Process-wide; a
-// swap call's `path` argument overrides "copy_path" for that call.
+// Options (docs/ops.md, "Options"): "copy_grid", "copy_path" (0 auto, 1 kernel, 2 dma,
+// 3 staged), "dma_min_bytes", "merge_min_bytes", "dma_slice_bytes", "copy_kernel",
+// "kernel_tables", the staged path's, the layer stacks'.  Process-wide, from their defaults;
+// the only way to change one (the environment is not read).  A swap call's `path`
+// argument overrides "copy_path" for that call.
 FDKV_API int fdkv_set_option(const char* name, int64_t value);
 FDKV_API int fdkv_get_option(const char* name, int64_t* value);
-// Parse `raw` as the value of the FDKV_* variable `name` by the rule the library applies
-// to its environment (and envs.py to the same variables): for tests and tools.
-FDKV_API int fdkv_parse_env(const char* name, const char* raw, int64_t* value);
 // Batch file read for the file storage backend: file i's first header_bytes bytes go to
 // headers + i * header_bytes, the next dst_bytes[i] to dsts[i]; got[i] is the bytes read
 // (header_bytes + dst_bytes[i] + 1 means the file is longer than both) or -errno (the

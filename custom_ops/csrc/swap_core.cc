@@ -21,51 +21,46 @@ namespace fdkv {
 // ------------------------------------------------------------------------ options
 namespace {
 
-// NOTE: one rule for FDKV_* values, the same as fastdeploy_kvcache/envs.py (a test parses
-// a table of raw values through both and compares): trimmed, empty = default, integers
-// are [+-]digits inside the variable's range, names case-insensitive.  A bad value is an
-// error naming the variable, never a silent fallback to the default.
 constexpr int64_t kInt64Max = INT64_MAX;
 
 // Defaults.  NOTE: set from measurements on an H100 (PCIe Gen5): docs/ops.md, "Options"
-// and "Measured costs".  FDKV_* environment variables override the ones that have one.
+// and "Measured costs".  Every option is set through SetOption (the C ABI's
+// fdkv_set_option, CApi.set_option in Python); the process environment is not read.
 struct OptionSpec {
   const char* option;  // set_option / get_option name
-  const char* env;     // environment variable
   int64_t def;
   int64_t lo;
   int64_t hi;
-  bool copy_path;      // value is a copy path name (auto|kernel|dma), not an integer
 };
 constexpr int kNumOptions = 17;
 const OptionSpec kSpecs[kNumOptions] = {
-    {"copy_grid", "FDKV_COPY_GRID", 8, 1, 65535, false},
-    {"copy_path", "FDKV_COPY_PATH", kCopyAuto, kCopyAuto, kCopyStaged, true},
-    {"dma_min_bytes", "FDKV_DMA_MIN_BYTES", 64 << 10, 0, kInt64Max, false},
-    {"merge_min_bytes", "FDKV_MERGE_MIN_BYTES", 1 << 20, 0, kInt64Max, false},
-    {"copy_kernel", "FDKV_COPY_KERNEL", 0, 0, 3, false},
-    {"dma_slice_bytes", "FDKV_DMA_SLICE_BYTES", 16 << 20, 1, kInt64Max, false},
-    {"kernel_tables", "FDKV_KERNEL_TABLES", 1, 0, 1, false},
-    // Staged path (swap_staged.cu).  env "" = set_option only (no environment variable).
-    {"staging_bytes", "FDKV_STAGING_BYTES", 256 << 20, 1 << 20, kInt64Max, false},
-    {"staging_chunk_bytes", "", 64 << 20, 64 << 10, kInt64Max, false},
+    {"copy_grid", 8, 1, 65535},
+    {"copy_path", kCopyAuto, kCopyAuto, kCopyStaged},
+    {"dma_min_bytes", 64 << 10, 0, kInt64Max},
+    {"merge_min_bytes", 1 << 20, 0, kInt64Max},
+    {"copy_kernel", 0, 0, 3},
+    {"dma_slice_bytes", 16 << 20, 1, kInt64Max},
+    {"kernel_tables", 1, 0, 1},
+    // Staged path (swap_staged.cu).
+    {"staging_bytes", 256 << 20, 1 << 20, kInt64Max},
+    {"staging_chunk_bytes", 64 << 20, 64 << 10, kInt64Max},
     // 64: a load's scatter kernels overlapped a cuBLAS forward pass best at 64 CTAs (16 KiB
     // blocks hid 0.922-0.927 of the load against 0.901-0.916 at 16; docs/ops.md,
     // "Measured costs"), and the copy alone moves the same at 16, 64 or 132.
-    {"staging_grid", "", 64, 1, 65535, false},
-    {"staged_min_bytes", "", 64 << 10, 0, kInt64Max, false},
+    {"staging_grid", 64, 1, 65535},
+    {"staged_min_bytes", 64 << 10, 0, kInt64Max},
     // 1: the DMAs as one cudaMemcpyAsync each, 0: one cudaMemcpyBatchAsync per chunk (faster).
     // For measurements and the GPU tests; read with GetOption.
-    {"staging_mode", "", 0, 0, 1, false},
+    {"staging_mode", 0, 0, 1},
     // DMA rows (swap_cuda.cu, LanesAtOnePitch): the fewest tensors at one pitch that go as
     // one 2D copy per run.  For measurements and tests; read with GetOption.
-    {"dma_rows_min_lanes", "", 16, 1, 1 << 20, false},
+    {"dma_rows_min_lanes", 16, 1, 1 << 20},
     // Auto keeps device-to-host copies at one pitch on DMA rows only from this row width;
     // narrower rows go staged where the call is large enough (swap_cuda.cu, ExecuteCuda).
     // 256 KiB: 128 KiB rows wrote host memory at 0.927-0.944 of the link where staged moved
     // 0.961-0.985, 256 KiB rows 0.950-0.967 against 0.962-0.964, 512 KiB rows as fast
     // (docs/ops.md, "auto").  Read with GetOption.
-    {"rows_d2h_min_bytes", "", 256 << 10, 0, kInt64Max, false},
+    {"rows_d2h_min_bytes", 256 << 10, 0, kInt64Max},
     // A layer stack's groups go in spans of at least this many bytes (one DMA batch or one
     // copy-kernel launch, or one staged chunk boundary, per span; every group's event
     // follows its span): each batch call costs the link ~2.5 us (a layer of 4 MiB per call
@@ -73,22 +68,21 @@ const OptionSpec kSpecs[kNumOptions] = {
     // of 4 MiB layers moved ~1% more than in 8 MiB spans (0.970-0.974 against
     // 0.961-0.965), and TTFT at 1k-2k prefixes read the same.  0: a span per group.  Read
     // with GetOption.
-    {"stack_span_min_bytes", "", 16 << 20, 0, kInt64Max, false},
+    {"stack_span_min_bytes", 16 << 20, 0, kInt64Max},
     // Tests only: a layer stack (SwapLayerGroups, LaunchLayerStack) fails as a CUDA failure
     // would when it reaches this group (-1: never), so the failure path of an asynchronous
     // launch can be exercised.  Read with GetOption.
-    {"stack_fail_group", "", -1, -1, 1 << 20, false},
+    {"stack_fail_group", -1, -1, 1 << 20},
     // A load's layer stack that auto stages (swap_cuda.cu, ExecuteCudaGroups) starts its
     // pipeline at this group; the groups before it go one by one through the copy kernel (a
     // forced staged path, or a device-to-host stack, stages them all).  1: the first layer
     // does not wait for the stack's staged plan and pipeline start (~0.2 ms of host time for
     // 48 layers of 512 blocks on an H100 host), which the forward pass would.
-    {"staged_stack_from_group", "", 1, 0, 1 << 20, false},
+    {"staged_stack_from_group", 1, 0, 1 << 20},
 };
 
 std::atomic<int64_t> g_values[kNumOptions];
-std::atomic<bool> g_env_done{false};
-std::mutex g_env_mu;
+std::once_flag g_defaults_once;
 thread_local int t_last_path = 0;
 
 const OptionSpec* SpecByOption(const std::string& name) {
@@ -96,77 +90,24 @@ const OptionSpec* SpecByOption(const std::string& name) {
   return nullptr;
 }
 
-const OptionSpec* SpecByEnv(const std::string& name) {
-  for (const OptionSpec& s : kSpecs) if (s.env[0] != '\0' && name == s.env) return &s;
-  return nullptr;
-}
-
-bool IsSpace(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
-
-std::string Trim(const std::string& s) {
-  size_t b = 0, e = s.size();
-  while (b < e && IsSpace(s[b])) ++b;
-  while (e > b && IsSpace(s[e - 1])) --e;
-  return s.substr(b, e - b);
-}
-
-int64_t ParseSpec(const char* op, const OptionSpec& spec, const char* raw) {
-  const std::string value = Trim(raw == nullptr ? "" : raw);
-  if (value.empty()) return spec.def;
-  auto bad = [&](const std::string& why) {
-    throw InvalidArgument(op, spec.env, -1, " = '" + std::string(raw) + "' " + why + " (environment variable)");
-  };
-  if (spec.copy_path) {
-    std::string lower;
-    for (char c : value) lower += (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c;
-    if (lower == "auto") return kCopyAuto;
-    if (lower == "kernel") return kCopyKernel;
-    if (lower == "dma") return kCopyDma;
-    if (lower == "staged") return kCopyStaged;
-    bad("must be auto, kernel, dma or staged");
-  }
-  size_t i = (value[0] == '+' || value[0] == '-') ? 1 : 0;
-  if (i == value.size()) bad("is not an integer");
-  for (size_t k = i; k < value.size(); ++k) {
-    if (value[k] < '0' || value[k] > '9') bad("is not an integer (optional sign, then decimal digits)");
-  }
-  errno = 0;
-  const long long v = std::strtoll(value.c_str(), nullptr, 10);
-  const std::string range = "[" + std::to_string(spec.lo) + ", " + std::to_string(spec.hi) + "]";
-  if (errno == ERANGE || v < spec.lo || v > spec.hi) bad("is out of range " + range);
-  return static_cast<int64_t>(v);
-}
-
-void InitFromEnv(const char* op) {
-  if (g_env_done.load(std::memory_order_acquire)) return;
-  std::lock_guard<std::mutex> lock(g_env_mu);
-  if (g_env_done.load(std::memory_order_relaxed)) return;
-  int64_t values[kNumOptions];
-  for (int i = 0; i < kNumOptions; ++i) {
-    values[i] = ParseSpec(op, kSpecs[i], kSpecs[i].env[0] != '\0' ? std::getenv(kSpecs[i].env) : nullptr);
-  }
-  for (int i = 0; i < kNumOptions; ++i) g_values[i].store(values[i]);
-  g_env_done.store(true, std::memory_order_release);
+void InitDefaults() {
+  std::call_once(g_defaults_once, [] {
+    for (int i = 0; i < kNumOptions; ++i) g_values[i].store(kSpecs[i].def);
+  });
 }
 
 int64_t Value(int i) { return g_values[i].load(std::memory_order_relaxed); }
 
 }  // namespace
 
-int64_t ParseEnvValue(const char* op, const std::string& name, const char* raw) {
-  const OptionSpec* spec = SpecByEnv(name);
-  if (spec == nullptr) throw InvalidArgument(op, "name", -1, " = '" + name + "' is not an FDKV_* option variable");
-  return ParseSpec(op, *spec, raw);
-}
-
-Options GetOptions(const char* op) {
-  InitFromEnv(op);
+Options GetOptions() {
+  InitDefaults();
   return Options{Value(0), Value(1), Value(2), Value(3), Value(4), Value(5), Value(6),
                  Value(7), Value(8), Value(9), Value(10)};
 }
 
 bool SetOption(const std::string& name, int64_t value) {
-  InitFromEnv("set_option");
+  InitDefaults();
   const OptionSpec* spec = SpecByOption(name);
   if (spec == nullptr || value < spec->lo || value > spec->hi) return false;
   g_values[spec - kSpecs].store(value);
@@ -174,7 +115,7 @@ bool SetOption(const std::string& name, int64_t value) {
 }
 
 bool GetOption(const std::string& name, int64_t* value) {
-  InitFromEnv("get_option");
+  InitDefaults();
   const OptionSpec* spec = SpecByOption(name);
   if (spec == nullptr) return false;
   *value = Value(static_cast<int>(spec - kSpecs));
@@ -424,7 +365,6 @@ namespace {
 std::vector<LaneDesc> LayerLanes(const char* op, const std::vector<TensorDesc>& tensors,
                                  const std::vector<void*>& host_ptrs, int64_t num_host_blocks, IdSpan dev_ids,
                                  IdSpan host_ids, int mode, const ExecTarget& target, const ArgNames& names) {
-  InitFromEnv(op);
   CheckTensors(op, tensors, names);
   if (host_ptrs.size() != tensors.size()) {
     Fail(op, names.host_ptr, -1, " has " + std::to_string(host_ptrs.size()) + " pointers but there are " +
@@ -525,7 +465,7 @@ std::unique_ptr<StackJob> PrepareStackJob(const char* op, const std::vector<Tens
     GetOption("staged_stack_from_group", &job->staged_from);
     // A forced staged path stages every group; the kernel-first split is auto's choice, and
     // a load's: nothing waits for the first group of a device-to-host stack.
-    const int64_t path = ResolveCopyPath(target.copy_path, GetOptions(op));
+    const int64_t path = ResolveCopyPath(target.copy_path, GetOptions());
     if (path == kCopyStaged || mode != kHostToDevice) job->staged_from = 0;
   }
 #endif
@@ -732,7 +672,6 @@ void LaunchLayerStack(StackLauncher* launcher, const char* op, const std::vector
 void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* host_ptr,
                 int64_t num_host_blocks, IdSpan dev_ids, IdSpan host_ids, int mode,
                 const ExecTarget& target, const ArgNames& names) {
-  InitFromEnv(op);
   CheckTensors(op, tensors, names);
   if (host_ptr == nullptr) Fail(op, names.host_ptr, -1, " is a null pointer");
   CheckCopyPath(op, target.copy_path);

@@ -111,27 +111,26 @@ struct ExecTarget {
 // Throws InvalidArgument ("<op>: path = <v> must be ...") unless -1 <= copy_path <= 3.
 void CheckCopyPath(const char* op, int64_t copy_path);
 
-// Process-wide tunables (initialised from the environment, settable through the C ABI).
+// Process-wide tunables: defaults from measurements, set through the C ABI (fdkv_set_option;
+// docs/ops.md, "Options").  The process environment is not read.
 struct Options {
-  int64_t copy_grid;        // FDKV_COPY_GRID: max CTAs of the copy kernel
-  int64_t copy_path;        // FDKV_COPY_PATH: CopyPath
-  int64_t dma_min_bytes;    // FDKV_DMA_MIN_BYTES: auto picks DMA when copies are >= this
-  int64_t merge_min_bytes;  // FDKV_MERGE_MIN_BYTES: merged runs >= this use cudaMemcpyAsync
-  int64_t copy_kernel;      // FDKV_COPY_KERNEL: kernel variant (0 streaming warp, 1 nc+L2 256B
+  int64_t copy_grid;        // max CTAs of the copy kernel
+  int64_t copy_path;        // CopyPath
+  int64_t dma_min_bytes;    // auto picks DMA when copies are >= this
+  int64_t merge_min_bytes;  // merged runs >= this use cudaMemcpyAsync
+  int64_t copy_kernel;      // kernel variant (0 streaming warp, 1 nc+L2 256B
                             // prefetch warp, 2 default-cached warp, 3 bulk-copy/TMA pipeline)
-  int64_t dma_slice_bytes;  // FDKV_DMA_SLICE_BYTES: bytes per cudaMemcpyBatchAsync call
-  int64_t kernel_tables;    // FDKV_KERNEL_TABLES: 0 kernel reads id tables from a device
+  int64_t dma_slice_bytes;  // bytes per cudaMemcpyBatchAsync call
+  int64_t kernel_tables;    // 0 kernel reads id tables from a device
                             // copy, 1 straight from pinned host memory (no extra memcpy)
   // Staged path (swap_staged.cu).
-  int64_t staging_bytes;        // FDKV_STAGING_BYTES: device staging ring per direction
+  int64_t staging_bytes;        // device staging ring per direction
   int64_t staging_chunk_bytes;  // bytes per pipelined chunk (one ring slot)
   int64_t staging_grid;         // max CTAs of the gather/scatter kernel
   int64_t staged_min_bytes;     // auto picks staged when host runs average >= this
 };
-// Reads the FDKV_* variables on first use.  A bad value throws InvalidArgument naming the
-// variable (argument = the variable's name), on every call until it is fixed: it is
-// never replaced by the default.  `op` names the caller in the message.
-Options GetOptions(const char* op = "fdkv");
+// The current values (the defaults until SetOption changes one).
+Options GetOptions();
 // The path a call's copy_path stands for: kCopyProcess resolves to the process-wide option.
 inline int64_t ResolveCopyPath(int copy_path, const Options& opts) {
   return copy_path == kCopyProcess ? opts.copy_path : copy_path;
@@ -139,11 +138,6 @@ inline int64_t ResolveCopyPath(int copy_path, const Options& opts) {
 // Returns false if the name is unknown or the value out of the option's range.
 bool SetOption(const std::string& name, int64_t value);
 bool GetOption(const std::string& name, int64_t* value);
-// Parse one FDKV_* value by the rule shared with fastdeploy_kvcache/envs.py: surrounding
-// ASCII whitespace is ignored; empty means the default; integers are an optional sign and
-// decimal digits, within the variable's range; FDKV_COPY_PATH is auto|kernel|dma in any
-// case.  Throws InvalidArgument(op, name, -1, ...) on a bad value or an unknown name.
-int64_t ParseEnvValue(const char* op, const std::string& name, const char* raw);
 
 // Bit mask of PathBits used by the calling thread's last swap.
 int LastPath();

@@ -2,7 +2,7 @@
 // of paddle::Tensor and call custom_ops/csrc.  No copy logic lives here.
 //
 // One translation unit: it includes the C ABI (which includes the core and, with CUDA,
-// the launchers), so the extension also exports fdkv_host_alloc & co. for ops.py's
+// the launchers), so the extension also exports fdkv_host_alloc & co. for fastdeploy_kvcache/ops'
 // cuda_host_alloc, matching the installed Paddle (pinned memory only with CUDA).
 #include "../capi/fdkv_capi.cc"
 
@@ -107,7 +107,7 @@ fdkv::ExecTarget Target(const std::vector<paddle::Tensor>& tensors, const char* 
 
 // Run `fn` and turn core exceptions into Paddle errors.  A validation error is also
 // recorded, with its op / argument / index as values, in the calling thread's error state
-// of the C ABI this extension exports (fdkv_last_error_fields): ops.py reads the fields
+// of the C ABI this extension exports (fdkv_last_error_fields): fastdeploy_kvcache/ops reads the fields
 // from there, not from Paddle's rewrapped message text.
 template <typename Fn>
 void Run(const std::vector<paddle::Tensor>& tensors, Fn&& fn) {
@@ -221,7 +221,7 @@ void SwapCacheLayout(const std::vector<paddle::Tensor>& cache_gpu_tensors, int64
 // ------------------------------------------------------------------------ registration
 // Attribute lists follow FastDeploy's swap ops (docs/ops.md, "API"), each with one optional trailing
 // attribute `path` (the call's copy path: -1 the process-wide option, 0 auto, 1 kernel,
-// 2 dma; ignored on CPU tensors) that ops.py fills with -1 unless the caller passes one.
+// 2 dma; ignored on CPU tensors) that fastdeploy_kvcache/ops fills with -1 unless the caller passes one.
 PD_BUILD_STATIC_OP(swap_cache_per_layer)
     .Inputs({"cache_gpu"})
     .Outputs({"cache_dst_out"})

@@ -179,19 +179,6 @@ class ResidencyPlan:
     num_storage_hit_tokens: int = 0  # the storage tier's loads (later issue): always 0 now
 
 
-@dataclass
-class StorageMetadata:
-    """A storage-tier job: keys to load or save and the host/device blocks they map to."""
-
-    keys: list[str] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    level: CacheLevel = CacheLevel.HOST
-    kind: TransferKind = TransferKind.STORAGE_LOAD
-    task_id: int = field(default_factory=next_task_id)
-    success: bool = False
-    error_message: Optional[str] = None
-
-
 # ---------------------------------------------------------------------------
 # Scheduler-private structures.  Nothing below is sent to workers: a BlockNode
 # links to its parent and children, so pickling one would drag the whole tree.

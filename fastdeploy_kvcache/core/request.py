@@ -14,7 +14,7 @@ import logging
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 from fastdeploy_kvcache.core.hashing import BlockHasher, MMItem, pack_array
-from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection, MatchResult, StorageMetadata
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection, MatchResult
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,6 @@ class BatchRequest:
         self.requests: list[Request] = []
         self.cache_swap_metadata: Optional[CacheSwapMetadata] = None  # host -> device
         self.cache_evict_metadata: Optional[CacheSwapMetadata] = None  # device -> host
-        self.storage_metadata: list[StorageMetadata] = []  # storage tier (later issue)
         for req in requests or ():
             self.add_request(req)
 
@@ -214,9 +213,6 @@ class BatchRequest:
     def append_evict_metadata(self, meta: Optional[CacheSwapMetadata]) -> None:
         """Merge a device -> host metadata object into ``cache_evict_metadata``."""
         self.cache_evict_metadata = self._merge(self.cache_evict_metadata, meta, CopyDirection.DEVICE_TO_HOST)
-
-    def append_storage_metadata(self, meta: StorageMetadata) -> None:
-        self.storage_metadata.append(meta)
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.requests)

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from fastdeploy_kvcache.core.block_pool import BlockPool, BlockPoolError
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, TransferKind, next_task_id
+from fastdeploy_kvcache.core.storage_status import Status
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class StorageTier:
     # ------------------------------------------------------------------ queries
     @property
     def write_back(self) -> bool:
-        return self.config.write_policy == "write_back"
+        return self.config.put_policy == "write_back"
 
     def is_stored(self, block_hash: int) -> bool:
         return block_hash in self._stored
@@ -588,14 +589,12 @@ class StorageTier:
         s["prefetch_host_blocks"] = len(self._prefetch_blocks)
         s["pinned_host_blocks"] = self.pool.num_pinned
         s["jobs_in_flight"] = self.num_jobs_in_flight
-        s["write_policy"] = self.config.write_policy
+        s["put_policy"] = self.config.put_policy
         s["prefetch_policy"] = self.config.prefetch_policy
         return s
 
 
 def _status_kind(r: int) -> str:
-    from fastdeploy_kvcache.storage.base import Status
-
     try:
         return Status(r).kind
     except ValueError:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from fastdeploy_kvcache import config as _config
+from fastdeploy_kvcache import envs
+from fastdeploy_kvcache.cli_flags import add_flag
 from fastdeploy_kvcache.config import WRITE_POLICIES, CacheConfig, add_cli_args
 
 logger = logging.getLogger(__name__)
@@ -28,7 +30,7 @@ SPLITWISE_ROLES = ("mixed", "prefill", "decode")  # engine/pd.py ROLES
 
 def default_model_cache_dir() -> str:
     """Where converted models live: ``$FDKV_MODEL_CACHE_DIR`` or ``~/.cache/fastdeploy_kvcache/models``."""
-    env = os.environ.get("FDKV_MODEL_CACHE_DIR")
+    env = str(envs.get("FDKV_MODEL_CACHE_DIR"))
     if env:
         return env
     return os.path.join(os.path.expanduser("~"), ".cache", "fastdeploy_kvcache", "models")
@@ -139,27 +141,17 @@ class EngineArgs:
         return args
 
 
-def _add_if_absent(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
-    """Add ``flag`` unless the parser defines it already (a host server's own flag wins)."""
-    # NOTE: argparse has no public query for "is this option defined"; _option_string_actions
-    # is the table its own conflict check reads (config.add_cli_args reads it too).
-    if flag in getattr(parser, "_option_string_actions", {}):
-        return
-    parser.add_argument(flag, **kwargs)
-
-
 def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine's flags and the cache's flags to ``parser``; flags it already has stay."""
-    add_cli_args(parser)
-    if "--kvcache-storage-backend" not in getattr(parser, "_option_string_actions", {}):
-        from fastdeploy_kvcache.storage.config import add_storage_cli_args
+    from fastdeploy_kvcache.storage.config import add_storage_cli_args
 
-        add_storage_cli_args(parser)
+    add_cli_args(parser)
+    add_storage_cli_args(parser)
     g = parser.add_argument_group("engine (fastdeploy_kvcache.engine)")
     d = EngineArgs.__dataclass_fields__
 
     def add(flag: str, **kwargs: Any) -> None:
-        _add_if_absent(g, flag, **kwargs)  # type: ignore[arg-type]
+        add_flag(g, flag, **kwargs)
 
     add("--model", dest="model", default=DEFAULT_MODEL,
         help=f"Model to serve: '{DEFAULT_MODEL}' (the default; SmolLM2-135M-Instruct from the "

@@ -83,7 +83,7 @@ class StorageKVPool(ManagedKVPool):
             self.store.close()
             raise
         logger.info("storage tier: %s backend, keys %s:*, write %s, prefetch %s",
-                    storage_config.backend, self.namespace.prefix, storage_config.write_policy,
+                    storage_config.backend, self.namespace.prefix, storage_config.put_policy,
                     storage_config.prefetch_policy)
 
     # ------------------------------------------------------------------ admission

@@ -38,8 +38,8 @@ def make_storage_backend(kind: str, **kwargs: Any) -> StorageBackend:
     """``--kvcache-storage-backend``: build a ``file`` or ``mooncake`` backend.
 
     ``file`` takes ``path`` (``--kvcache-storage-path``) and ``capacity_bytes``
-    (``--kvcache-storage-size``); ``mooncake`` takes the MooncakeBackend arguments, each
-    defaulting to its MOONCAKE_* environment variable.
+    (``--kvcache-storage-size``); ``mooncake`` takes the MooncakeBackend arguments (its
+    ``config``, a ``MooncakeConfig``, defaults to the MOONCAKE_* environment variables).
     """
     if kind == "file":
         from fastdeploy_kvcache.storage.file_backend import FileBackend

@@ -29,12 +29,13 @@ put (:meth:`StorageBackend.submit_put_from`) is a future of the same list.
 from __future__ import annotations
 
 import abc
-import enum
 import logging
 import numbers
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
+
+from fastdeploy_kvcache.core.storage_status import Status
 
 logger = logging.getLogger(__name__)
 
@@ -49,42 +50,6 @@ __all__ = [
 
 ERROR_KINDS = ("unreachable", "full", "missing", "corrupt", "timeout", "io", "invalid", "busy")
 """Every ``StorageError.kind`` and every key of the ``errors`` counters in ``stats()``."""
-
-
-class Status(enum.IntEnum):
-    """Per-key result of a batch get or put.  Gets return bytes read (>= 0) instead of OK."""
-
-    OK = 0
-    MISSING = -1
-    """No object under the key (never stored, evicted, or removed since an exists check)."""
-    CORRUPT = -2
-    """The object failed its checksum or is truncated; it was deleted and counted."""
-    FULL = -3
-    """No space: the store is full (Mooncake -200) or the disk is (ENOSPC, free-space floor)."""
-    UNREACHABLE = -4
-    """The store could not be reached for this key (Mooncake RPC/transfer failure)."""
-    TIMEOUT = -5
-    IO = -6
-    """Any other I/O error (permissions, a short read of a healthy file...)."""
-    INVALID = -7
-    """Bad arguments for this key, e.g. a buffer smaller than the object."""
-
-    @property
-    def kind(self) -> str:
-        """The ``StorageError.kind`` / ``stats()['errors']`` name of a failure status."""
-        return _STATUS_KIND[self]
-
-
-_STATUS_KIND = {
-    Status.OK: "ok",
-    Status.MISSING: "missing",
-    Status.CORRUPT: "corrupt",
-    Status.FULL: "full",
-    Status.UNREACHABLE: "unreachable",
-    Status.TIMEOUT: "timeout",
-    Status.IO: "io",
-    Status.INVALID: "invalid",
-}
 
 
 class StorageError(RuntimeError):

@@ -12,15 +12,16 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from fastdeploy_kvcache.cli_flags import add_flag
 from fastdeploy_kvcache.storage import BACKENDS, make_storage_backend
 from fastdeploy_kvcache.storage.base import StorageBackend
 from fastdeploy_kvcache.storage.mooncake_backend import parse_size
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StorageConfig", "add_storage_cli_args", "STORAGE_WRITE_POLICIES", "PREFETCH_POLICIES"]
+__all__ = ["StorageConfig", "add_storage_cli_args", "PUT_POLICIES", "PREFETCH_POLICIES"]
 
-STORAGE_WRITE_POLICIES = ("write_through", "write_back")
+PUT_POLICIES = ("write_through", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
@@ -30,8 +31,10 @@ class StorageConfig:
 
     Policies (carried out by the scheduler side):
 
-    * ``write_policy``: ``write_through`` puts a block to storage when it is backed up to
-      host; ``write_back`` puts it when it is evicted from host.
+    * ``put_policy``: when a block is put to storage: ``write_through`` when it is backed up
+      to host, ``write_back`` when it is evicted from host.  (Not the cache's
+      ``CacheConfig.write_policy``, FastDeploy's ``--write-policy``, which decides when a
+      block is backed up from device to host.)
     * ``prefetch_policy``: ``best_effort`` schedules the request at once and uses whatever
       prefix has arrived; ``wait_complete`` holds the request until the prefetch finishes
       (or fails); ``timeout`` holds it at most :meth:`prefetch_timeout_s` seconds, which
@@ -42,7 +45,7 @@ class StorageConfig:
     path: Optional[str] = None
     size: int = 0
     min_free: int = 1 << 30
-    write_policy: str = "write_through"
+    put_policy: str = "write_through"
     prefetch_policy: str = "timeout"
     prefetch_timeout_base_s: float = 0.05
     prefetch_timeout_per_ktoken_s: float = 0.01
@@ -56,9 +59,9 @@ class StorageConfig:
             raise ValueError("--kvcache-storage-backend file needs --kvcache-storage-path (a directory)")
         self.size = parse_size(self.size)
         self.min_free = parse_size(self.min_free)
-        if self.write_policy not in STORAGE_WRITE_POLICIES:
+        if self.put_policy not in PUT_POLICIES:
             raise ValueError(
-                f"--kvcache-storage-write-policy must be one of {STORAGE_WRITE_POLICIES}, got {self.write_policy!r}"
+                f"--kvcache-storage-put-policy must be one of {PUT_POLICIES}, got {self.put_policy!r}"
             )
         if self.prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(
@@ -97,25 +100,26 @@ class StorageConfig:
 
 
 def add_storage_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--kvcache-storage-*`` flags (dest ``kvcache_storage_<field>``)."""
+    """Add ``--kvcache-storage-*`` flags (dest ``kvcache_storage_<field>``); a flag the parser
+    defines already keeps its own meaning there (:func:`~fastdeploy_kvcache.cli_flags.add_flag`)."""
     g = parser.add_argument_group("KV cache storage tier (fastdeploy_kvcache.storage)")
-    g.add_argument("--kvcache-storage-backend", dest="kvcache_storage_backend", choices=BACKENDS, default=None,
-                   help="Third tier below host memory: file (a directory) or mooncake (MOONCAKE_* env). Off if unset.")
-    g.add_argument("--kvcache-storage-path", dest="kvcache_storage_path", default=None,
-                   help="Directory of the file backend.")
-    g.add_argument("--kvcache-storage-size", dest="kvcache_storage_size", default=None,
-                   help="Byte cap of the file backend (e.g. 200GB; 0: only the free-space floor). LRU eviction.")
-    g.add_argument("--kvcache-storage-min-free", dest="kvcache_storage_min_free", default=None,
-                   help="Free disk space the file backend never uses (default 1GB).")
-    g.add_argument("--kvcache-storage-write-policy", dest="kvcache_storage_write_policy",
-                   choices=STORAGE_WRITE_POLICIES, default=None,
-                   help="write_through: store when backed up to host; write_back: when evicted from host.")
-    g.add_argument("--kvcache-storage-prefetch-policy", dest="kvcache_storage_prefetch_policy",
-                   choices=PREFETCH_POLICIES, default=None,
-                   help="best_effort: use what arrived; wait_complete: wait for all; timeout: wait up to "
-                        "base + per-ktoken * tokens seconds.")
-    g.add_argument("--kvcache-storage-prefetch-timeout-base", dest="kvcache_storage_prefetch_timeout_base_s",
-                   type=float, default=None, help="timeout policy: seconds for any prefetch (default 0.05).")
-    g.add_argument("--kvcache-storage-prefetch-timeout-per-ktoken", dest="kvcache_storage_prefetch_timeout_per_ktoken_s",
-                   type=float, default=None, help="timeout policy: extra seconds per 1000 tokens (default 0.01).")
+    add_flag(g, "--kvcache-storage-backend", dest="kvcache_storage_backend", choices=BACKENDS, default=None,
+             help="Third tier below host memory: file (a directory) or mooncake (MOONCAKE_* env). Off if unset.")
+    add_flag(g, "--kvcache-storage-path", dest="kvcache_storage_path", default=None,
+             help="Directory of the file backend.")
+    add_flag(g, "--kvcache-storage-size", dest="kvcache_storage_size", default=None,
+             help="Byte cap of the file backend (e.g. 200GB; 0: only the free-space floor). LRU eviction.")
+    add_flag(g, "--kvcache-storage-min-free", dest="kvcache_storage_min_free", default=None,
+             help="Free disk space the file backend never uses (default 1GB).")
+    add_flag(g, "--kvcache-storage-put-policy", dest="kvcache_storage_put_policy",
+             choices=PUT_POLICIES, default=None,
+             help="write_through: store when backed up to host; write_back: when evicted from host.")
+    add_flag(g, "--kvcache-storage-prefetch-policy", dest="kvcache_storage_prefetch_policy",
+             choices=PREFETCH_POLICIES, default=None,
+             help="best_effort: use what arrived; wait_complete: wait for all; timeout: wait up to "
+                  "base + per-ktoken * tokens seconds.")
+    add_flag(g, "--kvcache-storage-prefetch-timeout-base", dest="kvcache_storage_prefetch_timeout_base_s",
+             type=float, default=None, help="timeout policy: seconds for any prefetch (default 0.05).")
+    add_flag(g, "--kvcache-storage-prefetch-timeout-per-ktoken", dest="kvcache_storage_prefetch_timeout_per_ktoken_s",
+             type=float, default=None, help="timeout policy: extra seconds per 1000 tokens (default 0.01).")
     return parser

@@ -165,10 +165,10 @@ class MooncakeConfig:
 class MooncakeBackend(StorageBackend):
     """Mooncake Store as the storage tier.  Construction returns at once; see the module doc.
 
-    Args (each None: its MOONCAKE_* variable, see :class:`MooncakeConfig`):
-        master_server_addr, metadata_server, protocol, local_hostname,
-        global_segment_size, local_buffer_size, rdma_devices, master_metrics_addr.
-    Other args:
+    Args:
+        config: where the store is and how this client joins it (:class:`MooncakeConfig`;
+            None: ``MooncakeConfig()``, every field from its MOONCAKE_* variable).
+    Keyword-only args:
         call_timeout_s: the longest a caller waits for one data call (get, put, delete).
         exists_timeout_s: the longest ``batch_exists`` waits: the scheduler calls it inline
             (a dead master answers it at once; a hung one would not).
@@ -186,14 +186,7 @@ class MooncakeBackend(StorageBackend):
 
     def __init__(
         self,
-        master_server_addr: Optional[str] = None,
-        metadata_server: Optional[str] = None,
-        protocol: Optional[str] = None,
-        local_hostname: Optional[str] = None,
-        global_segment_size: Union[int, str, None] = None,
-        local_buffer_size: Union[int, str, None] = None,
-        rdma_devices: Optional[str] = None,
-        master_metrics_addr: Optional[str] = None,
+        config: Optional[MooncakeConfig] = None,
         *,
         call_timeout_s: float = 8.0,
         exists_timeout_s: float = 1.0,
@@ -205,10 +198,9 @@ class MooncakeBackend(StorageBackend):
         call_threads: int = 4,
         store_factory: Optional[Callable[[], Any]] = None,
     ) -> None:
-        self.config = MooncakeConfig(
-            master_server_addr, metadata_server, protocol, local_hostname,
-            global_segment_size, local_buffer_size, rdma_devices, master_metrics_addr,
-        )
+        if config is not None and not isinstance(config, MooncakeConfig):
+            raise TypeError(f"config must be a MooncakeConfig or None, got {type(config).__name__}")
+        self.config = config if config is not None else MooncakeConfig()
         reason = mooncake_available() if store_factory is None else None
         if reason is not None:
             raise StorageError(

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Union
 
-from fastdeploy_kvcache.entrypoints.server_process import free_port, stop_child
+from fastdeploy_kvcache.processes import free_port, stop_child
 
 logger = logging.getLogger(__name__)
 

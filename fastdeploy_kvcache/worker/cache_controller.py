@@ -48,9 +48,9 @@ class CacheController:
         async_launch: launch copies from a launcher thread so the forward pass need not
             wait for all layers' launches (default: on GPU backends).
         d2h_copy_path: copy path of evictions and backups ("dma", "auto", "kernel",
-            "process"); default FDKV_D2H_COPY_PATH ("dma"), see TransferManager.
-        backups_after_loads: start a step's backup behind the step's load; default
-            FDKV_BACKUPS_AFTER_LOADS (on), see TransferManager.
+            "staged", "process"); default "dma", see TransferManager.
+        backups_after_loads: start a step's backup behind the step's load; default on,
+            see TransferManager.
     """
 
     def __init__(

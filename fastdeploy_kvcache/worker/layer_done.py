@@ -148,7 +148,7 @@ class LayerDoneCounter:
             self._cond.notify_all()
 
     def attach_layer_groups(self, events: list[Any], progress: Any) -> None:
-        """The load goes through one native call (``swap_layer_groups``): ``events[l]`` is
+        """The load goes through one native call (``ops.LayerStackCall``): ``events[l]`` is
         recorded once ``progress`` reaches ``l + 1``.  Waits block on the progress object (the
         GIL released) instead of this condition variable."""
         with self._cond:

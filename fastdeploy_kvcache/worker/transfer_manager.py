@@ -35,7 +35,7 @@ that share a block with the new one, so unrelated loads and evictions keep overl
 
 Backups after loads (a scheduling choice, not an ordering rule).  A write-through backup
 submitted in the same step as a load, sharing no block with it, waits on the output stream
-for the load's done event (``FDKV_BACKUPS_AFTER_LOADS``, default on).  Both directions at
+for the load's done event (``backups_after_loads``, default on).  Both directions at
 once share the host link (84-94 GB/s both ways against 55 one way on an H100), so a load that
 runs beside a backup lands later and the forward pass, which waits for it layer by layer,
 stalls; nothing waits for a backup.  Evictions that free device blocks never wait: this
@@ -53,8 +53,8 @@ whole layer stack natively (``has_layer_groups``), a load skips the Python launc
 hands it, fences included, to the C library's launcher thread, and enqueues its waits and
 first layer itself when that thread is idle (``_launch_stack``; docs/architecture.md).
 
-Copy paths.  Device->host copies name their copy path per call (``FDKV_D2H_COPY_PATH``,
-default the DMA batch); loads follow the process-wide ``FDKV_COPY_PATH`` rule.  The two
+Copy paths.  Device->host copies name their copy path per call (``d2h_copy_path``,
+default the DMA batch); loads follow the process-wide ``copy_path`` option.  The two
 launcher threads issue both directions at once, which is why the choice travels with each
 call instead of through the process-wide option.
 """
@@ -71,7 +71,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
-from fastdeploy_kvcache import envs, ops
+from fastdeploy_kvcache import ops
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection
 from fastdeploy_kvcache.worker.backends.base import Backend, HostEvent, HostStream, LayerStackHandles
 from fastdeploy_kvcache.worker.layer_done import (
@@ -142,20 +142,6 @@ class ControllerClosedError(RuntimeError):
     Raised at once by every call that would need them, instead of queueing work that
     nothing will ever run (which used to surface a minute later as a timeout).
     """
-
-
-def parse_disabled_rules(value: Optional[str] = None) -> frozenset[int]:
-    """Parse FDKV_UNSAFE_DISABLE_ORDERING ("2,5") into rule numbers; validates them."""
-    if value is None:
-        value = str(envs.get("FDKV_UNSAFE_DISABLE_ORDERING"))
-    rules: set[int] = set()
-    for part in value.replace(" ", "").split(","):
-        if not part:
-            continue
-        if not part.isdigit() or int(part) not in ORDERING_RULES:
-            raise ValueError(f"FDKV_UNSAFE_DISABLE_ORDERING: {part!r} is not a rule number 1-5")
-        rules.add(int(part))
-    return frozenset(rules)
 
 
 @dataclass
@@ -323,16 +309,19 @@ class TransferManager:
 
     Args:
         backend: framework adapter (streams, events, the copy op).
-        disabled_rules: ordering rules whose fences are switched off (race tests only);
-            defaults to FDKV_UNSAFE_DISABLE_ORDERING.
+        disabled_rules: ordering rules whose fences are switched off (race tests only;
+            default none).
         timeout_s: limit of host-side waits (default FDKV_LAYER_WAIT_TIMEOUT_S).
         async_launch: launch copies from a launcher thread (default: on GPU backends).
-        d2h_copy_path: copy path of device->host copies, "dma", "auto", "kernel" or
-            "process" (the process-wide option); default FDKV_D2H_COPY_PATH ("dma").
-            Loads always follow the process-wide option.
+        d2h_copy_path: copy path of device->host copies, "dma", "auto", "kernel", "staged"
+            or "process" (the process-wide ``copy_path`` option); default
+            :attr:`DEFAULT_D2H_COPY_PATH` ("dma").  Loads always follow the process-wide option.
         backups_after_loads: start a backup of a step behind the step's load (module
-            docstring); default FDKV_BACKUPS_AFTER_LOADS (on).
+            docstring); default on.
     """
+
+    DEFAULT_D2H_COPY_PATH = "dma"
+    D2H_COPY_PATHS = ("process", "auto", "kernel", "dma", "staged")
 
     def __init__(
         self,
@@ -344,9 +333,7 @@ class TransferManager:
         backups_after_loads: Optional[bool] = None,
     ) -> None:
         self.backend = backend
-        self.backups_after_loads = (
-            bool(envs.get("FDKV_BACKUPS_AFTER_LOADS")) if backups_after_loads is None else bool(backups_after_loads)
-        )
+        self.backups_after_loads = True if backups_after_loads is None else bool(backups_after_loads)
         # NOTE: evictions and write-through backups take the DMA batch by default, whatever
         # the block size.  They are background traffic beside the forward pass, and the copy
         # kernel (what the auto rule picks below 64 KiB) keeps its CTAs resident for the
@@ -356,14 +343,12 @@ class TransferManager:
         # The price is device->host bandwidth at small blocks (~0.47 of the link at 16 KiB), which
         # only delays when a host copy is ready, and a write_back eviction's rule-2 fence.
         # Loads stay on the process-wide rule: the forward pass waits for them.
-        name = str(envs.get("FDKV_D2H_COPY_PATH")) if d2h_copy_path is None else str(d2h_copy_path).strip().lower()
-        if name not in envs.COPY_PATH_NAMES:
-            raise ValueError(
-                f"d2h_copy_path / FDKV_D2H_COPY_PATH: {d2h_copy_path!r} is not one of {', '.join(envs.COPY_PATH_NAMES)}"
-            )
+        name = self.DEFAULT_D2H_COPY_PATH if d2h_copy_path is None else str(d2h_copy_path).strip().lower()
+        if name not in self.D2H_COPY_PATHS:
+            raise ValueError(f"d2h_copy_path: {d2h_copy_path!r} is not one of {', '.join(self.D2H_COPY_PATHS)}")
         self.d2h_copy_path = name
         self._d2h_path_code = ops.copy_path_code(name)
-        self.disabled_rules = parse_disabled_rules() if disabled_rules is None else frozenset(disabled_rules)
+        self.disabled_rules = frozenset() if disabled_rules is None else frozenset(disabled_rules)
         for rule in self.disabled_rules:
             if rule not in ORDERING_RULES:
                 raise ValueError(f"unknown ordering rule {rule}; expected 1-5")

@@ -43,12 +43,13 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
 from fastdeploy_kvcache.core.cache_manager import CacheManager, CacheManagerError, UnknownRequestError
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
 from fastdeploy_kvcache.core.request import BatchRequest, Request
+
+from skip_helpers import env_switch
 
 from ._shadow import apply_copy
 
@@ -56,7 +57,7 @@ BS = 4
 SYSTEM_PROMPTS = [list(range(1000, 1008)), list(range(2000, 2010)), []]
 TAINT = "taint"
 
-SOAK = bool(envs.get("FDKV_SOAK"))
+SOAK = env_switch("FDKV_SOAK")
 MIN_STEPS = 50
 
 

@@ -50,14 +50,14 @@ def main() -> int:
             layers = [cp.asarray(rng.integers(0, 256, (num_dev, bb), dtype=np.uint8)) for _ in range(4)]
             stack_host = [capi.host_alloc(num_host * bb) for _ in layers]
             ptrs.extend(stack_host)
-            capi.swap_layer_groups([d.data.ptr for d in layers], stack_host, 1, num_dev, bb, num_host, d_ids, h_ids,
-                                   0, stream=stream, sync=True)
+            capi.layer_stack_call(None, [d.data.ptr for d in layers], stack_host, 1, num_dev, bb, num_host, 0,
+                                  stream=stream).run(d_ids, h_ids, sync=True)
             for d, hp_l in zip(layers, stack_host):
                 got = host_view(hp_l, num_host, bb)
                 assert (got[h_ids] == cp.asnumpy(d)[d_ids]).all()
                 d[:] = 0
-            capi.swap_layer_groups([d.data.ptr for d in layers], stack_host, 1, num_dev, bb, num_host, d_ids, h_ids,
-                                   1, stream=stream, sync=True)
+            capi.layer_stack_call(None, [d.data.ptr for d in layers], stack_host, 1, num_dev, bb, num_host, 1,
+                                  stream=stream).run(d_ids, h_ids, sync=True)
             for d, hp_l in zip(layers, stack_host):
                 got = host_view(hp_l, num_host, bb)
                 assert (cp.asnumpy(d)[d_ids] == got[h_ids]).all()

@@ -47,7 +47,7 @@ def _run(cupy, capi, pinned, stream, entry: str, mode: int, path: Any) -> int:
     want_dev = [cupy.asnumpy(d) for d in devs]
     want_host = [h.copy() for h in host_views]
     for wd, wh in zip(want_dev, want_host):
-        if mode == ops.MODE_D2H:
+        if mode == ops.CopyDirection.DEVICE_TO_HOST:
             wh[HOST_IDS] = wd[DEV_IDS]
         else:
             wd[DEV_IDS] = wh[HOST_IDS]
@@ -75,7 +75,7 @@ def test_ids_are_scattered() -> None:
 
 
 @pytest.mark.parametrize("entry", ["per_layer", "all_layers", "layout"])
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 @pytest.mark.parametrize(
     "process,call,want",
     [
@@ -105,7 +105,7 @@ def test_bad_path_raises_before_any_copy(cupy, capi, pinned, cuda_stream) -> Non
     for bad in (4, -2, "fast"):
         with pytest.raises(ops.SwapOpError) as info:
             capi.swap_per_layer(dev.data.ptr, NUM_DEV, BB, host.ctypes.data, NUM_HOST, DEV_IDS, HOST_IDS,
-                                ops.MODE_D2H, stream=cuda_stream(), path=bad)
+                                ops.CopyDirection.DEVICE_TO_HOST, stream=cuda_stream(), path=bad)
         assert info.value.argument == "path"
     cupy.cuda.runtime.deviceSynchronize()
     np.testing.assert_array_equal(host, before)
@@ -134,8 +134,8 @@ def test_two_threads_on_different_paths_at_once(cupy, capi, pinned, process_path
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(0, "dma", ops.MODE_D2H)),
-               threading.Thread(target=worker, args=(1, "process", ops.MODE_H2D))]
+    threads = [threading.Thread(target=worker, args=(0, "dma", ops.CopyDirection.DEVICE_TO_HOST)),
+               threading.Thread(target=worker, args=(1, "process", ops.CopyDirection.HOST_TO_DEVICE))]
     for t in threads:
         t.start()
     for t in threads:
@@ -184,8 +184,7 @@ def _step(cupy, ctrl) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("process", [ops.COPY_PATH_KERNEL, ops.COPY_PATH_AUTO])
-def test_worker_evictions_use_dma_by_default(cupy, capi, process_path, monkeypatch, process) -> None:
-    monkeypatch.delenv("FDKV_D2H_COPY_PATH", raising=False)
+def test_worker_evictions_use_dma_by_default(cupy, capi, process_path, process) -> None:
     process_path(process)  # even a process-wide "kernel" does not put evictions on SMs
     ctrl = _worker()
     try:
@@ -200,10 +199,9 @@ def test_worker_evictions_use_dma_by_default(cupy, capi, process_path, monkeypat
 
 @pytest.mark.parametrize("setting,want", [("process", ops.PATH_KERNEL), ("kernel", ops.PATH_KERNEL),
                                           ("auto", ops.PATH_KERNEL), ("dma", ops.PATH_DMA)])
-def test_worker_d2h_path_is_configurable(cupy, capi, process_path, monkeypatch, setting, want) -> None:
+def test_worker_d2h_path_is_configurable(cupy, capi, process_path, setting, want) -> None:
     process_path(ops.COPY_PATH_AUTO)
-    monkeypatch.setenv("FDKV_D2H_COPY_PATH", setting)
-    ctrl = _worker()
+    ctrl = _worker(d2h_copy_path=setting)
     try:
         stats = _step(cupy, ctrl)
         assert stats["d2h"]["paths"] == want

@@ -47,7 +47,7 @@ def _swap(cupy, capi, stream, dev, host, dev_ptrs, host_ptrs, block_bytes, dev_i
     """One all-layer call; checks every byte of both sides against the model; returns last_path()."""
     want_dev, want_host = cupy.asnumpy(dev), host.copy()
     for l in range(LANES):
-        if mode == ops.MODE_D2H:
+        if mode == ops.CopyDirection.DEVICE_TO_HOST:
             want_host[l, host_ids] = want_dev[l, dev_ids]
         else:
             want_dev[l, dev_ids] = want_host[l, host_ids]
@@ -72,13 +72,13 @@ ID_SETS = {
 
 
 @pytest.mark.parametrize("ids", sorted(ID_SETS))
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 @pytest.mark.parametrize("block_bytes", [64 << 10, 128 << 10, 96 << 10])
 @pytest.mark.parametrize("gaps", [(0, 0), (3, 1)], ids=["packed", "gaps"])
 def test_lanes_at_one_pitch_move_as_rows(cupy, capi, pinned, cuda_stream, ids, mode, block_bytes, gaps) -> None:
     dev, host, dev_ptrs, host_ptrs = _slab(cupy, capi, pinned, block_bytes, *gaps, seed=block_bytes + mode)
     d, h = ID_SETS[ids]
-    for path in ("dma", "auto"):  # auto: copies >= FDKV_DMA_MIN_BYTES at one pitch stay on DMA
+    for path in ("dma", "auto"):  # auto: copies >= dma_min_bytes at one pitch stay on DMA
         used = _swap(cupy, capi, cuda_stream(), dev, host, dev_ptrs, host_ptrs, block_bytes, d, h, mode, path)
         assert used == ROWS, f"{path}: last_path()={used}"
 
@@ -94,7 +94,7 @@ def test_the_default_needs_sixteen_tensors(cupy, capi, pinned, cuda_stream) -> N
     for count, want in ((lanes - 1, ops.PATH_DMA), (lanes, ROWS)):
         host[:] = 0
         capi.swap_all_layers([dev[l].data.ptr for l in range(count)], [host[l].ctypes.data for l in range(count)],
-                             n, bb, n, [3, 0, 6], [1, 2, 7], ops.MODE_D2H, stream=stream, path="dma")
+                             n, bb, n, [3, 0, 6], [1, 2, 7], ops.CopyDirection.DEVICE_TO_HOST, stream=stream, path="dma")
         used = capi.last_path()
         stream.synchronize()
         assert used == want, f"{count} tensors: last_path()={used}"
@@ -108,9 +108,9 @@ DEFAULT_ROWS_D2H_MIN_BYTES = 256 << 10  # rows_d2h_min_bytes: narrower device-to
 @pytest.mark.parametrize(
     "mode,rows_d2h_min_bytes,want",
     [
-        (ops.MODE_H2D, DEFAULT_ROWS_D2H_MIN_BYTES, ROWS),  # host to device: rows at any width
-        (ops.MODE_D2H, DEFAULT_ROWS_D2H_MIN_BYTES, ops.PATH_STAGED),  # 128 KiB rows write host memory slowly
-        (ops.MODE_D2H, 128 << 10, ROWS),  # from 128 KiB on: rows again
+        (ops.CopyDirection.HOST_TO_DEVICE, DEFAULT_ROWS_D2H_MIN_BYTES, ROWS),  # host to device: rows at any width
+        (ops.CopyDirection.DEVICE_TO_HOST, DEFAULT_ROWS_D2H_MIN_BYTES, ops.PATH_STAGED),  # 128 KiB rows write host memory slowly
+        (ops.CopyDirection.DEVICE_TO_HOST, 128 << 10, ROWS),  # from 128 KiB on: rows again
     ],
 )
 def test_auto_at_one_pitch_stages_only_narrow_device_to_host_rows(cupy, capi, pinned, cuda_stream, mode,
@@ -125,7 +125,7 @@ def test_auto_at_one_pitch_stages_only_narrow_device_to_host_rows(cupy, capi, pi
         bb, lanes, n = 128 << 10, 32, 20  # 32 tensors x 20 blocks x 128 KiB = 80 MiB, one host run
         dev = cupy.zeros((lanes, 2 * n, bb), dtype=cupy.uint8)
         host = pinned(lanes * n * bb).reshape(lanes, n, bb)
-        if mode == ops.MODE_D2H:
+        if mode == ops.CopyDirection.DEVICE_TO_HOST:
             dev[:, :n] = 7
             host[:] = 0
         else:
@@ -137,12 +137,12 @@ def test_auto_at_one_pitch_stages_only_narrow_device_to_host_rows(cupy, capi, pi
         used = capi.last_path()
         stream.synchronize()
         assert used == want, f"last_path()={used}"
-        if mode == ops.MODE_D2H:
+        if mode == ops.CopyDirection.DEVICE_TO_HOST:
             assert (host == 7).all()
             # The same call over the slab's tensors in reverse order (a negative pitch) goes staged.
             spread = [dev[l].data.ptr for l in reversed(range(lanes))]
             capi.swap_all_layers(spread, [host[l].ctypes.data for l in range(lanes)], 2 * n, bb, n, dev_ids,
-                                 list(range(n)), ops.MODE_D2H, stream=stream, path="auto")
+                                 list(range(n)), ops.CopyDirection.DEVICE_TO_HOST, stream=stream, path="auto")
             assert capi.last_path() == ops.PATH_STAGED
             stream.synchronize()
         else:
@@ -180,7 +180,7 @@ def test_lanes_short_of_one_pitch_take_the_batch(cupy, capi, pinned, cuda_stream
         # A tensor of `size`-byte blocks over the same memory.
         want_host[l].reshape(-1, size)[h] = want_dev[l].reshape(-1, size)[d]
     stream = cuda_stream()
-    capi.swap_all_layers(dp, hp, NUM_DEV, block_bytes, NUM_HOST, d, h, ops.MODE_D2H, stream=stream, path="dma")
+    capi.swap_all_layers(dp, hp, NUM_DEV, block_bytes, NUM_HOST, d, h, ops.CopyDirection.DEVICE_TO_HOST, stream=stream, path="dma")
     used = capi.last_path()
     stream.synchronize()
     assert used == ops.PATH_DMA, f"last_path()={used}"

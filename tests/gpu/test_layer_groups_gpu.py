@@ -1,4 +1,4 @@
-"""``swap_layer_groups`` on CuPy memory: one call moves a layer stack group by group and
+"""A layer-stack call (`LayerStackCall.run`) on CuPy memory: one call moves a layer stack group by group and
 records one event per group on the stream.  Checked: the bytes of every group on every
 path, that each group's event is recorded right behind that group's copies (a stream that
 waits on event g sees group g complete even while later groups are still in flight), bad
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache import ops
-from swap_reference import PATTERNS, expected_after_swap, id_patterns
+from swap_reference import PATTERNS, expected_after_swap, id_patterns, run_stack
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ def _stack(cupy, pinned, block_bytes: int, seed: int):
 @pytest.mark.parametrize("path", ["kernel", "dma", "staged", "auto"])
 @pytest.mark.parametrize("block_bytes", [4096, 24, 256 << 10])
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_every_group_moves_like_swap_all_layers(cupy, capi, pinned, cuda_stream, path, block_bytes, pattern,
                                                 mode) -> None:
     dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, np.random.default_rng(block_bytes + mode))[pattern]
@@ -37,9 +37,9 @@ def test_every_group_moves_like_swap_all_layers(cupy, capi, pinned, cuda_stream,
     want = [expected_after_swap(cupy.asnumpy(d), h, dev_ids, host_ids, mode) for d, h in zip(devs, hosts)]
     stream = cuda_stream()
     events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(LAYERS)]
-    capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, NUM_DEV, block_bytes,
-                           NUM_HOST, dev_ids, host_ids, mode, stream=stream.ptr, events=[e.ptr for e in events],
-                           path=path)
+    run_stack(capi, [d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, NUM_DEV, block_bytes,
+              NUM_HOST, dev_ids, host_ids, mode, stream=stream.ptr, events=[e.ptr for e in events],
+              path=path)
     used = capi.last_path()
     stream.synchronize()
     for d, h, (want_dev, want_host) in zip(devs, hosts, want):
@@ -66,9 +66,9 @@ def test_each_event_covers_its_group_while_later_groups_still_run(cupy, capi, pi
     start = cupy.cuda.Event(block=False, disable_timing=False)
     start.record(stream)
     progress = capi.group_progress()
-    capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, n, bb, n, ids, ids,
-                           ops.MODE_H2D, stream=stream.ptr, events=[e.ptr for e in events], path=path,
-                           progress=progress)
+    run_stack(capi, [d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, n, bb, n, ids, ids,
+              ops.CopyDirection.HOST_TO_DEVICE, stream=stream.ptr, events=[e.ptr for e in events], path=path,
+              progress=progress)
     assert progress.wait(LAYERS, 5.0) == LAYERS
     assert capi.last_path() == (ops.PATH_DMA if path == "dma" else ops.PATH_STAGED)
     reader, last_reader = cuda_stream(), cuda_stream()
@@ -92,15 +92,15 @@ def test_bad_events_are_refused_before_any_copy(cupy, capi, pinned, cuda_stream)
     devs, hosts = _stack(cupy, pinned, 4096, 3)
     before = [h.copy() for h in hosts]
     args = ([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, NUM_DEV, 4096, NUM_HOST, [0, 1],
-            [2, 3], ops.MODE_D2H)
+            [2, 3], ops.CopyDirection.DEVICE_TO_HOST)
     with pytest.raises(ops.SwapOpError) as err:
-        capi.swap_layer_groups(*args, stream=cuda_stream().ptr, events=[0] * (LAYERS - 1))
+        run_stack(capi, *args, stream=cuda_stream().ptr, events=[0] * (LAYERS - 1))
     assert err.value.argument == "events"
     with pytest.raises(ops.SwapOpError) as err:
-        capi.swap_layer_groups(*args[:2], 3, *args[3:], stream=cuda_stream().ptr)
+        run_stack(capi, *args[:2], 3, *args[3:], stream=cuda_stream().ptr)
     assert err.value.argument == "group_size"
     with pytest.raises(ops.SwapOpError) as err:
-        capi.swap_layer_groups(*args, stream=cuda_stream().ptr, events=[-1] * LAYERS)
+        run_stack(capi, *args, stream=cuda_stream().ptr, events=[-1] * LAYERS)
     assert err.value.argument == "events"
     cupy.cuda.runtime.deviceSynchronize()
     for h, b in zip(hosts, before):
@@ -119,8 +119,8 @@ def test_a_fresh_thread_gets_the_staged_path(cupy, capi, pinned, cuda_stream) ->
     used: list[int] = []
 
     def load() -> None:
-        capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, NUM_DEV, 256 << 10,
-                               NUM_HOST, ids[::-1], ids, ops.MODE_H2D, stream=stream.ptr, path="staged")
+        run_stack(capi, [d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, NUM_DEV, 256 << 10,
+                  NUM_HOST, ids[::-1], ids, ops.CopyDirection.HOST_TO_DEVICE, stream=stream.ptr, path="staged")
         used.append(capi.last_path())
 
     thread = threading.Thread(target=load)
@@ -132,7 +132,7 @@ def test_a_fresh_thread_gets_the_staged_path(cupy, capi, pinned, cuda_stream) ->
         np.testing.assert_array_equal(cupy.asnumpy(d)[ids[::-1]], h[ids])
 
 
-@pytest.mark.parametrize("mode", [ops.MODE_H2D, ops.MODE_D2H])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.HOST_TO_DEVICE, ops.CopyDirection.DEVICE_TO_HOST])
 @pytest.mark.parametrize("from_group", [1, 0])
 def test_auto_stages_a_load_from_its_second_group(cupy, capi, pinned, cuda_stream, mode, from_group) -> None:
     """A stack that auto stages (16 KiB blocks, host ids in one run, 24 MiB in all, 18 MiB
@@ -152,13 +152,13 @@ def test_auto_stages_a_load_from_its_second_group(cupy, capi, pinned, cuda_strea
     capi.set_option("staged_stack_from_group", from_group)
     try:
         stream = cuda_stream()
-        capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, num_dev, bb, n,
-                               dev_ids, host_ids, mode, stream=stream.ptr, path="auto")
+        run_stack(capi, [d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, num_dev, bb, n,
+                  dev_ids, host_ids, mode, stream=stream.ptr, path="auto")
         used = capi.last_path()
         stream.synchronize()
     finally:
         capi.set_option("staged_stack_from_group", saved)
-    kernel_first = mode == ops.MODE_H2D and from_group == 1
+    kernel_first = mode == ops.CopyDirection.HOST_TO_DEVICE and from_group == 1
     assert used == (ops.PATH_KERNEL | ops.PATH_STAGED if kernel_first else ops.PATH_STAGED)
     for d, h, (want_dev, want_host) in zip(devs, hosts, want):
         np.testing.assert_array_equal(cupy.asnumpy(d), want_dev)
@@ -175,8 +175,8 @@ def test_a_rest_too_small_to_stage_goes_on_the_calls_own_path(cupy, capi, pinned
     hosts = [pinned(n * bb).reshape(n, bb) for _ in range(LAYERS * GROUP)]
     dev_ids = rng.permutation(num_dev)[:n].tolist()
     stream = cuda_stream()
-    capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, num_dev, bb, n,
-                           dev_ids, list(range(n)), ops.MODE_H2D, stream=stream.ptr, path="auto")
+    run_stack(capi, [d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, num_dev, bb, n,
+              dev_ids, list(range(n)), ops.CopyDirection.HOST_TO_DEVICE, stream=stream.ptr, path="auto")
     used = capi.last_path()
     stream.synchronize()
     assert used == ops.PATH_KERNEL
@@ -198,7 +198,7 @@ SPAN_CASES = {
     # own path (the kernel) and decides the spans after it.  A device-to-host stack tries
     # to stage from group 0, which then decides.
     "auto_scattered": ("auto", 16 << 10, 128, "scattered", 8 << 20,
-                       {ops.MODE_H2D: [[2, 3], [4, 5], [6, 7]], ops.MODE_D2H: [[1, 2], [3, 4], [5, 6], [7]]},
+                       {ops.CopyDirection.HOST_TO_DEVICE: [[2, 3], [4, 5], [6, 7]], ops.CopyDirection.DEVICE_TO_HOST: [[1, 2], [3, 4], [5, 6], [7]]},
                        ops.PATH_KERNEL),
     "staged_per_group": ("auto", 16 << 10, 128, "run", 0, None, None),  # a staged rest chunked per group
     "staged_default": ("auto", 16 << 10, 128, "run", None, None, None),  # chunks cut at span ends
@@ -206,7 +206,7 @@ SPAN_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(SPAN_CASES))
-@pytest.mark.parametrize("mode", [ops.MODE_H2D, ops.MODE_D2H])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.HOST_TO_DEVICE, ops.CopyDirection.DEVICE_TO_HOST])
 def test_small_groups_go_in_spans_and_each_event_covers_its_group(cupy, capi, pinned, cuda_stream, case,
                                                                   mode) -> None:
     """Groups go in spans of >= stack_span_min_bytes once a group on the call's own path went
@@ -236,15 +236,15 @@ def test_small_groups_go_in_spans_and_each_event_covers_its_group(cupy, capi, pi
         events = [cupy.cuda.Event(block=False, disable_timing=False) for _ in range(layers)]
         start = cupy.cuda.Event(block=False, disable_timing=False)
         start.record(stream)
-        capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, num_dev,
-                               block_bytes, num_host, dev_ids, host_ids, mode, stream=stream.ptr,
-                               events=[e.ptr for e in events], path=path)
+        run_stack(capi, [d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, num_dev,
+                  block_bytes, num_host, dev_ids, host_ids, mode, stream=stream.ptr,
+                  events=[e.ptr for e in events], path=path)
         used = capi.last_path()
         readers = []
         for g in range(layers):  # each group's bytes as seen behind its own event
             reader = cuda_stream()
             reader.wait_event(events[g])
-            if mode == ops.MODE_H2D:
+            if mode == ops.CopyDirection.HOST_TO_DEVICE:
                 with reader:
                     readers.append([devs[t][dev_ids].copy() for t in range(g * GROUP, (g + 1) * GROUP)])
             else:
@@ -255,7 +255,7 @@ def test_small_groups_go_in_spans_and_each_event_covers_its_group(cupy, capi, pi
         cupy.cuda.runtime.deviceSynchronize()
     finally:
         capi.set_option("stack_span_min_bytes", saved)
-    if mode == ops.MODE_H2D:
+    if mode == ops.CopyDirection.HOST_TO_DEVICE:
         for g, got in enumerate(readers):
             for t, a in zip(range(g * GROUP, (g + 1) * GROUP), got):
                 np.testing.assert_array_equal(cupy.asnumpy(a), want[t][0][dev_ids], err_msg=f"group {g} behind its event")
@@ -263,7 +263,7 @@ def test_small_groups_go_in_spans_and_each_event_covers_its_group(cupy, capi, pi
         np.testing.assert_array_equal(cupy.asnumpy(d), want_dev)
         np.testing.assert_array_equal(h, want_host)
     if want_path is None:  # the staged stack: group 0 on the kernel ahead of the rest when loading
-        assert used == (ops.PATH_KERNEL | ops.PATH_STAGED if mode == ops.MODE_H2D else ops.PATH_STAGED)
+        assert used == (ops.PATH_KERNEL | ops.PATH_STAGED if mode == ops.CopyDirection.HOST_TO_DEVICE else ops.PATH_STAGED)
         return
     assert used == want_path, f"last_path()={used}"
     times = [cupy.cuda.get_elapsed_time(start, e) * 1e3 for e in events]  # us
@@ -276,7 +276,7 @@ def test_small_groups_go_in_spans_and_each_event_covers_its_group(cupy, capi, pi
             assert gaps[span[-1]] > copy_us / 2, (span, times)  # the next span comes a copy later
 
 
-@pytest.mark.parametrize("mode", [ops.MODE_H2D, ops.MODE_D2H])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.HOST_TO_DEVICE, ops.CopyDirection.DEVICE_TO_HOST])
 def test_overlapped_kernel_launches_keep_every_event_behind_its_group(cupy, capi, pinned, cuda_stream,
                                                                       mode) -> None:
     """With a span per group on the copy kernel, every launch after the first may start
@@ -303,13 +303,13 @@ def test_overlapped_kernel_launches_keep_every_event_behind_its_group(cupy, capi
             events = [cupy.cuda.Event(block=False, disable_timing=False) for _ in range(layers)]
             start = cupy.cuda.Event(block=False, disable_timing=False)
             start.record(stream)
-            capi.swap_layer_groups([d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, num_dev, bb,
-                                   num_host, dev_ids, host_ids, mode, stream=stream.ptr,
-                                   events=[e.ptr for e in events], path="kernel")
+            run_stack(capi, [d.data.ptr for d in devs], [h.ctypes.data for h in hosts], GROUP, num_dev, bb,
+                      num_host, dev_ids, host_ids, mode, stream=stream.ptr,
+                      events=[e.ptr for e in events], path="kernel")
             assert capi.last_path() == ops.PATH_KERNEL
             seen = []
             for g in range(layers):
-                if mode == ops.MODE_H2D:
+                if mode == ops.CopyDirection.HOST_TO_DEVICE:
                     reader = cuda_stream()
                     reader.wait_event(events[g])
                     with reader:
@@ -321,7 +321,7 @@ def test_overlapped_kernel_launches_keep_every_event_behind_its_group(cupy, capi
             cupy.cuda.runtime.deviceSynchronize()
             for g, got in enumerate(seen):
                 for t, a in zip(range(g * GROUP, (g + 1) * GROUP), got):
-                    if mode == ops.MODE_H2D:
+                    if mode == ops.CopyDirection.HOST_TO_DEVICE:
                         np.testing.assert_array_equal(cupy.asnumpy(a), want[t][0][dev_ids],
                                                       err_msg=f"stack {rep}, group {g} behind its event")
                     else:

@@ -20,12 +20,13 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pytest
 
 from fastdeploy_kvcache import ops
+from fastdeploy_kvcache.worker.transfer_manager import TransferManager
 from swap_reference import PATTERNS, expected_after_swap, id_patterns
 
 pytestmark = pytest.mark.gpu
@@ -79,7 +80,7 @@ def _check(cupy, devs, hosts, want_devs, want_hosts) -> None:
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("pattern", ALL_PATTERNS)
 @pytest.mark.parametrize("entry", ["per_layer", "all_layers"])
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_staged_matrix(cupy, capi, pinned, cuda_stream, options, dtype, pattern, entry, mode) -> None:
     options("staging_chunk_bytes", 64 << 10)  # many chunks per call: ring wrap-around, split blocks
     options("staging_bytes", 1 << 20)
@@ -104,7 +105,7 @@ def test_staged_matrix(cupy, capi, pinned, cuda_stream, options, dtype, pattern,
 
 @pytest.mark.parametrize("block_bytes", ODD_BYTES)
 @pytest.mark.parametrize("pattern", ["host_runs", "scattered", "reversed"])
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_staged_odd_block_sizes_mixed_lanes(cupy, capi, pinned, cuda_stream, options, block_bytes, pattern,
                                             mode) -> None:
     """K/V lanes plus smaller scale lanes in one call, block sizes that are not 16-byte
@@ -142,17 +143,17 @@ def test_staged_layout_round_trip(cupy, capi, pinned, cuda_stream, options, patt
         want[host_ids, off:off + b] = cupy.asnumpy(d)[dev_ids]
     s = cuda_stream()
     capi.swap_layout([d.data.ptr for d in devs], NUM_DEV, sizes, host.ctypes.data, NUM_HOST, dev_ids, host_ids,
-                     ops.MODE_D2H, stream=s, path="staged")
+                     ops.CopyDirection.DEVICE_TO_HOST, stream=s, path="staged")
     s.synchronize()
     np.testing.assert_array_equal(host, want)
     fresh = [cupy.zeros((NUM_DEV, b), np.uint8) for b in sizes]
     capi.swap_layout([f.data.ptr for f in fresh], NUM_DEV, sizes, host.ctypes.data, NUM_HOST, dev_ids, host_ids,
-                     ops.MODE_H2D, stream=s, sync=True, path="staged")
+                     ops.CopyDirection.HOST_TO_DEVICE, stream=s, sync=True, path="staged")
     for f, d in zip(fresh, devs):
         np.testing.assert_array_equal(cupy.asnumpy(f)[dev_ids], cupy.asnumpy(d)[dev_ids])
 
 
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_staged_large_call_default_ring(cupy, capi, pinned, cuda_stream, options, mode) -> None:
     """Default ring and chunk sizes, a call larger than the ring (48 MiB x 2 lanes)."""
     bb, n_dev, n_host, n = 256 << 10, 200, 200, 192
@@ -170,7 +171,7 @@ def test_staged_large_call_default_ring(cupy, capi, pinned, cuda_stream, options
 
 
 # ----------------------------------------------------------------------------- auto
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 @pytest.mark.parametrize(
     "pattern,block_bytes,lanes,want",
     [
@@ -214,7 +215,7 @@ def test_staged_option_ranges(capi, options) -> None:
 
 # ----------------------------------------------------------------------------- streams
 @pytest.mark.parametrize("path,staging_mode", [("staged", 0), ("staged", 1), ("dma", 0)])
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_staged_never_synchronizes_and_orders_after_the_stream(cupy, capi, pinned, cuda_stream, options, blocker,
                                                                mode, path, staging_mode) -> None:
     """Enqueued behind a blocked stream: the call returns with the stream busy, nothing
@@ -255,7 +256,7 @@ def test_staged_never_synchronizes_and_orders_after_the_stream(cupy, capi, pinne
     np.testing.assert_array_equal(host, want_host)
 
 
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_staged_runs_while_another_stream_is_busy(cupy, capi, pinned, cuda_stream, options, blocker, mode) -> None:
     compute, transfer = cuda_stream(), cuda_stream()
     bb = 16 << 10
@@ -270,8 +271,8 @@ def test_staged_runs_while_another_stream_is_busy(cupy, capi, pinned, cuda_strea
                             stream=transfer, path="staged")
         transfer.record().synchronize()  # would hang (until the cap) if it waited for `compute`
         assert not compute.done
-        np.testing.assert_array_equal(cupy.asnumpy(dev) if mode == ops.MODE_H2D else host,
-                                      want_dev if mode == ops.MODE_H2D else want_host)
+        np.testing.assert_array_equal(cupy.asnumpy(dev) if mode == ops.CopyDirection.HOST_TO_DEVICE else host,
+                                      want_dev if mode == ops.CopyDirection.HOST_TO_DEVICE else want_host)
     finally:
         blocker.release()
     compute.synchronize()
@@ -320,7 +321,7 @@ def test_two_threads_both_directions_at_once(cupy, capi, pinned) -> None:
         try:
             cupy.cuda.Device(0).use()
             stream = cupy.cuda.Stream(non_blocking=True)
-            k = 0 if mode == ops.MODE_D2H else 1
+            k = 0 if mode == ops.CopyDirection.DEVICE_TO_HOST else 1
             start.wait()
             for i in range(60):
                 d = list(range(i % 8, i % 8 + 24))[::-1]  # distinct, reversed: a scattered device side
@@ -331,7 +332,7 @@ def test_two_threads_both_directions_at_once(cupy, capi, pinned) -> None:
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(m,)) for m in (ops.MODE_D2H, ops.MODE_H2D)]
+    threads = [threading.Thread(target=worker, args=(m,)) for m in (ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE)]
     for t in threads:
         t.start()
     for t in threads:
@@ -344,15 +345,15 @@ def test_two_threads_both_directions_at_once(cupy, capi, pinned) -> None:
 
 
 # ----------------------------------------------------------------------------- sanitizer
-def _sanitize(tool: str, script: str, env_extra: dict[str, str]) -> str:
+def _sanitize(tool: str, script: str, args: Sequence[str] = ()) -> str:
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not os.path.exists(exe):
         pytest.skip("needs compute-sanitizer (CUDA toolkit) on PATH or in /usr/local/cuda/bin")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), **env_extra)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     cmd = [exe, "--tool", tool, "--error-exitcode", "99"]
     if tool == "memcheck":
         cmd += ["--leak-check", "no"]
-    proc = subprocess.run(cmd + [sys.executable, str(Path(__file__).with_name(script))], capture_output=True,
+    proc = subprocess.run(cmd + [sys.executable, str(Path(__file__).with_name(script)), *args], capture_output=True,
                           text=True, env=env, timeout=500)
     out = proc.stdout + proc.stderr
     log_dir = os.environ.get("FDKV_SANITIZER_LOG_DIR")
@@ -368,19 +369,19 @@ def _sanitize(tool: str, script: str, env_extra: dict[str, str]) -> str:
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_sanitizer_staged_smoke(capi, tool: str) -> None:
-    out = _sanitize(tool, "staged_smoke.py", {})
+    out = _sanitize(tool, "staged_smoke.py")
     assert "staged smoke: ok" in out
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_sanitizer_worker_on_the_staged_path(capi, tool: str) -> None:
-    out = _sanitize(tool, "worker_sanitizer_smoke.py", {"FDKV_COPY_PATH": "staged", "FDKV_D2H_COPY_PATH": "staged"})
+    out = _sanitize(tool, "worker_sanitizer_smoke.py", ["--copy-path", "staged", "--d2h-copy-path", "staged"])
     assert "worker sanitizer smoke: ok" in out
 
 
 # ----------------------------------------------------------------------------- the worker
 # The ordering-rule race tests and the random trace, unchanged, re-run here with the
-# worker's loads (process copy_path) and evictions/backups (FDKV_D2H_COPY_PATH) on the
+# worker's loads (process copy_path) and evictions/backups (the worker's d2h copy path) on the
 # staged path: each still passes with its fence and fails with the fence switched off.
 from test_worker_cupy import (  # noqa: E402,F401  (collected again under this module's fixture)
     compute,
@@ -397,13 +398,14 @@ from test_worker_cupy import (  # noqa: E402,F401  (collected again under this m
 
 @pytest.fixture(autouse=True)
 def _worker_on_staged(request: Any, monkeypatch) -> Any:
-    """For the tests imported from test_worker_cupy: both directions on the staged path."""
+    """For the tests imported from test_worker_cupy: both directions on the staged path (the
+    process-wide option for loads, the workers' default d2h path for evictions and backups)."""
     if request.function.__module__ != "test_worker_cupy":
         yield
         return
     capi = ops.load_capi(variant="cuda")
     saved = capi.get_option("copy_path")
     capi.set_option("copy_path", ops.COPY_PATH_STAGED)
-    monkeypatch.setenv("FDKV_D2H_COPY_PATH", "staged")
+    monkeypatch.setattr(TransferManager, "DEFAULT_D2H_COPY_PATH", "staged")
     yield
     capi.set_option("copy_path", saved)

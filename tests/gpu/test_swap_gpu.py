@@ -46,7 +46,7 @@ def _dev_random(cupy, shape, seed: int):
 @pytest.mark.parametrize("path", ["kernel", "dma", "auto"])
 @pytest.mark.parametrize("block_bytes", BLOCK_BYTES)
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_per_layer_matrix(cupy, capi, pinned, cuda_stream, copy_path, path, block_bytes, pattern, mode) -> None:
     copy_path(path)
     dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, np.random.default_rng(block_bytes + mode))[pattern]
@@ -69,7 +69,7 @@ def test_per_layer_matrix(cupy, capi, pinned, cuda_stream, copy_path, path, bloc
 
 
 @pytest.mark.parametrize("path", ["kernel", "dma"])
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_merged_runs_use_memcpy(cupy, capi, pinned, cuda_stream, copy_path, path, mode) -> None:
     """Consecutive ids with merge_min_bytes=0: the kernel path sends every run to
     cudaMemcpyAsync; the DMA path batches them."""
@@ -89,7 +89,7 @@ def test_merged_runs_use_memcpy(cupy, capi, pinned, cuda_stream, copy_path, path
 
 @pytest.mark.parametrize("path", ["kernel", "dma", "auto"])
 @pytest.mark.parametrize("pattern", ["consecutive", "scattered", "runs"])
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_all_layers_mixed_block_sizes(cupy, capi, pinned, cuda_stream, copy_path, path, pattern, mode) -> None:
     copy_path(path)
     sizes = [2048, 2048, 32, 32, 2048, 2048, 12, 12]  # K/V caches and scale caches
@@ -123,12 +123,12 @@ def test_layout_round_trip(cupy, capi, pinned, cuda_stream, copy_path, path, pat
         want[host_ids, off:off + b] = cupy.asnumpy(d)[dev_ids]
     s = cuda_stream()
     capi.swap_layout([d.data.ptr for d in devs], NUM_DEV, sizes, host.ctypes.data, NUM_HOST, dev_ids, host_ids,
-                     ops.MODE_D2H, stream=s)
+                     ops.CopyDirection.DEVICE_TO_HOST, stream=s)
     s.synchronize()
     np.testing.assert_array_equal(host, want)
     fresh = [cupy.zeros((NUM_DEV, b), np.uint8) for b in sizes]
     capi.swap_layout([f.data.ptr for f in fresh], NUM_DEV, sizes, host.ctypes.data, NUM_HOST, dev_ids, host_ids,
-                     ops.MODE_H2D, stream=s, sync=True)
+                     ops.CopyDirection.HOST_TO_DEVICE, stream=s, sync=True)
     for f, d in zip(fresh, devs):
         np.testing.assert_array_equal(cupy.asnumpy(f)[dev_ids], cupy.asnumpy(d)[dev_ids])
 
@@ -148,7 +148,7 @@ def test_validation_error_writes_nothing_on_gpu(cupy, capi, pinned) -> None:
 
 # ----------------------------------------------------------------------------- streams
 @pytest.mark.parametrize("path", ["kernel", "dma"])
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_copy_completes_on_transfer_stream_while_compute_stream_is_busy(
     cupy, capi, pinned, cuda_stream, copy_path, blocker, path, mode
 ) -> None:
@@ -167,8 +167,8 @@ def test_copy_completes_on_transfer_stream_while_compute_stream_is_busy(
         done = transfer.record()
         done.synchronize()  # would hang (until the safety cap) if the copy ran on `compute`
         assert not compute.done, "the compute stream must still be busy"
-        np.testing.assert_array_equal(cupy.asnumpy(dev) if mode == ops.MODE_H2D else host,
-                                      want_dev if mode == ops.MODE_H2D else want_host)
+        np.testing.assert_array_equal(cupy.asnumpy(dev) if mode == ops.CopyDirection.HOST_TO_DEVICE else host,
+                                      want_dev if mode == ops.CopyDirection.HOST_TO_DEVICE else want_host)
     finally:
         blocker.release()
     compute.synchronize()
@@ -240,7 +240,7 @@ def test_compute_sanitizer_memcheck_is_clean(capi) -> None:
 
 
 @pytest.mark.parametrize("entry", ["per_layer", "all_layers", "layout"])
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_pageable_host_memory_never_reaches_the_kernel(cupy, capi, cuda_stream, copy_path, entry, mode) -> None:
     """numpy (pageable) host buffers: the kernel cannot dereference them, so the op falls
     back to one cudaMemcpyAsync per run and the bytes still arrive."""

@@ -27,7 +27,7 @@ def options(capi):
 @pytest.mark.parametrize("variant", [0, 1, 2, 3])
 @pytest.mark.parametrize("block_bytes", [4096, 16400, 24, 256 << 10])
 @pytest.mark.parametrize("grid", [1, 8])
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 @pytest.mark.parametrize("tables", [0, 1])
 def test_kernel_variants_all_layers(cupy, capi, pinned, cuda_stream, options, variant, block_bytes, grid, mode,
                                     tables) -> None:

@@ -10,6 +10,7 @@ then checks the bytes.  Exit status 0 means the data was right.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -17,15 +18,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupy as cp  # noqa: E402
 
+from fastdeploy_kvcache import ops  # noqa: E402
 from fastdeploy_kvcache.config import CacheConfig  # noqa: E402
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind  # noqa: E402
 from fastdeploy_kvcache.worker import CacheController  # noqa: E402
 
 
-def main() -> int:
+def main(argv: "list[str] | None" = None) -> int:
+    p = argparse.ArgumentParser(description="short worker run for compute-sanitizer")
+    p.add_argument("--copy-path", default=None, choices=["auto", "kernel", "dma", "staged"],
+                   help="the process-wide copy_path option the loads follow (default: the library's)")
+    p.add_argument("--d2h-copy-path", default=None, help="the worker's d2h_copy_path (default: the worker's)")
+    args = p.parse_args(argv)
+    if args.copy_path is not None:
+        ops.load_capi(variant="cuda").set_option("copy_path", ops.copy_path_code(args.copy_path))
     config = CacheConfig(num_layers=3, num_extra_layers=1, num_kv_heads=2, head_dim=16, block_size=8,
                          dtype="uint8", kv_cache_quant="int8")
-    ctrl = CacheController(config, backend="cupy")
+    ctrl = CacheController(config, backend="cupy", d2h_copy_path=args.d2h_copy_path)
     ctrl.initialize_kv_cache(12)
     ctrl.initialize_host_cache(12)
     compute = cp.cuda.Stream(non_blocking=True)

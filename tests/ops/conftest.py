@@ -39,7 +39,7 @@ def paddle_ops():
         raise
     if not ops.paddle_ops_available():
         ops_missing("needs the Paddle ops built into build/paddle_ops by `bash build.sh`")
-    ops._load_paddle_ops()
+    ops.paddle_ops_capi()  # registers the ops
     return paddle
 
 

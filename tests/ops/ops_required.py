@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from fastdeploy_kvcache import envs
+from skip_helpers import env_switch
 
 
 def ops_missing(reason: str) -> None:
     """Skip the calling test for want of built ops, or fail it when FDKV_REQUIRE_OPS=1."""
-    if envs.get("FDKV_REQUIRE_OPS"):
+    if env_switch("FDKV_REQUIRE_OPS"):
         pytest.fail(f"FDKV_REQUIRE_OPS=1 but the ops are not usable: {reason}", pytrace=False)
     pytest.skip(reason)

@@ -1,4 +1,4 @@
-"""``launch_layer_groups`` and its launcher thread on the CPU build (numpy memory plays the
+"""``LayerStackCall.launch`` and its launcher thread on the CPU build (numpy memory plays the
 device; the copies run on whichever thread enqueues them, so the order they ran in is the
 order the stream would see).  The CUDA side (fences, events) is in tests/gpu."""
 
@@ -22,7 +22,15 @@ class Stack:
 
     def args(self, dev_ids: list[int], host_ids: list[int]) -> tuple:
         return ([d.ctypes.data for d in self.devs], [h.ctypes.data for h in self.hosts], GROUP, NUM_DEV, BLOCK,
-                NUM_HOST, dev_ids, host_ids, ops.MODE_H2D)
+                NUM_HOST, dev_ids, host_ids, ops.CopyDirection.HOST_TO_DEVICE)
+
+    def launch(self, capi: ops.CApi, launcher, dev_ids, host_ids, progress, inline_groups: int = 1,
+               **launch_kwargs) -> None:
+        """One stack through the one entry point: a call bound to ``launcher``, launched."""
+        devs, hosts, group, num_dev, block, num_host, _, _, mode = self.args([], [])
+        call = capi.layer_stack_call(launcher, devs, hosts, group, num_dev, block, num_host, mode,
+                                     inline_groups=inline_groups)
+        call.launch(dev_ids, host_ids, progress, **launch_kwargs)
 
     def loaded(self, dev_ids: list[int], host_ids: list[int], tensors: range = range(LAYERS * GROUP)) -> bool:
         return all(np.array_equal(self.devs[t][dev_ids], self.hosts[t][host_ids]) for t in tensors)
@@ -48,8 +56,8 @@ def fail_group(capi_cpu: ops.CApi):
 def test_a_launched_stack_moves_every_group_and_closes(capi_cpu, launcher, inline_groups, with_launcher) -> None:
     stack = Stack()
     progress = capi_cpu.group_progress()
-    capi_cpu.launch_layer_groups(launcher if with_launcher else None, *stack.args([5, 0, 3], [9, 40, 2]),
-                                 progress=progress, inline_groups=inline_groups)
+    stack.launch(capi_cpu, launcher if with_launcher else None, [5, 0, 3], [9, 40, 2], progress=progress,
+                 inline_groups=inline_groups)
     assert progress.wait_closed(10.0)
     assert progress.state() == ops.ProgressState(LAYERS, False, True, ops.PATH_CPU, -1)
     assert progress.error() == ""
@@ -66,7 +74,7 @@ def test_stacks_run_in_launch_order(capi_cpu, launcher) -> None:
     for i in range(40):
         host_ids = [4 * (i % 16) + k for k in range(4)]
         progress = capi_cpu.group_progress()
-        capi_cpu.launch_layer_groups(launcher, *stack.args(dev_ids, host_ids), progress=progress)
+        stack.launch(capi_cpu, launcher, dev_ids, host_ids, progress=progress)
         progresses.append(progress)
     assert launcher.wait_idle(10.0)
     assert all(p.state().closed and not p.state().failed for p in progresses)
@@ -77,7 +85,7 @@ def test_a_bad_argument_raises_before_anything_moves_and_fails_the_progress(capi
     stack = Stack()
     progress = capi_cpu.group_progress()
     with pytest.raises(ops.SwapOpError) as err:
-        capi_cpu.launch_layer_groups(launcher, *stack.args([1, NUM_DEV], [3, 4]), progress=progress)
+        stack.launch(capi_cpu, launcher, [1, NUM_DEV], [3, 4], progress=progress)
     assert err.value.argument == "dev_ids" and err.value.index == 1
     state = progress.state()
     assert state.failed and state.closed and state.done == 0 and state.failed_group == -1
@@ -93,7 +101,7 @@ def test_events_are_refused_by_the_cpu_build(capi_cpu, launcher) -> None:
                          ({"done_event": 99}, "done_event"), ({"events": [7] * LAYERS}, "events")):
         progress = capi_cpu.group_progress()
         with pytest.raises(ops.SwapOpError) as err:
-            capi_cpu.launch_layer_groups(launcher, *stack.args([1], [2]), progress=progress, **kwargs)
+            stack.launch(capi_cpu, launcher, [1], [2], progress=progress, **kwargs)
         assert err.value.argument == name and "CPU" in str(err.value)
         assert progress.state().failed
 
@@ -101,13 +109,13 @@ def test_events_are_refused_by_the_cpu_build(capi_cpu, launcher) -> None:
 def test_launch_arguments_are_checked_in_python(capi_cpu, launcher) -> None:
     stack = Stack()
     with pytest.raises(ops.SwapOpError, match="progress must be an open GroupProgress"):
-        capi_cpu.launch_layer_groups(launcher, *stack.args([1], [2]), progress=None)
+        stack.launch(capi_cpu, launcher, [1], [2], progress=None)
     closed = capi_cpu.group_progress()
     closed.close()
     with pytest.raises(ops.SwapOpError, match="progress must be an open GroupProgress"):
-        capi_cpu.launch_layer_groups(launcher, *stack.args([1], [2]), progress=closed)
+        stack.launch(capi_cpu, launcher, [1], [2], progress=closed)
     with pytest.raises(ops.SwapOpError, match="launcher must be None or an open StackLauncher"):
-        capi_cpu.launch_layer_groups("thread", *stack.args([1], [2]), progress=capi_cpu.group_progress())
+        stack.launch(capi_cpu, "thread", [1], [2], progress=capi_cpu.group_progress())
 
 
 @pytest.mark.parametrize("group", [0, 1, LAYERS - 1])
@@ -118,8 +126,8 @@ def test_a_failure_in_group_g_fails_the_progress_there(capi_cpu, launcher, fail_
     stack = Stack(2)
     fail_group(group)
     progress = capi_cpu.group_progress()
-    capi_cpu.launch_layer_groups(launcher, *stack.args([0, 1], [10, 11]), progress=progress,
-                                 inline_groups=inline_groups)
+    stack.launch(capi_cpu, launcher, [0, 1], [10, 11], progress=progress,
+                 inline_groups=inline_groups)
     assert progress.wait_closed(10.0)
     state = progress.state()
     assert state.failed and state.failed_group == group and state.done == group
@@ -129,7 +137,7 @@ def test_a_failure_in_group_g_fails_the_progress_there(capi_cpu, launcher, fail_
     assert not any(stack.devs[t].any() for t in range(group * GROUP, LAYERS * GROUP))
     fail_group(-1)
     after = capi_cpu.group_progress()
-    capi_cpu.launch_layer_groups(launcher, *stack.args([0, 1], [10, 11]), progress=after)
+    stack.launch(capi_cpu, launcher, [0, 1], [10, 11], progress=after)
     assert after.wait_closed(10.0) and not after.state().failed
     assert stack.loaded([0, 1], [10, 11])
 
@@ -142,7 +150,7 @@ def test_close_enqueues_what_is_still_queued(capi_cpu) -> None:
     progresses = []
     for i, stack in enumerate(stacks):
         progress = capi_cpu.group_progress()
-        capi_cpu.launch_layer_groups(launcher, *stack.args([i % NUM_DEV], [i]), progress=progress, inline_groups=0)
+        stack.launch(capi_cpu, launcher, [i % NUM_DEV], [i], progress=progress, inline_groups=0)
         progresses.append(progress)
     progresses[-1].close()  # the caller lets go of one: its job still holds it
     launcher.close()

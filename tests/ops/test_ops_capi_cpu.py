@@ -7,7 +7,7 @@ import pytest
 
 from fastdeploy_kvcache import ops
 
-from swap_reference import PATTERNS, expected_after_swap, id_patterns
+from swap_reference import PATTERNS, expected_after_swap, id_patterns, run_stack
 
 NUM_DEV, NUM_HOST = 12, 16
 # 16-byte multiples take the vector path on a GPU; the others the narrower fallback.
@@ -20,7 +20,7 @@ def _rand(shape: tuple[int, ...], seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("block_bytes", BLOCK_BYTES)
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_per_layer_round_trip(capi_cpu: ops.CApi, block_bytes: int, pattern: str, mode: int) -> None:
     rng = np.random.default_rng(block_bytes * 7 + mode)
     dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, rng)[pattern]
@@ -49,7 +49,7 @@ def test_per_layer_d2h_then_h2d_restores_blocks(capi_cpu: ops.CApi, pattern: str
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_all_layers_mixed_block_sizes(capi_cpu: ops.CApi, pattern: str, mode: int) -> None:
     """K/V caches (256 B blocks) and their scale caches (12 B blocks) in one call."""
     rng = np.random.default_rng(11 + mode)
@@ -65,17 +65,17 @@ def test_all_layers_mixed_block_sizes(capi_cpu: ops.CApi, pattern: str, mode: in
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 def test_layer_groups_move_every_group_like_swap_all_layers(capi_cpu: ops.CApi, pattern: str, mode: int) -> None:
-    """Three layers of K, V and a scale cache (12 B blocks) in one swap_layer_groups call."""
+    """Three layers of K, V and a scale cache (12 B blocks) in one layer-stack call."""
     rng = np.random.default_rng(31 + mode)
     dev_ids, host_ids = id_patterns(NUM_DEV, NUM_HOST, rng)[pattern]
     sizes = [256, 256, 12] * 3
     devs = [_rand((NUM_DEV, b), 40 + i) for i, b in enumerate(sizes)]
     hosts = [_rand((NUM_HOST, b), 60 + i) for i, b in enumerate(sizes)]
     want_devs, want_hosts = zip(*(expected_after_swap(d, h, dev_ids, host_ids, mode) for d, h in zip(devs, hosts)))
-    capi_cpu.swap_layer_groups([d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], 3, NUM_DEV, sizes,
-                               NUM_HOST, dev_ids, host_ids, mode, events=None)
+    run_stack(capi_cpu, [d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], 3, NUM_DEV, sizes,
+              NUM_HOST, dev_ids, host_ids, mode, events=None)
     for got, want in zip(devs + hosts, list(want_devs) + list(want_hosts)):
         np.testing.assert_array_equal(got, want)
     assert capi_cpu.last_path() == (ops.PATH_CPU if dev_ids else 0)
@@ -97,9 +97,9 @@ def test_layer_groups_bad_groups_and_events_move_nothing(capi_cpu: ops.CApi, gro
     devs = [_rand((NUM_DEV, 64), 80 + i) for i in range(6)]
     hosts = [np.zeros((NUM_HOST, 64), np.uint8) for _ in range(6)]
     with pytest.raises(ops.SwapOpError) as err:
-        capi_cpu.swap_layer_groups([d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], group_size,
-                                   NUM_DEV, 64, NUM_HOST, [1, 2], [3, 4], ops.MODE_D2H, events=events)
-    assert (err.value.op, err.value.argument, err.value.index) == ("swap_layer_groups", argument, index)
+        run_stack(capi_cpu, [d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], group_size,
+                  NUM_DEV, 64, NUM_HOST, [1, 2], [3, 4], ops.CopyDirection.DEVICE_TO_HOST, events=events)
+    assert (err.value.op, err.value.argument, err.value.index) == ("layer_stack_call.run", argument, index)
     assert not any(h.any() for h in hosts)
 
 
@@ -109,8 +109,8 @@ def test_layer_groups_check_every_tensor_before_the_first_group(capi_cpu: ops.CA
     devs = [_rand((NUM_DEV, 64), 90 + i) for i in range(4)]
     hosts = [np.zeros((NUM_HOST, 64), np.uint8) for _ in range(4)]
     with pytest.raises(ops.SwapOpError) as err:
-        capi_cpu.swap_layer_groups([d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], 2,
-                                   [NUM_DEV, NUM_DEV, NUM_DEV, 3], 64, NUM_HOST, [1, 5], [3, 4], ops.MODE_D2H)
+        run_stack(capi_cpu, [d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], 2,
+                  [NUM_DEV, NUM_DEV, NUM_DEV, 3], 64, NUM_HOST, [1, 5], [3, 4], ops.CopyDirection.DEVICE_TO_HOST)
     assert err.value.argument == "dev_ids" and err.value.index == 1
     assert not any(h.any() for h in hosts)
 
@@ -122,18 +122,18 @@ def test_tensor_table_moves_what_the_lists_move(capi_cpu: ops.CApi) -> None:
     devs = [_rand((NUM_DEV, b), 120 + i) for i, b in enumerate(sizes)]
     hosts = [np.zeros((NUM_HOST, b), np.uint8) for b in sizes]
     table = ops.TensorTable([d.ctypes.data for d in devs], NUM_DEV, sizes)
-    capi_cpu.swap_all_layers(table, [h.ctypes.data for h in hosts], 0, 0, NUM_HOST, [4, 7], [1, 2], ops.MODE_D2H)
+    capi_cpu.swap_all_layers(table, [h.ctypes.data for h in hosts], 0, 0, NUM_HOST, [4, 7], [1, 2], ops.CopyDirection.DEVICE_TO_HOST)
     for d, h in zip(devs, hosts):
         np.testing.assert_array_equal(h[[1, 2]], d[[4, 7]])
-    capi_cpu.swap_layer_groups(table, [h.ctypes.data for h in hosts], 2, 0, 0, NUM_HOST, [5], [3], ops.MODE_D2H)
+    run_stack(capi_cpu, table, [h.ctypes.data for h in hosts], 2, 0, 0, NUM_HOST, [5], [3], ops.CopyDirection.DEVICE_TO_HOST)
     for d, h in zip(devs, hosts):
         np.testing.assert_array_equal(h[3], d[5])
     with_hosts = ops.TensorTable([d.ctypes.data for d in devs], NUM_DEV, sizes, [h.ctypes.data for h in hosts])
-    capi_cpu.swap_all_layers(with_hosts, None, 0, 0, NUM_HOST, [9], [0], ops.MODE_D2H)
+    capi_cpu.swap_all_layers(with_hosts, None, 0, 0, NUM_HOST, [9], [0], ops.CopyDirection.DEVICE_TO_HOST)
     for d, h in zip(devs, hosts):
         np.testing.assert_array_equal(h[0], d[9])
     with pytest.raises(ops.SwapOpError) as err:  # no host buffers anywhere
-        capi_cpu.swap_all_layers(table, None, 0, 0, NUM_HOST, [9], [0], ops.MODE_D2H)
+        capi_cpu.swap_all_layers(table, None, 0, 0, NUM_HOST, [9], [0], ops.CopyDirection.DEVICE_TO_HOST)
     assert err.value.argument == "host_ptrs"
     with pytest.raises(ops.SwapOpError) as err:
         ops.TensorTable([devs[0].ctypes.data, -5], NUM_DEV, 256)
@@ -152,15 +152,15 @@ def test_layer_group_progress_counts_groups_and_reports_failure(capi_cpu: ops.CA
     devs = [_rand((NUM_DEV, 64), 100 + i) for i in range(6)]
     hosts = [np.zeros((NUM_HOST, 64), np.uint8) for _ in range(6)]
     args = ([d.ctypes.data for d in devs], [h.ctypes.data for h in hosts], 2, NUM_DEV, 64, NUM_HOST, [1, 2], [3, 4],
-            ops.MODE_D2H)
+            ops.CopyDirection.DEVICE_TO_HOST)
     progress = capi_cpu.group_progress()
     assert progress.wait(1, 0.0) == 0  # nothing enqueued yet: the timeout passes at once
-    capi_cpu.swap_layer_groups(*args, progress=progress)
+    run_stack(capi_cpu, *args, progress=progress)
     assert progress.wait(3, 5.0) == 3
     assert progress.wait(4, 0.01) == 3  # never more than the groups there are
     failed = capi_cpu.group_progress()
     with pytest.raises(ops.SwapOpError):
-        capi_cpu.swap_layer_groups(*args[:6], [1, NUM_DEV], [3, 4], ops.MODE_D2H, progress=failed)
+        run_stack(capi_cpu, *args[:6], [1, NUM_DEV], [3, 4], ops.CopyDirection.DEVICE_TO_HOST, progress=failed)
     assert failed.wait(1, 5.0) == -1
     failed.close()
     with pytest.raises(ValueError, match="closed"):
@@ -181,7 +181,7 @@ def test_layout_gather_scatter_round_trip(capi_cpu: ops.CApi, pattern: str) -> N
     for d, off, b in zip(devs, offsets, sizes):
         want_host[host_ids, off:off + b] = d[dev_ids]
     capi_cpu.swap_layout([d.ctypes.data for d in devs], NUM_DEV, sizes, host.ctypes.data, NUM_HOST,
-                         dev_ids, host_ids, ops.MODE_D2H)
+                         dev_ids, host_ids, ops.CopyDirection.DEVICE_TO_HOST)
     np.testing.assert_array_equal(host, want_host)
 
     fresh = [_rand((NUM_DEV, b), 50 + i) for i, b in enumerate(sizes)]
@@ -189,7 +189,7 @@ def test_layout_gather_scatter_round_trip(capi_cpu: ops.CApi, pattern: str) -> N
     for wf, d in zip(want_fresh, devs):
         wf[dev_ids] = d[dev_ids]
     capi_cpu.swap_layout([f.ctypes.data for f in fresh], NUM_DEV, sizes, host.ctypes.data, NUM_HOST,
-                         dev_ids, host_ids, ops.MODE_H2D)
+                         dev_ids, host_ids, ops.CopyDirection.HOST_TO_DEVICE)
     for got, want in zip(fresh, want_fresh):
         np.testing.assert_array_equal(got, want)
 
@@ -257,16 +257,3 @@ def test_capi_is_cpu_build(capi_cpu: ops.CApi) -> None:
 def test_missing_library_raises_clear_error(tmp_path) -> None:
     with pytest.raises(ops.OpsNotBuiltError, match="build.sh"):
         ops.load_capi(path=str(tmp_path / "nope.so"))
-
-
-def test_options_default_from_environment(capi_cpu: ops.CApi) -> None:
-    """The library reads FDKV_* once per process; a fresh process sees the variables."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("from fastdeploy_kvcache import ops; c = ops.load_capi(variant='cpu'); "
-            "print(c.get_option('copy_grid'), c.get_option('copy_path'), c.get_option('dma_min_bytes'))")
-    env = dict(os.environ, FDKV_COPY_GRID="3", FDKV_COPY_PATH="dma", FDKV_DMA_MIN_BYTES="4096")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["3", "2", "4096"]

@@ -45,7 +45,7 @@ def test_copy_path_code_rejects_names_and_types(bad: Any) -> None:
 
 
 def test_abi_version_is_checked(capi_cpu: ops.CApi) -> None:
-    assert capi_cpu._lib.fdkv_abi_version() >= 2
+    assert capi_cpu.lib.fdkv_abi_version() >= 2
 
     class OldLibrary:  # a library built before the per-call path: no fdkv_abi_version
         pass
@@ -88,7 +88,7 @@ def _expected(entry: str, dev: np.ndarray, host: np.ndarray, mode: int) -> tuple
     views = [(dev, host)] if entry == "per_layer" else [(dev[t], host[t] if entry == "all_layers" else host[:, t])
                                                           for t in range(2)]
     for d, h in views:
-        if mode == ops.MODE_D2H:
+        if mode == ops.CopyDirection.DEVICE_TO_HOST:
             h[HOST_IDS] = d[DEV_IDS]
         else:
             d[DEV_IDS] = h[HOST_IDS]
@@ -96,7 +96,7 @@ def _expected(entry: str, dev: np.ndarray, host: np.ndarray, mode: int) -> tuple
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 @pytest.mark.parametrize("path", VALID, ids=repr)
 def test_capi_cpu_accepts_and_ignores_every_valid_path(capi_cpu: ops.CApi, entry: str, mode: int, path: Any) -> None:
     """Same bytes for every path value; the CPU build reports its one path."""
@@ -117,7 +117,7 @@ def test_capi_cpu_rejects_bad_path_and_writes_nothing(capi_cpu: ops.CApi, entry:
     dev0, host0 = dev.copy(), host.copy()
     op = {"per_layer": "swap_per_layer", "all_layers": "swap_all_layers", "layout": "swap_layout"}[entry]
     with pytest.raises(ops.SwapOpError) as info:
-        _call(capi_cpu, entry, dev, host, ops.MODE_D2H, bad)
+        _call(capi_cpu, entry, dev, host, ops.CopyDirection.DEVICE_TO_HOST, bad)
     err = info.value
     assert (err.op, err.argument, err.index) == (op, "path", None)
     assert str(err).startswith(f"{op}: path = ") and "dma" in str(err)
@@ -156,7 +156,7 @@ def test_paddle_ops_accept_and_ignore_path_on_cpu(paddle_ops: Any, name: str, pa
     src = rng.integers(0, 256, (NUM_DEV, BB), dtype=np.uint8)
     cache = paddle_ops.to_tensor(src)
     host = np.zeros((NUM_HOST, BB), np.uint8)
-    _paddle_call(name, [cache], host, ops.MODE_D2H, path=path)
+    _paddle_call(name, [cache], host, ops.CopyDirection.DEVICE_TO_HOST, path=path)
     np.testing.assert_array_equal(host[HOST_IDS], src[DEV_IDS])
     assert ops.paddle_ops_capi().last_path() == ops.PATH_CPU
 
@@ -169,7 +169,7 @@ def test_paddle_ops_reject_bad_path_and_write_nothing(paddle_ops: Any, name: str
     host = rng.integers(0, 256, (NUM_HOST, BB), dtype=np.uint8)
     host0 = host.copy()
     with pytest.raises(ops.SwapOpError) as info:
-        _paddle_call(name, [cache], host, ops.MODE_D2H, path=bad)
+        _paddle_call(name, [cache], host, ops.CopyDirection.DEVICE_TO_HOST, path=bad)
     assert (info.value.op, info.value.argument, info.value.index) == (name, "path", None)
     np.testing.assert_array_equal(host, host0)
 
@@ -179,7 +179,7 @@ def test_paddle_ops_without_path_follow_the_design_attributes(paddle_ops: Any) -
     src = (np.arange(NUM_DEV * BB) % 251).astype(np.uint8).reshape(NUM_DEV, BB)
     cache = paddle_ops.to_tensor(src)
     host = np.zeros((NUM_HOST, BB), np.uint8)
-    ops.swap_cache_per_layer(cache, host.ctypes.data, NUM_HOST, DEV_IDS, HOST_IDS, 0, ops.MODE_D2H)
+    ops.swap_cache_per_layer(cache, host.ctypes.data, NUM_HOST, DEV_IDS, HOST_IDS, 0, ops.CopyDirection.DEVICE_TO_HOST)
     np.testing.assert_array_equal(host[HOST_IDS], src[DEV_IDS])
     with pytest.raises(TypeError):  # path is keyword-only: no positional slot shifts
         ops.swap_cache_all_layers([cache], [host.ctypes.data], NUM_HOST, DEV_IDS, HOST_IDS, 0, 0, 0, 2)  # type: ignore[misc]

@@ -67,7 +67,7 @@ def test_empty_tensor_list_raises_instead_of_aborting(paddle_ops, op_name: str) 
     }[op_name]
     lines = run_child(f"""
         import paddle
-        ops._load_paddle_ops()
+        ops.paddle_ops_capi()  # registers the ops
         ptr = ops.cuda_host_alloc(4096)
         report(lambda: {call})
         ops.cuda_host_free(ptr)
@@ -97,14 +97,14 @@ def test_non_contiguous_tensor_is_refused(paddle_ops, host_buffer, view: str, op
     ptr = host.ctypes.data
     with pytest.raises(ops.SwapOpError) as info:
         if op_name == "swap_cache_per_layer":
-            ops.swap_cache_per_layer(tensor, ptr, 4, [0], [0], 0, ops.MODE_H2D)
+            ops.swap_cache_per_layer(tensor, ptr, 4, [0], [0], 0, ops.CopyDirection.HOST_TO_DEVICE)
         elif op_name == "swap_cache_per_layer_async":
-            ops.swap_cache_per_layer_async(tensor, ptr, 4, [0], [0], 0, ops.MODE_H2D)
+            ops.swap_cache_per_layer_async(tensor, ptr, 4, [0], [0], 0, ops.CopyDirection.HOST_TO_DEVICE)
         elif op_name == "swap_cache_all_layers":
             ops.swap_cache_all_layers([paddle_ops.zeros([4, 8], dtype="uint8"), tensor], [ptr, ptr], 4, [0], [0], 0,
-                                      ops.MODE_H2D)
+                                      ops.CopyDirection.HOST_TO_DEVICE)
         else:
-            ops.swap_cache_layout([tensor], ptr, [], [0], [0], 0, ops.MODE_H2D, max_block_num_cpu=4)
+            ops.swap_cache_layout([tensor], ptr, [], [0], [0], 0, ops.CopyDirection.HOST_TO_DEVICE, max_block_num_cpu=4)
     err = info.value
     if op_name.startswith("swap_cache_per_layer"):
         assert (err.op, err.argument, err.index) == (op_name, "cache_gpu", None)
@@ -122,7 +122,7 @@ def test_contiguous_row_slice_is_accepted_and_written_in_place(paddle_ops, host_
     assert rows.is_contiguous()
     host = host_buffer(4 * 32)
     host[:] = 9
-    ops.swap_cache_per_layer(rows, host.ctypes.data, 4, [1], [3], 0, ops.MODE_H2D)
+    ops.swap_cache_per_layer(rows, host.ctypes.data, 4, [1], [3], 0, ops.CopyDirection.HOST_TO_DEVICE)
     got = base.numpy()
     assert (got[3] == 9).all() and not np.delete(got, 3, axis=0).any()
 
@@ -132,7 +132,7 @@ def test_layout_default_count_bounds_host_ids_by_the_allocation(paddle_ops) -> N
     """swap_cache_layout's default max_block_num_cpu=-1 used to check nothing: 10**7 segfaulted."""
     lines = run_child("""
         import paddle
-        ops._load_paddle_ops()
+        ops.paddle_ops_capi()  # registers the ops
         cache = paddle.zeros([4, 16], dtype="uint8")
         ptr = ops.cuda_host_alloc(4 * 16)
         report(lambda: ops.swap_cache_layout([cache], ptr, [], [0], [10**7], 0, 0))
@@ -170,15 +170,15 @@ def test_unknown_host_memory_needs_an_explicit_count(paddle_ops, capi_cpu: ops.C
     cache = paddle_ops.zeros([4, 16], dtype="uint8")
     host = np.full((4, 16), 5, np.uint8)
     with pytest.raises(ops.SwapOpError) as info:
-        ops.swap_cache_layout([cache], host.ctypes.data, [], [0], [1], 0, ops.MODE_H2D)
+        ops.swap_cache_layout([cache], host.ctypes.data, [], [0], [1], 0, ops.CopyDirection.HOST_TO_DEVICE)
     assert (info.value.op, info.value.argument, info.value.index) == ("swap_cache_layout", "cache_cpu_ptr", None)
     assert "max_block_num_cpu" in str(info.value)
     with pytest.raises(ops.SwapOpError) as info:
-        capi_cpu.swap_all_layers([cache.data_ptr()], [host.ctypes.data], 4, 16, -1, [0], [1], ops.MODE_H2D)
+        capi_cpu.swap_all_layers([cache.data_ptr()], [host.ctypes.data], 4, 16, -1, [0], [1], ops.CopyDirection.HOST_TO_DEVICE)
     assert (info.value.argument, info.value.index) == ("host_ptrs", 0)
     assert not cache.numpy().any()
     # with the count it is the caller's word, as before
-    ops.swap_cache_layout([cache], host.ctypes.data, [], [0], [1], 0, ops.MODE_H2D, max_block_num_cpu=4)
+    ops.swap_cache_layout([cache], host.ctypes.data, [], [0], [1], 0, ops.CopyDirection.HOST_TO_DEVICE, max_block_num_cpu=4)
     assert (cache.numpy()[0] == 5).all()
 
 
@@ -188,11 +188,11 @@ def test_count_larger_than_the_allocation_is_refused(paddle_ops, host_buffer, op
     host = host_buffer(4 * 16)  # 4 blocks
     with pytest.raises(ops.SwapOpError) as info:
         if op_name == "swap_cache_per_layer":
-            ops.swap_cache_per_layer(cache, host.ctypes.data, 5, [0], [4], 0, ops.MODE_H2D)
+            ops.swap_cache_per_layer(cache, host.ctypes.data, 5, [0], [4], 0, ops.CopyDirection.HOST_TO_DEVICE)
         elif op_name == "swap_cache_all_layers":
-            ops.swap_cache_all_layers([cache], [host.ctypes.data], 5, [0], [4], 0, ops.MODE_H2D)
+            ops.swap_cache_all_layers([cache], [host.ctypes.data], 5, [0], [4], 0, ops.CopyDirection.HOST_TO_DEVICE)
         else:
-            ops.swap_cache_layout([cache], host.ctypes.data, [], [0], [4], 0, ops.MODE_H2D, max_block_num_cpu=5)
+            ops.swap_cache_layout([cache], host.ctypes.data, [], [0], [4], 0, ops.CopyDirection.HOST_TO_DEVICE, max_block_num_cpu=5)
     assert (info.value.op, info.value.argument, info.value.index) == (op_name, "max_block_num_cpu", None)
     assert "do not fit" in str(info.value)
     assert not cache.numpy().any()
@@ -224,7 +224,7 @@ def test_capi_host_alloc_rejects_sizes_that_cannot_be_allocated(capi_cpu: ops.CA
 def test_core_rejects_a_wrapped_size_passed_straight_to_the_abi(capi_cpu: ops.CApi) -> None:
     """The check lives in C++ too: a caller of the raw ABI gets an error, not a pointer."""
     out = ctypes.c_void_p()
-    rc = capi_cpu._lib.fdkv_host_alloc(2**64 - 1, 0, ctypes.byref(out))
+    rc = capi_cpu.lib.fdkv_host_alloc(2**64 - 1, 0, ctypes.byref(out))
     assert rc == 1 and not out.value
     code, _message, op, argument, index = capi_cpu.last_error()
     assert (code, op, argument, index) == (1, "cuda_host_alloc", "nbytes", None)
@@ -278,9 +278,9 @@ def test_non_integer_ids_are_refused_and_nothing_is_copied(paddle_ops, capi_cpu:
     with pytest.raises(ops.SwapOpError) as info:
         if face == "capi":
             capi_cpu.swap_per_layer(cache.data_ptr(), NUM_DEV, BB, host.ctypes.data, NUM_HOST, dev_ids, host_ids,
-                                    ops.MODE_D2H)
+                                    ops.CopyDirection.DEVICE_TO_HOST)
         else:
-            ops.swap_cache_per_layer(cache, host.ctypes.data, NUM_HOST, dev_ids, host_ids, 0, ops.MODE_D2H)
+            ops.swap_cache_per_layer(cache, host.ctypes.data, NUM_HOST, dev_ids, host_ids, 0, ops.CopyDirection.DEVICE_TO_HOST)
     names = {("capi", "dev"): "dev_ids", ("capi", "host"): "host_ids",
              ("paddle", "dev"): "swap_block_ids_gpu", ("paddle", "host"): "swap_block_ids_cpu"}
     err = info.value
@@ -297,12 +297,12 @@ def test_non_integer_ids_are_refused_and_nothing_is_copied(paddle_ops, capi_cpu:
 def test_integer_id_containers_are_accepted(paddle_ops, capi_cpu: ops.CApi, host_buffer, ids: Any) -> None:
     cache = paddle_ops.to_tensor(np.arange(NUM_DEV * BB, dtype=np.uint8).reshape(NUM_DEV, BB))
     host = host_buffer(NUM_HOST * BB).reshape(NUM_HOST, BB)
-    ops.swap_cache_per_layer(cache, host.ctypes.data, NUM_HOST, ids, [5, 6], 0, ops.MODE_D2H)
+    ops.swap_cache_per_layer(cache, host.ctypes.data, NUM_HOST, ids, [5, 6], 0, ops.CopyDirection.DEVICE_TO_HOST)
     np.testing.assert_array_equal(host[[5, 6]], cache.numpy()[[2, 0]])
-    capi_cpu.swap_per_layer(cache.data_ptr(), NUM_DEV, BB, host.ctypes.data, NUM_HOST, ids, [1, 3], ops.MODE_D2H)
+    capi_cpu.swap_per_layer(cache.data_ptr(), NUM_DEV, BB, host.ctypes.data, NUM_HOST, ids, [1, 3], ops.CopyDirection.DEVICE_TO_HOST)
     np.testing.assert_array_equal(host[[1, 3]], cache.numpy()[[2, 0]])
     ops.swap_cache_per_layer(cache, host.ctypes.data, NUM_HOST, paddle_ops.to_tensor([2, 0]), [4, 7], 0,
-                             ops.MODE_D2H)
+                             ops.CopyDirection.DEVICE_TO_HOST)
     np.testing.assert_array_equal(host[[4, 7]], cache.numpy()[[2, 0]])
 
 
@@ -311,7 +311,7 @@ def test_non_integer_scalars_are_refused(paddle_ops, host_buffer, argument: str)
     cache = paddle_ops.zeros([NUM_DEV, BB], dtype="uint8")
     host = host_buffer(NUM_HOST * BB)
     kwargs: dict[str, Any] = {"cache_cpu_ptr": host.ctypes.data, "max_block_num_cpu": NUM_HOST, "rank": 0,
-                              "mode": ops.MODE_D2H}
+                              "mode": ops.CopyDirection.DEVICE_TO_HOST}
     # NOTE: a float that truncates to a valid value, so the old code copied without a crash
     kwargs[argument] = kwargs[argument] + 0.5
     with pytest.raises(ops.SwapOpError) as info:
@@ -328,7 +328,7 @@ def test_capi_error_fields_cross_the_abi_as_values(capi_cpu: ops.CApi) -> None:
     host = np.zeros((NUM_HOST, BB), np.uint8)
     with pytest.raises(ops.SwapOpError) as info:
         capi_cpu._swap("fdkv_swap_layers", "two words: [7]", [dev.ctypes.data], NUM_DEV, BB, [host.ctypes.data],
-                       NUM_HOST, [0, 1], [3, 3], ops.MODE_D2H, 0, False)
+                       NUM_HOST, [0, 1], [3, 3], ops.CopyDirection.DEVICE_TO_HOST, 0, False)
     assert (info.value.op, info.value.argument, info.value.index) == ("two words: [7]", "host_ids", 1)
     code, message, op, argument, index = capi_cpu.last_error()
     assert (code, op, argument, index) == (1, "two words: [7]", "host_ids", 1)
@@ -341,7 +341,7 @@ def test_paddle_error_fields_come_from_the_extension_abi(paddle_ops, host_buffer
     cache = paddle_ops.zeros([NUM_DEV, BB], dtype="uint8")
     host = host_buffer(NUM_HOST * BB)
     with pytest.raises(ops.SwapOpError) as info:
-        ops.swap_cache_per_layer(cache, host.ctypes.data, NUM_HOST, [0, 9], [0, 1], 0, ops.MODE_D2H)
+        ops.swap_cache_per_layer(cache, host.ctypes.data, NUM_HOST, [0, 9], [0, 1], 0, ops.CopyDirection.DEVICE_TO_HOST)
     code, message, op, argument, index = ops.paddle_ops_capi().last_error()
     assert (code, op, argument, index) == (1, "swap_cache_per_layer", "swap_block_ids_gpu", 1)
     assert (info.value.op, info.value.argument, info.value.index) == (op, argument, index)
@@ -355,17 +355,17 @@ def test_rank_is_range_checked(paddle_ops, host_buffer) -> None:
     cache = paddle_ops.zeros([NUM_DEV, BB], dtype="uint8")
     host = host_buffer(NUM_HOST * BB)
     with pytest.raises(ops.SwapOpError) as info:
-        ops.swap_cache_all_layers([cache], [host.ctypes.data], NUM_HOST, [0], [0], -2, ops.MODE_D2H)
+        ops.swap_cache_all_layers([cache], [host.ctypes.data], NUM_HOST, [0], [0], -2, ops.CopyDirection.DEVICE_TO_HOST)
     assert (info.value.op, info.value.argument, info.value.index) == ("swap_cache_all_layers", "rank", None)
-    ops.swap_cache_all_layers([cache], [host.ctypes.data], NUM_HOST, [0], [0], -1, ops.MODE_D2H)
-    ops.swap_cache_all_layers([cache], [host.ctypes.data], NUM_HOST, [0], [0], 3, ops.MODE_D2H)
+    ops.swap_cache_all_layers([cache], [host.ctypes.data], NUM_HOST, [0], [0], -1, ops.CopyDirection.DEVICE_TO_HOST)
+    ops.swap_cache_all_layers([cache], [host.ctypes.data], NUM_HOST, [0], [0], 3, ops.CopyDirection.DEVICE_TO_HOST)
 
 
 def test_mode_aliases_are_the_copy_direction() -> None:
     from fastdeploy_kvcache.core.metadata import CopyDirection
 
-    assert ops.MODE_D2H is CopyDirection.DEVICE_TO_HOST and ops.MODE_D2H == 0
-    assert ops.MODE_H2D is CopyDirection.HOST_TO_DEVICE and ops.MODE_H2D == 1
+    assert ops.CopyDirection.DEVICE_TO_HOST is CopyDirection.DEVICE_TO_HOST and ops.CopyDirection.DEVICE_TO_HOST == 0
+    assert ops.CopyDirection.HOST_TO_DEVICE is CopyDirection.HOST_TO_DEVICE and ops.CopyDirection.HOST_TO_DEVICE == 1
 
 
 def test_capi_pointers_must_be_addresses(capi_cpu: ops.CApi) -> None:
@@ -373,7 +373,7 @@ def test_capi_pointers_must_be_addresses(capi_cpu: ops.CApi) -> None:
     host = np.zeros((NUM_HOST, BB), np.uint8)
     for bad in (-8, 2.0, 2**64):
         with pytest.raises(ops.SwapOpError) as info:
-            capi_cpu.swap_per_layer(bad, NUM_DEV, BB, host.ctypes.data, NUM_HOST, [0], [0], ops.MODE_D2H)
+            capi_cpu.swap_per_layer(bad, NUM_DEV, BB, host.ctypes.data, NUM_HOST, [0], [0], ops.CopyDirection.DEVICE_TO_HOST)
         assert (info.value.op, info.value.argument) == ("swap_per_layer", "dev_ptrs")
     with pytest.raises(ops.SwapOpError) as info:
         capi_cpu.host_free(-1)

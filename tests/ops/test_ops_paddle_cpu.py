@@ -35,7 +35,7 @@ def block_bytes(t) -> int:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("mode", [ops.MODE_D2H, ops.MODE_H2D])
+@pytest.mark.parametrize("mode", [ops.CopyDirection.DEVICE_TO_HOST, ops.CopyDirection.HOST_TO_DEVICE])
 @pytest.mark.parametrize("variant", ["sync", "async"])
 def test_per_layer(paddle_ops, host_buffer, dtype: str, pattern: str, mode: int, variant: str) -> None:
     # A fixed seed per case (hash() of a string changes with every process).
@@ -67,13 +67,13 @@ def test_all_layers_with_scale_tensors_round_trip(paddle_ops, host_buffer, dtype
     original = [raw(t).copy() for t in tensors]
 
     outs = ops.swap_cache_all_layers(tensors, [h.ctypes.data for h in hosts], NUM_HOST, dev_ids, host_ids, 0,
-                                     ops.MODE_D2H, stream=0)
+                                     ops.CopyDirection.DEVICE_TO_HOST, stream=0)
     assert [o.data_ptr() for o in outs] == [t.data_ptr() for t in tensors]
     for h, o in zip(hosts, original):
         np.testing.assert_array_equal(h[host_ids], o[dev_ids])
 
     fresh = [paddle_ops.zeros_like(t) for t in tensors]
-    ops.swap_cache_all_layers(fresh, [h.ctypes.data for h in hosts], NUM_HOST, dev_ids, host_ids, 0, ops.MODE_H2D)
+    ops.swap_cache_all_layers(fresh, [h.ctypes.data for h in hosts], NUM_HOST, dev_ids, host_ids, 0, ops.CopyDirection.HOST_TO_DEVICE)
     for f, o in zip(fresh, original):
         got = raw(f)
         np.testing.assert_array_equal(got[dev_ids], o[dev_ids])
@@ -92,13 +92,13 @@ def test_layout_round_trip(paddle_ops, host_buffer, dtype: str, pattern: str) ->
     want = host.copy()
     for t_idx, t in enumerate(tensors):
         want[host_ids, t_idx] = raw(t)[dev_ids]
-    outs = ops.swap_cache_layout(tensors, host.ctypes.data, list(SHAPE), dev_ids, host_ids, 0, ops.MODE_D2H,
+    outs = ops.swap_cache_layout(tensors, host.ctypes.data, list(SHAPE), dev_ids, host_ids, 0, ops.CopyDirection.DEVICE_TO_HOST,
                                  max_block_num_cpu=NUM_HOST)
     assert [o.data_ptr() for o in outs] == [t.data_ptr() for t in tensors]
     np.testing.assert_array_equal(host, want)
 
     fresh = [paddle_ops.zeros_like(t) for t in tensors]
-    ops.swap_cache_layout(fresh, host.ctypes.data, list(SHAPE), dev_ids, host_ids, 0, ops.MODE_H2D,
+    ops.swap_cache_layout(fresh, host.ctypes.data, list(SHAPE), dev_ids, host_ids, 0, ops.CopyDirection.HOST_TO_DEVICE,
                           max_block_num_cpu=NUM_HOST)
     for f, t in zip(fresh, tensors):
         np.testing.assert_array_equal(raw(f)[dev_ids], raw(t)[dev_ids])
@@ -110,7 +110,7 @@ def test_layout_without_cache_shape_mixes_scale_tensors(paddle_ops, host_buffer)
     tensors = [k, v, ks, vs]
     sizes = [block_bytes(t) for t in tensors]
     host = host_buffer(NUM_HOST * sum(sizes)).reshape(NUM_HOST, -1)
-    ops.swap_cache_layout(tensors, host.ctypes.data, [], [4, 2], [0, 7], 0, ops.MODE_D2H)
+    ops.swap_cache_layout(tensors, host.ctypes.data, [], [4, 2], [0, 7], 0, ops.CopyDirection.DEVICE_TO_HOST)
     offsets = np.cumsum([0] + sizes[:-1])
     for t, off, size in zip(tensors, offsets, sizes):
         np.testing.assert_array_equal(host[[0, 7], off:off + size], raw(t)[[4, 2]])
@@ -121,7 +121,7 @@ def test_layout_rejects_tensor_not_matching_cache_shape(paddle_ops, host_buffer)
     host = host_buffer(NUM_HOST * 1024)
     before = host.copy()
     with pytest.raises(ops.SwapOpError) as info:
-        ops.swap_cache_layout(tensors, host.ctypes.data, list(SHAPE), [0], [0], 0, ops.MODE_D2H)
+        ops.swap_cache_layout(tensors, host.ctypes.data, list(SHAPE), [0], [0], 0, ops.CopyDirection.DEVICE_TO_HOST)
     assert (info.value.op, info.value.argument, info.value.index) == ("swap_cache_layout", "cache_gpu_tensors", 1)
     np.testing.assert_array_equal(host, before)
 
@@ -130,4 +130,4 @@ def test_unsupported_dtype_is_rejected(paddle_ops, host_buffer) -> None:
     cache = paddle_ops.zeros([4, 8], dtype="int64")
     host = host_buffer(4 * 64)
     with pytest.raises(ops.SwapOpError, match="dtype"):
-        ops.swap_cache_per_layer(cache, host.ctypes.data, 4, [0], [0], 0, ops.MODE_D2H)
+        ops.swap_cache_per_layer(cache, host.ctypes.data, 4, [0], [0], 0, ops.CopyDirection.DEVICE_TO_HOST)

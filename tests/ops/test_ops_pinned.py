@@ -43,8 +43,8 @@ def test_module_level_alloc_free(paddle_ops) -> None:
 
 
 def test_module_level_alloc_falls_back_to_capi(monkeypatch, capi_cpu: ops.CApi) -> None:
-    monkeypatch.setattr(ops, "paddle_ops_available", lambda: False)
-    monkeypatch.setattr(ops, "load_capi", lambda *a, **k: capi_cpu)
+    monkeypatch.setattr(ops.pinned, "paddle_ops_available", lambda: False)
+    monkeypatch.setattr(ops.pinned, "load_capi", lambda *a, **k: capi_cpu)
     ptr = ops.cuda_host_alloc(4096)
     assert ptr != 0
     ops.cuda_host_free(ptr)

@@ -76,7 +76,7 @@ def test_storage_flags(tmp_path: Path) -> None:
                               "--kvcache-storage-size", "2GB", "--kvcache-storage-prefetch-policy", "best_effort"])
     cfg = StorageConfig.from_cli_args(args)
     assert cfg.enabled and cfg.size == 2 << 30 and cfg.prefetch_policy == "best_effort"
-    assert cfg.write_policy == "write_through"
+    assert cfg.put_policy == "write_through"
     backend = cfg.make_backend(min_free_bytes=0)
     assert isinstance(backend, FileBackend) and backend.capacity_bytes == 2 << 30
     backend.close()

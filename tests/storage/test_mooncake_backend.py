@@ -37,12 +37,12 @@ def key(i: int) -> str:
 
 
 def backend_for(local_master: MooncakeMaster, arena: HostArena, **kw) -> MooncakeBackend:
-    kw.setdefault("global_segment_size", 0)
-    backend = MooncakeBackend(
+    config = MooncakeConfig(
         master_server_addr=local_master.addr, master_metrics_addr=local_master.metrics_addr,
         local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", protocol="tcp",
-        local_buffer_size=16 * MiB, **kw,
+        local_buffer_size=16 * MiB, global_segment_size=0,
     )
+    backend = MooncakeBackend(config, **kw)
     backend.register_buffer(arena.ptr, arena.nbytes)
     return backend
 
@@ -121,10 +121,10 @@ def test_overwrite_uses_upsert(store: LocalMooncake, marena: HostArena) -> None:
 WRITER = textwrap.dedent(
     """
     import sys, numpy as np
-    from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend
+    from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
     addr, metrics = sys.argv[1], sys.argv[2]
-    b = MooncakeBackend(master_server_addr=addr, master_metrics_addr=metrics, global_segment_size=0,
-                        local_hostname="127.0.0.1", local_buffer_size=16 << 20)
+    b = MooncakeBackend(MooncakeConfig(master_server_addr=addr, master_metrics_addr=metrics, global_segment_size=0,
+                                       local_hostname="127.0.0.1", local_buffer_size=16 << 20))
     buf = np.arange(4 * 65536, dtype=np.uint32).view(np.uint8)
     b.register_buffer(int(buf.ctypes.data), int(buf.nbytes))
     assert b.wait_ready(15), b.health()
@@ -278,7 +278,16 @@ def test_not_installed_message_names_the_fix(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(mb, "mooncake_available", lambda: "ImportError: no module named mooncake")
     with pytest.raises(StorageError, match="bash build.sh"):
-        mb.MooncakeBackend(master_server_addr="127.0.0.1:1")
+        mb.MooncakeBackend(mb.MooncakeConfig(master_server_addr="127.0.0.1:1"))
+
+
+def test_the_backend_takes_a_mooncake_config_and_nothing_else() -> None:
+    """The store's settings come as one MooncakeConfig (or from MOONCAKE_*), not re-declared
+    keyword arguments: a dict of them is refused by name before anything connects."""
+    with pytest.raises(TypeError, match="MooncakeConfig"):
+        MooncakeBackend({"master_server_addr": "127.0.0.1:1"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        MooncakeBackend(master_server_addr="127.0.0.1:1")  # type: ignore[call-arg]
 
 
 def test_transfer_moves_host_blocks_through_mooncake(store: LocalMooncake) -> None:
@@ -301,8 +310,9 @@ def test_transfer_moves_host_blocks_through_mooncake(store: LocalMooncake) -> No
     rng = np.random.default_rng(3)
     for p, bb in zip(layout.ptrs, layout.block_bytes):
         ctypes.memmove(p, rng.integers(0, 256, bb * 8, dtype=np.uint8).tobytes(), bb * 8)
-    backend = MooncakeBackend(master_server_addr=store.master.addr, master_metrics_addr=store.master.metrics_addr,
-                              local_hostname="127.0.0.1", global_segment_size=0, local_buffer_size=16 * MiB)
+    backend = MooncakeBackend(MooncakeConfig(master_server_addr=store.master.addr,
+                                             master_metrics_addr=store.master.metrics_addr, local_hostname="127.0.0.1",
+                                             global_segment_size=0, local_buffer_size=16 * MiB))
     transfer = StorageTransfer(layout, backend, staging_blocks=2)
     try:
         assert backend.wait_ready(15)
@@ -334,10 +344,11 @@ def test_local_launcher_cli_serves_and_stops_cleanly(tmp_path: Path) -> None:
             name, value = line.removeprefix("export ").split("=", 1)
             env[name] = value
         arena = HostArena(2, 64 << 10)
-        backend = MooncakeBackend(master_server_addr=env["MOONCAKE_MASTER_SERVER_ADDR"],
-                                  master_metrics_addr=env["MOONCAKE_MASTER_METRICS_ADDR"],
-                                  local_hostname=env["MOONCAKE_LOCAL_HOSTNAME"],
-                                  global_segment_size=env["MOONCAKE_GLOBAL_SEGMENT_SIZE"], local_buffer_size=16 * MiB)
+        backend = MooncakeBackend(MooncakeConfig(master_server_addr=env["MOONCAKE_MASTER_SERVER_ADDR"],
+                                                 master_metrics_addr=env["MOONCAKE_MASTER_METRICS_ADDR"],
+                                                 local_hostname=env["MOONCAKE_LOCAL_HOSTNAME"],
+                                                 global_segment_size=env["MOONCAKE_GLOBAL_SEGMENT_SIZE"],
+                                                 local_buffer_size=16 * MiB))
         backend.register_buffer(arena.ptr, arena.nbytes)
         assert backend.wait_ready(15)
         arena.fill(0, seed=1)
@@ -373,9 +384,9 @@ def test_transfer_retires_staging_while_a_timed_out_call_runs(store: LocalMoonca
     cfg = CacheConfig(block_size=16, num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", num_host_blocks=8)
     ctl = CacheController(cfg, backend="cpu", threaded=False)
     ctl.initialize_host_cache()
-    backend = MooncakeBackend(master_server_addr=store.master.addr, master_metrics_addr=store.master.metrics_addr,
-                              local_hostname="127.0.0.1", global_segment_size=0, local_buffer_size=16 * MiB,
-                              call_timeout_s=0.5, failure_threshold=10)
+    config = MooncakeConfig(master_server_addr=store.master.addr, master_metrics_addr=store.master.metrics_addr,
+                            local_hostname="127.0.0.1", global_segment_size=0, local_buffer_size=16 * MiB)
+    backend = MooncakeBackend(config, call_timeout_s=0.5, failure_threshold=10)
     transfer = StorageTransfer.from_controller(ctl, backend, staging_blocks=2)
     layout = transfer.layout
 

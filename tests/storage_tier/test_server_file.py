@@ -117,7 +117,7 @@ def test_write_back_and_timeout_policy_through_the_server(tmp_path: Path) -> Non
     server with the timeout policy serves them from storage, with the same text."""
     store = tmp_path / "kv"
     args = ["--kvcache-storage-backend", "file", "--kvcache-storage-path", str(store), "--kvcache-storage-min-free", "0",
-            "--kvcache-storage-write-policy", "write_back", "--kvcache-storage-prefetch-policy", "timeout",
+            "--kvcache-storage-put-policy", "write_back", "--kvcache-storage-prefetch-policy", "timeout",
             "--kvcache-storage-prefetch-timeout-base", "5"]
     # 0.0013 GiB = 21 host blocks of 64 KiB: four prompts of 12 blocks evict each other's host copies.
     first = start_server(args, extra=["--swap-space", "0.0013"])
@@ -126,7 +126,7 @@ def test_write_back_and_timeout_policy_through_the_server(tmp_path: Path) -> Non
         cold = [complete(first, p)[0] for p in prompts]
         stats = assert_no_leak(first)["storage"]["tier"]
         assert stats["put_blocks_ok"] > 0, stats
-        assert stats["write_policy"] == "write_back"
+        assert stats["put_policy"] == "write_back"
     finally:
         first.stop()
     second = start_server(args, extra=["--swap-space", "0.0013"])

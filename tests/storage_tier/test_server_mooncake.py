@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache.storage import Status
-from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend
+from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
 from fastdeploy_kvcache.storage.mooncake_local import LocalMooncake, MooncakeHolder, MooncakeMaster
 from server_helpers import mooncake_store_args
 from skip_helpers import needs_mooncake, needs_server_modules
@@ -159,8 +159,8 @@ def fill_and_lease(master: MooncakeMaster) -> tuple[MooncakeBackend, list[str]]:
     existence checks lease a key for 10 s), so for the next seconds a put gets -200.
     """
     arena = np.zeros(1 << 20, dtype=np.uint8)
-    filler = MooncakeBackend(master_server_addr=master.addr, master_metrics_addr=master.metrics_addr,
-                             local_hostname="127.0.0.1", global_segment_size=0)
+    filler = MooncakeBackend(MooncakeConfig(master_server_addr=master.addr, master_metrics_addr=master.metrics_addr,
+                                            local_hostname="127.0.0.1", global_segment_size=0))
     filler.register_buffer(int(arena.ctypes.data), arena.nbytes)
     assert filler.wait_ready(30), filler.health()
     ptr = int(arena.ctypes.data)

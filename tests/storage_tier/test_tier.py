@@ -235,7 +235,7 @@ def test_tier_off_drops_backups_without_pinning(rigs: Any) -> None:
 
 def test_write_back_stores_blocks_when_the_host_tier_evicts_them(rigs: Any, tmp_path: Path) -> None:
     rig = rigs(host_blocks=4)
-    rig.config.write_policy = "write_back"
+    rig.config.put_policy = "write_back"
     first = rig.serve("a", TOKENS)
     rig.run_backups()  # on host; write_back stores nothing yet
     assert rig.tier.take_jobs() == [] and rig.tier.pool.num_pinned == 0

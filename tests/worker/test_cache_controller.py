@@ -14,7 +14,6 @@ import pytest
 
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection, TransferKind
 from fastdeploy_kvcache.worker import LayerSwapError
-from fastdeploy_kvcache.worker.transfer_manager import parse_disabled_rules
 
 from worker_helpers import block_seed, device_block_bytes, fill_block, host_block_bytes
 
@@ -261,11 +260,13 @@ def test_reset_zeroes_and_free_releases(make_controller, backend: str) -> None:
         counter.wait_for_layer(0)
 
 
-def test_disabled_rules_parsing() -> None:
-    assert parse_disabled_rules("1, 5") == frozenset({1, 5})
-    assert parse_disabled_rules("") == frozenset()
-    with pytest.raises(ValueError, match="'6'"):
-        parse_disabled_rules("6")
+def test_unknown_disabled_rules_are_refused() -> None:
+    from fastdeploy_kvcache.worker import CacheController
+    from worker_helpers import capi_or_skip, small_config
+
+    capi_or_skip()
+    with pytest.raises(ValueError, match="unknown ordering rule 6"):
+        CacheController(small_config(), backend="cpu", disabled_rules={1, 6})
 
 
 # ---------------------------------------------------------------------- ordering rules
@@ -477,18 +478,17 @@ def test_unrelated_copies_do_not_wait_on_each_other(make_controller) -> None:
     ctrl.transfer_manager.output_stream.resume()
 
 
-AFTER_LOADS = [pytest.param("1", id="backups-after-loads"), pytest.param("0", id="backups-beside-loads")]
+AFTER_LOADS = [pytest.param(True, id="backups-after-loads"), pytest.param(False, id="backups-beside-loads")]
 
 
 @pytest.mark.parametrize("launch", LAUNCH)
 @pytest.mark.parametrize("after_loads", AFTER_LOADS)
-def test_a_backup_starts_after_the_same_steps_load(make_controller, monkeypatch, after_loads, launch) -> None:
-    """FDKV_BACKUPS_AFTER_LOADS: a backup sharing no block with the step's load waits for it
-    (the output stream cannot get past the paused load); with 0 it runs beside the load."""
-    monkeypatch.setenv("FDKV_BACKUPS_AFTER_LOADS", after_loads)
-    ctrl = make_controller(async_launch=launch)
+def test_a_backup_starts_after_the_same_steps_load(make_controller, after_loads, launch) -> None:
+    """backups_after_loads: a backup sharing no block with the step's load waits for it
+    (the output stream cannot get past the paused load); off, it runs beside the load."""
+    ctrl = make_controller(async_launch=launch, backups_after_loads=after_loads)
     tm = ctrl.transfer_manager
-    assert tm.backups_after_loads is (after_loads == "1")
+    assert tm.backups_after_loads is after_loads
     fill_block(ctrl, 0, seed=3)
     fill_block(ctrl, 1, seed=9)
     ctrl.submit_swap_tasks(backup([0], [0]), None)
@@ -497,7 +497,7 @@ def test_a_backup_starts_after_the_same_steps_load(make_controller, monkeypatch,
     tm.input_stream.pause()
     back, load = backup([1], [1]), swap_in([0], [2])
     counter = ctrl.submit_swap_tasks(back, load)
-    _race(ctrl, after_loads == "1", tm.input_stream, tm.output_stream)
+    _race(ctrl, after_loads, tm.input_stream, tm.output_stream)
     counter.wait_all(timeout_s=10)
     assert back.success and load.success
     assert block_seed(ctrl, 2) == 3 and host_block_bytes(ctrl, 1) == device_block_bytes(ctrl, 1) != host_before

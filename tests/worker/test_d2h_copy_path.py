@@ -1,7 +1,7 @@
 """The worker's per-direction copy path, on the CPU backends.
 
 Device->host copies (write_back evictions, write-through backups) name their copy path per
-call, ``FDKV_D2H_COPY_PATH`` (default dma); loads pass "use the process-wide option".  The
+call, the worker's ``d2h_copy_path`` argument (default dma); loads pass "use the process-wide option".  The
 CPU build ignores the path, so here we check what reaches the op and that the bytes are
 right; tests/gpu/test_copy_path_gpu.py checks that the DMA batch really runs on a GPU.
 """
@@ -13,8 +13,7 @@ from typing import Any, Optional
 import pytest
 
 from fastdeploy_kvcache import ops
-from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
-from fastdeploy_kvcache.worker.backends import MODE_D2H, MODE_H2D
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection, TransferKind
 
 from worker_helpers import block_seed, capi_or_skip, fill_block, paddle_ops_or_skip, small_config
 
@@ -64,15 +63,14 @@ def _step(ctrl: Any) -> None:
 
 @pytest.mark.parametrize("backend", ["cpu", "paddle"])
 def test_evictions_and_backups_default_to_dma_loads_follow_the_process_option(
-    backend: str, monkeypatch: pytest.MonkeyPatch
+    backend: str
 ) -> None:
-    monkeypatch.delenv("FDKV_D2H_COPY_PATH", raising=False)
     ctrl = _controller(backend)
     try:
         calls = _spy(ctrl)
         _step(ctrl)
-        assert [p for m, p in calls if m == MODE_D2H] == [ops.COPY_PATH_DMA] * 2
-        assert {p for m, p in calls if m == MODE_H2D} == {ops.COPY_PATH_PROCESS}
+        assert [p for m, p in calls if m == CopyDirection.DEVICE_TO_HOST] == [ops.COPY_PATH_DMA] * 2
+        assert {p for m, p in calls if m == CopyDirection.HOST_TO_DEVICE} == {ops.COPY_PATH_PROCESS}
         stats = ctrl.get_stats()
         assert stats["d2h_copy_path"] == "dma"
         # the CPU implementation ignores the path and says so
@@ -82,34 +80,31 @@ def test_evictions_and_backups_default_to_dma_loads_follow_the_process_option(
 
 
 @pytest.mark.parametrize("name,code", [("kernel", 1), ("auto", 0), ("process", -1), ("DMA", 2)])
-def test_env_var_picks_the_d2h_path(name: str, code: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FDKV_D2H_COPY_PATH", name)
-    ctrl = _controller("cpu", async_launch=False)
+def test_the_argument_picks_the_d2h_path(name: str, code: int) -> None:
+    ctrl = _controller("cpu", async_launch=False, d2h_copy_path=name)
     try:
         calls = _spy(ctrl)
         _step(ctrl)
-        assert {p for m, p in calls if m == MODE_D2H} == {code}
+        assert {p for m, p in calls if m == CopyDirection.DEVICE_TO_HOST} == {code}
         assert ctrl.get_stats()["d2h_copy_path"] == name.lower()
     finally:
         ctrl.close()
 
 
-def test_argument_beats_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_does_not_pick_the_d2h_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The d2h path is the worker's argument only: the old FDKV_D2H_COPY_PATH variable is
+    not read (a tuning knob is an option, not an environment variable)."""
     monkeypatch.setenv("FDKV_D2H_COPY_PATH", "kernel")
-    ctrl = _controller("cpu", d2h_copy_path="auto")
+    ctrl = _controller("cpu")
     try:
-        assert ctrl.transfer_manager.d2h_copy_path == "auto"
+        assert ctrl.transfer_manager.d2h_copy_path == "dma"
     finally:
         ctrl.close()
 
 
-def test_bad_values_are_rejected_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_values_are_rejected_naming_the_setting() -> None:
     from fastdeploy_kvcache.worker import CacheController
 
     capi_or_skip()
-    monkeypatch.setenv("FDKV_D2H_COPY_PATH", "fast")
-    with pytest.raises(ValueError, match="FDKV_D2H_COPY_PATH"):
-        CacheController(small_config(), backend="cpu")
-    monkeypatch.delenv("FDKV_D2H_COPY_PATH")
     with pytest.raises(ValueError, match="d2h_copy_path"):
         CacheController(small_config(), backend="cpu", d2h_copy_path="sideways")

@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, CopyDirection
 
+from skip_helpers import env_switch
 from trace_steps import ArrayIO, compute_layers, scheduler_step
 
 BS = 4
-SOAK = bool(envs.get("FDKV_SOAK"))
+SOAK = env_switch("FDKV_SOAK")
 
 
 @functools.lru_cache(maxsize=None)

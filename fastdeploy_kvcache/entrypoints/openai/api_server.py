@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fastdeploy_kvcache.cli_flags import add_flag
 from fastdeploy_kvcache.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, BodyTooLarge
 from fastdeploy_kvcache.entrypoints.openai.engine_client import AsyncEngineClient
 from fastdeploy_kvcache.entrypoints.openai.metrics import ServerMetrics
@@ -74,12 +75,10 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """
     from fastdeploy_kvcache.engine.args import add_engine_cli_args  # engine side: lazy
 
-    existing = {opt for action in parser._actions for opt in action.option_strings}
     group = parser.add_argument_group("HTTP server")
 
     def add(flag: str, **kwargs: Any) -> None:
-        if flag not in existing:
-            group.add_argument(flag, **kwargs)
+        add_flag(group, flag, **kwargs)
 
     add("--host", default=DEFAULT_HOST, help=f"Address to listen on (default: {DEFAULT_HOST}).")
     add("--port", type=int, default=DEFAULT_PORT, help=f"TCP port to listen on (default: {DEFAULT_PORT}).")

@@ -10,7 +10,6 @@ import importlib.util
 import logging
 from typing import Union
 
-from fastdeploy_kvcache.core.metadata import CopyDirection
 from fastdeploy_kvcache.worker.backends.base import (
     CACHE_DTYPES,
     CALLER_STREAM,
@@ -22,11 +21,6 @@ from fastdeploy_kvcache.worker.backends.base import (
 )
 
 logger = logging.getLogger(__name__)
-
-# NOTE: aliases for API compatibility only (like ops.MODE_*): the direction of a copy is
-# CopyDirection everywhere in the package.
-MODE_D2H = CopyDirection.DEVICE_TO_HOST
-MODE_H2D = CopyDirection.HOST_TO_DEVICE
 
 BACKENDS = ("auto", "cupy", "paddle", "cpu")
 
@@ -85,8 +79,6 @@ __all__ = [
     "BACKENDS",
     "CACHE_DTYPES",
     "CALLER_STREAM",
-    "MODE_D2H",
-    "MODE_H2D",
     "Backend",
     "HostEvent",
     "HostStream",

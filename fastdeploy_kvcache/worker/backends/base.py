@@ -245,7 +245,7 @@ class PreparedLayerStack:
         ``handles.start_event``, each layer's copies followed by its event
         (``handles.events[l]``), ``handles.done_event``.  ``handles.progress`` advances per
         layer, closes once the done event is recorded, and carries a CUDA failure
-        (``ops.CApi.launch_layer_groups``).  With an idle launcher
+        (``ops.LayerStackCall.launch``).  With an idle launcher
         (:meth:`Backend.create_stack_launcher`) the calling thread enqueues the waits and the
         first layer, the launcher's thread the rest; no launcher: all of it here.  Raises on a
         bad argument (nothing enqueued).  The caller keeps ``waits`` and ``handles`` alive

@@ -1,0 +1,160 @@
+"""The package imports only downward (docs/architecture.md, "Import layers").
+
+Every module under ``fastdeploy_kvcache/`` is parsed (``ast``, no import runs) and each of
+its imports, at module level or inside a function, is mapped to the top-level unit it
+names (``core``, ``storage``, ``envs``...).  An import from a unit on a higher layer than
+the importer's is a violation, and so is any cycle between units.  Imports under ``if
+TYPE_CHECKING:`` are annotations only and never run, so they are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+
+PACKAGE = "fastdeploy_kvcache"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+# Lower number = lower layer.  A unit may import units of its own layer's number or below
+# (units sharing a number must not import each other in a cycle: checked separately).
+LAYERS: dict[str, int] = {
+    "__init__": 0,
+    "config": 0,
+    "envs": 0,
+    "libpaths": 0,
+    "processes": 0,
+    "cli_flags": 0,
+    "core": 1,
+    "ops": 2,
+    "storage": 3,
+    "worker": 4,
+    "engine": 5,
+    "entrypoints": 6,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> Iterator[tuple[str, int]]:
+    """(imported module, line) of every import that can run, at any depth."""
+    package = module if is_package else module.rpartition(".")[0]
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base: Optional[str] = node.module
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            if base == PACKAGE:  # from fastdeploy_kvcache import ops, envs
+                for alias in node.names:
+                    yield f"{PACKAGE}.{alias.name}", node.lineno
+            elif base:
+                yield base, node.lineno
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _edges() -> list[tuple[str, str, str, int]]:
+    """(importer unit, imported unit, file, line) for every import across units."""
+    edges = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = _module_name(path)
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for name, line in _imports(tree, module, path.name == "__init__.py"):
+            if name.split(".")[0] != PACKAGE:
+                continue
+            src, dst = _unit(module), _unit(name)
+            if src != dst:
+                edges.append((src, dst, str(path.relative_to(ROOT.parent)), line))
+    return edges
+
+
+def _cycle(graph: dict[str, set[str]]) -> Optional[list[str]]:
+    """One cycle of ``graph`` as a list of nodes (first == last), or None."""
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+
+    def visit(node: str, path: list[str]) -> Optional[list[str]]:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt, path + [nxt])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start, [start])
+            if found:
+                return found
+    return None
+
+
+def test_every_unit_has_a_layer() -> None:
+    """A new top-level module or package must be placed in LAYERS (and in the doc)."""
+    units = {_unit(_module_name(p)) for p in ROOT.rglob("*.py")}
+    assert units - set(LAYERS) == set(), "place these in LAYERS and docs/architecture.md"
+
+
+def test_no_import_goes_up_a_layer() -> None:
+    upward = [f"{file}:{line}: {src} (layer {LAYERS[src]}) imports {dst} (layer {LAYERS[dst]})"
+              for src, dst, file, line in _edges() if LAYERS[dst] > LAYERS[src]]
+    assert upward == []
+
+
+def test_no_cycle_between_units() -> None:
+    graph: dict[str, set[str]] = {}
+    for src, dst, _, _ in _edges():
+        graph.setdefault(src, set()).add(dst)
+    assert _cycle(graph) is None
+
+
+@pytest.mark.parametrize("graph, want", [
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+    ({"a": {"b"}, "b": {"c"}}, None),
+])
+def test_the_cycle_finder_finds_cycles(graph: dict[str, set[str]], want: Optional[list[str]]) -> None:
+    assert _cycle(graph) == want
+
+
+def test_the_parser_sees_function_level_and_relative_imports_and_skips_type_checking() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from . import sibling\n"
+        "from ..storage import base\n"
+        "if TYPE_CHECKING:\n"
+        "    from fastdeploy_kvcache.engine import args\n"
+        "def f():\n"
+        "    import fastdeploy_kvcache.entrypoints.cli\n"
+        "    from fastdeploy_kvcache import envs\n"
+    )
+    found = {name for name, _ in _imports(ast.parse(source), f"{PACKAGE}.core.x", False)}
+    # "from . import sibling" names the package it comes from, which is all the unit needs.
+    assert found == {"typing", f"{PACKAGE}.core", f"{PACKAGE}.storage", f"{PACKAGE}.entrypoints.cli",
+                     f"{PACKAGE}.envs"}
