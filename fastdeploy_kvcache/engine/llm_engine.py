@@ -94,17 +94,25 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, *, loaded_model: Optional[LoadedModel] = None) -> None:
         args.validate()
         self.args = args
-        import paddle
+        worker_backend = "paddle"
+        if args.model_impl == "transformers":
+            # torch only (engine/torch_runner.py): no Paddle import on this path.
+            from fastdeploy_kvcache.engine import torch_runner
 
-        self._paddle = paddle
-        use_gpu = args.device == "gpu" or (
-            args.device == "auto" and paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-        )
-        if args.device == "gpu" and not paddle.is_compiled_with_cuda():
-            raise ValueError("device: 'gpu' asked for, but this Paddle has no CUDA")
-        paddle.set_device("gpu:0" if use_gpu else "cpu")
-        self.device = "gpu" if use_gpu else "cpu"
-        self.loaded = loaded_model or load_model(args.model, args.model_cache_dir or "", seed=args.seed, device_is_gpu=use_gpu)
+            self.device = torch_runner.select_device(args.device)
+            worker_backend = "torch"
+            self.loaded = loaded_model or torch_runner.load_model_for(args, self.device)
+        else:
+            import paddle
+
+            use_gpu = args.device == "gpu" or (
+                args.device == "auto" and paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+            )
+            if args.device == "gpu" and not paddle.is_compiled_with_cuda():
+                raise ValueError("device: 'gpu' asked for, but this Paddle has no CUDA")
+            paddle.set_device("gpu:0" if use_gpu else "cpu")
+            self.device = "gpu" if use_gpu else "cpu"
+            self.loaded = loaded_model or load_model(args.model, args.model_cache_dir or "", seed=args.seed, device_is_gpu=use_gpu)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name if args.model not in ("smollm2-135m-instruct", "tiny-llama-random") else args.model
         self.max_model_len = min(args.max_model_len, self.loaded.max_position_embeddings)
@@ -118,11 +126,11 @@ class LLMEngine:
             from fastdeploy_kvcache.engine.storage_pool import StorageKVPool, model_fingerprint
 
             self.pool: KVPool = StorageKVPool(self.cache_config, storage, self.model_name,
-                                              model_fingerprint(args.model, args.seed))
+                                              model_fingerprint(args.model, args.seed), backend=worker_backend)
         elif self.use_v1:
-            self.pool = ManagedKVPool(self.cache_config)
+            self.pool = ManagedKVPool(self.cache_config, backend=worker_backend)
         else:
-            self.pool = PlainKVPool(self.cache_config)
+            self.pool = PlainKVPool(self.cache_config, backend=worker_backend)
             logger.info(
                 "ENABLE_V1_KVCACHE_MANAGER=0: plain device block allocator, no reuse between requests; "
                 "the cache flags (--swap-space %s, --write-policy %s, --write-through-threshold %s, "
@@ -130,7 +138,10 @@ class LLMEngine:
                 args.swap_space, args.write_policy, args.write_through_threshold,
                 args.enable_prefix_caching, args.cache_output_tokens,
             )
-        self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
+        if args.model_impl == "transformers":
+            self.runner: Any = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size, self.device)
+        else:
+            self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
         # PD disaggregation (--splitwise-role prefill|decode): engine/pd.py; None when mixed.
         from fastdeploy_kvcache.engine.pd import make_pd_coordinator
 
