@@ -16,7 +16,8 @@ Per layer:
    computed once per step);
 3. attention:
    * the leading one-token seqs (decodes) as one batch: their blocks gathered (padded to the
-     longest, masked past each seq's end), two batched matmuls with a float32 softmax;
+     longest, masked past each seq's end) in the cache's own layout, two batched matmuls
+     per block with a float32 softmax over all blocks;
    * a prompt chunk with nothing cached before it attends over its own fresh K and V with
      SDPA (``is_causal``: the flash kernel), without reading the cache at all;
    * a chunk after cached tokens (a prefix hit, or the next chunk of a long prompt) gathers
@@ -60,7 +61,7 @@ class TorchStep:
     slot_offsets: Any  # int64 [T]: its position inside the block
     num_decodes: int  # leading one-token seqs, attended as one batch
     decode_table: Any = None  # int64 [B, W]: their block tables, padded with their first block
-    decode_mask: Any = None  # float32 [B, 1, 1, W * bs]: 0 inside each seq, -inf past its end
+    decode_mask: Any = None  # float32 [B, W, 1, 1, bs]: 0 inside each seq, -inf past its end
     prefills: list[PrefillChunk] = field(default_factory=list)
     layer_done: Optional[Any] = None  # the step's LayerDoneCounter, if it loads blocks
     layers_waited: int = 0
@@ -137,13 +138,20 @@ def paged_attention_forward(
     out = query.new_empty((num_tokens, num_heads, head_dim))
     b = step.num_decodes
     if b:
-        # q [H, B, D] -> [B, kvh, groups, D]; K/V [B, kvh, L, D].
-        q = query[0, :, :b, :].transpose(0, 1).reshape(b, num_kv, groups, head_dim).float()
-        k = gather_blocks(k_cache, step.decode_table).float()
-        v = gather_blocks(v_cache, step.decode_table).float()
-        scores = torch.matmul(q * scale, k.transpose(-1, -2)) + step.decode_mask  # [B, kvh, groups, L]
-        probs = torch.softmax(scores, dim=-1)
-        out[:b] = torch.matmul(probs, v).reshape(b, num_heads, head_dim).to(out.dtype)
+        # NOTE: the gathered blocks stay in the cache layout ([B, W, kvh, bs, d], one copy):
+        # scores are per block and the softmax runs over (block, position) together.
+        # Transposing them into one sequence axis (and upcasting) costs extra passes over
+        # all of the batch's K/V per layer, which measured slower than transformers' own
+        # decode; bf16 matmuls accumulate in float32 anyway.
+        kb = k_cache[step.decode_table]
+        vb = v_cache[step.decode_table]
+        q = (query[0, :, :b, :].transpose(0, 1) * scale).reshape(b, 1, num_kv, groups, head_dim).to(kb.dtype)
+        scores = torch.matmul(q, kb.transpose(-1, -2)).float() + step.decode_mask  # [B, W, kvh, groups, bs]
+        scores = scores - scores.amax(dim=(1, 4), keepdim=True)
+        probs = scores.exp_()
+        probs = probs / probs.sum(dim=(1, 4), keepdim=True)
+        o = torch.matmul(probs.to(vb.dtype), vb).sum(dim=1)  # [B, kvh, groups, d]
+        out[:b] = o.reshape(b, num_heads, head_dim).to(out.dtype)
     for p in step.prefills:
         a, n = p.start, p.num_new
         q = query[:, :, a:a + n, :]

@@ -156,7 +156,7 @@ class TorchModelRunner:
             dec_lens = views[5]
             keep = self._positions(width * bs)[None, :] < dec_lens[:, None]
             zero = self.torch.zeros((), dtype=self.torch.float32, device=self.device)
-            step.decode_mask = self.torch.where(keep, zero, float("-inf")).view(num_dec, 1, 1, width * bs)
+            step.decode_mask = self.torch.where(keep, zero, float("-inf")).view(num_dec, width, 1, 1, bs)
             k = 6
         for (start, n, c, _), tbl in zip(chunks[num_dec:], tables):
             chunk = PrefillChunk(start, n, c)
