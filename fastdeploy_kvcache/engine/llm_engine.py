@@ -46,6 +46,7 @@ from fastdeploy_kvcache.engine.model_loader import LoadedModel, load_model
 from fastdeploy_kvcache.engine.model_runner import ModelRunner, ScheduledSeq
 from fastdeploy_kvcache.engine.outputs import RequestOutput
 from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams
+from fastdeploy_kvcache.engine.step_timing import StepTimes
 from fastdeploy_kvcache.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,7 @@ class LLMEngine:
                           "prompt_tokens_computed": 0, "output_tokens": 0, "num_finished": 0,
                           "steps_with_loads": 0, "layer_waits": 0}
         self._stats_snapshot: dict[str, Any] = {}
+        self.step_times = StepTimes()
         self._refresh_stats()
         logger.info(
             "LLMEngine: model %s on %s, %d layers, KV %s, %d device blocks of %d tokens, %d host blocks, v1 manager %s",
@@ -348,7 +350,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def _step(self) -> None:
+        t0 = time.perf_counter()
         scheduled = self._schedule()
+        t_sched = time.perf_counter()
         if not scheduled:
             # Nothing fits right now: copies in flight pin blocks; wait for them.
             self._complete_copies(wait=True)
@@ -357,6 +361,7 @@ class LLMEngine:
         self._counters["num_steps"] += 1
         reqs = [er.req for er, _ in scheduled]
         _, counter = self.pool.begin_step(reqs)
+        t_submit = time.perf_counter()
         seqs = []
         for er, n in scheduled:
             r = er.req
@@ -376,6 +381,7 @@ class LLMEngine:
                 self._complete_copies(wait=True)
                 return
             raise
+        t_forward = time.perf_counter()
         if self.pd is not None:
             self.pd.count_recomputed(scheduled)
         if counter is not None:
@@ -386,6 +392,7 @@ class LLMEngine:
             if not er.req.output_token_ids:
                 self._counters["prompt_tokens_computed"] += n
         rewound = self._complete_copies(wait=False)
+        t_complete = time.perf_counter()
         k = 0
         for (er, n), s in zip(scheduled, seqs):
             if not s.wants_logits:
@@ -399,6 +406,12 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own
                 logger.exception("request %s failed", er.request_id)
                 self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
+        # The runner splits its forward pass into host launch and the wait for the device.
+        wait_s = getattr(self.runner, "last_gpu_wait_s", 0.0)
+        self.step_times.add(
+            {"schedule": t_sched - t0, "submit": t_submit - t_sched, "launch": t_forward - t_submit - wait_s,
+             "gpu_wait": wait_s, "complete": t_complete - t_forward, "sample": time.perf_counter() - t_complete},
+            getattr(self.runner, "last_load_wait_gpu_s", 0.0), len(scheduled))
         self._refresh_stats()
 
     def _schedule(self) -> list[tuple[_EngineRequest, int]]:
@@ -590,6 +603,7 @@ class LLMEngine:
             "model": self.model_name,
             "device": self.device,
             "engine": dict(self._counters),
+            "step_times": self.step_times.snapshot(),
             **pool,
         }
         if getattr(self, "pd", None) is not None:

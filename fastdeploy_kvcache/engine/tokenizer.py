@@ -204,9 +204,9 @@ def build_synthetic_tokenizer(vocab_size: int) -> EngineTokenizer:
 
     Text encodes one id per byte (ids 0-255, the byte-level alphabet; no merges), so a prompt's
     token count is its UTF-8 length.  Ids 256-258 are ``<|endoftext|>``, ``<|im_start|>`` and
-    ``<|im_end|>``; every id above decodes to a made-up word (`` w<id>``), so whatever a
-    random model samples reads back as text and counts as tokens.  Built in well under a
-    second, nothing downloaded.
+    ``<|im_end|>``; every id above decodes to three letters or digits of its own, so whatever
+    a random model samples reads back as text (three tokens when sent back in a later turn).
+    Built in well under a second, nothing downloaded.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -218,9 +218,10 @@ def build_synthetic_tokenizer(vocab_size: int) -> EngineTokenizer:
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     for s in specials:
         vocab[s] = len(vocab)
-    # "\u0120" is the byte-level symbol of a space: these decode to " w<id>".
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
     for i in range(len(vocab), vocab_size):
-        vocab[f"\u0120w{i}"] = i
+        j = i - 259
+        vocab[chars[j % 62] + chars[j // 62 % 62] + chars[j // 3844 % 62]] = i
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()

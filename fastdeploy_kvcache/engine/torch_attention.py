@@ -65,6 +65,9 @@ class TorchStep:
     prefills: list[PrefillChunk] = field(default_factory=list)
     layer_done: Optional[Any] = None  # the step's LayerDoneCounter, if it loads blocks
     layers_waited: int = 0
+    # CUDA timing events around each load wait that was not already satisfied (None: not
+    # timed, e.g. on the CPU); the runner reads them once the step has finished.
+    wait_events: Optional[list[tuple[Any, Any]]] = None
 
 
 class torch_step:
@@ -121,7 +124,15 @@ def paged_attention_forward(
     layer = int(module.layer_idx)
     if step.layer_done is not None:
         # Before this layer's cache is read or written (a load may target the same blocks).
-        step.layer_done.wait_for_layer(layer)
+        if step.wait_events is not None and not step.layer_done.is_layer_done(layer):
+            before = torch.cuda.Event(enable_timing=True)
+            before.record()
+            step.layer_done.wait_for_layer(layer)
+            after = torch.cuda.Event(enable_timing=True)
+            after.record()
+            step.wait_events.append((before, after))
+        else:
+            step.layer_done.wait_for_layer(layer)
         step.layers_waited += 1
     k_cache, v_cache = step.kv_caches[layer][0], step.kv_caches[layer][1]
     _, num_heads, num_tokens, head_dim = query.shape

@@ -17,6 +17,7 @@ Nothing here or in the modules it imports imports Paddle: this path runs where o
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -73,6 +74,8 @@ class TorchModelRunner:
         self.device = torch_device(device)
         self.on_gpu = self.device.type == "cuda"
         self.last_layers_waited = 0
+        self.last_gpu_wait_s = 0.0  # host time the last step spent waiting for the device
+        self.last_load_wait_gpu_s = 0.0  # device time its compute stream waited for loads
         self._staging: Optional[Any] = None  # pinned int64 buffer of the step's indices
         self._arange: Any = torch.arange(0, device=self.device)
         register_paged_attention(self.model.config)
@@ -149,7 +152,8 @@ class TorchModelRunner:
         for a in parts:
             views.append(dev[off:off + a.size])
             off += a.size
-        step = TorchStep(kv_caches, bs, views[2], views[3], num_dec, layer_done=layer_done)
+        step = TorchStep(kv_caches, bs, views[2], views[3], num_dec, layer_done=layer_done,
+                         wait_events=[] if layer_done is not None and self.on_gpu else None)
         k = 4
         if num_dec:
             step.decode_table = views[4].view(num_dec, width)
@@ -172,6 +176,8 @@ class TorchModelRunner:
         """Run the step; returns float32 logits, one row per seq with ``wants_logits``, in ``seqs`` order."""
         torch = self.torch
         self.last_layers_waited = 0
+        self.last_gpu_wait_s = 0.0
+        self.last_load_wait_gpu_s = 0.0
         with torch.inference_mode():
             step, input_ids, position_ids, rows, row_list = self._build(seqs, kv_caches, layer_done)
             with torch_step(step):
@@ -184,4 +190,9 @@ class TorchModelRunner:
                 return np.zeros((0, self.loaded.vocab_size), dtype=np.float32)
             hidden = out.last_hidden_state[0].index_select(0, rows)
             logits = self.model.lm_head(hidden).float()
-            return logits.cpu().numpy()
+            t_launched = time.perf_counter()
+            host = logits.cpu().numpy()  # the step's one host sync
+            self.last_gpu_wait_s = time.perf_counter() - t_launched
+            if step.wait_events:
+                self.last_load_wait_gpu_s = sum(a.elapsed_time(b) for a, b in step.wait_events) / 1e3
+            return host
