@@ -565,6 +565,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--fit-check", action="store_true",
                     help="Also run the workload with a device pool that holds all of it, switch off and on "
                          "(output tokens/s ratio).")
+    ap.add_argument("--fit-concurrency", type=int, default=32,
+                    help="Requests in flight (and --max-num-seqs) of the --fit-check runs: at 32 or more the "
+                         "engine's per-step host time is also summed on its own (the busy split).")
     ap.add_argument("--users", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--doc-tokens", type=int, default=1024, help="Target document length in tokens.")
@@ -749,22 +752,27 @@ def main(argv: Optional[list[str]] = None) -> int:
             # (a fresh seed: documents no server has seen).
             fit_args = list(common)
             fit_args[fit_args.index("--num-gpu-blocks-override") + 1] = str(working_set_blocks + 64)
+            fit_args[fit_args.index("--max-num-seqs") + 1] = str(args.fit_concurrency)
             on_extra = ["--swap-space", str(args.swap_space), "--write-policy", args.write_policy]
             for switch in ("0", "1"):
                 server = start_server(fit_args + (on_extra if switch == "1" else []),
                                       {"ENABLE_V1_KVCACHE_MANAGER": switch})
+                fit_stats: dict[str, Any] = {}
                 try:
                     if wl is None:
                         wl = make_workload(server)
                     fit_wl = Workload(wl.users, wl.rounds, wl.doc_words, wl.question_words, wl.output_tokens,
-                                      wl.concurrency, wl.seed + 1000)
+                                      args.fit_concurrency, wl.seed + 1000)
                     turns, wall = run_one(server, f"fit, switch {switch}", fit_wl)
+                    fit_stats = server.engine_stats()
                 finally:
                     server.stop()
                 key = "off" if switch == "0" else "on"
                 fit[f"{key}_output_tokens_per_s"] = sum(t.completion_tokens for t in turns) / wall
                 fit[f"{key}_ttft_p50_s"] = percentile([t.ttft_s for t in turns], 50)
             fit["device_blocks"] = working_set_blocks + 64
+            fit["concurrency"] = args.fit_concurrency
+            fit["engine_stats_on"] = fit_stats
             logger.info("[fit] output tok/s switch off %.1f, on %.1f", fit["off_output_tokens_per_s"],
                         fit["on_output_tokens_per_s"])
         if args.cold_server:

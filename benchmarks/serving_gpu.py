@@ -105,8 +105,10 @@ def gpu_ratios(report: dict[str, Any], h2d_gbps: Optional[float], fit: dict[str,
                            "kv_load_at_limit_s": load_s, "floor_s": floor}
         ratios["host_hit_over_floor"] = probe["host_hit_ttft_p50_s"] / floor
         targets["host_hit_over_floor"] = 1.2
-    splits = {name: {"all": host_split(st), "busy": host_split(st, "busy")}
-              for name, st in report["engine_stats"].items()}
+    stats = dict(report["engine_stats"])
+    if fit.get("engine_stats_on"):
+        stats[f"all on the device, switch on, {fit['concurrency']} in flight"] = fit["engine_stats_on"]
+    splits = {name: {"all": host_split(st), "busy": host_split(st, "busy")} for name, st in stats.items()}
     report["host_split"] = splits
     busy = [v["busy"]["cache_and_worker_share"] for v in splits.values() if v["busy"].get("steps")]
     if busy:

@@ -105,6 +105,28 @@ def gather_blocks(cache: Any, table: Any) -> Any:
     return blocks.transpose(-4, -3).reshape(*blocks.shape[:-4], kvh, nb * bs, d)
 
 
+_bmm_out_dtype: Optional[bool] = None  # whether torch.bmm takes out_dtype here (CUDA, torch >= 2.8)
+
+
+def bmm_f32(a: Any, b: Any) -> Any:
+    """``a @ b`` (batched) with a float32 result: bf16/fp16 inputs accumulate and come out in
+    float32 without an upcast copy of the inputs where torch can (``bmm(..., out_dtype)``)."""
+    import torch
+
+    global _bmm_out_dtype
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    if a.is_cuda and _bmm_out_dtype is not False:
+        try:
+            out = torch.bmm(a, b, torch.float32)
+            _bmm_out_dtype = True
+            return out
+        except (TypeError, RuntimeError):
+            _bmm_out_dtype = False
+            logger.info("torch.bmm has no out_dtype here: the decode attention upcasts its inputs")
+    return torch.bmm(a.float(), b.float())
+
+
 def paged_attention_forward(
     module: Any,
     query: Any,
@@ -149,19 +171,24 @@ def paged_attention_forward(
     out = query.new_empty((num_tokens, num_heads, head_dim))
     b = step.num_decodes
     if b:
-        # NOTE: the gathered blocks stay in the cache layout ([B, W, kvh, bs, d], one copy):
-        # scores are per block and the softmax runs over (block, position) together.
-        # Transposing them into one sequence axis (and upcasting) costs extra passes over
-        # all of the batch's K/V per layer, which measured slower than transformers' own
-        # decode; bf16 matmuls accumulate in float32 anyway.
-        kb = k_cache[step.decode_table]
-        vb = v_cache[step.decode_table]
+        # NOTE: the gathered blocks stay in the cache layout ([B, W, kvh, bs, d], one copy)
+        # and are never upcast: scores are per block (one small matmul per block and KV head,
+        # batched), the softmax runs over (block, position) together.  Transposing them into
+        # one sequence axis or upcasting them costs extra passes over all of the batch's K/V
+        # per layer, which measured slower than transformers' own decode.  Scores and the
+        # output still come out in float32 (bmm_f32), as in a flash kernel.
+        width = step.decode_table.shape[1]
+        bs = k_cache.shape[2]
+        rows = b * width * num_kv
+        kb = k_cache[step.decode_table].view(rows, bs, head_dim)
+        vb = v_cache[step.decode_table].view(rows, bs, head_dim)
         q = (query[0, :, :b, :].transpose(0, 1) * scale).reshape(b, 1, num_kv, groups, head_dim).to(kb.dtype)
-        scores = torch.matmul(q, kb.transpose(-1, -2)).float() + step.decode_mask  # [B, W, kvh, groups, bs]
+        q = q.expand(b, width, num_kv, groups, head_dim).reshape(rows, groups, head_dim)
+        scores = bmm_f32(q, kb.transpose(1, 2)).view(b, width, num_kv, groups, bs) + step.decode_mask
         scores = scores - scores.amax(dim=(1, 4), keepdim=True)
         probs = scores.exp_()
         probs = probs / probs.sum(dim=(1, 4), keepdim=True)
-        o = torch.matmul(probs.to(vb.dtype), vb).sum(dim=1)  # [B, kvh, groups, d]
+        o = bmm_f32(probs.to(vb.dtype).view(rows, groups, bs), vb).view(b, width, num_kv, groups, head_dim).sum(dim=1)
         out[:b] = o.reshape(b, num_heads, head_dim).to(out.dtype)
     for p in step.prefills:
         a, n = p.start, p.num_new

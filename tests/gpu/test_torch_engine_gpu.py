@@ -126,7 +126,9 @@ def test_server_on_gpu_answers_openai_with_cached_tokens(capi: Any) -> None:
 
     from fastdeploy_kvcache.entrypoints.server_process import ServerProcess
 
-    args = ["--model-impl", "transformers", "--model", MODEL, "--device", "gpu", "--block-size", "16",
+    # float32: the repeat reuses the cached KV, and greedy text must not differ by bf16 rounding.
+    args = ["--model-impl", "transformers", "--model", MODEL, "--device", "gpu", "--dtype", "float32",
+            "--block-size", "16",
             "--max-model-len", "2048", "--num-gpu-blocks-override", "256", "--swap-space", "0.25",
             "--write-policy", "write_through"]
     server = ServerProcess(args, env={"ENABLE_V1_KVCACHE_MANAGER": "1"}).start()
