@@ -971,14 +971,17 @@ def format_storage_ratio(report: dict[str, Any]) -> str:
 
 
 def format_round_table(report: dict[str, Any]) -> str:
-    s = report["summaries"]
-    names = [n for n in CONFIGS if n in s]
-    rounds = sorted({int(r) for n in names for r in s[n]["ttft_p50_by_round_s"]})
-    lines = ["| round | " + " | ".join(f"{n} (ms)" for n in names) + " |",
+    """TTFT p50 / p99 per round and configuration (from the turns themselves)."""
+    turns = report["turns"]
+    names = [n for n in CONFIGS if n in turns]
+    rounds = sorted({t["round"] for n in names for t in turns[n]})
+    lines = ["| round | " + " | ".join(f"{n}: p50 / p99 (ms)" for n in names) + " |",
              "|---|" + "---|" * len(names)]
     for r in rounds:
-        cells = [_ms(s[n]["ttft_p50_by_round_s"].get(r, s[n]["ttft_p50_by_round_s"].get(str(r), float("nan"))))
-                 for n in names]
+        cells = []
+        for n in names:
+            xs = [t["ttft_s"] for t in turns[n] if t["round"] == r]
+            cells.append(f"{_ms(percentile(xs, 50))} / {_ms(percentile(xs, 99))}")
         lines.append(f"| {r} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -1045,7 +1048,7 @@ def format_console(report: dict[str, Any]) -> str:
     parts = [f"\n{report['args'].get('name', 'bench_serving')} {report['time_utc']} UTC, {report['machine']['cpu']} ({report['machine']['cores']} cores), "
              f"model {report['args']['model']}"]
     if report["summaries"]:
-        parts += [format_table(report), format_storage_ratio(report), "", "TTFT p50 per round:",
+        parts += [format_table(report), format_storage_ratio(report), "", "TTFT per round:",
                   format_round_table(report)]
     if p:
         parts.append(f"\nprobe (same prefix, {p['valid_repeats']}/{p['repeats']} valid): cold {_ms(p['cold_ttft_p50_s'])} ms, "
@@ -1121,7 +1124,7 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
         if format_storage_ratio(report):
             body += [format_storage_ratio(report), ""]
         body += [
-            "TTFT p50 per round (ms):",
+            "TTFT per round, p50 / p99 (ms):",
             "",
             format_round_table(report),
             "",

@@ -4,7 +4,7 @@
   host hits, write_back evictions, injected load failures and preemption; each check asserts
   its situation happened, and that no block leaked (tests/reuse_workloads.py).  float32, so
   that no greedy choice flips on bf16 rounding between differently batched steps.
-* The paged attention's logits match transformers' own sdpa in bf16.
+* The paged attention's logits match transformers' own sdpa (bf16, and float32).
 * The server on the GPU answers the openai client, with cached_tokens > 0 on a repeat.
 
 Needs a CUDA GPU with torch and CuPy, build/libfdkv_capi.so (`bash build.sh gpu`), and the
@@ -103,17 +103,21 @@ def test_cache_is_device_torch_memory_and_loads_wait_on_the_gpu(engine_factory: 
     assert backend.current_stream().ptr == torch.cuda.current_stream().cuda_stream
 
 
+# bf16: the two paths round differently (transformers' sdpa keeps its own bf16 intermediates,
+# the decode batch here rounds its probabilities to bf16 before the value matmul), and over
+# SmolLM2's 30 layers the logits drift apart by about 2e-2 (measured 0.021 on an H100).
+# float32 shows the functions are the same: a wrong mask, slot or table is far above 1e-3.
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 3e-2), ("float32", 1e-3)])
 @pytest.mark.parametrize("model,prefix", [(MODEL, 200), ("tiny-llama-random", 70)])
-def test_paged_attention_matches_transformers_sdpa_bf16(capi: Any, model: str, prefix: int) -> None:
+def test_paged_attention_matches_transformers_sdpa(capi: Any, model: str, prefix: int, dtype: str, tol: float) -> None:
     from fastdeploy_kvcache.engine.torch_models import load_torch_model
     from tests.torch_attention_check import paged_vs_sdpa_error
 
     if model == MODEL:
         need_smollm2()
-    loaded = load_torch_model(model, seed=0, device=torch.device("cuda", 0), dtype="bfloat16")
+    loaded = load_torch_model(model, seed=0, device=torch.device("cuda", 0), dtype=dtype)
     err = paged_vs_sdpa_error(loaded, prefix=prefix, chunk=37, decodes=4, block_size=16)
-    # bf16: the two paths round differently (gathered K/V, float32 softmax here).
-    assert err < 2e-2, err
+    assert err < tol, err
 
 
 # ---------------------------------------------------------------------- the server
