@@ -20,6 +20,8 @@ import os
 import time
 from typing import Any
 
+import numpy as np
+
 from fastdeploy_kvcache.engine.model_loader import (
     DEFAULT_MODEL_NAME,
     TINY_MODEL_NAME,
@@ -91,11 +93,13 @@ def _on_meta(shape: dict[str, Any]) -> tuple[Any, Any]:
 
 def _finish(model: Any, cfg: Any, tokenizer: EngineTokenizer, name: str, device: Any, dtype: str) -> LoadedModel:
     """Rotary tables, tied head, eval mode; describe it for the engine."""
+    import torch
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     # The rotary inverse frequencies are a buffer computed at construction: on the meta
     # device they hold nothing, so build them again on the target device (in float32).
-    model.model.rotary_emb = LlamaRotaryEmbedding(cfg, device=device)
+    with torch.device(device):
+        model.model.rotary_emb = LlamaRotaryEmbedding(cfg)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
@@ -134,7 +138,9 @@ def _gguf_llama(path: str, name: str, *, device: Any, dtype: str) -> LoadedModel
     g = read_gguf_llama(path)
     model, cfg = _on_meta(g.config)
     td = _torch_dtype(dtype)
-    state = {k: torch.from_numpy(v).to(device=device, dtype=td) for k, v in g.weights.items()}
+    # np.require: a dequantised array may be a read-only view, which torch will not wrap.
+    state = {k: torch.from_numpy(np.require(v, requirements="W")).to(device=device, dtype=td)
+             for k, v in g.weights.items()}
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
