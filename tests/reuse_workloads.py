@@ -106,6 +106,18 @@ def recompute_tokens(factory: Factory, concurrent: bool = False) -> dict[str, li
     return out
 
 
+class RecomputeBaseline:
+    """The recompute tokens of each workload, computed once per test module (one per runner)."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[bool, dict[str, list[int]]] = {}
+
+    def __call__(self, factory: Factory, concurrent: bool = False) -> dict[str, list[int]]:
+        if concurrent not in self._tokens:
+            self._tokens[concurrent] = recompute_tokens(factory, concurrent)
+        return self._tokens[concurrent]
+
+
 def assert_no_leak(engine: Any) -> dict[str, int]:
     counts = engine.pool.check_invariants()
     assert counts["device_owned"] == 0, f"device blocks still owned after everything finished: {counts}"

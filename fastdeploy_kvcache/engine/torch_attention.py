@@ -6,7 +6,8 @@ registered with transformers' ``AttentionInterface`` and selected through
 attention layer calls it with q, k and v after rotary embedding.  A third-party name makes
 transformers build no causal mask: the masks here come from the :class:`TorchStep`, which
 the runner builds once per forward pass with every index already on the device (one
-host-to-device copy per step, none per layer).
+host-to-device copy per step, none per layer), made visible to the function with
+``attention.step_context`` as on the paddleformers path.
 
 Per layer:
 
@@ -34,12 +35,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+# The step travels to the attention function the same way on both paths (thread-local).
+from fastdeploy_kvcache.engine.attention import current_context, step_context  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
 ATTN_IMPL_NAME = "fdkv_paged_torch"
-
-_local = threading.local()
-
 
 @dataclass
 class PrefillChunk:
@@ -68,31 +69,6 @@ class TorchStep:
     # CUDA timing events around each load wait that was not already satisfied (None: not
     # timed, e.g. on the CPU); the runner reads them once the step has finished.
     wait_events: Optional[list[tuple[Any, Any]]] = None
-
-
-class torch_step:
-    """``with torch_step(step): model(...)`` makes ``step`` visible to the attention function.
-
-    Thread-local, so two engines in one process never see each other's step.
-    """
-
-    def __init__(self, step: TorchStep) -> None:
-        self.step = step
-
-    def __enter__(self) -> TorchStep:
-        self.prev = getattr(_local, "step", None)
-        _local.step = self.step
-        return self.step
-
-    def __exit__(self, *exc: Any) -> None:
-        _local.step = self.prev
-
-
-def current_step() -> TorchStep:
-    step = getattr(_local, "step", None)
-    if step is None:
-        raise RuntimeError(f"attention '{ATTN_IMPL_NAME}' called outside an engine step (no TorchStep set)")
-    return step
 
 
 def gather_blocks(cache: Any, table: Any) -> Any:
@@ -142,7 +118,7 @@ def paged_attention_forward(
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    step = current_step()
+    step = current_context()
     layer = int(module.layer_idx)
     if step.layer_done is not None:
         # Before this layer's cache is read or written (a load may target the same blocks).

@@ -24,7 +24,8 @@ import numpy as np
 
 from fastdeploy_kvcache.engine.model_loader import LoadedModel
 from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
-from fastdeploy_kvcache.engine.torch_attention import PrefillChunk, TorchStep, register_paged_attention, torch_step
+from fastdeploy_kvcache.engine.attention import step_context
+from fastdeploy_kvcache.engine.torch_attention import PrefillChunk, TorchStep, register_paged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class TorchModelRunner:
         self.last_load_wait_gpu_s = 0.0
         with torch.inference_mode():
             step, input_ids, position_ids, rows, row_list = self._build(seqs, kv_caches, layer_done)
-            with torch_step(step):
+            with step_context(step):
                 try:
                     out = self.model.model(input_ids=input_ids[None], position_ids=position_ids[None],
                                            use_cache=False)

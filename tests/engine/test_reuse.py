@@ -14,27 +14,20 @@ import pytest
 
 from tests.reuse_workloads import (
     POLICIES,
+    RecomputeBaseline,
     check_device_hits,
     check_failed_loads,
     check_host_hits,
     check_idle_backup,
     check_preemption,
     check_write_back_under_concurrency,
-    recompute_tokens,
 )
 from tests.reuse_workloads import BS as BS  # noqa: F401 - re-exported for tests added here
 from tests.reuse_workloads import assert_no_leak as assert_no_leak  # noqa: F401
 from tests.reuse_workloads import doc as _doc  # noqa: F401
 from tests.reuse_workloads import run_waves as run_waves  # noqa: F401
 
-_BASELINE: dict[tuple, dict[str, list[int]]] = {}
-
-
-def baseline(engine_factory: Any, concurrent: bool = False) -> dict[str, list[int]]:
-    key = (concurrent,)
-    if key not in _BASELINE:
-        _BASELINE[key] = recompute_tokens(engine_factory, concurrent)
-    return _BASELINE[key]
+baseline = RecomputeBaseline()
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -14,22 +14,16 @@ import pytest
 
 from tests.reuse_workloads import (
     POLICIES,
+    RecomputeBaseline,
     check_device_hits,
     check_failed_loads,
     check_host_hits,
     check_preemption,
     check_write_back_under_concurrency,
-    recompute_tokens,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-_BASELINE: dict[bool, dict[str, list[int]]] = {}
-
-
-def baseline(engine_factory: Any, concurrent: bool = False) -> dict[str, list[int]]:
-    if concurrent not in _BASELINE:
-        _BASELINE[concurrent] = recompute_tokens(engine_factory, concurrent)
-    return _BASELINE[concurrent]
+baseline = RecomputeBaseline()
 
 
 @pytest.mark.parametrize("policy", POLICIES)

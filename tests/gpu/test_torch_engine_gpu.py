@@ -21,12 +21,12 @@ import pytest
 
 from tests.reuse_workloads import (
     POLICIES,
+    RecomputeBaseline,
     check_device_hits,
     check_failed_loads,
     check_host_hits,
     check_preemption,
     check_write_back_under_concurrency,
-    recompute_tokens,
 )
 from tests.torch_engines import TORCH_REASON, engine_factory_for
 
@@ -60,13 +60,7 @@ def engine_factory(monkeypatch: pytest.MonkeyPatch, smollm2_fp32: Any) -> Iterat
     yield from engine_factory_for(monkeypatch, smollm2_fp32, model=MODEL, device="gpu", dtype="float32")
 
 
-_BASELINE: dict[bool, dict[str, list[int]]] = {}
-
-
-def baseline(engine_factory: Any, concurrent: bool = False) -> dict[str, list[int]]:
-    if concurrent not in _BASELINE:
-        _BASELINE[concurrent] = recompute_tokens(engine_factory, concurrent)
-    return _BASELINE[concurrent]
+baseline = RecomputeBaseline()
 
 
 @pytest.mark.parametrize("policy", POLICIES)
