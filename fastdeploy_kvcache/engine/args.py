@@ -72,7 +72,7 @@ class EngineArgs:
     model_impl: str = "paddleformers"
     # Model weights and activations on the transformers path ("auto": bfloat16 on a GPU,
     # float32 on a CPU); the paddleformers path picks the same by itself.
-    dtype: str = "auto"
+    model_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model_cache_dir is None:
@@ -104,11 +104,11 @@ class EngineArgs:
             raise ValueError(f"splitwise_role: must be one of {SPLITWISE_ROLES}, got {self.splitwise_role!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
-        if self.dtype not in MODEL_DTYPES:
-            raise ValueError(f"dtype: must be one of {MODEL_DTYPES}, got {self.dtype!r}")
-        if self.dtype != "auto" and self.model_impl != "transformers":
-            raise ValueError("dtype: only --model-impl transformers takes a model dtype (paddleformers: float32 "
-                             "on CPU, bfloat16 on GPU)")
+        if self.model_dtype not in MODEL_DTYPES:
+            raise ValueError(f"model_dtype: must be one of {MODEL_DTYPES}, got {self.model_dtype!r}")
+        if self.model_dtype != "auto" and self.model_impl != "transformers":
+            raise ValueError("model_dtype: only --model-impl transformers takes a model dtype (paddleformers: "
+                             "float32 on CPU, bfloat16 on GPU)")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib: must be > 0, got {self.kv_cache_memory_gib!r}")
 
@@ -208,7 +208,7 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="Model library: 'paddleformers' (the default; Paddle) or 'transformers' (transformers' "
              "LlamaForCausalLM on PyTorch, the path for a GPU machine with PyTorch and CUDA and no Paddle; "
              "models: smollm2-135m-instruct, tiny-llama-random, llama3-8b-random or a .gguf file).")
-    add("--dtype", dest="dtype", choices=MODEL_DTYPES, default="auto",
+    add("--model-dtype", dest="model_dtype", choices=MODEL_DTYPES, default="auto",
         help="Model dtype for --model-impl transformers: 'auto' is bfloat16 on a GPU, float32 on a CPU.")
     add("--splitwise-role", dest="splitwise_role", choices=SPLITWISE_ROLES, default="mixed",
         help="Prefill/decode disaggregation through the store (docs/pd_disaggregation.md): 'prefill' "

@@ -33,8 +33,12 @@ logger = logging.getLogger(__name__)
 def select_device(device: str) -> str:
     """``"gpu"`` when torch sees a CUDA device (``auto``), else ``"cpu"``; ValueError for an
     impossible ``"gpu"``."""
-    import torch
-
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"model_impl: 'transformers' needs PyTorch and transformers ({exc}); install them "
+                         "(pip install torch transformers) or use --model-impl paddleformers") from None
     has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
     if device == "gpu" and not has_cuda:
         raise ValueError("device: 'gpu' asked for, but torch sees no CUDA device")
@@ -59,7 +63,7 @@ def load_model_for(args: Any, device: str) -> LoadedModel:
     from fastdeploy_kvcache.engine.torch_models import load_torch_model
 
     return load_torch_model(args.model, seed=args.seed, device=torch_device(device),
-                            dtype=model_dtype(args.dtype, device))
+                            dtype=model_dtype(args.model_dtype, device))
 
 
 class TorchModelRunner:

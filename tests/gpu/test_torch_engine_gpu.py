@@ -57,7 +57,7 @@ def smollm2_fp32(capi: Any) -> Any:
 
 @pytest.fixture
 def engine_factory(monkeypatch: pytest.MonkeyPatch, smollm2_fp32: Any) -> Iterator[Any]:
-    yield from engine_factory_for(monkeypatch, smollm2_fp32, model=MODEL, device="gpu", dtype="float32")
+    yield from engine_factory_for(monkeypatch, smollm2_fp32, model=MODEL, device="gpu", model_dtype="float32")
 
 
 baseline = RecomputeBaseline()
@@ -125,7 +125,7 @@ def test_server_on_gpu_answers_openai_with_cached_tokens(capi: Any) -> None:
     from fastdeploy_kvcache.entrypoints.server_process import ServerProcess
 
     # float32: the repeat reuses the cached KV, and greedy text must not differ by bf16 rounding.
-    args = ["--model-impl", "transformers", "--model", MODEL, "--device", "gpu", "--dtype", "float32",
+    args = ["--model-impl", "transformers", "--model", MODEL, "--device", "gpu", "--model-dtype", "float32",
             "--block-size", "16",
             "--max-model-len", "2048", "--num-gpu-blocks-override", "256", "--swap-space", "0.25",
             "--write-policy", "write_through"]
