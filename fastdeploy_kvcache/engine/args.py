@@ -201,7 +201,8 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=d["kv_cache_memory_gib"].default,
         help="Cap on the device KV pool when --num-gpu-blocks-override is not given.")
     add("--device", dest="device", choices=DEVICES, default="auto",
-        help="Where the model runs: the GPU when Paddle has CUDA ('auto'), or the CPU.")
+        help="Where the model runs: the GPU when the model library sees one ('auto': Paddle with CUDA, or torch "
+             "with --model-impl transformers), or the CPU.")
     add("--seed", dest="seed", type=int, default=0,
         help="Seed of the random model weights (tiny-llama-random) and of unseeded sampling.")
     add("--model-impl", dest="model_impl", choices=MODEL_IMPLS, default="paddleformers",
