@@ -9,7 +9,7 @@ the paged attention of ``engine/torch_attention.py``.
 The caches are the torch tensors the worker allocated (``worker/backends/torch_backend.py``);
 they are never copied.  The step's indices (token ids, positions, K/V slots, block tables)
 go to the device in one copy from a reused pinned buffer; the only host sync of a step is
-reading the sampled rows' logits back at its end.
+reading the sampled rows' logits back at its end (a step that samples nothing has none).
 
 Nothing here or in the modules it imports imports Paddle: this path runs where only torch is.
 """
@@ -82,6 +82,7 @@ class TorchModelRunner:
         self.last_gpu_wait_s = 0.0  # host time the last step spent waiting for the device
         self.last_load_wait_gpu_s = 0.0  # device time its compute stream waited for loads
         self._staging: Optional[Any] = None  # pinned int64 buffer of the step's indices
+        self._staging_done: Optional[Any] = None  # CUDA event after the last copy out of it
         self._arange: Any = torch.arange(0, device=self.device)
         register_paged_attention(self.model.config)
 
@@ -89,18 +90,26 @@ class TorchModelRunner:
     def _upload(self, host: np.ndarray) -> Any:
         """One int64 host array to the device: through a reused pinned buffer on a GPU.
 
-        Reusing the buffer is safe: every step ends by reading its logits back, which waits
-        for everything before it on the stream, this copy included.
+        The buffer is written again only once the last step's copy out of it has completed
+        (its event; normally long done, since a step that samples ends with a host sync, but
+        a step that only prefills does not).
         """
         torch = self.torch
         src = torch.from_numpy(host)
         if not self.on_gpu:
             return src
+        if self._staging_done is not None:
+            self._staging_done.synchronize()
         if self._staging is None or self._staging.numel() < host.size:
+            # The old buffer may still be read by a copy: torch's pinned allocator keeps it
+            # until that copy's stream has passed it.
             self._staging = torch.empty(max(4096, 2 * host.size), dtype=torch.int64, pin_memory=True)
         buf = self._staging[: host.size]
         buf.copy_(src)
-        return buf.to(self.device, non_blocking=True)
+        out = buf.to(self.device, non_blocking=True)
+        self._staging_done = torch.cuda.Event()
+        self._staging_done.record()
+        return out
 
     def _positions(self, length: int) -> Any:
         if self._arange.numel() < length:
