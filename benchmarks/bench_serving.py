@@ -1065,7 +1065,7 @@ def format_console(report: dict[str, Any]) -> str:
         parts += ["", "Per-step host time by phase (ms per step, share of the step):",
                   serving_gpu.format_host_split(report)]
     if format_targets(report):
-        parts += ["", "Targets (issue 8; GPU):", format_targets(report)]
+        parts += ["", "Targets (same-run ratios):", format_targets(report)]
     if format_cold_table(report):
         skipped = report["cold"].get("skipped_backends") or {}
         parts += ["", "Cold server (restarted server, warm store):", format_cold_table(report)]
