@@ -5,8 +5,17 @@
 #   bash build.sh test     the above, then the whole test suite (GPU tests skip with reasons;
 #                          with CI=true, FDKV_REQUIRE_OPS=1: a missing compiled op fails)
 #   bash build.sh gpu      build the CUDA C ABI library with nvcc (no venv or Paddle needed)
-#   bash build.sh gpu-test build it, then run tests/gpu with the system python3 (CuPy, pytest);
-#                          exits 1 on a machine without a GPU (every test would skip)
+#   bash build.sh gpu-test build it, then run tests/gpu with the system python3 (CuPy, pytest;
+#                          torch for the transformers runner's tests); exits 1 on a machine
+#                          without a GPU (every test would skip)
+#   bash build.sh serve-gpu
+#                          serve on a GPU machine with PyTorch and CUDA and no Paddle: the
+#                          transformers model runner (--model-impl transformers) with
+#                          ENABLE_V1_KVCACHE_MANAGER=1 and a host tier (--swap-space
+#                          ${FDKV_SWAP_SPACE:-4} GiB) on 127.0.0.1:8188; extra args pass through
+#                          (e.g. --model llama3-8b-random --kv-cache-memory-gib 16)
+#   Offline GPU machine: put the wheels it lacks in .whl/ (docs/usage.md lists them); gpu-test
+#   and serve-gpu install them without network into build/gpu-site and use them.
 #   bash build.sh bench    run the benchmarks (GPU ones need `bash build.sh gpu` first)
 #   bash build.sh serve    build, then serve the default model (OpenAI API) on 127.0.0.1:8188 with
 #                          ENABLE_V1_KVCACHE_MANAGER=1 and a 1 GiB host tier; extra args pass through
@@ -103,6 +112,20 @@ install_mooncake() {
 }
 
 die() { log "error: $*"; exit 1; }
+
+# Wheels brought to an offline machine (default .whl/, or $FDKV_WHEEL_DIR): installed with no
+# index and no dependency resolution into build/gpu-site (again only when a wheel is newer
+# than the last install), which then goes first on PYTHONPATH.  No-op without wheels.
+use_brought_wheels() {
+  local dir=${FDKV_WHEEL_DIR:-$ROOT/.whl} site=$ROOT/build/gpu-site
+  ls "$dir"/*.whl >/dev/null 2>&1 || return 0
+  if [ ! -f "$site/.fdkv-stamp" ] || [ -n "$(find "$dir" -name '*.whl' -newer "$site/.fdkv-stamp")" ]; then
+    log "installing the wheels in $dir into $site (offline, --no-deps)"
+    "${GPU_PY:-python3}" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$dir"/*.whl
+    touch "$site/.fdkv-stamp"
+  fi
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+}
 have_nvcc() { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; }
 
 # Runs "$@", passing its output on except the "... is up to date" lines, so that a build
@@ -208,8 +231,19 @@ case "$cmd" in
     # Without a GPU every test would skip and the run would look green: refuse instead.
     have_gpu || die "gpu-test needs an NVIDIA GPU, and \`nvidia-smi -L\` lists none on this machine; run it on a GPU machine (\`bash build.sh test\` runs the CPU suite)"
     build_capi_gpu
+    use_brought_wheels
     shift || true
     PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "${GPU_PY:-python3}" -m pytest -q -rs -p no:cacheprovider tests/gpu "$@" ;;
+  serve-gpu)
+    # The GPU path without Paddle: system python3 with torch, CUDA C ABI copies, tiered cache on.
+    have_gpu || die "serve-gpu needs an NVIDIA GPU, and \`nvidia-smi -L\` lists none on this machine (\`bash build.sh serve\` serves on the CPU)"
+    build_capi_gpu
+    use_brought_wheels
+    shift || true
+    log "serving on http://${FDKV_HOST:-127.0.0.1}:${FDKV_PORT:-8188} (transformers runner on the GPU, ENABLE_V1_KVCACHE_MANAGER=1, --swap-space ${FDKV_SWAP_SPACE:-4})"
+    ENABLE_V1_KVCACHE_MANAGER=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "${GPU_PY:-python3}" \
+      -m fastdeploy_kvcache.entrypoints.openai.api_server --model-impl transformers --device gpu \
+      --host "${FDKV_HOST:-127.0.0.1}" --port "${FDKV_PORT:-8188}" --swap-space "${FDKV_SWAP_SPACE:-4}" "$@" ;;
   bench)
     shift || true
     for b in benchmarks/bench_*.py; do log "running $b"; "${BENCH_PY:-$PY}" "$b" "$@"; done ;;
@@ -222,5 +256,5 @@ case "$cmd" in
   paddle-gpu-check)
     paddle_gpu_check ;;
   *)
-    echo "usage: bash build.sh [build|test|gpu|gpu-test|bench|serve|paddle-gpu-check]" >&2; exit 2 ;;
+    echo "usage: bash build.sh [build|test|gpu|gpu-test|bench|serve|serve-gpu|paddle-gpu-check]" >&2; exit 2 ;;
 esac

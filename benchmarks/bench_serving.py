@@ -43,6 +43,16 @@ Usage:
     python benchmarks/bench_serving.py --quick         # smoke run (a few minutes); not for tables
     python benchmarks/bench_serving.py --configs device+host,device+host+storage --no-cold-server
     python benchmarks/bench_serving.py --model smollm2-135m-instruct --doc-tokens 512 ...
+    # On a GPU with PyTorch (the transformers runner; docs/gpu_serving.md has the run):
+    python benchmarks/bench_serving.py --model-impl transformers --device gpu --model llama3-8b-random \
+        --users 32 --rounds 4 --doc-tokens 4096 --concurrency 10 --no-cold-server --fit-check --tag h100
+
+On the GPU the report adds the in-run H2D limit (one contiguous pinned 1 GiB copy), a host
+hit's ratio to its floor ``max(device-hit TTFT, KV bytes / H2D limit)``, round 1 with the
+cache on over recompute, each configuration's per-step host time by phase (scheduler and
+cache manager, worker submit, model launch, waiting for the GPU, copies completed, sampling;
+and the GPU time the compute stream waited for loads), and with ``--fit-check`` output tokens/s
+with the switch off and on when the device pool holds everything.
 """
 
 from __future__ import annotations
@@ -69,6 +79,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serving_gpu  # noqa: E402  (the GPU figures: in-run H2D limit, floor, host-time split)
 
 logger = logging.getLogger("bench_serving")
 
@@ -546,6 +559,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-llama-random")
+    ap.add_argument("--model-impl", default="paddleformers", choices=("paddleformers", "transformers"),
+                    help="The servers' model runner (transformers: the GPU path on PyTorch).")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="Where the servers run the model.")
+    ap.add_argument("--fit-check", action="store_true",
+                    help="Also run the workload with a device pool that holds all of it, switch off and on "
+                         "(output tokens/s ratio).")
+    ap.add_argument("--fit-concurrency", type=int, default=32,
+                    help="Requests in flight (and --max-num-seqs) of the --fit-check runs: at 32 or more the "
+                         "engine's per-step host time is also summed on its own (the busy split).")
     ap.add_argument("--users", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--doc-tokens", type=int, default=1024, help="Target document length in tokens.")
@@ -616,8 +638,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if bad:
         ap.error(f"--storage-backends: unknown {bad}; choose from {STORAGE_BACKENDS}")
     cold_prefixes = [int(x) for x in args.cold_prefix_tokens.split(",") if x] or [2 * args.doc_tokens]
-    if not configs and not args.cold_server:
-        ap.error("nothing to run: --configs is empty and --no-cold-server")
+    if not configs and not args.cold_server and not args.fit_check:
+        ap.error("nothing to run: --configs is empty, --no-cold-server and no --fit-check")
 
     from openai import OpenAI
     from tqdm import tqdm
@@ -632,7 +654,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # A third of the working set, but never less than the running batch needs.
     device_blocks = max(int(working_set_blocks * args.device_fraction),
                         args.concurrency * math.ceil(per_user_tokens / bs) + 2)
-    common = ["--model", args.model, "--device", "cpu", "--block-size", str(bs),
+    common = ["--model", args.model, "--device", args.device, "--model-impl", args.model_impl, "--block-size", str(bs),
               "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.concurrency),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens),
               "--num-gpu-blocks-override", str(device_blocks), "--uvicorn-log-level", "warning",
@@ -669,7 +691,24 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="fdkv-bench-serving-"))
     cold: dict[str, Any] = {}
+    fit: dict[str, Any] = {}
+    h2d_gbps = serving_gpu.h2d_limit_gbps() if args.device == "gpu" else None
+    if h2d_gbps:
+        logger.info("H2D limit (one contiguous pinned 1 GiB copy): %.1f GB/s", h2d_gbps)
     run_start = time.perf_counter()
+
+    def run_one(server: ServerProcess, name: str, wl: Workload) -> tuple[list[Turn], float]:
+        # Warm-up (not measured): the first requests of a fresh server pay one-time costs
+        # (kernels and allocators); every configuration gets the same warm-up.
+        warm = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        for i in range(2):
+            warm.completions.create(model=args.model, prompt=wl.document(90_000 + i), max_tokens=2,
+                                    temperature=0)
+        bar = tqdm(total=wl.users * wl.rounds, desc=name, unit="req", file=sys.stderr)
+        turns, wall = asyncio.run(run_workload(server.base_url, args.model, wl, bar))
+        bar.close()
+        return turns, wall
+
     try:
         for name in configs:
             env = {"ENABLE_V1_KVCACHE_MANAGER": "0" if name == "recompute" else "1", "PYTHONFAULTHANDLER": "1"}
@@ -686,15 +725,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             try:
                 if wl is None:
                     wl = make_workload(server)
-                # Warm-up (not measured): the first requests of a fresh server pay one-time costs
-                # (Paddle's kernels and allocator); every configuration gets the same warm-up.
-                warm = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
-                for i in range(2):
-                    warm.completions.create(model=args.model, prompt=wl.document(90_000 + i), max_tokens=2,
-                                            temperature=0)
-                bar = tqdm(total=wl.users * wl.rounds, desc=name, unit="req", file=sys.stderr)
-                turns, wall = asyncio.run(run_workload(server.base_url, args.model, wl, bar))
-                bar.close()
+                turns, wall = run_one(server, name, wl)
                 res = ConfigResult(name, server.args, env, wall, turns, scrape_metrics(server))
                 if name == "device+host+storage":
                     # The background puts finish before the stats are read (their totals in the JSON).
@@ -716,6 +747,34 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 probe["host_over_device"], probe["valid_repeats"], probe["repeats"])
             finally:
                 server.stop()
+        if args.fit_check:
+            # Everything fits on the device: the cache can only cost, never save, on a miss
+            # (a fresh seed: documents no server has seen).
+            fit_args = list(common)
+            fit_args[fit_args.index("--num-gpu-blocks-override") + 1] = str(working_set_blocks + 64)
+            fit_args[fit_args.index("--max-num-seqs") + 1] = str(args.fit_concurrency)
+            on_extra = ["--swap-space", str(args.swap_space), "--write-policy", args.write_policy]
+            for switch in ("0", "1"):
+                server = start_server(fit_args + (on_extra if switch == "1" else []),
+                                      {"ENABLE_V1_KVCACHE_MANAGER": switch})
+                fit_stats: dict[str, Any] = {}
+                try:
+                    if wl is None:
+                        wl = make_workload(server)
+                    fit_wl = Workload(wl.users, wl.rounds, wl.doc_words, wl.question_words, wl.output_tokens,
+                                      args.fit_concurrency, wl.seed + 1000)
+                    turns, wall = run_one(server, f"fit, switch {switch}", fit_wl)
+                    fit_stats = server.engine_stats()
+                finally:
+                    server.stop()
+                key = "off" if switch == "0" else "on"
+                fit[f"{key}_output_tokens_per_s"] = sum(t.completion_tokens for t in turns) / wall
+                fit[f"{key}_ttft_p50_s"] = percentile([t.ttft_s for t in turns], 50)
+            fit["device_blocks"] = working_set_blocks + 64
+            fit["concurrency"] = args.fit_concurrency
+            fit["engine_stats_on"] = fit_stats
+            logger.info("[fit] output tok/s switch off %.1f, on %.1f", fit["off_output_tokens_per_s"],
+                        fit["on_output_tokens_per_s"])
         if args.cold_server:
             backends, skipped = usable_backends(requested_backends)
             if wl is None:  # no workload configuration ran: calibrate on a server of its own
@@ -737,6 +796,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = build_report(args, results, probe, device_blocks, working_set_blocks, max_model_len,
                           tokens_per_word or 0.0, total_wall, cold)
     report["host_blocks"] = int(host_blocks) if host_blocks is not None else None
+    report["machine"]["gpu"] = serving_gpu.gpu_name()
+    serving_gpu.gpu_ratios(report, h2d_gbps, fit)
     report["default_model_probe"] = default_probe
     report["failed_server_starts"] = failed_starts
     report["loadavg_end"] = os.getloadavg()
@@ -910,14 +971,17 @@ def format_storage_ratio(report: dict[str, Any]) -> str:
 
 
 def format_round_table(report: dict[str, Any]) -> str:
-    s = report["summaries"]
-    names = [n for n in CONFIGS if n in s]
-    rounds = sorted({int(r) for n in names for r in s[n]["ttft_p50_by_round_s"]})
-    lines = ["| round | " + " | ".join(f"{n} (ms)" for n in names) + " |",
+    """TTFT p50 / p99 per round and configuration (from the turns themselves)."""
+    turns = report["turns"]
+    names = [n for n in CONFIGS if n in turns]
+    rounds = sorted({t["round"] for n in names for t in turns[n]})
+    lines = ["| round | " + " | ".join(f"{n}: p50 / p99 (ms)" for n in names) + " |",
              "|---|" + "---|" * len(names)]
     for r in rounds:
-        cells = [_ms(s[n]["ttft_p50_by_round_s"].get(r, s[n]["ttft_p50_by_round_s"].get(str(r), float("nan"))))
-                 for n in names]
+        cells = []
+        for n in names:
+            xs = [t["ttft_s"] for t in turns[n] if t["round"] == r]
+            cells.append(f"{_ms(percentile(xs, 50))} / {_ms(percentile(xs, 99))}")
         lines.append(f"| {r} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -956,6 +1020,8 @@ def _target_label(key: str, report: dict[str, Any]) -> str:
     }
     if key in fixed:
         return fixed[key]
+    if key in serving_gpu.TARGET_LABELS:
+        return serving_gpu.TARGET_LABELS[key]
     kind, where = key.split(":", 1)
     backend, plen = where.split("/")
     tokens = report["cold"]["results"][where]["prompt_tokens_p50"]
@@ -982,13 +1048,24 @@ def format_console(report: dict[str, Any]) -> str:
     parts = [f"\n{report['args'].get('name', 'bench_serving')} {report['time_utc']} UTC, {report['machine']['cpu']} ({report['machine']['cores']} cores), "
              f"model {report['args']['model']}"]
     if report["summaries"]:
-        parts += [format_table(report), format_storage_ratio(report), "", "TTFT p50 per round:",
+        parts += [format_table(report), format_storage_ratio(report), "", "TTFT per round:",
                   format_round_table(report)]
     if p:
         parts.append(f"\nprobe (same prefix, {p['valid_repeats']}/{p['repeats']} valid): cold {_ms(p['cold_ttft_p50_s'])} ms, "
                      f"device hit {_ms(p['device_hit_ttft_p50_s'])} ms, host hit {_ms(p['host_hit_ttft_p50_s'])} ms")
+    if report.get("floor"):
+        f = report["floor"]
+        parts.append(f"H2D limit {f['h2d_limit_gbps']:.1f} GB/s (same run): the host hit's {f['prefix_kv_bytes'] / 2**20:.0f} MiB "
+                     f"of KV take {_ms(f['kv_load_at_limit_s'])} ms at the limit; floor {_ms(f['floor_s'])} ms")
+    if report.get("fit"):
+        f = report["fit"]
+        parts.append(f"all on the device: output tok/s switch off {f['off_output_tokens_per_s']:.1f}, "
+                     f"on {f['on_output_tokens_per_s']:.1f}")
+    if serving_gpu.format_host_split(report):
+        parts += ["", "Per-step host time by phase (ms per step, share of the step):",
+                  serving_gpu.format_host_split(report)]
     if format_targets(report):
-        parts += ["", "Targets (issue 8):", format_targets(report)]
+        parts += ["", "Targets (same-run ratios):", format_targets(report)]
     if format_cold_table(report):
         skipped = report["cold"].get("skipped_backends") or {}
         parts += ["", "Cold server (restarted server, warm store):", format_cold_table(report)]
@@ -1047,7 +1124,7 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
         if format_storage_ratio(report):
             body += [format_storage_ratio(report), ""]
         body += [
-            "TTFT p50 per round (ms):",
+            "TTFT per round, p50 / p99 (ms):",
             "",
             format_round_table(report),
             "",
@@ -1164,8 +1241,8 @@ def plot(report: dict[str, Any], png_path: Path) -> None:
     ax.set_ylabel("time to first token (ms)")
     ax.set_yscale("log")
     ax.set_xticks(sorted({t["round"] for ts in turns.values() for t in ts}))
-    ax.set_title(f"bench_serving: {report['args']['model']}, {report['machine']['cores']} CPU cores, "
-                 f"{report['date']}")
+    where = report["machine"].get("gpu") or f"{report['machine']['cores']} CPU cores"
+    ax.set_title(f"bench_serving: {report['args']['model']}, {where}, {report['date']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,9 +1,9 @@
-"""A small continuous-batching engine that serves a paddleformers Llama on the tiered KV cache.
+"""A small continuous-batching engine that serves a Llama (paddleformers, or transformers on torch) on the tiered KV cache.
 
 ``ENABLE_V1_KVCACHE_MANAGER=1`` runs it on ``CacheManager`` + ``CacheController`` (prefix reuse
 on device, a host tier with ``--swap-space``); ``0`` runs the same engine and attention on a
-plain device block allocator with no reuse between requests (the baseline).  Paddle and
-paddleformers are imported lazily, by the modules that need them.
+plain device block allocator with no reuse between requests (the baseline).  Paddle, torch and
+their model libraries are imported lazily, by the modules that need them.
 """
 
 from fastdeploy_kvcache.engine.args import EngineArgs, add_engine_cli_args

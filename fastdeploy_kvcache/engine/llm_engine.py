@@ -46,6 +46,7 @@ from fastdeploy_kvcache.engine.model_loader import LoadedModel, load_model
 from fastdeploy_kvcache.engine.model_runner import ModelRunner, ScheduledSeq
 from fastdeploy_kvcache.engine.outputs import RequestOutput
 from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams
+from fastdeploy_kvcache.engine.step_timing import StepTimes
 from fastdeploy_kvcache.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,17 +95,25 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, *, loaded_model: Optional[LoadedModel] = None) -> None:
         args.validate()
         self.args = args
-        import paddle
+        worker_backend = "paddle"
+        if args.model_impl == "transformers":
+            # torch only (engine/torch_runner.py): no Paddle import on this path.
+            from fastdeploy_kvcache.engine import torch_runner
 
-        self._paddle = paddle
-        use_gpu = args.device == "gpu" or (
-            args.device == "auto" and paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-        )
-        if args.device == "gpu" and not paddle.is_compiled_with_cuda():
-            raise ValueError("device: 'gpu' asked for, but this Paddle has no CUDA")
-        paddle.set_device("gpu:0" if use_gpu else "cpu")
-        self.device = "gpu" if use_gpu else "cpu"
-        self.loaded = loaded_model or load_model(args.model, args.model_cache_dir or "", seed=args.seed, device_is_gpu=use_gpu)
+            self.device = torch_runner.select_device(args.device)
+            worker_backend = "torch"
+            self.loaded = loaded_model or torch_runner.load_model_for(args, self.device)
+        else:
+            import paddle
+
+            use_gpu = args.device == "gpu" or (
+                args.device == "auto" and paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+            )
+            if args.device == "gpu" and not paddle.is_compiled_with_cuda():
+                raise ValueError("device: 'gpu' asked for, but this Paddle has no CUDA")
+            paddle.set_device("gpu:0" if use_gpu else "cpu")
+            self.device = "gpu" if use_gpu else "cpu"
+            self.loaded = loaded_model or load_model(args.model, args.model_cache_dir or "", seed=args.seed, device_is_gpu=use_gpu)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name if args.model not in ("smollm2-135m-instruct", "tiny-llama-random") else args.model
         self.max_model_len = min(args.max_model_len, self.loaded.max_position_embeddings)
@@ -118,11 +127,11 @@ class LLMEngine:
             from fastdeploy_kvcache.engine.storage_pool import StorageKVPool, model_fingerprint
 
             self.pool: KVPool = StorageKVPool(self.cache_config, storage, self.model_name,
-                                              model_fingerprint(args.model, args.seed))
+                                              model_fingerprint(args.model, args.seed), backend=worker_backend)
         elif self.use_v1:
-            self.pool = ManagedKVPool(self.cache_config)
+            self.pool = ManagedKVPool(self.cache_config, backend=worker_backend)
         else:
-            self.pool = PlainKVPool(self.cache_config)
+            self.pool = PlainKVPool(self.cache_config, backend=worker_backend)
             logger.info(
                 "ENABLE_V1_KVCACHE_MANAGER=0: plain device block allocator, no reuse between requests; "
                 "the cache flags (--swap-space %s, --write-policy %s, --write-through-threshold %s, "
@@ -130,7 +139,10 @@ class LLMEngine:
                 args.swap_space, args.write_policy, args.write_through_threshold,
                 args.enable_prefix_caching, args.cache_output_tokens,
             )
-        self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
+        if args.model_impl == "transformers":
+            self.runner: Any = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size, self.device)
+        else:
+            self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
         # PD disaggregation (--splitwise-role prefill|decode): engine/pd.py; None when mixed.
         from fastdeploy_kvcache.engine.pd import make_pd_coordinator
 
@@ -158,6 +170,7 @@ class LLMEngine:
                           "prompt_tokens_computed": 0, "output_tokens": 0, "num_finished": 0,
                           "steps_with_loads": 0, "layer_waits": 0}
         self._stats_snapshot: dict[str, Any] = {}
+        self.step_times = StepTimes()
         self._refresh_stats()
         logger.info(
             "LLMEngine: model %s on %s, %d layers, KV %s, %d device blocks of %d tokens, %d host blocks, v1 manager %s",
@@ -342,7 +355,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def _step(self) -> None:
+        t0 = time.perf_counter()
         scheduled = self._schedule()
+        t_sched = time.perf_counter()
         if not scheduled:
             # Nothing fits right now: copies in flight pin blocks; wait for them.
             self._complete_copies(wait=True)
@@ -351,6 +366,7 @@ class LLMEngine:
         self._counters["num_steps"] += 1
         reqs = [er.req for er, _ in scheduled]
         _, counter = self.pool.begin_step(reqs)
+        t_submit = time.perf_counter()
         seqs = []
         for er, n in scheduled:
             r = er.req
@@ -370,6 +386,7 @@ class LLMEngine:
                 self._complete_copies(wait=True)
                 return
             raise
+        t_forward = time.perf_counter()
         if self.pd is not None:
             self.pd.count_recomputed(scheduled)
         if counter is not None:
@@ -380,6 +397,7 @@ class LLMEngine:
             if not er.req.output_token_ids:
                 self._counters["prompt_tokens_computed"] += n
         rewound = self._complete_copies(wait=False)
+        t_complete = time.perf_counter()
         k = 0
         for (er, n), s in zip(scheduled, seqs):
             if not s.wants_logits:
@@ -393,6 +411,12 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own
                 logger.exception("request %s failed", er.request_id)
                 self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
+        # The runner splits its forward pass into host launch and the wait for the device.
+        wait_s = getattr(self.runner, "last_gpu_wait_s", 0.0)
+        self.step_times.add(
+            {"schedule": t_sched - t0, "submit": t_submit - t_sched, "launch": t_forward - t_submit - wait_s,
+             "gpu_wait": wait_s, "complete": t_complete - t_forward, "sample": time.perf_counter() - t_complete},
+            getattr(self.runner, "last_load_wait_gpu_s", 0.0), len(scheduled))
         self._refresh_stats()
 
     def _schedule(self) -> list[tuple[_EngineRequest, int]]:
@@ -584,6 +608,7 @@ class LLMEngine:
             "model": self.model_name,
             "device": self.device,
             "engine": dict(self._counters),
+            "step_times": self.step_times.snapshot(),
             **pool,
         }
         if getattr(self, "pd", None) is not None:

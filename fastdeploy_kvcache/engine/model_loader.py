@@ -208,13 +208,25 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert_gguf(gguf_path: str, out_dir: str) -> None:
-    """Dequantise a Llama GGUF into ``out_dir`` (config.json, weights, tokenizer)."""
-    import gguf
-    from safetensors.numpy import save_file
+@dataclass
+class GgufLlama:
+    """A Llama GGUF read into framework-neutral parts (shared by both model runners).
 
-    LlamaConfig, _ = _llama_classes()
-    t0 = time.monotonic()
+    ``weights`` uses the Hugging Face / paddleformers parameter names, dequantised to float32,
+    every linear weight in ``[out, in]`` layout (torch's; paddle's ``Linear`` wants it
+    transposed).  ``config`` holds ``LlamaConfig`` keyword arguments.
+    """
+
+    config: dict[str, Any]
+    weights: dict[str, np.ndarray]
+    tokenizer: EngineTokenizer
+    linear_names: set[str]
+
+
+def read_gguf_llama(gguf_path: str) -> GgufLlama:
+    """Dequantise a Llama GGUF, undo llama.cpp's rotary permutation, build its tokenizer."""
+    import gguf
+
     reader = gguf.GGUFReader(gguf_path)
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
@@ -227,7 +239,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     tensors = {t.name: t for t in reader.tensors}
     vocab = int(meta.get(p + "vocab_size") or len(meta["tokenizer.ggml.tokens"]))
     tied = "output.weight" not in tensors
-    cfg = LlamaConfig(
+    config = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(meta[p + "feed_forward_length"]),
@@ -253,13 +265,14 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         "model.norm.weight": deq("output_norm.weight"),
     }
     if not tied:
-        weights["lm_head.weight"] = deq("output.weight")  # [vocab, hidden], as paddleformers' LMHead
+        weights["lm_head.weight"] = deq("output.weight")  # [vocab, hidden] in both frameworks
     lin = {
         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
     }
-    for i in range(cfg.num_hidden_layers):
+    linear_names: set[str] = set()
+    for i in range(config["num_hidden_layers"]):
         b, m = f"blk.{i}.", f"model.layers.{i}."
         weights[m + "input_layernorm.weight"] = deq(b + "attn_norm.weight")
         weights[m + "post_attention_layernorm.weight"] = deq(b + "ffn_norm.weight")
@@ -269,12 +282,27 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
                 w = _unpermute(w, n_head)
             elif g == "attn_k":
                 w = _unpermute(w, n_kv)
-            weights[m + pf + ".weight"] = np.ascontiguousarray(w.T)  # paddle Linear: [in, out]
+            weights[m + pf + ".weight"] = w
+            linear_names.add(m + pf + ".weight")
     tok = tokenizer_from_gguf_fields(meta)
     # Round-trip check: the tokenizer must give back the text it encoded.
     probe = "The capital of France is Paris. 2024: café\n"
     if tok.decode(tok.encode(probe)) != probe:
         raise RuntimeError(f"tokenizer built from {gguf_path} does not round-trip")
+    return GgufLlama(config, weights, tok, linear_names)
+
+
+def convert_gguf(gguf_path: str, out_dir: str) -> None:
+    """Dequantise a Llama GGUF into ``out_dir`` (config.json, weights, tokenizer)."""
+    from safetensors.numpy import save_file
+
+    LlamaConfig, _ = _llama_classes()
+    t0 = time.monotonic()
+    g = read_gguf_llama(gguf_path)
+    cfg = LlamaConfig(**g.config)
+    # paddle Linear: [in, out].
+    weights = {k: np.ascontiguousarray(v.T) if k in g.linear_names else v for k, v in g.weights.items()}
+    tok = g.tokenizer
     os.makedirs(out_dir, exist_ok=True)
     cfg.save_pretrained(out_dir)
     save_file(weights, os.path.join(out_dir, "fdkv_weights.safetensors"))

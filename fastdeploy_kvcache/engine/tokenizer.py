@@ -197,3 +197,36 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> EngineTokenizer:
     hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|endoftext|>")
     hf.chat_template = CHATML_TEMPLATE
     return EngineTokenizer(hf, [hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")])
+
+
+def build_synthetic_tokenizer(vocab_size: int) -> EngineTokenizer:
+    """A byte-level tokenizer whose vocabulary fills ``vocab_size`` ids, for random-weight models.
+
+    Text encodes one id per byte (ids 0-255, the byte-level alphabet; no merges), so a prompt's
+    token count is its UTF-8 length.  Ids 256-258 are ``<|endoftext|>``, ``<|im_start|>`` and
+    ``<|im_end|>``; every id above decodes to three letters or digits of its own, so whatever
+    a random model samples reads back as text (three tokens when sent back in a later turn).
+    Built in well under a second, nothing downloaded.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < len(alphabet) + len(specials):
+        raise ValueError(f"vocab_size: needs at least {len(alphabet) + len(specials)} ids, got {vocab_size}")
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    for s in specials:
+        vocab[s] = len(vocab)
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    for i in range(len(vocab), vocab_size):
+        j = i - 259
+        vocab[chars[j % 62] + chars[j // 62 % 62] + chars[j // 3844 % 62]] = i
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", bos_token="<|im_start|>",
+                                 pad_token="<|endoftext|>")
+    hf.add_special_tokens({"additional_special_tokens": specials})
+    hf.chat_template = CHATML_TEMPLATE
+    return EngineTokenizer(hf, [hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")])

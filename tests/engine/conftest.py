@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
-import threading
 from typing import Any, Iterator, Optional
 
 import pytest
@@ -20,37 +18,12 @@ if not ops.paddle_ops_available():
 from fastdeploy_kvcache.engine.args import EngineArgs  # noqa: E402
 from fastdeploy_kvcache.engine.llm_engine import LLMEngine  # noqa: E402
 from fastdeploy_kvcache.engine.model_loader import LoadedModel, build_tiny_llama  # noqa: E402
-from fastdeploy_kvcache.engine.outputs import RequestOutput  # noqa: E402
-from fastdeploy_kvcache.engine.sampling import SamplingParams  # noqa: E402
+from tests.reuse_workloads import Collector, greedy  # noqa: E402,F401 - the engine tests import them from here
 
 
 @pytest.fixture(scope="session")
 def tiny_model() -> LoadedModel:
     return build_tiny_llama(seed=0)
-
-
-class Collector:
-    """Gathers RequestOutputs per request, thread-safe."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.outputs: dict[str, list[RequestOutput]] = {}
-
-    def __call__(self, out: RequestOutput) -> None:
-        with self.lock:
-            self.outputs.setdefault(out.request_id, []).append(out)
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for o in self.outputs[rid] for t in o.new_token_ids]
-
-    def text(self, rid: str) -> str:
-        return "".join(o.text for o in self.outputs[rid])
-
-    def final(self, rid: str) -> RequestOutput:
-        outs = self.outputs[rid]
-        assert outs[-1].finished, f"{rid} did not finish"
-        assert sum(1 for o in outs if o.finished) == 1, f"{rid} finished more than once"
-        return outs[-1]
 
 
 def make_engine(monkeypatch: pytest.MonkeyPatch, loaded: Optional[LoadedModel], v1: bool, **kwargs: Any) -> LLMEngine:
@@ -82,7 +55,3 @@ def engine_factory(monkeypatch: pytest.MonkeyPatch, tiny_model: LoadedModel) -> 
     # Free the engines' Paddle tensors now, not during interpreter shutdown (a tensor freed
     # after Paddle's own teardown has begun is what a late finaliser would trip over).
     gc.collect()
-
-
-def greedy(max_tokens: int = 8, **kw: Any) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)

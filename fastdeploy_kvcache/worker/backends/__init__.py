@@ -22,7 +22,7 @@ from fastdeploy_kvcache.worker.backends.base import (
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "cupy", "paddle", "cpu")
+BACKENDS = ("auto", "cupy", "paddle", "cpu", "torch")
 
 
 def make_backend(name: Union[str, Backend] = "auto", device_id: int = 0, threaded: bool = True) -> Backend:
@@ -42,6 +42,11 @@ def make_backend(name: Union[str, Backend] = "auto", device_id: int = 0, threade
         from fastdeploy_kvcache.worker.backends.cupy_backend import CupyBackend
 
         return CupyBackend(device_id)
+    if name == "torch":
+        # Torch memory (the transformers model runner attends over it); never picked by "auto".
+        from fastdeploy_kvcache.worker.backends.torch_backend import make_torch_backend
+
+        return make_torch_backend(device_id, threaded=threaded)
     if name == "paddle":
         import paddle
 

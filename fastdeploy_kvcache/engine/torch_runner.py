@@ -1,0 +1,212 @@
+"""The transformers model runner (``--model-impl transformers``): one forward pass of a step.
+
+The same contract as the paddleformers runner (``engine/model_runner.py``): the engine hands
+it the step's :class:`~fastdeploy_kvcache.engine.model_runner.ScheduledSeq` list, the
+controller's per-layer caches and the step's ``LayerDoneCounter``; it returns float32 logits
+for the seqs that sample.  The model is transformers' ``LlamaForCausalLM``, unmodified, with
+the paged attention of ``engine/torch_attention.py``.
+
+The caches are the torch tensors the worker allocated (``worker/backends/torch_backend.py``);
+they are never copied.  The step's indices (token ids, positions, K/V slots, block tables)
+go to the device in one copy from a reused pinned buffer; the only host sync of a step is
+reading the sampled rows' logits back at its end (a step that samples nothing has none).
+
+Nothing here or in the modules it imports imports Paddle: this path runs where only torch is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from fastdeploy_kvcache.engine.model_loader import LoadedModel
+from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
+from fastdeploy_kvcache.engine.attention import step_context
+from fastdeploy_kvcache.engine.torch_attention import PrefillChunk, TorchStep, register_paged_attention
+
+logger = logging.getLogger(__name__)
+
+
+def select_device(device: str) -> str:
+    """``"gpu"`` when torch sees a CUDA device (``auto``), else ``"cpu"``; ValueError for an
+    impossible ``"gpu"``."""
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"model_impl: 'transformers' needs PyTorch and transformers ({exc}); install them "
+                         "(pip install torch transformers) or use --model-impl paddleformers") from None
+    has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if device == "gpu" and not has_cuda:
+        raise ValueError("device: 'gpu' asked for, but torch sees no CUDA device")
+    return "gpu" if device == "gpu" or (device == "auto" and has_cuda) else "cpu"
+
+
+def model_dtype(dtype: str, device: str) -> str:
+    """``auto``: bfloat16 on the GPU, float32 on the CPU (bf16 matmuls are slow on CPUs)."""
+    if dtype == "auto":
+        return "bfloat16" if device == "gpu" else "float32"
+    return dtype
+
+
+def torch_device(device: str) -> Any:
+    import torch
+
+    return torch.device("cuda", 0) if device == "gpu" else torch.device("cpu")
+
+
+def load_model_for(args: Any, device: str) -> LoadedModel:
+    """The engine's model on this path (``args``: EngineArgs)."""
+    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+
+    return load_torch_model(args.model, seed=args.seed, device=torch_device(device),
+                            dtype=model_dtype(args.model_dtype, device))
+
+
+class TorchModelRunner:
+    """Runs ``LlamaForCausalLM`` over the paged cache; see the module docstring."""
+
+    def __init__(self, loaded: LoadedModel, block_size: int, device: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.loaded = loaded
+        self.model = loaded.model
+        self.block_size = block_size
+        self.device = torch_device(device)
+        self.on_gpu = self.device.type == "cuda"
+        self.last_layers_waited = 0
+        self.last_gpu_wait_s = 0.0  # host time the last step spent waiting for the device
+        self.last_load_wait_gpu_s = 0.0  # device time its compute stream waited for loads
+        self._staging: Optional[Any] = None  # pinned int64 buffer of the step's indices
+        self._staging_done: Optional[Any] = None  # CUDA event after the last copy out of it
+        self._arange: Any = torch.arange(0, device=self.device)
+        register_paged_attention(self.model.config)
+
+    # ------------------------------------------------------------------ indices
+    def _upload(self, host: np.ndarray) -> Any:
+        """One int64 host array to the device: through a reused pinned buffer on a GPU.
+
+        The buffer is written again only once the last step's copy out of it has completed
+        (its event; normally long done, since a step that samples ends with a host sync, but
+        a step that only prefills does not).
+        """
+        torch = self.torch
+        src = torch.from_numpy(host)
+        if not self.on_gpu:
+            return src
+        if self._staging_done is not None:
+            self._staging_done.synchronize()
+        if self._staging is None or self._staging.numel() < host.size:
+            # The old buffer may still be read by a copy: torch's pinned allocator keeps it
+            # until that copy's stream has passed it.
+            self._staging = torch.empty(max(4096, 2 * host.size), dtype=torch.int64, pin_memory=True)
+        buf = self._staging[: host.size]
+        buf.copy_(src)
+        out = buf.to(self.device, non_blocking=True)
+        self._staging_done = torch.cuda.Event()
+        self._staging_done.record()
+        return out
+
+    def _positions(self, length: int) -> Any:
+        if self._arange.numel() < length:
+            self._arange = self.torch.arange(max(length, 2 * self._arange.numel()), device=self.device)
+        return self._arange[:length]
+
+    def _build(self, seqs: Sequence[ScheduledSeq], kv_caches: Sequence[Sequence[Any]],
+               layer_done: Optional[Any]) -> tuple[TorchStep, Any, Any, Any, list[int]]:
+        """The step's TorchStep, input ids, positions and sampled rows (device), and the row order."""
+        bs = self.block_size
+        # One-token seqs (decodes) first: the attention batches that leading run.
+        order = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        order += [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
+        num_dec = sum(1 for s in seqs if len(s.token_ids) == 1)
+        ids: list[int] = []
+        pos: list[np.ndarray] = []
+        slot_blk: list[np.ndarray] = []
+        chunks: list[tuple[int, int, int, list[int]]] = []
+        picked: list[tuple[int, int]] = []  # (index in seqs, row)
+        for i in order:
+            s = seqs[i]
+            start, n, c = len(ids), len(s.token_ids), s.context_len
+            ids.extend(int(t) for t in s.token_ids)
+            p = np.arange(c, c + n, dtype=np.int64)
+            pos.append(p)
+            slot_blk.append(np.asarray(s.block_ids, dtype=np.int64)[p // bs])
+            chunks.append((start, n, c, s.block_ids))
+            if s.wants_logits:
+                picked.append((i, start + n - 1))
+        positions = np.concatenate(pos)
+        parts = [np.asarray(ids, dtype=np.int64), positions, np.concatenate(slot_blk), positions % bs]
+        width = 0
+        if num_dec:
+            lens = [c + 1 for _, _, c, _ in chunks[:num_dec]]
+            width = -(-max(lens) // bs)
+            table = np.empty((num_dec, width), dtype=np.int64)
+            for r, (_, _, c, blocks) in enumerate(chunks[:num_dec]):
+                nb = -(-(c + 1) // bs)
+                table[r, :nb] = blocks[:nb]
+                table[r, nb:] = blocks[0]  # padding: read, then masked out
+            parts += [table.ravel(), np.asarray(lens, dtype=np.int64)]
+        tables = []
+        for start, n, c, blocks in chunks[num_dec:]:
+            if c > 0:
+                tables.append(np.asarray(blocks[: -(-(c + n) // bs)], dtype=np.int64))
+                parts.append(tables[-1])
+            else:
+                tables.append(None)
+        rows = [row for _, row in sorted(picked)]
+        parts.append(np.asarray(rows, dtype=np.int64))
+        dev = self._upload(np.concatenate(parts))
+        t = len(ids)
+        views, off = [], 0
+        for a in parts:
+            views.append(dev[off:off + a.size])
+            off += a.size
+        step = TorchStep(kv_caches, bs, views[2], views[3], num_dec, layer_done=layer_done,
+                         wait_events=[] if layer_done is not None and self.on_gpu else None)
+        k = 4
+        if num_dec:
+            step.decode_table = views[4].view(num_dec, width)
+            dec_lens = views[5]
+            keep = self._positions(width * bs)[None, :] < dec_lens[:, None]
+            zero = self.torch.zeros((), dtype=self.torch.float32, device=self.device)
+            step.decode_mask = self.torch.where(keep, zero, float("-inf")).view(num_dec, width, 1, 1, bs)
+            k = 6
+        for (start, n, c, _), tbl in zip(chunks[num_dec:], tables):
+            chunk = PrefillChunk(start, n, c)
+            if tbl is not None:
+                chunk.table = views[k]
+                k += 1
+            step.prefills.append(chunk)
+        return step, views[0][:t], views[1], views[-1], rows
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, seqs: list[ScheduledSeq], kv_caches: Sequence[Sequence[Any]],
+                layer_done: Optional[Any]) -> np.ndarray:
+        """Run the step; returns float32 logits, one row per seq with ``wants_logits``, in ``seqs`` order."""
+        torch = self.torch
+        self.last_layers_waited = 0
+        self.last_gpu_wait_s = 0.0
+        self.last_load_wait_gpu_s = 0.0
+        with torch.inference_mode():
+            step, input_ids, position_ids, rows, row_list = self._build(seqs, kv_caches, layer_done)
+            with step_context(step):
+                try:
+                    out = self.model.model(input_ids=input_ids[None], position_ids=position_ids[None],
+                                           use_cache=False)
+                finally:
+                    self.last_layers_waited = step.layers_waited
+            if not row_list:
+                return np.zeros((0, self.loaded.vocab_size), dtype=np.float32)
+            hidden = out.last_hidden_state[0].index_select(0, rows)
+            logits = self.model.lm_head(hidden).float()
+            t_launched = time.perf_counter()
+            host = logits.cpu().numpy()  # the step's one host sync
+            self.last_gpu_wait_s = time.perf_counter() - t_launched
+            if step.wait_events:
+                self.last_load_wait_gpu_s = sum(a.elapsed_time(b) for a, b in step.wait_events) / 1e3
+            return host
