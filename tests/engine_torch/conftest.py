@@ -8,12 +8,20 @@ import pytest
 
 from tests.torch_engines import TORCH_REASON, engine_factory_for
 
-pytest.importorskip("torch", reason=TORCH_REASON)
-pytest.importorskip("transformers", reason=TORCH_REASON)
 
-from tests.skip_helpers import cpu_capi_or_skip  # noqa: E402
 
-cpu_capi_or_skip("the transformers runner's CPU tests (the torch backend copies through it)")
+@pytest.fixture(scope="session", autouse=True)
+def _needs_torch_and_capi() -> None:
+    """Skip (with what would make them run) where torch or the CPU C ABI library is missing.
+
+    NOTE: a fixture, not a module-level importorskip: a skip raised while pytest imports a
+    conftest is a collection error for the whole run, not a skip.
+    """
+    pytest.importorskip("torch", reason=TORCH_REASON)
+    pytest.importorskip("transformers", reason=TORCH_REASON)
+    from tests.skip_helpers import cpu_capi_or_skip
+
+    cpu_capi_or_skip("the transformers runner's CPU tests (the torch backend copies through it)")
 
 
 @pytest.fixture(scope="session")

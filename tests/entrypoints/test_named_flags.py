@@ -40,6 +40,11 @@ THIRD_PARTY: dict[str, str] = {
     "--query-gpu": "nvidia-smi (worker/numa.py)",
     "--format": "nvidia-smi (worker/numa.py)",
     "--stop-timeout": "docker run (docs/operations.md)",
+    "--only-binary": "pip download (docs/usage.md, wheels for an offline GPU machine)",
+    "--python-version": "pip download",
+    "--implementation": "pip download",
+    "--platform": "pip download",
+    "--no-index": "pip install (docs/usage.md, build.sh's offline wheels)",
 }
 
 # Text that looks like a flag but is none: the arrows of docs/pd_disaggregation.md's
