@@ -65,6 +65,7 @@ class KVEventRecorder:
         # device insert can carry the block's token ids (see set_token_source).
         self._source: Optional[tuple[Sequence[int], Any]] = None
         self._emptied: list[int] = []  # hashes whose last tier went since the last drain
+        self._resync = False
         self.num_events = 0
 
     # ------------------------------------------------------------------ hooks
@@ -147,6 +148,14 @@ class KVEventRecorder:
                 rec[_TOKENS] = list(request._token_slice(depth * bs, (depth + 1) * bs))
         self._log.append((_STORED, tier, h, rec[_PARENT], rec[_TOKENS]))
 
+    def request_resync(self) -> None:
+        """Make the next batch ``AllBlocksCleared`` followed by everything announced now.
+
+        For when a batch was lost (the publisher's queue was full): a subscriber that
+        applies the next batch is right again whatever it missed.
+        """
+        self._resync = True
+
     # ------------------------------------------------------------------ views
     def announced(self) -> dict[str, set[int]]:
         """Per medium, the tree hashes announced and not removed since (tests, debugging)."""
@@ -177,6 +186,12 @@ class KVEventRecorder:
             if rec is not None and not rec[_BITS]:
                 del known[h]
         self._emptied = []
+        if self._resync:
+            self._resync = False
+            log = [(_CLEARED,)]
+            for tier in (_DEVICE, _HOST, _STORAGE):
+                bit = 1 << tier
+                log.extend((_STORED, tier, h, rec[_PARENT], rec[_TOKENS]) for h, rec in known.items() if rec[_BITS] & bit)
         if not log:
             return None
         self._log = []
