@@ -73,3 +73,23 @@ def test_reference_hashes_are_the_tree_hashes_low_64_bits():
     assert all(a != b for a, b in zip(wire, other))
     # The extra keys change the hashes.
     assert event_block_hashes(tokens, 16, cache_salt="tenant-a") != wire
+
+
+def test_docs_definition_reproduces_the_reference():
+    """docs/fleet.md's definition, written out with xxhash alone, gives event_block_hashes."""
+    import struct
+
+    import xxhash
+
+    def from_docs(tokens, bs):
+        digest = xxhash.xxh3_128_digest(b"fastdeploy_kvcache/root/v1")
+        out = []
+        for i in range(len(tokens) // bs):
+            content = xxhash.xxh3_128_digest(struct.pack(f"<{bs}q", *tokens[i * bs : (i + 1) * bs]))
+            digest = xxhash.xxh3_128_digest(digest + content)
+            out.append(int.from_bytes(digest[8:16], "big"))
+        return out
+
+    tokens = [7, 2**40, 0, 31999] * 9 + [5]
+    assert from_docs(tokens, 4) == event_block_hashes(tokens, 4)
+    assert from_docs(tokens, 16) == event_block_hashes(tokens, 16)
