@@ -12,10 +12,11 @@ Nothing is emitted when events are off (``--kv-events-config``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+
+from fastdeploy_kvcache.entrypoints.openai.metrics import SectionCollector
 
 logger = logging.getLogger(__name__)
 
@@ -28,20 +29,12 @@ _COUNTERS = (
 )
 
 
-class KVEventsStatsCollector(Collector):
+class KVEventsStatsCollector(SectionCollector):
     """Turns the engine's KV event stats into metric families at every scrape."""
 
-    def __init__(self, get_stats: Callable[[], dict[str, Any]]) -> None:
-        self._get_stats = get_stats
+    section = "kv_events"
 
-    def collect(self) -> Iterable[Any]:
-        try:
-            ev = self._get_stats().get("kv_events")
-        except Exception:  # noqa: BLE001 - a scrape must not take the server down
-            logger.exception("engine.get_stats() failed during a /metrics scrape")
-            return []
-        if not isinstance(ev, dict):
-            return []
+    def families(self, ev: dict[str, Any]) -> list[Any]:
         out: list[Any] = [
             CounterMetricFamily(f"fastdeploy_kvcache:kv_events_{key}", doc, value=float(ev.get(key, 0)))
             for key, doc in _COUNTERS
