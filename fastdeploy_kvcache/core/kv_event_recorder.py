@@ -44,9 +44,6 @@ _STORED = 0
 _REMOVED = 1
 _CLEARED = 2
 
-# Per hash: [tier bits, parent hash (None: first block), the block's token ids (None: unknown)]
-_BITS, _PARENT, _TOKENS = 0, 1, 2
-
 
 class KVEventRecorder:
     """The event log of one cache manager between two drains (engine thread only).
@@ -60,7 +57,11 @@ class KVEventRecorder:
         self.storage_medium = storage_medium
         self._mediums = {_DEVICE: MEDIUM_GPU, _HOST: MEDIUM_CPU, _STORAGE: storage_medium}
         self._log: list[tuple[Any, ...]] = []
-        self._known: dict[int, list[Any]] = {}
+        # NOTE: per hash, flat dicts of ints and tuples rather than a record object: their
+        # contents are not tracked by the cyclic GC, whose full passes over 100k+ tree nodes
+        # are already what the scheduler's tail latency is made of.
+        self._bits: dict[int, int] = {}  # hash -> announced tiers, bits 1 << tier
+        self._meta: dict[int, tuple[Optional[int], Optional[tuple[int, ...]]]] = {}  # hash -> (parent, tokens)
         # The request whose blocks are being inserted: (its block hashes, the request), so a
         # device insert can carry the block's token ids (see set_token_source).
         self._source: Optional[tuple[Sequence[int], Any]] = None
@@ -82,8 +83,7 @@ class KVEventRecorder:
         if node.detached:
             return
         parent = node.parent
-        ph = parent.hash_value if parent is not None and parent.depth >= 0 else None
-        self._stored(node.hash_value, tier, ph, node.depth)
+        self._stored(node.hash_value, tier, parent.hash_value if parent.depth >= 0 else None, node.depth)
 
     def node_removed(self, node: Any, tier: int) -> None:
         """A tree node lost its copy on ``tier`` (``CacheLevel.DEVICE`` or ``HOST``)."""
@@ -94,25 +94,23 @@ class KVEventRecorder:
         """Nodes about to be cut out of the tree: their device and host copies are gone."""
         for node in nodes:
             if not node.detached:
-                rec = self._known.get(node.hash_value)
-                if rec is not None:
-                    for tier in (_DEVICE, _HOST):
-                        if rec[_BITS] & (1 << tier):
-                            self.hash_removed(node.hash_value, tier)
+                for tier in (_DEVICE, _HOST):
+                    self.hash_removed(node.hash_value, tier)
 
     def hash_stored(self, h: int, tier: int = _STORAGE) -> None:
         """A hash became known on ``tier`` without a tree node (the storage tier)."""
-        rec = self._known.get(h)
-        self._stored(h, tier, rec[_PARENT] if rec is not None else None, -1)
+        meta = self._meta.get(h)
+        self._stored(h, tier, meta[0] if meta is not None else None, -1)
 
     def hash_removed(self, h: int, tier: int = _STORAGE) -> None:
         """``h`` left ``tier``; nothing is recorded unless it was announced there."""
-        rec = self._known.get(h)
+        bits = self._bits.get(h, 0)
         bit = 1 << tier
-        if rec is None or not rec[_BITS] & bit:
+        if not bits & bit:
             return
-        rec[_BITS] &= ~bit
-        if not rec[_BITS]:
+        bits &= ~bit
+        self._bits[h] = bits
+        if not bits:
             # Kept until the drain: a block moving between tiers leaves one before it
             # enters the other, and keeps its parent and tokens.
             self._emptied.append(h)
@@ -125,28 +123,41 @@ class KVEventRecorder:
         instance still knows are announced again right after.
         """
         self._log.append((_CLEARED,))
-        kept: dict[int, list[Any]] = {}
-        for h, rec in self._known.items():
-            if rec[_BITS] & (1 << _STORAGE):
-                rec[_BITS] = 1 << _STORAGE
-                kept[h] = rec
-                self._log.append((_STORED, _STORAGE, h, rec[_PARENT], rec[_TOKENS]))
-        self._known = kept
+        storage = 1 << _STORAGE
+        kept = {h: storage for h, bits in self._bits.items() if bits & storage}
+        self._meta = {h: self._meta[h] for h in kept}
+        self._bits = kept
         self._emptied = []
+        self._log.extend((_STORED, _STORAGE, h, *self._meta[h]) for h in kept)
 
     def _stored(self, h: int, tier: int, parent: Optional[int], depth: int) -> None:
-        rec = self._known.get(h)
-        if rec is None:
-            rec = self._known[h] = [0, parent, None]
-        elif rec[_BITS] & (1 << tier):
+        bit = 1 << tier
+        bits = self._bits.get(h)
+        if bits is None:
+            meta = self._meta[h] = (parent, self._tokens_of(h, depth))
+            self._bits[h] = bit
+        elif bits & bit:
             return
-        rec[_BITS] |= 1 << tier
-        if rec[_TOKENS] is None and depth >= 0 and self._source is not None:
-            hashes, request = self._source
-            if depth < len(hashes) and hashes[depth] == h:
-                bs = self.block_size
-                rec[_TOKENS] = list(request._token_slice(depth * bs, (depth + 1) * bs))
-        self._log.append((_STORED, tier, h, rec[_PARENT], rec[_TOKENS]))
+        else:
+            self._bits[h] = bits | bit
+            meta = self._meta[h]
+            if meta[1] is None and depth >= 0:
+                tokens = self._tokens_of(h, depth)
+                if tokens is not None:
+                    meta = self._meta[h] = (meta[0], tokens)
+        self._log.append((_STORED, tier, h, meta[0], meta[1]))
+
+    def _tokens_of(self, h: int, depth: int) -> Optional[tuple[int, ...]]:
+        """Block ``depth``'s tokens from the token source, if that block is ``h``."""
+        source = self._source
+        if source is None or depth < 0:
+            return None
+        hashes, request = source
+        if depth >= len(hashes) or hashes[depth] != h:
+            return None
+        bs = self.block_size
+        tokens = request._token_slice(depth * bs, (depth + 1) * bs)
+        return tuple(tokens) if type(tokens) is list else tuple(int(t) for t in tokens)  # numpy ids: plain ints
 
     def request_resync(self) -> None:
         """Make the next batch ``AllBlocksCleared`` followed by everything announced now.
@@ -160,16 +171,11 @@ class KVEventRecorder:
     def announced(self) -> dict[str, set[int]]:
         """Per medium, the tree hashes announced and not removed since (tests, debugging)."""
         out: dict[str, set[int]] = {m: set() for m in self._mediums.values() if m is not None}
-        for h, rec in self._known.items():
+        for h, bits in self._bits.items():
             for tier, medium in self._mediums.items():
-                if rec[_BITS] & (1 << tier) and medium is not None:
+                if bits & (1 << tier) and medium is not None:
                     out[medium].add(h)
         return out
-
-    @property
-    def pending(self) -> int:
-        """Changes recorded since the last drain."""
-        return len(self._log)
 
     # ------------------------------------------------------------------ drain
     def drain(self) -> Optional[KVEventBatch]:
@@ -180,18 +186,17 @@ class KVEventRecorder:
         """
         log = self._log
         self._source = None
-        known = self._known
+        bits_of, meta = self._bits, self._meta
         for h in self._emptied:
-            rec = known.get(h)
-            if rec is not None and not rec[_BITS]:
-                del known[h]
+            if bits_of.get(h, 1) == 0:
+                del bits_of[h], meta[h]
         self._emptied = []
         if self._resync:
             self._resync = False
             log = [(_CLEARED,)]
             for tier in (_DEVICE, _HOST, _STORAGE):
                 bit = 1 << tier
-                log.extend((_STORED, tier, h, rec[_PARENT], rec[_TOKENS]) for h, rec in known.items() if rec[_BITS] & bit)
+                log.extend((_STORED, tier, h, *meta[h]) for h, bits in bits_of.items() if bits & bit)
         if not log:
             return None
         self._log = []
