@@ -9,7 +9,8 @@ every step), run in three modes, interleaved, each ``--repeats`` times:
                  and encoded with msgspec in the scheduler's thread (an upper bound of the
                  engine thread's share: the server encodes on the publisher thread);
 * ``publisher``  the recorder plus the real ZMQ publisher on 127.0.0.1 (its thread encodes
-                 and sends, competing for the GIL as in the server), one subscriber reading.
+                 and sends, competing for the GIL as in the server), one subscriber reading
+                 in another process.
 
 Reported from the same run: the median CPU time of the process per mode (all its threads;
 less sensitive than wall time to other processes on a shared machine) and its ratio to
@@ -26,7 +27,7 @@ import argparse
 import logging
 import statistics
 import sys
-import threading
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -78,38 +79,36 @@ def manager_class(mode: str, counters: Counters, publisher: Optional[Any]) -> ty
     return EventsCacheManager
 
 
-def start_publisher() -> tuple[Any, Any, threading.Thread, threading.Event]:
-    import zmq
+_READER = """
+import sys, zmq
+ctx = zmq.Context()
+sub = ctx.socket(zmq.SUB)
+sub.setsockopt_string(zmq.SUBSCRIBE, "kv")
+sub.connect(sys.argv[1])
+print("ready", flush=True)
+while True:
+    sub.recv_multipart()
+"""
 
+
+def start_publisher() -> tuple[Any, subprocess.Popen]:
+    """The publisher on 127.0.0.1 and a subscriber in its own process (its CPU is not ours)."""
     from fastdeploy_kvcache.engine.kv_events_config import KVEventsConfig
     from fastdeploy_kvcache.engine.kv_events_publisher import ZmqEventPublisher
     from fastdeploy_kvcache.entrypoints.server_process import free_port
 
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{free_port()}", topic="kv")
     pub = ZmqEventPublisher(cfg)
-    stop = threading.Event()
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt_string(zmq.SUBSCRIBE, "kv")
-    sub.connect(cfg.endpoint)
-
-    def read() -> None:
-        while not stop.is_set():
-            if sub.poll(50):
-                sub.recv_multipart()
-        sub.close(linger=0)
-        ctx.term()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    return pub, cfg, reader, stop
+    reader = subprocess.Popen([sys.executable, "-c", _READER, cfg.endpoint], stdout=subprocess.PIPE, text=True)
+    assert reader.stdout is not None and reader.stdout.readline().strip() == "ready"
+    return pub, reader
 
 
 def run(args: argparse.Namespace, mode: str, log: logging.Logger) -> dict[str, float]:
     counters = Counters()
-    publisher = reader = stop = None
+    publisher = reader = None
     if mode == "publisher":
-        publisher, _, reader, stop = start_publisher()
+        publisher, reader = start_publisher()
     saved = bs.CacheManager
     bs.CacheManager = manager_class(mode, counters, publisher)  # type: ignore[misc]
     try:
@@ -121,8 +120,8 @@ def run(args: argparse.Namespace, mode: str, log: logging.Logger) -> dict[str, f
         if publisher is not None:
             dropped = publisher.stats()["dropped_batches"]
             publisher.shutdown()
-            stop.set()
-            reader.join(5)
+            reader.kill()
+            reader.wait()
     finish_mean, finish_p99 = bs._us(t.finish)
     alloc_mean, alloc_p99 = bs._us(t.alloc)
     return {

@@ -18,13 +18,22 @@ from pathlib import Path
 
 import pytest
 
-from skip_helpers import SERVER_MODULES, needs_modules
+from skip_helpers import SERVER_MODULES, needs_modules, needs_mooncake
 
 pytestmark = needs_modules(*SERVER_MODULES, "openai", "zmq", "msgpack", "msgspec")
 
 from fastdeploy_kvcache.core.kv_events import event_block_hashes  # noqa: E402
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess, free_port  # noqa: E402
-from server_helpers import BASE_ARGS, BLOCK_SIZE, MODEL, file_store_args, prompt_ids, scrape, wait_storage_quiet  # noqa: E402
+from server_helpers import (  # noqa: E402
+    BASE_ARGS,
+    BLOCK_SIZE,
+    MODEL,
+    file_store_args,
+    mooncake_store_args,
+    prompt_ids,
+    scrape,
+    wait_storage_quiet,
+)
 
 from .subscriber import Subscriber, rebuild  # noqa: E402
 
@@ -126,6 +135,33 @@ def test_events_rebuild_every_tier_with_replay_after_a_gap(tmp_path: Path) -> No
     finally:
         sub.close()
         server.stop()
+
+
+@needs_mooncake()
+def test_a_mooncake_store_is_announced_as_mooncake(tmp_path: Path) -> None:
+    from fastdeploy_kvcache.storage.mooncake_local import LocalMooncake
+
+    local = LocalMooncake(segment="256MB", log_dir=tmp_path / "logs").start()
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    server = sub = None
+    try:
+        server = ServerProcess([*BASE_ARGS, *mooncake_store_args(), "--kv-events-config", events_config(pub, replay)],
+                               env={"ENABLE_V1_KVCACHE_MANAGER": "1", **local.env()}).start()
+        sub = Subscriber(pub, TOPIC, replay)
+        for doc in DOCS[:3]:
+            ask(server, doc)
+        view = settled_view(server, sub)
+        fill_gaps(sub, view["next_seq"])
+        mediums = {m: set(h) for m, h in view["mediums"].items() if h}
+        assert set(mediums) == {"GPU", "CPU", "MOONCAKE"}, mediums.keys()
+        assert set(event_block_hashes(DOCS[0], BLOCK_SIZE)) <= mediums["MOONCAKE"]
+        assert rebuild(sub.batches) == mediums
+    finally:
+        if sub is not None:
+            sub.close()
+        if server is not None:
+            server.stop()
+        local.stop()
 
 
 def test_malformed_flag_fails_start_up_in_one_line() -> None:
