@@ -57,11 +57,11 @@ class KVEventRecorder:
         self.storage_medium = storage_medium
         self._mediums = {_DEVICE: MEDIUM_GPU, _HOST: MEDIUM_CPU, _STORAGE: storage_medium}
         self._log: list[tuple[Any, ...]] = []
-        # NOTE: per hash, flat dicts of ints and tuples rather than a record object: their
-        # contents are not tracked by the cyclic GC, whose full passes over 100k+ tree nodes
-        # are already what the scheduler's tail latency is made of.
-        self._bits: dict[int, int] = {}  # hash -> announced tiers, bits 1 << tier
-        self._meta: dict[int, tuple[Optional[int], Optional[tuple[int, ...]]]] = {}  # hash -> (parent, tokens)
+        # hash -> (announced tiers as bits 1 << tier, parent hash, the block's tokens or None).
+        # NOTE: immutable tuples of ints rather than record objects: the cyclic GC stops
+        # tracking them, and its full passes over 100k+ tree nodes are already what the
+        # scheduler's tail latency is made of.
+        self._known: dict[int, tuple[int, Optional[int], Optional[tuple[int, ...]]]] = {}
         # The request whose blocks are being inserted: (its block hashes, the request), so a
         # device insert can carry the block's token ids (see set_token_source).
         self._source: Optional[tuple[Sequence[int], Any]] = None
@@ -99,17 +99,16 @@ class KVEventRecorder:
 
     def hash_stored(self, h: int, tier: int = _STORAGE) -> None:
         """A hash became known on ``tier`` without a tree node (the storage tier)."""
-        meta = self._meta.get(h)
-        self._stored(h, tier, meta[0] if meta is not None else None, -1)
+        self._stored(h, tier, None, -1)
 
     def hash_removed(self, h: int, tier: int = _STORAGE) -> None:
         """``h`` left ``tier``; nothing is recorded unless it was announced there."""
-        bits = self._bits.get(h, 0)
+        rec = self._known.get(h)
         bit = 1 << tier
-        if not bits & bit:
+        if rec is None or not rec[0] & bit:
             return
-        bits &= ~bit
-        self._bits[h] = bits
+        bits = rec[0] & ~bit
+        self._known[h] = (bits, rec[1], rec[2])
         if not bits:
             # Kept until the drain: a block moving between tiers leaves one before it
             # enters the other, and keeps its parent and tokens.
@@ -124,28 +123,23 @@ class KVEventRecorder:
         """
         self._log.append((_CLEARED,))
         storage = 1 << _STORAGE
-        kept = {h: storage for h, bits in self._bits.items() if bits & storage}
-        self._meta = {h: self._meta[h] for h in kept}
-        self._bits = kept
+        self._known = {h: (storage, rec[1], rec[2]) for h, rec in self._known.items() if rec[0] & storage}
         self._emptied = []
-        self._log.extend((_STORED, _STORAGE, h, *self._meta[h]) for h in kept)
+        self._log.extend((_STORED, _STORAGE, h, rec[1], rec[2]) for h, rec in self._known.items())
 
     def _stored(self, h: int, tier: int, parent: Optional[int], depth: int) -> None:
         bit = 1 << tier
-        bits = self._bits.get(h)
-        if bits is None:
-            meta = self._meta[h] = (parent, self._tokens_of(h, depth))
-            self._bits[h] = bit
-        elif bits & bit:
+        rec = self._known.get(h)
+        if rec is None:
+            rec = self._known[h] = (bit, parent, self._tokens_of(h, depth))
+        elif rec[0] & bit:
             return
         else:
-            self._bits[h] = bits | bit
-            meta = self._meta[h]
-            if meta[1] is None and depth >= 0:
+            tokens = rec[2]
+            if tokens is None:
                 tokens = self._tokens_of(h, depth)
-                if tokens is not None:
-                    meta = self._meta[h] = (meta[0], tokens)
-        self._log.append((_STORED, tier, h, meta[0], meta[1]))
+            rec = self._known[h] = (rec[0] | bit, rec[1] if rec[1] is not None else parent, tokens)
+        self._log.append((_STORED, tier, h, rec[1], rec[2]))
 
     def _tokens_of(self, h: int, depth: int) -> Optional[tuple[int, ...]]:
         """Block ``depth``'s tokens from the token source, if that block is ``h``."""
@@ -171,7 +165,7 @@ class KVEventRecorder:
     def announced(self) -> dict[str, set[int]]:
         """Per medium, the tree hashes announced and not removed since (tests, debugging)."""
         out: dict[str, set[int]] = {m: set() for m in self._mediums.values() if m is not None}
-        for h, bits in self._bits.items():
+        for h, (bits, _, _) in self._known.items():
             for tier, medium in self._mediums.items():
                 if bits & (1 << tier) and medium is not None:
                     out[medium].add(h)
@@ -186,17 +180,18 @@ class KVEventRecorder:
         """
         log = self._log
         self._source = None
-        bits_of, meta = self._bits, self._meta
+        known = self._known
         for h in self._emptied:
-            if bits_of.get(h, 1) == 0:
-                del bits_of[h], meta[h]
+            rec = known.get(h)
+            if rec is not None and not rec[0]:
+                del known[h]
         self._emptied = []
         if self._resync:
             self._resync = False
             log = [(_CLEARED,)]
             for tier in (_DEVICE, _HOST, _STORAGE):
                 bit = 1 << tier
-                log.extend((_STORED, tier, h, *meta[h]) for h, bits in bits_of.items() if bits & bit)
+                log.extend((_STORED, tier, h, rec[1], rec[2]) for h, rec in known.items() if rec[0] & bit)
         if not log:
             return None
         self._log = []
