@@ -16,7 +16,8 @@ Reported from the same run: the median CPU time of the process per mode (all its
 less sensitive than wall time to other processes on a shared machine) and its ratio to
 ``off``, the wall time, the
 mean and p99 of ``request_finish`` and ``allocate_device_blocks`` (where blocks enter and
-leave the tiers), events and batches per run, payload bytes, and dropped batches.
+leave the tiers), events and batches per run, payload bytes, and dropped batches; then the
+median ``request_finish`` of 250 new blocks with and without the recorder (per block cost).
 
 Usage: python benchmarks/bench_kv_events.py [--requests 2000] [--repeats 3] [--quick]
 """
@@ -131,6 +132,32 @@ def run(args: argparse.Namespace, mode: str, log: logging.Logger) -> dict[str, f
     }
 
 
+def finish_cost(events: bool, requests: int = 40, blocks: int = 250) -> float:
+    """Median microseconds of ``request_finish`` inserting ``blocks`` new blocks of 64 tokens."""
+    import random
+
+    from fastdeploy_kvcache.config import CacheConfig
+    from fastdeploy_kvcache.core.request import Request
+
+    mgr = CacheManager(CacheConfig(block_size=64, num_gpu_blocks=requests * blocks, num_host_blocks=0,
+                                   write_policy="write_through"))
+    if events:
+        mgr.tree.events = KVEventRecorder(64)
+    rng = random.Random(0)
+    times = []
+    for i in range(requests):
+        req = Request(f"r{i}", [rng.randrange(32000) for _ in range(blocks * 64)])
+        mgr.match_prefix(req)
+        mgr.allocate_device_blocks(req, blocks)
+        req.num_computed_tokens = blocks * 64
+        start = time.perf_counter_ns()
+        mgr.request_finish(req)
+        times.append(time.perf_counter_ns() - start)
+        if events:
+            mgr.tree.events.drain()
+    return statistics.median(times) / 1000.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000)
@@ -171,6 +198,13 @@ def main() -> None:
               f"{int(r['events'])} | {r['bytes'] / 1024:.0f} | {int(r['dropped'])} |")
     print(f"\nbaseline (off) median CPU: {base:.2f} s; CPU s of each run: "
           + ", ".join(f"{m} {[round(r['cpu_s'], 2) for r in results[m]]}" for m in MODES))
+    off, on = [], []
+    for _ in range(3):
+        off.append(finish_cost(False))
+        on.append(finish_cost(True))
+    print(f"request_finish of 250 new blocks (median of 40, 3 interleaved runs): off {statistics.median(off):.0f} us, "
+          f"recorder {statistics.median(on):.0f} us, ratio {statistics.median(on) / statistics.median(off):.2f}, "
+          f"{(statistics.median(on) - statistics.median(off)) / 250:.2f} us per block")
 
 
 if __name__ == "__main__":
