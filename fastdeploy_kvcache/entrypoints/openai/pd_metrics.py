@@ -15,30 +15,23 @@ Nothing is emitted by a ``mixed`` server (``engine/pd.py`` is off there).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
+
+from fastdeploy_kvcache.entrypoints.openai.metrics import SectionCollector
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PDStatsCollector"]
 
 
-class PDStatsCollector(Collector):
+class PDStatsCollector(SectionCollector):
     """Turns the engine's PD stats into metric families at every scrape."""
 
-    def __init__(self, get_stats: Callable[[], dict[str, Any]]) -> None:
-        self._get_stats = get_stats
+    section = "pd"
 
-    def collect(self) -> Iterable[Any]:
-        try:
-            pd = self._get_stats().get("pd")
-        except Exception:  # noqa: BLE001 - a scrape must not take the server down
-            logger.exception("engine.get_stats() failed during a /metrics scrape")
-            return []
-        if not isinstance(pd, dict):
-            return []
+    def families(self, pd: dict[str, Any]) -> list[Any]:
         out: list[Any] = [CounterMetricFamily(
             "fastdeploy:pd_recomputed_token_num",
             "Prompt tokens a decode server recomputed because the store lacked or failed their blocks.",

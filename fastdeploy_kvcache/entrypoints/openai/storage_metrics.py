@@ -17,10 +17,11 @@ off, so a server without storage exports no storage series.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+
+from fastdeploy_kvcache.entrypoints.openai.metrics import SectionCollector
 
 from fastdeploy_kvcache.storage.base import ERROR_KINDS
 
@@ -31,20 +32,12 @@ __all__ = ["StorageStatsCollector"]
 _BREAKER = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 
 
-class StorageStatsCollector(Collector):
+class StorageStatsCollector(SectionCollector):
     """Turns the engine's storage stats into metric families at every scrape."""
 
-    def __init__(self, get_stats: Callable[[], dict[str, Any]]) -> None:
-        self._get_stats = get_stats
+    section = "storage"
 
-    def collect(self) -> Iterable[Any]:
-        try:
-            storage = (self._get_stats() or {}).get("storage")
-        except Exception:  # noqa: BLE001 - a scrape must not take the server down
-            logger.exception("engine.get_stats() failed during a /metrics scrape")
-            return []
-        if not storage:
-            return []
+    def families(self, storage: dict[str, Any]) -> list[Any]:
         tier = storage.get("tier", {})
         out: list[Any] = []
 
