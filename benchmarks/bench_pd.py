@@ -88,7 +88,7 @@ class Router:
 
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fastdeploy_kvcache.entrypoints.pd_router", "--prefill-url", prefill_url,
+            [sys.executable, "-m", "fastdeploy_kvcache.entrypoints.router", "--prefill-url", prefill_url,
              "--decode-url", decode_url, "--port", str(self.port), "--log-level", "warning"])
         import urllib.error
         import urllib.request

@@ -40,7 +40,7 @@ def stop_cluster(servers: dict[str, Any]) -> None:
 
 
 class RouterProcess:
-    """``python -m fastdeploy_kvcache.entrypoints.pd_router`` in a child process."""
+    """``python -m fastdeploy_kvcache.entrypoints.router`` in a child process."""
 
     def __init__(self, prefill_url: str, decode_url: str) -> None:
         self.port = free_port()
@@ -55,7 +55,7 @@ class RouterProcess:
 
     def start(self, timeout_s: float = 60.0) -> "RouterProcess":
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fastdeploy_kvcache.entrypoints.pd_router", "--prefill-url", self.prefill_url,
+            [sys.executable, "-m", "fastdeploy_kvcache.entrypoints.router", "--prefill-url", self.prefill_url,
              "--decode-url", self.decode_url, "--host", "127.0.0.1", "--port", str(self.port)],
             stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,265 @@
+"""Reading one worker's KV cache events: ZMQ SUB for the live stream, the replay socket for gaps.
+
+The wire format is vLLM's: a PUB socket sends ``[topic, seq, payload]`` where ``seq`` is an
+8-byte big-endian counter from 0 and ``payload`` a msgpack ``KVEventBatch`` (``ts``,
+``events``) of tagged events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``).
+A ROUTER replay socket answers ``[empty, start seq]`` with ``[empty, seq, payload]`` for
+every batch it still buffers from ``start`` on, then ``[empty, -1, empty]``.
+
+The decoder reads batches positionally (array-like structs, the tag first) or as maps,
+and ignores trailing fields it does not know, so events from vLLM versions that added
+fields (``lora_name``, ``extra_keys``, ...) decode too.
+
+Sequence rules (per worker):
+
+* the next seq is applied; one past it means batches were lost: the missing ones are
+  asked of the replay socket (those it no longer buffers are counted as ``missed``);
+* the first batch after the router starts (or after the worker was marked down) with
+  seq > 0: everything from 0 is asked of the replay socket, so a restarted router
+  rebuilds the view from the worker's replay buffer; without a replay socket, or with a
+  buffer that no longer reaches back to 0, the view starts from what follows (blocks
+  stored before are not predicted: the router under-predicts, it never sends a request
+  to a worker for blocks it lacks);
+* a seq at or below the last applied one is a duplicate when a replay already covered
+  it, and otherwise means the worker's publisher restarted: the view is emptied and
+  rebuilt from the new stream (and its replay buffer from 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import msgspec
+
+from fastdeploy_kvcache.entrypoints.router.view import WorkerView, medium_bit
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+REPLAY_TIMEOUT_S = 2.0
+
+_decode = msgspec.msgpack.Decoder().decode
+
+
+def hash_from_wire(value: Any) -> int:
+    """A block hash as sent (an int, or big-endian bytes) as the int the router computes."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return int.from_bytes(bytes(value), "big")
+    raise ValueError(f"a block hash must be an int or bytes, got {type(value).__name__}")
+
+
+@dataclass
+class Event:
+    """One decoded event: ``kind`` is ``stored``, ``removed`` or ``cleared``."""
+
+    kind: str
+    hashes: list[int] = field(default_factory=list)
+    medium: Optional[str] = None
+    block_size: Optional[int] = None
+
+
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+
+
+def _event_of(raw: Any) -> Event:
+    if isinstance(raw, (list, tuple)) and raw and isinstance(raw[0], str):
+        tag, values = raw[0], list(raw[1:])
+        if tag == "BlockStored":
+            fields = dict(zip(_STORED_FIELDS, values))
+        elif tag == "BlockRemoved":
+            fields = dict(zip(("block_hashes", "medium"), values))
+        else:
+            fields = {}
+    elif isinstance(raw, dict) and isinstance(raw.get("type"), str):
+        tag, fields = raw["type"], raw
+    else:
+        raise ValueError(f"an event must be a tagged array or map, got {type(raw).__name__}")
+    if tag == "AllBlocksCleared":
+        return Event("cleared")
+    if tag not in ("BlockStored", "BlockRemoved"):
+        raise ValueError(f"unknown event type {tag!r}")
+    hashes = [hash_from_wire(h) for h in fields.get("block_hashes") or ()]
+    medium = fields.get("medium")
+    if medium is not None and not isinstance(medium, str):
+        raise ValueError(f"{tag}.medium must be a string, got {type(medium).__name__}")
+    medium_bit(medium)  # an unknown medium makes the batch undecodable, not half-applied
+    if tag == "BlockRemoved":
+        return Event("removed", hashes, medium)
+    block_size = fields.get("block_size")
+    if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
+        raise ValueError(f"BlockStored.block_size must be a positive int, got {block_size!r}")
+    return Event("stored", hashes, medium, block_size)
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[Event]]:
+    """``(ts, events)`` of one msgpack ``KVEventBatch``; ValueError when it is not one."""
+    try:
+        raw = _decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not msgpack: {exc}") from exc
+    if isinstance(raw, (list, tuple)) and len(raw) >= 2:
+        ts, events = raw[0], raw[1]
+    elif isinstance(raw, dict):
+        ts, events = raw.get("ts"), raw.get("events")
+    else:
+        raise ValueError(f"a batch must be [ts, events, ...] or a map, got {type(raw).__name__}")
+    if not isinstance(events, list):
+        raise ValueError("a batch's events must be a list")
+    return float(ts or 0.0), [_event_of(e) for e in events]
+
+
+def apply_events(view: WorkerView, events: list[Event]) -> None:
+    for ev in events:
+        if ev.kind == "stored":
+            view.store(ev.hashes, ev.medium, ev.block_size)
+        elif ev.kind == "removed":
+            view.remove(ev.hashes, ev.medium)
+        else:
+            view.clear()
+
+
+@dataclass
+class SubscriberStats:
+    batches: int = 0
+    events: int = 0
+    gaps: int = 0
+    replays: int = 0
+    missed: int = 0
+    restarts: int = 0
+    bad_batches: int = 0
+    last_event_time: float = 0.0
+
+
+class EventSubscriber:
+    """Keeps one :class:`WorkerView` in step with one worker's event stream (an asyncio task)."""
+
+    def __init__(self, name: str, view: WorkerView, endpoint: str, replay_endpoint: Optional[str],
+                 topic: str = "", ctx: Any = None, on_update: Optional[Callable[[], None]] = None) -> None:
+        import zmq.asyncio
+
+        self.name = name
+        self.view = view
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.stats = SubscriberStats()
+        self.last_seq: Optional[int] = None
+        self._dup_floor: Optional[int] = None  # live seqs >= this and <= last_seq: already replayed
+        self._on_update = on_update
+        self._task: Optional[asyncio.Task[None]] = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+
+    def reset(self) -> None:
+        """Forget the worker's state (it went down): the next batch starts a fresh view."""
+        self.view.clear()
+        self.last_seq = None
+        self._dup_floor = None
+
+    # ------------------------------------------------------------------ applying
+    def _apply(self, seq: int, payload: bytes) -> None:
+        expected = 0 if self.last_seq is None else self.last_seq + 1
+        if seq > expected:
+            self.stats.missed += seq - expected  # neither live nor in the replay buffer
+        try:
+            _, events = decode_batch(payload)
+        except ValueError as exc:
+            self.stats.bad_batches += 1
+            logger.warning("worker %s: batch %d undecodable (%s); skipped", self.name, seq, exc)
+            self.last_seq = seq
+            return
+        apply_events(self.view, events)
+        self.last_seq = seq
+        self.stats.batches += 1
+        self.stats.events += len(events)
+        self.stats.last_event_time = time.time()
+        if self._on_update is not None:
+            self._on_update()
+
+    async def on_message(self, seq: int, payload: bytes) -> None:
+        """One live batch, with the sequence rules of the module docstring."""
+        last = self.last_seq
+        if last is not None and seq <= last:
+            if self._dup_floor is not None and seq >= self._dup_floor:
+                return  # already applied by a replay
+            logger.info("worker %s: seq went back from %d to %d: its publisher restarted", self.name, last, seq)
+            self.stats.restarts += 1
+            self.reset()
+            last = None
+        expected = 0 if last is None else last + 1
+        if seq > expected:
+            if last is not None:
+                self.stats.gaps += 1
+            await self._replay(expected, seq)
+        if self.last_seq is None or seq > self.last_seq:
+            self._apply(seq, payload)
+
+    async def _replay(self, start: int, live_seq: int) -> None:
+        """Apply the buffered batches from ``start`` (below ``live_seq``) from the replay socket."""
+        self._dup_floor = live_seq
+        if not self.replay_endpoint:
+            return
+        import zmq
+
+        self.stats.replays += 1
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.replay_endpoint)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                if not await sock.poll(REPLAY_TIMEOUT_S * 1000):
+                    logger.warning("worker %s: replay from %d timed out", self.name, start)
+                    return
+                frames = await sock.recv_multipart()
+                if len(frames) != 3:
+                    logger.warning("worker %s: replay frame with %d parts skipped", self.name, len(frames))
+                    continue
+                _, seq_b, payload = frames
+                if seq_b == END_SEQ:
+                    return
+                seq = int.from_bytes(seq_b, "big")
+                if seq < start or seq >= live_seq or (self.last_seq is not None and seq <= self.last_seq):
+                    continue
+                self._apply(seq, payload)
+        finally:
+            sock.close(0)
+
+    async def _run(self) -> None:
+        import zmq
+
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        logger.info("worker %s: subscribed to %s (replay %s)", self.name, self.endpoint, self.replay_endpoint)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.stats.bad_batches += 1
+                    logger.warning("worker %s: message of %d frames skipped", self.name, len(frames))
+                    continue
+                try:
+                    await self.on_message(int.from_bytes(frames[1], "big"), frames[2])
+                except Exception:  # noqa: BLE001 - one bad batch must not stop the subscriber
+                    self.stats.bad_batches += 1
+                    logger.exception("worker %s: applying a batch failed", self.name)
+        finally:
+            sub.close(0)
