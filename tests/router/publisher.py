@@ -20,8 +20,8 @@ from fastdeploy_kvcache.entrypoints.server_process import free_port
 
 
 class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
-    block_hashes: list[Union[int, bytes]]
-    parent_block_hash: Optional[Union[int, bytes]]
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
     token_ids: list[int]
     block_size: int
     lora_id: Optional[int]
@@ -29,7 +29,7 @@ class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, tag=True)
 
 
 class BlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
-    block_hashes: list[Union[int, bytes]]
+    block_hashes: list[int]
     medium: Optional[str]
 
 
@@ -42,13 +42,9 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
 
 
-def h(i: int) -> bytes:
-    """A test block hash, as the 16 big-endian bytes of a 128-bit value."""
-    return (i * 0x1F1F1F1F1F1F1F1F1F1F1F1F + 7).to_bytes(16, "big")
-
-
-def hint(i: int) -> int:
-    return int.from_bytes(h(i), "big")
+def h(i: int) -> int:
+    """A test block hash: an unsigned 64-bit int, as the events carry them."""
+    return (i * 0x9E3779B97F4A7C15 + 7) & ((1 << 64) - 1)
 
 
 class FakeWorkerPublisher:
@@ -76,9 +72,10 @@ class FakeWorkerPublisher:
     def replay_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.replay_port}"
 
-    def publish(self, *events: object, live: bool = True) -> int:
+    def publish(self, *events: object, live: bool = True, payload: Optional[bytes] = None) -> int:
         """Encode and buffer one batch; send it on PUB unless ``live`` is False (a lost batch)."""
-        payload = msgspec.msgpack.encode(KVEventBatch(time.time(), list(events)))
+        if payload is None:
+            payload = msgspec.msgpack.encode(KVEventBatch(time.time(), list(events)))
         with self._lock:
             seq = self.seq
             self.seq += 1

@@ -6,9 +6,9 @@ The wire format is vLLM's: a PUB socket sends ``[topic, seq, payload]`` where ``
 A ROUTER replay socket answers ``[empty, start seq]`` with ``[empty, seq, payload]`` for
 every batch it still buffers from ``start`` on, then ``[empty, -1, empty]``.
 
-The decoder reads batches positionally (array-like structs, the tag first) or as maps,
-and ignores trailing fields it does not know, so events from vLLM versions that added
-fields (``lora_name``, ``extra_keys``, ...) decode too.
+Payloads are decoded with the schema of :mod:`fastdeploy_kvcache.core.kv_events`; block
+hashes are its 64-bit event hashes (``event_block_hashes``), which is what the router
+computes from a prompt too.
 
 Sequence rules (per worker):
 
@@ -30,11 +30,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import msgspec
 
+from fastdeploy_kvcache.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
 from fastdeploy_kvcache.entrypoints.router.view import WorkerView, medium_bit
 
 logger = logging.getLogger(__name__)
@@ -42,85 +43,18 @@ logger = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_TIMEOUT_S = 2.0
 
-_decode = msgspec.msgpack.Decoder().decode
 
-
-def hash_from_wire(value: Any) -> int:
-    """A block hash as sent (an int, or big-endian bytes) as the int the router computes."""
-    if isinstance(value, int):
-        return value
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return int.from_bytes(bytes(value), "big")
-    raise ValueError(f"a block hash must be an int or bytes, got {type(value).__name__}")
-
-
-@dataclass
-class Event:
-    """One decoded event: ``kind`` is ``stored``, ``removed`` or ``cleared``."""
-
-    kind: str
-    hashes: list[int] = field(default_factory=list)
-    medium: Optional[str] = None
-    block_size: Optional[int] = None
-
-
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
-
-
-def _event_of(raw: Any) -> Event:
-    if isinstance(raw, (list, tuple)) and raw and isinstance(raw[0], str):
-        tag, values = raw[0], list(raw[1:])
-        if tag == "BlockStored":
-            fields = dict(zip(_STORED_FIELDS, values))
-        elif tag == "BlockRemoved":
-            fields = dict(zip(("block_hashes", "medium"), values))
-        else:
-            fields = {}
-    elif isinstance(raw, dict) and isinstance(raw.get("type"), str):
-        tag, fields = raw["type"], raw
-    else:
-        raise ValueError(f"an event must be a tagged array or map, got {type(raw).__name__}")
-    if tag == "AllBlocksCleared":
-        return Event("cleared")
-    if tag not in ("BlockStored", "BlockRemoved"):
-        raise ValueError(f"unknown event type {tag!r}")
-    hashes = [hash_from_wire(h) for h in fields.get("block_hashes") or ()]
-    medium = fields.get("medium")
-    if medium is not None and not isinstance(medium, str):
-        raise ValueError(f"{tag}.medium must be a string, got {type(medium).__name__}")
-    medium_bit(medium)  # an unknown medium makes the batch undecodable, not half-applied
-    if tag == "BlockRemoved":
-        return Event("removed", hashes, medium)
-    block_size = fields.get("block_size")
-    if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
-        raise ValueError(f"BlockStored.block_size must be a positive int, got {block_size!r}")
-    return Event("stored", hashes, medium, block_size)
-
-
-def decode_batch(payload: bytes) -> tuple[float, list[Event]]:
-    """``(ts, events)`` of one msgpack ``KVEventBatch``; ValueError when it is not one."""
-    try:
-        raw = _decode(payload)
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"not msgpack: {exc}") from exc
-    if isinstance(raw, (list, tuple)) and len(raw) >= 2:
-        ts, events = raw[0], raw[1]
-    elif isinstance(raw, dict):
-        ts, events = raw.get("ts"), raw.get("events")
-    else:
-        raise ValueError(f"a batch must be [ts, events, ...] or a map, got {type(raw).__name__}")
-    if not isinstance(events, list):
-        raise ValueError("a batch's events must be a list")
-    return float(ts or 0.0), [_event_of(e) for e in events]
-
-
-def apply_events(view: WorkerView, events: list[Event]) -> None:
-    for ev in events:
-        if ev.kind == "stored":
-            view.store(ev.hashes, ev.medium, ev.block_size)
-        elif ev.kind == "removed":
-            view.remove(ev.hashes, ev.medium)
-        else:
+def apply_batch(view: WorkerView, batch: KVEventBatch) -> None:
+    """Apply one batch's events in order; ValueError (nothing applied) for an unknown medium."""
+    for ev in batch.events:
+        if isinstance(ev, (BlockStored, BlockRemoved)):
+            medium_bit(ev.medium)
+    for ev in batch.events:
+        if isinstance(ev, BlockStored):
+            view.store(ev.block_hashes, ev.medium, ev.block_size)
+        elif isinstance(ev, BlockRemoved):
+            view.remove(ev.block_hashes, ev.medium)
+        elif isinstance(ev, AllBlocksCleared):
             view.clear()
 
 
@@ -177,17 +111,16 @@ class EventSubscriber:
         expected = 0 if self.last_seq is None else self.last_seq + 1
         if seq > expected:
             self.stats.missed += seq - expected  # neither live nor in the replay buffer
-        try:
-            _, events = decode_batch(payload)
-        except ValueError as exc:
-            self.stats.bad_batches += 1
-            logger.warning("worker %s: batch %d undecodable (%s); skipped", self.name, seq, exc)
-            self.last_seq = seq
-            return
-        apply_events(self.view, events)
         self.last_seq = seq
+        try:
+            batch = decode_batch(payload)
+            apply_batch(self.view, batch)
+        except (msgspec.DecodeError, ValueError) as exc:
+            self.stats.bad_batches += 1
+            logger.warning("worker %s: batch %d skipped: %s", self.name, seq, exc)
+            return
         self.stats.batches += 1
-        self.stats.events += len(events)
+        self.stats.events += len(batch.events)
         self.stats.last_event_time = time.time()
         if self._on_update is not None:
             self._on_update()
@@ -228,10 +161,12 @@ class EventSubscriber:
                     logger.warning("worker %s: replay from %d timed out", self.name, start)
                     return
                 frames = await sock.recv_multipart()
-                if len(frames) != 3:
-                    logger.warning("worker %s: replay frame with %d parts skipped", self.name, len(frames))
+                if len(frames) == 3 and not frames[0]:
+                    frames = frames[1:]  # the empty delimiter a DEALER sees
+                if len(frames) != 2 or len(frames[0]) != 8:
+                    logger.warning("worker %s: replay message of %d frames skipped", self.name, len(frames))
                     continue
-                _, seq_b, payload = frames
+                seq_b, payload = frames
                 if seq_b == END_SEQ:
                     return
                 seq = int.from_bytes(seq_b, "big")

@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from fastdeploy_kvcache.core.hashing import BlockHasher, pack_array
+from fastdeploy_kvcache.core.kv_events import event_block_hashes
 from fastdeploy_kvcache.entrypoints.router.events import EventSubscriber
 from fastdeploy_kvcache.entrypoints.router.http import error_body, error_response, relay_error
 from fastdeploy_kvcache.entrypoints.router.metrics import RouterMetrics
@@ -86,13 +86,12 @@ class FleetConfig:
 
 
 class _Prompt:
-    """A request's token ids and, per block size asked for, its chained block hashes (cached)."""
+    """A request's token ids and, per block size asked for, its event block hashes (cached)."""
 
-    __slots__ = ("ids", "_packed", "_hashes")
+    __slots__ = ("ids", "_hashes")
 
     def __init__(self, ids: Optional[list[int]]) -> None:
         self.ids = ids
-        self._packed: Any = None
         self._hashes: dict[int, list[int]] = {}
 
     def hashes(self, block_size: int) -> Optional[list[int]]:
@@ -100,11 +99,7 @@ class _Prompt:
             return None
         got = self._hashes.get(block_size)
         if got is None:
-            if self._packed is None:
-                self._packed = pack_array(self.ids)
-            n = len(self.ids) // block_size * block_size
-            got = list(BlockHasher(block_size).extend_packed(self._packed[:n], 0))
-            self._hashes[block_size] = got
+            got = self._hashes[block_size] = event_block_hashes(self.ids, block_size)
         return got
 
 

@@ -19,20 +19,21 @@ import logging
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
+from fastdeploy_kvcache.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, MEDIUM_MOONCAKE, MEDIUMS
+
 logger = logging.getLogger(__name__)
 
 # Tier bits.  The event mediums map onto three tiers; both storage mediums are one tier.
 DEVICE, HOST, STORAGE = 1, 2, 4
-MEDIUM_BITS = {"GPU": DEVICE, "CPU": HOST, "DISK": STORAGE, "MOONCAKE": STORAGE}
+MEDIUM_BITS = {MEDIUM_GPU: DEVICE, MEDIUM_CPU: HOST, MEDIUM_DISK: STORAGE, MEDIUM_MOONCAKE: STORAGE}
 TIER_NAMES = {DEVICE: "device", HOST: "host", STORAGE: "storage"}
-MEDIUMS = tuple(MEDIUM_BITS)
 
 
 def medium_bit(medium: Optional[str]) -> int:
     """The tier bit of an event's ``medium``; ``None`` (vLLM's default) means the device."""
     if medium is None:
-        return DEVICE
-    bit = MEDIUM_BITS.get(str(medium).upper())
+        return MEDIUM_BITS[MEDIUM_GPU]
+    bit = MEDIUM_BITS.get(medium)
     if bit is None:
         raise ValueError(f"unknown medium {medium!r}; expected one of {', '.join(MEDIUMS)}")
     return bit
@@ -74,12 +75,11 @@ class Match:
 class WorkerView:
     """Block hash -> tier mask, for one worker; applied from its events in order."""
 
-    __slots__ = ("blocks", "block_size", "mediums_seen")
+    __slots__ = ("blocks", "block_size")
 
     def __init__(self) -> None:
         self.blocks: dict[int, int] = {}
         self.block_size: Optional[int] = None  # learnt from BlockStored.block_size
-        self.mediums_seen: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -92,7 +92,6 @@ class WorkerView:
                                self.block_size, block_size)
                 self.blocks.clear()
             self.block_size = int(block_size)
-        self.mediums_seen.add(str(medium or "GPU").upper())
         blocks = self.blocks
         for h in hashes:
             blocks[h] = blocks.get(h, 0) | bit
