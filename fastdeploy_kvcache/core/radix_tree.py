@@ -24,10 +24,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 from fastdeploy_kvcache.core.hashing import ROOT_HASH
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, TransferKind
+
+if TYPE_CHECKING:  # msgspec is imported only when events are on
+    from fastdeploy_kvcache.core.kv_event_recorder import KVEventRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +165,9 @@ class RadixTree:
         self._clock = 0
         self.device_heap = LRULeafHeap(_DEVICE, self._device_evictable)
         self.host_heap = LRULeafHeap(_HOST, self._host_evictable)
+        # KV cache events (core/kv_event_recorder.py): told of every copy gained or lost.
+        # None when events are off, so each hook below costs one attribute test.
+        self.events: Optional["KVEventRecorder"] = None
 
     # ------------------------------------------------------------------ eligibility
     def _device_evictable(self, node: BlockNode) -> bool:
@@ -242,6 +248,8 @@ class RadixTree:
             n = stack.pop()
             out.append(n)
             stack.extend(n.children.values())
+        if self.events is not None:
+            self.events.nodes_detached(out)
         parent = node.parent
         if parent is not None and not node.detached:
             del parent.children[node.hash_value]
@@ -264,12 +272,16 @@ class RadixTree:
         if node.parent is not None and not node.detached:
             node.parent.num_device_children += 1
         self.offer(node)
+        if self.events is not None:
+            self.events.node_stored(node, _DEVICE)
 
     def clear_device(self, node: BlockNode) -> int:
         block_id = node.device_block_id
         assert block_id is not None, node
         node.device_block_id = None
         self.device_heap.forget(node)
+        if self.events is not None:
+            self.events.node_removed(node, _DEVICE)
         parent = node.parent
         if parent is not None and not node.detached:
             parent.num_device_children -= 1
@@ -283,12 +295,16 @@ class RadixTree:
         if node.parent is not None and not node.detached:
             node.parent.num_host_children += 1
         self.offer(node)
+        if self.events is not None:
+            self.events.node_stored(node, _HOST)
 
     def clear_host(self, node: BlockNode) -> int:
         block_id = node.host_block_id
         assert block_id is not None, node
         node.host_block_id = None
         self.host_heap.forget(node)
+        if self.events is not None:
+            self.events.node_removed(node, _HOST)
         parent = node.parent
         if parent is not None and not node.detached:
             parent.num_host_children -= 1
@@ -331,6 +347,8 @@ class RadixTree:
             stack.extend(node.children.values())
 
     def reset(self) -> None:
+        if self.events is not None:
+            self.events.cleared()
         self.device_heap.clear()
         self.host_heap.clear()
         for node in list(self.iter_nodes()):

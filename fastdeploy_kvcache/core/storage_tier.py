@@ -231,6 +231,17 @@ class StorageTier:
             self.stats[k] = 0
         self.errors: dict[str, int] = collections.defaultdict(int)
 
+    def attach_events(self, recorder: Any) -> None:
+        """Report every hash that becomes stored or is forgotten to ``recorder`` (a
+        ``core.kv_event_recorder.KVEventRecorder``): KV cache events of the storage tier."""
+        from fastdeploy_kvcache.core.kv_event_recorder import StoredHashes
+
+        self._stored = StoredHashes(recorder, self._stored)
+
+    def stored_hashes(self) -> list[int]:
+        """The hashes known to be stored (puts that returned OK), oldest first."""
+        return list(self._stored)
+
     # ------------------------------------------------------------------ queries
     @property
     def write_back(self) -> bool:

@@ -65,6 +65,8 @@ class EngineArgs:
     storage: Optional[Any] = None
     # Prefill/decode disaggregation through the store (engine/pd.py): mixed, prefill or decode.
     splitwise_role: str = "mixed"
+    # KV cache events (engine/kv_events_config.KVEventsConfig, --kv-events-config); None: off.
+    kv_events_config: Optional[Any] = None
 
     def __post_init__(self) -> None:
         if self.model_cache_dir is None:
@@ -193,4 +195,10 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
              "writes each prompt's KV to the store before returning its first token, 'decode' loads it "
              "(kv_transfer_params) and decodes; needs FD_PD_TRANSFER_VIA_STORAGE=1 and "
              "--kvcache-storage-backend. Default 'mixed': both in one server.")
+    from fastdeploy_kvcache.engine.kv_events_config import parse_kv_events_config
+
+    add("--kv-events-config", dest="kv_events_config", type=parse_kv_events_config, default=None,
+        help="KV cache events (vLLM's flag and schema; docs/fleet.md), a JSON object, e.g. "
+             "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+             "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'. Default: off.")
     return parser

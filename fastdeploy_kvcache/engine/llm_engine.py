@@ -27,6 +27,7 @@ request finishes with ``finish_reason="error"``.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -41,6 +42,7 @@ from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.engine.args import EngineArgs
+from fastdeploy_kvcache.engine.kv_event_stream import kv_cache_blocks, make_kv_event_stream
 from fastdeploy_kvcache.engine.kv_pool import KVPool, ManagedKVPool, PlainKVPool
 from fastdeploy_kvcache.engine.model_loader import LoadedModel, load_model
 from fastdeploy_kvcache.engine.model_runner import ModelRunner, ScheduledSeq
@@ -136,7 +138,11 @@ class LLMEngine:
 
         try:
             self.pd = make_pd_coordinator(self)
+            # KV cache events (--kv-events-config): None when off.
+            self.kv_events = make_kv_event_stream(getattr(args, "kv_events_config", None), self.pool)
         except BaseException:
+            if getattr(self, "pd", None) is not None:
+                self.pd.close()
             self.pool.close()
             raise
         self._seed_rng = np.random.default_rng(args.seed)
@@ -220,6 +226,8 @@ class LLMEngine:
         except Exception:  # noqa: BLE001 - shutting down anyway
             logger.warning("draining copies at shutdown failed", exc_info=True)
         self._closed = True
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.pd is not None:
             self.pd.close()
         self.pool.close()
@@ -285,6 +293,39 @@ class LLMEngine:
         with self._lock:
             return dict(self._stats_snapshot)
 
+    def kv_cache_blocks(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """What the cache holds per medium, as KV cache events name it (any thread).
+
+        ``{"block_size", "mediums": {medium: sorted event hashes}, "next_seq"}``: after the
+        events up to ``next_seq - 1`` (None when events are off), a subscriber's view of this
+        instance equals ``mediums``.  Runs on the engine thread, between two steps, after
+        publishing that step's events.  O(cache size): a debugging and testing view.
+        """
+
+        def view() -> dict[str, Any]:
+            self._flush_kv_events()
+            return {
+                "block_size": self.cache_config.block_size,
+                "mediums": kv_cache_blocks(self.pool),
+                "next_seq": self.kv_events.publisher.stats()["next_seq"] if self.kv_events is not None else None,
+            }
+
+        return self._call_on_engine_thread(view, timeout_s)
+
+    def _call_on_engine_thread(self, fn: Callable[[], Any], timeout_s: float) -> Any:
+        """Run ``fn`` on the engine thread between two steps; its result (or exception)."""
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("the engine thread is not running")
+        future: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, future)))
+        self._wake.set()
+        return future.result(timeout_s)
+
+    def _flush_kv_events(self) -> None:
+        """Hand this step's KV cache events to the publisher (never waits)."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
+
     def wait_idle(self, timeout_s: float = 60.0) -> bool:
         """True once no request is running or waiting and no copy is in flight."""
         return self._idle.wait(timeout_s)
@@ -298,6 +339,7 @@ class LLMEngine:
                 if not self.running and not self.waiting:
                     if self.pool.copies_in_flight:
                         self._complete_copies(wait=True)
+                    self._flush_kv_events()
                     self._refresh_stats()
                     with self._lock:
                         # Under the lock add_request takes too: a request added after this
@@ -334,6 +376,13 @@ class LLMEngine:
                 er = self._requests.get(item)
                 if er is not None and not er.finished:
                     self._finish(er, "abort")
+            elif kind == "call":
+                fn, future = item
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as exc:  # noqa: BLE001 - the caller gets it
+                        future.set_exception(exc)
 
     # ------------------------------------------------------------------ one step
     def _step(self) -> None:
@@ -388,6 +437,7 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own
                 logger.exception("request %s failed", er.request_id)
                 self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
+        self._flush_kv_events()
         self._refresh_stats()
 
     def _schedule(self) -> list[tuple[_EngineRequest, int]]:
@@ -583,5 +633,7 @@ class LLMEngine:
         }
         if getattr(self, "pd", None) is not None:
             snap["pd"] = self.pd.stats()
+        if getattr(self, "kv_events", None) is not None:
+            snap["kv_events"] = self.kv_events.stats()
         with self._lock:
             self._stats_snapshot = snap

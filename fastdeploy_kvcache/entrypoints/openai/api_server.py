@@ -7,7 +7,9 @@ allocator, no reuse between requests).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream``), ``GET /v1/models``, ``GET /health`` (``?verbose=1`` adds the engine's
-stats: used by tests and operators to check that no block leaked), ``GET /metrics``.
+stats: used by tests and operators to check that no block leaked), ``GET /metrics``,
+``GET /debug/kv_cache_blocks`` (the cache's blocks per tier as KV cache events name them:
+docs/fleet.md).
 
 Every error, FastAPI's own request validation included, is returned in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``; a malformed request is a 400, never a
@@ -195,6 +197,11 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             return {"status": "ok"}
         stats = await asyncio.to_thread(state["client"].get_stats)
         return {"status": "ok", "model": state["names"][0], "engine": _json_safe(stats)}
+
+    @app.get("/debug/kv_cache_blocks")
+    async def kv_cache_blocks() -> Any:
+        """Per medium, the block hashes the cache holds, as KV cache events name them."""
+        return await asyncio.to_thread(state["client"].kv_cache_blocks)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

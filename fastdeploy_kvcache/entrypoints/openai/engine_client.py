@@ -148,6 +148,9 @@ class AsyncEngineClient:
     def get_stats(self) -> dict[str, Any]:
         return self.engine.get_stats()
 
+    def kv_cache_blocks(self) -> dict[str, Any]:
+        return self.engine.kv_cache_blocks()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

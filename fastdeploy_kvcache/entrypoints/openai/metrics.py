@@ -181,6 +181,9 @@ class ServerMetrics:
         from fastdeploy_kvcache.entrypoints.openai.pd_metrics import PDStatsCollector
 
         r.register(PDStatsCollector(get_stats))  # prefill/decode hand-off series (none when mixed)
+        from fastdeploy_kvcache.entrypoints.openai.kv_events_metrics import KVEventsStatsCollector
+
+        r.register(KVEventsStatsCollector(get_stats))  # KV cache event series (none when off)
         self._lock = threading.Lock()
         self._prompt_total = 0
         self._cached_total = 0

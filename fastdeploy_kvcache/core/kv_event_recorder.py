@@ -1,0 +1,308 @@
+"""Records, as they happen, the blocks entering and leaving each tier; drained once per step.
+
+The prefix tree calls it whenever a node gains or loses its device or host copy, is cut
+out with its subtree, or the tree is reset (``RadixTree.events``); the storage tier's set
+of stored hashes calls it when a hash is added or forgotten (:class:`StoredHashes`).  The
+engine drains one :class:`~fastdeploy_kvcache.core.kv_events.KVEventBatch` per step and
+hands it to the publisher.
+
+The recorder keeps, per hash, the tiers it has announced, so that every ``BlockRemoved``
+follows a ``BlockStored`` on the same medium and nothing is announced twice (a consumer
+rebuilding the tiers from the events never goes wrong).  With events off nothing of this
+exists: the tree's ``events`` is None and each hook costs one attribute test.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any, Optional, Sequence
+
+from fastdeploy_kvcache.core.kv_events import (
+    EVENT_HASH_MASK,
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from fastdeploy_kvcache.core.metadata import CacheLevel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KVEventRecorder", "StoredHashes"]
+
+# Tiers are ``CacheLevel`` values (0 device, 1 host, 2 storage); a hash's announced tiers
+# are kept as bits ``1 << tier``.
+_DEVICE = int(CacheLevel.DEVICE)
+_HOST = int(CacheLevel.HOST)
+_STORAGE = int(CacheLevel.STORAGE)
+
+_STORED = 0
+_REMOVED = 1
+_CLEARED = 2
+
+# Per hash: [tier bits, parent hash (None: first block), the block's token ids (None: unknown)]
+_BITS, _PARENT, _TOKENS = 0, 1, 2
+
+
+class KVEventRecorder:
+    """The event log of one cache manager between two drains (engine thread only).
+
+    ``storage_medium`` names the storage tier in the events (``"DISK"`` for the file
+    backend, ``"MOONCAKE"``); None when there is no storage tier.
+    """
+
+    def __init__(self, block_size: int, storage_medium: Optional[str] = None) -> None:
+        self.block_size = block_size
+        self.storage_medium = storage_medium
+        self._mediums = {_DEVICE: MEDIUM_GPU, _HOST: MEDIUM_CPU, _STORAGE: storage_medium}
+        self._log: list[tuple[Any, ...]] = []
+        self._known: dict[int, list[Any]] = {}
+        # The request whose blocks are being inserted: (its block hashes, the request), so a
+        # device insert can carry the block's token ids (see set_token_source).
+        self._source: Optional[tuple[Sequence[int], Any]] = None
+        self._emptied: list[int] = []  # hashes whose last tier went since the last drain
+        self._resync = False
+        self.num_events = 0
+
+    # ------------------------------------------------------------------ hooks
+    def set_token_source(self, hashes: Sequence[int], request: Any) -> None:
+        """Blocks inserted next may be ``request``'s (``hashes[i]`` is its block i).
+
+        Only read for a block whose hash equals ``hashes[depth]``, so a stale source is
+        never wrong, just unused.
+        """
+        self._source = (hashes, request)
+
+    def node_stored(self, node: Any, tier: int) -> None:
+        """A tree node gained its copy on ``tier`` (``CacheLevel.DEVICE`` or ``HOST``)."""
+        if node.detached:
+            return
+        parent = node.parent
+        ph = parent.hash_value if parent is not None and parent.depth >= 0 else None
+        self._stored(node.hash_value, tier, ph, node.depth)
+
+    def node_removed(self, node: Any, tier: int) -> None:
+        """A tree node lost its copy on ``tier`` (``CacheLevel.DEVICE`` or ``HOST``)."""
+        if not node.detached:
+            self.hash_removed(node.hash_value, tier)
+
+    def nodes_detached(self, nodes: Sequence[Any]) -> None:
+        """Nodes about to be cut out of the tree: their device and host copies are gone."""
+        for node in nodes:
+            if not node.detached:
+                rec = self._known.get(node.hash_value)
+                if rec is not None:
+                    for tier in (_DEVICE, _HOST):
+                        if rec[_BITS] & (1 << tier):
+                            self.hash_removed(node.hash_value, tier)
+
+    def hash_stored(self, h: int, tier: int = _STORAGE) -> None:
+        """A hash became known on ``tier`` without a tree node (the storage tier)."""
+        rec = self._known.get(h)
+        self._stored(h, tier, rec[_PARENT] if rec is not None else None, -1)
+
+    def hash_removed(self, h: int, tier: int = _STORAGE) -> None:
+        """``h`` left ``tier``; nothing is recorded unless it was announced there."""
+        rec = self._known.get(h)
+        bit = 1 << tier
+        if rec is None or not rec[_BITS] & bit:
+            return
+        rec[_BITS] &= ~bit
+        if not rec[_BITS]:
+            # Kept until the drain: a block moving between tiers leaves one before it
+            # enters the other, and keeps its parent and tokens.
+            self._emptied.append(h)
+        self._log.append((_REMOVED, tier, h))
+
+    def cleared(self) -> None:
+        """The device and host tiers were emptied (cache reset).
+
+        Consumers drop everything on ``AllBlocksCleared``; the storage blocks this
+        instance still knows are announced again right after.
+        """
+        self._log.append((_CLEARED,))
+        kept: dict[int, list[Any]] = {}
+        for h, rec in self._known.items():
+            if rec[_BITS] & (1 << _STORAGE):
+                rec[_BITS] = 1 << _STORAGE
+                kept[h] = rec
+                self._log.append((_STORED, _STORAGE, h, rec[_PARENT], rec[_TOKENS]))
+        self._known = kept
+        self._emptied = []
+
+    def _stored(self, h: int, tier: int, parent: Optional[int], depth: int) -> None:
+        rec = self._known.get(h)
+        if rec is None:
+            rec = self._known[h] = [0, parent, None]
+        elif rec[_BITS] & (1 << tier):
+            return
+        rec[_BITS] |= 1 << tier
+        if rec[_TOKENS] is None and depth >= 0 and self._source is not None:
+            hashes, request = self._source
+            if depth < len(hashes) and hashes[depth] == h:
+                bs = self.block_size
+                rec[_TOKENS] = list(request._token_slice(depth * bs, (depth + 1) * bs))
+        self._log.append((_STORED, tier, h, rec[_PARENT], rec[_TOKENS]))
+
+    def request_resync(self) -> None:
+        """Make the next batch ``AllBlocksCleared`` followed by everything announced now.
+
+        For when a batch was lost (the publisher's queue was full): a subscriber that
+        applies the next batch is right again whatever it missed.
+        """
+        self._resync = True
+
+    # ------------------------------------------------------------------ views
+    def announced(self) -> dict[str, set[int]]:
+        """Per medium, the tree hashes announced and not removed since (tests, debugging)."""
+        out: dict[str, set[int]] = {m: set() for m in self._mediums.values() if m is not None}
+        for h, rec in self._known.items():
+            for tier, medium in self._mediums.items():
+                if rec[_BITS] & (1 << tier) and medium is not None:
+                    out[medium].add(h)
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Changes recorded since the last drain."""
+        return len(self._log)
+
+    # ------------------------------------------------------------------ drain
+    def drain(self) -> Optional[KVEventBatch]:
+        """This step's events as one batch (None when nothing changed); clears the log.
+
+        Consecutive stores on one medium that continue a chain become one
+        ``BlockStored``; consecutive removals on one medium one ``BlockRemoved``.
+        """
+        log = self._log
+        self._source = None
+        known = self._known
+        for h in self._emptied:
+            rec = known.get(h)
+            if rec is not None and not rec[_BITS]:
+                del known[h]
+        self._emptied = []
+        if self._resync:
+            self._resync = False
+            log = [(_CLEARED,)]
+            for tier in (_DEVICE, _HOST, _STORAGE):
+                bit = 1 << tier
+                log.extend((_STORED, tier, h, rec[_PARENT], rec[_TOKENS]) for h, rec in known.items() if rec[_BITS] & bit)
+        if not log:
+            return None
+        self._log = []
+        events: list[Any] = []
+        last: Any = None
+        last_kind = -1
+        last_tier = 0
+        last_hash: Optional[int] = None
+        bs = self.block_size
+        mask = EVENT_HASH_MASK
+        for rec in log:
+            kind = rec[0]
+            if kind == _CLEARED:
+                last = AllBlocksCleared()
+                events.append(last)
+                last_kind = kind
+                continue
+            tier, h = rec[1], rec[2]
+            if kind == _STORED:
+                parent, tokens = rec[3], rec[4]
+                if (
+                    last_kind == _STORED
+                    and last_tier == tier
+                    and parent is not None
+                    and parent == last_hash
+                    and (tokens is not None) == bool(last.token_ids)
+                ):
+                    last.block_hashes.append(h & mask)
+                    if tokens is not None:
+                        last.token_ids.extend(tokens)
+                else:
+                    last = BlockStored(
+                        block_hashes=[h & mask],
+                        parent_block_hash=None if parent is None else parent & mask,
+                        token_ids=list(tokens) if tokens is not None else [],
+                        block_size=bs,
+                        lora_id=None,
+                        medium=self._mediums[tier],
+                    )
+                    events.append(last)
+                last_hash = h
+            else:
+                if last_kind == _REMOVED and last_tier == tier:
+                    last.block_hashes.append(h & mask)
+                else:
+                    last = BlockRemoved(block_hashes=[h & mask], medium=self._mediums[tier])
+                    events.append(last)
+                last_hash = None
+            last_kind, last_tier = kind, tier
+        self.num_events += len(events)
+        return KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)
+
+
+class StoredHashes(collections.OrderedDict):
+    """The storage tier's ordered set of stored hashes, reporting additions and removals.
+
+    Used in place of the tier's plain ``OrderedDict`` when events are on; every way a
+    hash enters (``d[h] = None``) or leaves (``popitem``, ``pop``, ``del``) is reported.
+    """
+
+    def __init__(self, recorder: KVEventRecorder, items: Any = ()) -> None:
+        super().__init__()
+        self._recorder = recorder
+        for h in items:
+            self[h] = None
+
+    def __setitem__(self, h: int, value: Any) -> None:
+        new = h not in self
+        super().__setitem__(h, value)
+        if new:
+            self._recorder.hash_stored(h)
+
+    def __delitem__(self, h: int) -> None:
+        super().__delitem__(h)
+        self._recorder.hash_removed(h)
+
+    def popitem(self, last: bool = True) -> tuple[int, Any]:
+        h, value = super().popitem(last)
+        self._recorder.hash_removed(h)
+        return h, value
+
+    _MISSING = object()
+
+    def pop(self, h: int, default: Any = _MISSING) -> Any:
+        if h in self:
+            value = super().pop(h)
+            self._recorder.hash_removed(h)
+            return value
+        if default is StoredHashes._MISSING:
+            raise KeyError(h)
+        return default
+
+    def clear(self) -> None:
+        for h in list(self):
+            self._recorder.hash_removed(h)
+        super().clear()
+
+
+def cache_contents(manager: Any, storage_medium: Optional[str] = None) -> dict[str, set[int]]:
+    """Per medium, the tree hashes a cache manager holds now: what the events must rebuild.
+
+    ``GPU``: tree nodes with a device copy; ``CPU``: with a host copy (copies in flight
+    included, as the events announce them when issued); ``storage_medium``: the hashes
+    the storage tier knows are stored.  O(cache size): for tests and the debug endpoint.
+    """
+    out: dict[str, set[int]] = {MEDIUM_GPU: set(), MEDIUM_CPU: set()}
+    for node in manager.tree.iter_nodes():
+        if node.device_block_id is not None:
+            out[MEDIUM_GPU].add(node.hash_value)
+        if node.host_block_id is not None:
+            out[MEDIUM_CPU].add(node.hash_value)
+    if storage_medium is not None and manager.storage is not None:
+        out[storage_medium] = set(manager.storage.stored_hashes())
+    return out
