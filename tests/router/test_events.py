@@ -31,8 +31,12 @@ async def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 def _run(scenario: Callable[[FakeWorkerPublisher, EventSubscriber], Awaitable[None]], buffer: int = 1000,
-         replay: bool = True) -> EventSubscriber:
+         replay: bool = True, before: Callable[[FakeWorkerPublisher], None] = lambda pub: None
+         ) -> tuple[EventSubscriber, list[int]]:
+    """Run ``scenario`` against a subscriber; the subscriber and the replay requests it sent.
+    ``before`` publishes while no subscriber exists yet (a router started late)."""
     pub = FakeWorkerPublisher(buffer=buffer)
+    before(pub)
 
     async def main() -> EventSubscriber:
         sub = EventSubscriber("w0", WorkerView(), pub.endpoint, pub.replay_endpoint if replay else None, "kv-events")
@@ -44,7 +48,7 @@ def _run(scenario: Callable[[FakeWorkerPublisher, EventSubscriber], Awaitable[No
         return sub
 
     try:
-        return asyncio.run(main())
+        return asyncio.run(main()), pub.replay_requests
     finally:
         pub.close()
 
@@ -64,11 +68,12 @@ def test_in_order_batches_build_the_view_per_tier() -> None:
         last = pub.publish(removed([3], medium="GPU"))
         await _until(lambda: sub.last_seq == last)
 
-    sub = _run(scenario)
+    sub, replays = _run(scenario)
     v = sub.view
     assert v.blocks == {h(0): DEVICE, h(1): DEVICE | HOST, h(2): HOST, h(4): STORAGE}
     assert v.block_size == 16
-    assert (sub.stats.gaps, sub.stats.replays, sub.stats.missed) == (0, 0, 0)
+    assert (sub.stats.gaps, sub.stats.missed) == (0, 0)
+    assert replays == [0]  # the start-up replay only
 
 
 def test_a_lost_batch_is_fetched_from_the_replay_socket() -> None:
@@ -78,34 +83,41 @@ def test_a_lost_batch_is_fetched_from_the_replay_socket() -> None:
         last = pub.publish(stored([2]))
         await _until(lambda: sub.last_seq == last)
 
-    sub = _run(scenario)
+    sub, replays = _run(scenario)
     assert set(sub.view.blocks) == {h(0), h(1), h(2)}
-    assert (sub.stats.gaps, sub.stats.replays, sub.stats.missed) == (1, 1, 0)
+    assert (sub.stats.gaps, sub.stats.missed) == (1, 0)
+    assert replays == [0, 1]
 
 
 def test_a_late_subscriber_rebuilds_from_replay() -> None:
-    """A router (re)started after the worker published: the view comes from the replay buffer."""
-    async def scenario(pub: FakeWorkerPublisher, sub: EventSubscriber) -> None:
+    """A router (re)started after an idle worker published: the view comes from the replay buffer."""
+    def before(pub: FakeWorkerPublisher) -> None:
         for i in range(5):
-            pub.publish(stored([i]), live=False)  # before the router listened
+            pub.publish(stored([i]), live=False)
+        pub.publish(removed([0]), live=False)
+
+    async def scenario(pub: FakeWorkerPublisher, sub: EventSubscriber) -> None:
+        await _until(lambda: sub.last_seq == 5)  # nothing live: the start-up replay did it
         await asyncio.sleep(0.2)
-        last = pub.publish(stored([5]), removed([0]))
+        last = pub.publish(stored([5]))
         await _until(lambda: sub.last_seq == last)
 
-    sub = _run(scenario)
+    sub, replays = _run(scenario, before=before)
     assert set(sub.view.blocks) == {h(i) for i in range(1, 6)}
-    assert sub.stats.replays == 1 and sub.stats.missed == 0
+    assert replays == [0] and sub.stats.missed == 0
 
 
 def test_without_replay_a_late_subscriber_counts_what_it_missed() -> None:
-    async def scenario(pub: FakeWorkerPublisher, sub: EventSubscriber) -> None:
+    def before(pub: FakeWorkerPublisher) -> None:
         for i in range(3):
             pub.publish(stored([i]), live=False)
+
+    async def scenario(pub: FakeWorkerPublisher, sub: EventSubscriber) -> None:
         await asyncio.sleep(0.2)
         last = pub.publish(stored([3]))
         await _until(lambda: sub.last_seq == last)
 
-    sub = _run(scenario, replay=False)
+    sub, _ = _run(scenario, replay=False, before=before)
     assert set(sub.view.blocks) == {h(3)}
     assert sub.stats.missed == 3
 
@@ -118,7 +130,7 @@ def test_a_replay_buffer_too_short_counts_the_rest_as_missed() -> None:
         last = pub.publish(stored([6]))
         await _until(lambda: sub.last_seq == last)
 
-    sub = _run(scenario, buffer=2)
+    sub, _ = _run(scenario, buffer=2)
     # Buffered when asked: seqs 5 and 6 (block 5 and the live block 6); 1..4 are gone.
     assert set(sub.view.blocks) == {h(0), h(5), h(6)}
     assert sub.stats.missed == 4
@@ -134,7 +146,7 @@ def test_a_publisher_restart_empties_the_view() -> None:
         pub.publish(stored([7]))
         await _until(lambda: h(7) in sub.view.blocks)
 
-    sub = _run(scenario)
+    sub, _ = _run(scenario)
     assert set(sub.view.blocks) == {h(7)}
     assert sub.stats.restarts == 1
 
@@ -146,7 +158,7 @@ def test_all_blocks_cleared_empties_the_view() -> None:
         pub.publish(AllBlocksCleared(), stored([9]))
         await _until(lambda: sub.last_seq == 2)
 
-    assert set(_run(scenario).view.blocks) == {h(9)}
+    assert set(_run(scenario)[0].view.blocks) == {h(9)}
 
 
 def test_a_bad_batch_is_skipped_whole_and_counted() -> None:
@@ -157,6 +169,6 @@ def test_a_bad_batch_is_skipped_whole_and_counted() -> None:
         last = pub.publish(stored([3], medium="DISK"))
         await _until(lambda: sub.last_seq == last)
 
-    sub = _run(scenario)
+    sub, _ = _run(scenario)
     assert sub.view.blocks == {h(0): DEVICE, h(3): STORAGE}
     assert sub.stats.bad_batches == 2 and sub.stats.missed == 0

@@ -163,13 +163,10 @@ def test_cache_aware_spreads_under_imbalance(fleet: Fleet) -> None:
 
 
 # ---------------------------------------------------------------------- the view
-def _worker_counts(w: Any) -> tuple[int, int]:
-    c = w.engine_stats()["cache"]
-    return int(c["device_blocks_cached"]), int(c["host_blocks_total"] - c["host_blocks_free"])
+TIER_MEDIUMS = {"device": ("GPU",), "host": ("CPU",), "storage": ("DISK", "MOONCAKE")}
 
 
 def test_router_view_matches_each_worker_on_the_right_tier(fleet: Fleet) -> None:
-    tok_hashes = lambda p: event_block_hashes(p, BLOCK_SIZE)  # noqa: E731
     w0 = fleet.workers[0]
     doc = ids(400, 200)  # 12 full blocks
     assert post(w0.base_url, {"prompt": doc, "max_tokens": 1})["status"] == 200
@@ -177,19 +174,26 @@ def test_router_view_matches_each_worker_on_the_right_tier(fleet: Fleet) -> None
         assert post(w0.base_url, {"prompt": ids(410 + k, 300), "max_tokens": 1})["status"] == 200
     state = fleet.settle()
     for w, view in zip(fleet.workers, state["workers"]):
-        assert view["block_size"] == BLOCK_SIZE
-        assert (view["blocks"]["device"], view["blocks"]["host"]) == _worker_counts(w), view["url"]
-    view0 = state["workers"][0]["hashes"]
-    doc_h = [format(h, "x") for h in tok_hashes(doc)]
-    dev, host = set(view0["device"]), set(view0["host"])
-    assert not dev & set(doc_h) and set(doc_h) <= host, "the document should be host-only in the view"
+        truth = w.get_json("/debug/kv_cache_blocks")
+        assert view["events_stats"]["last_seq"] == truth["next_seq"] - 1
+        assert view["block_size"] == truth["block_size"] == BLOCK_SIZE
+        for tier, mediums in TIER_MEDIUMS.items():
+            held = {int(h) for m in mediums for h in truth["mediums"].get(m, [])}
+            believed = {int(h, 16) for h in view["hashes"][tier]}
+            assert believed == held, f"{view['url']} {tier}: {len(believed - held)} believed but not held, " \
+                                     f"{len(held - believed)} held but not believed"
+        assert view["events_stats"]["missed"] == 0
+    dev0 = {int(h, 16) for h in state["workers"][0]["hashes"]["device"]}
+    host0 = {int(h, 16) for h in state["workers"][0]["hashes"]["host"]}
+    doc_h = set(event_block_hashes(doc, BLOCK_SIZE))
+    assert len(doc_h) == 12 and not doc_h & dev0 and doc_h <= host0, "the document should be host-only"
     last = ids(413, 300)
-    assert {format(h, "x") for h in tok_hashes(last)} <= dev
-    # The worker agrees: the document comes from the host, the last filler from the device.
+    assert set(event_block_hashes(last, BLOCK_SIZE)) <= dev0
+    # The worker serves them from those tiers: the document from the host, the filler from the device.
     r = post(w0.base_url, {"prompt": doc + [7], "max_tokens": 1})
-    assert cached(r, "host") == len(doc_h) * BLOCK_SIZE and cached(r, "device") == 0
+    assert cached(r, "host") == 12 * BLOCK_SIZE and cached(r, "device") == 0
     r = post(w0.base_url, {"prompt": last + [7], "max_tokens": 1})
-    assert cached(r, "device") == len(tok_hashes(last)) * BLOCK_SIZE
+    assert cached(r, "device") == len(last) // BLOCK_SIZE * BLOCK_SIZE
 
 
 def test_a_restarted_router_rebuilds_the_view_from_replay(fleet: Fleet) -> None:

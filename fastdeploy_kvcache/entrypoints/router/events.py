@@ -14,15 +14,16 @@ Sequence rules (per worker):
 
 * the next seq is applied; one past it means batches were lost: the missing ones are
   asked of the replay socket (those it no longer buffers are counted as ``missed``);
-* the first batch after the router starts (or after the worker was marked down) with
-  seq > 0: everything from 0 is asked of the replay socket, so a restarted router
-  rebuilds the view from the worker's replay buffer; without a replay socket, or with a
-  buffer that no longer reaches back to 0, the view starts from what follows (blocks
-  stored before are not predicted: the router under-predicts, it never sends a request
-  to a worker for blocks it lacks);
-* a seq at or below the last applied one is a duplicate when a replay already covered
-  it, and otherwise means the worker's publisher restarted: the view is emptied and
-  rebuilt from the new stream (and its replay buffer from 0).
+* when the subscriber starts, everything from 0 is asked of the replay socket, so a
+  (re)started router rebuilds each view from the worker's replay buffer, busy or idle;
+  the live batches that queued up meanwhile and were in the replay are skipped;
+* the first batch after the worker was marked down, or one the start-up replay did not
+  reach, with seq > 0: everything from 0 is asked of the replay socket; without a replay
+  socket, or with a buffer that no longer reaches back to 0, the view starts from what
+  follows (blocks stored before are not predicted: the router under-predicts, it never
+  sends a request to a worker for blocks it lacks);
+* otherwise a seq at or below the last applied one means the worker's publisher
+  restarted: the view is emptied and rebuilt from the new stream (and its replay buffer).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class EventSubscriber:
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.stats = SubscriberStats()
         self.last_seq: Optional[int] = None
-        self._dup_floor: Optional[int] = None  # live seqs >= this and <= last_seq: already replayed
+        self._catching_up = False  # after the start-up replay: live seqs <= last_seq are duplicates
         self._on_update = on_update
         self._task: Optional[asyncio.Task[None]] = None
 
@@ -104,7 +105,7 @@ class EventSubscriber:
         """Forget the worker's state (it went down): the next batch starts a fresh view."""
         self.view.clear()
         self.last_seq = None
-        self._dup_floor = None
+        self._catching_up = False
 
     # ------------------------------------------------------------------ applying
     def _apply(self, seq: int, payload: bytes) -> None:
@@ -129,12 +130,13 @@ class EventSubscriber:
         """One live batch, with the sequence rules of the module docstring."""
         last = self.last_seq
         if last is not None and seq <= last:
-            if self._dup_floor is not None and seq >= self._dup_floor:
-                return  # already applied by a replay
+            if self._catching_up:
+                return  # queued while the start-up replay ran: already applied
             logger.info("worker %s: seq went back from %d to %d: its publisher restarted", self.name, last, seq)
             self.stats.restarts += 1
             self.reset()
             last = None
+        self._catching_up = False
         expected = 0 if last is None else last + 1
         if seq > expected:
             if last is not None:
@@ -143,9 +145,8 @@ class EventSubscriber:
         if self.last_seq is None or seq > self.last_seq:
             self._apply(seq, payload)
 
-    async def _replay(self, start: int, live_seq: int) -> None:
-        """Apply the buffered batches from ``start`` (below ``live_seq``) from the replay socket."""
-        self._dup_floor = live_seq
+    async def _replay(self, start: int, live_seq: Optional[int]) -> None:
+        """Apply the buffered batches from ``start`` (below ``live_seq``, if given) from the replay socket."""
         if not self.replay_endpoint:
             return
         import zmq
@@ -170,7 +171,8 @@ class EventSubscriber:
                 if seq_b == END_SEQ:
                     return
                 seq = int.from_bytes(seq_b, "big")
-                if seq < start or seq >= live_seq or (self.last_seq is not None and seq <= self.last_seq):
+                if seq < start or (live_seq is not None and seq >= live_seq) or \
+                        (self.last_seq is not None and seq <= self.last_seq):
                     continue
                 self._apply(seq, payload)
         finally:
@@ -185,6 +187,10 @@ class EventSubscriber:
         sub.connect(self.endpoint)
         logger.info("worker %s: subscribed to %s (replay %s)", self.name, self.endpoint, self.replay_endpoint)
         try:
+            # Whatever the worker still buffers, so that a (re)started router sees the cache of
+            # an idle worker too; live batches queued meanwhile are skipped as duplicates.
+            await self._replay(0, None)
+            self._catching_up = self.last_seq is not None
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
