@@ -78,7 +78,8 @@ def test_pending_requests_count_as_device_blocks_until_they_expire() -> None:
     p = CacheAwarePolicy(TierWeights())
     cs = cands(view(), view())
     cs[1].pending.update({h: 5.0 for h in HASHES[:4]})
-    assert p.choose(cs, lambda v: HASHES, now=1.0).index == 1
+    d = p.choose(cs, lambda v: HASHES, now=1.0)
+    assert (d.index, d.match.blocks, d.match.confirmed) == (1, 4, 0)  # steers placement, predicts no reuse
     assert p.choose(cs, lambda v: HASHES, now=6.0).match.blocks == 0
 
 

@@ -119,7 +119,7 @@ def build_app_from_args(args: argparse.Namespace):  # -> FastAPI
         raise SystemExit("--health-failures must be >= 1 and --health-interval > 0")
     from fastdeploy_kvcache.entrypoints.router.fleet import FleetConfig, FleetRouter, build_fleet_app
     from fastdeploy_kvcache.entrypoints.router.policy import make_policy
-    from fastdeploy_kvcache.entrypoints.router.prompt import load_tokenizer
+    from fastdeploy_kvcache.entrypoints.router.prompt import SegmentEncoder, load_tokenizer
     from fastdeploy_kvcache.entrypoints.router.view import TierWeights
 
     events = parse_worker_events(args.worker_events, args.worker_urls)
@@ -127,7 +127,7 @@ def build_app_from_args(args: argparse.Namespace):  # -> FastAPI
         weights = TierWeights(args.device_weight, args.host_weight, args.storage_weight)
         policy = make_policy(args.policy, weights, args.balance_abs_threshold, args.balance_rel_threshold,
                              args.shared_storage)
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = SegmentEncoder(load_tokenizer(args.model))
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(str(exc)) from exc
     config = FleetConfig(policy=policy, tokenizer=tokenizer, block_size=args.block_size,

@@ -186,7 +186,7 @@ class FleetRouter:
         predicted = 0
         if prompt.ids:
             bs = self._block_size_of(w.view)
-            predicted = min(d.match.blocks, (len(prompt.ids) - 1) // bs) * bs
+            predicted = min(d.match.confirmed, (len(prompt.ids) - 1) // bs) * bs
             expiry = now + self.config.pending_ttl_s
             hashes = prompt.hashes(bs) or ()
             pending = w.pending

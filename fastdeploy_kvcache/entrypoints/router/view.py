@@ -66,10 +66,16 @@ class TierWeights:
 
 @dataclass
 class Match:
-    """One worker's answer for one request: the reusable prefix and what it is worth."""
+    """One worker's answer for one request: the reusable prefix and what it is worth.
+
+    ``confirmed``: the leading blocks known from events alone (no pending request in
+    them), which is what the worker is expected to reuse; ``blocks`` also counts the
+    pending ones, which only steer placement (a prefix still being computed is not reused).
+    """
 
     blocks: int = 0
     score: float = 0.0
+    confirmed: int = 0
 
 
 class WorkerView:
@@ -130,14 +136,17 @@ class WorkerView:
         """
         get = self.blocks.get
         m = Match()
+        known = True
         for h in hashes:
             mask = get(h, 0)
-            if not mask and pending and pending.get(h, 0.0) > now:
-                mask = DEVICE
             if not mask and shared:
                 mask = STORAGE if any(v.blocks.get(h, 0) & STORAGE for v in shared) else 0
+            if not mask and pending and pending.get(h, 0.0) > now:
+                mask = DEVICE
+                known = False
             if not mask:
                 break
             m.blocks += 1
+            m.confirmed += known
             m.score += weights.of_mask(mask)
         return m
