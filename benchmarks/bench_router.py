@@ -323,9 +323,16 @@ def build_report(a: argparse.Namespace, results: dict[str, RunResult], overhead:
         targets.append({"name": "router added latency end to end, p50 of pairs (ms)",
                         "value": 1e3 * overhead["added_p50_s"], "limit": "<= 2", "met": overhead["added_p50_s"] <= 0.002})
     for name, r in results.items():
+        if not r.router_metrics:
+            continue
         for key in ("fdkv_router:predicted_cached_tokens_total", "fdkv_router:reported_cached_tokens_total"):
-            if r.router_metrics:
-                sums[name][key.split(":")[1]] = sum_metric(r.router_metrics, key)
+            sums[name][key.split(":")[1]] = sum_metric(r.router_metrics, key)
+        reasons: dict[str, int] = {}
+        for k, v in r.router_metrics.items():
+            if k.startswith("fdkv_router:requests_routed_total{"):
+                reason = k.split("reason=", 1)[1].split(",", 1)[0].rstrip("}")
+                reasons[reason] = reasons.get(reason, 0) + int(v)
+        sums[name]["routing_reasons"] = reasons
     return {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(), "loadavg_start": list(started_load), "loadavg_end": list(os.getloadavg()),
@@ -351,6 +358,10 @@ def format_console(rep: dict[str, Any]) -> str:
                      f"{_ms(s['ttft_p50_s'])} | {_ms(s['ttft_p99_s'])} | {_ms(s['ttft_p50_round2plus_s'])} | "
                      f"{s['requests_per_s']:.2f} | {s['prompt_tokens_per_s']:.0f} | "
                      f"{'/'.join(map(str, s['requests_per_worker']))} | {pr} | {_ms(s['overhead_p50_s'])} |")
+    reasons = [f"{name}: " + ", ".join(f"{k} {v}" for k, v in sorted(s["routing_reasons"].items()))
+               for name, s in rep["summary"].items() if s.get("routing_reasons")]
+    if reasons:
+        lines += ["", "Routing decisions by reason: " + "; ".join(reasons) + "."]
     o = rep["overhead_pairs"]
     if o:
         lines += ["", f"Added latency, {o['pairs']} interleaved pairs of one short request (cached prompt, "

@@ -68,6 +68,14 @@ def test_imbalance_needs_both_thresholds() -> None:
     assert choose(p, cands(warm, cold, loads=(22, 14)))[:2] == (1, "balance")
 
 
+def test_under_imbalance_the_best_cache_among_the_others_wins() -> None:
+    """The overloaded worker is left out; among the rest the cache still decides."""
+    p = CacheAwarePolicy(TierWeights(), balance_abs_threshold=2, balance_rel_threshold=1.5, shared_storage=False)
+    busy, partial, cold = view(device=10), view(device=3), view()
+    assert choose(p, cands(busy, partial, cold, loads=(6, 2, 0))) == (1, "balance", 3)
+    assert choose(p, cands(busy, partial, cold, loads=(6, 3, 0)))[:2] == (2, "balance")  # 3 > 0 + 2: left out too
+
+
 def test_ties_and_no_match_go_to_the_least_loaded() -> None:
     p = CacheAwarePolicy(TierWeights())
     assert choose(p, cands(view(), view(), view(), loads=(2, 1, 3)))[:2] == (1, "no_match")

@@ -131,7 +131,8 @@ def build_app_from_args(args: argparse.Namespace):  # -> FastAPI
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(str(exc)) from exc
     config = FleetConfig(policy=policy, tokenizer=tokenizer, block_size=args.block_size,
-                         events_topic=args.events_topic, health_interval_s=args.health_interval,
+                         events_topic=args.events_topic, shared_storage=args.shared_storage,
+                         health_interval_s=args.health_interval,
                          health_timeout_s=args.health_timeout, health_failures=args.health_failures,
                          pending_ttl_s=args.pending_ttl, timeout_s=args.timeout)
     return build_fleet_app(FleetRouter(args.worker_urls, events, config))

@@ -38,7 +38,7 @@ from fastdeploy_kvcache.entrypoints.router.http import error_body, error_respons
 from fastdeploy_kvcache.entrypoints.router.metrics import RouterMetrics
 from fastdeploy_kvcache.entrypoints.router.policy import Candidate, Policy
 from fastdeploy_kvcache.entrypoints.router.prompt import prompt_token_ids
-from fastdeploy_kvcache.entrypoints.router.view import DEVICE, HOST, STORAGE, TIER_NAMES, WorkerView
+from fastdeploy_kvcache.entrypoints.router.view import DEVICE, HOST, STORAGE, TIER_NAMES, TierWeights, WorkerView
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ HEADER_PREDICTED = "x-fdkv-predicted-cached-tokens"
 """Response header: prompt tokens the router expected the chosen worker to reuse."""
 
 _USAGE_MARK = b'"usage":{'
+_COUNT_ONLY = TierWeights()  # any weights: only the matched block count is used
 
 
 @dataclass
@@ -78,6 +79,7 @@ class FleetConfig:
     tokenizer: Any
     block_size: int = 64
     events_topic: str = ""
+    shared_storage: bool = True
     health_interval_s: float = 2.0
     health_timeout_s: float = 5.0
     health_failures: int = 2
@@ -186,7 +188,11 @@ class FleetRouter:
         predicted = 0
         if prompt.ids:
             bs = self._block_size_of(w.view)
-            predicted = min(d.match.confirmed, (len(prompt.ids) - 1) // bs) * bs
+            match = d.match
+            if not match.blocks:  # the policy did not look (round_robin, ...): what the view says
+                shared = [o.view for o in self.workers if o is not w] if self.config.shared_storage else ()
+                match = w.view.match(prompt.hashes(bs) or (), _COUNT_ONLY, shared)
+            predicted = min(match.confirmed, (len(prompt.ids) - 1) // bs) * bs
             expiry = now + self.config.pending_ttl_s
             hashes = prompt.hashes(bs) or ()
             pending = w.pending
@@ -301,13 +307,12 @@ class FleetRouter:
             buf = b""
             try:
                 async for chunk in resp.aiter_raw():
-                    if _USAGE_MARK not in chunk and not buf:
-                        yield chunk
-                        continue
-                    # A usage chunk: read it, and drop it when the client did not ask for it.
+                    # Whole server-sent events only, so that a usage chunk split over two
+                    # reads is still read (and dropped when the client did not ask for it).
                     buf += chunk
-                    events = buf.split(b"\n\n")
-                    buf = events.pop()
+                    if b"\n\n" not in buf:
+                        continue
+                    *events, buf = buf.split(b"\n\n")
                     out = []
                     for ev in events:
                         if _USAGE_MARK in ev and ev.startswith(b"data: "):

@@ -4,15 +4,17 @@
 
 1. **Balance first.**  With ``max`` and ``min`` the most and fewest requests in flight on
    one healthy worker, load is *imbalanced* when ``max - min > balance_abs_threshold``
-   *and* ``max > balance_rel_threshold * min``.  Then the request goes to the least-loaded
-   worker, whatever its cache holds: a worker with the whole prefix is no use when the
-   request would queue behind many others.  (SGLang's router has the same two-threshold
-   test; both must hold, so a fleet idling at 0 vs 2 requests is not "imbalanced".)
-2. **Expected reuse.**  Otherwise each worker's score is the sum, over the longest prefix
-   of the prompt's blocks it can supply, of the weight of the best tier each block is on
-   (device > host > storage, :class:`~.view.TierWeights`).  The highest score wins; ties
-   go to the least-loaded of them.
-3. **Nothing cached anywhere** (every score 0): the least-loaded worker.
+   *and* ``max > balance_rel_threshold * min``.  Then the workers more than
+   ``balance_abs_threshold`` requests above ``min`` are left out for this request: a
+   worker with the whole prefix is no use when the request would queue behind many
+   others.  (SGLang's router has the same two-threshold test, and then takes the
+   least-loaded worker; both conditions must hold, so a fleet at 0 vs 2 requests is not
+   "imbalanced".)
+2. **Expected reuse.**  Among the workers left, each one's score is the sum, over the
+   longest prefix of the prompt's blocks it can supply, of the weight of the best tier
+   each block is on (device > host > storage, :class:`~.view.TierWeights`).  The highest
+   score wins; ties go to the least-loaded of them.
+3. **Nothing cached** on any of them (every score 0): the least-loaded worker.
 
 Requests just sent to a worker count as that worker's device blocks for
 ``pending_ttl_s`` seconds (its events for them may not have arrived yet), so a burst of
@@ -111,17 +113,20 @@ class CacheAwarePolicy(Policy):
     def choose(self, candidates: Sequence[Candidate], hashes_for: Callable[[WorkerView], Optional[list[int]]],
                now: float) -> Decision:
         start = next(self._next)
-        if self.imbalanced([c.in_flight for c in candidates]):
-            c = _least_loaded(candidates, start)
-            return Decision(c.index, "balance", self._match(c, candidates, hashes_for, now))
-        matches = [self._match(c, candidates, hashes_for, now) for c in candidates]
+        loads = [c.in_flight for c in candidates]
+        pool: Sequence[Candidate] = candidates
+        if self.imbalanced(loads):
+            ceiling = min(loads) + self.balance_abs_threshold
+            pool = [c for c in candidates if c.in_flight <= ceiling]
+        matches = [self._match(c, candidates, hashes_for, now) for c in pool]
         best = max(m.score for m in matches)
+        balanced = pool is candidates
         if best <= 0.0:
-            c = _least_loaded(candidates, start)
-            return Decision(c.index, "no_match", Match())
-        tied = [c for c, m in zip(candidates, matches) if m.score >= best - 1e-9]
+            c = _least_loaded(pool, start)
+            return Decision(c.index, "no_match" if balanced else "balance", Match())
+        tied = [c for c, m in zip(pool, matches) if m.score >= best - 1e-9]
         c = _least_loaded(tied, start)
-        return Decision(c.index, "cache", matches[candidates.index(c)])
+        return Decision(c.index, "cache" if balanced else "balance", matches[pool.index(c)])
 
     def _match(self, c: Candidate, candidates: Sequence[Candidate],
                hashes_for: Callable[[WorkerView], Optional[list[int]]], now: float) -> Match:
