@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence
 
@@ -34,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from fastdeploy_kvcache.core.kv_events import event_block_hashes
 from fastdeploy_kvcache.entrypoints.router.events import EventSubscriber
-from fastdeploy_kvcache.entrypoints.router.http import error_body, error_response, relay_error
+from fastdeploy_kvcache.entrypoints.router.http import error_body, error_response, relay_error, router_app
 from fastdeploy_kvcache.entrypoints.router.metrics import RouterMetrics
 from fastdeploy_kvcache.entrypoints.router.policy import Candidate, Policy
 from fastdeploy_kvcache.entrypoints.router.prompt import prompt_token_ids
@@ -240,7 +239,7 @@ class FleetRouter:
             except httpx.ConnectError as exc:
                 w.in_flight -= 1
                 self._mark_down(w, f"connection refused: {exc}")
-                self.metrics.routed.labels(worker=w.url, reason="retry").inc()
+                self.metrics.routed.labels(worker=w.url, reason="refused").inc()
                 continue
             self.metrics.overhead.observe(overhead)
             self.metrics.routed.labels(worker=w.url, reason=reason).inc()
@@ -257,13 +256,20 @@ class FleetRouter:
         if isinstance(usage.get("prompt_tokens"), int):
             self.metrics.prompt_tokens.labels(worker=w.url).inc(usage["prompt_tokens"])
 
-    async def _forward_json(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
-                            predicted: int) -> Response:
+    async def _send(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
+                    stream: bool) -> tuple[Optional[httpx.Response], Optional[Response]]:
+        """(the worker's response, None), or (None, a 502 for the client) when the call failed.
+
+        A refused connection is raised as is (nothing was sent: route() tries another
+        worker); any other failure ends the request here, so its in-flight count is dropped.
+        """
         assert self.client is not None
+        req = self.client.build_request("POST", w.url + path, content=data,
+                                        headers={"content-type": "application/json"})
         try:
-            resp = await self.client.post(w.url + path, content=data, headers={"content-type": "application/json"})
+            return await self.client.send(req, stream=stream), None
         except httpx.ConnectError:
-            raise  # nothing was sent: route() tries another worker
+            raise
         except BaseException as exc:
             w.in_flight -= 1
             if not isinstance(exc, httpx.HTTPError):
@@ -271,7 +277,13 @@ class FleetRouter:
             self.metrics.failed.labels(worker=w.url).inc()
             msg = f"worker {w.url} failed ({type(exc).__name__}: {exc})"
             logger.warning("%s", msg)
-            return error_response(502, msg, code="upstream_unavailable", headers=headers)
+            return None, error_response(502, msg, code="upstream_unavailable", headers=headers)
+
+    async def _forward_json(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
+                            predicted: int) -> Response:
+        resp, failed = await self._send(w, path, data, headers, stream=False)
+        if resp is None:
+            return failed  # type: ignore[return-value]
         w.in_flight -= 1
         if resp.status_code != 200:
             return relay_error("worker", resp, resp.content, headers)
@@ -283,20 +295,9 @@ class FleetRouter:
 
     async def _forward_stream(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
                               predicted: int, drop_usage: bool) -> Response:
-        assert self.client is not None
-        req = self.client.build_request("POST", w.url + path, content=data,
-                                        headers={"content-type": "application/json"})
-        try:
-            resp = await self.client.send(req, stream=True)
-        except httpx.ConnectError:
-            raise  # nothing was sent: route() tries another worker
-        except BaseException as exc:
-            w.in_flight -= 1
-            if not isinstance(exc, httpx.HTTPError):
-                raise
-            self.metrics.failed.labels(worker=w.url).inc()
-            msg = f"worker {w.url} failed ({type(exc).__name__}: {exc})"
-            return error_response(502, msg, code="upstream_unavailable", headers=headers)
+        resp, failed = await self._send(w, path, data, headers, stream=True)
+        if resp is None:
+            return failed  # type: ignore[return-value]
         if resp.status_code != 200:
             content = await resp.aread()
             await resp.aclose()
@@ -359,21 +360,8 @@ class FleetRouter:
 
 
 def build_fleet_app(router: FleetRouter) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await router.start()
-        try:
-            yield
-        finally:
-            await router.close()
-
-    app = FastAPI(title="fastdeploy_kvcache router", lifespan=lifespan)
+    app = router_app("fastdeploy_kvcache router", router.start, router.close)
     app.state.router = router
-
-    @app.exception_handler(Exception)
-    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in the router")
-        return error_response(500, f"router: internal error: {type(exc).__name__}: {exc}")
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,12 +1,17 @@
-"""OpenAI-shaped error bodies and relays of a worker's errors, for both router modes."""
+"""What both router modes share: the app shell, OpenAI-shaped errors, relays of a server's errors."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import httpx
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+
+logger = logging.getLogger(__name__)
 
 
 def error_body(message: str, type_: str = "server_error", param: Optional[str] = None,
@@ -34,3 +39,25 @@ def relay_error(role: str, resp: httpx.Response, body: bytes,
     text = body.decode("utf-8", "replace")[:500]
     return error_response(resp.status_code if resp.status_code >= 400 else 502,
                           f"{role} server answered HTTP {resp.status_code}: {text}", headers=headers)
+
+
+def router_app(title: str, start: Callable[[], Awaitable[None]], close: Callable[[], Awaitable[None]]) -> FastAPI:
+    """A FastAPI app that runs ``start``/``close`` around its life and answers any unhandled
+    exception with an OpenAI-shaped 500 naming it (the process never dies of one request)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await start()
+        try:
+            yield
+        finally:
+            await close()
+
+    app = FastAPI(title=title, lifespan=lifespan)
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in the router")
+        return error_response(500, f"router: internal error: {type(exc).__name__}: {exc}")
+
+    return app

@@ -52,8 +52,9 @@ class FleetCollector(Collector):
 class RouterMetrics:
     def __init__(self, workers: Callable[[], Iterable[Any]]) -> None:
         r = self.registry = CollectorRegistry()
-        self.routed = Counter("fdkv_router:requests_routed", "Requests sent to a worker, by worker and reason "
-                              "(cache, balance, no_match, round_robin, least_requests, retry).",
+        self.routed = Counter("fdkv_router:requests_routed",
+                              "Requests sent to a worker, by worker and reason (cache, balance, no_match, round_robin, "
+                              "least_requests; refused: the worker refused the connection, the request went on).",
                               ["worker", "reason"], registry=r)
         self.predicted = Counter("fdkv_router:predicted_cached_tokens",
                                  "Prompt tokens the router expected the worker to reuse.", ["worker"], registry=r)

@@ -27,14 +27,13 @@ import asyncio
 import json
 import logging
 import time
-from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from fastdeploy_kvcache.entrypoints.router.http import error_body, error_response, relay_error
+from fastdeploy_kvcache.entrypoints.router.http import error_body, error_response, relay_error, router_app
 
 logger = logging.getLogger(__name__)
 
@@ -186,21 +185,8 @@ class PDRouter:
 def build_pd_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> FastAPI:
     router = PDRouter(prefill_url, decode_url, timeout_s)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await router.start()
-        try:
-            yield
-        finally:
-            await router.close()
-
-    app = FastAPI(title="fastdeploy_kvcache PD router", lifespan=lifespan)
+    app = router_app("fastdeploy_kvcache PD router", router.start, router.close)
     app.state.router = router
-
-    @app.exception_handler(Exception)
-    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in the PD router")
-        return error_response(500, f"PD router: internal error: {type(exc).__name__}: {exc}")
 
     @app.get("/health")
     async def health() -> Response:
