@@ -36,7 +36,7 @@ round_robin's; router overhead p50 <= 2 ms.  Outputs: a table on stdout, JSON an
 ``--out-dir`` (default benchmarks/results).
 
 Usage:
-    python benchmarks/bench_router.py            # about 6 minutes measured on a 2-core VM
+    python benchmarks/bench_router.py            # 5-6 minutes measured on a shared 2-core VM
     python benchmarks/bench_router.py --quick    # smoke run (about 2 minutes); not for tables
 """
 
@@ -384,6 +384,7 @@ def plot(rep: dict[str, Any], png: Path) -> None:
     for name, s in rep["summary"].items():
         rounds = sorted(s["ttft_p50_by_round_s"], key=int)
         ax1.plot([int(r) for r in rounds], [1e3 * s["ttft_p50_by_round_s"][r] for r in rounds], marker="o", label=name)
+    ax1.set_xticks(sorted({int(r) for s in rep["summary"].values() for r in s["ttft_p50_by_round_s"]}))
     ax1.set_xlabel("round")
     ax1.set_ylabel("TTFT p50 (ms)")
     ax1.set_yscale("log")
