@@ -146,4 +146,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per forwarded request otherwise
     app = build_app_from_args(args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)

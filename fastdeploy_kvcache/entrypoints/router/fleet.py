@@ -393,12 +393,15 @@ def build_fleet_app(router: FleetRouter) -> FastAPI:
             return Response(resp.content, status_code=resp.status_code, media_type="application/json")
         return error_response(503, "router: no healthy worker", code="no_healthy_worker")
 
-    @app.post("/v1/completions")
+    # Plain Starlette routes: the body is forwarded as it came, so FastAPI's request
+    # parsing would only add time to every request.
     async def completions(raw: Request) -> Response:
         return await router.route("/v1/completions", raw)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         return await router.route("/v1/chat/completions", raw)
+
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
     return app
