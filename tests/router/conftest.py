@@ -40,7 +40,6 @@ class Fleet:
     sock_dir: str
     workers: list[ServerProcess] = field(default_factory=list)
     router: Optional[RouterProcess] = None
-    router_flags: list[str] = field(default_factory=list)
 
     def events_spec(self, i: int) -> str:
         return f"ipc://{self.sock_dir}/w{i}-pub,ipc://{self.sock_dir}/w{i}-replay"
