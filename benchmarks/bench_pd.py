@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fastdeploy_kvcache.entrypoints.server_process import ServerProcess, free_port  # noqa: E402
+from fastdeploy_kvcache.entrypoints.server_process import RouterProcess, ServerProcess  # noqa: E402
 
 logger = logging.getLogger("bench_pd")
 
@@ -78,39 +78,6 @@ def server_args(a: argparse.Namespace) -> list[str]:
             "--max-model-len", str(a.prompt_tokens + a.output_tokens + 64),
             "--max-num-seqs", str(max(4, a.concurrency)), "--max-num-batched-tokens", str(a.max_num_batched_tokens),
             "--swap-space", "0.25", "--write-policy", "write_through"]
-
-
-class Router:
-    """The PD router in a child process."""
-
-    def __init__(self, prefill_url: str, decode_url: str) -> None:
-        import subprocess
-
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fastdeploy_kvcache.entrypoints.pd_router", "--prefill-url", prefill_url,
-             "--decode-url", decode_url, "--port", str(self.port), "--log-level", "warning"])
-        import urllib.error
-        import urllib.request
-
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(self.base_url + "/health", timeout=2).close()
-                return
-            except urllib.error.HTTPError:
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise TimeoutError("router not up")
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 async def one_request(client: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -235,7 +202,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     store += ["--kvcache-storage-prefetch-policy", "wait_complete"]
     prefill = ServerProcess([*base, *store, "--splitwise-role", "prefill"], env=store_env).start()
     decode = ServerProcess([*base, *store, "--splitwise-role", "decode"], env=store_env).start()
-    router = Router(prefill.base_url, decode.base_url)
+    router = RouterProcess(["--prefill-url", prefill.base_url, "--decode-url", decode.base_url,
+                            "--log-level", "warning"]).start()
     try:
         deadline = time.monotonic() + 60
         while not (prefill.engine_stats()["storage"]["available"] and decode.engine_stats()["storage"]["available"]):

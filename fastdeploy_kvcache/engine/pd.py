@@ -6,7 +6,7 @@ trailing partial block (``P % block_size`` tokens) under that chain's key plus
 ``:partial:<n>``.  A *decode* server is given the prompt and the prefill's first token (the
 ``kv_transfer_params`` extension of the request body, see :class:`KVTransferParams`); it
 loads the prompt's KV from the store into its own device blocks, appends the first token
-and decodes.  The router (:mod:`fastdeploy_kvcache.entrypoints.pd_router`) ties the two.
+and decodes.  The router (:mod:`fastdeploy_kvcache.entrypoints.router`, in its prefill/decode mode) ties the two.
 
 Who moves which bytes (one path each):
 

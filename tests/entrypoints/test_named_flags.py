@@ -73,7 +73,7 @@ def _flags_defined_in(path: Path) -> set[str]:
 def _other_programs_flags() -> set[str]:
     """Flags of the repository's other command-line programs (benchmarks, router, launcher)."""
     paths = sorted((ROOT / "benchmarks").glob("*.py")) + [
-        PACKAGE / "entrypoints" / "pd_router.py", PACKAGE / "storage" / "mooncake_local.py"]
+        PACKAGE / "entrypoints" / "router" / "cli.py", PACKAGE / "storage" / "mooncake_local.py"]
     out: set[str] = set()
     for p in paths:
         out |= _flags_defined_in(p)

@@ -3,16 +3,10 @@ processes on 127.0.0.1 (uvicorn, tiny-llama-random on the CPU), over a real stor
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from typing import Any, Optional, Sequence
 
-from fastdeploy_kvcache.entrypoints.server_process import ServerProcess, free_port, stop_child
+from fastdeploy_kvcache.entrypoints.server_process import RouterProcess as _RouterProcess
+from fastdeploy_kvcache.entrypoints.server_process import ServerProcess
 from server_helpers import (  # noqa: F401 - re-exported for the PD tests
     BASE_ARGS,
     BLOCK_SIZE,
@@ -39,48 +33,9 @@ def stop_cluster(servers: dict[str, Any]) -> None:
             servers[name].stop()
 
 
-class RouterProcess:
-    """``python -m fastdeploy_kvcache.entrypoints.pd_router`` in a child process."""
-
-    def __init__(self, prefill_url: str, decode_url: str) -> None:
-        self.port = free_port()
-        self.prefill_url = prefill_url
-        self.decode_url = decode_url
-        self.proc: Optional[subprocess.Popen[bytes]] = None
-        self._log = tempfile.NamedTemporaryFile(prefix="fdkv-router-", suffix=".log", delete=False)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 60.0) -> "RouterProcess":
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fastdeploy_kvcache.entrypoints.pd_router", "--prefill-url", self.prefill_url,
-             "--decode-url", self.decode_url, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}: {open(self._log.name).read()}")
-            try:
-                urllib.request.urlopen(self.base_url + "/health", timeout=2.0).close()
-                return self
-            except urllib.error.HTTPError:
-                return self  # it answers (a 503 only says a server is down)
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.1)
-        self.stop()
-        raise TimeoutError("router not up")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_child(self.proc, signal.SIGTERM, 10, 10)
-
-    def __enter__(self) -> "RouterProcess":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+def RouterProcess(prefill_url: str, decode_url: str) -> _RouterProcess:
+    """The router in PD mode over the two servers (not started)."""
+    return _RouterProcess(["--prefill-url", prefill_url, "--decode-url", decode_url])
 
 
 def completion(base_url: str, prompt: Any, max_tokens: int = 12, stream: bool = False, chat: bool = False,

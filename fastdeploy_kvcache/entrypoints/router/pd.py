@@ -1,6 +1,6 @@
-"""OpenAI-compatible router in front of a prefill server and a decode server.
+"""The router's PD mode: one prefill server, one decode server.
 
-``python -m fastdeploy_kvcache.entrypoints.pd_router --prefill-url URL --decode-url URL --host H --port P``
+``python -m fastdeploy_kvcache.entrypoints.router --prefill-url URL --decode-url URL --host H --port P``
 
 For each ``POST /v1/completions`` or ``/v1/chat/completions`` (streamed or not):
 
@@ -23,25 +23,22 @@ Only ``n = 1`` is routed (a hand-off carries one prompt's first token).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import sys
 import time
-from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Optional
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from fastdeploy_kvcache.entrypoints.router.http import error_body, error_response, relay_error, router_app
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_app", "main", "make_arg_parser"]
+__all__ = ["build_pd_app"]
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8190
 HEADER_PREFILL_S = "x-fdkv-pd-prefill-seconds"
 """Response header: seconds the prefill call took (prompt compute + KV write), for benchmarks."""
 
@@ -54,31 +51,6 @@ class UpstreamError(Exception):
         self.role = role
         self.message = f"{role} server: {message}"
         self.status = status
-
-
-def error_body(message: str, type_: str = "server_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_response(status: int, message: str, type_: str = "server_error", param: Optional[str] = None,
-                   code: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
-
-
-def _relay_error(role: str, resp: httpx.Response, body: bytes) -> JSONResponse:
-    """A server's non-200 answer, kept when it is OpenAI-shaped, else wrapped with its role."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        data = None
-    if isinstance(data, dict) and isinstance(data.get("error"), dict) and "message" in data["error"]:
-        err = dict(data["error"])
-        err["message"] = f"{role} server: {err['message']}"
-        return JSONResponse({"error": err}, status_code=resp.status_code)
-    text = body.decode("utf-8", "replace")[:500]
-    return error_response(resp.status_code if resp.status_code >= 400 else 502,
-                          f"{role} server answered HTTP {resp.status_code}: {text}")
 
 
 class PDRouter:
@@ -112,7 +84,7 @@ class PDRouter:
         except httpx.HTTPError as exc:
             raise UpstreamError("prefill", f"{self.prefill_url} unreachable ({type(exc).__name__}: {exc})") from exc
         if resp.status_code != 200:
-            return None, _relay_error("prefill", resp, resp.content)
+            return None, relay_error("prefill", resp, resp.content)
         try:
             data = resp.json()
         except ValueError as exc:
@@ -161,7 +133,7 @@ class PDRouter:
             logger.warning("%s", msg)
             return error_response(502, msg, code="upstream_unavailable")
         if resp.status_code != 200:
-            return _relay_error("decode", resp, resp.content)
+            return relay_error("decode", resp, resp.content)
         return Response(resp.content, status_code=200, media_type="application/json", headers=headers)
 
     async def _decode_stream(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
@@ -176,7 +148,7 @@ class PDRouter:
         if resp.status_code != 200:
             content = await resp.aread()
             await resp.aclose()
-            return _relay_error("decode", resp, content)
+            return relay_error("decode", resp, content)
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -210,24 +182,11 @@ class PDRouter:
         return error_response(503, "; ".join(parts), code="upstream_unavailable")
 
 
-def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> FastAPI:
+def build_pd_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> FastAPI:
     router = PDRouter(prefill_url, decode_url, timeout_s)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await router.start()
-        try:
-            yield
-        finally:
-            await router.close()
-
-    app = FastAPI(title="fastdeploy_kvcache PD router", lifespan=lifespan)
+    app = router_app("fastdeploy_kvcache PD router", router.start, router.close)
     app.state.router = router
-
-    @app.exception_handler(Exception)
-    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in the PD router")
-        return error_response(500, f"PD router: internal error: {type(exc).__name__}: {exc}")
 
     @app.get("/health")
     async def health() -> Response:
@@ -252,34 +211,3 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Fa
         return await router.route("/v1/chat/completions", raw)
 
     return app
-
-
-def make_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fastdeploy_kvcache.entrypoints.pd_router",
-                                description="OpenAI-compatible router over a --splitwise-role prefill server and "
-                                            "a --splitwise-role decode server (docs/pd_disaggregation.md).")
-    p.add_argument("--prefill-url", required=True, help="Base URL of the prefill server, e.g. http://127.0.0.1:8188.")
-    p.add_argument("--decode-url", required=True, help="Base URL of the decode server.")
-    p.add_argument("--host", default=DEFAULT_HOST, help=f"Address to listen on (default {DEFAULT_HOST}).")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port to listen on (default {DEFAULT_PORT}).")
-    p.add_argument("--timeout", type=float, default=600.0, help="Seconds a call to either server may take.")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    import uvicorn
-
-    args = make_arg_parser().parse_args(argv)
-    for name in ("prefill_url", "decode_url"):
-        url = getattr(args, name)
-        if not url.startswith(("http://", "https://")):
-            raise SystemExit(f"--{name.replace('_', '-')}: must start with http:// or https://, got {url!r}")
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(args.prefill_url, args.decode_url, args.timeout)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

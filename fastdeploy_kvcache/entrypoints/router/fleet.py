@@ -1,0 +1,407 @@
+"""The router's fleet mode: N interchangeable workers, a routing policy, health checks.
+
+Per ``POST /v1/completions`` or ``/v1/chat/completions``: the body is read once, the prompt
+turned into token ids and chained block hashes (:mod:`.prompt`, the same hashing as the
+workers' radix trees), a policy (:mod:`.policy`) picks a healthy worker, and the request is
+forwarded unchanged; the worker's answer (JSON or its SSE stream) goes back as it came.
+
+* **Errors.**  A worker's own error (a 400 for a bad request, ...) reaches the client with
+  its status and body.  No healthy worker: 503.  A worker that refuses the connection is
+  marked down and the request goes to another one (nothing was sent yet); a worker that
+  dies while answering fails that request only (502, or an error event in the stream).
+* **Health.**  Every ``health_interval_s`` each worker's ``/health`` is asked; after
+  ``health_failures`` failures in a row it is down (no requests, its view emptied, since a
+  restarted worker starts with an empty cache); one success brings it back.
+* **Usage.**  Each response's ``usage.prompt_tokens_details.cached_tokens`` is read (for a
+  stream the router asks for the usage chunk, and drops it again when the client did not
+  ask for it), so ``/metrics`` sets the predicted reuse against the reported one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Sequence
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from fastdeploy_kvcache.core.kv_events import event_block_hashes
+from fastdeploy_kvcache.entrypoints.router.events import EventSubscriber
+from fastdeploy_kvcache.entrypoints.router.http import error_body, error_response, relay_error, router_app
+from fastdeploy_kvcache.entrypoints.router.metrics import RouterMetrics
+from fastdeploy_kvcache.entrypoints.router.policy import Candidate, Policy
+from fastdeploy_kvcache.entrypoints.router.prompt import prompt_token_ids
+from fastdeploy_kvcache.entrypoints.router.view import DEVICE, HOST, STORAGE, TIER_NAMES, TierWeights, WorkerView
+
+logger = logging.getLogger(__name__)
+
+HEADER_WORKER = "x-fdkv-worker"
+"""Response header: the worker that served the request."""
+HEADER_OVERHEAD_S = "x-fdkv-router-overhead-seconds"
+"""Response header: the router's own seconds before forwarding (parse, tokenize, hash, choose)."""
+HEADER_PREDICTED = "x-fdkv-predicted-cached-tokens"
+"""Response header: prompt tokens the router expected the chosen worker to reuse."""
+
+_USAGE_MARK = b'"usage":{'
+_COUNT_ONLY = TierWeights()  # any weights: only the matched block count is used
+
+
+@dataclass
+class EventEndpoints:
+    """Where a worker publishes its KV cache events (``replay`` optional)."""
+
+    pub: str
+    replay: Optional[str] = None
+
+
+@dataclass
+class Worker:
+    url: str
+    events: Optional[EventEndpoints]
+    view: WorkerView = field(default_factory=WorkerView)
+    subscriber: Optional[EventSubscriber] = None
+    healthy: bool = True
+    failures: int = 0
+    in_flight: int = 0
+    pending: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class FleetConfig:
+    policy: Policy
+    tokenizer: Any
+    block_size: int = 64
+    events_topic: str = ""
+    shared_storage: bool = True
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    health_failures: int = 2
+    pending_ttl_s: float = 10.0
+    timeout_s: float = 600.0
+
+
+class _Prompt:
+    """A request's token ids and, per block size asked for, its event block hashes (cached)."""
+
+    __slots__ = ("ids", "_hashes")
+
+    def __init__(self, ids: Optional[list[int]]) -> None:
+        self.ids = ids
+        self._hashes: dict[int, list[int]] = {}
+
+    def hashes(self, block_size: int) -> Optional[list[int]]:
+        if self.ids is None:
+            return None
+        got = self._hashes.get(block_size)
+        if got is None:
+            got = self._hashes[block_size] = event_block_hashes(self.ids, block_size)
+        return got
+
+
+class FleetRouter:
+    def __init__(self, worker_urls: Sequence[str], events: Sequence[Optional[EventEndpoints]],
+                 config: FleetConfig) -> None:
+        if len(events) != len(worker_urls):
+            raise ValueError("one events entry per worker URL")
+        self.workers = [Worker(u.rstrip("/"), e) for u, e in zip(worker_urls, events)]
+        self.config = config
+        self.metrics = RouterMetrics(lambda: self.workers)
+        self.client: Optional[httpx.AsyncClient] = None
+        self._health_task: Optional[asyncio.Task[None]] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.timeout_s, connect=5.0), limits=limits)
+        for w in self.workers:
+            if w.events is not None:
+                w.subscriber = EventSubscriber(w.url, w.view, w.events.pub, w.events.replay, self.config.events_topic)
+                w.subscriber.start()
+        self._health_task = asyncio.ensure_future(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        for w in self.workers:
+            if w.subscriber is not None:
+                await w.subscriber.stop()
+        if self.client is not None:
+            await self.client.aclose()
+
+    # ------------------------------------------------------------------ health
+    def _mark_down(self, w: Worker, why: str) -> None:
+        if w.healthy:
+            logger.warning("worker %s is down (%s); routing around it", w.url, why)
+        w.healthy = False
+        w.pending.clear()
+        if w.subscriber is not None:
+            w.subscriber.reset()  # a worker that comes back has an empty cache
+        else:
+            w.view.clear()
+
+    async def _probe(self, w: Worker) -> None:
+        assert self.client is not None
+        refused = False
+        try:
+            r = await self.client.get(w.url + "/health", timeout=self.config.health_timeout_s)
+            ok, why = r.status_code == 200, f"HTTP {r.status_code}"
+        except httpx.HTTPError as exc:
+            ok, why, refused = False, type(exc).__name__, isinstance(exc, httpx.ConnectError)
+        if ok:
+            if not w.healthy:
+                logger.info("worker %s is back", w.url)
+            w.healthy, w.failures = True, 0
+            return
+        w.failures += 1
+        if w.failures >= self.config.health_failures or refused:
+            self._mark_down(w, why)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._probe(w) for w in self.workers), return_exceptions=True)
+            now = time.monotonic()
+            for w in self.workers:
+                if len(w.pending) > 4096:
+                    w.pending = {h: t for h, t in w.pending.items() if t > now}
+            await asyncio.sleep(self.config.health_interval_s)
+
+    # ------------------------------------------------------------------ routing
+    def _block_size_of(self, view: WorkerView) -> int:
+        return view.block_size or self.config.block_size
+
+    def choose(self, prompt: _Prompt, exclude: set[int]) -> Optional[tuple[int, str, int]]:
+        """(worker index, reason, predicted cached tokens), or None when no worker is healthy."""
+        now = time.monotonic()
+        cands = [Candidate(i, w.in_flight, w.view, w.pending) for i, w in enumerate(self.workers)
+                 if w.healthy and i not in exclude]
+        if not cands:
+            return None
+        d = self.config.policy.choose(cands, lambda v: prompt.hashes(self._block_size_of(v)), now)
+        w = self.workers[d.index]
+        predicted = 0
+        if prompt.ids:
+            bs = self._block_size_of(w.view)
+            match = d.match
+            if not match.blocks:  # the policy did not look (round_robin, ...): what the view says
+                shared = [o.view for o in self.workers if o is not w] if self.config.shared_storage else ()
+                match = w.view.match(prompt.hashes(bs) or (), _COUNT_ONLY, shared)
+            predicted = min(match.confirmed, (len(prompt.ids) - 1) // bs) * bs
+            expiry = now + self.config.pending_ttl_s
+            hashes = prompt.hashes(bs) or ()
+            pending = w.pending
+            for h in hashes:
+                pending[h] = expiry
+        return d.index, d.reason, predicted
+
+    async def route(self, path: str, raw: Request) -> Response:
+        t0 = time.perf_counter()
+        data = await raw.body()
+        try:
+            body = json.loads(data)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            body = None  # the worker answers with its own 400
+        ids = prompt_token_ids(self.config.tokenizer, path, body) if body is not None else None
+        prompt = _Prompt(ids)
+        stream = bool(body and body.get("stream"))
+        wants_usage = bool(body and isinstance(body.get("stream_options"), dict)
+                           and body["stream_options"].get("include_usage"))
+        if stream and not wants_usage and body is not None:
+            body = dict(body)
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            data = json.dumps(body).encode()
+        tried: set[int] = set()
+        while True:
+            choice = self.choose(prompt, tried)
+            if choice is None:
+                self.metrics.no_worker.inc()
+                reason = "no healthy worker" if not tried else "every healthy worker refused the connection"
+                return error_response(503, f"router: {reason} ({len(self.workers)} configured)",
+                                      code="no_healthy_worker")
+            index, reason, predicted = choice
+            w = self.workers[index]
+            tried.add(index)
+            overhead = time.perf_counter() - t0
+            headers = {HEADER_WORKER: w.url, HEADER_OVERHEAD_S: f"{overhead:.6f}", HEADER_PREDICTED: str(predicted)}
+            w.in_flight += 1
+            try:
+                if stream:
+                    resp = await self._forward_stream(w, path, data, headers, predicted, not wants_usage)
+                else:
+                    resp = await self._forward_json(w, path, data, headers, predicted)
+            except httpx.ConnectError as exc:
+                w.in_flight -= 1
+                self._mark_down(w, f"connection refused: {exc}")
+                self.metrics.routed.labels(worker=w.url, reason="refused").inc()
+                continue
+            self.metrics.overhead.observe(overhead)
+            self.metrics.routed.labels(worker=w.url, reason=reason).inc()
+            return resp
+
+    def _record_usage(self, w: Worker, usage: Any, predicted: int) -> None:
+        if not isinstance(usage, dict):
+            return
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(cached, int):
+            self.metrics.predicted.labels(worker=w.url).inc(predicted)
+            self.metrics.reported.labels(worker=w.url).inc(cached)
+        if isinstance(usage.get("prompt_tokens"), int):
+            self.metrics.prompt_tokens.labels(worker=w.url).inc(usage["prompt_tokens"])
+
+    async def _send(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
+                    stream: bool) -> tuple[Optional[httpx.Response], Optional[Response]]:
+        """(the worker's response, None), or (None, a 502 for the client) when the call failed.
+
+        A refused connection is raised as is (nothing was sent: route() tries another
+        worker); any other failure ends the request here, so its in-flight count is dropped.
+        """
+        assert self.client is not None
+        req = self.client.build_request("POST", w.url + path, content=data,
+                                        headers={"content-type": "application/json"})
+        try:
+            return await self.client.send(req, stream=stream), None
+        except httpx.ConnectError:
+            raise
+        except BaseException as exc:
+            w.in_flight -= 1
+            if not isinstance(exc, httpx.HTTPError):
+                raise
+            self.metrics.failed.labels(worker=w.url).inc()
+            msg = f"worker {w.url} failed ({type(exc).__name__}: {exc})"
+            logger.warning("%s", msg)
+            return None, error_response(502, msg, code="upstream_unavailable", headers=headers)
+
+    async def _forward_json(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
+                            predicted: int) -> Response:
+        resp, failed = await self._send(w, path, data, headers, stream=False)
+        if resp is None:
+            return failed  # type: ignore[return-value]
+        w.in_flight -= 1
+        if resp.status_code != 200:
+            return relay_error("worker", resp, resp.content, headers)
+        try:
+            self._record_usage(w, json.loads(resp.content).get("usage"), predicted)
+        except (ValueError, AttributeError):
+            pass
+        return Response(resp.content, status_code=200, media_type="application/json", headers=headers)
+
+    async def _forward_stream(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
+                              predicted: int, drop_usage: bool) -> Response:
+        resp, failed = await self._send(w, path, data, headers, stream=True)
+        if resp is None:
+            return failed  # type: ignore[return-value]
+        if resp.status_code != 200:
+            content = await resp.aread()
+            await resp.aclose()
+            w.in_flight -= 1
+            return relay_error("worker", resp, content, headers)
+
+        async def relay() -> AsyncIterator[bytes]:
+            buf = b""
+            try:
+                async for chunk in resp.aiter_raw():
+                    # Whole server-sent events only, so that a usage chunk split over two
+                    # reads is still read (and dropped when the client did not ask for it).
+                    buf += chunk
+                    if b"\n\n" not in buf:
+                        continue
+                    *events, buf = buf.split(b"\n\n")
+                    out = []
+                    for ev in events:
+                        if _USAGE_MARK in ev and ev.startswith(b"data: "):
+                            try:
+                                payload = json.loads(ev[6:])
+                            except ValueError:
+                                payload = None
+                            if isinstance(payload, dict):
+                                self._record_usage(w, payload.get("usage"), predicted)
+                                if drop_usage and not payload.get("choices"):
+                                    continue
+                        out.append(ev + b"\n\n")
+                    if out:
+                        yield b"".join(out)
+                if buf:
+                    yield buf
+            except httpx.HTTPError as exc:
+                self.metrics.failed.labels(worker=w.url).inc()
+                msg = f"worker {w.url}: the stream broke ({type(exc).__name__}: {exc})"
+                logger.warning("%s", msg)
+                yield f"data: {json.dumps(error_body(msg))}\n\n".encode()
+            finally:
+                w.in_flight -= 1
+                await resp.aclose()
+
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+
+    # ------------------------------------------------------------------ introspection
+    def state(self, with_hashes: bool = False) -> dict[str, Any]:
+        out = []
+        for w in self.workers:
+            entry: dict[str, Any] = {
+                "url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "block_size": w.view.block_size,
+                "blocks": {TIER_NAMES[b]: w.view.count(b) for b in (DEVICE, HOST, STORAGE)},
+                "events": None if w.events is None else {"endpoint": w.events.pub, "replay_endpoint": w.events.replay},
+            }
+            if w.subscriber is not None:
+                entry["events_stats"] = dict(vars(w.subscriber.stats), last_seq=w.subscriber.last_seq)
+            if with_hashes:
+                entry["hashes"] = {TIER_NAMES[b]: [format(h, "x") for h in w.view.hashes_on(b)]
+                                   for b in (DEVICE, HOST, STORAGE)}
+            out.append(entry)
+        return {"policy": self.config.policy.name, "workers": out}
+
+
+def build_fleet_app(router: FleetRouter) -> FastAPI:
+    app = router_app("fastdeploy_kvcache router", router.start, router.close)
+    app.state.router = router
+
+    @app.get("/health")
+    async def health() -> Response:
+        up = [w.url for w in router.workers if w.healthy]
+        down = [w.url for w in router.workers if not w.healthy]
+        if not up:
+            return error_response(503, f"router: no healthy worker (down: {', '.join(down)})",
+                                  code="no_healthy_worker")
+        return JSONResponse({"status": "ok", "healthy": up, "down": down})
+
+    @app.get("/router/state")
+    async def state(hashes: bool = False) -> Response:
+        return JSONResponse(router.state(with_hashes=hashes))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        assert router.client is not None
+        for w in router.workers:
+            if not w.healthy:
+                continue
+            try:
+                resp = await router.client.get(w.url + "/v1/models")
+            except httpx.HTTPError:
+                continue
+            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        return error_response(503, "router: no healthy worker", code="no_healthy_worker")
+
+    # Plain Starlette routes: the body is forwarded as it came, so FastAPI's request
+    # parsing would only add time to every request.
+    async def completions(raw: Request) -> Response:
+        return await router.route("/v1/completions", raw)
+
+    async def chat_completions(raw: Request) -> Response:
+        return await router.route("/v1/chat/completions", raw)
+
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+
+    return app
