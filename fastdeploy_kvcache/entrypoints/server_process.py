@@ -30,6 +30,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process ``pid`` in bytes (Linux ``/proc/<pid>/statm``).
+
+    The soak benchmark and the memory regression test read a server's growth with it.
+    """
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def stop_child(proc: "subprocess.Popen[bytes]", sig: int = signal.SIGTERM, wait_s: float = 10.0,
                kill_wait_s: float = 10.0) -> Optional[int]:
     """Send ``sig`` to a child still running, wait ``wait_s``, then SIGKILL it; its exit code.
