@@ -275,6 +275,9 @@ def register_paged_attention(config: Any) -> None:
     global _registered
     with _register_lock:
         if not _registered:
+            from fastdeploy_kvcache.engine.dependency_notices import import_paddleformers
+
+            import_paddleformers()
             from paddleformers.nn.attention.interface import AttentionInterface
 
             AttentionInterface.register(ATTN_IMPL_NAME, paged_attention_forward)

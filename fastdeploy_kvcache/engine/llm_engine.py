@@ -88,20 +88,29 @@ class _EngineRequest:
         return self.cached_device + self.cached_host + self.cached_storage
 
 
+def wants_gpu(device: str) -> bool:
+    """Whether ``--device`` puts the model on the GPU; ValueError when it asks for one that is not there."""
+    from fastdeploy_kvcache.engine.dependency_notices import import_paddle
+
+    paddle = import_paddle()
+    has_cuda = paddle.is_compiled_with_cuda()
+    if device == "gpu" and not has_cuda:
+        raise ValueError(f"device: 'gpu' asked for, but this Paddle ({paddle.__version__}) is a CPU build "
+                         "(no CUDA); use --device cpu or auto")
+    return device == "gpu" or (device == "auto" and has_cuda and paddle.device.cuda.device_count() > 0)
+
+
 class LLMEngine:
     """Continuous-batching engine over a paddleformers Llama (see the module docstring)."""
 
     def __init__(self, args: EngineArgs, *, loaded_model: Optional[LoadedModel] = None) -> None:
         args.validate()
         self.args = args
-        import paddle
+        from fastdeploy_kvcache.engine.dependency_notices import import_paddle
 
+        paddle = import_paddle()
         self._paddle = paddle
-        use_gpu = args.device == "gpu" or (
-            args.device == "auto" and paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-        )
-        if args.device == "gpu" and not paddle.is_compiled_with_cuda():
-            raise ValueError("device: 'gpu' asked for, but this Paddle has no CUDA")
+        use_gpu = wants_gpu(args.device)
         paddle.set_device("gpu:0" if use_gpu else "cpu")
         self.device = "gpu" if use_gpu else "cpu"
         self.loaded = loaded_model or load_model(args.model, args.model_cache_dir or "", seed=args.seed, device_is_gpu=use_gpu)

@@ -41,6 +41,7 @@ from fastdeploy_kvcache.entrypoints.openai.protocol import (
     ModelList,
 )
 from fastdeploy_kvcache.entrypoints.openai.serving import ClientDisconnected, OpenAIServing, RequestError
+from fastdeploy_kvcache.entrypoints.openai.startup import OneLineErrorParser, prepare
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def make_arg_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog=prog,
         description="OpenAI-compatible server over fastdeploy_kvcache's reference engine. "
                     "ENABLE_V1_KVCACHE_MANAGER=1 turns on the tiered KV-cache manager "
@@ -217,19 +218,24 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     return app
 
 
-def run_server(args: argparse.Namespace) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn handles both and runs the lifespan's shutdown)."""
+def run_server(args: argparse.Namespace, prog: str = "fastdeploy-kvcache serve") -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn handles both and runs the lifespan's shutdown).
+
+    A configuration error or a busy port ends the process first, with one line naming the
+    flag and exit status 2 (``startup.py``).
+    """
     import uvicorn
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = prepare(prog, args)
     app = build_app(args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level)).run(sockets=[sock])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = make_arg_parser(prog="python -m fastdeploy_kvcache.entrypoints.openai.api_server")
-    run_server(parser.parse_args(argv))
+    run_server(parser.parse_args(argv), parser.prog)
 
 
 if __name__ == "__main__":
