@@ -115,7 +115,10 @@ class LLMEngine:
         self.device = "gpu" if use_gpu else "cpu"
         self.loaded = loaded_model or load_model(args.model, args.model_cache_dir or "", seed=args.seed, device_is_gpu=use_gpu)
         self.tokenizer = self.loaded.tokenizer
-        self.model_name = self.loaded.name if args.model not in ("smollm2-135m-instruct", "tiny-llama-random") else args.model
+        built_in = args.model in ("smollm2-135m-instruct", "tiny-llama-random")
+        self.model_name = args.model if built_in else self.loaded.name
+        if built_in and args.model_cache_dir and loaded_model is None:
+            self._publish_tokenizer(args.model_cache_dir)
         self.max_model_len = min(args.max_model_len, self.loaded.max_position_embeddings)
         if args.max_model_len > self.loaded.max_position_embeddings:
             logger.warning("max_model_len %d exceeds the model's %d positions; using %d",
@@ -201,6 +204,17 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ public API
+    def _publish_tokenizer(self, cache_dir: str) -> None:
+        """A built-in model's tokenizer where clients can load it (engine/tokenizer.py)."""
+        from fastdeploy_kvcache.engine.tokenizer import publish_tokenizer
+
+        try:
+            path = publish_tokenizer(self.tokenizer, cache_dir, self.model_name)
+        except OSError as exc:
+            logger.warning("could not save the tokenizer for clients under %s: %s", cache_dir, exc)
+            return
+        logger.info("tokenizer for clients: %s", path)
+
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
         if self._thread is not None and self._thread.is_alive():

@@ -113,7 +113,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Without a JSON Content-Type FastAPI does not parse the body, and pydantic's complaint
+        # ("Input should be a valid dictionary") does not say why.
+        content_type = request.headers.get("content-type")
+        mime = (content_type or "").split(";")[0].strip().lower()
+        if request.method == "POST" and not (mime == "application/json" or
+                                             (mime.startswith("application/") and mime.endswith("+json"))):
+            got = f"'{content_type}'" if content_type else "none"
+            return error_response(400, f"Content-Type: must be application/json, got {got}", param="Content-Type")
         message, param = _validation_message(exc)
         return error_response(400, message, param=param)
 
