@@ -303,6 +303,11 @@ class LLMEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def storage_health(self) -> Optional[dict[str, Any]]:
+        """The storage tier's state right now (None without one); safe from any thread."""
+        health = getattr(self.pool, "storage_health", None)
+        return health() if health is not None else None
+
     def get_stats(self) -> dict[str, Any]:
         """A snapshot refreshed by the engine thread after every step (safe from any thread)."""
         with self._lock:

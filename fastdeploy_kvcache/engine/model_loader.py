@@ -67,6 +67,8 @@ def model_kind(model: str) -> str:
     if os.path.isfile(path) and path.endswith(".gguf"):
         return "gguf"
     if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model: directory {model!r} has no config.json, so it is not a checkpoint")
         return "dir"
     raise ValueError(
         f"model: {model!r} is neither a known model ({DEFAULT_MODEL_NAME}, {TINY_MODEL_NAME}), "

@@ -42,6 +42,9 @@ def run_server_cmd(*args: str, timeout: float = 120) -> subprocess.CompletedProc
     (["--kv-cache-dtype", "uint8"], "--kv-cache-dtype"),
     (["--model", "tiny-llama-random", "--max-num-seqs", "0"], "--max-num-seqs"),
     (["--swap-space", "-1"], "--swap-space"),
+    (["--model", str(ROOT / "docs")], "--model"),  # a directory that is not a checkpoint
+    (["--model", "tiny-llama-random", "--kvcache-storage-backend", "file", "--kvcache-storage-path",
+      str(ROOT / "no-such-store")], "--kvcache-storage-backend"),  # no host tier to stage through
 ])
 def test_configuration_error_is_one_line_naming_the_flag(args: list[str], flag: str) -> None:
     if flag == "--device":
@@ -281,3 +284,28 @@ def test_one_converted_copy_serves_every_checkout(tmp_path: Path) -> None:
             logs.append(Path(server.log_path).read_text())
     assert " converted " in logs[0] and " converted " not in logs[1], logs[1]
     assert len([p for p in cache.iterdir() if not p.name.startswith(".") and p.name != "tokenizers"]) == 1
+
+
+# ---------------------------------------------------------------------- an unreachable store
+def test_unreachable_mooncake_master_is_logged_within_seconds_and_in_health(tmp_path: Path) -> None:
+    """MOONCAKE_MASTER_METRICS_ADDR pointing where no master listens: the tier stays off, and
+    says so (naming the address it polled) in the log within seconds and in /health."""
+    from fastdeploy_kvcache.storage.mooncake_backend import mooncake_available
+
+    if mooncake_available() is not None:
+        pytest.skip(f"needs the mooncake.store module ({mooncake_available()}): run `bash build.sh`")
+    nowhere = f"127.0.0.1:{free_port()}"
+    server = ServerProcess(
+        ["--model", "tiny-llama-random", "--device", "cpu", "--swap-space", "0.02",
+         "--kvcache-storage-backend", "mooncake"],
+        env={"ENABLE_V1_KVCACHE_MANAGER": "1", "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{free_port()}",
+             "MOONCAKE_MASTER_METRICS_ADDR": nowhere})
+    with server:
+        started = time.monotonic()
+        health = server.get_json("/health")
+        assert health["status"] == "ok"
+        assert health["storage"]["available"] is False and nowhere in health["storage"]["detail"], health
+        while "still off" not in server.log_tail() and time.monotonic() - started < 15:
+            time.sleep(0.2)
+        warning = [line for line in server.log_tail().splitlines() if "still off" in line]
+        assert warning and nowhere in warning[0] and "MOONCAKE_MASTER_METRICS_ADDR" in warning[0], server.log_tail()

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8188
+STARTUP_FAILURE_EXIT = 3  # uvicorn's status when the application fails to start
 
 
 # ---------------------------------------------------------------------- flags
@@ -199,11 +200,16 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/health")
     async def health(verbose: bool = False) -> Any:
-        """Liveness; ``?verbose=1`` adds ``engine.get_stats()`` (block counts per tier, ...)."""
+        """Liveness, and the storage tier's state when there is one; ``?verbose=1`` adds
+        ``engine.get_stats()`` (block counts per tier, ...)."""
+        out: dict[str, Any] = {"status": "ok"}
+        storage = await asyncio.to_thread(state["client"].storage_health)  # a statvfs may block
+        if storage is not None:
+            out["storage"] = _json_safe(storage)
         if not verbose:
-            return {"status": "ok"}
+            return out
         stats = await asyncio.to_thread(state["client"].get_stats)
-        return {"status": "ok", "model": state["names"][0], "engine": _json_safe(stats)}
+        return {**out, "model": state["names"][0], "engine": _json_safe(stats)}
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -238,7 +244,10 @@ def run_server(args: argparse.Namespace, prog: str = "fastdeploy-kvcache serve")
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = prepare(prog, args)
     app = build_app(args)
-    uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level)).run(sockets=[sock])
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
+    server.run(sockets=[sock])
+    if not server.started:
+        sys.exit(STARTUP_FAILURE_EXIT)  # the lifespan failed (uvicorn.run's status for it)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -148,6 +148,9 @@ class AsyncEngineClient:
     def get_stats(self) -> dict[str, Any]:
         return self.engine.get_stats()
 
+    def storage_health(self) -> Optional[dict[str, Any]]:
+        return self.engine.storage_health()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

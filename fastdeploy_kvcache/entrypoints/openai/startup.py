@@ -63,6 +63,10 @@ def check_config(args: argparse.Namespace) -> Any:
     from fastdeploy_kvcache.engine.model_loader import model_kind
 
     engine_args = EngineArgs.from_cli_args(args)
+    storage = engine_args.storage
+    if storage is not None and storage.enabled and not engine_args.host_tier_enabled:
+        raise ConfigError(f"--kvcache-storage-backend {storage.backend}: needs a host tier to stage blocks "
+                          "through; give --swap-space (GiB)")
     model_kind(engine_args.model)
     wants_gpu(engine_args.device)
     return engine_args
