@@ -319,7 +319,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
-        logger.info("engine thread started")
+        logger.debug("engine thread started")
         while not self._stop.is_set():
             try:
                 self._drain_inbox()
