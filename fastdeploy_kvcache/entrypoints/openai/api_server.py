@@ -243,6 +243,7 @@ def run_server(args: argparse.Namespace, prog: str = "fastdeploy-kvcache serve")
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = prepare(prog, args)
+    args.port = sock.getsockname()[1]  # --port 0: the port the kernel picked, for the log
     app = build_app(args)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
     server.run(sockets=[sock])
