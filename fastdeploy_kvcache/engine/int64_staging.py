@@ -1,8 +1,9 @@
 """Int64 tensors from Python ints (token ids, positions, block tables) without ``paddle.to_tensor``.
 
-On Paddle 3.3.1 (CPU build), every tensor built from host data through the eager Tensor
-constructor, which ``paddle.to_tensor`` and ``paddle.Tensor(ndarray)`` both use, keeps
-about 110 bytes that are never freed.  The engine builds a few such tensors per step
+On Paddle 3.3.1 (CPU build), every tensor built from host data keeps memory that is never
+freed: measured per call, about 112 bytes for ``paddle.to_tensor``, 65 for the eager
+constructor it calls (``paddle.Tensor(ndarray)``) and 80 for ``paddle.from_dlpack``.  The
+engine builds a few such tensors per step
 (the step's ids and positions, each request's block table), so the server grew by a few
 KB per request (``benchmarks/bench_soak.py`` measures it).  Writing into an existing tensor
 (``Tensor.set_value``) and slicing it keep nothing, so the values go through one
