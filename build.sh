@@ -18,7 +18,8 @@
 #   and serve-gpu install them without network into build/gpu-site and use them.
 #   bash build.sh bench    run the benchmarks (GPU ones need `bash build.sh gpu` first)
 #   bash build.sh serve    build, then serve the default model (OpenAI API) on 127.0.0.1:8188 with
-#                          ENABLE_V1_KVCACHE_MANAGER=1 and a 1 GiB host tier; extra args pass through
+#                          ENABLE_V1_KVCACHE_MANAGER=1 (unless set to 0) and a 1 GiB host tier;
+#                          extra args pass through (FDKV_HOST/FDKV_PORT pick the address)
 #   bash build.sh paddle-gpu-check
 #                          compile the Paddle CUDA extension with nvcc against the headers of the
 #                          newest paddlepaddle-gpu on PyPI (2.6.2; no GPU needed, ~0.8 GB download)
@@ -250,10 +251,15 @@ case "$cmd" in
     shift || true
     for b in benchmarks/bench_*.py; do log "running $b"; "${BENCH_PY:-$PY}" "$b" "$@"; done ;;
   serve)
-    setup_venv; install_engine_packages; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops
     shift || true
-    log "serving on http://${FDKV_HOST:-127.0.0.1}:${FDKV_PORT:-8188} (ENABLE_V1_KVCACHE_MANAGER=1, --swap-space 1)"
-    ENABLE_V1_KVCACHE_MANAGER=1 exec "$PY" -m fastdeploy_kvcache.entrypoints.openai.api_server \
+    # --help needs no build when the server already imports; the server itself logs
+    # "serving on ..." once its port is bound.
+    if ! { printf '%s\n' "$@" | grep -qxE -- '-h|--help' && [ -x "$PY" ] \
+           && "$PY" -c 'import fastdeploy_kvcache.entrypoints.openai.api_server' >/dev/null 2>&1; }; then
+      setup_venv; install_engine_packages; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops
+    fi
+    # The tiered cache is on unless the caller's environment says ENABLE_V1_KVCACHE_MANAGER=0.
+    ENABLE_V1_KVCACHE_MANAGER=${ENABLE_V1_KVCACHE_MANAGER:-1} exec "$PY" -m fastdeploy_kvcache.entrypoints.openai.api_server \
       --host "${FDKV_HOST:-127.0.0.1}" --port "${FDKV_PORT:-8188}" --swap-space 1 "$@" ;;
   paddle-gpu-check)
     paddle_gpu_check ;;

@@ -158,12 +158,33 @@ class EngineArgs:
         return args
 
 
+# What this engine does with the cache flags it shares with FastDeploy, where they differ.
+_ENGINE_FLAG_HELP = {
+    "--num-gpu-blocks-override": "Device KV blocks (default: enough for --max-num-seqs sequences of "
+                                 "--max-model-len tokens, capped at --kv-cache-memory-gib).",
+    "--kv-cache-dtype": "KV cache element type; 'auto' (the default) uses the model's dtype "
+                        "(float32 on the CPU, bfloat16 on the GPU).",
+}
+
+
 def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the engine's flags and the cache's flags to ``parser``; flags it already has stay."""
+    """Add the engine's flags and the cache's flags to ``parser``; flags it already has stay.
+
+    The flags added here say their default in ``--help``; a flag the parser had keeps its help.
+    """
     from fastdeploy_kvcache.storage.config import add_storage_cli_args
 
+    before = list(parser._actions)
     add_cli_args(parser)
     add_storage_cli_args(parser)
+    for action in parser._actions:
+        if action in before or not action.option_strings:
+            continue
+        flag = action.option_strings[0]
+        if flag in _ENGINE_FLAG_HELP:
+            action.help = _ENGINE_FLAG_HELP[flag]
+        if flag == "--kv-cache-dtype":
+            action.choices = KV_CACHE_DTYPES  # the cache also knows uint8; this engine does not
     g = parser.add_argument_group("engine (fastdeploy_kvcache.engine)")
     d = EngineArgs.__dataclass_fields__
 
@@ -216,4 +237,23 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="KV cache events (vLLM's flag and schema; docs/fleet.md), a JSON object, e.g. "
              "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
              "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'. Default: off.")
+    for action in parser._actions:
+        if action not in before:
+            _state_default(action)
     return parser
+
+
+def _state_default(action: argparse.Action) -> None:
+    """Append ``(default: X)`` to a flag's help unless the help already states its default."""
+    if not action.option_strings or not action.help or action.help == argparse.SUPPRESS:
+        return
+    if "default" in action.help.lower():
+        return
+    default = action.default
+    if default is None and action.dest.startswith("kvcache_storage_"):
+        from fastdeploy_kvcache.storage.config import StorageConfig
+
+        field = StorageConfig.__dataclass_fields__.get(action.dest[len("kvcache_storage_"):])
+        default = None if field is None else field.default
+    shown = "unset" if default is None else ("on" if default is True else "off" if default is False else default)
+    action.help = f"{action.help.rstrip()} (default: {shown})".replace("%", "%%")

@@ -58,6 +58,7 @@ class StepContext:
     seqs: list[SeqSlice]
     kv_caches: Sequence[Sequence[Any]]  # per layer: [key_cache, value_cache, ...]
     block_size: int
+    staging: Any  # engine.int64_staging.Int64Staging: makes the step's index tensors
     layer_done: Optional[Any] = None  # LayerDoneCounter of this step's load, if any
     layers_waited: set[int] = field(default_factory=set)
     # Built on the first layer, reused by the others: the leading run of one-token (decode)
@@ -174,7 +175,7 @@ def paged_attention_forward(
     outs = []
     seqs = ctx.seqs
     if ctx._decode is None and ctx.num_leading_decodes >= 2:
-        ctx._decode = _build_decode_batch(seqs[: ctx.num_leading_decodes], bs)
+        ctx._decode = _build_decode_batch(seqs[: ctx.num_leading_decodes], bs, ctx.staging)
     if ctx._decode is not None:
         # NOTE: decodes are batched (one gather, two matmuls for all of them); per-seq work
         # is only the two one-token writes.  Prefill chunks keep the per-seq path below.
@@ -191,7 +192,7 @@ def paged_attention_forward(
         total = s.total_len
         if s._index is None:
             nb = -(-total // bs)
-            s._index = paddle.to_tensor(s.block_ids[:nb], dtype="int64")
+            s._index = ctx.staging.tensor(s.block_ids[:nb])
             if n > 1:
                 # Query i sits at position context_len + i and sees keys 0..context_len + i.
                 kpos = paddle.arange(total, dtype="int64").unsqueeze(0)
@@ -218,7 +219,7 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-def _build_decode_batch(seqs: Sequence[SeqSlice], bs: int) -> _DecodeBatch:
+def _build_decode_batch(seqs: Sequence[SeqSlice], bs: int, staging: Any) -> _DecodeBatch:
     import paddle
 
     nbs = [-(-s.total_len // bs) for s in seqs]
@@ -227,10 +228,10 @@ def _build_decode_batch(seqs: Sequence[SeqSlice], bs: int) -> _DecodeBatch:
     for s, nb in zip(seqs, nbs):
         idx.extend(s.block_ids[:nb])
         idx.extend([s.block_ids[0]] * (width - nb))  # padding: read, then masked out
-    lens = paddle.to_tensor([s.total_len for s in seqs], dtype="int64").reshape([-1, 1, 1])
+    lens = staging.tensor([s.total_len for s in seqs], [-1, 1, 1])
     pos = paddle.arange(width * bs, dtype="int64").reshape([1, width, bs])
     mask = paddle.where(pos < lens, paddle.zeros([], "float32"), paddle.full([], float("-inf"), "float32"))
-    return _DecodeBatch(len(seqs), width, paddle.to_tensor(idx, dtype="int64"), mask.reshape([len(seqs), width, 1, 1, bs]))
+    return _DecodeBatch(len(seqs), width, staging.tensor(idx), mask.reshape([len(seqs), width, 1, 1, bs]))
 
 
 def _decode_attention(q: Any, k_cache: Any, v_cache: Any, dec: _DecodeBatch, num_kv: int, groups: int,
@@ -274,6 +275,9 @@ def register_paged_attention(config: Any) -> None:
     global _registered
     with _register_lock:
         if not _registered:
+            from fastdeploy_kvcache.engine.dependency_notices import import_paddleformers
+
+            import_paddleformers()
             from paddleformers.nn.attention.interface import AttentionInterface
 
             AttentionInterface.register(ATTN_IMPL_NAME, paged_attention_forward)

@@ -91,6 +91,18 @@ class _EngineRequest:
         return self.cached_device + self.cached_host + self.cached_storage
 
 
+def wants_gpu(device: str) -> bool:
+    """Whether ``--device`` puts the model on the GPU; ValueError when it asks for one that is not there."""
+    from fastdeploy_kvcache.engine.dependency_notices import import_paddle
+
+    paddle = import_paddle()
+    has_cuda = paddle.is_compiled_with_cuda()
+    if device == "gpu" and not has_cuda:
+        raise ValueError(f"device: 'gpu' asked for, but this Paddle ({paddle.__version__}) is a CPU build "
+                         "(no CUDA); use --device cpu or auto")
+    return device == "gpu" or (device == "auto" and has_cuda and paddle.device.cuda.device_count() > 0)
+
+
 class LLMEngine:
     """Continuous-batching engine over a paddleformers Llama (see the module docstring)."""
 
@@ -106,18 +118,18 @@ class LLMEngine:
             worker_backend = "torch"
             self.loaded = loaded_model or torch_runner.load_model_for(args, self.device)
         else:
-            import paddle
+            from fastdeploy_kvcache.engine.dependency_notices import import_paddle
 
-            use_gpu = args.device == "gpu" or (
-                args.device == "auto" and paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-            )
-            if args.device == "gpu" and not paddle.is_compiled_with_cuda():
-                raise ValueError("device: 'gpu' asked for, but this Paddle has no CUDA")
+            paddle = import_paddle()
+            use_gpu = wants_gpu(args.device)
             paddle.set_device("gpu:0" if use_gpu else "cpu")
             self.device = "gpu" if use_gpu else "cpu"
             self.loaded = loaded_model or load_model(args.model, args.model_cache_dir or "", seed=args.seed, device_is_gpu=use_gpu)
         self.tokenizer = self.loaded.tokenizer
-        self.model_name = self.loaded.name if args.model not in ("smollm2-135m-instruct", "tiny-llama-random") else args.model
+        built_in = args.model in ("smollm2-135m-instruct", "tiny-llama-random")
+        self.model_name = args.model if built_in else self.loaded.name
+        if built_in and args.model_cache_dir and loaded_model is None:
+            self._publish_tokenizer(args.model_cache_dir)
         self.max_model_len = min(args.max_model_len, self.loaded.max_position_embeddings)
         if args.max_model_len > self.loaded.max_position_embeddings:
             logger.warning("max_model_len %d exceeds the model's %d positions; using %d",
@@ -211,6 +223,17 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ public API
+    def _publish_tokenizer(self, cache_dir: str) -> None:
+        """A built-in model's tokenizer where clients can load it (engine/tokenizer.py)."""
+        from fastdeploy_kvcache.engine.tokenizer import publish_tokenizer
+
+        try:
+            path = publish_tokenizer(self.tokenizer, cache_dir, self.model_name)
+        except OSError as exc:
+            logger.warning("could not save the tokenizer for clients under %s: %s", cache_dir, exc)
+            return
+        logger.info("tokenizer for clients: %s", path)
+
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
         if self._thread is not None and self._thread.is_alive():
@@ -306,6 +329,11 @@ class LLMEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def storage_health(self) -> Optional[dict[str, Any]]:
+        """The storage tier's state right now (None without one); safe from any thread."""
+        health = getattr(self.pool, "storage_health", None)
+        return health() if health is not None else None
+
     def get_stats(self) -> dict[str, Any]:
         """A snapshot refreshed by the engine thread after every step (safe from any thread)."""
         with self._lock:
@@ -350,7 +378,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
-        logger.info("engine thread started")
+        logger.debug("engine thread started")
         while not self._stop.is_set():
             try:
                 self._drain_inbox()

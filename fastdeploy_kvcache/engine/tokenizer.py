@@ -13,7 +13,9 @@ next to the converted model, so later starts just load ``tokenizer.json``.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import Any, Optional, Sequence
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,36 @@ class EngineTokenizer:
         if eos_token_ids is None:
             eos_token_ids = [hf.eos_token_id] if hf.eos_token_id is not None else []
         return cls(hf, eos_token_ids)
+
+
+def publish_tokenizer(tokenizer: EngineTokenizer, cache_dir: str, model_name: str) -> str:
+    """Save ``tokenizer`` as ``<cache_dir>/tokenizers/<model_name>`` for clients; its path.
+
+    The directory is a Hugging Face tokenizer (``tokenizer.json`` and its config): a client or
+    benchmark loads it with ``transformers.AutoTokenizer.from_pretrained(path)`` and counts
+    tokens exactly as the server does.  Rewritten only when its ``tokenizer.json`` differs.
+    """
+    import shutil
+    import tempfile
+
+    target = os.path.join(cache_dir, "tokenizers", model_name)
+    current = tokenizer.hf.backend_tokenizer.to_str()
+    try:
+        with open(os.path.join(target, "tokenizer.json")) as fh:
+            if json.loads(fh.read()) == json.loads(current):
+                return target
+    except (OSError, ValueError):
+        pass
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{model_name}-", dir=os.path.dirname(target))
+    tokenizer.save(tmp)
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another server wrote it at the same time
+    return target
 
 
 class IncrementalDetokenizer:

@@ -13,9 +13,10 @@ from typing import Optional, Sequence
 
 def make_parser() -> argparse.ArgumentParser:
     from fastdeploy_kvcache.entrypoints.openai.api_server import add_server_cli_args
+    from fastdeploy_kvcache.entrypoints.openai.startup import OneLineErrorParser
 
-    parser = argparse.ArgumentParser(prog="fastdeploy-kvcache",
-                                     description="fastdeploy_kvcache command-line tools.")
+    parser = OneLineErrorParser(prog="fastdeploy-kvcache",
+                                description="fastdeploy_kvcache command-line tools.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser(
         "serve",

@@ -23,7 +23,16 @@ from fastdeploy_kvcache.processes import free_port, stop_child
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ServerProcess", "free_port", "stop_child"]
+__all__ = ["ServerProcess", "free_port", "stop_child", "rss_bytes"]
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process ``pid`` in bytes (Linux ``/proc/<pid>/statm``).
+
+    The soak benchmark and the memory regression test read a server's growth with it.
+    """
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class ServerProcess:

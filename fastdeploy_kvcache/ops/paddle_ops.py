@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import warnings
 import threading
 from pathlib import Path
 from typing import Any, Sequence, Union
@@ -55,8 +56,12 @@ def _load_paddle_ops() -> Any:
         mismatch = libpaths.paddle_build_mismatch(so_path)
         if mismatch:
             logger.warning("%s", mismatch)
-        import paddle  # lazy: the scheduler side must not pay for Paddle
-        from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
+        with warnings.catch_warnings():
+            # Importing Paddle (its extension builder) warns that ccache is missing: that only
+            # matters to a compile, and loading prebuilt ops compiles nothing.
+            warnings.filterwarnings("ignore", message="No ccache found")
+            import paddle  # lazy: the scheduler side must not pay for Paddle
+            from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
 
         load_op_meta_info_and_register_op(str(so_path))
         from paddle import _C_ops

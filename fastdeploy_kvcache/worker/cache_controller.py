@@ -16,6 +16,7 @@ Per step, the engine does::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import numbers
@@ -212,7 +213,8 @@ class CacheController:
                 raise RuntimeError("the host cache is already initialized; free_cache() first")
             node = numa.gpu_numa_node(self.backend, self.device_id)
             self.numa_node = node
-            with numa.PreferredNumaNode(node):
+            # Without a GPU there is no node to be near: nothing to bind, nothing to say.
+            with numa.PreferredNumaNode(node) if self.backend.is_cuda else contextlib.nullcontext():
                 try:
                     sizes = {
                         self.cache_names(layer)[kind]: blocks * self._block_bytes(kind)
@@ -229,8 +231,9 @@ class CacheController:
                     raise
             self.num_host_blocks = blocks
             logger.info(
-                "host KV cache: %d blocks, %.3f GiB pinned, NUMA node %s",
-                blocks, blocks * self.config.bytes_per_block / (1 << 30), node if node is not None else "unknown",
+                "host KV cache: %d blocks, %.3f GiB pinned%s",
+                blocks, blocks * self.config.bytes_per_block / (1 << 30),
+                (f", NUMA node {node if node is not None else 'unknown'}" if self.backend.is_cuda else ""),
             )
             self._update_layout()
 

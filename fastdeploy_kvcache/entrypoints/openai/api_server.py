@@ -46,11 +46,13 @@ from fastdeploy_kvcache.entrypoints.openai.protocol import (
 )
 from fastdeploy_kvcache.entrypoints.openai.serving import ClientDisconnected, OpenAIServing, RequestError
 from fastdeploy_kvcache.entrypoints.openai.shutdown import DEFAULT_GRACE_S, GracefulServer, ShutdownPlan, run_bounded
+from fastdeploy_kvcache.entrypoints.openai.startup import OneLineErrorParser, prepare
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8188
+STARTUP_FAILURE_EXIT = 3  # uvicorn's status when the application fails to start
 
 
 # ---------------------------------------------------------------------- flags
@@ -110,7 +112,7 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def make_arg_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog=prog,
         description="OpenAI-compatible server over fastdeploy_kvcache's reference engine. "
                     "ENABLE_V1_KVCACHE_MANAGER=1 turns on the tiered KV-cache manager "
@@ -143,7 +145,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Without a JSON Content-Type FastAPI does not parse the body, and pydantic's complaint
+        # ("Input should be a valid dictionary") does not say why.
+        content_type = request.headers.get("content-type")
+        mime = (content_type or "").split(";")[0].strip().lower()
+        if request.method == "POST" and not (mime == "application/json" or
+                                             (mime.startswith("application/") and mime.endswith("+json"))):
+            got = f"'{content_type}'" if content_type else "none"
+            return error_response(400, f"Content-Type: must be application/json, got {got}", param="Content-Type")
         message, param = _validation_message(exc)
         return error_response(400, message, param=param)
 
@@ -233,11 +243,16 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/health")
     async def health(verbose: bool = False) -> Any:
-        """Liveness; ``?verbose=1`` adds ``engine.get_stats()`` (block counts per tier, ...)."""
+        """Liveness, and the storage tier's state when there is one; ``?verbose=1`` adds
+        ``engine.get_stats()`` (block counts per tier, ...)."""
+        out: dict[str, Any] = {"status": "ok"}
+        storage = await asyncio.to_thread(state["client"].storage_health)  # a statvfs may block
+        if storage is not None:
+            out["storage"] = _json_safe(storage)
         if not verbose:
-            return {"status": "ok"}
+            return out
         stats = await asyncio.to_thread(state["client"].get_stats)
-        return {"status": "ok", "model": state["names"][0], "engine": _json_safe(stats)}
+        return {**out, "model": state["names"][0], "engine": _json_safe(stats)}
 
     @app.get("/debug/kv_cache_blocks")
     async def kv_cache_blocks() -> Any:
@@ -265,26 +280,29 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     return app
 
 
-def run_server(args: argparse.Namespace) -> None:
+def run_server(args: argparse.Namespace, prog: str = "fastdeploy-kvcache serve") -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully and return (exit 0).
 
-    See :mod:`.shutdown` for what a signal does, and why the handlers need guarding.
+    See :mod:`.shutdown` for what a signal does, and why the handlers need guarding. A
+    configuration error or a busy port ends the process first, with one line naming the flag
+    and exit status 2 (``startup.py``).
     """
     import uvicorn
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = prepare(prog, args)
+    args.port = sock.getsockname()[1]  # --port 0: the port the kernel picked, for the log
     app = build_app(args)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
-    server = GracefulServer(config, app.state.shutdown_plan)
-    server.run()
+    server = GracefulServer(uvicorn.Config(app, log_level=args.uvicorn_log_level), app.state.shutdown_plan)
+    server.run(sockets=[sock])
     if not server.started:
-        sys.exit(3)  # uvicorn's start-up failure status (it logged why)
+        sys.exit(STARTUP_FAILURE_EXIT)  # the lifespan failed (uvicorn.run's status for it)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = make_arg_parser(prog="python -m fastdeploy_kvcache.entrypoints.openai.api_server")
-    run_server(parser.parse_args(argv))
+    run_server(parser.parse_args(argv), parser.prog)
 
 
 if __name__ == "__main__":

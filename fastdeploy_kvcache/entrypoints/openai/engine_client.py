@@ -178,6 +178,9 @@ class AsyncEngineClient:
     def kv_cache_blocks(self) -> dict[str, Any]:
         return self.engine.kv_cache_blocks()
 
+    def storage_health(self) -> Optional[dict[str, Any]]:
+        return self.engine.storage_health()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
