@@ -199,7 +199,7 @@ class AllocationMixin(ManagerState):
             self._maybe_queue_backup(node)
         table.extend(fresh)
         applied = MatchResult(block_size=bs, nodes=list(nodes), tiers=list(tiers))
-        st = RequestState(request, list(nodes) + [None] * len(fresh), list(table), applied)
+        st = RequestState(request, list(nodes) + [None] * len(fresh), list(table), applied, committed=len(nodes))
         self._requests[request.request_id] = st
         request.block_tables = list(table)
         request.num_cached_tokens = len(nodes) * bs

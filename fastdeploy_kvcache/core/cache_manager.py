@@ -124,6 +124,55 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         request.block_tables = []
         request.match_result = None
 
+    def commit_computed_blocks(self, request: Request) -> int:
+        """Make a running request's computed full prompt blocks matchable now; returns how many
+        leading blocks of its table are tree nodes afterwards.
+
+        Without this a block enters the tree only when its request finishes or is preempted,
+        so a request arriving while a long prompt is prefilled in chunks would compute the
+        same prefix again.  Call it after a step advanced ``num_computed_tokens``.  Each new
+        node is owned by the request (it holds the ref); its KV is final, because a full
+        prompt block is never written again.  Nothing is committed on top of a load still
+        in flight (if the load failed, the blocks computed over it hold wrong KV), nor past
+        a block some other request already put in the tree (that copy stays private).
+        """
+        st = self._lookup(request)
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
+        i = st.committed
+        if i >= num_full:
+            return i
+        parent = st.nodes[i - 1] if i else self.tree.root
+        if parent is None or parent.detached or any(
+            nd is not None and nd.pending is TransferKind.SWAP_IN for nd in st.nodes[:i]
+        ):
+            return i
+        hashes = request.block_hashes(bs, num_full * bs)
+        tree = self.tree
+        for i in range(i, num_full):
+            node = st.nodes[i]
+            if node is not None:
+                if node.parent is not parent or node.detached:
+                    break
+                parent = node
+                st.committed = i + 1
+                continue
+            if hashes[i] in parent.children:
+                break  # computed elsewhere too: that copy serves others, this one stays private
+            node = tree.add_child(parent, hashes[i])
+            node.ref_count = 1  # owned by the request before it is ever offered for eviction
+            tree.set_device(node, st.block_ids[i])
+            st.nodes[i] = node
+            self.stats.inserted_blocks += 1
+            self.stats.committed_blocks += 1
+            if self.policy.backup_on_insert:
+                self._queue_backup(node)
+            parent = node
+            st.committed = i + 1
+        return st.committed
+
     def preempt_request(self, request: Request) -> None:
         """Take a running request off the device, keeping what it computed cached.
 
@@ -257,6 +306,7 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         ]
         if not idxs:
             return
+        st.committed = min(st.committed, start)
         saved, self._call_evictions = self._call_evictions, []
         try:
             self._reclaim_device(len(idxs))
@@ -297,6 +347,7 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         if st is not None and idx is not None:
             # The request keeps the block as its own and recomputes from it.
             st.nodes[idx] = None
+            st.committed = min(st.committed, idx)
             self._unref_no_count(node)
             req = st.request
             start = idx * self.block_size

@@ -37,13 +37,16 @@ class RequestState:
     holds a ref on it), or None for a private block that only this request uses.
     ``block_ids`` is the manager's own copy of the block table, so a block table an
     engine edited by mistake is caught instead of freeing foreign ids.  ``match`` is
-    the match as the first allocation applied it (exactly once).
+    the match as the first allocation applied it (exactly once).  ``committed``: how many
+    leading blocks are tree nodes chained from the root (the match, then computed prompt
+    blocks ``commit_computed_blocks`` made matchable while the request runs).
     """
 
     request: Request
     nodes: list[Optional[BlockNode]] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     match: Optional[MatchResult] = None
+    committed: int = 0
 
 
 @dataclass

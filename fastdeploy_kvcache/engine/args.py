@@ -65,6 +65,9 @@ class EngineArgs:
     storage: Optional[Any] = None
     # Prefill/decode disaggregation through the store (engine/pd.py): mixed, prefill or decode.
     splitwise_role: str = "mixed"
+    # In-batch prefix sharing (core/prefix_sharing.py): the most seconds a waiting request is
+    # held for a running request that computes its uncached prefix; 0: never held.
+    max_prefix_hold_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.model_cache_dir is None:
@@ -94,6 +97,9 @@ class EngineArgs:
             raise ValueError(f"swap_space: must be >= 0 GiB, got {self.swap_space!r}")
         if self.splitwise_role not in SPLITWISE_ROLES:
             raise ValueError(f"splitwise_role: must be one of {SPLITWISE_ROLES}, got {self.splitwise_role!r}")
+        if not isinstance(self.max_prefix_hold_s, (int, float)) or isinstance(self.max_prefix_hold_s, bool) \
+                or not self.max_prefix_hold_s >= 0:
+            raise ValueError(f"max_prefix_hold_s: must be a number >= 0, got {self.max_prefix_hold_s!r}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib: must be > 0, got {self.kv_cache_memory_gib!r}")
 
@@ -188,6 +194,10 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="Where the model runs: the GPU when Paddle has CUDA ('auto'), or the CPU.")
     add("--seed", dest="seed", type=int, default=0,
         help="Seed of the random model weights (tiny-llama-random) and of unseeded sampling.")
+    add("--max-prefix-hold-s", dest="max_prefix_hold_s", type=float, default=d["max_prefix_hold_s"].default,
+        help="In-batch prefix sharing: a waiting request whose next uncached block another running "
+             "request is computing waits for it (then reuses it) for at most this many seconds in total; "
+             "0 turns holding off. Needs the v1 manager and prefix caching.")
     add("--splitwise-role", dest="splitwise_role", choices=SPLITWISE_ROLES, default="mixed",
         help="Prefill/decode disaggregation through the store (docs/pd_disaggregation.md): 'prefill' "
              "writes each prompt's KV to the store before returning its first token, 'decode' loads it "

@@ -39,6 +39,7 @@ import numpy as np
 from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
+from fastdeploy_kvcache.core.prefix_sharing import PrefixSharing
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.engine.args import EngineArgs
 from fastdeploy_kvcache.engine.kv_pool import KVPool, ManagedKVPool, PlainKVPool
@@ -140,6 +141,9 @@ class LLMEngine:
             self.pool.close()
             raise
         self._seed_rng = np.random.default_rng(args.seed)
+        # In-batch prefix sharing: only where blocks are reused at all.
+        share = self.use_v1 and args.enable_prefix_caching and self.pd is None
+        self.sharing = PrefixSharing(self.cache_config.block_size, args.max_prefix_hold_s if share else 0.0)
 
         self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -375,6 +379,7 @@ class LLMEngine:
             if not er.req.output_token_ids:
                 self._counters["prompt_tokens_computed"] += n
         rewound = self._complete_copies(wait=False)
+        self._commit_prefill(scheduled)
         k = 0
         for (er, n), s in zip(scheduled, seqs):
             if not s.wants_logits:
@@ -389,6 +394,20 @@ class LLMEngine:
                 logger.exception("request %s failed", er.request_id)
                 self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
         self._refresh_stats()
+
+    def _commit_prefill(self, scheduled: list[tuple[_EngineRequest, int]]) -> None:
+        """Make the prompt blocks this step completed reusable now (requests held for them
+        start as soon as they are in, chunked prefill included)."""
+        for er, _ in scheduled:
+            r = er.req
+            if er.finished or r.num_computed_tokens > r.num_prompt_tokens + 1:
+                continue  # decoding: its prompt blocks were committed already
+            try:
+                committed = self.pool.commit(r)
+            except Exception:  # noqa: BLE001 - a missed commit only loses reuse
+                logger.exception("committing the blocks of %s failed", er.request_id)
+                continue
+            self.sharing.leader_progress(er.request_id, committed)
 
     def _schedule(self) -> list[tuple[_EngineRequest, int]]:
         """Pick this step's requests and token counts; make their blocks resident."""
@@ -421,10 +440,13 @@ class LLMEngine:
             i += 1
         if preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.args.max_num_seqs:
-            er = self.waiting[0]
+        sharing = self.sharing
+        sharing.begin_pass()
+        k = 0  # requests held for a prefix another one computes stay in place; the next go first
+        while k < len(self.waiting) and budget > 0 and len(self.running) < self.args.max_num_seqs:
+            er = self.waiting[k]
             if er.finished:
-                self.waiting.popleft()
+                del self.waiting[k]
                 continue
             r = er.req
             prefetch_ready = getattr(self.pool, "prefetch_ready", None)
@@ -432,6 +454,9 @@ class LLMEngine:
                 break  # the storage prefetch policy holds it until its blocks are on host
             try:
                 matched = self.pool.admit(r)
+                if sharing.should_hold(r, matched):
+                    k += 1
+                    continue
                 want = min(r.num_total_tokens, matched + budget)
                 plan = self.pool.ensure_resident(r, want)
             except NoFreeBlocksError as exc:
@@ -439,20 +464,21 @@ class LLMEngine:
                     if exc.retryable or self.pool.copies_in_flight:
                         self._complete_copies(wait=True)
                     else:
-                        self.waiting.popleft()
+                        del self.waiting[k]
                         self._finish(er, "error", error=f"not enough KV blocks: {exc}")
                 break
             except Exception as exc:  # noqa: BLE001 - a bad request fails alone
                 logger.exception("admission of %s failed", er.request_id)
-                self.waiting.popleft()
+                del self.waiting[k]
                 self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
                 continue
-            self.waiting.popleft()
+            del self.waiting[k]
             if not er.admitted:
                 er.admitted = True
                 er.cached_device = plan.num_device_hit_tokens
                 er.cached_host = plan.num_host_hit_tokens
                 er.cached_storage = plan.num_storage_hit_tokens
+            sharing.admitted(r, r.num_computed_tokens)
             self.running.append(er)
             if self.pd is not None:
                 self.pd.after_admit(er)  # PD decode: the partial block from the store
@@ -461,10 +487,12 @@ class LLMEngine:
                 continue
             out.append((er, n))
             budget -= n
+        sharing.end_pass()
         return out
 
     def _preempt(self, er: _EngineRequest) -> None:
         self.running.remove(er)
+        self.sharing.leader_gone(er.request_id)
         self.pool.preempt(er.req)
         self.waiting.appendleft(er)
         self._counters["num_preemptions"] += 1
@@ -523,6 +551,7 @@ class LLMEngine:
             return
         er.finished = True
         r = er.req
+        self.sharing.forget(er.request_id)
         try:
             if er in self.running:
                 self.running.remove(er)
@@ -579,6 +608,7 @@ class LLMEngine:
             "model": self.model_name,
             "device": self.device,
             "engine": dict(self._counters),
+            "prefix_sharing": self.sharing.stats.as_dict(),
             **pool,
         }
         if getattr(self, "pd", None) is not None:
