@@ -81,6 +81,7 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         self.write_policy = config.write_policy
         self.write_through_threshold = config.write_through_threshold
         self.enable_prefix_caching = config.enable_prefix_caching
+        self.share_loads = True
         self.bytes_per_block = config.bytes_per_block
         self.device_pool = BlockPool(config.num_gpu_blocks, DEV)
         self.host_pool = BlockPool(config.host_block_count, HOST)
@@ -214,9 +215,18 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         bs = self.block_size
         # Loads never handed to a batch will never run: take them back.
         cancelled: set[int] = set()
+        # Loads in flight it shared: its standby blocks go back, the load goes on.
+        for i, b in st.standby.items():
+            self._inflight[(HOST, DEV, st.block_ids[i])].sharers.pop(req.request_id, None)
+            self.device_pool.free_one(b)
+        st.standby = {}
         for meta in req.cache_swap_metadata:
             for d in meta.dst_block_ids:
-                inf = self._inflight.pop((HOST, DEV, d))
+                inf = self._inflight[(HOST, DEV, d)]
+                if inf.sharers:
+                    self._hand_over_load(inf)
+                    continue
+                del self._inflight[(HOST, DEV, d)]
                 node = inf.node
                 node.pending = None
                 i = st.block_ids.index(d)
@@ -289,6 +299,20 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         if to_free:
             self.device_pool.free(to_free)
 
+    def _hand_over_load(self, inf: InFlight) -> None:
+        """A request leaves before its load was handed to a batch, and others share the
+        load: the first of them issues it instead (and no longer needs its standby block)."""
+        rid, b = next(iter(inf.sharers.items()))
+        del inf.sharers[rid]
+        st = self._requests[rid]
+        st.standby = {i: x for i, x in st.standby.items() if x != b}
+        self.device_pool.free_one(b)
+        inf.request_id = rid
+        node = inf.node
+        st.request.cache_swap_metadata.append(
+            CacheSwapMetadata([inf.src], [inf.dst], HOST, DEV, [node.hash_value], kind=TransferKind.SWAP_IN)
+        )
+
     def _privatize_tail(self, st: RequestState, start: int) -> None:
         """Give a request that must recompute from block ``start`` private blocks there.
 
@@ -355,10 +379,26 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
             req.num_computed_tokens = min(req.num_computed_tokens, start)
             affected.add(req.request_id)
         else:
-            # Its request is gone; the block was counted as cached (ref 0, in the tree).
+            # Its request is gone; the block was counted as cached (ref 0, in the tree)
+            # unless requests that shared the load still hold it.
             if not node.detached and node.ref_count == 0:
                 self._dec_cached_device()
             self.device_pool.free_one(d)
+        # Each request that shared the load recomputes into its standby block.
+        for rid, b in inf.sharers.items():
+            sst = self._requests[rid]
+            i = next(k for k, x in sst.standby.items() if x == b)
+            del sst.standby[i]
+            sst.nodes[i] = None
+            sst.block_ids[i] = b
+            sst.request.block_tables[i] = b
+            sst.committed = min(sst.committed, i)
+            node.ref_count -= 1
+            start = i * self.block_size
+            sst.request.num_cached_tokens = min(sst.request.num_cached_tokens, start)
+            sst.request.num_computed_tokens = min(sst.request.num_computed_tokens, start)
+            affected.add(rid)
+        inf.sharers = {}
         if node.detached:
             self._release_detached(node)
         else:

@@ -39,7 +39,7 @@ class MatchingMixin(ManagerState):
         max_blocks = (num_tokens - 1) // bs
         hashes = request.block_hashes(bs, num_tokens)
         if self.enable_prefix_caching:
-            nodes, tiers = self.tree.match(hashes, max_blocks)
+            nodes, tiers = self.tree.match(hashes, max_blocks, self.share_loads)
         else:
             nodes, tiers = [], []
         result = MatchResult(block_size=bs, nodes=nodes, tiers=tiers)

@@ -119,7 +119,8 @@ class LLMEngine:
             from fastdeploy_kvcache.engine.storage_pool import StorageKVPool, model_fingerprint
 
             self.pool: KVPool = StorageKVPool(self.cache_config, storage, self.model_name,
-                                              model_fingerprint(args.model, args.seed))
+                                              model_fingerprint(args.model, args.seed),
+                                              arrival_prefetch_blocks=args.arrival_prefetch_host_blocks)
         elif self.use_v1:
             self.pool = ManagedKVPool(self.cache_config)
         else:
@@ -334,6 +335,12 @@ class LLMEngine:
                 if self.pd is not None and not self.pd.on_add(item):
                     continue  # PD decode: finished by the prefill's token (eos, max_tokens)
                 self.waiting.append(item)
+                arrive = getattr(self.pool, "prefetch_on_arrival", None)
+                if arrive is not None and item.kv_transfer is None:
+                    try:
+                        arrive(item.req)  # storage lookup and fetch while it waits
+                    except Exception:  # noqa: BLE001 - a prefetch never keeps a request out
+                        logger.warning("prefetch on arrival of %s failed", item.request_id, exc_info=True)
             elif kind == "abort":
                 er = self._requests.get(item)
                 if er is not None and not er.finished:
