@@ -342,14 +342,14 @@ class StorageTier:
             return
         held = sum(len(pf.job.host_block_ids) for pf in self._prefetch.values() if pf.on_arrival and not pf.done)
         room = budget_blocks - held
-        if room <= 0:
-            self.stats["arrival_prefetch_over_budget"] += 1
-            return
         pf = self._start_prefetch(request, limit=room)
         if pf is not None:
             pf.on_arrival = True
             self.stats["arrival_prefetch_jobs"] += 1
             self.stats["arrival_prefetch_blocks"] += len(pf.job.hashes)
+        elif room <= 0 and rid not in self._followers:
+            self.stats["arrival_prefetch_over_budget"] += 1
+            return  # asked again at admission
         elif rid not in self._followers:
             self._no_prefetch.add(rid)
         self._arrived.add(rid)
@@ -391,7 +391,7 @@ class StorageTier:
                     (i for i, h in enumerate(rest) if h not in fetched), len(rest))
                 return None
         parent = nodes[-1] if nodes else m.tree.root
-        if not self._can_hang_host_nodes(parent):
+        if not self._can_hang_host_nodes(parent) or (limit is not None and limit <= 0):
             return None
         n = self.query(rest)
         if n < self.config.prefetch_min_blocks:
