@@ -202,8 +202,9 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="Seed of the random model weights (tiny-llama-random) and of unseeded sampling.")
     add("--max-prefix-hold-s", dest="max_prefix_hold_s", type=float, default=d["max_prefix_hold_s"].default,
         help="In-batch prefix sharing: a waiting request whose next uncached block another running "
-             "request is computing waits for it (then reuses it) for at most this many seconds in total; "
-             "0 turns holding off. Needs the v1 manager and prefix caching.")
+             "request is computing waits for it (then reuses it) for at most this many seconds in total, "
+             "and a prefilling request's full prompt blocks become reusable after each chunk. 0 turns both "
+             "off (a request's blocks are reusable once it finishes). Needs the v1 manager and prefix caching.")
     add("--arrival-prefetch-host-blocks", dest="arrival_prefetch_host_blocks", type=int, default=None,
         help="With a storage tier: a queued request's storage lookup and prefetch into host blocks start "
              "when it arrives, not when it is admitted; this caps the host blocks those prefetches hold "

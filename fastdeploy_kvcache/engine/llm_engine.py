@@ -404,7 +404,10 @@ class LLMEngine:
 
     def _commit_prefill(self, scheduled: list[tuple[_EngineRequest, int]]) -> None:
         """Make the prompt blocks this step completed reusable now (requests held for them
-        start as soon as they are in, chunked prefill included)."""
+        start as soon as they are in, chunked prefill included).  Off with the sharing: a
+        request's blocks are then reusable once it finishes, as before."""
+        if not self.sharing.enabled:
+            return
         for er, _ in scheduled:
             r = er.req
             if er.finished or r.num_computed_tokens > r.num_prompt_tokens + 1:
