@@ -32,6 +32,11 @@ the same length.  Issue 9's targets are same-run ratios of those TTFT p50s: stor
 <= 1.3x host hit (file), storage hit <= 0.25x recompute at the largest prefix.  The
 backend's read/write GB/s are set against a plain file write and read of the same bytes.
 
+Two more scenarios (``--cold-burst``, ``--queued-storage``, on by default; the code and their
+description in ``benchmarks/serving_sharing.py``): a burst of simultaneous requests sharing an
+uncached prefix, with in-batch prefix sharing on against off, and more queued requests than
+``--max-num-seqs`` whose documents are in storage only, storage hit against host hit.
+
 Reported: TTFT p50/p99 (all rounds, and rounds >= 2), TTFT per round, throughput, the
 fraction of prompt tokens served from each tier, the ratios to the recompute baseline
 and to device+host measured in the same run, and the cold-server table.  Outputs: a JSON
@@ -588,6 +593,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--queued-requests", type=int, default=8, help="Requests sent at once (queued-storage).")
     ap.add_argument("--queued-max-num-seqs", type=int, default=2, help="The server's --max-num-seqs (queued-storage).")
     ap.add_argument("--queued-prefix-tokens", type=int, default=2048, help="Document length (queued-storage).")
+    ap.add_argument("--queued-repeats", type=int, default=3, help="Bursts per server (queued-storage).")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"),
@@ -610,6 +616,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.concurrency = 1
         args.cold_prefix_tokens, args.cold_repeats, args.storage_backends = "", 1, "file"
         args.burst_repeats, args.queued_requests, args.burst_prefix_tokens, args.queued_prefix_tokens = 1, 4, 256, 256
+        args.queued_repeats = 1
         args.docs = ""
         args.default_model_probe = ""
     if args.render:

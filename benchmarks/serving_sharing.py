@@ -13,7 +13,8 @@
   server stored them and was stopped).  A restarted server gets them all at once (storage hits,
   most of them queued); after filler documents pushed them off the device it gets them all at
   once again (host hits).  Done twice, on fresh processes over the same store: with prefetch on
-  arrival (the default) and with ``--arrival-prefetch-host-blocks 0`` (prefetch at admission).
+  arrival (the default) and with ``--arrival-prefetch-host-blocks 0`` (prefetch at admission),
+  ``--queued-repeats`` bursts each (a document set per burst, in storage only until then).
   Target: storage-hit TTFT p50 <= 1.1x host-hit TTFT p50, with prefetch on arrival.
 """
 
@@ -141,32 +142,38 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
     env = {"ENABLE_V1_KVCACHE_MANAGER": "1", "PYTHONFAULTHANDLER": "1"}
     rng = random.Random(args.seed + 777)
     configs = {"arrival": [], "admission": ["--arrival-prefetch-host-blocks", "0"]}
-    docs = {name: [_ids(rng, plen) for _ in range(m)] for name in configs}
+    sets = args.queued_repeats  # document sets per configuration, each storage-only until its burst
+    docs = {name: [[_ids(rng, plen) for _ in range(m)] for _ in range(sets)] for name in configs}
     filler = [_ids(rng, plen) for _ in range(seqs + 3)]
     warm = [_ids(rng, plen) for _ in range(2)]
     writer = start_server(common + store, env)
     try:
         for name in configs:  # each configuration its own documents, all stored by the writer
-            for d in docs[name]:
-                asyncio.run(_burst(writer.base_url, args.model, [d + [5]]))
+            for docset in docs[name]:
+                for d in docset:
+                    asyncio.run(_burst(writer.base_url, args.model, [d + [5]]))
         wait_storage_quiet(writer)
     finally:
         writer.stop()
     out: dict[str, Any] = {"requests": m, "max_num_seqs": seqs, "prefix_tokens": plen, "server_args": common + store,
                            "device_blocks": device_blocks}
-    bar = tqdm(total=2 * len(configs), desc="queued-storage", unit="burst", file=sys.stderr)
+    out["repeats"] = sets
+    bar = tqdm(total=2 * len(configs) * sets, desc="queued-storage", unit="burst", file=sys.stderr)
     for name, extra in configs.items():
         server = start_server(common + store + extra, env)  # a fresh process: the documents are in storage only
+        st: list[tuple[float, int]] = []
+        host: list[tuple[float, int]] = []
         try:
             asyncio.run(_burst(server.base_url, args.model, warm))  # warm-up, not measured
-            wait_storage_quiet(server)
-            st = asyncio.run(_burst(server.base_url, args.model, [d + _ids(rng, 8) for d in docs[name]]))
-            bar.update(1)
-            for f in filler:  # push the documents off the device (host keeps them)
-                asyncio.run(_burst(server.base_url, args.model, [f]))
-            wait_storage_quiet(server)
-            host = asyncio.run(_burst(server.base_url, args.model, [d + _ids(rng, 8) for d in docs[name]]))
-            bar.update(1)
+            for docset in docs[name]:
+                wait_storage_quiet(server)
+                st += asyncio.run(_burst(server.base_url, args.model, [d + _ids(rng, 8) for d in docset]))
+                bar.update(1)
+                for f in filler:  # push the documents off the device (host keeps them)
+                    asyncio.run(_burst(server.base_url, args.model, [f + _ids(rng, 8)]))
+                wait_storage_quiet(server)
+                host += asyncio.run(_burst(server.base_url, args.model, [d + _ids(rng, 8) for d in docset]))
+                bar.update(1)
             tier = wait_storage_quiet(server)["storage"]["tier"]
         finally:
             server.stop()
@@ -175,16 +182,22 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
             "storage_ttft_p50_s": _pct([t for t, _ in st], 50), "storage_ttft_p99_s": _pct([t for t, _ in st], 99),
             "host_ttft_p50_s": _pct([t for t, _ in host], 50), "host_ttft_p99_s": _pct([t for t, _ in host], 99),
             "storage_reused": sum(1 for _, c in st if c >= aligned), "host_reused": sum(1 for _, c in host if c >= aligned),
+            "samples": len(st),
             "arrival_prefetch_jobs": tier.get("arrival_prefetch_jobs"), "storage_hit_tokens": tier.get("storage_hit_tokens"),
             "prefetch_blocks_shared": tier.get("prefetch_blocks_shared"),
         }
         out[name]["storage_over_host"] = out[name]["storage_ttft_p50_s"] / out[name]["host_ttft_p50_s"]
         logger.info("[queued-storage %s] %d requests, %d seqs: storage-hit TTFT p50 %.1f ms, host-hit %.1f ms: %.2fx "
                     "(reused %d/%d and %d/%d)", name, m, seqs, 1e3 * out[name]["storage_ttft_p50_s"],
-                    1e3 * out[name]["host_ttft_p50_s"], out[name]["storage_over_host"], out[name]["storage_reused"], m,
-                    out[name]["host_reused"], m)
+                    1e3 * out[name]["host_ttft_p50_s"], out[name]["storage_over_host"], out[name]["storage_reused"],
+                    len(st), out[name]["host_reused"], len(host))
     bar.close()
     return out
+
+
+def _table(header: str, rows: list[list[str]]) -> list[str]:
+    cols = header.count("|") - 1
+    return [header, "|" + "---|" * cols] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def format_sharing(report: dict[str, Any]) -> str:
@@ -193,23 +206,23 @@ def format_sharing(report: dict[str, Any]) -> str:
     cb = report.get("cold_burst") or {}
     if cb:
         n = cb["burst_size"]
+        rows = [[label, f"{1e3 * cb[k]['ttft_p50_s']:.1f} ms", f"{1e3 * cb[k]['ttft_p99_s']:.1f} ms",
+                 ", ".join(f"{x}/{n}" for x in cb[k]["reused_per_burst"])]
+                for k, label in (("sharing", "sharing on"), ("off", "sharing off (`--max-prefix-hold-s 0`)"))]
         lines += [f"**cold-burst** ({n} simultaneous requests, {cb['prefix_tokens']}-token prefix cached nowhere, "
-                  f"{cb['repeats']} bursts per server, one step's budget holds the burst):", "",
-                  "| server | TTFT p50 | TTFT p99 | requests that reused the prefix, per burst |", "|---|---|---|---|"]
-        for name, label in (("sharing", "sharing on"), ("off", "sharing off (`--max-prefix-hold-s 0`)")):
-            r = cb[name]
-            lines.append(f"| {label} | {1e3 * r['ttft_p50_s']:.1f} ms | {1e3 * r['ttft_p99_s']:.1f} ms | "
-                         f"{', '.join(f'{x}/{n}' for x in r['reused_per_burst'])} |")
+                  f"{cb['repeats']} bursts per server, one step's budget holds the burst):", ""]
+        lines += _table("| server | TTFT p50 | TTFT p99 | requests that reused the prefix, per burst |", rows)
         lines += ["", f"Ratio to sharing off: p50 {cb['p50_ratio']:.2f}x (target <= 0.6x), p99 {cb['p99_ratio']:.2f}x; "
                   f"fewest reusing requests in a burst {cb['min_reused']}/{n} (target >= {n - 1}/{n}).", ""]
     qs = report.get("queued_storage") or {}
     if qs:
-        lines += [f"**queued-storage** ({qs['requests']} requests at once, `--max-num-seqs {qs['max_num_seqs']}`, "
-                  f"{qs['prefix_tokens']}-token documents in storage only):", "",
-                  "| prefetch | storage-hit TTFT p50 | host-hit TTFT p50 | storage / host |", "|---|---|---|---|"]
-        for name, label in (("arrival", "on arrival (default)"), ("admission", "at admission (`--arrival-prefetch-host-blocks 0`)")):
-            r = qs[name]
-            lines.append(f"| {label} | {1e3 * r['storage_ttft_p50_s']:.1f} ms | {1e3 * r['host_ttft_p50_s']:.1f} ms | "
-                         f"{r['storage_over_host']:.2f}x |")
+        rows = [[label, f"{1e3 * qs[k]['storage_ttft_p50_s']:.1f} ms", f"{1e3 * qs[k]['host_ttft_p50_s']:.1f} ms",
+                 f"{qs[k]['storage_over_host']:.2f}x"]
+                for k, label in (("arrival", "on arrival (default)"),
+                                 ("admission", "at admission (`--arrival-prefetch-host-blocks 0`)"))]
+        lines += [f"**queued-storage** ({qs.get('repeats', 1)} bursts of {qs['requests']} requests at once per "
+                  f"server, `--max-num-seqs {qs['max_num_seqs']}`, {qs['prefix_tokens']}-token documents in "
+                  "storage only, then the same documents from host):", ""]
+        lines += _table("| prefetch | storage-hit TTFT p50 | host-hit TTFT p50 | storage / host |", rows)
         lines += ["", "Target: storage / host <= 1.1x with prefetch on arrival.", ""]
     return "\n".join(lines)

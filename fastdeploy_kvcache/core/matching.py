@@ -59,7 +59,8 @@ class MatchingMixin(ManagerState):
 
         NOTE: the storage tier (core/storage_tier.py) answers from what it knows
         locally (puts that returned OK, prefetches), with no I/O: its one existence
-        round trip per request is made when the request is admitted, and its hits
+        round trip per request is made when the request is queued (prefetch on arrival)
+        or admitted, and its hits
         come back as host nodes (prefetch into host), so they match as HOST here.
         """
         storage = self.storage

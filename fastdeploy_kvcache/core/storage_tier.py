@@ -15,7 +15,9 @@ Pure Python (no Paddle, no CuPy): it decides, the worker moves bytes.  It sits b
   all, ``wait_complete`` until the job is back, ``timeout`` at most
   ``StorageConfig.prefetch_timeout_s(tokens)``.  A prefetch the request stopped waiting
   for is *aborted* for that request, but it keeps its host blocks until the job is back
-  (a late get could still write them) and still inserts what arrived.
+  (a late get could still write them) and still inserts what arrived.  The engine starts a
+  request's prefetch when it is queued (:meth:`StorageTier.prefetch_on_arrival`, within a
+  host-block budget); the policy's wait is then counted from admission.
 * **Backup.**  ``write_through``: a block is put when its device -> host copy succeeded
   (:meth:`on_host_copies`); ``write_back``: when the host tier evicts it
   (:meth:`on_host_evict`).  Hashes already stored, or being stored, are skipped.  A hash
