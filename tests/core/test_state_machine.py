@@ -677,6 +677,39 @@ def test_scripted_shared_load_fails_for_every_reader():
     machine.teardown()
 
 
+def test_scripted_issuer_leaving_hands_its_shared_load_over():
+    """L issues a load that R shares; L is aborted before any step: R issues the load itself
+    (one copy, not zero and not two) and reads the right bytes (the shadow oracle)."""
+    machine = CacheMachine()
+
+    def checked(fn, *args):
+        fn(*args)
+        machine.bookkeeping()
+        machine.shadow_oracle()
+
+    machine.setup(policy="write_back", num_dev=8, num_host=8, threshold=1, cache_output=False)
+    checked(machine.new_requests, 0, [[1, 2, 3, 0, 1]])
+    checked(machine.run_step, 1, True, True, [], True)
+    checked(machine.finish, 0)
+    checked(machine.new_requests, 2, [list(range(30))])  # evicts the first prompt to host
+    checked(machine.run_step, 1, True, True, [], True)
+    checked(machine.finish, 0)
+    checked(machine.revisit, [0, 0])
+    lreq, rreq = machine.waiting
+    before = machine.mgr.get_stats()
+    checked(machine.admit, 2)
+    assert rreq.cache_swap_metadata == [] and lreq.cache_swap_metadata, "R should share L's load"
+    del machine.running[lreq.request_id]
+    machine.mgr.request_finish(lreq)  # aborted before its load reached a batch
+    machine.bookkeeping()
+    assert sum(len(m) for m in rreq.cache_swap_metadata) > 0, "the load was not handed to R"
+    checked(machine.run_step, 0, True, True, [], True)
+    stats = machine.mgr.get_stats()
+    issued = stats["swap_in_blocks_issued"] - before["swap_in_blocks_issued"]
+    assert stats["swap_in_blocks"] - before["swap_in_blocks"] == issued == stats["shared_load_blocks"] - before["shared_load_blocks"]
+    machine.teardown()
+
+
 def test_oracle_catches_a_broken_manager(monkeypatch):
     """Self-check: a manager that reports a failed load but forgets to make the request
     recompute must be caught by the shadow oracle (not by any bookkeeping check)."""
