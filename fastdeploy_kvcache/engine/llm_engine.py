@@ -3,19 +3,23 @@
 One step of the loop:
 
 1. **Inbox.** New requests and aborts arrive through a queue (``add_request`` and ``abort``
-   are thread-safe and never wait for a step).
+   are thread-safe and never wait for a step); with a storage tier, a new request's storage
+   prefetch starts as it is queued.
 2. **Schedule** under ``--max-num-batched-tokens``: running requests first (decodes, or the
    next chunk of a prefill), then admissions while there is budget and fewer than
-   ``--max-num-seqs`` run.  Admission is ``match_prefix`` then ``ensure_resident``; when blocks
-   run out, the most recently admitted request is preempted (its computed blocks stay cached,
-   so it resumes cheaply) and requeued at the front.
+   ``--max-num-seqs`` run.  Admission is ``match_prefix`` then ``ensure_resident``; a waiting
+   request whose next uncached block another running request is computing is held (in-batch
+   prefix sharing, ``core/prefix_sharing.py``) and the next one is tried.  When blocks run out,
+   the most recently admitted request is preempted (its computed blocks stay cached, so it
+   resumes cheaply) and requeued at the front.
 3. **Batch and copies.** ``BatchRequest`` of the scheduled requests plus the pending backups;
    ``submit_swap_tasks`` starts this step's device->host and host->device copies.
 4. **Forward.** All scheduled tokens as one flattened sequence; the paged attention waits
    per layer for the loads.  A failed load raises inside the forward: the step is dropped,
    the copies are drained and handed to ``complete_swap``, and the affected requests
    recompute from their lowered ``num_computed_tokens`` in the next step.
-5. **Advance** ``num_computed_tokens``, hand finished copies to ``complete_swap``, then sample
+5. **Advance** ``num_computed_tokens``, hand finished copies to ``complete_swap``, make the
+   prompt blocks a prefill completed reusable (``commit``), then sample
    for the requests whose tokens are all computed (not the ones a failed load rewound).
 6. **Finish** on eos / stop token / stop string / max_tokens / max_model_len:
    ``request_finish`` caches the request's blocks.
