@@ -111,6 +111,7 @@ def run_cold_burst(args: Any, start_server: StartServer) -> dict[str, Any]:
             "ttft_p50_s": _pct(ttfts, 50), "ttft_p99_s": _pct(ttfts, 99),
             "reused_per_burst": [row["reused"] for row in rs],
             "cached_tokens_mean": sum(c for row in rs for c in row["cached"]) / max(1, len(ttfts)),
+            "reused_tokens_total": sum(c for row in rs for c in row["cached"]),
             "prefix_sharing": stats[name].get("prefix_sharing", {}),
             "prompt_tokens_computed": stats[name].get("engine", {}).get("prompt_tokens_computed"),
         }
@@ -207,11 +208,12 @@ def format_sharing(report: dict[str, Any]) -> str:
     if cb:
         n = cb["burst_size"]
         rows = [[label, f"{1e3 * cb[k]['ttft_p50_s']:.1f} ms", f"{1e3 * cb[k]['ttft_p99_s']:.1f} ms",
-                 ", ".join(f"{x}/{n}" for x in cb[k]["reused_per_burst"])]
+                 ", ".join(f"{x}/{n}" for x in cb[k]["reused_per_burst"]), str(cb[k].get("reused_tokens_total", "?"))]
                 for k, label in (("sharing", "sharing on"), ("off", "sharing off (`--max-prefix-hold-s 0`)"))]
         lines += [f"**cold-burst** ({n} simultaneous requests, {cb['prefix_tokens']}-token prefix cached nowhere, "
                   f"{cb['repeats']} bursts per server, one step's budget holds the burst):", ""]
-        lines += _table("| server | TTFT p50 | TTFT p99 | requests that reused the prefix, per burst |", rows)
+        lines += _table("| server | TTFT p50 | TTFT p99 | requests that reused the prefix, per burst | tokens reused |",
+                        rows)
         lines += ["", f"Ratio to sharing off: p50 {cb['p50_ratio']:.2f}x (target <= 0.6x), p99 {cb['p99_ratio']:.2f}x; "
                   f"fewest reusing requests in a burst {cb['min_reused']}/{n} (target >= {n - 1}/{n}).", ""]
     qs = report.get("queued_storage") or {}
