@@ -78,3 +78,26 @@ def test_an_aborted_request_leaves_no_prefetched_block_held(rigs: Any) -> None:
     assert rig.tier.stats["prefetch_blocks_inserted"] == 4
     _host_whole(rig)
     assert len(rig.manager.match_prefix(Request("next", TOKENS)).nodes) == 4
+
+
+def test_a_failed_shared_fetch_leaves_every_follower_the_leading_run(rigs: Any, tmp_path: Any) -> None:
+    """Block 2 of a fetch two requests share vanishes before the get: both match blocks 0-1
+    only and compute the rest (nothing past the hole is used, nothing is held)."""
+    hashes = store_tokens(rigs(), TOKENS)
+    rig = rigs()
+    a, b = Request("a", TOKENS), Request("b", TOKENS + [7, 8])
+    rig.tier.prefetch_on_arrival(a, budget_blocks=8)
+    rig.tier.prefetch_on_arrival(b, budget_blocks=8)
+    assert rig.tier.stats["prefetch_blocks_shared"] == 4 and rig.tier.stats["prefetch_jobs"] == 1
+    (tmp_path / "kv" / (rig.tier.ns.key(hashes[2]).replace(":", "=") + ".kv")).unlink()
+    rig.submit()
+    rig.drain()
+    for r in (a, b):
+        assert rig.tier.prefetch_state(r) == PREFETCH_READY
+        match = rig.manager.match_prefix(r)
+        assert len(match.nodes) == 2, f"{r.request_id} matched past the hole"
+        for node, h in zip(match.nodes, hashes):
+            assert rig.read_host(node.host_block_id) == rig.expected(h)
+        rig.tier.forget_request(r.request_id)
+    assert rig.tier.stats["prefetch_blocks_failed"] == 2
+    _host_whole(rig)
