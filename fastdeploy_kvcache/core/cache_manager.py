@@ -15,8 +15,9 @@ class in its own module, over the state declared in ``manager_state``:
   counters behind ``get_stats``
 
 Nothing here touches KV bytes.  A copy is "in flight" from the moment its metadata
-is emitted until ``complete_swap`` sees it come back; in flight, the node can be
-neither evicted nor served from the copy's destination.
+is emitted until ``complete_swap`` sees it come back; in flight, the node cannot be
+evicted, and the copy's destination is served only by a host -> device load, to the
+requests that share it (each holds a standby block in case the load fails).
 
 Ownership of a block, per pool (the invariant ``check_invariants`` verifies):
 free (in the pool), owned (in a running request's block table, or held by a
