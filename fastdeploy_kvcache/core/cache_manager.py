@@ -20,8 +20,8 @@ evicted, and the copy's destination is served only by a host -> device load, to 
 requests that share it (each holds a standby block in case the load fails).
 
 Ownership of a block, per pool (the invariant ``check_invariants`` verifies):
-free (in the pool), owned (in a running request's block table, or held by a
-detached node whose copy is still in flight) or cached (a tree node's copy with no
+free (in the pool), owned (in a running request's block table or among its standby
+blocks, or held by a detached node whose copy is still in flight) or cached (a tree node's copy with no
 running request on it).  free + owned + cached = total.
 """
 
