@@ -32,6 +32,11 @@ the same length.  Issue 9's targets are same-run ratios of those TTFT p50s: stor
 <= 1.3x host hit (file), storage hit <= 0.25x recompute at the largest prefix.  The
 backend's read/write GB/s are set against a plain file write and read of the same bytes.
 
+Two more scenarios (``--cold-burst``, ``--queued-storage``, on by default; the code and their
+description in ``benchmarks/serving_sharing.py``): a burst of simultaneous requests sharing an
+uncached prefix, with in-batch prefix sharing on against off, and more queued requests than
+``--max-num-seqs`` whose documents are in storage only, storage hit against host hit.
+
 Reported: TTFT p50/p99 (all rounds, and rounds >= 2), TTFT per round, throughput, the
 fraction of prompt tokens served from each tier, the ratios to the recompute baseline
 and to device+host measured in the same run, and the cold-server table.  Outputs: a JSON
@@ -77,6 +82,8 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # serving_sharing (the cold-burst and queued-storage scenarios)
 
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess  # noqa: E402
 
@@ -596,6 +603,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--storage-backends", default=",".join(STORAGE_BACKENDS),
                     help="Backends of the cold-server scenario: file, and mooncake where it imports and "
                          "its binaries are installed (left out with a warning otherwise).")
+    ap.add_argument("--cold-burst", action=argparse.BooleanOptionalAction, default=True,
+                    help="Run the cold-burst scenario (benchmarks/serving_sharing.py): simultaneous requests "
+                         "sharing an uncached prefix, in-batch prefix sharing on against off.")
+    ap.add_argument("--burst-size", type=int, default=8, help="Requests per burst (cold-burst).")
+    ap.add_argument("--burst-prefix-tokens", type=int, default=1088, help="Shared prefix of a burst (cold-burst).")
+    ap.add_argument("--burst-repeats", type=int, default=6, help="Bursts per server (cold-burst).")
+    ap.add_argument("--queued-storage", action=argparse.BooleanOptionalAction, default=True,
+                    help="Run the queued-storage scenario (benchmarks/serving_sharing.py): more requests than "
+                         "--queued-max-num-seqs, documents in storage only, storage hit against host hit.")
+    ap.add_argument("--queued-requests", type=int, default=8, help="Requests sent at once (queued-storage).")
+    ap.add_argument("--queued-max-num-seqs", type=int, default=2, help="The server's --max-num-seqs (queued-storage).")
+    ap.add_argument("--queued-prefix-tokens", type=int, default=2048, help="Document length (queued-storage).")
+    ap.add_argument("--queued-repeats", type=int, default=3, help="Bursts per server (queued-storage).")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"),
@@ -617,6 +637,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.probe_repeats = min(args.probe_repeats, 1)
         args.concurrency = 1
         args.cold_prefix_tokens, args.cold_repeats, args.storage_backends = "", 1, "file"
+        args.burst_repeats, args.queued_requests, args.burst_prefix_tokens, args.queued_prefix_tokens = 1, 4, 256, 256
+        args.queued_repeats = 1
         args.docs = ""
         args.default_model_probe = ""
     if args.render:
@@ -638,8 +660,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if bad:
         ap.error(f"--storage-backends: unknown {bad}; choose from {STORAGE_BACKENDS}")
     cold_prefixes = [int(x) for x in args.cold_prefix_tokens.split(",") if x] or [2 * args.doc_tokens]
-    if not configs and not args.cold_server and not args.fit_check:
-        ap.error("nothing to run: --configs is empty, --no-cold-server and no --fit-check")
+    if not configs and not args.cold_server and not args.fit_check and not args.cold_burst and not args.queued_storage:
+        ap.error("nothing to run: --configs is empty, --no-cold-server, --no-cold-burst, --no-queued-storage "
+                 "and no --fit-check")
 
     from openai import OpenAI
     from tqdm import tqdm
@@ -689,12 +712,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                         max(1, round(args.question_tokens / tokens_per_word)), args.output_tokens,
                         args.concurrency, args.seed)
 
+    import serving_sharing
+
     work = Path(tempfile.mkdtemp(prefix="fdkv-bench-serving-"))
     cold: dict[str, Any] = {}
     fit: dict[str, Any] = {}
     h2d_gbps = serving_gpu.h2d_limit_gbps() if args.device == "gpu" else None
     if h2d_gbps:
         logger.info("H2D limit (one contiguous pinned 1 GiB copy): %.1f GB/s", h2d_gbps)
+    sharing: dict[str, Any] = {}
     run_start = time.perf_counter()
 
     def run_one(server: ServerProcess, name: str, wl: Workload) -> tuple[list[Turn], float]:
@@ -786,6 +812,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             assert tokens_per_word is not None
             cold = run_cold_server(args, cold_prefixes, backends, tokens_per_word, wl, start_server, work)
             cold["skipped_backends"] = skipped
+        if args.cold_burst:
+            sharing["cold_burst"] = serving_sharing.run_cold_burst(args, start_server)
+        if args.queued_storage:
+            sharing["queued_storage"] = serving_sharing.run_queued_storage(args, start_server, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     default_probe: dict[str, Any] = {}
@@ -800,6 +830,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     serving_gpu.gpu_ratios(report, h2d_gbps, fit)
     report["default_model_probe"] = default_probe
     report["failed_server_starts"] = failed_starts
+    report.update(sharing)
     report["loadavg_end"] = os.getloadavg()
     print(format_console(report))
     out_dir = Path(args.out_dir)
@@ -1071,6 +1102,10 @@ def format_console(report: dict[str, Any]) -> str:
         parts += ["", "Cold server (restarted server, warm store):", format_cold_table(report)]
         parts += [f"({b} left out: {why})" for b, why in skipped.items()]
         parts += ["", "Targets (issue 9):", format_targets(report, cold=True)]
+    from serving_sharing import format_sharing
+
+    if format_sharing(report):
+        parts += ["", format_sharing(report)]
     return "\n".join(parts)
 
 
@@ -1203,6 +1238,11 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
             format_targets(report, cold=True),
             "",
         ]
+    from serving_sharing import format_sharing
+
+    if format_sharing(report):
+        body += ["### Work in flight shared: a cold burst, and queued requests over storage", "",
+                 format_sharing(report)]
     body += [f"Raw data: `{rel(json_path)}`" + (f"; plot of TTFT per round: `{rel(png_path)}`." if s else ".")]
     if s:
         body += ["", f"![TTFT per round]({rel(png_path)})"]

@@ -133,7 +133,7 @@ class AllocationMixin(ManagerState):
             return [], []
         bs = self.block_size
         hashes = request.block_hashes(bs, request.num_total_tokens)
-        return self.tree.match(hashes, min(len(match.nodes), (request.num_total_tokens - 1) // bs))
+        return self.tree.match(hashes, min(len(match.nodes), (request.num_total_tokens - 1) // bs), self.share_loads)
 
     def _allocate_first(
         self, request: Request, num_new: Optional[int] = None, num_tokens: Optional[int] = None
@@ -157,6 +157,8 @@ class AllocationMixin(ManagerState):
                             break
                         used += 1
         num_swap = sum(1 for t in tiers if t is HOST)
+        # Device hits still being loaded for another request: shared, each with a standby block.
+        num_shared = sum(1 for nd, t in zip(nodes, tiers) if t is DEV and nd.pending is TransferKind.SWAP_IN)
         if num_new is not None:
             num_fresh = num_new - num_swap
         else:
@@ -166,7 +168,7 @@ class AllocationMixin(ManagerState):
         for node in nodes:
             self._ref(node)
         try:
-            self._reclaim_device(num_swap + num_fresh)
+            self._reclaim_device(num_swap + num_fresh + num_shared)
         except NoFreeBlocksError:
             for node in nodes:
                 self._unref(node)
@@ -177,6 +179,8 @@ class AllocationMixin(ManagerState):
         # too: they are copied together later (backups, evictions).
         swap_dst = self.device_pool.allocate(num_swap, contiguous=True, longest_runs=True)
         fresh = self.device_pool.allocate(num_fresh, contiguous=True)
+        standby = self.device_pool.allocate(num_shared)
+        standby_of: dict[int, int] = {}
         table: list[int] = []
         src: list[int] = []
         hv: list[int] = []
@@ -195,11 +199,20 @@ class AllocationMixin(ManagerState):
                 hv.append(node.hash_value)
                 table.append(d)
             else:
+                if node.pending is TransferKind.SWAP_IN:
+                    # NOTE: the load is issued with the step of the request that asked for it
+                    # (this one runs in that step or a later one, so it reads the block after
+                    # the per-layer wait); if the load fails this request recomputes into the
+                    # standby block, like the issuer does into the destination.
+                    b = standby[len(standby_of)]
+                    standby_of[len(table)] = b
+                    self._inflight[(HOST, DEV, node.device_block_id)].sharers[request.request_id] = b  # type: ignore[index]
                 table.append(node.device_block_id)  # type: ignore[arg-type]
             self._maybe_queue_backup(node)
         table.extend(fresh)
         applied = MatchResult(block_size=bs, nodes=list(nodes), tiers=list(tiers))
-        st = RequestState(request, list(nodes) + [None] * len(fresh), list(table), applied)
+        st = RequestState(request, list(nodes) + [None] * len(fresh), list(table), applied, committed=len(nodes),
+                          standby=standby_of)
         self._requests[request.request_id] = st
         request.block_tables = list(table)
         request.num_cached_tokens = len(nodes) * bs
@@ -212,13 +225,14 @@ class AllocationMixin(ManagerState):
         s = self.stats
         s.num_requests += 1
         s.query_tokens += request.num_total_tokens
-        s.matched_tokens_device += (len(nodes) - num_swap) * bs
-        s.matched_tokens_host += num_swap * bs
+        s.matched_tokens_device += (len(nodes) - num_swap - num_shared) * bs
+        s.matched_tokens_host += (num_swap + num_shared) * bs
         s.swap_in_blocks_issued += num_swap
+        s.shared_load_blocks += num_shared
         # Only what is returned is "new": device hits were already the request's data.
         return ResidencyPlan(
             new_block_ids=list(swap_dst) + list(fresh),
             num_cached_tokens=len(nodes) * bs,
-            num_device_hit_tokens=(len(nodes) - num_swap) * bs,
-            num_host_hit_tokens=num_swap * bs,
+            num_device_hit_tokens=(len(nodes) - num_swap - num_shared) * bs,
+            num_host_hit_tokens=(num_swap + num_shared) * bs,
         )

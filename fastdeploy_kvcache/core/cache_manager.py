@@ -15,12 +15,13 @@ class in its own module, over the state declared in ``manager_state``:
   counters behind ``get_stats``
 
 Nothing here touches KV bytes.  A copy is "in flight" from the moment its metadata
-is emitted until ``complete_swap`` sees it come back; in flight, the node can be
-neither evicted nor served from the copy's destination.
+is emitted until ``complete_swap`` sees it come back; in flight, the node cannot be
+evicted, and the copy's destination is served only by a host -> device load, to the
+requests that share it (each holds a standby block in case the load fails).
 
 Ownership of a block, per pool (the invariant ``check_invariants`` verifies):
-free (in the pool), owned (in a running request's block table, or held by a
-detached node whose copy is still in flight) or cached (a tree node's copy with no
+free (in the pool), owned (in a running request's block table or among its standby
+blocks, or held by a detached node whose copy is still in flight) or cached (a tree node's copy with no
 running request on it).  free + owned + cached = total.
 """
 
@@ -81,6 +82,7 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         self.write_policy = config.write_policy
         self.write_through_threshold = config.write_through_threshold
         self.enable_prefix_caching = config.enable_prefix_caching
+        self.share_loads = True
         self.bytes_per_block = config.bytes_per_block
         self.device_pool = BlockPool(config.num_gpu_blocks, DEV)
         self.host_pool = BlockPool(config.host_block_count, HOST)
@@ -124,6 +126,55 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         request.block_tables = []
         request.match_result = None
 
+    def commit_computed_blocks(self, request: Request) -> int:
+        """Make a running request's computed full prompt blocks matchable now; returns how many
+        leading blocks of its table are tree nodes afterwards.
+
+        Without this a block enters the tree only when its request finishes or is preempted,
+        so a request arriving while a long prompt is prefilled in chunks would compute the
+        same prefix again.  Call it after a step advanced ``num_computed_tokens``.  Each new
+        node is owned by the request (it holds the ref); its KV is final, because a full
+        prompt block is never written again.  Nothing is committed on top of a load still
+        in flight (if the load failed, the blocks computed over it hold wrong KV), nor past
+        a block some other request already put in the tree (that copy stays private).
+        """
+        st = self._lookup(request)
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
+        i = st.committed
+        if i >= num_full:
+            return i
+        parent = st.nodes[i - 1] if i else self.tree.root
+        if parent is None or parent.detached or any(
+            nd is not None and nd.pending is TransferKind.SWAP_IN for nd in st.nodes[:i]
+        ):
+            return i
+        hashes = request.block_hashes(bs, num_full * bs)
+        tree = self.tree
+        for i in range(i, num_full):
+            node = st.nodes[i]
+            if node is not None:
+                if node.parent is not parent or node.detached:
+                    break
+                parent = node
+                st.committed = i + 1
+                continue
+            if hashes[i] in parent.children:
+                break  # computed elsewhere too: that copy serves others, this one stays private
+            node = tree.add_child(parent, hashes[i])
+            node.ref_count = 1  # owned by the request before it is ever offered for eviction
+            tree.set_device(node, st.block_ids[i])
+            st.nodes[i] = node
+            self.stats.inserted_blocks += 1
+            self.stats.committed_blocks += 1
+            if self.policy.backup_on_insert:
+                self._queue_backup(node)
+            parent = node
+            st.committed = i + 1
+        return st.committed
+
     def preempt_request(self, request: Request) -> None:
         """Take a running request off the device, keeping what it computed cached.
 
@@ -165,9 +216,18 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         bs = self.block_size
         # Loads never handed to a batch will never run: take them back.
         cancelled: set[int] = set()
+        # Loads in flight it shared: its standby blocks go back, the load goes on.
+        for i, b in st.standby.items():
+            self._inflight[(HOST, DEV, st.block_ids[i])].sharers.pop(req.request_id, None)
+            self.device_pool.free_one(b)
+        st.standby = {}
         for meta in req.cache_swap_metadata:
             for d in meta.dst_block_ids:
-                inf = self._inflight.pop((HOST, DEV, d))
+                inf = self._inflight[(HOST, DEV, d)]
+                if inf.sharers:
+                    self._hand_over_load(inf)
+                    continue
+                del self._inflight[(HOST, DEV, d)]
                 node = inf.node
                 node.pending = None
                 i = st.block_ids.index(d)
@@ -242,6 +302,20 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         if to_free:
             self.device_pool.free(to_free)
 
+    def _hand_over_load(self, inf: InFlight) -> None:
+        """A request leaves before its load was handed to a batch, and others share the
+        load: the first of them issues it instead (and no longer needs its standby block)."""
+        rid, b = next(iter(inf.sharers.items()))
+        del inf.sharers[rid]
+        st = self._requests[rid]
+        st.standby = {i: x for i, x in st.standby.items() if x != b}
+        self.device_pool.free_one(b)
+        inf.request_id = rid
+        node = inf.node
+        st.request.cache_swap_metadata.append(
+            CacheSwapMetadata([inf.src], [inf.dst], HOST, DEV, [node.hash_value], kind=TransferKind.SWAP_IN)
+        )
+
     def _privatize_tail(self, st: RequestState, start: int) -> None:
         """Give a request that must recompute from block ``start`` private blocks there.
 
@@ -259,6 +333,7 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         ]
         if not idxs:
             return
+        st.committed = min(st.committed, start)
         saved, self._call_evictions = self._call_evictions, []
         try:
             self._reclaim_device(len(idxs))
@@ -299,6 +374,7 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         if st is not None and idx is not None:
             # The request keeps the block as its own and recomputes from it.
             st.nodes[idx] = None
+            st.committed = min(st.committed, idx)
             self._unref_no_count(node)
             req = st.request
             start = idx * self.block_size
@@ -306,10 +382,26 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
             req.num_computed_tokens = min(req.num_computed_tokens, start)
             affected.add(req.request_id)
         else:
-            # Its request is gone; the block was counted as cached (ref 0, in the tree).
+            # Its request is gone; the block was counted as cached (ref 0, in the tree)
+            # unless requests that shared the load still hold it.
             if not node.detached and node.ref_count == 0:
                 self._dec_cached_device()
             self.device_pool.free_one(d)
+        # Each request that shared the load recomputes into its standby block.
+        for rid, b in inf.sharers.items():
+            sst = self._requests[rid]
+            i = next(k for k, x in sst.standby.items() if x == b)
+            del sst.standby[i]
+            sst.nodes[i] = None
+            sst.block_ids[i] = b
+            sst.request.block_tables[i] = b
+            sst.committed = min(sst.committed, i)
+            node.ref_count -= 1
+            start = i * self.block_size
+            sst.request.num_cached_tokens = min(sst.request.num_cached_tokens, start)
+            sst.request.num_computed_tokens = min(sst.request.num_computed_tokens, start)
+            affected.add(rid)
+        inf.sharers = {}
         if node.detached:
             self._release_detached(node)
         else:

@@ -180,6 +180,7 @@ class CopiesMixin(ManagerState):
             self._host_doomed.discard(node)
             return
         self.stats.swap_in_blocks += 1
+        self._drop_standby(inf)
         if node.detached:
             self._host_doomed.discard(node)
             self._release_detached(node)
@@ -190,6 +191,14 @@ class CopiesMixin(ManagerState):
             # Exclusive tiers: the host copy has done its job.
             self.host_pool.free_one(self.tree.clear_host(node))
         self.tree.offer(node)
+
+    def _drop_standby(self, inf: InFlight) -> None:
+        """A shared load landed: its sharers' standby blocks go back to the pool."""
+        for rid, b in inf.sharers.items():
+            st = self._requests[rid]
+            st.standby = {i: x for i, x in st.standby.items() if x != b}
+            self.device_pool.free_one(b)
+        inf.sharers = {}
 
     def _complete_evict(self, inf: InFlight, ok: bool) -> None:
         node = inf.node

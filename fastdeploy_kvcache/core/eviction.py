@@ -33,7 +33,8 @@ class EvictionMixin(ManagerState):
         Exact: it runs the plan the allocation runs first, without evicting anything.
         Pass the ``request`` (matched, not allocated yet) to count its own device hits
         as pinned, as its allocation will: the answer then agrees with
-        ``allocate_device_blocks(request, n)``.  O(1) when enough blocks are free,
+        ``allocate_device_blocks(request, n)`` (standby blocks for the loads in flight it
+        would share included).  O(1) when enough blocks are free,
         else O(k log n) for the k evictions it plans.
         """
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -44,6 +45,8 @@ class EvictionMixin(ManagerState):
             if request.request_id not in self._requests:
                 nodes, tiers = self._rewalk_match(request)  # type: ignore[attr-defined]
                 exclude = frozenset(nd for nd, t in zip(nodes, tiers) if t is DEV)
+                # Loads in flight it will share need a standby block each (allocation.py).
+                n += sum(1 for nd in exclude if nd.pending is TransferKind.SWAP_IN)
         return self._plan_reclaim(n, exclude, dry_run=True) is not None
 
     def _plan_reclaim(

@@ -56,6 +56,13 @@ def check_invariants(mgr: 'CacheManager') -> dict[str, int]:
                 if node.detached:
                     if node not in mgr._detached:
                         raise InvariantViolation(f'{rid}[{i}]: detached node not tracked: {node}')
+        for i, b in st.standby.items():
+            claim(dev_claims, b, f'request {rid} standby [{i}]')
+            dev_owned += 1
+            node = st.nodes[i] if i < len(st.nodes) else None
+            inf = mgr._inflight.get((CacheLevel.HOST, _DEV, st.block_ids[i])) if node is not None else None
+            if inf is None or inf.node is not node or inf.sharers.get(rid) != b:
+                raise InvariantViolation(f'{rid}[{i}]: standby block {b} without a shared load in flight')
     dev_cached = 0
     host_cached = 0
     for node in mgr.tree.iter_nodes():
@@ -121,6 +128,10 @@ def check_invariants(mgr: 'CacheManager') -> dict[str, int]:
             claim(host_claims, b, who)
             host_owned += 1
     for (stier, dtier, dst), inf in mgr._inflight.items():
+        for rid, b in inf.sharers.items():
+            sst = mgr._requests.get(rid)
+            if sst is None or b not in sst.standby.values():
+                raise InvariantViolation(f'load to device {dst} shared by {rid}, which holds no standby block {b}')
         if inf.node.pending is not inf.kind:
             raise InvariantViolation(f'in-flight {inf.kind.name} but node says {inf.node.pending}')
         if dtier is _DEV:

@@ -37,13 +37,19 @@ class RequestState:
     holds a ref on it), or None for a private block that only this request uses.
     ``block_ids`` is the manager's own copy of the block table, so a block table an
     engine edited by mistake is caught instead of freeing foreign ids.  ``match`` is
-    the match as the first allocation applied it (exactly once).
+    the match as the first allocation applied it (exactly once).  ``committed``: how many
+    leading blocks are tree nodes chained from the root (the match, then computed prompt
+    blocks ``commit_computed_blocks`` made matchable while the request runs).
     """
 
     request: Request
     nodes: list[Optional[BlockNode]] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     match: Optional[MatchResult] = None
+    committed: int = 0
+    # Loads in flight that this request shares with the request that issued them: block
+    # index -> a standby device block it recomputes into if that load fails.
+    standby: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -55,6 +61,8 @@ class InFlight:
     src: int
     dst: int
     request_id: Optional[str] = None  # loads: the request that will read the block
+    # Loads: other running requests that read the block too (id -> their standby block).
+    sharers: dict[str, int] = field(default_factory=dict)
 
 
 class ManagerState:
@@ -63,6 +71,9 @@ class ManagerState:
     config: "CacheConfig"
     block_size: int
     enable_prefix_caching: bool
+    # Whether a request may read a block another request's host -> device load is still
+    # bringing in (with a standby block in case the load fails); off: it computes the block.
+    share_loads: bool
     bytes_per_block: int
     write_policy: str  # the policy's name, for stats and logs
     write_through_threshold: int

@@ -39,7 +39,7 @@ class MatchingMixin(ManagerState):
         max_blocks = (num_tokens - 1) // bs
         hashes = request.block_hashes(bs, num_tokens)
         if self.enable_prefix_caching:
-            nodes, tiers = self.tree.match(hashes, max_blocks)
+            nodes, tiers = self.tree.match(hashes, max_blocks, self.share_loads)
         else:
             nodes, tiers = [], []
         result = MatchResult(block_size=bs, nodes=nodes, tiers=tiers)
@@ -59,7 +59,8 @@ class MatchingMixin(ManagerState):
 
         NOTE: the storage tier (core/storage_tier.py) answers from what it knows
         locally (puts that returned OK, prefetches), with no I/O: its one existence
-        round trip per request is made when the request is admitted, and its hits
+        round trip per request is made when the request is queued (prefetch on arrival)
+        or admitted, and its hits
         come back as host nodes (prefetch into host), so they match as HOST here.
         """
         storage = self.storage

@@ -313,13 +313,16 @@ class RadixTree:
         return block_id
 
     # ------------------------------------------------------------------ lookup
-    def match(self, hashes: Sequence[int], max_blocks: int) -> tuple[list[BlockNode], list[CacheLevel]]:
+    def match(
+        self, hashes: Sequence[int], max_blocks: int, loads_in_flight: bool = True
+    ) -> tuple[list[BlockNode], list[CacheLevel]]:
         """Walk ``hashes`` from the root; stop at the first block with no usable copy.
 
-        A block is usable on device if its device copy is valid (a load into it that
-        is still in flight does not count: the request that issued it is the only
-        one allowed to rely on it) and on host if its host copy is valid and not the
-        destination of a copy in flight.  Nothing is changed.
+        A block is usable on device if it has a device copy: a valid one, or one a load
+        is bringing in (the cache manager lets a request share a load in flight, with a
+        standby block in case it fails; ``loads_in_flight=False`` leaves those out), and
+        on host if its host copy is valid and not the destination of a copy in flight.
+        Nothing is changed.
         """
         nodes: list[BlockNode] = []
         tiers: list[CacheLevel] = []
@@ -328,10 +331,9 @@ class RadixTree:
             node = node.children.get(h)  # type: ignore[assignment]
             if node is None:
                 break
-            pending = node.pending
-            if node.device_block_id is not None and pending is not TransferKind.SWAP_IN:
+            if node.device_block_id is not None and (loads_in_flight or node.pending is not TransferKind.SWAP_IN):
                 tiers.append(CacheLevel.DEVICE)
-            elif node.host_block_id is not None and pending is None:
+            elif node.host_block_id is not None and node.pending is None:
                 tiers.append(CacheLevel.HOST)
             else:
                 break

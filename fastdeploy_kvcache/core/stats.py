@@ -34,6 +34,8 @@ class CacheStats:
     failed_blocks: int = 0
     inserted_blocks: int = 0
     duplicate_blocks: int = 0
+    shared_load_blocks: int = 0  # host -> device loads in flight another request shared
+    committed_blocks: int = 0  # prompt blocks made matchable while their request still ran
     shared_recompute_fallbacks: int = 0
     # Gauge, not a counter: cached (ref 0, in the tree) device blocks right now.
     cached_device: int = 0

@@ -15,7 +15,9 @@ Pure Python (no Paddle, no CuPy): it decides, the worker moves bytes.  It sits b
   all, ``wait_complete`` until the job is back, ``timeout`` at most
   ``StorageConfig.prefetch_timeout_s(tokens)``.  A prefetch the request stopped waiting
   for is *aborted* for that request, but it keeps its host blocks until the job is back
-  (a late get could still write them) and still inserts what arrived.
+  (a late get could still write them) and still inserts what arrived.  The engine starts a
+  request's prefetch when it is queued (:meth:`StorageTier.prefetch_on_arrival`, within a
+  host-block budget); the policy's wait is then counted from admission.
 * **Backup.**  ``write_through``: a block is put when its device -> host copy succeeded
   (:meth:`on_host_copies`); ``write_back``: when the host tier evicts it
   (:meth:`on_host_evict`).  Hashes already stored, or being stored, are skipped.  A hash
@@ -172,6 +174,7 @@ class _Prefetch:
     done: bool = False
     aborted: bool = False
     inserted: list[BlockNode] = field(default_factory=list)
+    on_arrival: bool = False  # started when the request was queued (its deadline starts at admission)
 
 
 class StorageTier:
@@ -222,13 +225,17 @@ class StorageTier:
         # Requests waiting on another request's prefetch: id -> (that prefetch, own deadline).
         self._followers: dict[str, tuple[_Prefetch, float]] = {}
         self._prefetch_blocks: set[int] = set()  # host blocks owned by gets in flight
+        # Requests whose prefetch started on arrival: their wait starts at admission.
+        self._arrived: set[str] = set()
         self._outbox: list[StorageJob] = []
         self.stats: dict[str, float] = collections.defaultdict(float)  # type: ignore[assignment]
         for k in ("exists_calls", "query_blocks", "hit_blocks", "prefetch_jobs", "prefetch_blocks_issued",
                   "prefetch_blocks_loaded", "prefetch_blocks_failed", "prefetch_blocks_inserted",
                   "prefetch_blocks_unused", "aborted_prefetches", "put_blocks_issued", "put_blocks_ok",
                   "put_blocks_failed", "put_skipped_stored", "storage_hit_tokens", "read_bytes",
-                  "read_seconds", "write_bytes", "write_seconds", "unavailable_skips", "query_errors"):
+                  "read_seconds", "write_bytes", "write_seconds", "unavailable_skips", "query_errors",
+                  "prefetch_blocks_shared", "arrival_prefetch_jobs", "arrival_prefetch_blocks",
+                  "arrival_prefetch_over_budget"):
             self.stats[k] = 0
         self.errors: dict[str, int] = collections.defaultdict(int)
 
@@ -307,6 +314,14 @@ class StorageTier:
         """
         rid = request.request_id
         pf = self._prefetch.get(rid)
+        if rid in self._arrived:
+            # Started on arrival: the policy's wait is counted from the first admission try.
+            self._arrived.discard(rid)
+            if pf is not None and not pf.done:
+                pf.deadline = self._deadline(self.clock(), len(pf.job.hashes) * self.block_size)
+            elif rid in self._followers:
+                leader, _ = self._followers[rid]
+                self._followers[rid] = (leader, self._deadline(self.clock(), len(leader.job.hashes) * self.block_size))
         if pf is None:
             if rid in self._no_prefetch:
                 return PREFETCH_READY  # asked already (admission was retried): no new round trip
@@ -329,6 +344,30 @@ class StorageTier:
             return PREFETCH_READY
         return PREFETCH_WAITING
 
+    def prefetch_on_arrival(self, request: Any, budget_blocks: int) -> None:
+        """Start the request's lookup and prefetch now, while it waits in the queue.
+
+        At most ``budget_blocks`` host blocks are held by arrival prefetches in flight; a
+        request over the budget simply prefetches at admission, as without this.  Never
+        refuses anything: the request is queued whatever happens here.
+        """
+        rid = request.request_id
+        if rid in self._prefetch or rid in self._followers or rid in self._no_prefetch:
+            return
+        held = sum(len(pf.job.host_block_ids) for pf in self._prefetch.values() if pf.on_arrival and not pf.done)
+        room = budget_blocks - held
+        pf = self._start_prefetch(request, limit=room)
+        if pf is not None:
+            pf.on_arrival = True
+            self.stats["arrival_prefetch_jobs"] += 1
+            self.stats["arrival_prefetch_blocks"] += len(pf.job.hashes)
+        elif room <= 0 and rid not in self._followers:
+            self.stats["arrival_prefetch_over_budget"] += 1
+            return  # asked again at admission
+        elif rid not in self._followers:
+            self._no_prefetch.add(rid)
+        self._arrived.add(rid)
+
     def next_deadline(self) -> Optional[float]:
         """The earliest time a waiting request stops waiting (None if none waits)."""
         ds = [pf.deadline for pf in self._prefetch.values() if not pf.done and not pf.aborted]
@@ -343,7 +382,7 @@ class StorageTier:
             return now + self.config.prefetch_timeout_s(num_tokens)
         return now  # best_effort: never waits
 
-    def _start_prefetch(self, request: Any) -> Optional[_Prefetch]:
+    def _start_prefetch(self, request: Any, limit: Optional[int] = None) -> Optional[_Prefetch]:
         m = self.manager
         bs = self.block_size
         max_blocks = (request.num_total_tokens - 1) // bs
@@ -361,9 +400,12 @@ class StorageTier:
         for other in self._prefetch.values():
             if not other.done and rest[0] in other.job.hashes:
                 self._followers[request.request_id] = (other, self._deadline(self.clock(), len(rest) * bs))
+                fetched = set(other.job.hashes)
+                self.stats["prefetch_blocks_shared"] += next(
+                    (i for i, h in enumerate(rest) if h not in fetched), len(rest))
                 return None
         parent = nodes[-1] if nodes else m.tree.root
-        if not self._can_hang_host_nodes(parent):
+        if not self._can_hang_host_nodes(parent) or (limit is not None and limit <= 0):
             return None
         n = self.query(rest)
         if n < self.config.prefetch_min_blocks:
@@ -375,6 +417,8 @@ class StorageTier:
             if h in inflight:
                 break
             want.append(h)
+        if limit is not None:
+            want = want[: max(0, limit)]
         if not want:
             return None
         # The matched prefix keeps its host copies: the fetched blocks hang below it.
@@ -419,6 +463,7 @@ class StorageTier:
         A job still in flight keeps its host blocks and still inserts what arrives.
         """
         self._no_prefetch.discard(request_id)
+        self._arrived.discard(request_id)
         self._followers.pop(request_id, None)
         pf = self._prefetch.get(request_id)
         if pf is None:

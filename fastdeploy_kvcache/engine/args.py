@@ -77,6 +77,12 @@ class EngineArgs:
     model_dtype: str = "auto"
     # KV cache events (engine/kv_events_config.KVEventsConfig, --kv-events-config); None: off.
     kv_events_config: Optional[Any] = None
+    # In-batch prefix sharing (core/prefix_sharing.py): the most seconds a waiting request is
+    # held for a running request that computes its uncached prefix; 0: never held.
+    max_prefix_hold_s: float = 10.0
+    # Storage prefetch on arrival: the most host blocks queued requests' prefetches may hold
+    # (None: half the host tier; 0: prefetch only at admission).
+    arrival_prefetch_host_blocks: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.model_cache_dir is None:
@@ -113,6 +119,12 @@ class EngineArgs:
         if self.model_dtype != "auto" and self.model_impl != "transformers":
             raise ValueError("model_dtype: only --model-impl transformers takes a model dtype (paddleformers: "
                              "float32 on CPU, bfloat16 on GPU)")
+        if not isinstance(self.max_prefix_hold_s, (int, float)) or isinstance(self.max_prefix_hold_s, bool) \
+                or not self.max_prefix_hold_s >= 0:
+            raise ValueError(f"max_prefix_hold_s: must be a number >= 0, got {self.max_prefix_hold_s!r}")
+        if self.arrival_prefetch_host_blocks is not None and (
+                not isinstance(self.arrival_prefetch_host_blocks, int) or self.arrival_prefetch_host_blocks < 0):
+            raise ValueError(f"arrival_prefetch_host_blocks: must be an integer >= 0, got {self.arrival_prefetch_host_blocks!r}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib: must be > 0, got {self.kv_cache_memory_gib!r}")
 
@@ -226,6 +238,16 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
              "models: smollm2-135m-instruct, tiny-llama-random, llama3-8b-random or a .gguf file).")
     add("--model-dtype", dest="model_dtype", choices=MODEL_DTYPES, default="auto",
         help="Model dtype for --model-impl transformers: 'auto' is bfloat16 on a GPU, float32 on a CPU.")
+    add("--max-prefix-hold-s", dest="max_prefix_hold_s", type=float, default=d["max_prefix_hold_s"].default,
+        help="In-batch prefix sharing: a waiting request whose next uncached block another running "
+             "request is computing waits for it (then reuses it) for at most this many seconds in total, "
+             "and a prefilling request's full prompt blocks become reusable after each chunk. 0 turns both "
+             "off (a request's blocks are reusable once it finishes). Needs the v1 manager and prefix caching.")
+    add("--arrival-prefetch-host-blocks", dest="arrival_prefetch_host_blocks", type=int, default=None,
+        help="With a storage tier: a queued request's storage lookup and prefetch into host blocks start "
+             "when it arrives, not when it is admitted; this caps the host blocks those prefetches hold "
+             "(default: half the host tier; 0: prefetch at admission only). A request over the cap still "
+             "queues and prefetches at admission.")
     add("--splitwise-role", dest="splitwise_role", choices=SPLITWISE_ROLES, default="mixed",
         help="Prefill/decode disaggregation through the store (docs/pd_disaggregation.md): 'prefill' "
              "writes each prompt's KV to the store before returning its first token, 'decode' loads it "

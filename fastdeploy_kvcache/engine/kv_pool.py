@@ -51,6 +51,11 @@ class KVPool:
     def finish(self, request: Request) -> None:
         raise NotImplementedError
 
+    def commit(self, request: Request) -> int:
+        """Make the running request's computed full prompt blocks reusable now; returns how
+        many leading blocks of its table are reusable (0: this pool reuses nothing)."""
+        return 0
+
     def preempt(self, request: Request) -> None:
         raise NotImplementedError
 
@@ -105,6 +110,9 @@ class ManagedKVPool(KVPool):
     def finish(self, request: Request) -> None:
         if self.manager.is_running(request.request_id):
             self.manager.request_finish(request)
+
+    def commit(self, request: Request) -> int:
+        return self.manager.commit_computed_blocks(request)
 
     def preempt(self, request: Request) -> None:
         if self.manager.is_running(request.request_id):

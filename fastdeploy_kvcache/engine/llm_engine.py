@@ -3,19 +3,23 @@
 One step of the loop:
 
 1. **Inbox.** New requests and aborts arrive through a queue (``add_request`` and ``abort``
-   are thread-safe and never wait for a step).
+   are thread-safe and never wait for a step); with a storage tier, a new request's storage
+   prefetch starts as it is queued.
 2. **Schedule** under ``--max-num-batched-tokens``: running requests first (decodes, or the
    next chunk of a prefill), then admissions while there is budget and fewer than
-   ``--max-num-seqs`` run.  Admission is ``match_prefix`` then ``ensure_resident``; when blocks
-   run out, the most recently admitted request is preempted (its computed blocks stay cached,
-   so it resumes cheaply) and requeued at the front.
+   ``--max-num-seqs`` run.  Admission is ``match_prefix`` then ``ensure_resident``; a waiting
+   request whose next uncached block another running request is computing is held (in-batch
+   prefix sharing, ``core/prefix_sharing.py``) and the next one is tried.  When blocks run out,
+   the most recently admitted request is preempted (its computed blocks stay cached, so it
+   resumes cheaply) and requeued at the front.
 3. **Batch and copies.** ``BatchRequest`` of the scheduled requests plus the pending backups;
    ``submit_swap_tasks`` starts this step's device->host and host->device copies.
 4. **Forward.** All scheduled tokens as one flattened sequence; the paged attention waits
    per layer for the loads.  A failed load raises inside the forward: the step is dropped,
    the copies are drained and handed to ``complete_swap``, and the affected requests
    recompute from their lowered ``num_computed_tokens`` in the next step.
-5. **Advance** ``num_computed_tokens``, hand finished copies to ``complete_swap``, then sample
+5. **Advance** ``num_computed_tokens``, hand finished copies to ``complete_swap``, make the
+   prompt blocks a prefill completed reusable (``commit``), then sample
    for the requests whose tokens are all computed (not the ones a failed load rewound).
 6. **Finish** on eos / stop token / stop string / max_tokens / max_model_len:
    ``request_finish`` caches the request's blocks.
@@ -40,6 +44,7 @@ import numpy as np
 from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
+from fastdeploy_kvcache.core.prefix_sharing import PrefixSharing
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.engine.args import EngineArgs
 from fastdeploy_kvcache.engine.kv_event_stream import kv_cache_blocks, make_kv_event_stream
@@ -141,7 +146,8 @@ class LLMEngine:
             from fastdeploy_kvcache.engine.storage_pool import StorageKVPool, model_fingerprint
 
             self.pool: KVPool = StorageKVPool(self.cache_config, storage, self.model_name,
-                                              model_fingerprint(args.model, args.seed), backend=worker_backend)
+                                              model_fingerprint(args.model, args.seed), backend=worker_backend,
+                                              arrival_prefetch_blocks=args.arrival_prefetch_host_blocks)
         elif self.use_v1:
             self.pool = ManagedKVPool(self.cache_config, backend=worker_backend)
         else:
@@ -170,6 +176,9 @@ class LLMEngine:
             self.pool.close()
             raise
         self._seed_rng = np.random.default_rng(args.seed)
+        # In-batch prefix sharing: only where blocks are reused at all.
+        share = self.use_v1 and args.enable_prefix_caching and self.pd is None
+        self.sharing = PrefixSharing(self.cache_config.block_size, args.max_prefix_hold_s if share else 0.0)
 
         self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -418,6 +427,12 @@ class LLMEngine:
                 if self.pd is not None and not self.pd.on_add(item):
                     continue  # PD decode: finished by the prefill's token (eos, max_tokens)
                 self.waiting.append(item)
+                arrive = getattr(self.pool, "prefetch_on_arrival", None)
+                if arrive is not None and item.kv_transfer is None:
+                    try:
+                        arrive(item.req)  # storage lookup and fetch while it waits
+                    except Exception:  # noqa: BLE001 - a prefetch never keeps a request out
+                        logger.warning("prefetch on arrival of %s failed", item.request_id, exc_info=True)
             elif kind == "abort":
                 er = self._requests.get(item)
                 if er is not None and not er.finished:
@@ -474,6 +489,7 @@ class LLMEngine:
             if not er.req.output_token_ids:
                 self._counters["prompt_tokens_computed"] += n
         rewound = self._complete_copies(wait=False)
+        self._commit_prefill(scheduled)
         t_complete = time.perf_counter()
         k = 0
         for (er, n), s in zip(scheduled, seqs):
@@ -496,6 +512,23 @@ class LLMEngine:
             getattr(self.runner, "last_load_wait_gpu_s", 0.0), len(scheduled))
         self._flush_kv_events()
         self._refresh_stats()
+
+    def _commit_prefill(self, scheduled: list[tuple[_EngineRequest, int]]) -> None:
+        """Make the prompt blocks this step completed reusable now (requests held for them
+        start as soon as they are in, chunked prefill included).  Off with the sharing: a
+        request's blocks are then reusable once it finishes, as before."""
+        if not self.sharing.enabled:
+            return
+        for er, _ in scheduled:
+            r = er.req
+            if er.finished or r.num_computed_tokens > r.num_prompt_tokens + 1:
+                continue  # decoding: its prompt blocks were committed already
+            try:
+                committed = self.pool.commit(r)
+            except Exception:  # noqa: BLE001 - a missed commit only loses reuse
+                logger.exception("committing the blocks of %s failed", er.request_id)
+                continue
+            self.sharing.leader_progress(er.request_id, committed)
 
     def _schedule(self) -> list[tuple[_EngineRequest, int]]:
         """Pick this step's requests and token counts; make their blocks resident."""
@@ -528,10 +561,13 @@ class LLMEngine:
             i += 1
         if preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.args.max_num_seqs:
-            er = self.waiting[0]
+        sharing = self.sharing
+        sharing.begin_pass()
+        k = 0  # requests held for a prefix another one computes stay in place; the next go first
+        while k < len(self.waiting) and budget > 0 and len(self.running) < self.args.max_num_seqs:
+            er = self.waiting[k]
             if er.finished:
-                self.waiting.popleft()
+                del self.waiting[k]
                 continue
             r = er.req
             prefetch_ready = getattr(self.pool, "prefetch_ready", None)
@@ -539,6 +575,9 @@ class LLMEngine:
                 break  # the storage prefetch policy holds it until its blocks are on host
             try:
                 matched = self.pool.admit(r)
+                if sharing.should_hold(r, matched):
+                    k += 1
+                    continue
                 want = min(r.num_total_tokens, matched + budget)
                 plan = self.pool.ensure_resident(r, want)
             except NoFreeBlocksError as exc:
@@ -546,20 +585,21 @@ class LLMEngine:
                     if exc.retryable or self.pool.copies_in_flight:
                         self._complete_copies(wait=True)
                     else:
-                        self.waiting.popleft()
+                        del self.waiting[k]
                         self._finish(er, "error", error=f"not enough KV blocks: {exc}")
                 break
             except Exception as exc:  # noqa: BLE001 - a bad request fails alone
                 logger.exception("admission of %s failed", er.request_id)
-                self.waiting.popleft()
+                del self.waiting[k]
                 self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
                 continue
-            self.waiting.popleft()
+            del self.waiting[k]
             if not er.admitted:
                 er.admitted = True
                 er.cached_device = plan.num_device_hit_tokens
                 er.cached_host = plan.num_host_hit_tokens
                 er.cached_storage = plan.num_storage_hit_tokens
+            sharing.admitted(r, r.num_computed_tokens)
             self.running.append(er)
             if self.pd is not None:
                 self.pd.after_admit(er)  # PD decode: the partial block from the store
@@ -568,10 +608,12 @@ class LLMEngine:
                 continue
             out.append((er, n))
             budget -= n
+        sharing.end_pass()
         return out
 
     def _preempt(self, er: _EngineRequest) -> None:
         self.running.remove(er)
+        self.sharing.leader_gone(er.request_id)
         self.pool.preempt(er.req)
         self.waiting.appendleft(er)
         self._counters["num_preemptions"] += 1
@@ -630,6 +672,7 @@ class LLMEngine:
             return
         er.finished = True
         r = er.req
+        self.sharing.forget(er.request_id)
         try:
             if er in self.running:
                 self.running.remove(er)
@@ -687,6 +730,7 @@ class LLMEngine:
             "device": self.device,
             "engine": dict(self._counters),
             "step_times": self.step_times.snapshot(),
+            "prefix_sharing": self.sharing.stats.as_dict(),
             **pool,
         }
         if getattr(self, "pd", None) is not None:

@@ -58,7 +58,8 @@ class StorageKVPool(ManagedKVPool):
     """ManagedKVPool + storage tier (see the module docstring)."""
 
     def __init__(self, config: CacheConfig, storage_config: Any, model_id: str, weights_fp: str,
-                 backend: str = "paddle", **backend_overrides: Any) -> None:
+                 backend: str = "paddle", *, arrival_prefetch_blocks: Optional[int] = None,
+                 **backend_overrides: Any) -> None:
         from fastdeploy_kvcache.storage.keys import KeyNamespace
         from fastdeploy_kvcache.storage.transfer import HostTierLayout, StorageTransfer
         from fastdeploy_kvcache.worker.storage_worker import StorageWorker
@@ -69,6 +70,9 @@ class StorageKVPool(ManagedKVPool):
                 "(GiB, > 0)"
             )
         super().__init__(config, backend)
+        # Host blocks that prefetches started on arrival may hold (None: half the host tier).
+        self.arrival_prefetch_blocks = (config.host_block_count // 2 if arrival_prefetch_blocks is None
+                                        else arrival_prefetch_blocks)
         self.storage_config = storage_config
         self.store = storage_config.make_backend(**backend_overrides)
         try:
@@ -125,6 +129,14 @@ class StorageKVPool(ManagedKVPool):
         state = self.tier.prefetch_state(request)
         self._submit_storage_jobs()  # a prefetch just planned starts now, not at the next step
         return state == PREFETCH_READY
+
+    def prefetch_on_arrival(self, request: Request) -> None:
+        """A request was queued: its storage lookup and prefetch start now, within the
+        arrival budget (it is still checked again at admission, as without this)."""
+        if self.arrival_prefetch_blocks <= 0 or self.manager.is_running(request.request_id):
+            return
+        self.tier.prefetch_on_arrival(request, self.arrival_prefetch_blocks)
+        self._submit_storage_jobs()
 
     def ensure_resident(self, request: Request, num_tokens: int) -> ResidencyPlan:
         first = not self.manager.is_running(request.request_id)

@@ -26,9 +26,10 @@ def test_match_walks_device_then_host_and_stops():
     c.pending = TransferKind.EVICT  # host copy still being written: not usable
     assert tree.match([1, 2, 3], 10)[0] == [a, b]
     c.pending = None
-    b.pending = TransferKind.SWAP_IN  # a load in flight is only for its own request
+    b.pending = TransferKind.SWAP_IN  # a load in flight matches: the manager shares it
     b.host_block_id = 9
-    assert tree.match([1, 2, 3], 10)[0] == [a]
+    nodes, tiers = tree.match([1, 2, 3], 10)
+    assert nodes == [a, b, c] and tiers[1] is CacheLevel.DEVICE
 
 
 def test_only_leaves_are_offered_lru_first():

@@ -272,9 +272,11 @@ class CacheMachine(RuleBasedStateMachine):
         decode=st.lists(st.integers(0, 9), max_size=4),
         deliver_now=st.sampled_from([True, False, "loads"]),
         swap_cut=st.integers(0, 4),
+        commit=st.booleans(),
     )
-    def run_step(self, admit_k, evict_ok, swap_ok, decode, deliver_now, swap_cut=0):
-        """One engine step: admissions, decode growth, batch, copies in contract order, compute."""
+    def run_step(self, admit_k, evict_ok, swap_ok, decode, deliver_now, swap_cut=0, commit=False):
+        """One engine step: admissions, decode growth, batch, copies in contract order, compute,
+        and (``commit``) the computed prompt blocks made matchable while their requests run."""
         self._admit_some(admit_k)
         # Decode: some fully computed requests get an output token, maybe a block.
         for i, tok in enumerate(decode):
@@ -316,6 +318,10 @@ class CacheMachine(RuleBasedStateMachine):
             self._execute(sw, swap_ok)
         for req in batch:
             self._compute(req, req.num_total_tokens)
+        if commit:
+            for req in batch:
+                if self.mgr.is_running(req.request_id):
+                    self.mgr.commit_computed_blocks(req)
         if deliver_now == "loads":
             # The load stream finished, the device -> host stream has not yet.
             self._deliver_all(lambda meta: meta.dst_type is CacheLevel.DEVICE)
@@ -467,8 +473,16 @@ class CacheMachine(RuleBasedStateMachine):
         # L loads N0 N1 (N1's load will fail); R, admitted in the same step, matches
         # nothing (N0's load is in flight), computes all three and finishes first, so
         # N2 (R's copy) hangs below N1; L's failure then leaves N1 host-only.
+        # (R must not share L's loads for that: sharing is turned off for its admission.)
         lreq, rreq = Request(self._new_id(), q), Request(self._new_id(), q)
-        if not (self._admit(lreq) and self._admit(rreq)):
+        if not self._admit(lreq):
+            return  # the pool is too small: nothing to probe
+        self.mgr.share_loads = False
+        try:
+            admitted = self._admit(rreq)
+        finally:
+            self.mgr.share_loads = True
+        if not admitted:
             return  # the pool is too small for both: nothing to probe
         self._step_of([lreq, rreq], swap_fail_hashes={hq[1]}, deliver="none")
         self._deliver_all(lambda meta: meta.dst_type is CacheLevel.HOST)
@@ -595,7 +609,8 @@ def test_cache_manager_state_machine():
     assert sum(1 for n in STEP_COUNTS if n > MIN_STEPS) >= 200, sorted(STEP_COUNTS)
     # The traces must actually exercise every path the oracle is there for.
     for key in ("swap_in_blocks", "write_back_blocks", "backup_blocks", "failed_blocks", "device_evictions",
-                "host_evictions", "duplicate_blocks", "matched_tokens_host", "recompute_over_backup_source"):
+                "host_evictions", "duplicate_blocks", "matched_tokens_host", "recompute_over_backup_source",
+                "shared_load_blocks", "committed_blocks"):
         assert COVERAGE.get(key, 0) > 0, (key, COVERAGE)
     assert len(LIVENESS_CHECKS) >= 50, f"the liveness rule ran {len(LIVENESS_CHECKS)} times"
 
@@ -630,6 +645,69 @@ def test_scripted_failed_load_passes():
     machine = CacheMachine()
     _scripted_failed_load(machine)
     assert machine.mgr.get_stats()["failed_blocks"] == 3
+    machine.teardown()
+
+
+def test_scripted_shared_load_fails_for_every_reader():
+    """Two requests admitted in one step read the same host prefix: one load, shared; it
+    fails, and both recompute (each into a block of its own) before anything is cached."""
+    machine = CacheMachine()
+
+    def checked(fn, *args):
+        fn(*args)
+        machine.bookkeeping()
+        machine.shadow_oracle()
+
+    machine.setup(policy="write_back", num_dev=8, num_host=8, threshold=1, cache_output=False)
+    checked(machine.new_requests, 0, [[1, 2, 3, 0, 1]])  # 13 tokens: 3 full blocks
+    checked(machine.run_step, 1, True, True, [], True)
+    checked(machine.finish, 0)
+    checked(machine.new_requests, 2, [list(range(30))])  # evicts the first prompt to host
+    checked(machine.run_step, 1, True, True, [], True)
+    checked(machine.finish, 0)
+    checked(machine.revisit, [0, 0])
+    before = machine.mgr.get_stats()
+    checked(machine.run_step, 2, True, False, [], False)  # both admitted; the one load fails
+    stats = machine.mgr.get_stats()
+    shared = stats["shared_load_blocks"] - before["shared_load_blocks"]
+    issued = stats["swap_in_blocks_issued"] - before["swap_in_blocks_issued"]
+    assert shared > 0 and issued == shared, (shared, issued)  # one copy per block, not two
+    checked(machine._deliver_all)  # the failure reaches both readers (the machine checks who)
+    assert machine.mgr.get_stats()["failed_blocks"] - before["failed_blocks"] == issued
+    checked(machine.run_step, 0, True, True, [], True)  # both recompute
+    machine.teardown()
+
+
+def test_scripted_issuer_leaving_hands_its_shared_load_over():
+    """L issues a load that R shares; L is aborted before any step: R issues the load itself
+    (one copy, not zero and not two) and reads the right bytes (the shadow oracle)."""
+    machine = CacheMachine()
+
+    def checked(fn, *args):
+        fn(*args)
+        machine.bookkeeping()
+        machine.shadow_oracle()
+
+    machine.setup(policy="write_back", num_dev=8, num_host=8, threshold=1, cache_output=False)
+    checked(machine.new_requests, 0, [[1, 2, 3, 0, 1]])
+    checked(machine.run_step, 1, True, True, [], True)
+    checked(machine.finish, 0)
+    checked(machine.new_requests, 2, [list(range(30))])  # evicts the first prompt to host
+    checked(machine.run_step, 1, True, True, [], True)
+    checked(machine.finish, 0)
+    checked(machine.revisit, [0, 0])
+    lreq, rreq = machine.waiting
+    before = machine.mgr.get_stats()
+    checked(machine.admit, 2)
+    assert rreq.cache_swap_metadata == [] and lreq.cache_swap_metadata, "R should share L's load"
+    del machine.running[lreq.request_id]
+    machine.mgr.request_finish(lreq)  # aborted before its load reached a batch
+    machine.bookkeeping()
+    assert sum(len(m) for m in rreq.cache_swap_metadata) > 0, "the load was not handed to R"
+    checked(machine.run_step, 0, True, True, [], True)
+    stats = machine.mgr.get_stats()
+    issued = stats["swap_in_blocks_issued"] - before["swap_in_blocks_issued"]
+    assert stats["swap_in_blocks"] - before["swap_in_blocks"] == issued == stats["shared_load_blocks"] - before["shared_load_blocks"]
     machine.teardown()
 
 

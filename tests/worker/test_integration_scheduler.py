@@ -41,7 +41,11 @@ def test_injected_copy_failures_are_recomputed_never_served(policy: str) -> None
 
 
 def test_traces_exercise_swap_ins() -> None:
-    """The default traces load host blocks back, not just store them."""
+    """The default traces load host blocks back, not just store them; requests admitted in
+    one step share loads, and blocks are committed while their request runs."""
     _need("paddle")
-    total = sum(run_trace("write_back", seed, steps=40, fail_p=0.0, quant=False)["swap_in_blocks"] for seed in (0, 1))
-    assert total > 0
+    runs = [run_trace(policy, seed, steps=40, fail_p=0.0, quant=False) for policy in ("write_back", "write_through")
+            for seed in (0, 1)]
+    assert sum(c["swap_in_blocks"] for c in runs) > 0
+    assert sum(c["shared_load_blocks"] for c in runs) > 0
+    assert sum(c["committed_blocks"] for c in runs) > 0

@@ -3,7 +3,9 @@
 The scheduler's ``CacheManager`` drives a ``CacheController``.  Each computed full block is
 filled, per layer and per cache (K, V, and the fp32 scales of a quantized cache), with a
 pattern derived from the block's chained hash.  Random traces (admissions with prefix
-sharing, decoding, finishes, preemptions) run under a write policy; after each layer's
+sharing, decoding, finishes, preemptions; computed prompt blocks made reusable while their
+request runs, loads in flight shared by requests admitted in the same step) run under a
+write policy; after each layer's
 ``wait_for_layer`` and after every step, every running request's computed blocks must hold
 exactly its prefix's pattern.  Injected copy failures must come back as failed metadata,
 make the scheduler recompute, and never be served.
@@ -111,7 +113,8 @@ def run_trace(
     ctrl.transfer_manager.fault_injector = inject
     families = [[rng.randrange(1000) for _ in range(20)] for _ in range(2)]
     running: list[Any] = []
-    counts = {"steps": 0, "swap_in_blocks": 0, "d2h_blocks": 0, "failed": 0, "redone": 0}
+    counts = {"steps": 0, "swap_in_blocks": 0, "d2h_blocks": 0, "failed": 0, "redone": 0, "committed_blocks": 0,
+              "shared_load_blocks": 0}
     next_id = 0
 
     def complete(metas: list[CacheSwapMetadata]) -> None:
@@ -137,6 +140,9 @@ def run_trace(
                 complete(ctrl.collect_finished(wait=True))
             else:
                 complete(ctrl.collect_finished(wait=rng.random() < 0.3))
+            if rng.random() < 0.5:  # what an engine with in-batch prefix sharing does after a step
+                for req in running:
+                    mgr.commit_computed_blocks(req)
             mgr.check_invariants()
             model.check_all(running)
             counts["steps"] += 1
@@ -144,6 +150,8 @@ def run_trace(
         mgr.check_invariants()
         model.check_all(running)
         stats = ctrl.get_stats()
+        counts["committed_blocks"] = mgr.stats.committed_blocks
+        counts["shared_load_blocks"] = mgr.stats.shared_load_blocks
         assert stats["in_flight"] == 0
         assert stats["d2h"]["failed"] + stats["h2d"]["failed"] == counts["failed"]
     finally:

@@ -133,6 +133,27 @@ class EngineStatsCollector(Collector):
                 family.add_metric([d], value if value is not None else 0.0)
         out += [copied_bytes, copied_seconds, copied_blocks]
 
+        # In-batch prefix sharing and copies in flight shared (docs/usage.md, "Work in flight is shared").
+        held = lookup(flat, "prefix_sharing.held_requests")
+        if held is not None:
+            out.append(CounterMetricFamily("fastdeploy_kvcache:prefix_share_held_requests",
+                                           "Requests held while another request computed their uncached prefix.",
+                                           value=held))
+            out.append(CounterMetricFamily("fastdeploy_kvcache:prefix_share_reused_tokens",
+                                           "Cached tokens the held requests reused when they were admitted.",
+                                           value=lookup(flat, "prefix_sharing.held_reused_tokens") or 0.0))
+            gauge("fastdeploy_kvcache:prefix_share_held", "Requests held in the last scheduling pass.",
+                  lookup(flat, "prefix_sharing.held_now"))
+        shared = CounterMetricFamily("fastdeploy_kvcache:copy_shared_blocks",
+                                     "Blocks a request took from a copy already in flight for another request "
+                                     "instead of issuing its own: host-to-device loads, storage fetches.",
+                                     labels=["kind"])
+        for kind, key in (("load", "cache.shared_load_blocks"), ("fetch", "storage.tier.prefetch_blocks_shared")):
+            value = lookup(flat, key)
+            if value is not None:
+                shared.add_metric([kind], value)
+        out.append(shared)
+
         failed = lookup(flat, "failed_loads", "failed_blocks")
         out.append(CounterMetricFamily("fastdeploy_kvcache:failed_loads",
                                        "KV blocks whose host-to-device load failed (their tokens were recomputed).",
