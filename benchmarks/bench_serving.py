@@ -27,7 +27,7 @@ can reuse nothing, so there every configuration computes the same tokens and the
 must cost nothing.  One server per configuration runs at once; each repetition sends the
 same never-seen round-1 prompts (``--miss-requests`` of them, ``--concurrency`` in flight,
 back to back, so later requests carry the write-through backups of earlier ones) to each
-server in turn, the order rotating per repetition.  Load drifts on a shared machine then
+server in turn, in an order shuffled per repetition.  Load drifts on a shared machine then
 reach every configuration alike; the figure is the median over repetitions of each
 repetition's TTFT p50 over recompute's, with their p25-p75 as the spread (target:
 device+host <= 1.05x recompute).
@@ -344,7 +344,7 @@ def run_miss_probe(servers: dict[str, ServerProcess], model: str, wl: Workload, 
     """Round-1 TTFT (nothing to reuse) of each configuration, interleaved (see the module docstring).
 
     Repetition ``k`` sends the same ``requests`` never-seen round-1 prompts to every server,
-    starting with the ``k``-th configuration, so no configuration always runs first or
+    in an order shuffled per repetition (seeded), so no configuration always runs first or
     right after a given other one.  A server with a storage tier gets its puts settled
     before the next server runs, so they do not land on another configuration's time.
     """
@@ -353,8 +353,11 @@ def run_miss_probe(servers: dict[str, ServerProcess], model: str, wl: Workload, 
     per_rep: dict[str, list[float]] = {n: [] for n in names}
     cached_total: dict[str, int] = {n: 0 for n in names}
     for k in range(repeats):
-        prompts = [round1_prompt(wl, 300_000 + k * requests + i) for i in range(requests)]
-        for name in names[k % len(names):] + names[:k % len(names)]:
+        # Users no other phase sends (workload: 0.., hit probe: 10_000.., cold server: up to ~2M).
+        prompts = [round1_prompt(wl, 7_000_000 + k * requests + i) for i in range(requests)]
+        order = list(names)
+        random.Random(k).shuffle(order)
+        for name in order:
             got = asyncio.run(miss_burst(servers[name].base_url, model, prompts, wl.concurrency, wl.output_tokens))
             samples[name] += [t for t, _ in got]
             per_rep[name].append(percentile([t for t, _ in got], 50))
@@ -1096,8 +1099,8 @@ def miss_description(report: dict[str, Any]) -> str:
         return ""
     return (f"Miss probe (round 1, nothing to reuse): {len(m['configs'])} servers, one per configuration, ran at "
             f"once; each of {m['repeats']} repetitions sent the same {m['requests_per_repeat']} never-seen round-1 "
-            f"prompts ({m['concurrency']} in flight, back to back) to each server in turn, the order rotating per "
-            "repetition, so load drifts reach every configuration alike. The figure is the median of the "
+            f"prompts ({m['concurrency']} in flight, back to back) to each server in turn, in an order shuffled "
+            "per repetition, so load drifts reach every configuration alike. The figure is the median of the "
             "per-repetition ratios (each repetition's TTFT p50 over recompute's in the same repetition, seconds "
             "apart), with their p25 and p75 as the spread; the p50 over all repetitions is shown beside it.")
 
