@@ -22,7 +22,17 @@ rounds while the host tier can.  A second phase, on the device+host server, meas
 the time to first token of the same prefix length served from a device hit and from a
 host hit (the prefix's device blocks evicted by filler requests in between).
 
-A third phase, the **cold server** (``--cold-server``, on by default): for each storage
+A third phase, the **miss probe** (``--miss-repeats``, 0 to skip): round 1 of the workload
+can reuse nothing, so there every configuration computes the same tokens and the cache
+must cost nothing.  One server per configuration runs at once; each repetition sends the
+same never-seen round-1 prompts (``--miss-requests`` of them, ``--concurrency`` in flight,
+back to back, so later requests carry the write-through backups of earlier ones) to each
+server in turn, in an order shuffled per repetition.  Load drifts on a shared machine then
+reach every configuration alike; the figure is the median over repetitions of each
+repetition's TTFT p50 over recompute's, with their p25-p75 as the spread (target:
+device+host <= 1.05x recompute).
+
+A fourth phase, the **cold server** (``--cold-server``, on by default): for each storage
 backend (``--storage-backends``: ``file``, and ``mooncake`` where it imports and its
 binaries are installed) and each prefix length (``--cold-prefix-tokens``), a server
 computes ``--cold-repeats`` documents and stores them and is stopped; a restarted server
@@ -37,9 +47,11 @@ description in ``benchmarks/serving_sharing.py``): a burst of simultaneous reque
 uncached prefix, with in-batch prefix sharing on against off, and more queued requests than
 ``--max-num-seqs`` whose documents are in storage only, storage hit against host hit.
 
-Reported: TTFT p50/p99 (all rounds, and rounds >= 2), TTFT per round, throughput, the
+Reported: TTFT p50/p99 (all rounds, and rounds >= 2), TTFT per round (round 1 also as a
+ratio to recompute's, one configuration after the other: see the miss probe for the
+interleaved figure), throughput, the
 fraction of prompt tokens served from each tier, the ratios to the recompute baseline
-and to device+host measured in the same run, and the cold-server table.  Outputs: a JSON
+and to device+host measured in the same run, the miss probe and the cold-server table.  Outputs: a JSON
 file, a PNG plot of TTFT per round per configuration, and a section of
 docs/benchmarks.md (``--docs``; ``--quick`` writes none).
 
@@ -304,6 +316,96 @@ async def run_hit_probe(base_url: str, model: str, wl: Workload, filler_docs: in
                                               for r in valid], 50),
         "device_cached_tokens_p50": percentile([r["device_hit_tiers"]["device"] for r in valid], 50),
     }
+
+
+def config_server(name: str, args: argparse.Namespace, store_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The server flags (beyond the common ones) and the environment of one configuration."""
+    env = {"ENABLE_V1_KVCACHE_MANAGER": "0" if name == "recompute" else "1", "PYTHONFAULTHANDLER": "1"}
+    extra: list[str] = []
+    if name == "device":
+        extra = ["--swap-space", "0"]
+    elif name.startswith("device+host"):
+        extra = ["--swap-space", str(args.swap_space), "--write-policy", args.write_policy]
+    if name == "device+host+storage":
+        extra += ["--kvcache-storage-backend", "file", "--kvcache-storage-path", str(store_dir),
+                  "--kvcache-storage-min-free", "0"]
+    return extra, env
+
+
+def round1_prompt(wl: Workload, user: int) -> str:
+    """The first round's prompt of ``user``: its document and its first question."""
+    return f"{wl.document(user)}\n\nQuestion 1: {wl.question(user, 1)}\nAnswer:"
+
+
+async def miss_burst(base_url: str, model: str, prompts: list[str], concurrency: int,
+                     max_tokens: int) -> list[tuple[float, int]]:
+    """``prompts`` in order, ``concurrency`` in flight, each sent as soon as a slot frees.
+
+    Returns (TTFT, cached tokens) per prompt, in prompt order.
+    """
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    out: list[tuple[float, int]] = [(float("nan"), 0)] * len(prompts)
+    todo = iter(range(len(prompts)))
+
+    async def worker() -> None:
+        for i in todo:  # one shared iterator: each prompt goes to exactly one worker
+            ttft, _, _, usage = await stream_completion(client, model, prompts[i], max_tokens)
+            out[i] = (ttft, usage.prompt_tokens_details.cached_tokens)
+
+    await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+    await client.close()
+    return out
+
+
+def run_miss_probe(servers: dict[str, ServerProcess], model: str, wl: Workload, repeats: int, requests: int,
+                   progress: Any = None) -> dict[str, Any]:
+    """Round-1 TTFT (nothing to reuse) of each configuration, interleaved (see the module docstring).
+
+    Repetition ``k`` sends the same ``requests`` never-seen round-1 prompts to every server,
+    in an order shuffled per repetition (seeded), so no configuration always runs first or
+    right after a given other one.  A server with a storage tier gets its puts settled
+    before the next server runs, so they do not land on another configuration's time.
+    """
+    names = list(servers)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    per_rep: dict[str, list[float]] = {n: [] for n in names}
+    cached_total: dict[str, int] = {n: 0 for n in names}
+    for k in range(repeats):
+        # Users no other phase sends (workload: 0.., hit probe: 10_000.., cold server: up to ~2M).
+        prompts = [round1_prompt(wl, 7_000_000 + k * requests + i) for i in range(requests)]
+        order = list(names)
+        random.Random(k).shuffle(order)
+        for name in order:
+            got = asyncio.run(miss_burst(servers[name].base_url, model, prompts, wl.concurrency, wl.output_tokens))
+            samples[name] += [t for t, _ in got]
+            per_rep[name].append(percentile([t for t, _ in got], 50))
+            cached_total[name] += sum(c for _, c in got)
+            if name.endswith("+storage"):
+                wait_storage_quiet(servers[name])
+            if progress is not None:
+                progress.update(1)
+    out: dict[str, Any] = {"repeats": repeats, "requests_per_repeat": requests, "concurrency": wl.concurrency,
+                           "configs": {}}
+    base = samples.get("recompute")
+    for name in names:
+        row: dict[str, Any] = {
+            "ttft_p50_s": percentile(samples[name], 50),
+            "ttft_p25_p75_s": [percentile(samples[name], 25), percentile(samples[name], 75)],
+            "cached_tokens": cached_total[name],  # 0: every request was a miss
+            "samples_s": samples[name],
+            "per_repeat_p50_s": per_rep[name],
+        }
+        if base:
+            # Paired: each repetition's p50 over recompute's in the same repetition, seconds
+            # apart; their median is the figure (a load burst moves both sides of a pair).
+            ratios = [a / b for a, b in zip(per_rep[name], per_rep["recompute"])]
+            row["per_repeat_over_recompute_p25_p50_p75"] = [percentile(ratios, q) for q in (25, 50, 75)]
+            row["over_recompute"] = row["per_repeat_over_recompute_p25_p50_p75"][1]
+            row["pooled_over_recompute"] = row["ttft_p50_s"] / percentile(base, 50)
+        out["configs"][name] = row
+    return out
 
 
 def scrape_metrics(server: ServerProcess) -> dict[str, float]:
@@ -592,6 +694,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--probe-repeats", type=int, default=9)
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"Subset of {','.join(CONFIGS)} for the multi-turn workload ('' for none).")
+    ap.add_argument("--miss-repeats", type=int, default=8,
+                    help="Repetitions of the miss probe (round-1 prompts sent to one server per configuration "
+                         "in turn); 0 skips it.")
+    ap.add_argument("--miss-requests", type=int, default=0,
+                    help="Never-seen round-1 prompts per configuration and repetition (default: twice "
+                         "--concurrency, at least 3, so later ones carry earlier ones' backups).")
     ap.add_argument("--cold-server", action=argparse.BooleanOptionalAction, default=True,
                     help="Run the cold-server scenario (a restarted server in front of a warm store).")
     ap.add_argument("--cold-prefix-tokens", default="",
@@ -721,6 +829,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if h2d_gbps:
         logger.info("H2D limit (one contiguous pinned 1 GiB copy): %.1f GB/s", h2d_gbps)
     sharing: dict[str, Any] = {}
+    miss: dict[str, Any] = {}
     run_start = time.perf_counter()
 
     def run_one(server: ServerProcess, name: str, wl: Workload) -> tuple[list[Turn], float]:
@@ -737,15 +846,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         for name in configs:
-            env = {"ENABLE_V1_KVCACHE_MANAGER": "0" if name == "recompute" else "1", "PYTHONFAULTHANDLER": "1"}
-            extra: list[str] = []
-            if name == "device":
-                extra = ["--swap-space", "0"]
-            elif name.startswith("device+host"):
-                extra = ["--swap-space", str(args.swap_space), "--write-policy", args.write_policy]
-            if name == "device+host+storage":
-                extra += ["--kvcache-storage-backend", "file", "--kvcache-storage-path", str(work / "store-workload"),
-                          "--kvcache-storage-min-free", "0"]
+            extra, env = config_server(name, args, work / "store-workload")
             logger.info("[%s] starting server: %s", name, " ".join(common + extra))
             server = start_server(common + extra, env)
             try:
@@ -801,6 +902,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             fit["engine_stats_on"] = fit_stats
             logger.info("[fit] output tok/s switch off %.1f, on %.1f", fit["off_output_tokens_per_s"],
                         fit["on_output_tokens_per_s"])
+        if configs and args.miss_repeats > 0:
+            assert wl is not None
+            miss = run_miss_phase(args, configs, common, wl, start_server, work)
         if args.cold_server:
             backends, skipped = usable_backends(requested_backends)
             if wl is None:  # no workload configuration ran: calibrate on a server of its own
@@ -824,7 +928,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     total_wall = time.perf_counter() - run_start
 
     report = build_report(args, results, probe, device_blocks, working_set_blocks, max_model_len,
-                          tokens_per_word or 0.0, total_wall, cold)
+                          tokens_per_word or 0.0, total_wall, cold, miss)
     report["host_blocks"] = int(host_blocks) if host_blocks is not None else None
     report["machine"]["gpu"] = serving_gpu.gpu_name()
     serving_gpu.gpu_ratios(report, h2d_gbps, fit)
@@ -848,6 +952,36 @@ def main(argv: Optional[list[str]] = None) -> int:
         write_docs_section(Path(args.docs), report, json_path, png_path)
         logger.info("updated %s", args.docs)
     return 0
+
+
+def run_miss_phase(args: argparse.Namespace, configs: list[str], common: list[str], wl: Workload,
+                   start_server: Any, work: Path) -> dict[str, Any]:
+    """The miss probe: one server per configuration, all started before the first request."""
+    from openai import OpenAI
+    from tqdm import tqdm
+
+    requests = args.miss_requests or max(3, 2 * args.concurrency)
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for name in configs:
+            extra, env = config_server(name, args, work / "store-miss")
+            servers[name] = start_server(common + extra, env)
+        for name, server in servers.items():  # the workload's warm-up, not measured
+            warm = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+            for i in range(2):
+                warm.completions.create(model=args.model, prompt=wl.document(90_000 + i), max_tokens=2, temperature=0)
+        bar = tqdm(total=args.miss_repeats * len(servers), desc="miss probe", unit="burst", file=sys.stderr)
+        out = run_miss_probe(servers, args.model, wl, args.miss_repeats, requests, bar)
+        bar.close()
+    finally:
+        for server in servers.values():
+            server.stop()
+    for name, row in out["configs"].items():
+        q = row.get("per_repeat_over_recompute_p25_p50_p75")
+        logger.info("[miss] %s: TTFT p50 %.1f ms%s", name, 1e3 * row["ttft_p50_s"],
+                    f", {q[1]:.3f}x recompute (median over repetitions; p25-p75 {q[0]:.2f}-{q[2]:.2f})"
+                    if q else "")
+    return out
 
 
 def probe_default_model(model: str, target_tokens: int, seed: int) -> dict[str, Any]:
@@ -892,7 +1026,8 @@ def _find_number(stats: Any, key: str) -> Optional[float]:
 # ---------------------------------------------------------------------- report
 def build_report(args: argparse.Namespace, results: dict[str, ConfigResult], probe: dict[str, Any],
                  device_blocks: int, working_set_blocks: int, max_model_len: int, tokens_per_word: float,
-                 total_wall: float, cold: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                 total_wall: float, cold: Optional[dict[str, Any]] = None,
+                 miss: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     summaries = {name: r.summary() for name, r in results.items()}
     ratios: dict[str, Any] = {}
     base = summaries.get("recompute")
@@ -906,6 +1041,10 @@ def build_report(args: argparse.Namespace, results: dict[str, ConfigResult], pro
         ratios["device_over_recompute_ttft_p50_round2plus"] = dev["ttft_p50_round2plus_s"] / base["ttft_p50_round2plus_s"]
     if probe:
         ratios["host_hit_over_device_hit_ttft_p50"] = probe["host_over_device"]
+    if base:  # round 1 of the workload, configurations one after the other (no target: see the miss probe)
+        for name, summ in summaries.items():
+            if name != "recompute":
+                ratios[f"round1_over_recompute:{name}"] = _round1(summ) / _round1(base)
     storage = summaries.get("device+host+storage")
     if storage and host:  # no target: the cost of writing every block to storage as well
         ratios["storage_over_host_ttft_p50"] = storage["ttft_p50_s"] / host["ttft_p50_s"]
@@ -919,6 +1058,13 @@ def build_report(args: argparse.Namespace, results: dict[str, ConfigResult], pro
         "host_over_recompute_ttft_p50_round2plus": 0.25,
         "host_hit_over_device_hit_ttft_p50": 1.15,
     }
+    # Issue 27: a miss costs nothing, interleaved round-1 prompts (the miss probe).
+    for name, row in ((miss or {}).get("configs") or {}).items():
+        if "over_recompute" in row and name != "recompute":
+            # A request that reused anything was no miss: then the figure says nothing.
+            ratios[f"miss_over_recompute:{name}"] = row["over_recompute"] if row["cached_tokens"] == 0 else float("nan")
+            if name == "device+host":
+                targets[f"miss_over_recompute:{name}"] = 1.05
     # Issue 9, cold server: storage hit <= 1.3x host hit with the file backend (every prefix
     # length measured), storage hit <= 0.25x recompute at the largest prefix (every backend).
     results_cold = (cold or {}).get("results", {})
@@ -949,10 +1095,17 @@ def build_report(args: argparse.Namespace, results: dict[str, ConfigResult], pro
         "engine_stats": {name: r.engine_stats for name, r in results.items()},
         "probe": probe,
         "cold": cold or {},
+        "miss": miss or {},
         "ratios": ratios,
         "targets": targets,
         "met": {k: (ratios[k] <= v) for k, v in targets.items() if k in ratios and not math.isnan(ratios[k])},
     }
+
+
+def _round1(summary: dict[str, Any]) -> float:
+    """Round 1's TTFT p50 of a summary (JSON round trips turn the round keys into strings)."""
+    by_round = summary["ttft_p50_by_round_s"]
+    return by_round.get(1, by_round.get("1", float("nan")))
 
 
 def _ms(x: float) -> str:
@@ -1003,6 +1156,7 @@ def format_storage_ratio(report: dict[str, Any]) -> str:
 
 def format_round_table(report: dict[str, Any]) -> str:
     """TTFT p50 / p99 per round and configuration (from the turns themselves)."""
+    s = report["summaries"]
     turns = report["turns"]
     names = [n for n in CONFIGS if n in turns]
     rounds = sorted({t["round"] for n in names for t in turns[n]})
@@ -1014,7 +1168,38 @@ def format_round_table(report: dict[str, Any]) -> str:
             xs = [t["ttft_s"] for t in turns[n] if t["round"] == r]
             cells.append(f"{_ms(percentile(xs, 50))} / {_ms(percentile(xs, 99))}")
         lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    if "recompute" in s:
+        base = _round1(s["recompute"])
+        lines.append("| round 1 / recompute | " + " | ".join(f"{_round1(s[n]) / base:.2f}x" for n in names) + " |")
     return "\n".join(lines)
+
+
+def format_miss_table(report: dict[str, Any]) -> str:
+    """The miss probe: one row per configuration ('' if it did not run)."""
+    m = report.get("miss") or {}
+    if not m.get("configs"):
+        return ""
+    lines = ["| configuration | TTFT p50, all repetitions (ms) | p25-p75 (ms) | p50 / recompute's p50 | "
+             "per repetition, vs recompute: p25 / **p50** / p75 | cached tokens |", "|---|---|---|---|---|---|"]
+    for name, r in m["configs"].items():
+        q = r.get("per_repeat_over_recompute_p25_p50_p75")
+        lines.append(f"| {name} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p25_p75_s'][0])}-{_ms(r['ttft_p25_p75_s'][1])} | "
+                     f"{_ratio(r.get('pooled_over_recompute'), 3)} | "
+                     f"{' / '.join(_ratio(x, 3) for x in q) if q else '-'} | {r['cached_tokens']} |")
+    return "\n".join(lines)
+
+
+def miss_description(report: dict[str, Any]) -> str:
+    """One sentence on how the miss probe ran ('' if it did not)."""
+    m = report.get("miss") or {}
+    if not m.get("configs"):
+        return ""
+    return (f"Miss probe (round 1, nothing to reuse): {len(m['configs'])} servers, one per configuration, ran at "
+            f"once; each of {m['repeats']} repetitions sent the same {m['requests_per_repeat']} never-seen round-1 "
+            f"prompts ({m['concurrency']} in flight, back to back) to each server in turn, in an order shuffled "
+            "per repetition, so load drifts reach every configuration alike. The figure is the median of the "
+            "per-repetition ratios (each repetition's TTFT p50 over recompute's in the same repetition, seconds "
+            "apart), with their p25 and p75 as the spread; the p50 over all repetitions is shown beside it.")
 
 
 def _pair_spread(r: dict[str, Any]) -> str:
@@ -1044,6 +1229,9 @@ def format_cold_table(report: dict[str, Any]) -> str:
 
 
 def _target_label(key: str, report: dict[str, Any]) -> str:
+    if key.startswith("miss_over_recompute:"):
+        return (f"round 1 (miss probe, interleaved), TTFT p50: {key.split(':', 1)[1]} / recompute "
+                "(median over repetitions)")
     fixed = {
         "host_over_device_ttft_p50_round2plus": "rounds ≥ 2, TTFT p50: device+host / device",
         "host_over_recompute_ttft_p50_round2plus": "rounds ≥ 2, TTFT p50: device+host / recompute",
@@ -1061,7 +1249,8 @@ def _target_label(key: str, report: dict[str, Any]) -> str:
 
 
 def format_targets(report: dict[str, Any], cold: bool = False) -> str:
-    """Targets of issue 8 (workload and hit probe) or, with ``cold``, of issue 9 (cold server)."""
+    """Targets of issues 8 and 27 (workload, hit probe, miss probe) or, with ``cold``, of issue 9
+    (cold server)."""
     keys = [k for k in report["targets"] if k.startswith("cold_") == cold and k in report["ratios"]]
     if not keys:
         return ""
@@ -1095,6 +1284,8 @@ def format_console(report: dict[str, Any]) -> str:
     if serving_gpu.format_host_split(report):
         parts += ["", "Per-step host time by phase (ms per step, share of the step):",
                   serving_gpu.format_host_split(report)]
+    if format_miss_table(report):
+        parts += ["", miss_description(report), format_miss_table(report)]
     if format_targets(report):
         parts += ["", "Targets (same-run ratios):", format_targets(report)]
     if format_cold_table(report):
@@ -1191,11 +1382,12 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
             "",
         ]
     if base and "device+host" in s and "device" in s:
-        r1 = lambda n: s[n]["ttft_p50_by_round_s"].get("1", s[n]["ttft_p50_by_round_s"].get(1))  # noqa: E731
+        r1 = lambda n: _round1(s[n])  # noqa: E731
         body += [
             "Reading the table: round 1 computes the same tokens in every configuration (nothing is cached "
             f"yet); there device+host's TTFT p50 was {r1('device+host') / r1('recompute'):.2f}x recompute's and "
-            f"device's {r1('device') / r1('recompute'):.2f}x. In rounds ≥ 2 the device prefix cache "
+            f"device's {r1('device') / r1('recompute'):.2f}x (the configurations ran one after the other: "
+            "the miss probe below interleaves them). In rounds ≥ 2 the device prefix cache "
             f"alone reused {100 * s['device']['cached_fraction_round2plus_by_tier']['device']:.0f}% of the prompt "
             "tokens: its pool holds a third of the working set and the users take turns, so each document is "
             "evicted before its next round. The host tier kept them: "
@@ -1203,9 +1395,11 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
             "rounds ≥ 2 were loaded from it.",
             "",
         ]
+    if format_miss_table(report):
+        body += [miss_description(report), "", format_miss_table(report), ""]
     if format_targets(report):
         body += [
-            "Targets (issue 8):",
+            "Targets (issues 8 and 27):",
             "",
             format_targets(report),
             "",

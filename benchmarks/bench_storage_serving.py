@@ -69,8 +69,8 @@ def bench_serving_argv(argv: Optional[list[str]] = None) -> list[str]:
            "--output-tokens", str(args.output_tokens), "--concurrency", str(args.concurrency),
            "--swap-space", str(args.swap_space),
            "--configs", "device+host,device+host+storage" if args.workload else "",
-           # The device-hit/host-hit probe and the default-model probe belong to bench_serving's table.
-           "--probe-repeats", "0", "--default-model-probe", "", "--docs", "",
+           # The hit, miss and default-model probes belong to bench_serving's table.
+           "--probe-repeats", "0", "--miss-repeats", "0", "--default-model-probe", "", "--docs", "",
            "--seed", str(args.seed), "--out-dir", args.out_dir, "--tag", args.tag,
            "--name", "bench_storage_serving"]
     if args.quick:

@@ -62,6 +62,11 @@ __all__ = ["LLMEngine", "RequestOutput", "SamplingParams", "EngineArgs"]
 
 OutputCallback = Callable[[RequestOutput], None]
 
+# While idle with copies or storage jobs in flight, the loop polls for them between these
+# bounds (doubling), so a new request is picked up at once and finished copies soon after.
+_IDLE_POLL_MIN_S = 0.0005
+_IDLE_POLL_MAX_S = 0.01
+
 
 class _EngineRequest:
     """A request as the engine tracks it: the cache fields (``req``) plus generation state."""
@@ -388,13 +393,25 @@ class LLMEngine:
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
         logger.debug("engine thread started")
+        poll_s = _IDLE_POLL_MIN_S
         while not self._stop.is_set():
             try:
                 self._drain_inbox()
                 if not self.running and not self.waiting:
                     if self.pool.copies_in_flight:
-                        self._complete_copies(wait=True)
+                        # NOTE: poll, never drain, while idle: a request arriving now would
+                        # otherwise wait for the last requests' backups (and storage puts)
+                        # before its first step, so a miss paid for the cache's copies.
+                        self._complete_copies(wait=False)
+                        if self.pool.copies_in_flight:
+                            self._flush_kv_events()
+                            if self._inbox.empty():
+                                self._wake.wait(poll_s)
+                                self._wake.clear()
+                            poll_s = min(2 * poll_s, _IDLE_POLL_MAX_S)
+                            continue
                     self._flush_kv_events()
+                    poll_s = _IDLE_POLL_MIN_S
                     self._refresh_stats()
                     with self._lock:
                         # Under the lock add_request takes too: a request added after this
