@@ -153,6 +153,8 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
             return i
         hashes = request.block_hashes(bs, num_full * bs)
         tree = self.tree
+        if tree.events is not None:
+            tree.events.set_token_source(hashes, request)  # committed blocks carry their tokens too
         for i in range(i, num_full):
             node = st.nodes[i]
             if node is not None:

@@ -81,6 +81,11 @@ def test_a_request_arriving_during_idle_backups_starts_without_waiting_for_them(
     try:
         eng.add_request("first", _doc(0), greedy(2), col)
         assert backup_started.wait(60), "no backup was issued: the test does not test what it says"
+        # A prefilled chunk's blocks are backed up while their request still runs (in-batch
+        # prefix sharing commits them after each chunk), so the held backup may start first.
+        deadline = time.monotonic() + 30
+        while not (col.outputs.get("first") and col.outputs["first"][-1].finished) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert col.final("first").finish_reason == "length"
         eng.add_request("second", _doc(1), greedy(2), col)
         deadline = time.monotonic() + 30

@@ -172,8 +172,8 @@ def test_malformed_flag_fails_start_up_in_one_line() -> None:
     )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.endswith("error: argument --kv-events-config: endpoint: must be a ZMQ address such as "
-                         "'tcp://*:5557', got 5557"), proc.stderr
+    assert ("error: argument --kv-events-config: endpoint: must be a ZMQ address such as "
+            "'tcp://*:5557', got 5557") in last, proc.stderr
 
 
 def test_events_need_the_tiered_cache_manager() -> None:

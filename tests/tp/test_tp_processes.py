@@ -78,7 +78,10 @@ def test_the_per_rank_oracle_notices_a_merge_that_ignores_a_failed_rank() -> Non
     """Sensitivity: if a load that failed on rank 1 were reported done, rank 1 would serve
     blocks its load never filled, and its shard check says so."""
     with pytest.raises(RankFailedError, match="does not hold its prefix's KV shard"):
-        run_tp_trace("write_back", 0, steps=45, tp_size=2, fail_p=0.3, threaded=False,
+        # NOTE: 90 steps, so that some armed failure lands on a load (the check is about loads;
+        # a failed eviction is only a lost backup). At 45 steps, seeds 0, 2 and 4 armed
+        # evictions only once in-flight loads were shared between requests.
+        run_tp_trace("write_back", 0, steps=90, tp_size=2, fail_p=0.3, threaded=False,
                      coordinator_cls=_RankZeroDecides)
 
 

@@ -134,8 +134,13 @@ class SignalGuard:
     ``sigaction`` cannot be called, reinstalls unconditionally at the same rate.
     """
 
-    def __init__(self, handler: Callable[[int, Any], None]) -> None:
+    def __init__(self, handler: Callable[[int, Any], None],
+                 started: Callable[[], bool] = lambda: True) -> None:
         self.handler = handler
+        # NOTE: a reset while the server starts is the known one (the engine is built in the
+        # lifespan, and paddleformers' import resets SIGTERM): logged at DEBUG, so a clean
+        # start-up stays quiet. One after start-up is a surprise, and a WARNING.
+        self._started = started
         self._sigaction = _libc_sigaction()
         self._kernel_handler: dict[int, Optional[int]] = {}
         self._warned: set[int] = set()
@@ -165,10 +170,13 @@ class SignalGuard:
             signal.signal(sig, self.handler)
             self._kernel_handler[sig] = self._kernel(sig)
             if expected is not None and sig not in self._warned:
-                self._warned.add(sig)
-                logger.warning("%s's handler was replaced (by a dependency: paddleformers' import resets "
-                               "SIGTERM); the graceful-shutdown handler is installed again",
-                               signal.Signals(sig).name)
+                started = self._started()
+                if started:
+                    self._warned.add(sig)
+                logger.log(logging.WARNING if started else logging.DEBUG,
+                           "%s's handler was replaced (by a dependency: paddleformers' import resets "
+                           "SIGTERM); the graceful-shutdown handler is installed again",
+                           signal.Signals(sig).name)
 
     async def run(self) -> None:
         while True:
@@ -191,7 +199,7 @@ class GracefulServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        guard = SignalGuard(self.handle_exit)
+        guard = SignalGuard(self.handle_exit, started=lambda: self.started)
         previous = guard.install()
         task = asyncio.get_running_loop().create_task(guard.run())
         try:
