@@ -34,7 +34,7 @@ import logging
 import numbers
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,9 @@ class StorageHealth:
     used_bytes: Optional[int] = None
     capacity_bytes: Optional[int] = None
     extra: dict[str, Any] = field(default_factory=dict)
+    generation: int = 0
+    """Changes whenever the store may have lost objects without saying which (a restarted
+    Mooncake master, a holder that went away): the caller forgets what it knew was stored."""
 
 
 def validate_batch(
@@ -151,6 +154,28 @@ class StorageBackend(abc.ABC):
     """
 
     name: str = "base"
+    _loss_listener: Optional[Callable[[list[str]], None]] = None
+
+    # ------------------------------------------------------------------ losses
+    def set_loss_listener(self, listener: Optional[Callable[[list[str]], None]]) -> None:
+        """Call ``listener(keys)`` whenever this backend removes objects on its own.
+
+        Evictions (byte cap, free-space floor, a full disk), deleted corrupt objects and
+        misses of keys it thought it held: a caller that remembers what is stored (the
+        scheduler's stored-set) forgets those keys, so the blocks are written again when
+        next computed.  It may be called from any of the backend's threads, so it must only
+        hand the keys over (e.g. append to a deque).  Losses the backend cannot name are
+        announced by :attr:`StorageHealth.generation` instead.
+        """
+        self._loss_listener = listener
+
+    def _report_lost(self, keys: list[str]) -> None:
+        listener = self._loss_listener
+        if listener is not None and keys:
+            try:
+                listener(keys)
+            except Exception:  # noqa: BLE001 - a listener must never fail a storage call
+                logger.warning("storage loss listener raised", exc_info=True)
 
     # ------------------------------------------------------------------ memory
     @abc.abstractmethod

@@ -26,7 +26,16 @@ On-disk object (little-endian)::
   its time, and a refresh right behind a read still competed with the engine for the GIL.
   A restart keeps the order up to the last refresh.  ``min_free_bytes`` keeps a floor of free space on the file
   system: a put that would cross it evicts too, and fails with ``Status.FULL`` when nothing
-  of ours is left to evict.  ``ENOSPC`` is ``Status.FULL`` too, with the temp file removed.
+  of ours is left to evict.  ``ENOSPC`` (the floor undershot, or 0) evicts the same way,
+  down to the floor plus the object, and retries the put once; if it still fails it is
+  ``Status.FULL`` with the temp file removed.  Repeated I/O errors are logged once per
+  minute per kind, with a count (:class:`~.log_limit.ThrottledLog`).
+* **Healing.**  Every object this backend removes on its own (evicted, corrupt, larger
+  than the buffer, or a header that claims more than the file holds) is reported to the
+  loss listener (:meth:`StorageBackend.set_loss_listener`), so the scheduler stores the
+  block again when it next computes it.  A non-file (a directory, say) at an object's path
+  is reported once and its key skipped: a miss for gets and existence checks, a quiet
+  ``Status.IO`` for puts, until it is gone.
 * **Reads.**  One ``open``, one ``preadv`` (header, payload, and one byte past it, which
   tells a longer file without an ``fstat``) and one ``close`` per object, a whole slice of
   a batch in one native call (``read_files`` of the CPU C ABI) that holds no GIL: the engine
@@ -61,6 +70,7 @@ import xxhash
 from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError, StorageHealth, validate_batch
 from fastdeploy_kvcache.storage.buffers import BufferRegistry
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
+from fastdeploy_kvcache.storage.log_limit import ThrottledLog
 from fastdeploy_kvcache.storage.stats import StorageStats
 
 logger = logging.getLogger(__name__)
@@ -145,6 +155,8 @@ class FileBackend(StorageBackend):
         self._native = _native_reader()
         self._touched: set[str] = set()  # hits whose file atime is not refreshed yet
         self._touch_flush_queued = False
+        self._log = ThrottledLog(logger)
+        self._blocked: set[str] = set()  # keys whose path holds a non-file (reported once)
         self._seed()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="fdkv-file-io") if io_threads > 1 else None
         self._writer = BoundedExecutor("fdkv-file-writer", max_pending_writes)
@@ -215,8 +227,9 @@ class FileBackend(StorageBackend):
         except FileNotFoundError:
             pass
         except OSError as exc:
-            logger.warning("file storage: could not evict %s: %s", key, exc)
+            self._log.warning("evict", "file storage: could not evict %s: %s", key, exc)
         self._stats.add("evicted")
+        self._report_lost([key])
 
     def _free_bytes(self) -> int:
         st = os.statvfs(self._dir)
@@ -238,17 +251,35 @@ class FileBackend(StorageBackend):
                 # (and other stores) fill the same disk.  Puts in flight on other io threads
                 # are not yet visible in it, so the floor can be undershot by up to
                 # io_threads objects; keep the floor well above that.
-                free = self._free_bytes() + (old or 0)
-                while free - nbytes < self.min_free_bytes and self._lru:
-                    oldest_size = next(iter(self._lru.values()))
-                    self._drop_oldest_locked()
-                    free += oldest_size
-                if free - nbytes < self.min_free_bytes:
+                if not self._evict_for_space_locked(nbytes, self._free_bytes() + (old or 0)):
                     return False
             # Count it now so concurrent puts see the space as taken.
             self._lru[key] = nbytes
             self._used += nbytes
             return True
+
+    def _evict_for_space_locked(self, nbytes: int, free: int) -> bool:
+        """Evict LRU objects until ``nbytes`` fit above the floor; False when they cannot."""
+        while free - nbytes < self.min_free_bytes and self._lru:
+            oldest_size = next(iter(self._lru.values()))
+            self._drop_oldest_locked()
+            free += oldest_size
+        return free - nbytes >= self.min_free_bytes
+
+    def _make_room_after_enospc(self, key: str, nbytes: int) -> bool:
+        """The disk said ENOSPC: evict LRU objects down to the floor plus ``nbytes`` (at
+        least one, whatever statvfs says: it may count space that cannot be had); True when
+        anything was evicted, so one retry may succeed."""
+        with self._lock:
+            before = len(self._lru)
+            if self._lru:
+                self._drop_oldest_locked()
+            try:
+                free = self._free_bytes()
+            except OSError:
+                free = 0
+            self._evict_for_space_locked(nbytes, free)
+            return len(self._lru) < before
 
     def _unreserve(self, key: str) -> None:
         with self._lock:
@@ -292,6 +323,24 @@ class FileBackend(StorageBackend):
 
     # ------------------------------------------------------------------ one object
     def _put_one(self, key: str, ptr: int, size: int) -> int:
+        if key in self._blocked and self._still_blocked(key):
+            return Status.IO
+        try:
+            return self._put_once(key, ptr, size)
+        except _DiskFull:
+            pass
+        # NOTE: ENOSPC although our floor let the put through: the disk is fuller than
+        # statvfs promised, or the floor is 0.  Evict down to the floor and retry once, so a
+        # full disk keeps turning over instead of freezing the store's contents.
+        if self._make_room_after_enospc(key, size + HEADER.size):
+            try:
+                return self._put_once(key, ptr, size)
+            except _DiskFull:
+                pass
+        return Status.FULL
+
+    def _put_once(self, key: str, ptr: int, size: int) -> int:
+        """One attempt; raises :class:`_DiskFull` on ENOSPC / EDQUOT (nothing left behind)."""
         if not self._reserve(key, size):
             return Status.FULL
         payload = _mem(ptr, size)
@@ -357,6 +406,14 @@ class FileBackend(StorageBackend):
 
     def _get_slice(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Read a slice of a batch (one native call where built), then check each object."""
+        if self._blocked and not self._blocked.isdisjoint(keys):
+            out = [int(Status.MISSING)] * len(keys)
+            idx = [i for i, k in enumerate(keys) if k not in self._blocked]
+            if idx:
+                part = self._get_slice([keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx])
+                for i, r in zip(idx, part):
+                    out[i] = r
+            return out
         paths = [self._file(k) for k in keys]
         if self._native is None:
             headers, got = self._read_files_py(paths, ptrs, sizes)
@@ -379,7 +436,11 @@ class FileBackend(StorageBackend):
         if magic != MAGIC or version != FORMAT_VERSION or header_size != HEADER.size:
             return self._corrupt(key, path, f"bad header (magic {magic!r}, version {version})")
         if payload_size > size:
-            logger.warning("file storage get %s: object has %d bytes, buffer %d", key, payload_size, size)
+            if got <= HEADER.size + size:
+                return self._corrupt(key, path, f"header claims {payload_size} payload bytes, file has {got - HEADER.size}")
+            # NOTE: a key's namespace fixes its object size, so a larger object is foreign or
+            # damaged: deleted (else it would fail every read and never be rewritten).
+            self._remove_bad(key, path, f"object has {payload_size} bytes, buffer {size}")
             return Status.INVALID
         if got != HEADER.size + payload_size:
             return self._corrupt(key, path, f"file has {got - HEADER.size} payload bytes, header says {payload_size}")
@@ -389,23 +450,56 @@ class FileBackend(StorageBackend):
         return payload_size
 
     def _corrupt(self, key: str, path: str, why: str) -> int:
-        logger.warning("file storage: corrupt object %s (%s): deleted, counted as a miss", key, why)
+        self._remove_bad(key, path, why)
+        return Status.CORRUPT
+
+    def _remove_bad(self, key: str, path: str, why: str) -> None:
+        self._log.warning("bad-object", "file storage: bad object %s (%s): deleted, counted as a miss", key, why)
         try:
             os.unlink(path)
         except OSError:
             pass
         self._forget(key)
-        return Status.CORRUPT
 
     def _forget(self, key: str) -> None:
         self._unreserve(key)
+        self._report_lost([key])
 
     def _os_status(self, op: str, key: str, exc: OSError) -> int:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            logger.warning("file storage %s %s: disk full (%s)", op, key, exc)
+            self._log.warning(f"{op}-full", "file storage %s %s: disk full (%s); evicting LRU objects", op, key, exc)
+            if op == "put":
+                raise _DiskFull() from exc
             return Status.FULL
-        logger.warning("file storage %s %s: %s", op, key, exc)
+        if exc.errno in (errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST) and self._not_a_file(key):
+            return Status.IO if op == "put" else Status.MISSING
+        self._log.warning(f"{op}-{exc.errno}", "file storage %s %s: %s", op, key, exc)
         return Status.IO
+
+    def _not_a_file(self, key: str) -> bool:
+        """Whether a non-file sits at ``key``'s path: reported once, the key skipped since."""
+        path = self._file(key)
+        try:
+            if not os.path.lexists(path) or os.path.isfile(path):
+                return False
+        except OSError:
+            return False
+        with self._lock:
+            first = key not in self._blocked
+            self._blocked.add(key)
+        if first:
+            logger.warning("file storage: %s is not a regular file; key %s is skipped (a miss; puts fail) "
+                           "until it is removed", path, key)
+            self._stats.record_error("io")
+        return True
+
+    def _still_blocked(self, key: str) -> bool:
+        path = self._file(key)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            return True
+        with self._lock:
+            self._blocked.discard(key)
+        return False
 
     # ------------------------------------------------------------------ batches
     def _map(self, fn: Any, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
@@ -447,12 +541,16 @@ class FileBackend(StorageBackend):
         self._buffers.remove(ptr)
 
     def batch_exists(self, keys: Sequence[str]) -> int:
-        """Consecutive keys from the start whose files exist (a stat each, no read)."""
+        """Consecutive keys from the start whose files exist (a stat each, no read).
+
+        Only regular files count: a directory at an object's path is a miss."""
         self._stats.add("exists_calls")
         count = 0
         for i, key in enumerate(keys):
             self._check_key("batch_exists", i, key)
-            if not os.path.exists(self._file(key)):
+            if not os.path.isfile(self._file(key)):
+                if os.path.lexists(self._file(key)):
+                    self._not_a_file(key)
                 break
             count += 1
         return count
@@ -496,6 +594,7 @@ class FileBackend(StorageBackend):
                 except FileNotFoundError:
                     pass
         self._stats.add("deleted", removed)
+        self._report_lost(list(keys))
         return removed
 
     # ------------------------------------------------------------------ state
@@ -539,6 +638,10 @@ class FileBackend(StorageBackend):
         self._flush_touches()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class _DiskFull(Exception):
+    """A put hit ENOSPC / EDQUOT (temp file removed, reservation undone)."""
 
 
 def _native_reader() -> Optional[Any]:
