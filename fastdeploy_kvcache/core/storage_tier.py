@@ -25,6 +25,15 @@ Pure Python (no Paddle, no CuPy): it decides, the worker moves bytes.  It sits b
 
 Every failure ends in "not on storage": a failed or partial get frees the host blocks it
 had and the request recomputes those tokens; a failed put just leaves the hash unstored.
+
+**The stored-set heals.**  What the tier believes is stored (``_stored``: puts that returned
+OK, blocks a prefetch read) only saves puts; storage is the truth.  So it forgets a hash
+when storage says otherwise: a miss in an existence check, a get that failed or read a
+corrupt object, an object the backend removed on its own (byte cap, free-space floor, full
+disk, corrupt: the backend's loss listener), and everything at once when the backend's
+``generation`` changes (a restarted Mooncake master, a departed holder).  A forgotten block
+is put again the next time it is computed.  The set is bounded (``stored_memory`` hashes,
+least recently used forgotten first), so it never grows with the life of the process.
 """
 
 from __future__ import annotations
@@ -184,6 +193,8 @@ class StorageTier:
         config: a ``storage.config.StorageConfig`` (policies, prefetch timeout).
         clock: monotonic seconds (tests pass a fake one).
         max_put_batch: blocks per put job.
+        stored_memory: most hashes remembered as stored (about 150 bytes each); past it the
+            least recently used are forgotten (merely put again if computed again).
     """
 
     def __init__(
@@ -194,7 +205,7 @@ class StorageTier:
         config: Any,
         clock: Callable[[], float] = time.monotonic,
         max_put_batch: int = 64,
-        stored_memory: int = 1 << 20,
+        stored_memory: int = 1 << 18,
     ) -> None:
         if manager.host_pool.num_blocks == 0:
             raise ValueError("the storage tier needs a host tier (--swap-space or --num-host-blocks > 0)")
@@ -213,6 +224,11 @@ class StorageTier:
         # here is merely put again, and a stored key the backend evicted is a miss later).
         self._stored: "collections.OrderedDict[int, None]" = collections.OrderedDict()
         self._stored_memory = stored_memory
+        # Keys the backend lost on its own (any of its threads appends; the scheduler drains).
+        self._lost: "collections.deque[str]" = collections.deque()
+        if hasattr(backend, "set_loss_listener"):
+            backend.set_loss_listener(self._lost.extend)
+        self._generation = self._backend_generation()
         self._put_queue: "collections.deque[tuple[int, int]]" = collections.deque()  # (hash, host block)
         self._putting: dict[int, int] = {}  # hash -> host block (queued or in flight)
         self._jobs: dict[int, Any] = {}  # task id -> _Prefetch or StorageJob (puts)
@@ -227,7 +243,8 @@ class StorageTier:
                   "prefetch_blocks_loaded", "prefetch_blocks_failed", "prefetch_blocks_inserted",
                   "prefetch_blocks_unused", "aborted_prefetches", "put_blocks_issued", "put_blocks_ok",
                   "put_blocks_failed", "put_skipped_stored", "storage_hit_tokens", "read_bytes",
-                  "read_seconds", "write_bytes", "write_seconds", "unavailable_skips", "query_errors"):
+                  "read_seconds", "write_bytes", "write_seconds", "unavailable_skips", "query_errors",
+                  "stored_forgotten", "store_generation_changes"):
             self.stats[k] = 0
         self.errors: dict[str, int] = collections.defaultdict(int)
 
@@ -237,19 +254,54 @@ class StorageTier:
         return self.config.write_policy == "write_back"
 
     def is_stored(self, block_hash: int) -> bool:
+        self._heal()
         return block_hash in self._stored
 
     def mark_stored(self, hashes: Iterable[int]) -> None:
         """Hashes another writer of this process stored (a put that returned OK: the PD
         hand-off, engine/pd.py), so the backups skip them."""
         for h in hashes:
-            self._stored[h] = None
-            self._stored.move_to_end(h)
+            self._remember(h)
+
+    def _remember(self, h: int) -> None:
+        self._stored[h] = None
+        self._stored.move_to_end(h)
         while len(self._stored) > self._stored_memory:
             self._stored.popitem(last=False)
 
+    def _forget(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            if h in self._stored:
+                del self._stored[h]
+                self.stats["stored_forgotten"] += 1
+
+    def _backend_generation(self) -> int:
+        return int(getattr(self.backend, "generation", 0) or 0)
+
+    def _heal(self) -> None:
+        """Forget what the backend lost since the last call (see the module docstring)."""
+        gen = self._backend_generation()
+        if gen != self._generation:
+            self._generation = gen
+            self.stats["store_generation_changes"] += 1
+            self.stats["stored_forgotten"] += len(self._stored)
+            logger.info("storage generation changed (%d): forgetting %d stored blocks", gen, len(self._stored))
+            self._stored.clear()
+            self._lost.clear()
+            return
+        if not self._lost:
+            return
+        parse = self.ns.block_hash_of
+        lost = []
+        while self._lost:
+            h = parse(self._lost.popleft())
+            if h is not None:
+                lost.append(h)
+        self._forget(lost)
+
     def known_prefix(self, hashes: Sequence[int]) -> list[int]:
         """The leading ``hashes`` known to be stored (puts that returned OK), no I/O."""
+        self._heal()
         out: list[int] = []
         for h in hashes:
             if h not in self._stored:
@@ -258,6 +310,7 @@ class StorageTier:
         return out
 
     def available(self) -> bool:
+        self._heal()
         try:
             return bool(self.backend.health().available)
         except Exception:  # noqa: BLE001 - a broken health() means "off"
@@ -283,6 +336,8 @@ class StorageTier:
             return 0
         n = max(0, min(n, len(hashes)))
         self.stats["hit_blocks"] += n
+        if n < len(hashes):
+            self._forget(hashes[n:n + 1])  # storage says it lacks this one, whatever we thought
         return n
 
     # ------------------------------------------------------------------ prefetch
@@ -433,12 +488,14 @@ class StorageTier:
         """
         if not success or self.write_back:
             return
+        self._heal()
         for h, b in zip(hashes, host_block_ids):
             self._queue_put(h, b)
 
     def on_host_evict(self, node: BlockNode) -> None:
         """write_back: the host tier is evicting ``node``'s copy; store it first (pinned)."""
         if self.write_back and node.host_block_id is not None and node.pending is None:
+            self._heal()
             self._queue_put(node.hash_value, node.host_block_id)
 
     def _queue_put(self, h: int, b: int) -> None:
@@ -497,14 +554,12 @@ class StorageTier:
         for i, (h, b) in enumerate(zip(job.hashes, job.host_block_ids)):
             self._putting.pop(h, None)
             if job.ok(i):
-                self._stored[h] = None
-                self._stored.move_to_end(h)
+                self._remember(h)
                 self.stats["put_blocks_ok"] += 1
             else:
+                self._forget((h,))
                 self.stats["put_blocks_failed"] += 1
             self.pool.unpin((b,))
-        while len(self._stored) > self._stored_memory:
-            self._stored.popitem(last=False)
 
     def _complete_prefetch(self, pf: _Prefetch, job: StorageJob) -> None:
         """Insert the leading run that arrived as host-only nodes; free the rest."""
@@ -518,6 +573,8 @@ class StorageTier:
             arrived += 1
         self.stats["prefetch_blocks_loaded"] += arrived
         self.stats["prefetch_blocks_failed"] += len(blocks) - arrived
+        # A block that did not arrive (miss, corrupt, error) is not known to be stored.
+        self._forget(h for i, h in enumerate(job.hashes) if not job.ok(i))
         # Walk the request's chain to where the fetched blocks hang (it may have changed).
         parent = tree.root
         ok = True
@@ -542,7 +599,7 @@ class StorageTier:
                 node = tree.add_child(parent, h)
                 tree.set_host(node, blocks[i])
                 node.on_storage = True
-                self._stored[h] = None
+                self._remember(h)
                 pf.inserted.append(node)
                 parent = node
                 used += 1

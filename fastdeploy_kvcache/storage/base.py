@@ -169,6 +169,11 @@ class StorageBackend(abc.ABC):
         """
         self._loss_listener = listener
 
+    @property
+    def generation(self) -> int:
+        """:attr:`StorageHealth.generation`, without the rest of ``health()`` (cheap)."""
+        return 0
+
     def _report_lost(self, keys: list[str]) -> None:
         listener = self._loss_listener
         if listener is not None and keys:

@@ -24,6 +24,11 @@ Never blocking the caller (measured facts in MOONCAKE.md):
   consecutive failed calls, and a background probe (``/health``, then one
   ``batch_is_exist``) turns it back on.  A restarted master comes back empty: every key is
   a miss, which the scheduler handles like any miss.
+* **Lost objects are announced.**  ``health().generation`` goes up when the breaker closes
+  again after an outage, and when a small *marker* object this client put disappears (the
+  monitor checks it every ``marker_interval_s``): a master restarted between two calls, or a
+  holder that went away with its segment.  The scheduler then forgets which blocks it
+  stored, so they are written again when next computed.
 
 Results: ``-704`` is a miss, ``-200`` (store full) a soft ``Status.FULL`` (eviction runs in
 the background; never "stored"), ``-600`` ``Status.INVALID`` (buffer smaller than the
@@ -178,6 +183,8 @@ class MooncakeBackend(StorageBackend):
         overwrite: use ``upsert`` for puts (replace existing values).
         max_pending: batches queued for the writer / reader thread before "busy".
         call_threads: threads that run store calls (bounds concurrent stuck calls).
+        marker_interval_s: how often the monitor checks that this client's marker object is
+            still in the store (a vanished marker bumps ``health().generation``).
         store_factory: builds the client (tests of set-up failures pass a real but
             differently configured class; default ``MooncakeDistributedStore``).
     """
@@ -203,6 +210,7 @@ class MooncakeBackend(StorageBackend):
         overwrite: bool = False,
         max_pending: int = 64,
         call_threads: int = 4,
+        marker_interval_s: float = 1.0,
         store_factory: Optional[Callable[[], Any]] = None,
     ) -> None:
         self.config = MooncakeConfig(
@@ -228,6 +236,10 @@ class MooncakeBackend(StorageBackend):
         self.breaker = CircuitBreaker("mooncake", failure_threshold, reset_timeout_s)
         self.breaker.force_open()  # off until set-up succeeds
         self._setup_attempts = 0
+        self._generation = 0
+        self.marker_interval_s = marker_interval_s
+        self._marker: Optional[str] = None  # key of this client's marker object, once put
+        self._next_marker_check = 0.0
         self._last_error = "not set up yet"
         self._closed = threading.Event()
         self._connected = threading.Event()
@@ -320,16 +332,46 @@ class MooncakeBackend(StorageBackend):
                 elif self.breaker.state != CLOSED and self.breaker.allow():
                     if self._probe():
                         self.breaker.record_success()
+                        self._lost_objects("the store is reachable again after an outage")
                     else:
                         self.breaker.record_failure()
                     delay = 0.2
                 else:
+                    if self.breaker.state == CLOSED and time.monotonic() >= self._next_marker_check:
+                        self._check_marker()
                     delay = 0.2
             except Exception as exc:  # noqa: BLE001 - the monitor must never die silently
                 self._last_error = f"monitor: {type(exc).__name__}: {exc}"
                 logger.exception("mooncake monitor error; retrying")
                 delay = min(delay * 2, 5.0)
             self._closed.wait(delay)
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def _lost_objects(self, why: str) -> None:
+        self._generation += 1
+        self._marker = None
+        logger.warning("mooncake store may have lost objects (%s): what was stored will be written again", why)
+
+    def _check_marker(self) -> None:
+        """Put the marker once; then check it is still there (a restarted master, a holder
+        that left).  Failures here feed nothing: the data calls feed the breaker."""
+        self._next_marker_check = time.monotonic() + self.marker_interval_s
+        store = self._store
+        try:
+            if self._marker is None:
+                key = f"fdkv-marker-{socket.gethostname()}-{os.getpid()}-{id(self):x}-{self._generation}"
+                if self._calls.submit(store.put, key, b"fdkv").result(timeout=self.call_timeout_s) == 0:
+                    self._marker = key
+                return
+            codes = self._calls.submit(store.batch_is_exist, [self._marker]).result(timeout=self.exists_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a failed check decides nothing
+            logger.debug("mooncake marker check failed: %s", exc)
+            return
+        if codes and codes[0] == 0:
+            self._lost_objects("its marker object is gone: a restarted master or a departed holder")
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` for the tier to be on (tests and tools; never the scheduler)."""
@@ -474,6 +516,7 @@ class MooncakeBackend(StorageBackend):
             consecutive_failures=self.breaker.consecutive_failures,
             detail="ok" if available else self._last_error,
             extra={"setup_attempts": self._setup_attempts, "master": self.config.master_server_addr},
+            generation=self._generation,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -483,6 +526,7 @@ class MooncakeBackend(StorageBackend):
             backend=self.name, breaker_state=state, breaker_state_value=BREAKER_STATE_VALUE[state],
             breaker_opens=self.breaker.opens, connected=self._store is not None,
             setup_attempts=self._setup_attempts, pending_writes=self._writer.pending(),
+            generation=self._generation,
         )
         return snap
 

@@ -411,3 +411,25 @@ def test_transfer_retires_staging_while_a_timed_out_call_runs(store: LocalMoonca
         transfer.close()
         backend.close()
         ctl.close()
+
+
+def test_a_restarted_master_bumps_the_generation_even_without_a_failed_call(
+        store: LocalMooncake, marena: HostArena) -> None:
+    """No data call runs while the master restarts: the marker object is what tells."""
+    backend = backend_for(store.master, marena, marker_interval_s=0.2)
+    assert backend.wait_ready(15)
+    deadline = time.monotonic() + 15
+    while backend._marker is None and time.monotonic() < deadline:  # the marker put needs a mounted segment
+        time.sleep(0.1)
+    assert backend._marker is not None, "the marker was never stored"
+    before = backend.health().generation
+    time.sleep(1.0)
+    assert backend.health().generation == before, "nothing was lost: the generation must not move"
+    store.master.stop()
+    store.master.start()
+    deadline = time.monotonic() + 30
+    while backend.health().generation == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert backend.health().generation > before, backend.health()
+    assert backend.stats()["generation"] == backend.health().generation
+    backend.close()
