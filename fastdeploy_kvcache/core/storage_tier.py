@@ -193,7 +193,7 @@ class StorageTier:
         config: a ``storage.config.StorageConfig`` (policies, prefetch timeout).
         clock: monotonic seconds (tests pass a fake one).
         max_put_batch: blocks per put job.
-        stored_memory: most hashes remembered as stored (about 150 bytes each); past it the
+        stored_memory: most hashes remembered as stored (about 130 bytes each); past it the
             least recently used are forgotten (merely put again if computed again).
     """
 
