@@ -119,12 +119,12 @@ def test_a_restarted_mooncake_master_makes_the_tier_store_again(tmp_path: Path, 
         backend = MooncakeBackend(
             master_server_addr=local.master.addr, master_metrics_addr=local.master.metrics_addr,
             local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", protocol="tcp",
-            global_segment_size=0, marker_interval_s=0.2)
+            global_segment_size=0, restart_check_s=0.2)
         rig = rigs(backend=backend)
         assert backend.wait_ready(30)
         hashes = store_tokens(rig, TOKENS)
         deadline = time.monotonic() + 15
-        while backend._marker is None and time.monotonic() < deadline:
+        while not backend._master_requests and time.monotonic() < deadline:  # read once
             time.sleep(0.1)
         local.master.stop()
         local.master.start()
