@@ -238,6 +238,10 @@ class StorageTier:
         self._followers: dict[str, tuple[_Prefetch, float]] = {}
         self._prefetch_blocks: set[int] = set()  # host blocks owned by gets in flight
         self._outbox: list[StorageJob] = []
+        # Shutdown flush (flush_candidates): every policy puts backups; hashes whose put
+        # failed during it are not tried again.
+        self._flushing = False
+        self._flush_failed: set[int] = set()
         self.stats: dict[str, float] = collections.defaultdict(float)  # type: ignore[assignment]
         for k in ("exists_calls", "query_blocks", "hit_blocks", "prefetch_jobs", "prefetch_blocks_issued",
                   "prefetch_blocks_loaded", "prefetch_blocks_failed", "prefetch_blocks_inserted",
@@ -486,7 +490,7 @@ class StorageTier:
         Call BEFORE the manager resolves them (``complete_swap``), so the host blocks are
         pinned while they are surely still allocated.
         """
-        if not success or self.write_back:
+        if not success or (self.write_back and not self._flushing):
             return
         self._heal()
         for h, b in zip(hashes, host_block_ids):
@@ -508,6 +512,49 @@ class StorageTier:
         self.pool.pin((b,))
         self._putting[h] = b
         self._put_queue.append((h, b))
+
+    # ------------------------------------------------------------------ flush at shutdown
+    def begin_flush(self) -> None:
+        """From now on every device -> host copy is put (write_back too): the engine is
+        stopping and writes what the store lacks (``StorageKVPool.flush_to_storage``)."""
+        self._flushing = True
+
+    def flush_candidates(self) -> tuple[list[BlockNode], list[BlockNode]]:
+        """Cached blocks the store lacks, parents first: (with a host copy, device-only).
+
+        Parents first because a block is found only after every block before it (one
+        existence check counts consecutive keys).  Blocks with a copy in flight, puts
+        queued or in flight, and puts that failed during the flush are left out.
+        """
+        self._heal()
+        host: list[BlockNode] = []
+        device: list[BlockNode] = []
+        todo = collections.deque(self.manager.tree.root.children.values())
+        while todo:
+            node = todo.popleft()
+            todo.extend(node.children.values())
+            h = node.hash_value
+            if node.detached or node.pending is not None or h in self._stored or h in self._putting \
+                    or h in self._flush_failed:
+                continue
+            if node.host_block_id is not None:
+                host.append(node)
+            elif node.device_block_id is not None:
+                device.append(node)
+        return host, device
+
+    @property
+    def flush_failed_blocks(self) -> int:
+        """Puts that failed during the flush (not tried again)."""
+        return len(self._flush_failed)
+
+    def queue_flush_puts(self, nodes: Iterable[BlockNode]) -> int:
+        """Queue puts of ``nodes``' host copies (the flush); returns how many were queued."""
+        before = len(self._putting)
+        for node in nodes:
+            if node.host_block_id is not None and node.pending is None:
+                self._queue_put(node.hash_value, node.host_block_id)
+        return len(self._putting) - before
 
     def take_jobs(self) -> list[StorageJob]:
         """This step's jobs for the worker: prefetches started since, then queued puts."""
@@ -559,6 +606,8 @@ class StorageTier:
             else:
                 self._forget((h,))
                 self.stats["put_blocks_failed"] += 1
+                if self._flushing:
+                    self._flush_failed.add(h)
             self.pool.unpin((b,))
 
     def _complete_prefetch(self, pf: _Prefetch, job: StorageJob) -> None:
