@@ -131,6 +131,10 @@ def validate_batch(
         raise StorageError(
             "invalid", f"{op}: keys, ptrs and sizes differ in length ({len(keys)}, {len(ptrs)}, {len(sizes)})"
         )
+    # Fast path (a prefetch of hundreds of keys, every call): plain ints and distinct str keys.
+    if (all(type(p) is int and p > 0 for p in ptrs) and all(type(x) is int and x > 0 for x in sizes)
+            and all(type(k) is str and k for k in keys) and len(set(keys)) == len(keys)):
+        return list(keys), list(ptrs), list(sizes)
     seen: set[str] = set()
     for i, (key, ptr, size) in enumerate(zip(keys, ptrs, sizes)):
         if not isinstance(key, str) or not key:

@@ -41,6 +41,11 @@ On-disk object (little-endian)::
   a batch in one native call (``read_files`` of the CPU C ABI) that holds no GIL: the engine
   thread and the server's event loop run while a prefetch reads.  Python then checks each
   header and checksum.  Without the library (not built) the same reads run in Python.
+  The checksum runs while the bytes are still in the CPU cache: small objects are read in
+  groups of at most 1 MiB, each group hashed right after its read; objects of 1 MiB and more
+  are read in 256 KiB chunks, each hashed as it lands.  Reading a whole batch first and
+  hashing it afterwards read every byte from memory twice and ran at about 0.6 of a plain
+  read of the same files.
 * **Threads.**  ``batch_get_into`` / ``batch_put_from`` split one batch into contiguous
   slices of at least ``_MIN_KEYS_PER_THREAD`` keys, one per thread, over at most
   ``io_threads`` threads (file I/O releases the GIL; an NVMe drive wants several requests in
@@ -90,6 +95,12 @@ _MAX_KEY_LEN = 200
 _MIN_KEYS_PER_THREAD = 16
 # Hits whose atime refresh may wait for a put batch or close before the writer does it.
 _MAX_UNFLUSHED_TOUCHES = 8192
+# The checksum must run while the bytes just read are still in the CPU cache: objects of at
+# least _CHUNKED_READ_MIN_BYTES are read and hashed in chunks of _HASH_CHUNK bytes; smaller ones
+# go to the native batch read in groups of at most _READ_GROUP_BYTES, each hashed after it.
+_CHUNKED_READ_MIN_BYTES = 1 << 20
+_HASH_CHUNK = 256 << 10
+_READ_GROUP_BYTES = 1 << 20
 
 
 def default_io_threads() -> int:
@@ -141,6 +152,7 @@ class FileBackend(StorageBackend):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self._dir = str(self.path)
+        self._dir_prefix = os.path.join(self._dir, "")  # "<dir>/": object paths by concatenation
         self.capacity_bytes = int(capacity_bytes)
         self.min_free_bytes = int(min_free_bytes)
         self.fsync = fsync
@@ -172,7 +184,7 @@ class FileBackend(StorageBackend):
             )
 
     def _file(self, key: str) -> str:
-        return os.path.join(self._dir, key.replace(":", "=") + _SUFFIX)
+        return self._dir_prefix + key.replace(":", "=") + _SUFFIX
 
     @staticmethod
     def _key_of(filename: str) -> Optional[str]:
@@ -287,12 +299,14 @@ class FileBackend(StorageBackend):
             if size is not None:
                 self._used -= size
 
-    def _touch(self, key: str) -> None:
-        """A hit: newest in the in-memory LRU now; its file's atime later (:meth:`_flush_touches`)."""
+    def _touch(self, keys: Sequence[str]) -> None:
+        """Hits: newest in the in-memory LRU now; their files' atimes later (:meth:`_flush_touches`)."""
         with self._lock:
-            if key in self._lru:
-                self._lru.move_to_end(key)
-                self._touched.add(key)
+            lru = self._lru
+            for key in keys:
+                if key in lru:
+                    lru.move_to_end(key)
+                    self._touched.add(key)
 
     def _queue_touch_flush(self) -> None:
         """Refresh atimes on the writer thread once many hits wait (never blocks a read)."""
@@ -414,16 +428,106 @@ class FileBackend(StorageBackend):
                 for i, r in zip(idx, part):
                     out[i] = r
             return out
+        group = max(1, _READ_GROUP_BYTES // max(sizes))
+        if len(keys) <= group:
+            return self._read_and_check(keys, ptrs, sizes)
+        out: list[int] = []
+        for lo in range(0, len(keys), group):
+            out += self._read_and_check(keys[lo:lo + group], ptrs[lo:lo + group], sizes[lo:lo + group])
+        return out
+
+    def _read_and_check(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Read a group of objects (see ``_READ_GROUP_BYTES``), then check each one."""
         paths = [self._file(k) for k in keys]
-        if self._native is None:
+        digests: Optional[list[Optional[int]]] = None
+        if min(sizes) >= _CHUNKED_READ_MIN_BYTES:
+            headers, got, digests = self._read_files_hashed(paths, ptrs, sizes)
+        elif self._native is None:
             headers, got = self._read_files_py(paths, ptrs, sizes)
         else:
             headers, got = self._native.read_files([os.fsencode(p) for p in paths], ptrs, sizes, HEADER.size)
-        return [self._check_read(k, path, ptr, size, headers, i * HEADER.size, n)
-                for i, (k, path, ptr, size, n) in enumerate(zip(keys, paths, ptrs, sizes, got))]
+        out: list[int] = []
+        hits: list[str] = []
+        unpack = HEADER.unpack_from
+        hsize = HEADER.size
+        for i, (k, ptr, size, n) in enumerate(zip(keys, ptrs, sizes, got)):
+            at = i * hsize
+            digest = digests[i] if digests is not None else None
+            # Fast path: a whole object of the expected size whose checksum holds.
+            if n == hsize + size:
+                magic, version, header_size, payload_size, checksum, _ = unpack(headers, at)
+                if (magic == MAGIC and version == FORMAT_VERSION and header_size == hsize and payload_size == size
+                        and (digest if digest is not None else xxhash.xxh3_64_intdigest(_mem(ptr, size))) == checksum):
+                    out.append(size)
+                    hits.append(k)
+                    continue
+            r = self._check_read(k, paths[i], ptr, size, headers, at, n, digest)
+            if r >= 0:
+                hits.append(k)
+            out.append(r)
+        if hits:
+            self._touch(hits)
+        return out
 
-    def _check_read(self, key: str, path: str, ptr: int, size: int, headers: bytearray, at: int, got: int) -> int:
-        """The verdict on one object as read (``got``: bytes or -errno), for both readers."""
+    @staticmethod
+    def _read_files_hashed(paths: Sequence[str], ptrs: Sequence[int],
+                           sizes: Sequence[int]) -> tuple[bytearray, list[int], list[Optional[int]]]:
+        """Like ``read_files``, in chunks, hashing each chunk of payload right after it lands.
+
+        NOTE: a large object read whole and then hashed is read from memory twice (the read
+        evicts its own first bytes from the CPU cache before the hash starts); hashing each
+        256 KiB chunk while it is still cached made 8 MiB reads about as fast as a plain read.
+        The digest covers ``min(payload, size)`` bytes (the header's claim); None when the
+        file ended first.  The file system calls release the GIL like the native reader's.
+        """
+        hsize = HEADER.size
+        headers = bytearray(len(paths) * hsize)
+        hview = memoryview(headers)
+        got: list[int] = []
+        digests: list[Optional[int]] = []
+        for i, (path, ptr, size) in enumerate(zip(paths, ptrs, sizes)):
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                got.append(-(exc.errno or errno.EIO))
+                digests.append(None)
+                continue
+            try:
+                mem = _mem(ptr, size)
+                first = min(size, _HASH_CHUNK)
+                n = os.preadv(fd, [hview[i * hsize:(i + 1) * hsize], mem[:first]], 0)
+                if n < hsize:
+                    got.append(n)
+                    digests.append(None)
+                    continue
+                want = min(HEADER.unpack_from(headers, i * hsize)[3], size)
+                h = xxhash.xxh3_64()
+                done = n - hsize
+                h.update(mem[:min(done, want)])
+                short = done < first  # the file ended within the first chunk
+                while not short and done < size:
+                    k = os.preadv(fd, [mem[done:done + _HASH_CHUNK]], hsize + done)
+                    if k <= 0:
+                        break
+                    if done < want:
+                        h.update(mem[done:min(done + k, want)])
+                    short = k < min(_HASH_CHUNK, size - done)
+                    done += k
+                past = len(os.pread(fd, 1, hsize + size)) if done == size else 0
+                got.append(hsize + done + past)
+                digests.append(h.intdigest() if done >= want else None)
+            except OSError as exc:
+                got.append(-(exc.errno or errno.EIO))
+                digests.append(None)
+            finally:
+                os.close(fd)
+        return headers, got, digests
+
+    def _check_read(self, key: str, path: str, ptr: int, size: int, headers: bytearray, at: int, got: int,
+                    digest: Optional[int] = None) -> int:
+        """The verdict on one object as read (``got``: bytes or -errno), for every reader.
+
+        ``digest``: the payload's xxh3 where the reader hashed it already."""
         if got < 0:
             err = -got
             if err == errno.ENOENT:
@@ -444,9 +548,8 @@ class FileBackend(StorageBackend):
             return Status.INVALID
         if got != HEADER.size + payload_size:
             return self._corrupt(key, path, f"file has {got - HEADER.size} payload bytes, header says {payload_size}")
-        if xxhash.xxh3_64_intdigest(_mem(ptr, payload_size)) != checksum:
+        if (digest if digest is not None else xxhash.xxh3_64_intdigest(_mem(ptr, payload_size))) != checksum:
             return self._corrupt(key, path, "checksum mismatch")
-        self._touch(key)
         return payload_size
 
     def _corrupt(self, key: str, path: str, why: str) -> int:

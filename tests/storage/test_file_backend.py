@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache.storage import Status, StorageError
+from fastdeploy_kvcache.storage import file_backend
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
 from fastdeploy_kvcache.storage.file_backend import HEADER, FileBackend
 
@@ -207,15 +208,19 @@ def test_seeding_from_existing_directory_and_restart(tmp_path: Path, arena: Host
     third.close()
 
 
-@pytest.mark.parametrize("reader", ["native", "python"])
+@pytest.mark.parametrize("reader", ["native", "python", "chunked"])
 @pytest.mark.parametrize("damage", ["flip_payload", "truncate", "bad_magic", "appended", "header_only",
                                     "claims_larger_payload"])
-def test_corrupt_object_is_a_miss_deleted_and_counted(tmp_path: Path, arena: HostArena, damage: str, reader: str) -> None:
-    """Both readers (the C ABI's batch read, and the Python one used where it is not built)
-    give the same verdicts."""
+def test_corrupt_object_is_a_miss_deleted_and_counted(tmp_path: Path, arena: HostArena, damage: str, reader: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every reader (the C ABI's batch read, the Python one used where it is not built, and
+    the chunked read-and-hash of large objects) gives the same verdicts."""
     backend = make(tmp_path, arena)
     if reader == "python":
         backend._native = None
+    elif reader == "chunked":  # as for objects of 1 MiB and more: these are 64 KiB, in 4 KiB chunks
+        monkeypatch.setattr(file_backend, "_CHUNKED_READ_MIN_BYTES", 1)
+        monkeypatch.setattr(file_backend, "_HASH_CHUNK", 4096)
     else:
         assert backend._native is not None, "the C ABI (build/libfdkv_capi_cpu.so) is not built: bash build.sh"
     arena.fill(0, seed=3)
