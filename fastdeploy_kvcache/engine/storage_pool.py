@@ -186,7 +186,7 @@ class StorageKVPool(ManagedKVPool):
             outcome = "store unavailable"
         else:
             tier.begin_flush()
-            tried: set[int] = set()  # device-only nodes whose backup was queued once
+            tried: set[Any] = set()  # device-only nodes whose backup was queued once
             last: tuple[Any, ...] = ()
             still = 0  # rounds in a row in which nothing moved
             while True:
@@ -194,11 +194,11 @@ class StorageKVPool(ManagedKVPool):
                     outcome = f"stopped after {timeout_s:g} s (--kvcache-storage-shutdown-flush)"
                     break
                 host, device = tier.flush_candidates()
-                device = [n for n in device if id(n) not in tried]
+                device = [n for n in device if n not in tried]
                 issued = tier.queue_flush_puts(host)
                 if device and not m.num_copies_in_flight and not m.has_idle_backups:
                     chunk = device[:batch]
-                    tried.update(id(n) for n in chunk)
+                    tried.update(chunk)
                     issued += m.queue_backups(chunk)  # issued by complete_finished (engine idle)
                 if not issued and not self.copies_in_flight:
                     if device:
