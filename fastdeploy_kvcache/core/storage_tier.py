@@ -228,6 +228,9 @@ class StorageTier:
         self._lost: "collections.deque[str]" = collections.deque()
         if hasattr(backend, "set_loss_listener"):
             backend.set_loss_listener(self._lost.extend)
+        # Hashes reported lost while their own put was in flight (a later key of the same
+        # batch evicted them): their OK must not count as stored.
+        self._lost_while_putting: set[int] = set()
         self._generation = self._backend_generation()
         self._put_queue: "collections.deque[tuple[int, int]]" = collections.deque()  # (hash, host block)
         self._putting: dict[int, int] = {}  # hash -> host block (queued or in flight)
@@ -299,8 +302,12 @@ class StorageTier:
         lost = []
         while self._lost:
             h = parse(self._lost.popleft())
-            if h is not None:
-                lost.append(h)
+            if h is None:
+                continue
+            if h in self._putting and h not in self._lost_while_putting:
+                self._lost_while_putting.add(h)
+                self.stats["stored_forgotten"] += 1
+            lost.append(h)
         self._forget(lost)
 
     def known_prefix(self, hashes: Sequence[int]) -> list[int]:
@@ -598,10 +605,14 @@ class StorageTier:
             self._complete_put(job)
 
     def _complete_put(self, job: StorageJob) -> None:
+        self._heal()  # losses reported while the job ran (see _lost_while_putting)
         for i, (h, b) in enumerate(zip(job.hashes, job.host_block_ids)):
             self._putting.pop(h, None)
+            lost = h in self._lost_while_putting
+            self._lost_while_putting.discard(h)
             if job.ok(i):
-                self._remember(h)
+                if not lost:  # else a later key of its own batch evicted it
+                    self._remember(h)
                 self.stats["put_blocks_ok"] += 1
             else:
                 self._forget((h,))
@@ -679,6 +690,7 @@ class StorageTier:
         for b, n in pins.items():
             assert pool._pins.get(b, 0) == n, f"host block {b}: {pool._pins.get(b, 0)} pins, {n} puts"
         assert sum(pins.values()) == sum(pool._pins.values()), "a pin with no put"
+        assert self._lost_while_putting <= self._putting.keys(), "a lost-while-putting hash with no put"
         loads = {b for e in self._jobs.values() if isinstance(e, _Prefetch) for b in e.job.host_block_ids}
         assert loads == self._prefetch_blocks, "prefetch host blocks differ from the jobs in flight"
 
@@ -687,6 +699,7 @@ class StorageTier:
         return len(self._jobs) + len(self._outbox)
 
     def get_stats(self) -> dict[str, Any]:
+        self._heal()  # the stored-set as of now (losses since the last step included)
         s: dict[str, Any] = dict(self.stats)
         s["errors"] = dict(self.errors)
         s["stored_blocks_known"] = len(self._stored)
