@@ -278,7 +278,7 @@ class FileBackend(StorageBackend):
             free += oldest_size
         return free - nbytes >= self.min_free_bytes
 
-    def _make_room_after_enospc(self, key: str, nbytes: int) -> bool:
+    def _make_room_after_enospc(self, nbytes: int) -> bool:
         """The disk said ENOSPC: evict LRU objects down to the floor plus ``nbytes`` (at
         least one, whatever statvfs says: it may count space that cannot be had); True when
         anything was evicted, so one retry may succeed."""
@@ -346,7 +346,7 @@ class FileBackend(StorageBackend):
         # NOTE: ENOSPC although our floor let the put through: the disk is fuller than
         # statvfs promised, or the floor is 0.  Evict down to the floor and retry once, so a
         # full disk keeps turning over instead of freezing the store's contents.
-        if self._make_room_after_enospc(key, size + HEADER.size):
+        if self._make_room_after_enospc(size + HEADER.size):
             try:
                 return self._put_once(key, ptr, size)
             except _DiskFull:
