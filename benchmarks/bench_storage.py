@@ -106,7 +106,8 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 def interleaved(ops_: dict[str, Callable[[int], Any]], repeats: int,
-                setup: Optional[Callable[[str, int], Any]] = None) -> dict[str, float]:
+                setup: Optional[Callable[[str, int], Any]] = None,
+                samples: Optional[dict[str, list[float]]] = None) -> dict[str, float]:
     """Median seconds of each op, run round-robin (op A rep 0, op B rep 0, ..., op A rep 1).
 
     NOTE: on a shared VM, conditions drift within seconds (other jobs, dirty-page writeback
@@ -121,6 +122,8 @@ def interleaved(ops_: dict[str, Callable[[int], Any]], repeats: int,
             t0 = time.perf_counter()
             fn(r)
             times[name_].append(time.perf_counter() - t0)
+    if samples is not None:
+        samples.update(times)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -420,13 +423,17 @@ def read_sweep(args: argparse.Namespace, workdir: Path, mooncake: Any) -> list[d
         if pool is not None:
             ops_["plain_threads"] = plain_threads
         row: dict[str, Any] = {"object_bytes": size, "objects": n, "io_threads": threads}
-        warm = interleaved(ops_, args.repeats)
-        cold = interleaved(ops_, args.repeats, setup=lambda op, r: drop_cache(paths))
+        raw: dict[str, dict[str, list[float]]] = {"warm": {}, "cold": {}}
+        warm = interleaved(ops_, args.repeats, samples=raw["warm"])
+        cold = interleaved(ops_, args.repeats, setup=lambda op, r: drop_cache(paths), samples=raw["cold"])
         for mode, t in (("warm", warm), ("cold", cold)):
             base = min(t["plain"], t.get("plain_threads", float("inf")))
             row[f"plain_{mode}_gbps"] = gbps(total, base)
             row[f"file_{mode}_gbps"] = gbps(total, t["file"])
             row[f"file_{mode}_ratio"] = base / t["file"]
+            # Best of the repeats too: on a shared VM the medians carry other tenants' load.
+            best = {k: min(v) for k, v in raw[mode].items()}
+            row[f"file_{mode}_best_ratio"] = min(best["plain"], best.get("plain_threads", float("inf"))) / best["file"]
         assert bytes(dst) == bytes(src), "the file backend read back different bytes"
         if mooncake is not None:
             from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend
@@ -467,8 +474,8 @@ def read_sweep(args: argparse.Namespace, workdir: Path, mooncake: Any) -> list[d
 
 def render_sweep(rows: list[dict]) -> str:
     mc = any("mooncake_ratio" in r for r in rows)
-    head = ("| object | objects | plain warm GB/s | file warm GB/s | file / plain warm | plain cold GB/s | "
-            "file cold GB/s | file / plain cold |")
+    head = ("| object | objects | plain warm GB/s | file warm GB/s | file / plain warm (best) | plain cold GB/s | "
+            "file cold GB/s | file / plain cold (best) |")
     sep = "|---|---|---|---|---|---|---|---|"
     if mc:
         head += " mooncake client GB/s | ours GB/s | ours / client |"
@@ -478,8 +485,8 @@ def render_sweep(rows: list[dict]) -> str:
         kib = r["object_bytes"] >> 10
         cell = f"{kib} KiB" if kib < 1024 else f"{kib >> 10} MiB"
         line = (f"| {cell} | {r['objects']} | {r['plain_warm_gbps']:.2f} | {r['file_warm_gbps']:.2f} | "
-                f"**{r['file_warm_ratio']:.2f}** | {r['plain_cold_gbps']:.2f} | {r['file_cold_gbps']:.2f} | "
-                f"**{r['file_cold_ratio']:.2f}** |")
+                f"**{r['file_warm_ratio']:.2f}** ({r['file_warm_best_ratio']:.2f}) | {r['plain_cold_gbps']:.2f} | "
+                f"{r['file_cold_gbps']:.2f} | **{r['file_cold_ratio']:.2f}** ({r['file_cold_best_ratio']:.2f}) |")
         if mc:
             line += (f" {r.get('mooncake_client_gbps', 0):.2f} | {r.get('mooncake_gbps', 0):.2f} | "
                      f"**{r.get('mooncake_ratio', 0):.2f}** |")
@@ -488,7 +495,9 @@ def render_sweep(rows: list[dict]) -> str:
         lines.append(line)
     worst = min(min(r["file_warm_ratio"], r["file_cold_ratio"]) for r in rows)
     lines.append("")
-    lines.append(f"- lowest file / plain ratio: {worst:.2f} (target >= 0.8); cold = POSIX_FADV_DONTNEED per file")
+    best = min(min(r["file_warm_best_ratio"], r["file_cold_best_ratio"]) for r in rows)
+    lines.append(f"- lowest file / plain ratio: {worst:.2f} of medians, {best:.2f} of best runs (target >= 0.8); "
+                 "ratios of medians, best-of-repeats in brackets; cold = POSIX_FADV_DONTNEED per file")
     return "\n".join(lines)
 
 
