@@ -15,8 +15,15 @@ What it answers (every figure from the same run, medians of ``--repeats``):
    every file, so they come from the disk).  Plain files run with 1 and with 4 threads (the
    file backend's default ``io_threads``); ratios use the faster of the two.
 3. **End to end**: StorageTransfer.put_blocks / get_blocks (gather + put, get + scatter).
+4. **Read sweep** (``--read-sweep``, or ``--only-read-sweep``): a batch read through the
+   ``file`` backend against a plain read (open/readinto/close per file, in Python, best of 1
+   thread and the backend's ``io_threads``) of the same files' bytes, at object sizes from
+   64 KiB to 8 MiB, warm (page cache) and cold (POSIX_FADV_DONTNEED on each file before each
+   run: only our files leave the cache, not the other tenants' of a shared machine).
+   Mooncake: our backend's ``batch_get_into`` against the client's own ``batch_get_into`` of
+   the same keys into the same buffers.  Ratios >= 0.8 are the target.
 
-Usage: python benchmarks/bench_storage.py [--quick] [--configs 8b,small] [--json out.json]
+Usage: python benchmarks/bench_storage.py [--quick] [--configs 8b,small] [--read-sweep] [--json out.json]
 """
 
 from __future__ import annotations
@@ -99,7 +106,8 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 def interleaved(ops_: dict[str, Callable[[int], Any]], repeats: int,
-                setup: Optional[Callable[[str, int], Any]] = None) -> dict[str, float]:
+                setup: Optional[Callable[[str, int], Any]] = None,
+                samples: Optional[dict[str, list[float]]] = None) -> dict[str, float]:
     """Median seconds of each op, run round-robin (op A rep 0, op B rep 0, ..., op A rep 1).
 
     NOTE: on a shared VM, conditions drift within seconds (other jobs, dirty-page writeback
@@ -114,6 +122,8 @@ def interleaved(ops_: dict[str, Callable[[int], Any]], repeats: int,
             t0 = time.perf_counter()
             fn(r)
             times[name_].append(time.perf_counter() - t0)
+    if samples is not None:
+        samples.update(times)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -363,6 +373,134 @@ def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, wor
     return res
 
 
+SWEEP_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)
+
+
+def read_sweep(args: argparse.Namespace, workdir: Path, mooncake: Any) -> list[dict]:
+    """Section 4 (see the module docstring): one row per object size."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    rows: list[dict] = []
+    sizes = [x for x in SWEEP_SIZES if x <= args.sweep_max]
+    bar = tqdm(total=len(sizes), desc="read sweep", unit="size", file=sys.stderr)
+    for size in sizes:
+        n = max(4, min(1024, args.sweep_bytes // size))
+        total = size * n
+        src = np.random.default_rng(size).integers(0, 256, total, dtype=np.uint8)
+        dst = np.ones(total, dtype=np.uint8)
+        fb = FileBackend(workdir / f"sweep-{size}", capacity_bytes=0, min_free_bytes=0)
+        fb.register_buffer(int(src.ctypes.data), total)
+        fb.register_buffer(int(dst.ctypes.data), total)
+        keys = [f"bench-sweep:{size:016x}{i:016x}" for i in range(n)]
+        sptrs = [int(src.ctypes.data) + i * size for i in range(n)]
+        dptrs = [int(dst.ctypes.data) + i * size for i in range(n)]
+        assert fb.batch_put_from(keys, sptrs, [size] * n) == [0] * n
+        paths = [fb._file(k) for k in keys]
+        fsize = os.path.getsize(paths[0])  # header + payload: the bytes a plain read moves
+        plain_buf = np.ones(fsize * n, dtype=np.uint8)
+        pmv = memoryview(plain_buf)
+        threads = fb.io_threads
+        pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+
+        def read_one(i: int) -> None:
+            with open(paths[i], "rb", buffering=0) as f:
+                f.readinto(pmv[i * fsize:(i + 1) * fsize])
+
+        def plain(_: int) -> None:
+            for i in range(n):
+                read_one(i)
+
+        def plain_threads(_: int) -> None:
+            list(pool.map(read_one, range(n)))  # type: ignore[union-attr]
+
+        def backend(_: int) -> None:
+            out = fb.batch_get_into(keys, dptrs, [size] * n)
+            assert out == [size] * n, out
+
+        ops_: dict[str, Callable[[int], Any]] = {"plain": plain, "file": backend}
+        if pool is not None:
+            ops_["plain_threads"] = plain_threads
+        row: dict[str, Any] = {"object_bytes": size, "objects": n, "io_threads": threads}
+        raw: dict[str, dict[str, list[float]]] = {"warm": {}, "cold": {}}
+        warm = interleaved(ops_, args.repeats, samples=raw["warm"])
+        cold = interleaved(ops_, args.repeats, setup=lambda op, r: drop_cache(paths), samples=raw["cold"])
+        for mode, t in (("warm", warm), ("cold", cold)):
+            base = min(t["plain"], t.get("plain_threads", float("inf")))
+            row[f"plain_{mode}_gbps"] = gbps(total, base)
+            row[f"file_{mode}_gbps"] = gbps(total, t["file"])
+            row[f"file_{mode}_ratio"] = base / t["file"]
+            # Best of the repeats too: on a shared VM the medians carry other tenants' load.
+            best = {k: min(v) for k, v in raw[mode].items()}
+            row[f"file_{mode}_best_ratio"] = min(best["plain"], best.get("plain_threads", float("inf"))) / best["file"]
+        assert bytes(dst) == bytes(src), "the file backend read back different bytes"
+        if mooncake is not None:
+            from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend
+
+            mb = MooncakeBackend(**mooncake, local_buffer_size=16 << 20, global_segment_size=0)
+            try:
+                if not mb.wait_ready(30):
+                    raise RuntimeError(f"mooncake not ready: {mb.health()}")
+                mb.register_buffer(int(src.ctypes.data), total)
+                mb.register_buffer(int(dst.ctypes.data), total)
+                put = mb.batch_put_from(keys, sptrs, [size] * n)
+                failed = [c for c in put if c != 0]
+                raw = mb._store
+
+                def mc_ours(_: int) -> None:
+                    failed.extend(c for c in mb.batch_get_into(keys, dptrs, [size] * n) if c != size)
+
+                def mc_raw(_: int) -> None:
+                    failed.extend(c for c in raw.batch_get_into(keys, dptrs, [size] * n) if c != size)
+
+                t = interleaved({"mooncake_client": mc_raw, "mooncake": mc_ours}, args.repeats)
+                row["mooncake_client_gbps"] = gbps(total, t["mooncake_client"])
+                row["mooncake_gbps"] = gbps(total, t["mooncake"])
+                row["mooncake_ratio"] = t["mooncake_client"] / t["mooncake"]
+                row["mooncake_failed_keys"] = len(failed)
+                mb.delete(keys)
+            finally:
+                mb.close()
+        if pool is not None:
+            pool.shutdown()
+        fb.close()
+        shutil.rmtree(workdir / f"sweep-{size}", ignore_errors=True)
+        rows.append(row)
+        bar.update(1)
+    bar.close()
+    return rows
+
+
+def render_sweep(rows: list[dict]) -> str:
+    mc = any("mooncake_ratio" in r for r in rows)
+    head = ("| object | objects | plain warm GB/s | file warm GB/s | file / plain warm (best) | plain cold GB/s | "
+            "file cold GB/s | file / plain cold (best) |")
+    sep = "|---|---|---|---|---|---|---|---|"
+    if mc:
+        head += " mooncake client GB/s | ours GB/s | ours / client |"
+        sep += "---|---|---|"
+    lines = [head, sep]
+    for r in rows:
+        kib = r["object_bytes"] >> 10
+        cell = f"{kib} KiB" if kib < 1024 else f"{kib >> 10} MiB"
+        line = (f"| {cell} | {r['objects']} | {r['plain_warm_gbps']:.2f} | {r['file_warm_gbps']:.2f} | "
+                f"**{r['file_warm_ratio']:.2f}** ({r['file_warm_best_ratio']:.2f}) | {r['plain_cold_gbps']:.2f} | "
+                f"{r['file_cold_gbps']:.2f} | **{r['file_cold_ratio']:.2f}** ({r['file_cold_best_ratio']:.2f}) |")
+        if mc:
+            line += (f" {r.get('mooncake_client_gbps', 0):.2f} | {r.get('mooncake_gbps', 0):.2f} | "
+                     f"**{r.get('mooncake_ratio', 0):.2f}** |")
+            if r.get("mooncake_failed_keys"):
+                line += f" ({r['mooncake_failed_keys']} keys failed)"
+        lines.append(line)
+    worst = min(min(r["file_warm_ratio"], r["file_cold_ratio"]) for r in rows)
+    lines.append("")
+    best = min(min(r["file_warm_best_ratio"], r["file_cold_best_ratio"]) for r in rows)
+    lines.append(f"- lowest file / plain ratio: {worst:.2f} of medians, {best:.2f} of best runs (target >= 0.8); "
+                 "ratios of medians, best-of-repeats in brackets; cold = POSIX_FADV_DONTNEED per file")
+    return "\n".join(lines)
+
+
 ROWS = [
     ("gather_native_gbps", "native gather, layer-major tier -> block-major staging (one C call)"),
     ("scatter_native_gbps", "native scatter, staging -> layer-major tier (one C call)"),
@@ -439,6 +577,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--workdir", default=None, help="directory for the files (default: a temp dir under /tmp)")
     parser.add_argument("--quick", action="store_true", help="smoke run: small config, batch 8, 2 repeats")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--read-sweep", action="store_true",
+                        help="also run the read sweep (file backend vs plain reads, 64 KiB to 8 MiB objects)")
+    parser.add_argument("--only-read-sweep", action="store_true", help="run the read sweep alone")
+    parser.add_argument("--sweep-bytes", type=int, default=64 << 20,
+                        help="bytes per read-sweep batch (objects = bytes / size, 4 to 1024; default 64 MiB)")
+    parser.add_argument("--sweep-max", type=int, default=8 << 20, help="largest read-sweep object (default 8 MiB)")
     args, unknown = parser.parse_known_args(argv)  # `bash build.sh bench ARGS` passes ARGS to every bench
     if unknown:
         log.info("ignoring arguments meant for other benchmarks: %s", unknown)
@@ -461,19 +605,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                 biggest = max(CONFIGS[c]["layers"] * 2 * CONFIGS[c]["tensor_block"] for c in args.configs.split(","))
                 # Two put paths' keys are live at once (deleted before the end-to-end group),
                 # and Mooncake evicts above 90 % full: size the holder so nothing is evicted.
-                segment = max(256 << 20, int(2 * biggest * args.batch * args.repeats / 0.8))
+                segment = max(256 << 20, int(2 * biggest * args.batch * args.repeats / 0.8),
+                              int(2 * args.sweep_bytes / 0.8))
                 local = LocalMooncake(segment=f"{segment >> 20}MB").start()
                 mooncake = dict(master_server_addr=local.master.addr, master_metrics_addr=local.master.metrics_addr,
                                 local_hostname="127.0.0.1")
             else:
                 print(f"mooncake rows skipped: {why or 'mooncake_master not installed'} (run `bash build.sh`)")
         t0 = time.time()
-        results = [bench_config(c, CONFIGS[c], args, capi, workdir, mooncake) for c in args.configs.split(",")]
+        results = [] if args.only_read_sweep else [
+            bench_config(c, CONFIGS[c], args, capi, workdir, mooncake) for c in args.configs.split(",")]
+        sweep = read_sweep(args, workdir, mooncake) if args.read_sweep or args.only_read_sweep else []
         print(f"# bench_storage ({platform.node()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}, "
               f"medians of {args.repeats}, GB/s = 1e9 B/s, {time.time() - t0:.0f} s)\n")
-        print(render(results))
+        if results:
+            print(render(results))
+        if sweep:
+            print("\n## Read sweep: file backend vs plain reads of the same files (same run)\n")
+            print(render_sweep(sweep))
         if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
+            Path(args.json).write_text(json.dumps({"configs": results, "read_sweep": sweep}, indent=2))
     finally:
         if local is not None:
             local.stop()

@@ -34,6 +34,15 @@ class CopiesMixin(ManagerState):
             node.backup_queued = True
             self._backup_queue.append(node)
 
+    def queue_backups(self, nodes: list[BlockNode]) -> int:
+        """Queue device-only ``nodes`` for a device -> host backup whatever the write policy
+        says (the storage tier's flush at shutdown); returns how many were queued.  They are
+        issued, ancestors first, by :meth:`issue_pending_backup_to_batch_request`."""
+        before = len(self._backup_queue)
+        for node in nodes:
+            self._queue_backup(node)
+        return len(self._backup_queue) - before
+
     @staticmethod
     def _needs_backup(node: BlockNode) -> bool:
         return not node.detached and node.device_block_id is not None and node.host_block_id is None and node.pending is None

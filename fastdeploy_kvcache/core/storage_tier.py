@@ -27,6 +27,15 @@ Pure Python (no Paddle, no CuPy): it decides, the worker moves bytes.  It sits b
 
 Every failure ends in "not on storage": a failed or partial get frees the host blocks it
 had and the request recomputes those tokens; a failed put just leaves the hash unstored.
+
+**The stored-set heals.**  What the tier believes is stored (``_stored``: puts that returned
+OK, blocks a prefetch read) only saves puts; storage is the truth.  So it forgets a hash
+when storage says otherwise: a miss in an existence check, a get that failed or read a
+corrupt object, an object the backend removed on its own (byte cap, free-space floor, full
+disk, corrupt: the backend's loss listener), and everything at once when the backend's
+``generation`` changes (a restarted Mooncake master, a departed holder).  A forgotten block
+is put again the next time it is computed.  The set is bounded (``stored_memory`` hashes,
+least recently used forgotten first), so it never grows with the life of the process.
 """
 
 from __future__ import annotations
@@ -188,6 +197,8 @@ class StorageTier:
         config: a ``storage.config.StorageConfig`` (policies, prefetch timeout).
         clock: monotonic seconds (tests pass a fake one).
         max_put_batch: blocks per put job.
+        stored_memory: most hashes remembered as stored (about 130 bytes each); past it the
+            least recently used are forgotten (merely put again if computed again).
     """
 
     def __init__(
@@ -198,7 +209,7 @@ class StorageTier:
         config: Any,
         clock: Callable[[], float] = time.monotonic,
         max_put_batch: int = 64,
-        stored_memory: int = 1 << 20,
+        stored_memory: int = 1 << 18,
     ) -> None:
         if manager.host_pool.num_blocks == 0:
             raise ValueError("the storage tier needs a host tier (--swap-space > 0, or CacheConfig.num_host_blocks > 0)")
@@ -217,6 +228,14 @@ class StorageTier:
         # here is merely put again, and a stored key the backend evicted is a miss later).
         self._stored: "collections.OrderedDict[int, None]" = collections.OrderedDict()
         self._stored_memory = stored_memory
+        # Keys the backend lost on its own (any of its threads appends; the scheduler drains).
+        self._lost: "collections.deque[str]" = collections.deque()
+        if hasattr(backend, "set_loss_listener"):
+            backend.set_loss_listener(self._lost.extend)
+        # Hashes reported lost while their own put was in flight (a later key of the same
+        # batch evicted them): their OK must not count as stored.
+        self._lost_while_putting: set[int] = set()
+        self._generation = self._backend_generation()
         self._put_queue: "collections.deque[tuple[int, int]]" = collections.deque()  # (hash, host block)
         self._putting: dict[int, int] = {}  # hash -> host block (queued or in flight)
         self._jobs: dict[int, Any] = {}  # task id -> _Prefetch or StorageJob (puts)
@@ -228,6 +247,10 @@ class StorageTier:
         # Requests whose prefetch started on arrival: their wait starts at admission.
         self._arrived: set[str] = set()
         self._outbox: list[StorageJob] = []
+        # Shutdown flush (flush_candidates): every policy puts backups; hashes whose put
+        # failed during it are not tried again.
+        self._flushing = False
+        self._flush_failed: set[int] = set()
         self.stats: dict[str, float] = collections.defaultdict(float)  # type: ignore[assignment]
         for k in ("exists_calls", "query_blocks", "hit_blocks", "prefetch_jobs", "prefetch_blocks_issued",
                   "prefetch_blocks_loaded", "prefetch_blocks_failed", "prefetch_blocks_inserted",
@@ -235,7 +258,8 @@ class StorageTier:
                   "put_blocks_failed", "put_skipped_stored", "storage_hit_tokens", "read_bytes",
                   "read_seconds", "write_bytes", "write_seconds", "unavailable_skips", "query_errors",
                   "prefetch_blocks_shared", "arrival_prefetch_jobs", "arrival_prefetch_blocks",
-                  "arrival_prefetch_over_budget"):
+                  "arrival_prefetch_over_budget",
+                  "stored_forgotten", "store_generation_changes"):
             self.stats[k] = 0
         self.errors: dict[str, int] = collections.defaultdict(int)
 
@@ -256,19 +280,58 @@ class StorageTier:
         return self.config.put_policy == "write_back"
 
     def is_stored(self, block_hash: int) -> bool:
+        self._heal()
         return block_hash in self._stored
 
     def mark_stored(self, hashes: Iterable[int]) -> None:
         """Hashes another writer of this process stored (a put that returned OK: the PD
         hand-off, engine/pd.py), so the backups skip them."""
         for h in hashes:
-            self._stored[h] = None
-            self._stored.move_to_end(h)
+            self._remember(h)
+
+    def _remember(self, h: int) -> None:
+        self._stored[h] = None
+        self._stored.move_to_end(h)
         while len(self._stored) > self._stored_memory:
             self._stored.popitem(last=False)
 
+    def _forget(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            if h in self._stored:
+                del self._stored[h]
+                self.stats["stored_forgotten"] += 1
+
+    def _backend_generation(self) -> int:
+        return int(getattr(self.backend, "generation", 0) or 0)
+
+    def _heal(self) -> None:
+        """Forget what the backend lost since the last call (see the module docstring)."""
+        gen = self._backend_generation()
+        if gen != self._generation:
+            self._generation = gen
+            self.stats["store_generation_changes"] += 1
+            self.stats["stored_forgotten"] += len(self._stored)
+            logger.info("storage generation changed (%d): forgetting %d stored blocks", gen, len(self._stored))
+            self._stored.clear()
+            self._lost.clear()
+            return
+        if not self._lost:
+            return
+        parse = self.ns.block_hash_of
+        lost = []
+        while self._lost:
+            h = parse(self._lost.popleft())
+            if h is None:
+                continue
+            if h in self._putting and h not in self._lost_while_putting:
+                self._lost_while_putting.add(h)
+                self.stats["stored_forgotten"] += 1
+            lost.append(h)
+        self._forget(lost)
+
     def known_prefix(self, hashes: Sequence[int]) -> list[int]:
         """The leading ``hashes`` known to be stored (puts that returned OK), no I/O."""
+        self._heal()
         out: list[int] = []
         for h in hashes:
             if h not in self._stored:
@@ -277,6 +340,7 @@ class StorageTier:
         return out
 
     def available(self) -> bool:
+        self._heal()
         try:
             return bool(self.backend.health().available)
         except Exception:  # noqa: BLE001 - a broken health() means "off"
@@ -302,6 +366,8 @@ class StorageTier:
             return 0
         n = max(0, min(n, len(hashes)))
         self.stats["hit_blocks"] += n
+        if n < len(hashes):
+            self._forget(hashes[n:n + 1])  # storage says it lacks this one, whatever we thought
         return n
 
     # ------------------------------------------------------------------ prefetch
@@ -488,14 +554,16 @@ class StorageTier:
         Call BEFORE the manager resolves them (``complete_swap``), so the host blocks are
         pinned while they are surely still allocated.
         """
-        if not success or self.write_back:
+        if not success or (self.write_back and not self._flushing):
             return
+        self._heal()
         for h, b in zip(hashes, host_block_ids):
             self._queue_put(h, b)
 
     def on_host_evict(self, node: BlockNode) -> None:
         """write_back: the host tier is evicting ``node``'s copy; store it first (pinned)."""
         if self.write_back and node.host_block_id is not None and node.pending is None:
+            self._heal()
             self._queue_put(node.hash_value, node.host_block_id)
 
     def _queue_put(self, h: int, b: int) -> None:
@@ -508,6 +576,49 @@ class StorageTier:
         self.pool.pin((b,))
         self._putting[h] = b
         self._put_queue.append((h, b))
+
+    # ------------------------------------------------------------------ flush at shutdown
+    def begin_flush(self) -> None:
+        """From now on every device -> host copy is put (write_back too): the engine is
+        stopping and writes what the store lacks (``StorageKVPool.flush_to_storage``)."""
+        self._flushing = True
+
+    def flush_candidates(self) -> tuple[list[BlockNode], list[BlockNode]]:
+        """Cached blocks the store lacks, parents first: (with a host copy, device-only).
+
+        Parents first because a block is found only after every block before it (one
+        existence check counts consecutive keys).  Blocks with a copy in flight, puts
+        queued or in flight, and puts that failed during the flush are left out.
+        """
+        self._heal()
+        host: list[BlockNode] = []
+        device: list[BlockNode] = []
+        todo = collections.deque(self.manager.tree.root.children.values())
+        while todo:
+            node = todo.popleft()
+            todo.extend(node.children.values())
+            h = node.hash_value
+            if node.detached or node.pending is not None or h in self._stored or h in self._putting \
+                    or h in self._flush_failed:
+                continue
+            if node.host_block_id is not None:
+                host.append(node)
+            elif node.device_block_id is not None:
+                device.append(node)
+        return host, device
+
+    @property
+    def flush_failed_blocks(self) -> int:
+        """Puts that failed during the flush (not tried again)."""
+        return len(self._flush_failed)
+
+    def queue_flush_puts(self, nodes: Iterable[BlockNode]) -> int:
+        """Queue puts of ``nodes``' host copies (the flush); returns how many were queued."""
+        before = len(self._putting)
+        for node in nodes:
+            if node.host_block_id is not None and node.pending is None:
+                self._queue_put(node.hash_value, node.host_block_id)
+        return len(self._putting) - before
 
     def take_jobs(self) -> list[StorageJob]:
         """This step's jobs for the worker: prefetches started since, then queued puts."""
@@ -551,17 +662,21 @@ class StorageTier:
             self._complete_put(job)
 
     def _complete_put(self, job: StorageJob) -> None:
+        self._heal()  # losses reported while the job ran (see _lost_while_putting)
         for i, (h, b) in enumerate(zip(job.hashes, job.host_block_ids)):
             self._putting.pop(h, None)
+            lost = h in self._lost_while_putting
+            self._lost_while_putting.discard(h)
             if job.ok(i):
-                self._stored[h] = None
-                self._stored.move_to_end(h)
+                if not lost:  # else a later key of its own batch evicted it
+                    self._remember(h)
                 self.stats["put_blocks_ok"] += 1
             else:
+                self._forget((h,))
                 self.stats["put_blocks_failed"] += 1
+                if self._flushing:
+                    self._flush_failed.add(h)
             self.pool.unpin((b,))
-        while len(self._stored) > self._stored_memory:
-            self._stored.popitem(last=False)
 
     def _complete_prefetch(self, pf: _Prefetch, job: StorageJob) -> None:
         """Insert the leading run that arrived as host-only nodes; free the rest."""
@@ -575,6 +690,8 @@ class StorageTier:
             arrived += 1
         self.stats["prefetch_blocks_loaded"] += arrived
         self.stats["prefetch_blocks_failed"] += len(blocks) - arrived
+        # A block that did not arrive (miss, corrupt, error) is not known to be stored.
+        self._forget(h for i, h in enumerate(job.hashes) if not job.ok(i))
         # Walk the request's chain to where the fetched blocks hang (it may have changed).
         parent = tree.root
         ok = True
@@ -599,7 +716,7 @@ class StorageTier:
                 node = tree.add_child(parent, h)
                 tree.set_host(node, blocks[i])
                 node.on_storage = True
-                self._stored[h] = None
+                self._remember(h)
                 pf.inserted.append(node)
                 parent = node
                 used += 1
@@ -630,6 +747,7 @@ class StorageTier:
         for b, n in pins.items():
             assert pool._pins.get(b, 0) == n, f"host block {b}: {pool._pins.get(b, 0)} pins, {n} puts"
         assert sum(pins.values()) == sum(pool._pins.values()), "a pin with no put"
+        assert self._lost_while_putting <= self._putting.keys(), "a lost-while-putting hash with no put"
         loads = {b for e in self._jobs.values() if isinstance(e, _Prefetch) for b in e.job.host_block_ids}
         assert loads == self._prefetch_blocks, "prefetch host blocks differ from the jobs in flight"
 
@@ -638,6 +756,7 @@ class StorageTier:
         return len(self._jobs) + len(self._outbox)
 
     def get_stats(self) -> dict[str, Any]:
+        self._heal()  # the stored-set as of now (losses since the last step included)
         s: dict[str, Any] = dict(self.stats)
         s["errors"] = dict(self.errors)
         s["stored_blocks_known"] = len(self._stored)

@@ -208,6 +208,67 @@ class StorageKVPool(ManagedKVPool):
         self.tier.check_invariants()
         return self.manager.check_invariants()
 
+    def flush_to_storage(self, timeout_s: float) -> dict[str, Any]:
+        """Write every cached block the store lacks, within ``timeout_s`` (a graceful stop).
+
+        Host copies are put as they are; device-only blocks are first copied to host through
+        the manager's backup path (``queue_backups`` + ``issue_pending_backup_to_batch_request``:
+        ancestors first, host blocks from the host LRU) in batches of at most ``batch``
+        blocks, then put.  Call with no request running.  Logs one line with what was
+        written and what was left, and returns the same figures.
+        """
+        tier, m = self.tier, self.manager
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        ok0, bytes0 = tier.stats["put_blocks_ok"], tier.stats["write_bytes"]
+        batch = max(1, min(tier.max_put_batch, m.host_pool.num_blocks // 2))
+        outcome = "complete"
+        if timeout_s <= 0:
+            outcome = "off (--kvcache-storage-shutdown-flush 0)"
+        elif not tier.available():
+            outcome = "store unavailable"
+        else:
+            tier.begin_flush()
+            tried: set[Any] = set()  # device-only nodes whose backup was queued once
+            last: tuple[Any, ...] = ()
+            still = 0  # rounds in a row in which nothing moved
+            while True:
+                if time.monotonic() >= deadline:
+                    outcome = f"stopped after {timeout_s:g} s (--kvcache-storage-shutdown-flush)"
+                    break
+                host, device = tier.flush_candidates()
+                device = [n for n in device if n not in tried]
+                issued = tier.queue_flush_puts(host)
+                if device and not m.num_copies_in_flight and not m.has_idle_backups:
+                    chunk = device[:batch]
+                    tried.update(chunk)
+                    issued += m.queue_backups(chunk)  # issued by complete_finished (engine idle)
+                if not issued and not self.copies_in_flight:
+                    if device:
+                        outcome = "no host block free to stage through"
+                    break
+                self._submit_storage_jobs()
+                self.complete_finished(wait=True)
+                now = (len(host), len(device), m.num_copies_in_flight, tier.num_jobs_in_flight,
+                       tier.stats["put_blocks_ok"], tier.stats["put_blocks_failed"])
+                still = still + 1 if now == last else 0
+                last = now
+                if still >= 200:  # about 2 s: queued backups find no host block to stage through
+                    outcome = "no host block free to stage through"
+                    break
+                if still:
+                    time.sleep(0.01)
+        host, device = tier.flush_candidates()
+        written = int(tier.stats["put_blocks_ok"] - ok0)
+        out = {"written_blocks": written, "written_bytes": int(tier.stats["write_bytes"] - bytes0),
+               "left_device_only": len(device), "left_host": len(host),
+               "failed_puts": tier.flush_failed_blocks, "seconds": time.monotonic() - t0, "outcome": outcome}
+        logger.info(
+            "storage flush at stop: wrote %d blocks (%.1f MiB) in %.2f s; left %d unstored (%d device-only, "
+            "%d on host, %d puts failed): %s", written, out["written_bytes"] / (1 << 20), out["seconds"],
+            len(device) + len(host) + out["failed_puts"], len(device), len(host), out["failed_puts"], outcome)
+        return out
+
     def close(self, timeout_s: float = 30.0) -> None:
         # Finish what the last requests left: backups to host, then their puts (all bounded).
         deadline = time.monotonic() + timeout_s
@@ -217,6 +278,11 @@ class StorageKVPool(ManagedKVPool):
             except Exception:  # noqa: BLE001 - closing anyway
                 logger.warning("draining storage work at close failed", exc_info=True)
                 break
+        try:
+            # Within what is left of the stop's budget (the server's grace period).
+            self.flush_to_storage(min(self.storage_config.shutdown_flush_s, max(0.0, deadline - time.monotonic())))
+        except Exception:  # noqa: BLE001 - closing anyway
+            logger.warning("storage flush at stop failed", exc_info=True)
         try:
             for job in self.storage_worker.close(timeout_s=max(0.0, deadline - time.monotonic())):
                 try:

@@ -33,7 +33,7 @@ import logging
 import numbers
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from fastdeploy_kvcache.core.storage_status import Status
 
@@ -79,6 +79,9 @@ class StorageHealth:
     used_bytes: Optional[int] = None
     capacity_bytes: Optional[int] = None
     extra: dict[str, Any] = field(default_factory=dict)
+    generation: int = 0
+    """Changes whenever the store may have lost objects without saying which (a restarted
+    Mooncake master, a holder that went away): the caller forgets what it knew was stored."""
 
 
 def validate_batch(
@@ -93,6 +96,10 @@ def validate_batch(
         raise StorageError(
             "invalid", f"{op}: keys, ptrs and sizes differ in length ({len(keys)}, {len(ptrs)}, {len(sizes)})"
         )
+    # Fast path (a prefetch of hundreds of keys, every call): plain ints and distinct str keys.
+    if (all(type(p) is int and p > 0 for p in ptrs) and all(type(x) is int and x > 0 for x in sizes)
+            and all(type(k) is str and k for k in keys) and len(set(keys)) == len(keys)):
+        return list(keys), list(ptrs), list(sizes)
     seen: set[str] = set()
     for i, (key, ptr, size) in enumerate(zip(keys, ptrs, sizes)):
         if not isinstance(key, str) or not key:
@@ -116,6 +123,33 @@ class StorageBackend(abc.ABC):
     """
 
     name: str = "base"
+    _loss_listener: Optional[Callable[[list[str]], None]] = None
+
+    # ------------------------------------------------------------------ losses
+    def set_loss_listener(self, listener: Optional[Callable[[list[str]], None]]) -> None:
+        """Call ``listener(keys)`` whenever this backend removes objects on its own.
+
+        Evictions (byte cap, free-space floor, a full disk), deleted corrupt objects and
+        misses of keys it thought it held: a caller that remembers what is stored (the
+        scheduler's stored-set) forgets those keys, so the blocks are written again when
+        next computed.  It may be called from any of the backend's threads, so it must only
+        hand the keys over (e.g. append to a deque).  Losses the backend cannot name are
+        announced by :attr:`StorageHealth.generation` instead.
+        """
+        self._loss_listener = listener
+
+    @property
+    def generation(self) -> int:
+        """:attr:`StorageHealth.generation`, without the rest of ``health()`` (cheap)."""
+        return 0
+
+    def _report_lost(self, keys: list[str]) -> None:
+        listener = self._loss_listener
+        if listener is not None and keys:
+            try:
+                listener(keys)
+            except Exception:  # noqa: BLE001 - a listener must never fail a storage call
+                logger.warning("storage loss listener raised", exc_info=True)
 
     # ------------------------------------------------------------------ memory
     @abc.abstractmethod

@@ -51,6 +51,8 @@ class StorageConfig:
     prefetch_timeout_per_ktoken_s: float = 0.01
     # Smallest prefix (in blocks) worth fetching from storage rather than recomputing.
     prefetch_min_blocks: int = 1
+    # Longest a graceful stop spends writing the cached blocks the store lacks (0: skip).
+    shutdown_flush_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.backend is not None and self.backend not in BACKENDS:
@@ -69,6 +71,8 @@ class StorageConfig:
             )
         if self.prefetch_timeout_base_s < 0 or self.prefetch_timeout_per_ktoken_s < 0:
             raise ValueError("prefetch timeouts must be >= 0")
+        if not self.shutdown_flush_s >= 0:
+            raise ValueError(f"--kvcache-storage-shutdown-flush must be >= 0 seconds, got {self.shutdown_flush_s!r}")
         if self.prefetch_min_blocks < 1:
             raise ValueError(f"prefetch_min_blocks must be >= 1, got {self.prefetch_min_blocks}")
 
@@ -122,4 +126,9 @@ def add_storage_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
              type=float, default=None, help="timeout policy: seconds for any prefetch (default 0.05).")
     add_flag(g, "--kvcache-storage-prefetch-timeout-per-ktoken", dest="kvcache_storage_prefetch_timeout_per_ktoken_s",
              type=float, default=None, help="timeout policy: extra seconds per 1000 tokens (default 0.01).")
+    add_flag(g, "--kvcache-storage-shutdown-flush", dest="kvcache_storage_shutdown_flush_s", type=float,
+             default=None, metavar="S",
+             help="On a graceful stop, spend at most S seconds (within --graceful-shutdown-timeout) writing every "
+                  "cached block the store lacks (device-only blocks go through host first), so a restarted "
+                  "server is warm (default 20; 0: write nothing more).")
     return parser

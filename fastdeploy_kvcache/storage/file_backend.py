@@ -26,12 +26,26 @@ On-disk object (little-endian)::
   its time, and a refresh right behind a read still competed with the engine for the GIL.
   A restart keeps the order up to the last refresh.  ``min_free_bytes`` keeps a floor of free space on the file
   system: a put that would cross it evicts too, and fails with ``Status.FULL`` when nothing
-  of ours is left to evict.  ``ENOSPC`` is ``Status.FULL`` too, with the temp file removed.
+  of ours is left to evict.  ``ENOSPC`` (the floor undershot, or 0) evicts the same way,
+  down to the floor plus the object, and retries the put once; if it still fails it is
+  ``Status.FULL`` with the temp file removed.  Repeated I/O errors are logged once per
+  minute per kind, with a count (:class:`~.log_limit.ThrottledLog`).
+* **Healing.**  Every object this backend removes on its own (evicted, corrupt, larger
+  than the buffer, or a header that claims more than the file holds) is reported to the
+  loss listener (:meth:`StorageBackend.set_loss_listener`), so the scheduler stores the
+  block again when it next computes it.  A non-file (a directory, say) at an object's path
+  is reported once and its key skipped: a miss for gets and existence checks, a quiet
+  ``Status.IO`` for puts, until it is gone.
 * **Reads.**  One ``open``, one ``preadv`` (header, payload, and one byte past it, which
   tells a longer file without an ``fstat``) and one ``close`` per object, a whole slice of
   a batch in one native call (``read_files`` of the CPU C ABI) that holds no GIL: the engine
   thread and the server's event loop run while a prefetch reads.  Python then checks each
   header and checksum.  Without the library (not built) the same reads run in Python.
+  The checksum runs while the bytes are still in the CPU cache: small objects are read in
+  groups of at most 1 MiB, each group hashed right after its read; objects of 1 MiB and more
+  are read in 256 KiB chunks, each hashed as it lands.  Reading a whole batch first and
+  hashing it afterwards read every byte from memory twice and ran at about 0.6 of a plain
+  read of the same files.
 * **Threads.**  ``batch_get_into`` / ``batch_put_from`` split one batch into contiguous
   slices of at least ``_MIN_KEYS_PER_THREAD`` keys, one per thread, over at most
   ``io_threads`` threads (file I/O releases the GIL; an NVMe drive wants several requests in
@@ -61,6 +75,7 @@ import xxhash
 from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError, StorageHealth, validate_batch
 from fastdeploy_kvcache.storage.buffers import BufferRegistry
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
+from fastdeploy_kvcache.storage.log_limit import ThrottledLog
 from fastdeploy_kvcache.storage.stats import StorageStats
 
 logger = logging.getLogger(__name__)
@@ -80,6 +95,12 @@ _MAX_KEY_LEN = 200
 _MIN_KEYS_PER_THREAD = 16
 # Hits whose atime refresh may wait for a put batch or close before the writer does it.
 _MAX_UNFLUSHED_TOUCHES = 8192
+# The checksum must run while the bytes just read are still in the CPU cache: objects of at
+# least _CHUNKED_READ_MIN_BYTES are read and hashed in chunks of _HASH_CHUNK bytes; smaller ones
+# go to the native batch read in groups of at most _READ_GROUP_BYTES, each hashed after it.
+_CHUNKED_READ_MIN_BYTES = 1 << 20
+_HASH_CHUNK = 256 << 10
+_READ_GROUP_BYTES = 1 << 20
 
 
 def default_io_threads() -> int:
@@ -131,6 +152,7 @@ class FileBackend(StorageBackend):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self._dir = str(self.path)
+        self._dir_prefix = os.path.join(self._dir, "")  # "<dir>/": object paths by concatenation
         self.capacity_bytes = int(capacity_bytes)
         self.min_free_bytes = int(min_free_bytes)
         self.fsync = fsync
@@ -145,6 +167,8 @@ class FileBackend(StorageBackend):
         self._native = _native_reader()
         self._touched: set[str] = set()  # hits whose file atime is not refreshed yet
         self._touch_flush_queued = False
+        self._log = ThrottledLog(logger)
+        self._blocked: set[str] = set()  # keys whose path holds a non-file (reported once)
         self._seed()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="fdkv-file-io") if io_threads > 1 else None
         self._writer = BoundedExecutor("fdkv-file-writer", max_pending_writes)
@@ -160,7 +184,7 @@ class FileBackend(StorageBackend):
             )
 
     def _file(self, key: str) -> str:
-        return os.path.join(self._dir, key.replace(":", "=") + _SUFFIX)
+        return self._dir_prefix + key.replace(":", "=") + _SUFFIX
 
     @staticmethod
     def _key_of(filename: str) -> Optional[str]:
@@ -215,8 +239,9 @@ class FileBackend(StorageBackend):
         except FileNotFoundError:
             pass
         except OSError as exc:
-            logger.warning("file storage: could not evict %s: %s", key, exc)
+            self._log.warning("evict", "file storage: could not evict %s: %s", key, exc)
         self._stats.add("evicted")
+        self._report_lost([key])
 
     def _free_bytes(self) -> int:
         st = os.statvfs(self._dir)
@@ -238,17 +263,35 @@ class FileBackend(StorageBackend):
                 # (and other stores) fill the same disk.  Puts in flight on other io threads
                 # are not yet visible in it, so the floor can be undershot by up to
                 # io_threads objects; keep the floor well above that.
-                free = self._free_bytes() + (old or 0)
-                while free - nbytes < self.min_free_bytes and self._lru:
-                    oldest_size = next(iter(self._lru.values()))
-                    self._drop_oldest_locked()
-                    free += oldest_size
-                if free - nbytes < self.min_free_bytes:
+                if not self._evict_for_space_locked(nbytes, self._free_bytes() + (old or 0)):
                     return False
             # Count it now so concurrent puts see the space as taken.
             self._lru[key] = nbytes
             self._used += nbytes
             return True
+
+    def _evict_for_space_locked(self, nbytes: int, free: int) -> bool:
+        """Evict LRU objects until ``nbytes`` fit above the floor; False when they cannot."""
+        while free - nbytes < self.min_free_bytes and self._lru:
+            oldest_size = next(iter(self._lru.values()))
+            self._drop_oldest_locked()
+            free += oldest_size
+        return free - nbytes >= self.min_free_bytes
+
+    def _make_room_after_enospc(self, nbytes: int) -> bool:
+        """The disk said ENOSPC: evict LRU objects down to the floor plus ``nbytes`` (at
+        least one, whatever statvfs says: it may count space that cannot be had); True when
+        anything was evicted, so one retry may succeed."""
+        with self._lock:
+            before = len(self._lru)
+            if self._lru:
+                self._drop_oldest_locked()
+            try:
+                free = self._free_bytes()
+            except OSError:
+                free = 0
+            self._evict_for_space_locked(nbytes, free)
+            return len(self._lru) < before
 
     def _unreserve(self, key: str) -> None:
         with self._lock:
@@ -256,12 +299,14 @@ class FileBackend(StorageBackend):
             if size is not None:
                 self._used -= size
 
-    def _touch(self, key: str) -> None:
-        """A hit: newest in the in-memory LRU now; its file's atime later (:meth:`_flush_touches`)."""
+    def _touch(self, keys: Sequence[str]) -> None:
+        """Hits: newest in the in-memory LRU now; their files' atimes later (:meth:`_flush_touches`)."""
         with self._lock:
-            if key in self._lru:
-                self._lru.move_to_end(key)
-                self._touched.add(key)
+            lru = self._lru
+            for key in keys:
+                if key in lru:
+                    lru.move_to_end(key)
+                    self._touched.add(key)
 
     def _queue_touch_flush(self) -> None:
         """Refresh atimes on the writer thread once many hits wait (never blocks a read)."""
@@ -292,6 +337,24 @@ class FileBackend(StorageBackend):
 
     # ------------------------------------------------------------------ one object
     def _put_one(self, key: str, ptr: int, size: int) -> int:
+        if key in self._blocked and self._still_blocked(key):
+            return Status.IO
+        try:
+            return self._put_once(key, ptr, size)
+        except _DiskFull:
+            pass
+        # NOTE: ENOSPC although our floor let the put through: the disk is fuller than
+        # statvfs promised, or the floor is 0.  Evict down to the floor and retry once, so a
+        # full disk keeps turning over instead of freezing the store's contents.
+        if self._make_room_after_enospc(size + HEADER.size):
+            try:
+                return self._put_once(key, ptr, size)
+            except _DiskFull:
+                pass
+        return Status.FULL
+
+    def _put_once(self, key: str, ptr: int, size: int) -> int:
+        """One attempt; raises :class:`_DiskFull` on ENOSPC / EDQUOT (nothing left behind)."""
         if not self._reserve(key, size):
             return Status.FULL
         payload = _mem(ptr, size)
@@ -357,16 +420,114 @@ class FileBackend(StorageBackend):
 
     def _get_slice(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Read a slice of a batch (one native call where built), then check each object."""
+        if self._blocked and not self._blocked.isdisjoint(keys):
+            out = [int(Status.MISSING)] * len(keys)
+            idx = [i for i, k in enumerate(keys) if k not in self._blocked]
+            if idx:
+                part = self._get_slice([keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx])
+                for i, r in zip(idx, part):
+                    out[i] = r
+            return out
+        group = max(1, _READ_GROUP_BYTES // max(sizes))
+        if len(keys) <= group:
+            return self._read_and_check(keys, ptrs, sizes)
+        out: list[int] = []
+        for lo in range(0, len(keys), group):
+            out += self._read_and_check(keys[lo:lo + group], ptrs[lo:lo + group], sizes[lo:lo + group])
+        return out
+
+    def _read_and_check(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Read a group of objects (see ``_READ_GROUP_BYTES``), then check each one."""
         paths = [self._file(k) for k in keys]
-        if self._native is None:
+        digests: Optional[list[Optional[int]]] = None
+        if min(sizes) >= _CHUNKED_READ_MIN_BYTES:
+            headers, got, digests = self._read_files_hashed(paths, ptrs, sizes)
+        elif self._native is None:
             headers, got = self._read_files_py(paths, ptrs, sizes)
         else:
             headers, got = self._native.read_files([os.fsencode(p) for p in paths], ptrs, sizes, HEADER.size)
-        return [self._check_read(k, path, ptr, size, headers, i * HEADER.size, n)
-                for i, (k, path, ptr, size, n) in enumerate(zip(keys, paths, ptrs, sizes, got))]
+        out: list[int] = []
+        hits: list[str] = []
+        unpack = HEADER.unpack_from
+        hsize = HEADER.size
+        for i, (k, ptr, size, n) in enumerate(zip(keys, ptrs, sizes, got)):
+            at = i * hsize
+            digest = digests[i] if digests is not None else None
+            # Fast path: a whole object of the expected size whose checksum holds.
+            if n == hsize + size:
+                magic, version, header_size, payload_size, checksum, _ = unpack(headers, at)
+                if (magic == MAGIC and version == FORMAT_VERSION and header_size == hsize and payload_size == size
+                        and (digest if digest is not None else xxhash.xxh3_64_intdigest(_mem(ptr, size))) == checksum):
+                    out.append(size)
+                    hits.append(k)
+                    continue
+            r = self._check_read(k, paths[i], ptr, size, headers, at, n, digest)
+            if r >= 0:
+                hits.append(k)
+            out.append(r)
+        if hits:
+            self._touch(hits)
+        return out
 
-    def _check_read(self, key: str, path: str, ptr: int, size: int, headers: bytearray, at: int, got: int) -> int:
-        """The verdict on one object as read (``got``: bytes or -errno), for both readers."""
+    @staticmethod
+    def _read_files_hashed(paths: Sequence[str], ptrs: Sequence[int],
+                           sizes: Sequence[int]) -> tuple[bytearray, list[int], list[Optional[int]]]:
+        """Like ``read_files``, in chunks, hashing each chunk of payload right after it lands.
+
+        NOTE: a large object read whole and then hashed is read from memory twice (the read
+        evicts its own first bytes from the CPU cache before the hash starts); hashing each
+        256 KiB chunk while it is still cached made 8 MiB reads about as fast as a plain read.
+        The digest covers ``min(payload, size)`` bytes (the header's claim); None when the
+        file ended first.  The file system calls release the GIL like the native reader's.
+        """
+        hsize = HEADER.size
+        headers = bytearray(len(paths) * hsize)
+        hview = memoryview(headers)
+        got: list[int] = []
+        digests: list[Optional[int]] = []
+        for i, (path, ptr, size) in enumerate(zip(paths, ptrs, sizes)):
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                got.append(-(exc.errno or errno.EIO))
+                digests.append(None)
+                continue
+            try:
+                mem = _mem(ptr, size)
+                first = min(size, _HASH_CHUNK)
+                n = os.preadv(fd, [hview[i * hsize:(i + 1) * hsize], mem[:first]], 0)
+                if n < hsize:
+                    got.append(n)
+                    digests.append(None)
+                    continue
+                want = min(HEADER.unpack_from(headers, i * hsize)[3], size)
+                h = xxhash.xxh3_64()
+                done = n - hsize
+                h.update(mem[:min(done, want)])
+                short = done < first  # the file ended within the first chunk
+                while not short and done < size:
+                    k = os.preadv(fd, [mem[done:done + _HASH_CHUNK]], hsize + done)
+                    if k <= 0:
+                        break
+                    if done < want:
+                        h.update(mem[done:min(done + k, want)])
+                    short = k < min(_HASH_CHUNK, size - done)
+                    done += k
+                past = len(os.pread(fd, 1, hsize + size)) if done == size else 0
+                got.append(hsize + done + past)
+                digests.append(h.intdigest() if done >= want else None)
+            except OSError as exc:
+                got.append(-(exc.errno or errno.EIO))
+                digests.append(None)
+            finally:
+                os.close(fd)
+        return headers, got, digests
+
+    def _check_read(self, key: str, path: str, ptr: int, size: int, headers: bytearray, at: int, got: int,
+                    digest: Optional[int] = None) -> int:
+        """The verdict on one object as read (``got``: bytes or -errno), for every reader.
+
+        ``digest``: the payload's xxh3 where the reader hashed it already."""
         if got < 0:
             err = -got
             if err == errno.ENOENT:
@@ -379,33 +540,69 @@ class FileBackend(StorageBackend):
         if magic != MAGIC or version != FORMAT_VERSION or header_size != HEADER.size:
             return self._corrupt(key, path, f"bad header (magic {magic!r}, version {version})")
         if payload_size > size:
-            logger.warning("file storage get %s: object has %d bytes, buffer %d", key, payload_size, size)
+            if got <= HEADER.size + size:
+                return self._corrupt(key, path, f"header claims {payload_size} payload bytes, file has {got - HEADER.size}")
+            # NOTE: a key's namespace fixes its object size, so a larger object is foreign or
+            # damaged: deleted (else it would fail every read and never be rewritten).
+            self._remove_bad(key, path, f"object has {payload_size} bytes, buffer {size}")
             return Status.INVALID
         if got != HEADER.size + payload_size:
             return self._corrupt(key, path, f"file has {got - HEADER.size} payload bytes, header says {payload_size}")
-        if xxhash.xxh3_64_intdigest(_mem(ptr, payload_size)) != checksum:
+        if (digest if digest is not None else xxhash.xxh3_64_intdigest(_mem(ptr, payload_size))) != checksum:
             return self._corrupt(key, path, "checksum mismatch")
-        self._touch(key)
         return payload_size
 
     def _corrupt(self, key: str, path: str, why: str) -> int:
-        logger.warning("file storage: corrupt object %s (%s): deleted, counted as a miss", key, why)
+        self._remove_bad(key, path, why)
+        return Status.CORRUPT
+
+    def _remove_bad(self, key: str, path: str, why: str) -> None:
+        self._log.warning("bad-object", "file storage: bad object %s (%s): deleted, counted as a miss", key, why)
         try:
             os.unlink(path)
         except OSError:
             pass
         self._forget(key)
-        return Status.CORRUPT
 
     def _forget(self, key: str) -> None:
         self._unreserve(key)
+        self._report_lost([key])
 
     def _os_status(self, op: str, key: str, exc: OSError) -> int:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            logger.warning("file storage %s %s: disk full (%s)", op, key, exc)
+            self._log.warning(f"{op}-full", "file storage %s %s: disk full (%s); evicting LRU objects", op, key, exc)
+            if op == "put":
+                raise _DiskFull() from exc
             return Status.FULL
-        logger.warning("file storage %s %s: %s", op, key, exc)
+        if exc.errno in (errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST) and self._not_a_file(key):
+            return Status.IO if op == "put" else Status.MISSING
+        self._log.warning(f"{op}-{exc.errno}", "file storage %s %s: %s", op, key, exc)
         return Status.IO
+
+    def _not_a_file(self, key: str) -> bool:
+        """Whether a non-file sits at ``key``'s path: reported once, the key skipped since."""
+        path = self._file(key)
+        try:
+            if not os.path.lexists(path) or os.path.isfile(path):
+                return False
+        except OSError:
+            return False
+        with self._lock:
+            first = key not in self._blocked
+            self._blocked.add(key)
+        if first:
+            logger.warning("file storage: %s is not a regular file; key %s is skipped (a miss; puts fail) "
+                           "until it is removed", path, key)
+            self._stats.record_error("io")
+        return True
+
+    def _still_blocked(self, key: str) -> bool:
+        path = self._file(key)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            return True
+        with self._lock:
+            self._blocked.discard(key)
+        return False
 
     # ------------------------------------------------------------------ batches
     def _map(self, fn: Any, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
@@ -447,12 +644,16 @@ class FileBackend(StorageBackend):
         self._buffers.remove(ptr)
 
     def batch_exists(self, keys: Sequence[str]) -> int:
-        """Consecutive keys from the start whose files exist (a stat each, no read)."""
+        """Consecutive keys from the start whose files exist (a stat each, no read).
+
+        Only regular files count: a directory at an object's path is a miss."""
         self._stats.add("exists_calls")
         count = 0
         for i, key in enumerate(keys):
             self._check_key("batch_exists", i, key)
-            if not os.path.exists(self._file(key)):
+            if not os.path.isfile(self._file(key)):
+                if os.path.lexists(self._file(key)):
+                    self._not_a_file(key)
                 break
             count += 1
         return count
@@ -496,6 +697,7 @@ class FileBackend(StorageBackend):
                 except FileNotFoundError:
                     pass
         self._stats.add("deleted", removed)
+        self._report_lost(list(keys))
         return removed
 
     # ------------------------------------------------------------------ state
@@ -539,6 +741,10 @@ class FileBackend(StorageBackend):
         self._flush_touches()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class _DiskFull(Exception):
+    """A put hit ENOSPC / EDQUOT (temp file removed, reservation undone)."""
 
 
 def _native_reader() -> Optional[Any]:

@@ -150,6 +150,16 @@ class KeyNamespace:
     def keys(self, block_hashes: Iterable[int]) -> list[str]:
         return block_keys(self, block_hashes)
 
+    def block_hash_of(self, key: str) -> Optional[int]:
+        """The block hash of a full-block key of this namespace; None for any other key."""
+        prefix = self.prefix
+        if len(key) != len(prefix) + 33 or not key.startswith(prefix) or key[len(prefix)] != ":":
+            return None
+        try:
+            return int(key[len(prefix) + 1:], 16)
+        except ValueError:
+            return None
+
 
 def block_key(ns: KeyNamespace, block_hash: int, num_tokens: Optional[int] = None) -> str:
     """Key of a full block (``num_tokens`` None or ``ns.block_size``) or of a partial last

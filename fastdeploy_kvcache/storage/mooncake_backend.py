@@ -24,6 +24,12 @@ Never blocking the caller (the measured behaviour is in docs/storage.md, "`moonc
   consecutive failed calls, and a background probe (``/health``, then one
   ``batch_is_exist``) turns it back on.  A restarted master comes back empty: every key is
   a miss, which the scheduler handles like any miss.
+* **Lost objects are announced.**  ``health().generation`` goes up when the breaker closes
+  again after an outage, and when the master's request counters (its ``/metrics``, read
+  every ``restart_check_s``) go down: a master restarted between two calls, which comes
+  back empty.  The scheduler then forgets which blocks it stored, so they are written again
+  when next computed.  (A marker object would also catch a departed holder, but a full
+  store evicts it, which reads as a restart.)
 
 Results: ``-704`` is a miss, ``-200`` (store full) a soft ``Status.FULL`` (eviction runs in
 the background; never "stored"), ``-600`` ``Status.INVALID`` (buffer smaller than the
@@ -178,6 +184,8 @@ class MooncakeBackend(StorageBackend):
         overwrite: use ``upsert`` for puts (replace existing values).
         max_pending: batches queued for the writer / reader thread before "busy".
         call_threads: threads that run store calls (bounds concurrent stuck calls).
+        restart_check_s: how often the monitor reads the master's request counters (a drop
+            means a restarted master and bumps ``health().generation``).
         store_factory: builds the client (tests of set-up failures pass a real but
             differently configured class; default ``MooncakeDistributedStore``).
     """
@@ -196,6 +204,7 @@ class MooncakeBackend(StorageBackend):
         overwrite: bool = False,
         max_pending: int = 64,
         call_threads: int = 4,
+        restart_check_s: float = 1.0,
         store_factory: Optional[Callable[[], Any]] = None,
     ) -> None:
         if config is not None and not isinstance(config, MooncakeConfig):
@@ -220,6 +229,10 @@ class MooncakeBackend(StorageBackend):
         self.breaker = CircuitBreaker("mooncake", failure_threshold, reset_timeout_s)
         self.breaker.force_open()  # off until set-up succeeds
         self._setup_attempts = 0
+        self._generation = 0
+        self.restart_check_s = restart_check_s
+        self._master_requests: Optional[int] = None  # the master's request counters, last read
+        self._next_restart_check = 0.0
         self._last_error = "not set up yet"
         self._closed = threading.Event()
         self._connected = threading.Event()
@@ -312,16 +325,59 @@ class MooncakeBackend(StorageBackend):
                 elif self.breaker.state != CLOSED and self.breaker.allow():
                     if self._probe():
                         self.breaker.record_success()
+                        self._master_requests = None  # a new master's counters start over
+                        self._lost_objects("the store is reachable again after an outage")
                     else:
                         self.breaker.record_failure()
                     delay = 0.2
                 else:
+                    if self.breaker.state == CLOSED and time.monotonic() >= self._next_restart_check:
+                        self._check_master_restart()
                     delay = 0.2
             except Exception as exc:  # noqa: BLE001 - the monitor must never die silently
                 self._last_error = f"monitor: {type(exc).__name__}: {exc}"
                 logger.exception("mooncake monitor error; retrying")
                 delay = min(delay * 2, 5.0)
             self._closed.wait(delay)
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def _lost_objects(self, why: str) -> None:
+        self._generation += 1
+        logger.warning("mooncake store may have lost objects (%s): what was stored will be written again", why)
+
+    def _master_request_count(self, timeout_s: float = 0.5) -> Optional[int]:
+        """The sum of the master's ``master_*_requests_total`` counters (None: unreadable)."""
+        url = f"http://{self.config.master_metrics_addr}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+                body = resp.read(1 << 20).decode("utf-8", "replace")
+        except (OSError, urllib.error.URLError, ValueError):
+            return None
+        total, seen = 0, False
+        for line in body.splitlines():
+            if line.startswith("master_") and "_requests_total" in line.split(" ", 1)[0]:
+                try:
+                    total += int(float(line.rsplit(" ", 1)[1]))
+                    seen = True
+                except (IndexError, ValueError):
+                    continue
+        return total if seen else None
+
+    def _check_master_restart(self) -> None:
+        """A restarted master starts its counters from 0: a drop means everything is gone.
+
+        NOTE: this client's calls raise them between two reads, so a read lower than the
+        last is a new master (a restart the breaker never saw: no call ran meanwhile)."""
+        self._next_restart_check = time.monotonic() + self.restart_check_s
+        count = self._master_request_count()
+        if count is None:
+            return
+        last, self._master_requests = self._master_requests, count
+        if last is not None and count < last:
+            self._lost_objects(f"the master's request counters went from {last} to {count}: it restarted")
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` for the tier to be on (tests and tools; never the scheduler)."""
@@ -466,6 +522,7 @@ class MooncakeBackend(StorageBackend):
             consecutive_failures=self.breaker.consecutive_failures,
             detail="ok" if available else self._last_error,
             extra={"setup_attempts": self._setup_attempts, "master": self.config.master_server_addr},
+            generation=self._generation,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -475,6 +532,7 @@ class MooncakeBackend(StorageBackend):
             backend=self.name, breaker_state=state, breaker_state_value=BREAKER_STATE_VALUE[state],
             breaker_opens=self.breaker.opens, connected=self._store is not None,
             setup_attempts=self._setup_attempts, pending_writes=self._writer.pending(),
+            generation=self._generation,
         )
         return snap
 

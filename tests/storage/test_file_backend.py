@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import struct
 import subprocess
 import threading
 import time
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache.storage import Status, StorageError
+from fastdeploy_kvcache.storage import file_backend
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
 from fastdeploy_kvcache.storage.file_backend import HEADER, FileBackend
 
@@ -77,6 +80,47 @@ def test_partial_batch_reports_each_key(tmp_path: Path, arena: HostArena) -> Non
     assert small == [Status.INVALID]
     assert (arena.slot(3)[100:] == 7).all()
     assert backend.stats()["errors"]["invalid"] == 1
+    backend.close()
+
+
+def test_object_larger_than_the_buffer_is_deleted_so_a_put_rewrites_it(tmp_path: Path, arena: HostArena) -> None:
+    """A key's objects all have one size; a larger one fails every read, so it goes."""
+    backend = make(tmp_path, arena)
+    lost: list[str] = []
+    backend.set_loss_listener(lost.extend)
+    arena.fill(0, seed=5)
+    assert put(backend, arena, [0], [0]) == [Status.OK]
+    assert backend.batch_get_into([key(0)], [arena.slot_ptr(3)], [100]) == [Status.INVALID]
+    assert backend.batch_exists([key(0)]) == 0 and len(backend) == 0 and lost == [key(0)]
+    assert put(backend, arena, [0], [0]) == [Status.OK]
+    assert get(backend, arena, [0], [1]) == [arena.slot_bytes]
+    backend.close()
+
+
+@pytest.mark.parametrize("reader", ["native", "python"])
+def test_directory_at_an_object_path_is_reported_once_and_skipped(
+        tmp_path: Path, arena: HostArena, reader: str, caplog: pytest.LogCaptureFixture) -> None:
+    backend = make(tmp_path, arena)
+    if reader == "python":
+        backend._native = None
+    arena.fill(0, seed=5)
+    arena.fill(1, seed=6)
+    squat = tmp_path / (key(0).replace(":", "=") + ".kv")
+    squat.mkdir()
+    (squat / "inside").write_bytes(b"not ours")
+    with caplog.at_level(logging.WARNING, logger="fastdeploy_kvcache.storage.file_backend"):
+        for _ in range(5):
+            assert put(backend, arena, [0, 1], [0, 1]) == [Status.IO, Status.OK]
+            assert backend.batch_exists([key(0)]) == 0
+            assert get(backend, arena, [0, 1], [2, 3]) == [Status.MISSING, arena.slot_bytes]
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "not a regular file" in lines[0], lines
+    assert (squat / "inside").read_bytes() == b"not ours"  # not ours to delete
+    # Gone: the key works again.
+    (squat / "inside").unlink()
+    squat.rmdir()
+    assert put(backend, arena, [0], [0]) == [Status.OK]
+    assert get(backend, arena, [0], [2]) == [arena.slot_bytes]
     backend.close()
 
 
@@ -164,14 +208,19 @@ def test_seeding_from_existing_directory_and_restart(tmp_path: Path, arena: Host
     third.close()
 
 
-@pytest.mark.parametrize("reader", ["native", "python"])
-@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "bad_magic", "appended", "header_only"])
-def test_corrupt_object_is_a_miss_deleted_and_counted(tmp_path: Path, arena: HostArena, damage: str, reader: str) -> None:
-    """Both readers (the C ABI's batch read, and the Python one used where it is not built)
-    give the same verdicts."""
+@pytest.mark.parametrize("reader", ["native", "python", "chunked"])
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "bad_magic", "appended", "header_only",
+                                    "claims_larger_payload"])
+def test_corrupt_object_is_a_miss_deleted_and_counted(tmp_path: Path, arena: HostArena, damage: str, reader: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every reader (the C ABI's batch read, the Python one used where it is not built, and
+    the chunked read-and-hash of large objects) gives the same verdicts."""
     backend = make(tmp_path, arena)
     if reader == "python":
         backend._native = None
+    elif reader == "chunked":  # as for objects of 1 MiB and more: these are 64 KiB, in 4 KiB chunks
+        monkeypatch.setattr(file_backend, "_CHUNKED_READ_MIN_BYTES", 1)
+        monkeypatch.setattr(file_backend, "_HASH_CHUNK", 4096)
     else:
         assert backend._native is not None, "the C ABI (build/libfdkv_capi_cpu.so) is not built: bash build.sh"
     arena.fill(0, seed=3)
@@ -187,6 +236,8 @@ def test_corrupt_object_is_a_miss_deleted_and_counted(tmp_path: Path, arena: Hos
         raw += b"tail"
     elif damage == "header_only":
         raw = raw[: HEADER.size - 3]
+    elif damage == "claims_larger_payload":  # the header says more than the buffer (and the file) holds
+        raw[8:16] = struct.pack("<Q", 10 * arena.slot_bytes)
     else:
         raw[0:4] = b"XXXX"
     path.write_bytes(bytes(raw))
@@ -267,21 +318,47 @@ def tiny_tmpfs(tmp_path: Path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-def test_disk_full_is_typed_and_leaves_no_partial_object(tiny_tmpfs: Path) -> None:
-    arena = HostArena(4, 300 << 10)  # 300 KiB objects: the fourth cannot fit in 1 MiB
+def test_disk_full_evicts_lru_down_to_the_floor_and_leaves_no_partial_object(tiny_tmpfs: Path) -> None:
+    """ENOSPC with no floor (min-free 0): the put evicts our least recently used object and
+    retries, so a full disk keeps turning over instead of freezing the store."""
+    arena = HostArena(4, 300 << 10)  # 300 KiB objects: the fourth cannot fit in 1 MiB beside three
     backend = FileBackend(tiny_tmpfs, capacity_bytes=0, min_free_bytes=0, io_threads=1)
+    lost: list[str] = []
+    backend.set_loss_listener(lost.extend)
     backend.register_buffer(arena.ptr, arena.nbytes)
     data = [arena.fill(i, seed=20 + i) for i in range(4)]
     results = [backend.batch_put_from([key(i)], [arena.slot_ptr(i)], [arena.slot_bytes])[0] for i in range(4)]
-    assert results[:3] == [Status.OK] * 3 and results[3] == Status.FULL
+    assert results == [Status.OK] * 4
+    assert lost == [key(0)], lost  # the oldest went, and the listener heard of it
     names = sorted(p.name for p in tiny_tmpfs.iterdir())
     assert len(names) == 3 and not any(n.startswith(".tmp") for n in names)
-    assert backend.stats()["errors"]["full"] == 1
-    assert backend.batch_exists([key(3)]) == 0
+    assert backend.batch_exists([key(0)]) == 0 and backend.batch_exists([key(1), key(2), key(3)]) == 3
+    assert backend.stats()["evicted"] == 1
     # What was stored is intact.
     arena.array[:] = 0
-    assert backend.batch_get_into([key(1)], [arena.slot_ptr(0)], [arena.slot_bytes]) == [arena.slot_bytes]
-    np.testing.assert_array_equal(arena.slot(0), data[1])
+    for i in (1, 3):
+        assert backend.batch_get_into([key(i)], [arena.slot_ptr(0)], [arena.slot_bytes]) == [arena.slot_bytes]
+        np.testing.assert_array_equal(arena.slot(0), data[i])
+    backend.close()
+
+
+def test_disk_full_of_foreign_data_is_full_and_logged_once_per_interval(
+        tiny_tmpfs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A disk filled by someone else: nothing of ours to evict, every put is FULL, no temp
+    file is left, and the log gets one line for the lot (with a count), not one per put."""
+    (tiny_tmpfs / "foreign.bin").write_bytes(b"x" * (900 << 10))
+    arena = HostArena(1, 300 << 10)
+    backend = FileBackend(tiny_tmpfs, capacity_bytes=0, min_free_bytes=0, io_threads=1)
+    backend.register_buffer(arena.ptr, arena.nbytes)
+    arena.fill(0, seed=1)
+    with caplog.at_level(logging.WARNING, logger="fastdeploy_kvcache.storage.file_backend"):
+        results = [backend.batch_put_from([key(i)], [arena.slot_ptr(0)], [arena.slot_bytes])[0]
+                   for i in range(50)]
+    assert results == [Status.FULL] * 50
+    assert backend.stats()["errors"]["full"] == 50
+    assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["foreign.bin"]
+    full_lines = [r for r in caplog.records if "disk full" in r.getMessage()]
+    assert len(full_lines) == 1, [r.getMessage() for r in full_lines]
     backend.close()
 
 

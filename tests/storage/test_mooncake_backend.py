@@ -422,3 +422,26 @@ def test_transfer_retires_staging_while_a_timed_out_call_runs(store: LocalMoonca
         transfer.close()
         backend.close()
         ctl.close()
+
+
+def test_a_restarted_master_bumps_the_generation_even_without_a_failed_call(
+        store: LocalMooncake, marena: HostArena) -> None:
+    """No data call runs while the master restarts: its request counters starting over tell."""
+    backend = backend_for(store.master, marena, restart_check_s=0.2)
+    assert backend.wait_ready(15)
+    assert backend.batch_exists([key(0)]) == 0  # some requests on the master's counters
+    deadline = time.monotonic() + 15
+    while backend._master_requests is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert backend._master_requests, "the master's /metrics were never read"
+    before = backend.health().generation
+    time.sleep(1.0)
+    assert backend.health().generation == before, "nothing was lost: the generation must not move"
+    store.master.stop()
+    store.master.start()
+    deadline = time.monotonic() + 30
+    while backend.health().generation == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert backend.health().generation > before, backend.health()
+    assert backend.stats()["generation"] == backend.health().generation
+    backend.close()

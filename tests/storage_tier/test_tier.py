@@ -38,7 +38,8 @@ def host_view(ptr: int, nbytes: int) -> np.ndarray:
 class Rig:
     """Manager + tier + worker over one directory; ``shadow`` writes/reads host blocks."""
 
-    def __init__(self, directory: Path, policy: str = "wait_complete", host_blocks: int = 8) -> None:
+    def __init__(self, directory: Path, policy: str = "wait_complete", host_blocks: int = 8,
+                 capacity_bytes: int = 0, backend: Any = None) -> None:
         from fastdeploy_kvcache.worker.cache_controller import CacheController
         from fastdeploy_kvcache.worker.storage_worker import StorageWorker
 
@@ -47,7 +48,7 @@ class Rig:
         self.ctl = CacheController(cfg, backend="cpu", threaded=False)
         self.ctl.initialize_host_cache()
         self.layout = HostTierLayout.from_controller(self.ctl)
-        self.backend = FileBackend(path=str(directory), min_free_bytes=0)
+        self.backend = backend or FileBackend(path=str(directory), min_free_bytes=0, capacity_bytes=capacity_bytes)
         self.transfer = StorageTransfer(self.layout, self.backend)
         self.worker = StorageWorker(self.transfer)
         self.manager = CacheManager(cfg)

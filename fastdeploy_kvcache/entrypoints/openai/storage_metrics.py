@@ -8,6 +8,8 @@ Counters are cumulative since the server started (prometheus_client adds ``_tota
 * ``fastdeploy:storage_errors{kind}`` -- per-key failures by kind (unreachable, full, missing,
   corrupt, timeout, io, invalid, busy);
 * ``fastdeploy:storage_aborted_prefetches`` -- prefetches a request stopped waiting for;
+* ``fastdeploy:storage_evicted_objects``, ``fastdeploy:storage_forgotten_blocks``,
+  ``fastdeploy:storage_generation_changes`` -- how the store heals (docs/storage.md);
 
 and gauges: ``fastdeploy:storage_breaker_state`` (0 closed, 1 half open, 2 open),
 ``fastdeploy:storage_available`` (1 when the tier is on).  Nothing is emitted when the tier is
@@ -57,6 +59,15 @@ class StorageStatsCollector(SectionCollector):
         counter("fastdeploy:storage_aborted_prefetches",
                 "Prefetches a request stopped waiting for (timeout policy, or it was aborted).",
                 tier.get("aborted_prefetches"))
+        counter("fastdeploy:storage_evicted_objects",
+                "Objects the backend evicted on its own (byte cap, free-space floor, full disk).",
+                (storage.get("store") or {}).get("evicted"))
+        counter("fastdeploy:storage_forgotten_blocks",
+                "Blocks the scheduler stopped counting as stored (evicted, missing, corrupt, store restarted); "
+                "each is stored again when next computed.", tier.get("stored_forgotten"))
+        counter("fastdeploy:storage_generation_changes",
+                "Times the store may have lost everything (a restarted Mooncake master).",
+                tier.get("store_generation_changes"))
         errors = CounterMetricFamily("fastdeploy:storage_errors", "Storage failures per key, by kind.",
                                      labels=["kind"])
         by_kind = tier.get("errors", {}) or {}
