@@ -1353,8 +1353,7 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
         ]
     if format_miss_table(report):
         body += [miss_description(report), "", format_miss_table(report), ""]
-    if format_targets(report):
-        body += ["Targets:", "", format_targets(report), ""]
+    # The targets themselves are in the page's one Targets table (and in the console output).
     if format_cold_table(report):
         skipped = cold.get("skipped_backends") or {}
         left_out = "".join(f" `{b}` was left out: {why}." for b, why in skipped.items())
@@ -1367,8 +1366,6 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
             "bytes in the same run." + left_out,
             "",
             format_cold_table(report),
-            "",
-            format_targets(report, cold=True),
             "",
         ]
     from serving_sharing import format_sharing
