@@ -42,7 +42,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -421,7 +420,9 @@ def _count(n: int) -> str:
     return f"{n // 1000}k" if n % 1000 == 0 else str(n)
 
 
-def render(args, results, evict_rows, hash_row, machine, date) -> str:
+def render(args, results, evict_rows, hash_row, machine, date, contiguity: bool = True) -> str:
+    """The tables; ``contiguity=False`` leaves out the id-contiguity table (printed, not in the docs:
+    docs/benchmarks.md is a reference with a line budget)."""
     lines = []
     lines.append(
         f"Machine: {machine} (lscpu model name; {os.cpu_count()}-vCPU VM), 1 core used (pure Python "
@@ -484,6 +485,8 @@ def render(args, results, evict_rows, hash_row, machine, date) -> str:
     lines.append("With a Python list, unboxing each int into int64 (~11 ns/token) costs more than the hashing; "
                  "each token is packed once per request (the hasher is incremental), and a prompt given as an "
                  "int array is not packed at all.")
+    if not contiguity:
+        return "\n".join(lines)
     lines.append("")
     lines.append("Share of swap ids that continue a consecutive run: pairs (i, i+1) inside one merged copy "
                  "with id[i+1] == id[i] + 1, on the source side, the destination side, and both at once "
@@ -595,7 +598,7 @@ def main() -> None:
     print(body)
     log.info("bench_scheduler%s took %.0f s", " --quick" if args.quick else "", time.perf_counter() - started)
     if args.docs is not None:
-        write_docs(args.docs, body)
+        write_docs(args.docs, render(args, results, evict_rows, hash_row, machine, args.date, contiguity=False))
         log.info("wrote the Scheduler section of %s", args.docs)
 
 

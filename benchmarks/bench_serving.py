@@ -1305,131 +1305,67 @@ END = "<!-- bench_serving:end -->"
 
 
 def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_path: Path) -> None:
-    """(Re)write the Serving section of docs/benchmarks.md between its markers (append if absent)."""
+    """(Re)write the Serving section of docs/benchmarks.md between its markers (append if absent).
+
+    Compact on purpose: the page is a reference with a line budget (tests/test_docs.py), so the
+    section holds the run's facts and tables; how the phases work is in the script's docstring.
+    """
     a = report["args"]
     m = report["machine"]
     p = report["probe"]
     rel = lambda q: os.path.relpath(q, path.parent)  # noqa: E731
     s = report["summaries"]
-    base = s.get("recompute")
     cold = report.get("cold") or {}
+    where = (f"one {m['gpu']}" if m.get("gpu") else f"{m['cpu']}, {m['cores']} cores, CPU only (Paddle {m['paddle']})")
     body = [
         BEGIN,
         "## Serving (`benchmarks/bench_serving.py`)",
         "",
-        f"Measured {report['time_utc']} UTC on **{m['cpu']}**, {m['cores']} cores, CPU only "
-        f"(Paddle {m['paddle']}, Python {m['python']}), through HTTP (uvicorn on 127.0.0.1, the `openai` "
-        f"client, streamed completions, TTFT = time to the first streamed token as the client sees it). "
-        f"Model `{a['model']}`, block size {a['block_size']}. The machine is shared: load average "
-        f"{report['loadavg_start'][0]:.1f} at the start and {report['loadavg_end'][0]:.1f} at the end on "
-        f"{m['cores']} cores, so absolute times are noisy; the ratios compare configurations of the same run.",
+        f"{report['date']} {report['time_utc'].split(' ')[-1]} UTC, {where}, Python {m['python']}; load average "
+        f"{report['loadavg_start'][0]:.1f} to {report['loadavg_end'][0]:.1f} (absolute times are noisy, read the "
+        f"same-run ratios). Model `{a['model']}`, block size {a['block_size']}; HTTP to uvicorn on 127.0.0.1 "
+        "through the `openai` client, streamed; TTFT is the first streamed token as the client sees it.",
         "",
     ]
     if s:
         any_sum = next(iter(s.values()))
         mean_prompt = any_sum["prompt_tokens"] / max(1, any_sum["requests"])
-        storage_note = (" `device+host+storage` adds a `file` storage tier (a temporary directory, "
-                        "`--kvcache-storage-min-free 0`) below the same host tier: every block is written to "
-                        "storage as well." if "device+host+storage" in s else "")
         body += [
-            f"Workload (SGLang multi-turn style): {a['users']} users, each with its own document of about "
-            f"{a['doc_tokens']} tokens, {a['rounds']} rounds each (question of about {a['question_tokens']} tokens, "
-            f"{a['output_tokens']} output tokens; every round resends the conversation so far, mean prompt "
-            f"{mean_prompt:.0f} tokens), {a['concurrency']} requests in flight. Device pool "
-            f"{report['device_blocks']} blocks = {report['device_blocks'] / report['working_set_blocks']:.2f} of the "
-            f"working set ({report['working_set_blocks']} blocks); the host tier ({a['swap_space']} GiB, "
-            f"{report['host_blocks']} blocks) holds all of it (write policy `{a['write_policy']}`).{storage_note} "
-            f"The {len(s)} configurations ran one after the other in the same invocation "
-            f"({report['total_wall_s']:.0f} s in all"
-            f"{', the cold-server scenario below included' if cold.get('results') else ''}); `recompute` is the "
-            "in-run baseline.",
+            f"Workload: {a['users']} users x {a['rounds']} rounds over their own ~{a['doc_tokens']}-token documents "
+            f"(mean prompt {mean_prompt:.0f} tokens, {a['output_tokens']} output tokens, {a['concurrency']} in flight). "
+            f"Device pool {report['device_blocks']} blocks = {report['device_blocks'] / report['working_set_blocks']:.2f} "
+            f"of the working set; host tier {a['swap_space']} GiB holds all of it (`{a['write_policy']}`); "
+            "`device+host+storage` adds a `file` tier. Configurations ran one after the other; `recompute` "
+            "(the switch off) is the in-run baseline.",
             "",
             format_table(report),
             "",
         ]
         if format_storage_ratio(report):
             body += [format_storage_ratio(report), ""]
-        body += [
-            "TTFT per round, p50 / p99 (ms):",
-            "",
-            format_round_table(report),
-            "",
-        ]
-    d = report.get("default_model_probe") or {}
-    if d.get("seconds"):
-        recompute_tps = s["recompute"]["prompt_tokens_per_s"] if "recompute" in s else float("nan")
-        total_prompt = s["recompute"]["prompt_tokens"] if "recompute" in s else 0
-        body += [
-            f"Why not the default model: in this run one cold prefill of `{d['model']}` ({d['prompt_tokens']} "
-            f"tokens) took {d['seconds']:.1f} s ({d['prompt_tokens_per_s']:.0f} prompt tokens/s, against "
-            f"{recompute_tps:.0f} for `{a['model']}` under recompute with {a['concurrency']} requests in flight); "
-            f"recomputing this workload's {total_prompt} prompt tokens once would take about "
-            f"{total_prompt / d['prompt_tokens_per_s'] / 60:.0f} minutes with it. `{a['model']}` is a "
-            "seeded random Llama (4 layers, hidden 256, 2 KV heads) served by the same engine and cache.",
-            "",
-        ]
+        body += ["TTFT per round, p50 / p99 (ms):", "", format_round_table(report), ""]
     if p:
         body += [
-            f"Same prefix length, device hit against host hit ({p['valid_repeats']} of {p['repeats']} repeats "
-            f"confirmed by `cached_tokens_by_tier`; between the two, {p['filler_docs']} other documents evict the "
-            f"prefix from the device; a one-token request before each measured one takes the write-through "
-            f"backups queued by the previous request): p50 cold {_ms(p['cold_ttft_p50_s'])} ms, device hit "
-            f"{_ms(p['device_hit_ttft_p50_s'])} ms (p25-p75 {_ms(p['device_hit_ttft_p25_p75_s'][0])}-"
-            f"{_ms(p['device_hit_ttft_p25_p75_s'][1])}), host hit {_ms(p['host_hit_ttft_p50_s'])} ms "
-            f"(p25-p75 {_ms(p['host_hit_ttft_p25_p75_s'][0])}-{_ms(p['host_hit_ttft_p25_p75_s'][1])}). On this shared "
-            f"machine single samples of either vary by tens of milliseconds, more than the load itself costs "
-            f"(about {p['host_cached_tokens_p50']:.0f} tokens of KV, a few MB, copied host to device).",
-            "",
-        ]
-    if base and "device+host" in s and "device" in s:
-        r1 = lambda n: _round1(s[n])  # noqa: E731
-        body += [
-            "Reading the table: round 1 computes the same tokens in every configuration (nothing is cached "
-            f"yet); there device+host's TTFT p50 was {r1('device+host') / r1('recompute'):.2f}x recompute's and "
-            f"device's {r1('device') / r1('recompute'):.2f}x (the configurations ran one after the other: "
-            "the miss probe below interleaves them). In rounds ≥ 2 the device prefix cache "
-            f"alone reused {100 * s['device']['cached_fraction_round2plus_by_tier']['device']:.0f}% of the prompt "
-            "tokens: its pool holds a third of the working set and the users take turns, so each document is "
-            "evicted before its next round. The host tier kept them: "
-            f"{100 * s['device+host']['cached_fraction_round2plus_by_tier']['host']:.0f}% of the prompt tokens of "
-            "rounds ≥ 2 were loaded from it.",
+            f"Same prefix, device hit against host hit ({p['valid_repeats']}/{p['repeats']} repeats confirmed by "
+            f"`cached_tokens_by_tier`): cold {_ms(p['cold_ttft_p50_s'])} ms, device hit "
+            f"{_ms(p['device_hit_ttft_p50_s'])} ms, host hit {_ms(p['host_hit_ttft_p50_s'])} ms (p50s).",
             "",
         ]
     if format_miss_table(report):
         body += [miss_description(report), "", format_miss_table(report), ""]
-    if format_targets(report):
-        body += [
-            "Targets (issues 8 and 27):",
-            "",
-            format_targets(report),
-            "",
-        ]
+    # The targets themselves are in the page's one Targets table (and in the console output).
     if format_cold_table(report):
         skipped = cold.get("skipped_backends") or {}
         left_out = "".join(f" `{b}` was left out: {why}." for b, why in skipped.items())
         body += [
             "### Cold server: a restarted server in front of a warm store",
             "",
-            f"For each backend and prefix length a server (device pool {cold['device_blocks']} blocks, "
-            f"{a['swap_space']} GiB host tier, `--write-policy write_through`, "
-            "`--kvcache-storage-prefetch-policy wait_complete`) computed "
-            f"{a['cold_repeats']} documents and stored them, and was stopped; a restarted server on the same "
-            "store (file: a temporary directory; Mooncake: a master and a 1 GB holder on 127.0.0.1 that outlive "
-            "the servers) then answered each document from storage (prefetch into host, then the "
-            "layer-by-layer load), the same document from host once filler documents pushed it off the "
-            "device, and a never-seen document of the same length (recompute). All three TTFTs come from the "
-            "same server process; before each measured request the earlier requests' backups and puts are "
-            "waited for. A repeat is valid when `cached_tokens_by_tier` confirms its tiers. `server read/write "
-            "GB/s` are the backend's own calls as the server timed them (writes: the first server's puts; "
-            "reads: the restarted server's gets); `plain` is a plain file write and read (page cache warm) of "
-            "the same bytes, one file per object of the same size, in the same run." + left_out,
+            f"Per backend and prefix length, a server stored {a['cold_repeats']} documents and stopped; a "
+            "restarted server on the same store answered each from storage, the same document from host, and a "
+            "never-seen one (recompute), all in one process. `plain` is a plain file read or write of the same "
+            "bytes in the same run." + left_out,
             "",
             format_cold_table(report),
-            "",
-            "Targets (issue 9; storage / host with the file backend at every prefix length, storage / "
-            "recompute at the largest prefix):",
-            "",
-            format_targets(report, cold=True),
             "",
         ]
     from serving_sharing import format_sharing
@@ -1437,7 +1373,7 @@ def write_docs_section(path: Path, report: dict[str, Any], json_path: Path, png_
     if format_sharing(report):
         body += ["### Work in flight shared: a cold burst, and queued requests over storage", "",
                  format_sharing(report)]
-    body += [f"Raw data: `{rel(json_path)}`" + (f"; plot of TTFT per round: `{rel(png_path)}`." if s else ".")]
+    body += [f"Raw data: `{rel(json_path)}`" + (f"; plot: `{rel(png_path)}`." if s else ".")]
     if s:
         body += ["", f"![TTFT per round]({rel(png_path)})"]
     body += [END]

@@ -5,7 +5,7 @@
   side by side, alternately: one with in-batch prefix sharing (the default
   ``--max-prefix-hold-s``) and one with ``--max-prefix-hold-s 0`` (sharing off: every request
   admitted together computes the prefix itself).  The token budget of a step holds the whole
-  burst, so without sharing all of it is admitted in the first pass.  Reported: TTFT p50/p99 of
+  burst, so without sharing all of it is admitted in the first step.  Reported: TTFT p50/p99 of
   all requests of all bursts, how many requests of each burst reused the prefix, the ratio of the
   p50s.  Targets: >= N-1 of N reuse the prefix in every burst; p50 <= 0.6x sharing off.
 * **queued-storage**: ``--queued-requests`` requests, more than the server's

@@ -58,7 +58,7 @@ def recompute_tokens(monkeypatch: pytest.MonkeyPatch, tiny_model: Any) -> dict[s
         col = _burst(eng, 4)
         stats = eng.get_stats()
         assert stats["prefix_sharing"]["held_requests"] == 0
-        # All four were admitted in the first pass: the prefix was computed four times.
+        # All four were admitted in the first step: the prefix was computed four times.
         assert [col.final(f"r{i}").num_cached_tokens for i in range(4)] == [0, 0, 0, 0]
         return {f"r{i}": col.tokens(f"r{i}") for i in range(4)}
     finally:
