@@ -111,15 +111,16 @@ def test_an_oversized_object_is_deleted_and_stored_again(rigs: Any) -> None:
 
 @needs_mooncake()
 def test_a_restarted_mooncake_master_makes_the_tier_store_again(tmp_path: Path, rigs: Any) -> None:
-    from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend
+    from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
     from fastdeploy_kvcache.storage.mooncake_local import LocalMooncake
 
     local = LocalMooncake(segment="64MB", log_dir=tmp_path / "logs").start()
     try:
         backend = MooncakeBackend(
-            master_server_addr=local.master.addr, master_metrics_addr=local.master.metrics_addr,
-            local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", protocol="tcp",
-            global_segment_size=0, restart_check_s=0.2)
+            MooncakeConfig(master_server_addr=local.master.addr, master_metrics_addr=local.master.metrics_addr,
+                           local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", protocol="tcp",
+                           global_segment_size=0),
+            restart_check_s=0.2)
         rig = rigs(backend=backend)
         assert backend.wait_ready(30)
         hashes = store_tokens(rig, TOKENS)

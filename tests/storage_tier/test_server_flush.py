@@ -37,7 +37,7 @@ def graceful_stop(server) -> str:  # type: ignore[no-untyped-def]
 def test_a_graceful_stop_writes_what_the_store_lacks_and_the_restart_is_warm(
         tmp_path: Path, cache_policy: str, storage_policy: str) -> None:
     store = tmp_path / "kv"
-    args = file_store_args(store, "--kvcache-storage-write-policy", storage_policy)
+    args = file_store_args(store, "--kvcache-storage-put-policy", storage_policy)
     extra = ["--write-policy", cache_policy]
     first = start_server(args, extra=extra)
     try:
