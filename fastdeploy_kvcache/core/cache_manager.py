@@ -30,11 +30,11 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Optional
 
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.allocation import AllocationMixin
-from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError
+from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError, PinnableBlockPool
 from fastdeploy_kvcache.core.copies import CopiesMixin
 from fastdeploy_kvcache.core.errors import CacheManagerError, InvariantViolation, UnknownRequestError
 from fastdeploy_kvcache.core.eviction import EvictionMixin
@@ -45,6 +45,7 @@ from fastdeploy_kvcache.core.metadata import BlockNode, CacheSwapMetadata, Match
 from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.core.stats import CacheStats
+from fastdeploy_kvcache.core.storage_tier import StorageTier
 from fastdeploy_kvcache.core.write_policy import make_write_policy
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,9 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
       two tiers are (mostly) exclusive.
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, storage: Optional[StorageTier] = None) -> None:
+        """``storage``: the storage tier below the host tier, if any (it needs host blocks to
+        stage through); the manager builds a pinnable host pool for it and binds it."""
         if not isinstance(config, CacheConfig):
             raise CacheManagerError(f"CacheManager needs a CacheConfig, got {type(config).__name__}")
         config.validate()  # fields may have been changed after construction
@@ -85,8 +88,15 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         self.share_loads = True
         self.bytes_per_block = config.bytes_per_block
         self.device_pool = BlockPool(config.num_gpu_blocks, DEV)
-        self.host_pool = BlockPool(config.host_block_count, HOST)
-        self.storage = None  # StorageTier(self, ...) attaches itself here
+        self.storage: Optional[StorageTier] = storage
+        if storage is None:
+            self.host_pool = BlockPool(config.host_block_count, HOST)
+        else:
+            if not isinstance(storage, StorageTier):
+                raise CacheManagerError(f"CacheManager's storage must be a StorageTier, got {type(storage).__name__}")
+            # Pinned host blocks (a put still reading them) are not handed out again.
+            self.host_pool = PinnableBlockPool(config.host_block_count, HOST)
+            storage.bind(self, self.host_pool)
         self.policy = make_write_policy(config.write_policy, config.write_through_threshold)
         self.tree = RadixTree()
         self._requests: dict[str, RequestState] = {}

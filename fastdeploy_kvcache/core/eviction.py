@@ -228,7 +228,7 @@ class EvictionMixin(ManagerState):
                 self.tree.remove(victim)
         return pool.allocate_one()
 
-    def _allocate_host_blocks(self, k: int, keep: frozenset[BlockNode] = frozenset()) -> list[int]:
+    def allocate_host_blocks(self, k: int, keep: frozenset[BlockNode] = frozenset()) -> list[int]:
         """Up to ``k`` host blocks, ascending and as runs, evicting host LRU leaves as needed.
 
         ``keep`` are host copies that must survive (the parents of the nodes being
