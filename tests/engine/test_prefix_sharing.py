@@ -207,7 +207,7 @@ def test_a_load_in_flight_is_shared(monkeypatch, tiny_model, recompute_tokens):
 
 
 def test_a_failed_shared_load_makes_every_reader_recompute(monkeypatch, tiny_model, recompute_tokens):
-    from tests.engine.test_reuse import FailLoads
+    from tests.reuse_workloads import FailLoads
 
     eng = _host_only_prefix(monkeypatch, tiny_model)
     try:
