@@ -4,7 +4,8 @@
 preempt, the request side of a failed load, reset, stats).  Each other job is one
 class in its own module, over the state declared in ``manager_state``:
 
-* ``matching``    ``match_prefix``: longest cached prefix over device and host
+* ``matching``    ``PrefixMatcher``, a part that owns its state: the matches not applied yet
+  (``match_prefix`` delegates to it), the longest cached prefix over every tier
 * ``allocation``  ``ensure_resident`` / ``allocate_device_blocks``: the match applied
   once, device hits referenced, host hits turned into loads, fresh blocks
 * ``eviction``    feasibility-first reclaim of LRU device leaves by the write policy
@@ -28,7 +29,6 @@ running request on it).  free + owned + cached = total.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import deque
 from typing import Any, Optional
 
@@ -40,7 +40,7 @@ from fastdeploy_kvcache.core.errors import CacheManagerError, InvariantViolation
 from fastdeploy_kvcache.core.eviction import EvictionMixin
 from fastdeploy_kvcache.core.invariants import check_invariants
 from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, RequestState
-from fastdeploy_kvcache.core.matching import MatchingMixin
+from fastdeploy_kvcache.core.matching import PrefixMatcher
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheSwapMetadata, MatchResult, TransferKind
 from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.request import Request
@@ -54,7 +54,7 @@ __all__ = ["CacheManager", "CacheManagerError", "UnknownRequestError", "NoFreeBl
 
 
 
-class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
+class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
     """Tiered (device / host; storage later) prefix cache for one model's KV blocks.
 
     Write policies (``config.write_policy``):
@@ -101,8 +101,7 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         self.tree = RadixTree()
         self._requests: dict[str, RequestState] = {}
         # Matches of requests not allocated yet (applied once, by the first allocation).
-        # Weak keys: a request matched and then dropped by the engine leaves nothing behind.
-        self._matches: "weakref.WeakKeyDictionary[Request, MatchResult]" = weakref.WeakKeyDictionary()
+        self.matcher = PrefixMatcher(self.tree, self.block_size, self.enable_prefix_caching, storage)
         self._inflight: dict[tuple[int, int, int], InFlight] = {}
         self._backup_queue: deque[BlockNode] = deque()
         # Device -> host evictions not yet handed to a request or batch.
@@ -122,6 +121,18 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
             self.block_size,
             self.write_policy,
         )
+
+    def match_prefix(self, request: Request) -> MatchResult:
+        """Longest cached prefix of ``request`` over all tiers; stored on the request
+        (:meth:`PrefixMatcher.match`: takes no refs, changes nothing, leaves at least the
+        last token to compute).  A running request cannot be matched again."""
+        self._check_request(request)
+        if request.request_id in self._requests:
+            raise CacheManagerError(
+                f"request {request.request_id} is already running (its match was applied); "
+                "finish or preempt it before matching again"
+            )
+        return self.matcher.match(request, self.share_loads)
 
     def request_finish(self, request: Request) -> None:
         """Insert the request's computed full blocks into the tree and drop its refs.
