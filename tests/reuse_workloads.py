@@ -157,7 +157,7 @@ def check_device_hits(factory: Factory, ref: dict[str, list[int]], policy: str) 
 def check_host_hits(factory: Factory, ref: dict[str, list[int]], policy: str) -> None:
     """A device pool of 8 blocks holds two of the three documents: LRU sends each to host in turn."""
     eng = factory(v1=True, write_policy=policy, write_through_threshold=1,
-                  num_gpu_blocks_override=8, num_host_blocks=64, max_num_seqs=2)
+                  num_gpu_blocks=8, num_host_blocks=64, max_num_seqs=2)
     got, col = run_waves(eng)
     assert got == ref
     host = sum(col.final(rid).cached_tokens_by_tier["host"] for rid in got)
@@ -177,7 +177,7 @@ def check_host_hits(factory: Factory, ref: dict[str, list[int]], policy: str) ->
 
 def check_write_back_under_concurrency(factory: Factory, ref_concurrent: dict[str, list[int]]) -> None:
     """Concurrent waves on a small pool: evictions to host run in the same steps as compute."""
-    eng = factory(v1=True, write_policy="write_back", num_gpu_blocks_override=9, num_host_blocks=48, max_num_seqs=2)
+    eng = factory(v1=True, write_policy="write_back", num_gpu_blocks=9, num_host_blocks=48, max_num_seqs=2)
     got, col = run_waves(eng, concurrent=True)
     assert got == ref_concurrent
     st = eng.get_stats()["cache"]
@@ -188,7 +188,7 @@ def check_write_back_under_concurrency(factory: Factory, ref_concurrent: dict[st
 
 def check_failed_loads(factory: Factory, ref: dict[str, list[int]], policy: str) -> None:
     eng = factory(v1=True, write_policy=policy, write_through_threshold=1,
-                  num_gpu_blocks_override=8, num_host_blocks=64, max_num_seqs=2)
+                  num_gpu_blocks=8, num_host_blocks=64, max_num_seqs=2)
     inject = FailLoads(2)
     eng.pool.controller.transfer_manager.fault_injector = inject
     got, col = run_waves(eng)
@@ -211,8 +211,8 @@ def check_preemption(factory: Factory, policy: str) -> None:
         assert eng.wait_idle(120)
         return {rid: col.tokens(rid) for rid in prompts}
 
-    ref = run(factory(v1=False, num_gpu_blocks_override=12, max_num_seqs=4))
-    eng = factory(v1=True, write_policy=policy, write_through_threshold=1, num_gpu_blocks_override=12,
+    ref = run(factory(v1=False, num_gpu_blocks=12, max_num_seqs=4))
+    eng = factory(v1=True, write_policy=policy, write_through_threshold=1, num_gpu_blocks=12,
                   num_host_blocks=32, max_num_seqs=4)
     got = run(eng)
     assert got == ref
@@ -226,7 +226,7 @@ def check_idle_backup(factory: Factory) -> None:
     without another request (the next one's allocation would evict them from the device
     first, and the next turn would recompute them)."""
     eng = factory(v1=True, write_policy="write_through", write_through_threshold=1,
-                  num_gpu_blocks_override=8, num_host_blocks=64, max_num_seqs=1)
+                  num_gpu_blocks=8, num_host_blocks=64, max_num_seqs=1)
     col = Collector()
     eng.add_request("first", doc(0), greedy(2), col)
     assert eng.wait_idle(60)

@@ -19,8 +19,8 @@ TORCH_REASON = ("needs PyTorch and transformers (the transformers model runner; 
 def engine_factory_for(monkeypatch: pytest.MonkeyPatch, loaded: Any, **defaults: Any) -> Iterator[Callable[..., Any]]:
     """Yields ``factory(v1, **engine_args)`` building started engines over ``loaded``; shuts
     them down afterwards."""
-    from fastdeploy_kvcache.engine.args import EngineArgs
     from fastdeploy_kvcache.engine.llm_engine import LLMEngine
+    from tests.engine_args import engine_args
 
     made: list[Any] = []
 
@@ -30,7 +30,7 @@ def engine_factory_for(monkeypatch: pytest.MonkeyPatch, loaded: Any, **defaults:
                     max_num_seqs=4)
         args.update(defaults)
         args.update(kwargs)
-        eng = LLMEngine(EngineArgs(**args), loaded_model=loaded)
+        eng = LLMEngine(engine_args(**args), loaded_model=loaded)
         eng.start()
         made.append(eng)
         return eng

@@ -16,8 +16,6 @@ from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
 from fastdeploy_kvcache.core.errors import CacheManagerError
 from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, ManagerState, RequestState
 from fastdeploy_kvcache.core.metadata import (
-    BlockNode,
-    CacheLevel,
     CacheSwapMetadata,
     MatchResult,
     ResidencyPlan,
@@ -125,16 +123,6 @@ class AllocationMixin(ManagerState):
         st.request.block_tables.extend(ids)
         return ids
 
-    def _rewalk_match(self, request: Request) -> tuple[list[BlockNode], list[CacheLevel]]:
-        """The request's match from ``match_prefix``, walked again: the tree may have
-        changed since (anything evicted meanwhile is simply not reused)."""
-        match = self._matches.get(request)
-        if match is None or not match.nodes or not self.enable_prefix_caching:
-            return [], []
-        bs = self.block_size
-        hashes = request.block_hashes(bs, request.num_total_tokens)
-        return self.tree.match(hashes, min(len(match.nodes), (request.num_total_tokens - 1) // bs), self.share_loads)
-
     def _allocate_first(
         self, request: Request, num_new: Optional[int] = None, num_tokens: Optional[int] = None
     ) -> ResidencyPlan:
@@ -145,7 +133,7 @@ class AllocationMixin(ManagerState):
         fresh blocks up to ``num_tokens``).
         """
         bs = self.block_size
-        nodes, tiers = self._rewalk_match(request)
+        nodes, tiers = self.matcher.rewalk(request, self.share_loads)
         if nodes:
             if num_new is not None:
                 # Host hits need one of the n new blocks each; cut where they run out.
@@ -173,7 +161,7 @@ class AllocationMixin(ManagerState):
             for node in nodes:
                 self._unref(node)
             raise
-        self._matches.pop(request, None)
+        self.matcher.forget(request)
         # Load destinations as one run if possible: the load is then one DMA run
         # per layer where the host side is consecutive too.  Fresh blocks as runs
         # too: they are copied together later (backups, evictions).

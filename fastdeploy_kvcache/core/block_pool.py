@@ -314,3 +314,75 @@ def consecutive_share(ids: list[int]) -> float:
         return 1.0
     cont = sum(1 for a, b in zip(ids, ids[1:]) if b == a + 1)
     return cont / (len(ids) - 1)
+
+
+class PinnableBlockPool(BlockPool):
+    """A host pool whose pinned ids are not handed out again while pinned.
+
+    ``free`` of a pinned id is *deferred*: the id leaves its owner now (the tree may drop a
+    host copy whose put is still reading it) but returns to the free set only when the
+    last pin goes.  That is what guarantees "a host block being written to storage is not
+    reallocated until the write completes" without the tree knowing about storage.
+    """
+
+    def reset(self) -> None:
+        super().reset()
+        self._pins: dict[int, int] = {}
+        self._deferred: set[int] = set()
+
+    @property
+    def deferred(self) -> frozenset[int]:
+        """Ids their owner freed while pinned: allocated, but owned by no one but the pin."""
+        return frozenset(self._deferred)
+
+    def is_pinned(self, block_id: int) -> bool:
+        return block_id in self._pins
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pins)
+
+    def pin_counts(self) -> dict[int, int]:
+        """Pinned id -> how many pins it holds (a copy: for invariant checks)."""
+        return dict(self._pins)
+
+    def pin(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        for b in ids:
+            self._check_range(b)
+            if self.is_free(b) or b in self._deferred:
+                raise BlockPoolError(f"{self.level.name} block {b} is free: only an allocated block can be pinned")
+        for b in ids:
+            self._pins[b] = self._pins.get(b, 0) + 1
+
+    def unpin(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        for b in ids:
+            if b not in self._pins:
+                raise BlockPoolError(f"{self.level.name} block {b} is not pinned")
+        release = []
+        for b in ids:
+            n = self._pins[b] - 1
+            if n:
+                self._pins[b] = n
+                continue
+            del self._pins[b]
+            if b in self._deferred:
+                self._deferred.discard(b)
+                release.append(b)
+        if release:
+            super().free(release)
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        now: list[int] = []
+        later: list[int] = []
+        for b in ids:
+            if b in self._pins:
+                if b in self._deferred or b in later:
+                    raise BlockPoolError(f"{self.level.name} block {b} freed twice (its free is already deferred)")
+                later.append(b)
+            else:
+                now.append(b)
+        super().free(now)  # validates every id before changing anything
+        self._deferred.update(later)

@@ -4,7 +4,8 @@
 preempt, the request side of a failed load, reset, stats).  Each other job is one
 class in its own module, over the state declared in ``manager_state``:
 
-* ``matching``    ``match_prefix``: longest cached prefix over device and host
+* ``matching``    ``PrefixMatcher``, a part that owns its state: the matches not applied yet
+  (``match_prefix`` delegates to it), the longest cached prefix over every tier
 * ``allocation``  ``ensure_resident`` / ``allocate_device_blocks``: the match applied
   once, device hits referenced, host hits turned into loads, fresh blocks
 * ``eviction``    feasibility-first reclaim of LRU device leaves by the write policy
@@ -28,23 +29,23 @@ running request on it).  free + owned + cached = total.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Optional
 
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.allocation import AllocationMixin
-from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError
+from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError, PinnableBlockPool
 from fastdeploy_kvcache.core.copies import CopiesMixin
 from fastdeploy_kvcache.core.errors import CacheManagerError, InvariantViolation, UnknownRequestError
 from fastdeploy_kvcache.core.eviction import EvictionMixin
 from fastdeploy_kvcache.core.invariants import check_invariants
 from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, RequestState
-from fastdeploy_kvcache.core.matching import MatchingMixin
+from fastdeploy_kvcache.core.matching import PrefixMatcher
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheSwapMetadata, MatchResult, TransferKind
 from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.core.stats import CacheStats
+from fastdeploy_kvcache.core.storage_tier import StorageTier
 from fastdeploy_kvcache.core.write_policy import make_write_policy
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ __all__ = ["CacheManager", "CacheManagerError", "UnknownRequestError", "NoFreeBl
 
 
 
-class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
+class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
     """Tiered (device / host; storage later) prefix cache for one model's KV blocks.
 
     Write policies (``config.write_policy``):
@@ -69,7 +70,9 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
       two tiers are (mostly) exclusive.
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, storage: Optional[StorageTier] = None) -> None:
+        """``storage``: the storage tier below the host tier, if any (it needs host blocks to
+        stage through); the manager builds a pinnable host pool for it and binds it."""
         if not isinstance(config, CacheConfig):
             raise CacheManagerError(f"CacheManager needs a CacheConfig, got {type(config).__name__}")
         config.validate()  # fields may have been changed after construction
@@ -85,14 +88,20 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
         self.share_loads = True
         self.bytes_per_block = config.bytes_per_block
         self.device_pool = BlockPool(config.num_gpu_blocks, DEV)
-        self.host_pool = BlockPool(config.host_block_count, HOST)
-        self.storage = None  # StorageTier(self, ...) attaches itself here
+        self.storage: Optional[StorageTier] = storage
+        if storage is None:
+            self.host_pool = BlockPool(config.host_block_count, HOST)
+        else:
+            if not isinstance(storage, StorageTier):
+                raise CacheManagerError(f"CacheManager's storage must be a StorageTier, got {type(storage).__name__}")
+            # Pinned host blocks (a put still reading them) are not handed out again.
+            self.host_pool = PinnableBlockPool(config.host_block_count, HOST)
+            storage.bind(self, self.host_pool)
         self.policy = make_write_policy(config.write_policy, config.write_through_threshold)
         self.tree = RadixTree()
         self._requests: dict[str, RequestState] = {}
         # Matches of requests not allocated yet (applied once, by the first allocation).
-        # Weak keys: a request matched and then dropped by the engine leaves nothing behind.
-        self._matches: "weakref.WeakKeyDictionary[Request, MatchResult]" = weakref.WeakKeyDictionary()
+        self.matcher = PrefixMatcher(self.tree, self.block_size, self.enable_prefix_caching, storage)
         self._inflight: dict[tuple[int, int, int], InFlight] = {}
         self._backup_queue: deque[BlockNode] = deque()
         # Device -> host evictions not yet handed to a request or batch.
@@ -112,6 +121,18 @@ class CacheManager(MatchingMixin, AllocationMixin, EvictionMixin, CopiesMixin):
             self.block_size,
             self.write_policy,
         )
+
+    def match_prefix(self, request: Request) -> MatchResult:
+        """Longest cached prefix of ``request`` over all tiers; stored on the request
+        (:meth:`PrefixMatcher.match`: takes no refs, changes nothing, leaves at least the
+        last token to compute).  A running request cannot be matched again."""
+        self._check_request(request)
+        if request.request_id in self._requests:
+            raise CacheManagerError(
+                f"request {request.request_id} is already running (its match was applied); "
+                "finish or preempt it before matching again"
+            )
+        return self.matcher.match(request, self.share_loads)
 
     def request_finish(self, request: Request) -> None:
         """Insert the request's computed full blocks into the tree and drop its refs.

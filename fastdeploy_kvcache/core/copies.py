@@ -87,7 +87,7 @@ class CopiesMixin(ManagerState):
                 todo.extend(path)
         todo.sort(key=lambda nd: nd.depth)  # parents first: any prefix of it is closed
         keep = frozenset(nd.parent for nd in todo if nd.parent is not root and nd.parent not in chosen)
-        hosts = self._allocate_host_blocks(len(todo), keep)  # type: ignore[arg-type]
+        hosts = self.allocate_host_blocks(len(todo), keep)  # type: ignore[arg-type]
         served = todo[: len(hosts)]
         served_set = set(served)
         for node in reversed(wanted):  # host pinned full: try again next step

@@ -43,7 +43,7 @@ class EvictionMixin(ManagerState):
         if request is not None:
             self._check_request(request)
             if request.request_id not in self._requests:
-                nodes, tiers = self._rewalk_match(request)  # type: ignore[attr-defined]
+                nodes, tiers = self.matcher.rewalk(request, self.share_loads)
                 exclude = frozenset(nd for nd, t in zip(nodes, tiers) if t is DEV)
                 # Loads in flight it will share need a standby block each (allocation.py).
                 n += sum(1 for nd in exclude if nd.pending is TransferKind.SWAP_IN)
@@ -228,7 +228,7 @@ class EvictionMixin(ManagerState):
                 self.tree.remove(victim)
         return pool.allocate_one()
 
-    def _allocate_host_blocks(self, k: int, keep: frozenset[BlockNode] = frozenset()) -> list[int]:
+    def allocate_host_blocks(self, k: int, keep: frozenset[BlockNode] = frozenset()) -> list[int]:
         """Up to ``k`` host blocks, ascending and as runs, evicting host LRU leaves as needed.
 
         ``keep`` are host copies that must survive (the parents of the nodes being

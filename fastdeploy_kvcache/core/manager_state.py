@@ -9,7 +9,6 @@ record of one block of a copy in flight (``InFlight``) live here too.
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -21,6 +20,7 @@ from fastdeploy_kvcache.core.request import Request
 if TYPE_CHECKING:  # pragma: no cover
     from fastdeploy_kvcache.config import CacheConfig
     from fastdeploy_kvcache.core.block_pool import BlockPool
+    from fastdeploy_kvcache.core.matching import PrefixMatcher
     from fastdeploy_kvcache.core.radix_tree import RadixTree
     from fastdeploy_kvcache.core.stats import CacheStats
     from fastdeploy_kvcache.core.write_policy import WritePolicy
@@ -86,9 +86,8 @@ class ManagerState:
     stats: "CacheStats"
     # Running requests, by id.
     _requests: dict[str, RequestState]
-    # Matches of requests not allocated yet (weak keys: a request matched and then
-    # dropped by the engine leaves nothing behind).
-    _matches: "weakref.WeakKeyDictionary[Request, MatchResult]"
+    # The matches of requests not allocated yet (core.matching.PrefixMatcher).
+    matcher: "PrefixMatcher"
     # Every block of every copy in flight, by (src tier, dst tier, dst block id).
     _inflight: dict[tuple[int, int, int], InFlight]
     # Write-through backups to issue with the next step.

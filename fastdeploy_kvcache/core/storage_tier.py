@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from fastdeploy_kvcache.core.block_pool import BlockPool, BlockPoolError
+from fastdeploy_kvcache.core.block_pool import PinnableBlockPool
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, TransferKind, next_task_id
 from fastdeploy_kvcache.core.storage_status import Status
 
@@ -92,84 +92,6 @@ class StorageJob:
         return r > 0 if self.kind is TransferKind.STORAGE_LOAD else r == 0
 
 
-class PinnableBlockPool(BlockPool):
-    """A host pool whose pinned ids are not handed out again while pinned.
-
-    ``free`` of a pinned id is *deferred*: the id leaves its owner now (the tree may drop a
-    host copy whose put is still reading it) but returns to the free set only when the
-    last pin goes.  That is what guarantees "a host block being written to storage is not
-    reallocated until the write completes" without the tree knowing about storage.
-    """
-
-    def reset(self) -> None:
-        super().reset()
-        self._pins: dict[int, int] = {}
-        self._deferred: set[int] = set()
-
-    @classmethod
-    def replacing(cls, pool: BlockPool) -> "PinnableBlockPool":
-        """A fresh pinnable pool of the same size; ``pool`` must have nothing allocated."""
-        if pool.num_free != pool.num_blocks:
-            raise ValueError(
-                f"cannot replace a host pool that has {pool.num_used} blocks allocated; attach the storage "
-                "tier before the first request"
-            )
-        return cls(pool.num_blocks, pool.level)
-
-    @property
-    def deferred(self) -> frozenset[int]:
-        """Ids their owner freed while pinned: allocated, but owned by no one but the pin."""
-        return frozenset(self._deferred)
-
-    def is_pinned(self, block_id: int) -> bool:
-        return block_id in self._pins
-
-    @property
-    def num_pinned(self) -> int:
-        return len(self._pins)
-
-    def pin(self, block_ids: Iterable[int]) -> None:
-        ids = list(block_ids)
-        for b in ids:
-            self._check_range(b)
-            if self.is_free(b) or b in self._deferred:
-                raise BlockPoolError(f"{self.level.name} block {b} is free: only an allocated block can be pinned")
-        for b in ids:
-            self._pins[b] = self._pins.get(b, 0) + 1
-
-    def unpin(self, block_ids: Iterable[int]) -> None:
-        ids = list(block_ids)
-        for b in ids:
-            if b not in self._pins:
-                raise BlockPoolError(f"{self.level.name} block {b} is not pinned")
-        release = []
-        for b in ids:
-            n = self._pins[b] - 1
-            if n:
-                self._pins[b] = n
-                continue
-            del self._pins[b]
-            if b in self._deferred:
-                self._deferred.discard(b)
-                release.append(b)
-        if release:
-            super().free(release)
-
-    def free(self, block_ids: Iterable[int]) -> None:
-        ids = list(block_ids)
-        now: list[int] = []
-        later: list[int] = []
-        for b in ids:
-            if b in self._pins:
-                if b in self._deferred or b in later:
-                    raise BlockPoolError(f"{self.level.name} block {b} freed twice (its free is already deferred)")
-                later.append(b)
-            else:
-                now.append(b)
-        super().free(now)  # validates every id before changing anything
-        self._deferred.update(later)
-
-
 @dataclass
 class _Prefetch:
     """A prefetch for one request (scheduler-private)."""
@@ -189,9 +111,11 @@ class _Prefetch:
 class StorageTier:
     """Scheduler-side storage state for one CacheManager (see the module docstring).
 
+    The tier is handed to ``CacheManager(config, storage=tier)``, which gives it a
+    :class:`PinnableBlockPool` as host pool and binds the tier to itself (:meth:`bind`): the
+    manager owns the link, so a tier serves one manager, from its first request on.
+
     Args:
-        manager: the cache manager; its host pool is replaced by a :class:`PinnableBlockPool`
-            (it must have served no request yet).
         backend: anything with ``batch_exists(keys) -> int`` and ``health().available``.
         namespace: a ``storage.keys.KeyNamespace`` (keys are formed only by it).
         config: a ``storage.config.StorageConfig`` (policies, prefetch timeout).
@@ -203,7 +127,6 @@ class StorageTier:
 
     def __init__(
         self,
-        manager: Any,
         backend: Any,
         namespace: Any,
         config: Any,
@@ -211,19 +134,14 @@ class StorageTier:
         max_put_batch: int = 64,
         stored_memory: int = 1 << 18,
     ) -> None:
-        if manager.host_pool.num_blocks == 0:
-            raise ValueError("the storage tier needs a host tier (--swap-space > 0, or CacheConfig.num_host_blocks > 0)")
-        self.manager = manager
+        self.manager: Any = None  # set by bind(), which the CacheManager calls
+        self.pool: PinnableBlockPool  # set by bind()
+        self.block_size = 0
         self.backend = backend
         self.ns = namespace
         self.config = config
         self.clock = clock
-        self.block_size = manager.block_size
         self.max_put_batch = max_put_batch
-        pool = PinnableBlockPool.replacing(manager.host_pool)
-        manager.host_pool = pool
-        self.pool = pool
-        manager.storage = self  # the manager's hooks (match / evict / invariants) look here
         # Hashes whose put returned OK, most recent last (bounded memory: a hash forgotten
         # here is merely put again, and a stored key the backend evicted is a miss later).
         self._stored: "collections.OrderedDict[int, None]" = collections.OrderedDict()
@@ -262,6 +180,20 @@ class StorageTier:
                   "stored_forgotten", "store_generation_changes"):
             self.stats[k] = 0
         self.errors: dict[str, int] = collections.defaultdict(int)
+
+    def bind(self, manager: Any, host_pool: PinnableBlockPool) -> None:
+        """Serve ``manager``, whose host tier is ``host_pool``; called once, by ``CacheManager``.
+
+        Raises ``ValueError`` when the tier already serves a manager, or there is no host
+        tier to stage blocks through.
+        """
+        if self.manager is not None:
+            raise ValueError("this storage tier already serves a cache manager; make one tier per manager")
+        if host_pool.num_blocks == 0:
+            raise ValueError("the storage tier needs a host tier (--swap-space > 0, or CacheConfig.num_host_blocks > 0)")
+        self.manager = manager
+        self.pool = host_pool
+        self.block_size = manager.block_size
 
     def attach_events(self, recorder: Any) -> None:
         """Report every hash that becomes stored or is forgotten to ``recorder`` (a
@@ -488,7 +420,7 @@ class StorageTier:
         if not want:
             return None
         # The matched prefix keeps its host copies: the fetched blocks hang below it.
-        host = m._allocate_host_blocks(len(want), frozenset(nodes))
+        host = m.allocate_host_blocks(len(want), frozenset(nodes))
         if not host:
             return None
         want = want[: len(host)]
@@ -744,9 +676,10 @@ class StorageTier:
         for b in pool.deferred:
             assert pool.is_pinned(b), f"deferred host block {b} is not pinned"
         pins = collections.Counter(self._putting.values())
+        held = pool.pin_counts()
         for b, n in pins.items():
-            assert pool._pins.get(b, 0) == n, f"host block {b}: {pool._pins.get(b, 0)} pins, {n} puts"
-        assert sum(pins.values()) == sum(pool._pins.values()), "a pin with no put"
+            assert held.get(b, 0) == n, f"host block {b}: {held.get(b, 0)} pins, {n} puts"
+        assert sum(pins.values()) == sum(held.values()), "a pin with no put"
         assert self._lost_while_putting <= self._putting.keys(), "a lost-while-putting hash with no put"
         loads = {b for e in self._jobs.values() if isinstance(e, _Prefetch) for b in e.job.host_block_ids}
         assert loads == self._prefetch_blocks, "prefetch host blocks differ from the jobs in flight"

@@ -12,13 +12,16 @@ import argparse
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
 
 from fastdeploy_kvcache import config as _config
 from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.cli_flags import add_flag
-from fastdeploy_kvcache.config import WRITE_POLICIES, CacheConfig, add_cli_args
+from fastdeploy_kvcache.config import CacheConfig, add_cli_args
+
+if TYPE_CHECKING:
+    from fastdeploy_kvcache.storage.config import StorageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +45,12 @@ def default_model_cache_dir() -> str:
 class EngineArgs:
     """Everything ``LLMEngine`` needs to build its model, cache and scheduler.
 
-    ``num_gpu_blocks_override=None`` sizes the device pool from ``max_num_seqs`` and
-    ``max_model_len`` (capped by ``kv_cache_memory_gib``).  ``kv_cache_dtype="auto"`` uses the
-    model's dtype (float32 on CPU).
+    The cache's settings live in ``cache``, one :class:`~fastdeploy_kvcache.config.CacheConfig`
+    (block size, host tier, write policy, prefix and output caching, and ``num_gpu_blocks``:
+    0 sizes the device pool from ``max_num_seqs`` and ``max_model_len``, capped by
+    ``kv_cache_memory_gib``).  Its model-shape fields (layers, KV heads, head size, dtype) are
+    the model's: the engine fills them in once the model is loaded.  ``kv_cache_dtype="auto"``
+    uses the model's dtype (float32 on CPU); it stays here because "auto" is not a dtype.
     """
 
     model: str = DEFAULT_MODEL
@@ -52,21 +58,15 @@ class EngineArgs:
     max_model_len: int = 2048
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
-    num_gpu_blocks_override: Optional[int] = None
+    # The cache's settings (--block-size, --swap-space, --write-policy, ...; see the class doc).
+    cache: CacheConfig = field(default_factory=CacheConfig)
     kv_cache_dtype: str = "auto"
-    block_size: int = 64
-    swap_space: float = 0.0
-    num_host_blocks: Optional[int] = None
-    write_policy: str = "write_through_selective"
-    write_through_threshold: int = 2
-    enable_prefix_caching: bool = True
-    cache_output_tokens: bool = True
     device: str = "auto"
     seed: int = 0
-    # Device pool cap when num_gpu_blocks_override is not given (GiB of K+V over all layers).
+    # Device pool cap when cache.num_gpu_blocks is 0 (GiB of K+V over all layers).
     kv_cache_memory_gib: float = 1.0
-    # The storage tier (storage.config.StorageConfig, --kvcache-storage-*); None: off.
-    storage: Optional[Any] = None
+    # The storage tier (--kvcache-storage-*); None: off.
+    storage: Optional["StorageConfig"] = None
     # Prefill/decode disaggregation through the store (engine/pd.py): mixed, prefill or decode.
     splitwise_role: str = "mixed"
     # Which model library runs the model: paddleformers (model_runner.py) or transformers on
@@ -98,18 +98,15 @@ class EngineArgs:
 
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model: must be a non-empty string, got {self.model!r}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             positive_int(name)
-        if self.num_gpu_blocks_override is not None:
-            positive_int("num_gpu_blocks_override")
+        if not isinstance(self.cache, CacheConfig):
+            raise ValueError(f"cache: must be a CacheConfig, got {type(self.cache).__name__}")
+        self.cache.validate()  # its fields may have been changed after construction
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device: must be one of {DEVICES}, got {self.device!r}")
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy: must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space: must be >= 0 GiB, got {self.swap_space!r}")
         if self.splitwise_role not in SPLITWISE_ROLES:
             raise ValueError(f"splitwise_role: must be one of {SPLITWISE_ROLES}, got {self.splitwise_role!r}")
         if self.model_impl not in MODEL_IMPLS:
@@ -130,27 +127,18 @@ class EngineArgs:
 
     @property
     def host_tier_enabled(self) -> bool:
-        return (self.num_host_blocks or 0) > 0 or (self.num_host_blocks is None and self.swap_space > 0)
+        c = self.cache
+        return (c.num_host_blocks or 0) > 0 or (c.num_host_blocks is None and c.swap_space > 0)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
         """Build from a namespace parsed by a parser that went through :func:`add_engine_cli_args`."""
         values = vars(ns)
-        # The cache flags resolve through CacheConfig, which knows their dests and defaults.
-        cache = CacheConfig.from_cli_args(ns, num_layers=1, num_kv_heads=1, head_dim=1)
-        kwargs: dict[str, Any] = dict(
-            block_size=cache.block_size,
-            swap_space=float(cache.swap_space),
-            num_host_blocks=cache.num_host_blocks,
-            write_policy=cache.write_policy,
-            write_through_threshold=cache.write_through_threshold,
-            enable_prefix_caching=cache.enable_prefix_caching,
-            cache_output_tokens=cache.cache_output_tokens,
-        )
-        if cache.num_gpu_blocks:
-            kwargs["num_gpu_blocks_override"] = cache.num_gpu_blocks
+        # The cache flags resolve through CacheConfig, which knows their dests and defaults;
+        # the model's shape is filled in by the engine.
+        kwargs: dict[str, Any] = dict(cache=CacheConfig.from_cli_args(ns))
         for f in dataclasses.fields(cls):
-            if f.name in kwargs:
+            if f.name in kwargs or f.name == "storage":
                 continue
             v = values.get(f.name)
             if v is not None:

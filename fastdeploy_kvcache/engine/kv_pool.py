@@ -95,10 +95,15 @@ class ManagedKVPool(KVPool):
         from fastdeploy_kvcache.core.cache_manager import CacheManager
 
         super().__init__(config, backend)
-        self.manager = CacheManager(config)
         self.num_host_blocks = config.host_block_count
         if self.num_host_blocks > 0:
             self.controller.initialize_host_cache(self.num_host_blocks)
+        self.manager = CacheManager(config, storage=self._make_storage_tier())
+
+    def _make_storage_tier(self) -> Optional[Any]:
+        """The storage tier the manager is built with (None here; ``StorageKVPool`` makes one
+        over the controller's host tier)."""
+        return None
 
     def admit(self, request: Request) -> int:
         match = self.manager.match_prefix(request)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import queue
@@ -161,8 +162,8 @@ class LLMEngine:
                 "ENABLE_V1_KVCACHE_MANAGER=0: plain device block allocator, no reuse between requests; "
                 "the cache flags (--swap-space %s, --write-policy %s, --write-through-threshold %s, "
                 "prefix caching %s, output caching %s) are inactive",
-                args.swap_space, args.write_policy, args.write_through_threshold,
-                args.enable_prefix_caching, args.cache_output_tokens,
+                args.cache.swap_space, args.cache.write_policy, args.cache.write_through_threshold,
+                args.cache.enable_prefix_caching, args.cache.cache_output_tokens,
             )
         if args.model_impl == "transformers":
             self.runner: Any = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size, self.device)
@@ -182,7 +183,7 @@ class LLMEngine:
             raise
         self._seed_rng = np.random.default_rng(args.seed)
         # In-batch prefix sharing: only where blocks are reused at all.
-        share = self.use_v1 and args.enable_prefix_caching and self.pd is None
+        share = self.use_v1 and self.cache_config.enable_prefix_caching and self.pd is None
         self.sharing = PrefixSharing(self.cache_config.block_size, args.max_prefix_hold_s if share else 0.0)
 
         self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
@@ -213,28 +214,21 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ setup
     def _make_cache_config(self) -> CacheConfig:
+        """``args.cache`` with the model's shape and dtype filled in, and the device pool sized:
+        the one CacheConfig the pool, manager and runner read."""
         a, lm = self.args, self.loaded
         dtype = lm.dtype if a.kv_cache_dtype == "auto" else a.kv_cache_dtype
-        base = CacheConfig(
-            block_size=a.block_size, num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
-            head_dim=lm.head_dim, dtype=dtype, num_gpu_blocks=1,
-        )
-        per_seq = -(-self.max_model_len // a.block_size)
-        if a.num_gpu_blocks_override is not None:
-            blocks = a.num_gpu_blocks_override
-            if blocks < per_seq:
+        config = dataclasses.replace(a.cache, num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
+                                     head_dim=lm.head_dim, dtype=dtype)
+        per_seq = -(-self.max_model_len // config.block_size)
+        if config.num_gpu_blocks:
+            if config.num_gpu_blocks < per_seq:
                 logger.warning("%d device blocks hold fewer than max_model_len=%d tokens: long requests will fail",
-                               blocks, self.max_model_len)
+                               config.num_gpu_blocks, self.max_model_len)
         else:
-            cap = max(per_seq, int(a.kv_cache_memory_gib * (1 << 30)) // base.bytes_per_block)
-            blocks = min(a.max_num_seqs * per_seq, cap)
-        return CacheConfig(
-            block_size=a.block_size, num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
-            head_dim=lm.head_dim, dtype=dtype, num_gpu_blocks=blocks,
-            swap_space=a.swap_space, num_host_blocks=a.num_host_blocks, write_policy=a.write_policy,
-            write_through_threshold=a.write_through_threshold, enable_prefix_caching=a.enable_prefix_caching,
-            cache_output_tokens=a.cache_output_tokens,
-        )
+            cap = max(per_seq, int(a.kv_cache_memory_gib * (1 << 30)) // config.bytes_per_block)
+            config.num_gpu_blocks = min(a.max_num_seqs * per_seq, cap)
+        return config
 
     # ------------------------------------------------------------------ public API
     def _publish_tokenizer(self, cache_dir: str) -> None:

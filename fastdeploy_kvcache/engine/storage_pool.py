@@ -60,35 +60,23 @@ class StorageKVPool(ManagedKVPool):
     def __init__(self, config: CacheConfig, storage_config: Any, model_id: str, weights_fp: str,
                  backend: str = "paddle", *, arrival_prefetch_blocks: Optional[int] = None,
                  **backend_overrides: Any) -> None:
-        from fastdeploy_kvcache.storage.keys import KeyNamespace
-        from fastdeploy_kvcache.storage.transfer import HostTierLayout, StorageTransfer
-        from fastdeploy_kvcache.worker.storage_worker import StorageWorker
-
         if config.host_block_count <= 0:
             raise ValueError(
                 "--kvcache-storage-backend needs a host tier to stage blocks through: give --swap-space "
                 "(GiB, > 0)"
             )
-        super().__init__(config, backend)
         # Host blocks that prefetches started on arrival may hold (None: half the host tier).
         self.arrival_prefetch_blocks = (config.host_block_count // 2 if arrival_prefetch_blocks is None
                                         else arrival_prefetch_blocks)
         self.storage_config = storage_config
-        self.store = storage_config.make_backend(**backend_overrides)
+        self._model_id = model_id
+        self._weights_fp = weights_fp
+        self._backend_overrides = backend_overrides
         try:
-            layout = HostTierLayout.from_controller(self.controller)
-            self.namespace = KeyNamespace(
-                model=model_id, weights_fingerprint=weights_fp, dtype=str(config.dtype),
-                block_size=config.block_size, layout=layout.describe(),
-            )
-            # NOTE: one backend call per staging buffer: small objects (tiny models) batch up
-            # to 16 MiB per call instead of 32 objects, so a long prefix is one get, not many.
-            staging = max(32, min(512, (16 << 20) // layout.object_bytes))
-            self.transfer = StorageTransfer(layout, self.store, staging_blocks=staging)
-            self.storage_worker = StorageWorker(self.transfer)
-            self.tier = StorageTier(self.manager, self.store, self.namespace, storage_config)
+            super().__init__(config, backend)  # builds the manager with _make_storage_tier()
         except BaseException:
-            self.store.close()
+            if getattr(self, "store", None) is not None and getattr(self, "tier", None) is not None:
+                self.store.close()  # made, but the manager did not take the tier
             raise
         logger.info("storage tier: %s backend, keys %s:*, write %s, prefetch %s",
                     storage_config.backend, self.namespace.prefix, storage_config.put_policy,
@@ -98,6 +86,32 @@ class StorageKVPool(ManagedKVPool):
         self._off_report = threading.Timer(STORAGE_OFF_REPORT_S, self._report_if_off)
         self._off_report.daemon = True
         self._off_report.start()
+
+    def _make_storage_tier(self) -> StorageTier:
+        """The backend, key namespace, transfer threads and the tier over the controller's host
+        tier (the backend is closed again if any of it fails)."""
+        from fastdeploy_kvcache.storage.keys import KeyNamespace
+        from fastdeploy_kvcache.storage.transfer import HostTierLayout, StorageTransfer
+        from fastdeploy_kvcache.worker.storage_worker import StorageWorker
+
+        config = self.config
+        self.store = self.storage_config.make_backend(**self._backend_overrides)
+        try:
+            layout = HostTierLayout.from_controller(self.controller)
+            self.namespace = KeyNamespace(
+                model=self._model_id, weights_fingerprint=self._weights_fp, dtype=str(config.dtype),
+                block_size=config.block_size, layout=layout.describe(),
+            )
+            # NOTE: one backend call per staging buffer: small objects (tiny models) batch up
+            # to 16 MiB per call instead of 32 objects, so a long prefix is one get, not many.
+            staging = max(32, min(512, (16 << 20) // layout.object_bytes))
+            self.transfer = StorageTransfer(layout, self.store, staging_blocks=staging)
+            self.storage_worker = StorageWorker(self.transfer)
+            self.tier = StorageTier(self.store, self.namespace, self.storage_config)
+        except BaseException:
+            self.store.close()
+            raise
+        return self.tier
 
     def storage_health(self) -> dict[str, Any]:
         """The tier's state now (not the step snapshot): backend, available, breaker, detail."""

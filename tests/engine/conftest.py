@@ -15,9 +15,9 @@ from fastdeploy_kvcache import ops  # noqa: E402
 if not ops.paddle_ops_available():
     pytest.skip("the engine needs the compiled Paddle custom ops (bash build.sh)", allow_module_level=True)
 
-from fastdeploy_kvcache.engine.args import EngineArgs  # noqa: E402
 from fastdeploy_kvcache.engine.llm_engine import LLMEngine  # noqa: E402
 from fastdeploy_kvcache.engine.model_loader import LoadedModel, build_tiny_llama  # noqa: E402
+from tests.engine_args import engine_args  # noqa: E402
 from tests.reuse_workloads import Collector, greedy  # noqa: E402,F401 - the engine tests import them from here
 
 
@@ -34,7 +34,7 @@ def make_engine(monkeypatch: pytest.MonkeyPatch, loaded: Optional[LoadedModel], 
     defaults.update(kwargs)
     if defaults["model"] != "tiny-llama-random":
         loaded = None
-    eng = LLMEngine(EngineArgs(**defaults), loaded_model=loaded)
+    eng = LLMEngine(engine_args(**defaults), loaded_model=loaded)
     eng.start()
     return eng
 

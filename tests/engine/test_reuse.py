@@ -68,7 +68,7 @@ def test_a_request_arriving_during_idle_backups_starts_without_waiting_for_them(
     cost nothing on a miss).  The backup is held on its copy stream until the new request
     has finished; the copies still complete afterwards and nothing leaks."""
     eng = engine_factory(v1=True, write_policy="write_through", write_through_threshold=1,
-                         num_gpu_blocks_override=16, num_host_blocks=64, max_num_seqs=1)
+                         num_gpu_blocks=16, num_host_blocks=64, max_num_seqs=1)
     backup_started, release = threading.Event(), threading.Event()
 
     def hold_backups(direction: CopyDirection, layer: int, meta: Any) -> None:

@@ -74,10 +74,11 @@ def test_transformers_path_imports_no_paddle() -> None:
     code = (
         "import os, sys, json\n"
         "os.environ['ENABLE_V1_KVCACHE_MANAGER'] = '1'\n"
+        "from fastdeploy_kvcache.config import CacheConfig\n"
         "from fastdeploy_kvcache.engine.args import EngineArgs\n"
         "from fastdeploy_kvcache.engine.llm_engine import LLMEngine\n"
         "eng = LLMEngine(EngineArgs(model='tiny-llama-random', model_impl='transformers', device='cpu',\n"
-        "                           max_model_len=256, num_host_blocks=8))\n"
+        "                           max_model_len=256, cache=CacheConfig(num_host_blocks=8)))\n"
         "eng.shutdown()\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('paddle', 'paddleformers'))))\n"
     )

@@ -116,10 +116,11 @@ def test_a_restarted_mooncake_master_makes_the_tier_store_again(tmp_path: Path, 
 
     local = LocalMooncake(segment="64MB", log_dir=tmp_path / "logs").start()
     try:
-        backend = MooncakeBackend(MooncakeConfig(
-            master_server_addr=local.master.addr, master_metrics_addr=local.master.metrics_addr,
-            local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", protocol="tcp",
-            global_segment_size=0), restart_check_s=0.2)
+        backend = MooncakeBackend(
+            MooncakeConfig(master_server_addr=local.master.addr, master_metrics_addr=local.master.metrics_addr,
+                           local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", protocol="tcp",
+                           global_segment_size=0),
+            restart_check_s=0.2)
         rig = rigs(backend=backend)
         assert backend.wait_ready(30)
         hashes = store_tokens(rig, TOKENS)

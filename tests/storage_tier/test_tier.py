@@ -51,13 +51,13 @@ class Rig:
         self.backend = backend or FileBackend(path=str(directory), min_free_bytes=0, capacity_bytes=capacity_bytes)
         self.transfer = StorageTransfer(self.layout, self.backend)
         self.worker = StorageWorker(self.transfer)
-        self.manager = CacheManager(cfg)
         ns = KeyNamespace(model="rig", weights_fingerprint="w", dtype="float32", block_size=BS,
                           layout=self.layout.describe())
         self.config = StorageConfig(backend="file", path=str(directory), prefetch_policy=policy,
                                     prefetch_timeout_base_s=0.0, prefetch_timeout_per_ktoken_s=0.0)
         self.now = 0.0
-        self.tier = StorageTier(self.manager, self.backend, ns, self.config, clock=lambda: self.now)
+        self.tier = StorageTier(self.backend, ns, self.config, clock=lambda: self.now)
+        self.manager = CacheManager(cfg, storage=self.tier)
 
     # -- shadow memory: what a block of hash h holds
     def expected(self, h: int) -> bytes:
@@ -145,7 +145,7 @@ def test_a_host_block_being_stored_is_not_reallocated(rigs: Any) -> None:
     req = rig.serve("a", TOKENS)
     rig.run_backups()  # 4 blocks on host, their puts queued and pinned
     hashes = req.block_hashes(BS)[:4]
-    pinned = sorted(rig.tier.pool._pins)
+    pinned = sorted(rig.tier.pool.pin_counts())
     assert len(pinned) == 4 and not any(rig.tier.is_stored(h) for h in hashes)
     rig.manager.reset_cache()  # the tree lets go of every host copy while the puts are queued
     assert rig.tier.pool.num_free == 0, "a pinned host block went back to the free list"
