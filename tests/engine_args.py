@@ -7,7 +7,10 @@ max_num_seqs=2``); the engine keeps the cache's in one ``CacheConfig`` (``Engine
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import gc
+from typing import Any, Callable, Iterator
+
+import pytest
 
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.engine.args import EngineArgs
@@ -19,3 +22,32 @@ def engine_args(**kwargs: Any) -> EngineArgs:
     """CacheConfig's field names go into ``cache``; the rest are EngineArgs fields."""
     cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_FIELDS}
     return EngineArgs(cache=CacheConfig(**cache), **kwargs)
+
+
+# What every engine test starts from; a factory's own defaults and a test's keywords win.
+ENGINE_DEFAULTS: dict[str, Any] = dict(block_size=16, max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4)
+
+
+def started_engines(monkeypatch: pytest.MonkeyPatch, loaded: Any, **defaults: Any) -> Iterator[Callable[..., Any]]:
+    """Yields ``factory(v1=True, **engine_args)``, which builds and starts an engine over the
+    shared ``loaded`` model (a test naming another ``model=`` gets that one loaded), then
+    shuts every engine down and frees its tensors (before interpreter teardown, where a late
+    finaliser would trip over a framework already torn down)."""
+    from fastdeploy_kvcache.engine.llm_engine import LLMEngine
+
+    made: list[Any] = []
+
+    def factory(v1: bool = True, **kwargs: Any) -> Any:
+        monkeypatch.setenv("ENABLE_V1_KVCACHE_MANAGER", "1" if v1 else "0")
+        args = {**ENGINE_DEFAULTS, **defaults, **kwargs}
+        model = loaded if args.get("model") == defaults.get("model") else None
+        eng = LLMEngine(engine_args(**args), loaded_model=model)
+        eng.start()
+        made.append(eng)
+        return eng
+
+    yield factory
+    for eng in made:
+        eng.shutdown()
+    made.clear()
+    gc.collect()
