@@ -62,7 +62,7 @@ class StackLauncher {
       queue_.pop_front();
       busy_ = true;
       lock.unlock();
-      RunStackJob(*job, INT64_MAX, false);
+      RunStackJob(*job, INT64_MAX, false, true);
       job.reset();  // drops its progress reference off the lock
       lock.lock();
       busy_ = false;

@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <climits>
 #include <map>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <unordered_set>
 
 #if !FDKV_WITH_CUDA
@@ -32,7 +34,7 @@ struct OptionSpec {
   int64_t lo;
   int64_t hi;
 };
-constexpr int kNumOptions = 17;
+constexpr int kNumOptions = 18;
 const OptionSpec kSpecs[kNumOptions] = {
     {"copy_grid", 8, 1, 65535},
     {"copy_path", kCopyAuto, kCopyAuto, kCopyStaged},
@@ -69,6 +71,11 @@ const OptionSpec kSpecs[kNumOptions] = {
     // 0.961-0.965), and TTFT at 1k-2k prefixes read the same.  0: a span per group.  Read
     // with GetOption.
     {"stack_span_min_bytes", 16 << 20, 0, kInt64Max},
+    // The launcher thread (LaunchLayerStack) enqueues a stack's next group only while the
+    // groups it has enqueued and that have not landed yet hold at most this many bytes
+    // (swap_core.cc, PaceLaunch, says why).  64 MiB is ~1.2 ms of a PCIe Gen5 link: far more
+    // than the ~0.2 ms it takes to enqueue a group.  0: the whole stack at once.
+    {"launch_lead_bytes", 64 << 20, 0, kInt64Max},
     // Tests only: a layer stack (SwapLayerGroups, LaunchLayerStack) fails as a CUDA failure
     // would when it reaches this group (-1: never), so the failure path of an asynchronous
     // launch can be exercised.  Read with GetOption.
@@ -498,7 +505,35 @@ std::unique_ptr<StackJob> PrepareReportingJob(const char* op, const std::vector<
 
 }  // namespace
 
-bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
+#if FDKV_WITH_CUDA
+namespace {
+
+// Holds the launcher until the groups enqueued ahead of group `g` and not yet landed carry at
+// most `lead_bytes` (option launch_lead_bytes).  Every copy call takes the CUDA driver's
+// context lock that the forward pass's kernel launches need too: a stack enqueued all at
+// once (thousands of copies for an 8k-token prefix) slowed the first layers' launches about
+// fivefold, so their compute ended milliseconds after their loads had landed.  Paced, the
+// launcher stays just far enough ahead to keep the copy engines busy.  Polls the groups'
+// events (a spin-free wait: cudaEventSynchronize on a default event spins a core).
+void PaceLaunch(StackJob& job, int64_t g, int64_t lead_bytes) {
+  for (;;) {
+    int64_t ahead = 0;
+    for (int64_t k = job.landed; k < g; ++k) ahead += job.GroupBytes(k);
+    if (ahead <= lead_bytes) return;
+    void* ev = job.events.empty() ? nullptr : job.events[static_cast<size_t>(job.landed)];
+    if (ev == nullptr) return;  // no event to read progress from: no pacing
+    if (CudaEventDone(ev)) {
+      ++job.landed;
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+}  // namespace
+#endif
+
+bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow, bool pace) {
   const int64_t num_groups = static_cast<int64_t>(job.lanes.size()) / job.group_size;
   const int64_t n = static_cast<int64_t>(job.src_ids.size());
   void* stream = job.target.stream;
@@ -540,6 +575,8 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
     if (fail_group >= 0) job.may_stage = false;  // an injected failure goes group by group
     int64_t span_min_bytes = 0;
     GetOption("stack_span_min_bytes", &span_min_bytes);
+    int64_t lead_bytes = 0;
+    if (pace) GetOption("launch_lead_bytes", &lead_bytes);
     ExecTarget each = job.target;
     const IdSpan dev_span{job.mode == kDeviceToHost ? job.src_ids.data() : job.dst_ids.data(), n, "dev_ids"};
     const IdSpan host_span{job.mode == kDeviceToHost ? job.dst_ids.data() : job.src_ids.data(), n, "host_ids"};
@@ -580,6 +617,9 @@ bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow) {
       const std::vector<LaneDesc> span(job.lanes.begin() + g * job.group_size,
                                        job.lanes.begin() + end * job.group_size);
       each.ramp = g == 0;
+#if FDKV_WITH_CUDA
+      if (lead_bytes > 0 && job.target.cuda) PaceLaunch(job, g, lead_bytes);
+#endif
       // Groups ahead of a staged rest take the copy kernel: one launch, where the per-call
       // rule would build a staged plan (or a DMA batch of a copy per block) for them; the
       // SMs are free then, since the forward pass waits for the first layer.  (A rest that

@@ -388,6 +388,7 @@ struct StackJob {
   bool span_decided = false;
   bool started = false;    // fences before the groups enqueued
   int64_t next_group = 0;  // groups enqueued so far
+  int64_t landed = 0;      // groups whose event the launcher saw complete (launch_lead_bytes)
   int paths = 0;
   // Bytes group g moves.
   int64_t GroupBytes(int64_t g) const {
@@ -399,8 +400,10 @@ struct StackJob {
 };
 // Enqueues the job's next part: its leading fences, then up to `max_groups` groups, then (at
 // the end) its done event.  Returns true once the job is finished (closed, or failed and
-// closed).  With `rethrow` a failure is rethrown after the progress records it.
-bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow);
+// closed).  With `rethrow` a failure is rethrown after the progress records it.  With `pace`
+// (the launcher's own thread) a group is enqueued only while the groups enqueued ahead of it
+// and not yet landed hold at most `launch_lead_bytes` (option; why: that option).
+bool RunStackJob(StackJob& job, int64_t max_groups, bool rethrow, bool pace = false);
 // Hands a job to a launcher (stack_launcher.cc): see LaunchLayerStack.
 void LauncherEnqueue(StackLauncher* launcher, std::unique_ptr<StackJob> job, int64_t inline_groups);
 
@@ -423,6 +426,9 @@ void CudaHostAlloc(void** ptr, size_t nbytes, unsigned flags);
 void CudaHostFree(void* ptr);
 void CudaStreamSynchronize(void* stream);
 void CudaEventRecord(void* event, void* stream);
+// Whether the event's work has completed (cudaEventQuery); an error also reads as done, so a
+// caller polling it cannot spin forever (the copy that failed reports through its own path).
+bool CudaEventDone(void* event);
 void CudaStreamWaitEvent(void* stream, void* event);
 int CudaCurrentDevice();
 void CudaSetDevice(int device);

@@ -953,6 +953,13 @@ void CudaEventRecord(void* event, void* stream) {
   FDKV_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
 }
 
+bool CudaEventDone(void* event) {
+  const cudaError_t st = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (st == cudaErrorNotReady) return false;
+  if (st != cudaSuccess) (void)cudaGetLastError();  // clear it: the failed copy reports itself
+  return true;
+}
+
 void CudaStreamWaitEvent(void* stream, void* event) {
   FDKV_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
 }

@@ -233,7 +233,7 @@ class CApi:
         Staged path: ``staging_bytes``, ``staging_chunk_bytes``, ``staging_grid``,
         ``staged_min_bytes``, ``staging_mode``; DMA rows: ``dma_rows_min_lanes``,
         ``rows_d2h_min_bytes``; layer stacks: ``staged_stack_from_group``,
-        ``stack_span_min_bytes`` (docs/ops.md, "Layer groups") and, for tests,
+        ``stack_span_min_bytes``, ``launch_lead_bytes`` (docs/ops.md, "Layer groups") and, for tests,
         ``stack_fail_group``.
 
         Options are per library: the Paddle extension (:func:`paddle_ops_capi`) and the

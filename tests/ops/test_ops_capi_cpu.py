@@ -204,11 +204,13 @@ def test_sync_flag_and_stream_are_accepted_on_cpu(capi_cpu: ops.CApi) -> None:
 
 def test_options_round_trip_and_reject_bad_values(capi_cpu: ops.CApi) -> None:
     names = ("copy_grid", "copy_path", "dma_min_bytes", "merge_min_bytes", "dma_slice_bytes", "copy_kernel",
-             "kernel_tables", "rows_d2h_min_bytes", "stack_span_min_bytes")
+             "kernel_tables", "rows_d2h_min_bytes", "stack_span_min_bytes", "launch_lead_bytes")
     before = {k: capi_cpu.get_option(k) for k in names}
     assert before["copy_grid"] >= 1
-    # The defaults docs/ops.md gives: device-to-host rows from 256 KiB, stack spans of 16 MiB.
-    assert (before["rows_d2h_min_bytes"], before["stack_span_min_bytes"]) == (256 << 10, 16 << 20)
+    # The defaults docs/ops.md gives: device-to-host rows from 256 KiB, stack spans of 16 MiB,
+    # a launcher at most 64 MiB ahead of the copies that landed.
+    assert (before["rows_d2h_min_bytes"], before["stack_span_min_bytes"], before["launch_lead_bytes"]) == \
+        (256 << 10, 16 << 20, 64 << 20)
     try:
         capi_cpu.set_option("copy_grid", 4)
         assert capi_cpu.get_option("copy_grid") == 4
@@ -221,7 +223,8 @@ def test_options_round_trip_and_reject_bad_values(capi_cpu: ops.CApi) -> None:
             capi_cpu.get_option("no_such_option")
         assert (info.value.op, info.value.argument) == ("get_option", "name")
         for name, good, bad in (("copy_kernel", 3, 4), ("kernel_tables", 0, 2), ("dma_slice_bytes", 1 << 20, 0),
-                                ("rows_d2h_min_bytes", 0, -1), ("stack_span_min_bytes", 0, -1)):
+                                ("rows_d2h_min_bytes", 0, -1), ("stack_span_min_bytes", 0, -1),
+                                ("launch_lead_bytes", 0, -1)):
             capi_cpu.set_option(name, good)
             assert capi_cpu.get_option(name) == good
             with pytest.raises(ops.SwapOpError, match=f"'{name}' is unknown or value {bad} is out of its range"):
