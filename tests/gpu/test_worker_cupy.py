@@ -536,6 +536,20 @@ def test_random_swaps_concurrent_with_compute_keep_data_correct(compute, seed: i
 
 
 # ---------------------------------------------------------------------- failures
+@pytest.mark.parametrize("seed", [3])
+def test_paced_launcher_keeps_data_correct(compute, seed: int) -> None:
+    """The shadow-checked random steps with the launcher paced at every group
+    (``launch_lead_bytes`` 1: each group waits until the one before it landed): pacing may
+    only delay enqueues, never reorder a group against its event or fence."""
+    capi = ops.load_capi(variant="cuda")
+    before = capi.get_option("launch_lead_bytes")
+    capi.set_option("launch_lead_bytes", 1)
+    try:
+        test_random_swaps_concurrent_with_compute_keep_data_correct(compute, seed)
+    finally:
+        capi.set_option("launch_lead_bytes", before)
+
+
 def test_injected_failure_is_reported_and_never_served(compute) -> None:
     ctrl = make_ctrl()
     fill(ctrl, 0, seed=9)
