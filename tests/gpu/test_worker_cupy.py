@@ -541,6 +541,8 @@ def test_paced_launcher_keeps_data_correct(compute, seed: int) -> None:
     """The shadow-checked random steps with the launcher paced at every group
     (``launch_lead_bytes`` 1: each group waits until the one before it landed): pacing may
     only delay enqueues, never reorder a group against its event or fence."""
+    from fastdeploy_kvcache import ops
+
     capi = ops.load_capi(variant="cuda")
     before = capi.get_option("launch_lead_bytes")
     capi.set_option("launch_lead_bytes", 1)
