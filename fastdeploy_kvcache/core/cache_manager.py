@@ -1,19 +1,23 @@
 """The scheduler-side cache manager: where every KV block lives, decided in Python.
 
 ``CacheManager`` is the facade: the public API, and the request lifecycle (finish,
-preempt, the request side of a failed load, reset, stats).  Each other job is one
-class in its own module, over the state declared in ``manager_state``:
+preempt, the request side of a completed load, reset, stats).  The rest is done by
+parts that each own their state, built by ``__init__`` and wired with the parts they
+call (calls go one way: allocator -> copies -> evictor; all three share the tree, the
+pools and the table of copies in flight, ``manager_state.InFlightCopies``):
 
-* ``matching``    ``PrefixMatcher``, a part that owns its state: the matches not applied yet
-  (``match_prefix`` delegates to it), the longest cached prefix over every tier
-* ``allocation``  ``ensure_resident`` / ``allocate_device_blocks``: the match applied
-  once, device hits referenced, host hits turned into loads, fresh blocks
-* ``eviction``    feasibility-first reclaim of LRU device leaves by the write policy
-  (``write_policy``: a strategy object), references, detached nodes
-* ``copies``      ``issue_pending_backup_to_batch_request`` and ``complete_swap``: the
-  copies in flight, each block resolved on its own
-* ``invariants``  ``check_invariants`` (raises ``InvariantViolation``); ``stats``: typed
-  counters behind ``get_stats``
+* ``matching``    ``PrefixMatcher``: the matches not applied yet (``match_prefix``), the
+  longest cached prefix over every tier
+* ``allocation``  ``Allocator``: the running requests; ``ensure_resident`` /
+  ``allocate_device_blocks`` apply the match once, reference device hits, turn host hits
+  into loads, hand out fresh blocks
+* ``copies``      ``CopyTracker``: the backup queue and doomed host copies;
+  ``issue_pending_backup_to_batch_request`` and the node side of ``complete_swap``
+* ``eviction``    ``Evictor``: detached nodes and the evictions not handed to a batch;
+  feasibility-first reclaim of LRU device leaves by the write policy (``write_policy``:
+  a strategy object), references, host block allocation
+* ``invariants``  ``check_invariants`` (raises ``InvariantViolation``), through the parts'
+  read-only views; ``stats``: typed counters behind ``get_stats``
 
 Nothing here touches KV bytes.  A copy is "in flight" from the moment its metadata
 is emitted until ``complete_swap`` sees it come back; in flight, the node cannot be
@@ -29,19 +33,18 @@ running request on it).  free + owned + cached = total.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Any, Optional
 
 from fastdeploy_kvcache.config import CacheConfig
-from fastdeploy_kvcache.core.allocation import AllocationMixin
+from fastdeploy_kvcache.core.allocation import Allocator
 from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError, PinnableBlockPool
-from fastdeploy_kvcache.core.copies import CopiesMixin
+from fastdeploy_kvcache.core.copies import CopyTracker
 from fastdeploy_kvcache.core.errors import CacheManagerError, InvariantViolation, UnknownRequestError
-from fastdeploy_kvcache.core.eviction import EvictionMixin
+from fastdeploy_kvcache.core.eviction import Evictor
 from fastdeploy_kvcache.core.invariants import check_invariants
-from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, RequestState
+from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, InFlightCopies, RequestState, check_request
 from fastdeploy_kvcache.core.matching import PrefixMatcher
-from fastdeploy_kvcache.core.metadata import BlockNode, CacheSwapMetadata, MatchResult, TransferKind
+from fastdeploy_kvcache.core.metadata import BlockNode, CacheSwapMetadata, MatchResult, ResidencyPlan, TransferKind
 from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.core.stats import CacheStats
@@ -54,7 +57,7 @@ __all__ = ["CacheManager", "CacheManagerError", "UnknownRequestError", "NoFreeBl
 
 
 
-class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
+class CacheManager:
     """Tiered (device / host; storage later) prefix cache for one model's KV blocks.
 
     Write policies (``config.write_policy``):
@@ -85,7 +88,6 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
         self.write_policy = config.write_policy
         self.write_through_threshold = config.write_through_threshold
         self.enable_prefix_caching = config.enable_prefix_caching
-        self.share_loads = True
         self.bytes_per_block = config.bytes_per_block
         self.device_pool = BlockPool(config.num_gpu_blocks, DEV)
         self.storage: Optional[StorageTier] = storage
@@ -96,24 +98,18 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
                 raise CacheManagerError(f"CacheManager's storage must be a StorageTier, got {type(storage).__name__}")
             # Pinned host blocks (a put still reading them) are not handed out again.
             self.host_pool = PinnableBlockPool(config.host_block_count, HOST)
-            storage.bind(self, self.host_pool)
         self.policy = make_write_policy(config.write_policy, config.write_through_threshold)
         self.tree = RadixTree()
-        self._requests: dict[str, RequestState] = {}
-        # Matches of requests not allocated yet (applied once, by the first allocation).
-        self.matcher = PrefixMatcher(self.tree, self.block_size, self.enable_prefix_caching, storage)
-        self._inflight: dict[tuple[int, int, int], InFlight] = {}
-        self._backup_queue: deque[BlockNode] = deque()
-        # Device -> host evictions not yet handed to a request or batch.
-        self._pending_evictions: list[CacheSwapMetadata] = []
-        # Evictions made during the current allocate call.
-        self._call_evictions: list[tuple[int, int, int, BlockNode]] = []  # (device, host, hash, node)
-        # Nodes cut out of the tree that still hold blocks (a copy in flight, or refs).
-        self._detached: set[BlockNode] = set()
-        # Nodes whose host copy is to be released as soon as the copy in flight on them
-        # completes (their parent's host copy was lost: see _lose_host_copy).
-        self._host_doomed: set[BlockNode] = set()
         self.stats = CacheStats()
+        self.inflight = InFlightCopies()
+        self.matcher = PrefixMatcher(self.tree, self.block_size, self.enable_prefix_caching, storage)
+        self.evictor = Evictor(self.tree, self.device_pool, self.host_pool, self.policy, self.stats, self.inflight,
+                               storage)
+        self.copies = CopyTracker(self.tree, self.host_pool, self.policy, self.stats, self.inflight, self.evictor)
+        self.allocator = Allocator(self.tree, self.device_pool, self.block_size, self.stats, self.inflight,
+                                   self.matcher, self.evictor, self.copies)
+        if storage is not None:
+            storage.bind(self, self.host_pool)
         logger.info(
             "CacheManager: %d device blocks, %d host blocks, block_size=%d, policy=%s",
             self.device_pool.num_blocks,
@@ -122,17 +118,163 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
             self.write_policy,
         )
 
+    @property
+    def share_loads(self) -> bool:
+        """Whether a request may read a block another request's host -> device load is still
+        bringing in (with a standby block in case the load fails); off: it computes the block."""
+        return self.matcher.share_loads
+
+    @share_loads.setter
+    def share_loads(self, value: bool) -> None:
+        self.matcher.share_loads = bool(value)
+
+    @property
+    def host_prefix_closed(self) -> bool:
+        """Whether the host tier is kept prefix-closed (the through policies)."""
+        return self.policy.host_prefix_closed
+
+    def get_num_free_device_blocks(self) -> int:
+        return self.device_pool.num_free
+
+    def ensure_resident(self, request: Request, num_tokens: int) -> ResidencyPlan:
+        """Make the blocks for the first ``num_tokens`` tokens of ``request`` resident.
+
+        The one call an engine needs per request and step.  Afterwards
+        ``request.block_tables`` covers ``ceil(max(num_tokens, matched) / block_size)``
+        blocks.  The first call (after ``match_prefix``) applies the match exactly
+        once and keeps the WHOLE matched prefix, whatever ``num_tokens`` is: device
+        hits are referenced in place, host hits become host -> device loads into
+        blocks of the table, in order.  Later calls only append fresh blocks.
+
+        What must happen first is on the request: ``cache_swap_metadata`` (the loads)
+        and ``cache_evict_metadata`` (write_back evictions); ``BatchRequest`` picks
+        them up, and the worker must run them in this step, before compute writes
+        (see "The step contract" in docs/architecture.md).  Compute starts at
+        ``ResidencyPlan.num_cached_tokens``.
+
+        Raises NoFreeBlocksError with nothing changed when the blocks cannot be had;
+        its ``retryable`` is True when copies in flight pin the missing blocks.
+        """
+        check_request(request)
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise CacheManagerError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        return self.allocator.ensure_resident(request, num_tokens)
+
+    def allocate_device_blocks(self, request: Request, n: int) -> list[int]:
+        """Give ``request`` ``n`` more device blocks; return the new ids, in table order.
+
+        The lower-level call under ``ensure_resident``.  On the first call for a
+        request, its match (from ``match_prefix``) is applied, once: device hits go
+        into the block table as they are (ref taken), and the first of the ``n`` new
+        blocks become the destinations of host -> device loads for the host hits, in
+        order (a load ``CacheSwapMetadata`` is appended to
+        ``request.cache_swap_metadata``).  Host hits beyond ``n`` are not used.
+        ``num_cached_tokens`` / ``num_computed_tokens`` are set to the matched length.
+
+        When the pool is short, LRU device leaves are evicted by the write policy;
+        write_back evictions emit device -> host copies, which go on
+        ``request.cache_evict_metadata``.  Raises NoFreeBlocksError, with nothing
+        changed, when not enough blocks can be freed.
+        """
+        check_request(request)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise CacheManagerError(f"block count must be an int >= 0, got {n!r}")
+        return self.allocator.allocate_device_blocks(request, n)
+
+    def can_allocate_device_blocks(self, n: int, request: Optional[Request] = None) -> bool:
+        """Whether ``n`` new device blocks can be had now, evicting what can be evicted.
+
+        Exact: it runs the plan the allocation runs first, without evicting anything.
+        Pass the ``request`` (matched, not allocated yet) to count its own device hits
+        as pinned, as its allocation will: the answer then agrees with
+        ``allocate_device_blocks(request, n)`` (standby blocks for the loads in flight it
+        would share included).  O(1) when enough blocks are free,
+        else O(k log n) for the k evictions it plans.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise CacheManagerError(f"block count must be an int >= 0, got {n!r}")
+        if request is not None:
+            check_request(request)
+        return self.allocator.can_allocate_device_blocks(n, request)
+
+    def allocate_host_blocks(self, k: int, keep: frozenset[BlockNode] = frozenset()) -> list[int]:
+        """Up to ``k`` host blocks, ascending and as runs, evicting host LRU leaves as needed
+        (the storage tier's prefetch lands in them).
+
+        ``keep`` are host copies that must survive (taking one would break the host tier's
+        prefix closure).
+        """
+        return self.evictor.allocate_host_blocks(k, keep)
+
+    def queue_backups(self, nodes: list[BlockNode]) -> int:
+        """Queue device-only ``nodes`` for a device -> host backup whatever the write policy
+        says (the storage tier's flush at shutdown); returns how many were queued.  They are
+        issued, ancestors first, by :meth:`issue_pending_backup_to_batch_request`."""
+        return self.copies.queue_backups(nodes)
+
+    def issue_pending_backup_to_batch_request(self) -> Optional[CacheSwapMetadata]:
+        """This step's device -> host copies as one ``CacheSwapMetadata`` (None if none).
+
+        It holds the queued write-through backups plus any write_back evictions no
+        request carried (made by an allocation that then failed, or left by a
+        preempted request).  Call it once per step, after the step's last
+        allocation, and append the result with ``BatchRequest.append_evict_metadata``.
+        Only queued candidates are visited: never a scan of the cache.  Backups keep the
+        host tier prefix-closed (``CopyTracker.issue_pending_backup_to_batch_request``).
+        """
+        return self.copies.issue_pending_backup_to_batch_request()
+
+    def complete_swap(self, meta: Optional[CacheSwapMetadata]) -> list[str]:
+        """Apply the worker's verdict on a returned copy; return the affected request ids.
+
+        ``meta`` may be any grouping of emitted copies (one request's, a merged
+        batch's): each block is resolved on its own by (src tier, dst tier, dst
+        block id) and checked against its ``src_block_ids`` and ``hash_values``
+        entries.  A block that is not in flight raises CacheManagerError before
+        anything changes.
+
+        On success the destination copy becomes valid.  On failure the data stays
+        where it was: a failed backup frees its host block; a failed load leaves
+        the host copy, and each running request that was going to read the block
+        now owns it privately and must recompute it -- its ``num_cached_tokens``
+        and ``num_computed_tokens`` are lowered to the start of that block, and its
+        id is in the returned list.  A failed write_back eviction loses the block
+        (its device block was already released), so the node and its subtree leave
+        the tree.
+        """
+        if meta is None:
+            return []
+        if not isinstance(meta, CacheSwapMetadata):
+            raise CacheManagerError(f"complete_swap needs a CacheSwapMetadata, got {type(meta).__name__}")
+        ok = bool(meta.success)
+        affected: set[str] = set()
+        for inf in self.copies.take_completed(meta):
+            if inf.kind is TransferKind.SWAP_IN:
+                # The request side first: a failed load's node is offered again (or released)
+                # only once the requests that read it own its blocks.
+                inf.node.pending = None
+                if ok:
+                    self._drop_standby(inf)
+                else:
+                    self._fail_swap_in(inf, affected)
+            self.copies.resolve(inf, ok)
+        requests = self.allocator.requests
+        for rid in affected:
+            rst = requests[rid]
+            self._privatize_tail(rst, rst.request.num_computed_tokens // self.block_size)
+        return sorted(affected)
+
     def match_prefix(self, request: Request) -> MatchResult:
         """Longest cached prefix of ``request`` over all tiers; stored on the request
         (:meth:`PrefixMatcher.match`: takes no refs, changes nothing, leaves at least the
         last token to compute).  A running request cannot be matched again."""
-        self._check_request(request)
-        if request.request_id in self._requests:
+        check_request(request)
+        if request.request_id in self.allocator.requests:
             raise CacheManagerError(
                 f"request {request.request_id} is already running (its match was applied); "
                 "finish or preempt it before matching again"
             )
-        return self.matcher.match(request, self.share_loads)
+        return self.matcher.match(request)
 
     def request_finish(self, request: Request) -> None:
         """Insert the request's computed full blocks into the tree and drop its refs.
@@ -142,7 +284,7 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
         already cached on device is a duplicate and goes back to the pool, as do the
         partial last block and blocks never computed.  The block table is cleared.
         """
-        st = self._lookup(request)
+        st = self.allocator.lookup(request)
         self._release(st, insert=True)
         request.block_tables = []
         request.match_result = None
@@ -159,7 +301,7 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
         in flight (if the load failed, the blocks computed over it hold wrong KV), nor past
         a block some other request already put in the tree (that copy stays private).
         """
-        st = self._lookup(request)
+        st = self.allocator.lookup(request)
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
@@ -193,7 +335,7 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
             self.stats.inserted_blocks += 1
             self.stats.committed_blocks += 1
             if self.policy.backup_on_insert:
-                self._queue_backup(node)
+                self.copies.queue_backup(node)
             parent = node
             st.committed = i + 1
         return st.committed
@@ -205,65 +347,43 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
         (``match_prefix`` + ``allocate_device_blocks`` again) reuses them unless they
         were evicted meanwhile.  The request's cache fields are reset.
         """
-        st = self._lookup(request)
+        st = self.allocator.lookup(request)
         self._release(st, insert=True)
         request.block_tables = []
         request.num_cached_tokens = 0
         request.num_computed_tokens = 0
         request.match_result = None
 
-    def _lookup(self, request: Request) -> RequestState:
-        self._check_request(request)
-        st = self._requests.get(request.request_id)
-        if st is None:
-            raise UnknownRequestError(
-                f"request {request.request_id} is not running in this cache manager "
-                "(never allocated, or already finished/preempted)"
-            )
-        if st.request is not request:
-            raise CacheManagerError(f"request {request.request_id}: a different request object holds this id")
-        self._check_block_table(st)
-        return st
-
-    def _check_block_table(self, st: RequestState) -> None:
-        if st.request.block_tables != st.block_ids:
-            foreign = sorted(set(st.request.block_tables) - set(st.block_ids))
-            raise CacheManagerError(
-                f"request {st.request.request_id}: block_tables was modified outside the cache manager "
-                f"(ids not owned by it: {foreign})"
-            )
-
     def _release(self, st: RequestState, insert: bool) -> None:
         req = st.request
-        del self._requests[req.request_id]
+        self.allocator.remove(req.request_id)
         bs = self.block_size
         # Loads never handed to a batch will never run: take them back.
         cancelled: set[int] = set()
         # Loads in flight it shared: its standby blocks go back, the load goes on.
         for i, b in st.standby.items():
-            self._inflight[(HOST, DEV, st.block_ids[i])].sharers.pop(req.request_id, None)
+            self.inflight.load_to(st.block_ids[i]).sharers.pop(req.request_id, None)
             self.device_pool.free_one(b)
         st.standby = {}
         for meta in req.cache_swap_metadata:
             for d in meta.dst_block_ids:
-                inf = self._inflight[(HOST, DEV, d)]
+                inf = self.inflight.load_to(d)
                 if inf.sharers:
                     self._hand_over_load(inf)
                     continue
-                del self._inflight[(HOST, DEV, d)]
+                self.inflight.pop(HOST, DEV, d)
                 node = inf.node
                 node.pending = None
                 i = st.block_ids.index(d)
                 st.nodes[i] = None
                 self.tree.clear_device(node)
-                self._unref_no_count(node)
+                self.evictor.unref_no_count(node)
                 cancelled.add(i)
-                if node in self._host_doomed and not node.detached:
-                    self._lose_host_copy(node)
+                self.copies.on_load_cancelled(node)
         req.cache_swap_metadata = []
         # Evictions never handed to a batch must still reach the worker.
         if req.cache_evict_metadata:
-            self._pending_evictions.extend(req.cache_evict_metadata)
+            self.evictor.defer_evictions(req.cache_evict_metadata)
             req.cache_evict_metadata = []
 
         num_full = 0
@@ -291,7 +411,7 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
                         chain = False
                 else:
                     chain = False
-                self._unref(node)
+                self.evictor.unref(node)
                 continue
             if not chain or i >= num_full or i in cancelled:
                 chain = False
@@ -305,7 +425,7 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
                 self.stats.cached_device += 1
                 self.stats.inserted_blocks += 1
                 if self.policy.backup_on_insert:
-                    self._queue_backup(child)
+                    self.copies.queue_backup(child)
                 parent = child
             elif child.device_block_id is None and child.pending is None and child.ref_count == 0:
                 # Host-only (or failed-load) node: this request's copy becomes its device copy.
@@ -330,7 +450,7 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
         load: the first of them issues it instead (and no longer needs its standby block)."""
         rid, b = next(iter(inf.sharers.items()))
         del inf.sharers[rid]
-        st = self._requests[rid]
+        st = self.allocator.requests[rid]
         st.standby = {i: x for i, x in st.standby.items() if x != b}
         self.device_pool.free_one(b)
         inf.request_id = rid
@@ -357,9 +477,8 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
         if not idxs:
             return
         st.committed = min(st.committed, start)
-        saved, self._call_evictions = self._call_evictions, []
         try:
-            self._reclaim_device(len(idxs))
+            self.evictor.reclaim_deferred(len(idxs))
         except NoFreeBlocksError:
             # NOTE: fallback when the pool is exhausted: the request recomputes into
             # the shared blocks; the KV it writes there equals what they hold.
@@ -370,9 +489,6 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
                 len(idxs),
             )
             return
-        finally:
-            self._stash_call_evictions()
-            self._call_evictions = saved
         new = self.device_pool.allocate(len(idxs))
         req = st.request
         for i, b in zip(idxs, new):
@@ -381,12 +497,13 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
             st.nodes[i] = None
             st.block_ids[i] = b
             req.block_tables[i] = b
-            self._unref(node)
+            self.evictor.unref(node)
 
     def _fail_swap_in(self, inf: InFlight, affected: set[str]) -> None:
         node = inf.node
         d = inf.dst
-        st = self._requests.get(inf.request_id) if inf.request_id is not None else None
+        requests = self.allocator.requests
+        st = requests.get(inf.request_id) if inf.request_id is not None else None
         idx = None
         if st is not None:
             for i, (b, nd) in enumerate(zip(st.block_ids, st.nodes)):
@@ -398,7 +515,7 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
             # The request keeps the block as its own and recomputes from it.
             st.nodes[idx] = None
             st.committed = min(st.committed, idx)
-            self._unref_no_count(node)
+            self.evictor.unref_no_count(node)
             req = st.request
             start = idx * self.block_size
             req.num_cached_tokens = min(req.num_cached_tokens, start)
@@ -408,11 +525,11 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
             # Its request is gone; the block was counted as cached (ref 0, in the tree)
             # unless requests that shared the load still hold it.
             if not node.detached and node.ref_count == 0:
-                self._dec_cached_device()
+                self.stats.cached_device -= 1
             self.device_pool.free_one(d)
         # Each request that shared the load recomputes into its standby block.
         for rid, b in inf.sharers.items():
-            sst = self._requests[rid]
+            sst = requests[rid]
             i = next(k for k, x in sst.standby.items() if x == b)
             del sst.standby[i]
             sst.nodes[i] = None
@@ -426,9 +543,18 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
             affected.add(rid)
         inf.sharers = {}
         if node.detached:
-            self._release_detached(node)
+            self.evictor.release_detached(node)
         else:
             self.tree.offer(node)
+
+    def _drop_standby(self, inf: InFlight) -> None:
+        """A shared load landed: its sharers' standby blocks go back to the pool."""
+        requests = self.allocator.requests
+        for rid, b in inf.sharers.items():
+            st = requests[rid]
+            st.standby = {i: x for i, x in st.standby.items() if x != b}
+            self.device_pool.free_one(b)
+        inf.sharers = {}
 
     def reset_cache(self) -> None:
         """Drop every cached block (e.g. after a weight update).  No request may be running.
@@ -436,27 +562,21 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
         Copies still in flight keep their blocks until ``complete_swap`` returns
         them; un-issued evictions are cancelled.
         """
-        if self._requests:
+        running = len(self.allocator.requests)
+        if running:
             raise CacheManagerError(
-                f"reset_cache with {len(self._requests)} running requests; finish or preempt them first"
+                f"reset_cache with {running} running requests; finish or preempt them first"
             )
-        for meta in self._pending_evictions:
-            for h in meta.dst_block_ids:
-                inf = self._inflight.pop((DEV, HOST, h))
-                inf.node.pending = None
-                if inf.node.detached:
-                    self._release_detached(inf.node)  # its subtree was dropped already
-        self._pending_evictions = []
+        self.evictor.cancel_pending_evictions()
         nodes = list(self.tree.iter_nodes())
         self.tree.reset()
         for node in nodes:
             node.parent = None
             node.children = {}
-            self._release_detached(node)
-        self._backup_queue.clear()
-        self._host_doomed.clear()
+            self.evictor.release_detached(node)
+        self.copies.reset()
         self.stats.cached_device = 0
-        logger.info("cache reset: %d nodes dropped, %d copies still in flight", len(nodes), len(self._inflight))
+        logger.info("cache reset: %d nodes dropped, %d copies still in flight", len(nodes), len(self.inflight))
 
     def get_stats(self) -> dict[str, Any]:
         """Counters since construction, plus current pool occupancy."""
@@ -473,30 +593,25 @@ class CacheManager(AllocationMixin, EvictionMixin, CopiesMixin):
             host_blocks_total=self.host_pool.num_blocks,
             host_blocks_free=self.host_pool.num_free,
             host_usage=self.host_pool.usage(),
-            num_running_requests=len(self._requests),
+            num_running_requests=len(self.allocator.requests),
             num_cached_nodes=self.tree.num_nodes,
-            num_copies_in_flight=len(self._inflight),
+            num_copies_in_flight=len(self.inflight),
             write_policy=self.write_policy,
         )
         return s
 
-    @property
-    def _host_prefix_closed(self) -> bool:
-        """Whether the host tier is kept prefix-closed (the through policies)."""
-        return self.policy.host_prefix_closed
-
     def is_running(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self.allocator.requests
 
     @property
     def num_copies_in_flight(self) -> int:
-        return len(self._inflight)
+        return len(self.inflight)
 
     @property
     def has_idle_backups(self) -> bool:
         """Backups queued while no request runs: no step would issue them (the engine
         issues them itself when it goes idle, ``issue_pending_backup_to_batch_request``)."""
-        return not self._requests and bool(self._backup_queue)
+        return not self.allocator.requests and self.copies.has_queued_backups
 
     def check_invariants(self) -> dict[str, int]:
         """Verify every bookkeeping invariant (see ``invariants.py``); returns per-pool counts.
