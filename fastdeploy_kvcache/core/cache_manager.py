@@ -1,23 +1,27 @@
 """The scheduler-side cache manager: where every KV block lives, decided in Python.
 
-``CacheManager`` is the facade: the public API, and the request lifecycle (finish,
-preempt, the request side of a completed load, reset, stats).  The rest is done by
-parts that each own their state, built by ``__init__`` and wired with the parts they
-call (calls go one way: allocator -> copies -> evictor; all three share the tree, the
-pools and the table of copies in flight, ``manager_state.InFlightCopies``):
+``CacheManager`` is the facade: the public API (argument checks, then one part's
+method), ``complete_swap`` (the node side and the request side of each block, in
+order), reset and stats.  The work is done by parts that each own their state, built by
+``__init__`` and handed the parts they call, so calls go one way (lifecycle ->
+allocator -> copies -> evictor; the allocator also asks the matcher).  All share the
+tree, the pools, the counters and ``manager_state.InFlightCopies``, the table of copies
+in flight:
 
-* ``matching``    ``PrefixMatcher``: the matches not applied yet (``match_prefix``), the
-  longest cached prefix over every tier
-* ``allocation``  ``Allocator``: the running requests; ``ensure_resident`` /
-  ``allocate_device_blocks`` apply the match once, reference device hits, turn host hits
-  into loads, hand out fresh blocks
-* ``copies``      ``CopyTracker``: the backup queue and doomed host copies;
-  ``issue_pending_backup_to_batch_request`` and the node side of ``complete_swap``
-* ``eviction``    ``Evictor``: detached nodes and the evictions not handed to a batch;
-  feasibility-first reclaim of LRU device leaves by the write policy (``write_policy``:
-  a strategy object), references, host block allocation
-* ``invariants``  ``check_invariants`` (raises ``InvariantViolation``), through the parts'
-  read-only views; ``stats``: typed counters behind ``get_stats``
+* ``matching``    ``PrefixMatcher``: the matches not applied yet; the longest cached
+  prefix over every tier
+* ``allocation``  ``Allocator``: the running requests' table; ``ensure_resident`` /
+  ``allocate_device_blocks`` apply the match once, reference device hits, turn host
+  hits into loads, hand out fresh blocks
+* ``lifecycle``   ``RequestLifecycle``: finish, preempt, commit, the request side of a
+  completed load (standby blocks, recompute after a failed one)
+* ``copies``      ``CopyTracker``: the backup queue and the doomed host copies; backups
+  out, the node side of each completion
+* ``eviction``    ``Evictor``: the detached nodes and the evictions not handed to a
+  batch; feasibility-first reclaim of LRU device leaves by the write policy
+  (``write_policy``: a strategy object), references, host block allocation
+* ``invariants``  ``check_invariants`` (raises ``InvariantViolation``), through the
+  parts' read-only views; ``stats``: typed counters behind ``get_stats``
 
 Nothing here touches KV bytes.  A copy is "in flight" from the moment its metadata
 is emitted until ``complete_swap`` sees it come back; in flight, the node cannot be
@@ -42,7 +46,8 @@ from fastdeploy_kvcache.core.copies import CopyTracker
 from fastdeploy_kvcache.core.errors import CacheManagerError, InvariantViolation, UnknownRequestError
 from fastdeploy_kvcache.core.eviction import Evictor
 from fastdeploy_kvcache.core.invariants import check_invariants
-from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, InFlightCopies, RequestState, check_request
+from fastdeploy_kvcache.core.lifecycle import RequestLifecycle
+from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlightCopies, check_request
 from fastdeploy_kvcache.core.matching import PrefixMatcher
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheSwapMetadata, MatchResult, ResidencyPlan, TransferKind
 from fastdeploy_kvcache.core.radix_tree import RadixTree
@@ -108,6 +113,9 @@ class CacheManager:
         self.copies = CopyTracker(self.tree, self.host_pool, self.policy, self.stats, self.inflight, self.evictor)
         self.allocator = Allocator(self.tree, self.device_pool, self.block_size, self.stats, self.inflight,
                                    self.matcher, self.evictor, self.copies)
+        self.lifecycle = RequestLifecycle(self.tree, self.device_pool, self.block_size, self.enable_prefix_caching,
+                                          config, self.policy, self.stats, self.inflight,
+                                          self.allocator, self.evictor, self.copies)
         if storage is not None:
             storage.bind(self, self.host_pool)
         logger.info(
@@ -254,14 +262,11 @@ class CacheManager:
                 # only once the requests that read it own its blocks.
                 inf.node.pending = None
                 if ok:
-                    self._drop_standby(inf)
+                    self.lifecycle.load_landed(inf)
                 else:
-                    self._fail_swap_in(inf, affected)
+                    self.lifecycle.load_failed(inf, affected)
             self.copies.resolve(inf, ok)
-        requests = self.allocator.requests
-        for rid in affected:
-            rst = requests[rid]
-            self._privatize_tail(rst, rst.request.num_computed_tokens // self.block_size)
+        self.lifecycle.recompute_privately(affected)
         return sorted(affected)
 
     def match_prefix(self, request: Request) -> MatchResult:
@@ -284,10 +289,7 @@ class CacheManager:
         already cached on device is a duplicate and goes back to the pool, as do the
         partial last block and blocks never computed.  The block table is cleared.
         """
-        st = self.allocator.lookup(request)
-        self._release(st, insert=True)
-        request.block_tables = []
-        request.match_result = None
+        self.lifecycle.finish(request)
 
     def commit_computed_blocks(self, request: Request) -> int:
         """Make a running request's computed full prompt blocks matchable now; returns how many
@@ -301,44 +303,7 @@ class CacheManager:
         in flight (if the load failed, the blocks computed over it hold wrong KV), nor past
         a block some other request already put in the tree (that copy stays private).
         """
-        st = self.allocator.lookup(request)
-        if not self.enable_prefix_caching:
-            return 0
-        bs = self.block_size
-        num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
-        i = st.committed
-        if i >= num_full:
-            return i
-        parent = st.nodes[i - 1] if i else self.tree.root
-        if parent is None or parent.detached or any(
-            nd is not None and nd.pending is TransferKind.SWAP_IN for nd in st.nodes[:i]
-        ):
-            return i
-        hashes = request.block_hashes(bs, num_full * bs)
-        tree = self.tree
-        if tree.events is not None:
-            tree.events.set_token_source(hashes, request)  # committed blocks carry their tokens too
-        for i in range(i, num_full):
-            node = st.nodes[i]
-            if node is not None:
-                if node.parent is not parent or node.detached:
-                    break
-                parent = node
-                st.committed = i + 1
-                continue
-            if hashes[i] in parent.children:
-                break  # computed elsewhere too: that copy serves others, this one stays private
-            node = tree.add_child(parent, hashes[i])
-            node.ref_count = 1  # owned by the request before it is ever offered for eviction
-            tree.set_device(node, st.block_ids[i])
-            st.nodes[i] = node
-            self.stats.inserted_blocks += 1
-            self.stats.committed_blocks += 1
-            if self.policy.backup_on_insert:
-                self.copies.queue_backup(node)
-            parent = node
-            st.committed = i + 1
-        return st.committed
+        return self.lifecycle.commit(request)
 
     def preempt_request(self, request: Request) -> None:
         """Take a running request off the device, keeping what it computed cached.
@@ -347,214 +312,7 @@ class CacheManager:
         (``match_prefix`` + ``allocate_device_blocks`` again) reuses them unless they
         were evicted meanwhile.  The request's cache fields are reset.
         """
-        st = self.allocator.lookup(request)
-        self._release(st, insert=True)
-        request.block_tables = []
-        request.num_cached_tokens = 0
-        request.num_computed_tokens = 0
-        request.match_result = None
-
-    def _release(self, st: RequestState, insert: bool) -> None:
-        req = st.request
-        self.allocator.remove(req.request_id)
-        bs = self.block_size
-        # Loads never handed to a batch will never run: take them back.
-        cancelled: set[int] = set()
-        # Loads in flight it shared: its standby blocks go back, the load goes on.
-        for i, b in st.standby.items():
-            self.inflight.load_to(st.block_ids[i]).sharers.pop(req.request_id, None)
-            self.device_pool.free_one(b)
-        st.standby = {}
-        for meta in req.cache_swap_metadata:
-            for d in meta.dst_block_ids:
-                inf = self.inflight.load_to(d)
-                if inf.sharers:
-                    self._hand_over_load(inf)
-                    continue
-                self.inflight.pop(HOST, DEV, d)
-                node = inf.node
-                node.pending = None
-                i = st.block_ids.index(d)
-                st.nodes[i] = None
-                self.tree.clear_device(node)
-                self.evictor.unref_no_count(node)
-                cancelled.add(i)
-                self.copies.on_load_cancelled(node)
-        req.cache_swap_metadata = []
-        # Evictions never handed to a batch must still reach the worker.
-        if req.cache_evict_metadata:
-            self.evictor.defer_evictions(req.cache_evict_metadata)
-            req.cache_evict_metadata = []
-
-        num_full = 0
-        hashes: list[int] = []
-        if insert and self.enable_prefix_caching:
-            limit = req.num_total_tokens if self.config.cache_output_tokens else req.num_prompt_tokens
-            num_full = min(req.num_computed_tokens, limit) // bs
-            if num_full:
-                hashes = req.block_hashes(bs, num_full * bs)
-                if self.tree.events is not None:
-                    self.tree.events.set_token_source(hashes, req)  # device inserts carry tokens
-        tree = self.tree
-        parent = tree.root
-        chain = num_full > 0
-        to_free: list[int] = []
-        for i, blk in enumerate(st.block_ids):
-            node = st.nodes[i]
-            if node is not None:
-                if chain and i < num_full and node.parent is parent and not node.detached:
-                    parent = node
-                    if node.pending is TransferKind.SWAP_IN:
-                        # NOTE: this request's later blocks were computed on top of a
-                        # load nobody has confirmed yet; if it failed they hold wrong
-                        # KV, so they must not become shared.  Losing them is cheap.
-                        chain = False
-                else:
-                    chain = False
-                self.evictor.unref(node)
-                continue
-            if not chain or i >= num_full or i in cancelled:
-                chain = False
-                to_free.append(blk)
-                continue
-            h = hashes[i]
-            child = parent.children.get(h)
-            if child is None:
-                child = tree.add_child(parent, h)
-                tree.set_device(child, blk)
-                self.stats.cached_device += 1
-                self.stats.inserted_blocks += 1
-                if self.policy.backup_on_insert:
-                    self.copies.queue_backup(child)
-                parent = child
-            elif child.device_block_id is None and child.pending is None and child.ref_count == 0:
-                # Host-only (or failed-load) node: this request's copy becomes its device copy.
-                tree.set_device(child, blk)
-                tree.touch(child)
-                tree.offer(child)
-                self.stats.cached_device += 1
-                self.stats.inserted_blocks += 1
-                parent = child
-            else:
-                to_free.append(blk)  # duplicate: the tree already has (or is getting) it
-                self.stats.duplicate_blocks += 1
-                if child.device_block_id is None:
-                    chain = False  # its only copy is in flight; don't hang device copies below
-                else:
-                    parent = child
-        if to_free:
-            self.device_pool.free(to_free)
-
-    def _hand_over_load(self, inf: InFlight) -> None:
-        """A request leaves before its load was handed to a batch, and others share the
-        load: the first of them issues it instead (and no longer needs its standby block)."""
-        rid, b = next(iter(inf.sharers.items()))
-        del inf.sharers[rid]
-        st = self.allocator.requests[rid]
-        st.standby = {i: x for i, x in st.standby.items() if x != b}
-        self.device_pool.free_one(b)
-        inf.request_id = rid
-        node = inf.node
-        st.request.cache_swap_metadata.append(
-            CacheSwapMetadata([inf.src], [inf.dst], HOST, DEV, [node.hash_value], kind=TransferKind.SWAP_IN)
-        )
-
-    def _privatize_tail(self, st: RequestState, start: int) -> None:
-        """Give a request that must recompute from block ``start`` private blocks there.
-
-        Its later blocks may be shared cached blocks (device hits, or loads that did
-        land).  Recomputing into them would rewrite blocks other requests read and a
-        backup may be copying, so each is swapped for a fresh private block, including
-        one whose backup is in flight (the node keeps its block until the copy is
-        resolved).  The evictions this needs travel with the next step (pending
-        evictions).
-        """
-        idxs = [
-            i
-            for i in range(start, len(st.nodes))
-            if st.nodes[i] is not None and st.nodes[i].pending is not TransferKind.SWAP_IN
-        ]
-        if not idxs:
-            return
-        st.committed = min(st.committed, start)
-        try:
-            self.evictor.reclaim_deferred(len(idxs))
-        except NoFreeBlocksError:
-            # NOTE: fallback when the pool is exhausted: the request recomputes into
-            # the shared blocks; the KV it writes there equals what they hold.
-            self.stats.shared_recompute_fallbacks += 1
-            logger.warning(
-                "request %s: no free blocks to recompute privately; recomputing into %d shared blocks",
-                st.request.request_id,
-                len(idxs),
-            )
-            return
-        new = self.device_pool.allocate(len(idxs))
-        req = st.request
-        for i, b in zip(idxs, new):
-            node = st.nodes[i]
-            assert node is not None
-            st.nodes[i] = None
-            st.block_ids[i] = b
-            req.block_tables[i] = b
-            self.evictor.unref(node)
-
-    def _fail_swap_in(self, inf: InFlight, affected: set[str]) -> None:
-        node = inf.node
-        d = inf.dst
-        requests = self.allocator.requests
-        st = requests.get(inf.request_id) if inf.request_id is not None else None
-        idx = None
-        if st is not None:
-            for i, (b, nd) in enumerate(zip(st.block_ids, st.nodes)):
-                if b == d and nd is node:
-                    idx = i
-                    break
-        self.tree.clear_device(node)
-        if st is not None and idx is not None:
-            # The request keeps the block as its own and recomputes from it.
-            st.nodes[idx] = None
-            st.committed = min(st.committed, idx)
-            self.evictor.unref_no_count(node)
-            req = st.request
-            start = idx * self.block_size
-            req.num_cached_tokens = min(req.num_cached_tokens, start)
-            req.num_computed_tokens = min(req.num_computed_tokens, start)
-            affected.add(req.request_id)
-        else:
-            # Its request is gone; the block was counted as cached (ref 0, in the tree)
-            # unless requests that shared the load still hold it.
-            if not node.detached and node.ref_count == 0:
-                self.stats.cached_device -= 1
-            self.device_pool.free_one(d)
-        # Each request that shared the load recomputes into its standby block.
-        for rid, b in inf.sharers.items():
-            sst = requests[rid]
-            i = next(k for k, x in sst.standby.items() if x == b)
-            del sst.standby[i]
-            sst.nodes[i] = None
-            sst.block_ids[i] = b
-            sst.request.block_tables[i] = b
-            sst.committed = min(sst.committed, i)
-            node.ref_count -= 1
-            start = i * self.block_size
-            sst.request.num_cached_tokens = min(sst.request.num_cached_tokens, start)
-            sst.request.num_computed_tokens = min(sst.request.num_computed_tokens, start)
-            affected.add(rid)
-        inf.sharers = {}
-        if node.detached:
-            self.evictor.release_detached(node)
-        else:
-            self.tree.offer(node)
-
-    def _drop_standby(self, inf: InFlight) -> None:
-        """A shared load landed: its sharers' standby blocks go back to the pool."""
-        requests = self.allocator.requests
-        for rid, b in inf.sharers.items():
-            st = requests[rid]
-            st.standby = {i: x for i, x in st.standby.items() if x != b}
-            self.device_pool.free_one(b)
-        inf.sharers = {}
+        self.lifecycle.preempt(request)
 
     def reset_cache(self) -> None:
         """Drop every cached block (e.g. after a weight update).  No request may be running.

@@ -714,9 +714,9 @@ def test_scripted_issuer_leaving_hands_its_shared_load_over():
 def test_oracle_catches_a_broken_manager(monkeypatch):
     """Self-check: a manager that reports a failed load but forgets to make the request
     recompute must be caught by the shadow oracle (not by any bookkeeping check)."""
-    from fastdeploy_kvcache.core import cache_manager as cm
+    from fastdeploy_kvcache.core.lifecycle import RequestLifecycle
 
-    original = cm.CacheManager._fail_swap_in
+    original = RequestLifecycle.load_failed
 
     def broken(self, inf, affected):
         st = self.allocator.requests.get(inf.request_id)
@@ -725,6 +725,6 @@ def test_oracle_catches_a_broken_manager(monkeypatch):
         if st is not None:
             st.request.num_cached_tokens, st.request.num_computed_tokens = saved
 
-    monkeypatch.setattr(cm.CacheManager, "_fail_swap_in", broken)
+    monkeypatch.setattr(RequestLifecycle, "load_failed", broken)
     with pytest.raises(AssertionError, match="holds 'garbage'"):
         _scripted_failed_load(CacheMachine())
