@@ -10,6 +10,7 @@ anything, so a failed allocation changes nothing.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Optional
 
@@ -33,6 +34,7 @@ from fastdeploy_kvcache.core.stats import CacheStats
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Allocator:
     """The manager's part that hands out device blocks to requests.
 
@@ -42,18 +44,16 @@ class Allocator:
     the ``CopyTracker`` (backups a hit asks for).
     """
 
-    def __init__(self, tree: RadixTree, device_pool: BlockPool, block_size: int, stats: CacheStats,
-                 inflight: InFlightCopies, matcher: PrefixMatcher, evictor: Evictor, copies: CopyTracker) -> None:
-        self.tree = tree
-        self.device_pool = device_pool
-        self.block_size = block_size
-        self.stats = stats
-        self.inflight = inflight
-        self.matcher = matcher
-        self.evictor = evictor
-        self.copies = copies
-        # Running requests, by id.
-        self._requests: dict[str, RequestState] = {}
+    tree: RadixTree
+    device_pool: BlockPool
+    block_size: int
+    stats: CacheStats
+    inflight: InFlightCopies
+    matcher: PrefixMatcher
+    evictor: Evictor
+    copies: CopyTracker
+    # Running requests, by id.
+    _requests: dict[str, RequestState] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def requests(self) -> Mapping[str, RequestState]:

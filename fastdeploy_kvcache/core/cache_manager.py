@@ -108,14 +108,18 @@ class CacheManager:
         self.stats = CacheStats()
         self.inflight = InFlightCopies()
         self.matcher = PrefixMatcher(self.tree, self.block_size, self.enable_prefix_caching, storage)
-        self.evictor = Evictor(self.tree, self.device_pool, self.host_pool, self.policy, self.stats, self.inflight,
-                               storage)
-        self.copies = CopyTracker(self.tree, self.host_pool, self.policy, self.stats, self.inflight, self.evictor)
-        self.allocator = Allocator(self.tree, self.device_pool, self.block_size, self.stats, self.inflight,
-                                   self.matcher, self.evictor, self.copies)
-        self.lifecycle = RequestLifecycle(self.tree, self.device_pool, self.block_size, self.enable_prefix_caching,
-                                          config, self.policy, self.stats, self.inflight,
-                                          self.allocator, self.evictor, self.copies)
+        tree, dev, host, policy, stats, inflight = (self.tree, self.device_pool, self.host_pool, self.policy,
+                                                    self.stats, self.inflight)
+        self.evictor = Evictor(tree=tree, device_pool=dev, host_pool=host, policy=policy, stats=stats,
+                               inflight=inflight, storage=storage)
+        self.copies = CopyTracker(tree=tree, host_pool=host, policy=policy, stats=stats, inflight=inflight,
+                                  evictor=self.evictor)
+        self.allocator = Allocator(tree=tree, device_pool=dev, block_size=self.block_size, stats=stats,
+                                   inflight=inflight, matcher=self.matcher, evictor=self.evictor, copies=self.copies)
+        self.lifecycle = RequestLifecycle(tree=tree, device_pool=dev, block_size=self.block_size,
+                                          enable_prefix_caching=self.enable_prefix_caching, config=config,
+                                          policy=policy, stats=stats, inflight=inflight, allocator=self.allocator,
+                                          evictor=self.evictor, copies=self.copies)
         if storage is not None:
             storage.bind(self, self.host_pool)
         logger.info(

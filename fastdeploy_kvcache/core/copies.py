@@ -11,6 +11,7 @@ completion means for the requests that read it is the facade's part
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from collections import deque
 from typing import Optional
 
@@ -26,6 +27,7 @@ from fastdeploy_kvcache.core.write_policy import WritePolicy
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class CopyTracker:
     """The manager's part for copies: backups out, completions in (node side).
 
@@ -35,19 +37,17 @@ class CopyTracker:
     release of detached nodes; never the other way round.
     """
 
-    def __init__(self, tree: RadixTree, host_pool: BlockPool, policy: WritePolicy, stats: CacheStats,
-                 inflight: InFlightCopies, evictor: Evictor) -> None:
-        self.tree = tree
-        self.host_pool = host_pool
-        self.policy = policy
-        self.stats = stats
-        self.inflight = inflight
-        self.evictor = evictor
-        # Write-through backups to issue with the next step.
-        self._backup_queue: deque[BlockNode] = deque()
-        # Nodes whose host copy goes as soon as the copy in flight on them completes
-        # (their parent's host copy was lost: see _lose_host_copy).
-        self._host_doomed: set[BlockNode] = set()
+    tree: RadixTree
+    host_pool: BlockPool
+    policy: WritePolicy
+    stats: CacheStats
+    inflight: InFlightCopies
+    evictor: Evictor
+    # Write-through backups to issue with the next step.
+    _backup_queue: deque[BlockNode] = field(default_factory=deque, init=False, repr=False)
+    # Nodes whose host copy goes as soon as the copy in flight on them completes
+    # (their parent's host copy was lost: see _lose_host_copy).
+    _host_doomed: set[BlockNode] = field(default_factory=set, init=False, repr=False)
 
     @property
     def host_doomed(self) -> frozenset[BlockNode]:
@@ -80,9 +80,8 @@ class CopyTracker:
             self._backup_queue.append(node)
 
     def queue_backups(self, nodes: list[BlockNode]) -> int:
-        """Queue device-only ``nodes`` for a device -> host backup whatever the write policy
-        says (the storage tier's flush at shutdown); returns how many were queued.  They are
-        issued, ancestors first, by :meth:`issue_pending_backup_to_batch_request`."""
+        """``CacheManager.queue_backups``: backups whatever the write policy says; returns how
+        many were queued."""
         before = len(self._backup_queue)
         for node in nodes:
             self.queue_backup(node)
@@ -93,18 +92,14 @@ class CopyTracker:
         return not node.detached and node.device_block_id is not None and node.host_block_id is None and node.pending is None
 
     def issue_pending_backup_to_batch_request(self) -> Optional[CacheSwapMetadata]:
-        """This step's device -> host copies as one ``CacheSwapMetadata`` (None if none).
+        """``CacheManager.issue_pending_backup_to_batch_request``: the queued backups and the
+        evictions no request carried, as one ``CacheSwapMetadata`` (None if none).
 
-        It holds the queued write-through backups plus any write_back evictions no
-        request carried (made by an allocation that then failed, or left by a
-        preempted request).  Call it once per step, after the step's last
-        allocation, and append the result with ``BatchRequest.append_evict_metadata``.
-        Only queued candidates are visited: never a scan of the cache.
-
-        Backups keep the host tier prefix-closed (the liveness rule): a node is backed
-        up only together with, or after, every ancestor, so the ancestors of a queued
-        node that have no host copy are backed up first, in the same step; and the
-        host blocks they need never come from evicting a parent of one of them.
+        Only queued candidates are visited: never a scan of the cache.  Backups keep the
+        host tier prefix-closed (the liveness rule): a node is backed up only together
+        with, or after, every ancestor, so the ancestors of a queued node that have no host
+        copy are backed up first, in the same step; and the host blocks they need never
+        come from evicting a parent of one of them.
         """
         metas = self.evictor.take_pending_evictions()
         queue = self._backup_queue

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Evictor:
     """The manager's part that frees blocks: device (and host) eviction, references, and
     the release of detached nodes.
@@ -39,21 +41,19 @@ class Evictor:
     call, and those pending for the next step.  It calls no other part.
     """
 
-    def __init__(self, tree: RadixTree, device_pool: BlockPool, host_pool: BlockPool, policy: WritePolicy,
-                 stats: CacheStats, inflight: InFlightCopies, storage: Optional["StorageTier"]) -> None:
-        self.tree = tree
-        self.device_pool = device_pool
-        self.host_pool = host_pool
-        self.policy = policy
-        self.stats = stats
-        self.inflight = inflight
-        self.storage = storage
-        # Nodes cut out of the tree that still hold blocks (a copy in flight, or refs).
-        self._detached: set[BlockNode] = set()
-        # Device -> host evictions not yet handed to a request or batch.
-        self._pending_evictions: list[CacheSwapMetadata] = []
-        # Evictions made during the current allocation call: (device, host, hash, node).
-        self._call_evictions: list[tuple[int, int, int, BlockNode]] = []
+    tree: RadixTree
+    device_pool: BlockPool
+    host_pool: BlockPool
+    policy: WritePolicy
+    stats: CacheStats
+    inflight: InFlightCopies
+    storage: Optional["StorageTier"]
+    # Nodes cut out of the tree that still hold blocks (a copy in flight, or refs).
+    _detached: set[BlockNode] = field(default_factory=set, init=False, repr=False)
+    # Device -> host evictions not yet handed to a request or batch.
+    _pending_evictions: list[CacheSwapMetadata] = field(default_factory=list, init=False, repr=False)
+    # Evictions made during the current allocation call: (device, host, hash, node).
+    _call_evictions: list[tuple[int, int, int, BlockNode]] = field(default_factory=list, init=False, repr=False)
 
     @property
     def detached(self) -> frozenset[BlockNode]:

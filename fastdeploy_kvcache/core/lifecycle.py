@@ -10,6 +10,7 @@ this part takes requests out of it and edits their records.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastdeploy_kvcache.core.allocation import Allocator
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class RequestLifecycle:
     """The manager's part that ends requests and handles their side of completed loads.
 
@@ -37,20 +39,17 @@ class RequestLifecycle:
     (backups on insert, host copies doomed by a cancelled load).
     """
 
-    def __init__(self, tree: RadixTree, device_pool: BlockPool, block_size: int, enable_prefix_caching: bool,
-                 config: "CacheConfig", policy: WritePolicy, stats: CacheStats, inflight: InFlightCopies,
-                 allocator: Allocator, evictor: Evictor, copies: CopyTracker) -> None:
-        self.tree = tree
-        self.device_pool = device_pool
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.config = config  # read when a request ends (cache_output_tokens)
-        self.policy = policy
-        self.stats = stats
-        self.inflight = inflight
-        self.allocator = allocator
-        self.evictor = evictor
-        self.copies = copies
+    tree: RadixTree
+    device_pool: BlockPool
+    block_size: int
+    enable_prefix_caching: bool
+    config: "CacheConfig"  # read when a request ends (cache_output_tokens)
+    policy: WritePolicy
+    stats: CacheStats
+    inflight: InFlightCopies
+    allocator: Allocator
+    evictor: Evictor
+    copies: CopyTracker
 
     def finish(self, request: Request) -> None:
         """``CacheManager.request_finish``: insert what it computed, drop its refs."""
