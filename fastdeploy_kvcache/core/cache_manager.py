@@ -264,7 +264,6 @@ class CacheManager:
             if inf.kind is TransferKind.SWAP_IN:
                 # The request side first: a failed load's node is offered again (or released)
                 # only once the requests that read it own its blocks.
-                inf.node.pending = None
                 if ok:
                     self.lifecycle.load_landed(inf)
                 else:

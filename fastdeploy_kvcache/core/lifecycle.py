@@ -270,6 +270,7 @@ class RequestLifecycle:
         """The request side of a failed load: each request that was to read the block owns
         a block there and recomputes from it (its id goes into ``affected``)."""
         node = inf.node
+        node.pending = None  # the load is over
         d = inf.dst
         requests = self.allocator.requests
         st = requests.get(inf.request_id) if inf.request_id is not None else None
@@ -318,6 +319,7 @@ class RequestLifecycle:
 
     def load_landed(self, inf: InFlight) -> None:
         """A shared load landed: its sharers' standby blocks go back to the pool."""
+        inf.node.pending = None  # the load is over
         requests = self.allocator.requests
         for rid, b in inf.sharers.items():
             st = requests[rid]
