@@ -1,100 +1,72 @@
 """Allocation: give a request its device blocks, applying its match exactly once.
 
-``ensure_resident`` (the engine's one call) and ``allocate_device_blocks`` (the
-lower-level call under it).  The first allocation of a request references its device
-hits, turns its host hits into loads, and registers it; later ones append fresh
-blocks.  Making room is ``eviction.py``'s job; it decides feasibility before it
-evicts anything, so a failed allocation changes nothing.
+:class:`Allocator` is the manager's part behind ``ensure_resident`` and
+``allocate_device_blocks``.  The first allocation of a request references its device
+hits, turns its host hits into loads, and registers the request; later ones append fresh
+blocks.  Making room is the ``Evictor``'s job; it decides feasibility before it evicts
+anything, so a failed allocation changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Optional
 
-from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
-from fastdeploy_kvcache.core.errors import CacheManagerError
-from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, ManagerState, RequestState
+from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError
+from fastdeploy_kvcache.core.copies import CopyTracker
+from fastdeploy_kvcache.core.errors import CacheManagerError, UnknownRequestError
+from fastdeploy_kvcache.core.eviction import Evictor
+from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, InFlightCopies, RequestState, check_request
+from fastdeploy_kvcache.core.matching import PrefixMatcher
 from fastdeploy_kvcache.core.metadata import (
+    BlockNode,
     CacheSwapMetadata,
     MatchResult,
     ResidencyPlan,
     TransferKind,
 )
+from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.request import Request
+from fastdeploy_kvcache.core.stats import CacheStats
 
 logger = logging.getLogger(__name__)
 
 
-class AllocationMixin(ManagerState):
-    """Block allocation for requests (uses ``EvictionMixin`` to make room)."""
+@dataclass(eq=False)
+class Allocator:
+    """The manager's part that hands out device blocks to requests.
 
-    def get_num_free_device_blocks(self) -> int:
-        return self.device_pool.num_free
+    It owns the table of running requests (one ``RequestState`` each): a request enters
+    it on its first allocation and leaves it through :meth:`remove` (finish, preempt).
+    It calls the ``PrefixMatcher`` (the match to apply), the ``Evictor`` (room, refs) and
+    the ``CopyTracker`` (backups a hit asks for).
+    """
 
-    def ensure_resident(self, request: Request, num_tokens: int) -> ResidencyPlan:
-        """Make the blocks for the first ``num_tokens`` tokens of ``request`` resident.
+    tree: RadixTree
+    device_pool: BlockPool
+    block_size: int
+    stats: CacheStats
+    inflight: InFlightCopies
+    matcher: PrefixMatcher
+    evictor: Evictor
+    copies: CopyTracker
+    # Running requests, by id.
+    _requests: dict[str, RequestState] = field(default_factory=dict, init=False, repr=False)
 
-        The one call an engine needs per request and step.  Afterwards
-        ``request.block_tables`` covers ``ceil(max(num_tokens, matched) / block_size)``
-        blocks.  The first call (after ``match_prefix``) applies the match exactly
-        once and keeps the WHOLE matched prefix, whatever ``num_tokens`` is: device
-        hits are referenced in place, host hits become host -> device loads into
-        blocks of the table, in order.  Later calls only append fresh blocks.
+    @property
+    def requests(self) -> Mapping[str, RequestState]:
+        """The running requests by id (a read-only view; the records are the live ones)."""
+        return MappingProxyType(self._requests)
 
-        What must happen first is on the request: ``cache_swap_metadata`` (the loads)
-        and ``cache_evict_metadata`` (write_back evictions); ``BatchRequest`` picks
-        them up, and the worker must run them in this step, before compute writes
-        (see "The step contract" in docs/architecture.md).  Compute starts at
-        ``ResidencyPlan.num_cached_tokens``.
+    def remove(self, request_id: str) -> RequestState:
+        """Take a request out of the table (it finished or was preempted); returns its record."""
+        return self._requests.pop(request_id)
 
-        Raises NoFreeBlocksError with nothing changed when the blocks cannot be had;
-        its ``retryable`` is True when copies in flight pin the missing blocks.
-        """
-        self._check_request(request)
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-            raise CacheManagerError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        st = self._running_state(request)
-        bs = self.block_size
-        self._call_evictions = []
-        if st is None:
-            plan = self._allocate_first(request, num_tokens=num_tokens)
-        else:
-            need = max(0, -(-num_tokens // bs) - len(st.block_ids))
-            ids = self._append_blocks(st, need)
-            plan = ResidencyPlan(new_block_ids=ids, num_cached_tokens=request.num_cached_tokens)
-        self._hand_evictions_to(request)
-        return plan
-
-    def allocate_device_blocks(self, request: Request, n: int) -> list[int]:
-        """Give ``request`` ``n`` more device blocks; return the new ids, in table order.
-
-        The lower-level call under ``ensure_resident``.  On the first call for a
-        request, its match (from ``match_prefix``) is applied, once: device hits go
-        into the block table as they are (ref taken), and the first of the ``n`` new
-        blocks become the destinations of host -> device loads for the host hits, in
-        order (a load ``CacheSwapMetadata`` is appended to
-        ``request.cache_swap_metadata``).  Host hits beyond ``n`` are not used.
-        ``num_cached_tokens`` / ``num_computed_tokens`` are set to the matched length.
-
-        When the pool is short, LRU device leaves are evicted by the write policy;
-        write_back evictions emit device -> host copies, which go on
-        ``request.cache_evict_metadata``.  Raises NoFreeBlocksError, with nothing
-        changed, when not enough blocks can be freed.
-        """
-        self._check_request(request)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise CacheManagerError(f"block count must be an int >= 0, got {n!r}")
-        st = self._running_state(request)
-        self._call_evictions = []
-        if st is None:
-            ids = self._allocate_first(request, num_new=n).new_block_ids
-        else:
-            ids = self._append_blocks(st, n)
-        self._hand_evictions_to(request)
-        return ids
-
-    def _running_state(self, request: Request) -> Optional[RequestState]:
+    def running_state(self, request: Request) -> Optional[RequestState]:
+        """The record of ``request`` if it is running, else None; raises CacheManagerError when
+        another object holds its id or its block table was edited outside the manager."""
         st = self._requests.get(request.request_id)
         if st is None:
             return None
@@ -103,20 +75,64 @@ class AllocationMixin(ManagerState):
         self._check_block_table(st)
         return st
 
-    def _hand_evictions_to(self, request: Request) -> None:
-        """Evictions made for this call travel with this request; earlier ones that no
-        request took yet travel with it too, so they reach this step's batch."""
-        evict = self._make_evict_metadata(self._call_evictions)
-        self._call_evictions = []
-        if self._pending_evictions:
-            request.cache_evict_metadata.extend(self._pending_evictions)
-            self._pending_evictions = []
-        if evict is not None:
-            request.cache_evict_metadata.append(evict)
+    def lookup(self, request: Request) -> RequestState:
+        """The record of a running ``request``; UnknownRequestError when it is not running."""
+        check_request(request)
+        st = self._requests.get(request.request_id)
+        if st is None:
+            raise UnknownRequestError(
+                f"request {request.request_id} is not running in this cache manager "
+                "(never allocated, or already finished/preempted)"
+            )
+        if st.request is not request:
+            raise CacheManagerError(f"request {request.request_id}: a different request object holds this id")
+        self._check_block_table(st)
+        return st
+
+    @staticmethod
+    def _check_block_table(st: RequestState) -> None:
+        if st.request.block_tables != st.block_ids:
+            foreign = sorted(set(st.request.block_tables) - set(st.block_ids))
+            raise CacheManagerError(
+                f"request {st.request.request_id}: block_tables was modified outside the cache manager "
+                f"(ids not owned by it: {foreign})"
+            )
+
+    def ensure_resident(self, request: Request, num_tokens: int) -> ResidencyPlan:
+        """``CacheManager.ensure_resident`` (arguments checked there)."""
+        st = self.running_state(request)
+        if st is None:
+            plan = self._allocate_first(request, num_tokens=num_tokens)
+        else:
+            need = max(0, -(-num_tokens // self.block_size) - len(st.block_ids))
+            ids = self._append_blocks(st, need)
+            plan = ResidencyPlan(new_block_ids=ids, num_cached_tokens=request.num_cached_tokens)
+        self.evictor.hand_evictions_to(request)
+        return plan
+
+    def allocate_device_blocks(self, request: Request, n: int) -> list[int]:
+        """``CacheManager.allocate_device_blocks`` (arguments checked there)."""
+        st = self.running_state(request)
+        if st is None:
+            ids = self._allocate_first(request, num_new=n).new_block_ids
+        else:
+            ids = self._append_blocks(st, n)
+        self.evictor.hand_evictions_to(request)
+        return ids
+
+    def can_allocate_device_blocks(self, n: int, request: Optional[Request]) -> bool:
+        """``CacheManager.can_allocate_device_blocks`` (arguments checked there)."""
+        exclude: frozenset[BlockNode] = frozenset()
+        if request is not None and request.request_id not in self._requests:
+            nodes, tiers = self.matcher.rewalk(request)
+            exclude = frozenset(nd for nd, t in zip(nodes, tiers) if t is DEV)
+            # Loads in flight it will share need a standby block each (_allocate_first).
+            n += sum(1 for nd in exclude if nd.pending is TransferKind.SWAP_IN)
+        return self.evictor.can_reclaim(n, exclude)
 
     def _append_blocks(self, st: RequestState, n: int) -> list[int]:
         """``n`` fresh private blocks at the end of a running request's table."""
-        self._reclaim_device(n)
+        self.evictor.reclaim(n)
         ids = self.device_pool.allocate(n, contiguous=True)
         st.block_ids.extend(ids)
         st.nodes.extend([None] * n)
@@ -133,7 +149,7 @@ class AllocationMixin(ManagerState):
         fresh blocks up to ``num_tokens``).
         """
         bs = self.block_size
-        nodes, tiers = self.matcher.rewalk(request, self.share_loads)
+        nodes, tiers = self.matcher.rewalk(request)
         if nodes:
             if num_new is not None:
                 # Host hits need one of the n new blocks each; cut where they run out.
@@ -154,12 +170,12 @@ class AllocationMixin(ManagerState):
             num_fresh = max(0, -(-max(num_tokens, len(nodes) * bs) // bs) - len(nodes))
         # Refs first: they keep the matched copies from being evicted to make room.
         for node in nodes:
-            self._ref(node)
+            self.evictor.ref(node)
         try:
-            self._reclaim_device(num_swap + num_fresh + num_shared)
+            self.evictor.reclaim(num_swap + num_fresh + num_shared)
         except NoFreeBlocksError:
             for node in nodes:
-                self._unref(node)
+                self.evictor.unref(node)
             raise
         self.matcher.forget(request)
         # Load destinations as one run if possible: the load is then one DMA run
@@ -182,7 +198,7 @@ class AllocationMixin(ManagerState):
                 node.pending = TransferKind.SWAP_IN
                 self.tree.set_device(node, d)
                 assert node.host_block_id is not None
-                self._inflight[(HOST, DEV, d)] = InFlight(node, TransferKind.SWAP_IN, node.host_block_id, d, request.request_id)
+                self.inflight.add(InFlight(node, TransferKind.SWAP_IN, node.host_block_id, d, request.request_id))
                 src.append(node.host_block_id)
                 hv.append(node.hash_value)
                 table.append(d)
@@ -194,9 +210,9 @@ class AllocationMixin(ManagerState):
                     # standby block, like the issuer does into the destination.
                     b = standby[len(standby_of)]
                     standby_of[len(table)] = b
-                    self._inflight[(HOST, DEV, node.device_block_id)].sharers[request.request_id] = b  # type: ignore[index]
+                    self.inflight.load_to(node.device_block_id).sharers[request.request_id] = b  # type: ignore[arg-type]
                 table.append(node.device_block_id)  # type: ignore[arg-type]
-            self._maybe_queue_backup(node)
+            self.copies.maybe_queue_backup(node)
         table.extend(fresh)
         applied = MatchResult(block_size=bs, nodes=list(nodes), tiers=list(tiers))
         st = RequestState(request, list(nodes) + [None] * len(fresh), list(table), applied, committed=len(nodes),

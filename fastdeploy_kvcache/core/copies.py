@@ -3,44 +3,88 @@
 A copy is in flight from the moment its metadata is emitted until ``complete_swap``
 sees it come back; each block is resolved on its own, in any grouping.  Backups keep
 the host tier prefix-closed under the through policies (ancestors first, never at a
-parent's expense, and a failed one takes the host copies below it).  What a failed
-load means for the requests that read it is the facade's part
-(``CacheManager._fail_swap_in``).
+parent's expense, and a failed one takes the host copies below it).  What a load's
+completion means for the requests that read it is the facade's part
+(``CacheManager.complete_swap``); what it means for the node is this part's.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
+from collections import deque
 from typing import Optional
 
+from fastdeploy_kvcache.core.block_pool import BlockPool
 from fastdeploy_kvcache.core.errors import CacheManagerError
-from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, ManagerState
+from fastdeploy_kvcache.core.eviction import Evictor
+from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, InFlightCopies
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.core.radix_tree import RadixTree
+from fastdeploy_kvcache.core.stats import CacheStats
+from fastdeploy_kvcache.core.write_policy import WritePolicy
 
 logger = logging.getLogger(__name__)
 
 
-class CopiesMixin(ManagerState):
-    """Backups out, completions in (uses ``EvictionMixin`` for host blocks and releases)."""
+@dataclass(eq=False)
+class CopyTracker:
+    """The manager's part for copies: backups out, completions in (node side).
 
-    def _maybe_queue_backup(self, node: BlockNode, retry: bool = False) -> None:
+    It owns the backup queue and the doomed host copies (to be released as soon as the
+    copy in flight on them completes, because a parent's host copy was lost).  It calls
+    the ``Evictor`` for host blocks, the evictions to emit with the backups, and the
+    release of detached nodes; never the other way round.
+    """
+
+    tree: RadixTree
+    host_pool: BlockPool
+    policy: WritePolicy
+    stats: CacheStats
+    inflight: InFlightCopies
+    evictor: Evictor
+    # Write-through backups to issue with the next step.
+    _backup_queue: deque[BlockNode] = field(default_factory=deque, init=False, repr=False)
+    # Nodes whose host copy goes as soon as the copy in flight on them completes
+    # (their parent's host copy was lost: see _lose_host_copy).
+    _host_doomed: set[BlockNode] = field(default_factory=set, init=False, repr=False)
+
+    @property
+    def host_doomed(self) -> frozenset[BlockNode]:
+        """The nodes whose host copy goes when their copy in flight completes (a snapshot)."""
+        return frozenset(self._host_doomed)
+
+    @property
+    def has_queued_backups(self) -> bool:
+        return bool(self._backup_queue)
+
+    def reset(self) -> None:
+        """Forget queued backups and doomed host copies (the tree was dropped)."""
+        self._backup_queue.clear()
+        self._host_doomed.clear()
+
+    def on_load_cancelled(self, node: BlockNode) -> None:
+        """A load into ``node`` was taken back before it ran: a doomed host copy goes now."""
+        if node in self._host_doomed and not node.detached:
+            self._lose_host_copy(node)
+
+    def maybe_queue_backup(self, node: BlockNode, retry: bool = False) -> None:
         """Queue a backup if the write policy wants one for ``node`` (after a hit, or a
         ``retry`` of a backup that failed or was cancelled)."""
         if self.policy.wants_backup(node, retry):
-            self._queue_backup(node)
+            self.queue_backup(node)
 
-    def _queue_backup(self, node: BlockNode) -> None:
+    def queue_backup(self, node: BlockNode) -> None:
         if not node.backup_queued and self.host_pool.num_blocks and self._needs_backup(node):
             node.backup_queued = True
             self._backup_queue.append(node)
 
     def queue_backups(self, nodes: list[BlockNode]) -> int:
-        """Queue device-only ``nodes`` for a device -> host backup whatever the write policy
-        says (the storage tier's flush at shutdown); returns how many were queued.  They are
-        issued, ancestors first, by :meth:`issue_pending_backup_to_batch_request`."""
+        """``CacheManager.queue_backups``: backups whatever the write policy says; returns how
+        many were queued."""
         before = len(self._backup_queue)
         for node in nodes:
-            self._queue_backup(node)
+            self.queue_backup(node)
         return len(self._backup_queue) - before
 
     @staticmethod
@@ -48,21 +92,16 @@ class CopiesMixin(ManagerState):
         return not node.detached and node.device_block_id is not None and node.host_block_id is None and node.pending is None
 
     def issue_pending_backup_to_batch_request(self) -> Optional[CacheSwapMetadata]:
-        """This step's device -> host copies as one ``CacheSwapMetadata`` (None if none).
+        """``CacheManager.issue_pending_backup_to_batch_request``: the queued backups and the
+        evictions no request carried, as one ``CacheSwapMetadata`` (None if none).
 
-        It holds the queued write-through backups plus any write_back evictions no
-        request carried (made by an allocation that then failed, or left by a
-        preempted request).  Call it once per step, after the step's last
-        allocation, and append the result with ``BatchRequest.append_evict_metadata``.
-        Only queued candidates are visited: never a scan of the cache.
-
-        Backups keep the host tier prefix-closed (the liveness rule): a node is backed
-        up only together with, or after, every ancestor, so the ancestors of a queued
-        node that have no host copy are backed up first, in the same step; and the
-        host blocks they need never come from evicting a parent of one of them.
+        Only queued candidates are visited: never a scan of the cache.  Backups keep the
+        host tier prefix-closed (the liveness rule): a node is backed up only together
+        with, or after, every ancestor, so the ancestors of a queued node that have no host
+        copy are backed up first, in the same step; and the host blocks they need never
+        come from evicting a parent of one of them.
         """
-        metas = self._pending_evictions
-        self._pending_evictions = []
+        metas = self.evictor.take_pending_evictions()
         queue = self._backup_queue
         root = self.tree.root
         todo: list[BlockNode] = []
@@ -87,7 +126,7 @@ class CopiesMixin(ManagerState):
                 todo.extend(path)
         todo.sort(key=lambda nd: nd.depth)  # parents first: any prefix of it is closed
         keep = frozenset(nd.parent for nd in todo if nd.parent is not root and nd.parent not in chosen)
-        hosts = self.allocate_host_blocks(len(todo), keep)  # type: ignore[arg-type]
+        hosts = self.evictor.allocate_host_blocks(len(todo), keep)  # type: ignore[arg-type]
         served = todo[: len(hosts)]
         served_set = set(served)
         for node in reversed(wanted):  # host pinned full: try again next step
@@ -103,7 +142,7 @@ class CopiesMixin(ManagerState):
             self.tree.set_host(node, h)
             d = node.device_block_id
             assert d is not None
-            self._inflight[(DEV, HOST, h)] = InFlight(node, TransferKind.BACKUP, d, h)
+            self.inflight.add(InFlight(node, TransferKind.BACKUP, d, h))
             src.append(d)
             dst.append(h)
             hv.append(node.hash_value)
@@ -112,28 +151,14 @@ class CopiesMixin(ManagerState):
             self.stats.backup_blocks_issued += len(src)
         return CacheSwapMetadata.merged(metas)
 
-    def complete_swap(self, meta: Optional[CacheSwapMetadata]) -> list[str]:
-        """Apply the worker's verdict on a returned copy; return the affected request ids.
+    def take_completed(self, meta: CacheSwapMetadata) -> list[InFlight]:
+        """Check a returned copy against the copies in flight and take its blocks out of the
+        table; the caller resolves each (:meth:`resolve`, after the request side of a load).
 
-        ``meta`` may be any grouping of emitted copies (one request's, a merged
-        batch's): each block is resolved on its own by (src tier, dst tier, dst
-        block id) and checked against its ``src_block_ids`` and ``hash_values``
-        entries.  A block that is not in flight raises CacheManagerError before
-        anything changes.
-
-        On success the destination copy becomes valid.  On failure the data stays
-        where it was: a failed backup frees its host block; a failed load leaves
-        the host copy, and each running request that was going to read the block
-        now owns it privately and must recompute it -- its ``num_cached_tokens``
-        and ``num_computed_tokens`` are lowered to the start of that block, and its
-        id is in the returned list.  A failed write_back eviction loses the block
-        (its device block was already released), so the node and its subtree leave
-        the tree.
+        Each block is found by (src tier, dst tier, dst block id) and checked against its
+        ``src_block_ids`` and ``hash_values`` entries; a block that is not in flight raises
+        CacheManagerError before anything changes.
         """
-        if meta is None:
-            return []
-        if not isinstance(meta, CacheSwapMetadata):
-            raise CacheManagerError(f"complete_swap needs a CacheSwapMetadata, got {type(meta).__name__}")
         n = len(meta.dst_block_ids)
         if len(meta.src_block_ids) != n or (meta.hash_values and len(meta.hash_values) != n):
             raise CacheManagerError(
@@ -144,8 +169,7 @@ class CopiesMixin(ManagerState):
         entries: list[InFlight] = []
         seen: set[int] = set()
         for i, dst in enumerate(meta.dst_block_ids):
-            key = (st, dt, dst)
-            inf = self._inflight.get(key)
+            inf = self.inflight.get(st, dt, dst)
             if inf is None or dst in seen:
                 raise CacheManagerError(
                     f"complete_swap: task {meta.task_id} block {i} ({st.name} {meta.src_block_ids[i]} -> "
@@ -159,40 +183,36 @@ class CopiesMixin(ManagerState):
                 )
             seen.add(dst)
             entries.append(inf)
-        ok = bool(meta.success)
-        if not ok:
+        if not meta.success:
             logger.warning(
                 "copy task %d (%s -> %s, %d blocks) failed: %s", meta.task_id, st.name, dt.name, n, meta.error_message
             )
             self.stats.failed_blocks += n
-        affected: set[str] = set()
         for inf in entries:
-            del self._inflight[(st, dt, inf.dst)]
-            if inf.kind is TransferKind.SWAP_IN:
-                self._complete_swap_in(inf, ok, affected)
-            elif inf.kind is TransferKind.EVICT:
-                self._complete_evict(inf, ok)
-            else:
-                self._complete_backup(inf, ok)
-        for rid in affected:
-            rst = self._requests[rid]
-            self._privatize_tail(rst, rst.request.num_computed_tokens // self.block_size)
-        return sorted(affected)
+            self.inflight.pop(st, dt, inf.dst)
+        return entries
 
-    def _complete_swap_in(self, inf: InFlight, ok: bool, affected: set[str]) -> None:
+    def resolve(self, inf: InFlight, ok: bool) -> None:
+        """Apply a completed copy's verdict to its node (the copy is out of the table)."""
+        inf.node.pending = None
+        if inf.kind is TransferKind.SWAP_IN:
+            self._complete_swap_in(inf, ok)
+        elif inf.kind is TransferKind.EVICT:
+            self._complete_evict(inf, ok)
+        else:
+            self._complete_backup(inf, ok)
+
+    def _complete_swap_in(self, inf: InFlight, ok: bool) -> None:
         node = inf.node
-        node.pending = None
         if not ok:
-            self._fail_swap_in(inf, affected)
             if node in self._host_doomed and not node.detached:
                 self._lose_host_copy(node)  # the source of the failed load goes too
             self._host_doomed.discard(node)
             return
         self.stats.swap_in_blocks += 1
-        self._drop_standby(inf)
         if node.detached:
             self._host_doomed.discard(node)
-            self._release_detached(node)
+            self.evictor.release_detached(node)
             return
         if node in self._host_doomed:
             self._lose_host_copy(node)
@@ -201,44 +221,34 @@ class CopiesMixin(ManagerState):
             self.host_pool.free_one(self.tree.clear_host(node))
         self.tree.offer(node)
 
-    def _drop_standby(self, inf: InFlight) -> None:
-        """A shared load landed: its sharers' standby blocks go back to the pool."""
-        for rid, b in inf.sharers.items():
-            st = self._requests[rid]
-            st.standby = {i: x for i, x in st.standby.items() if x != b}
-            self.device_pool.free_one(b)
-        inf.sharers = {}
-
     def _complete_evict(self, inf: InFlight, ok: bool) -> None:
         node = inf.node
-        node.pending = None
         if ok:
             self.stats.write_back_blocks += 1
         if node.detached:
-            self._release_detached(node)
+            self.evictor.release_detached(node)
             return
         if ok:
             self.tree.offer(node)
             return
         # The device block was released when the eviction was issued: the data is gone.
         self.host_pool.free_one(self.tree.clear_host(node))
-        lost = self._drop_subtree(node)
+        lost = self.evictor.drop_subtree(node)
         logger.warning("write_back eviction of block %#x failed: dropping it and %d descendants", node.hash_value, lost - 1)
 
     def _complete_backup(self, inf: InFlight, ok: bool) -> None:
         node = inf.node
-        node.pending = None
         if ok:
             self.stats.backup_blocks += 1
         if node.detached:
             self._host_doomed.discard(node)
-            self._release_detached(node)
+            self.evictor.release_detached(node)
             return
         if not ok or node in self._host_doomed:
             # A failed backup, or one whose parent's host copy went meanwhile: this
             # host copy goes, and so does every host copy below it (prefix closure).
             self._lose_host_copy(node)
-            self._maybe_queue_backup(node, retry=True)
+            self.maybe_queue_backup(node, retry=True)
         self.tree.offer(node)
 
     def _lose_host_copy(self, node: BlockNode) -> None:
@@ -263,8 +273,8 @@ class CopiesMixin(ManagerState):
                 continue
             self._host_doomed.discard(d)
             self.host_pool.free_one(self.tree.clear_host(d))
-            self._maybe_queue_backup(d, retry=True)
+            self.maybe_queue_backup(d, retry=True)
             if d.device_block_id is None:
-                self._drop_subtree(d)
+                self.evictor.drop_subtree(d)
         if node.device_block_id is None:
-            self._drop_subtree(node)
+            self.evictor.drop_subtree(node)

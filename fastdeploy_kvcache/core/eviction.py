@@ -1,6 +1,6 @@
 """Eviction: make device blocks free by evicting LRU leaves under the write policy.
 
-Feasibility first: ``_plan_reclaim`` peels leaves off a virtual copy of the tree and
+Feasibility first: ``Evictor.plan`` peels leaves off a virtual copy of the tree and
 only a plan that covers the request is carried out, so an infeasible request evicts
 and queues nothing.  Every planned leaf can be evicted (the liveness rule in
 docs/architecture.md): with a host copy it is just dropped; under write_back it is
@@ -13,43 +13,59 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
-from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
-from fastdeploy_kvcache.core.errors import CacheManagerError, InvariantViolation
-from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, ManagerState
+from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError
+from fastdeploy_kvcache.core.errors import InvariantViolation
+from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, InFlightCopies
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.request import Request
+from fastdeploy_kvcache.core.stats import CacheStats
+from fastdeploy_kvcache.core.write_policy import WritePolicy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fastdeploy_kvcache.core.storage_tier import StorageTier
 
 logger = logging.getLogger(__name__)
 
 
-class EvictionMixin(ManagerState):
-    """Device (and host) eviction, references, and the release of detached nodes."""
+@dataclass(eq=False)
+class Evictor:
+    """The manager's part that frees blocks: device (and host) eviction, references, and
+    the release of detached nodes.
 
-    def can_allocate_device_blocks(self, n: int, request: Optional[Request] = None) -> bool:
-        """Whether ``n`` new device blocks can be had now, evicting what can be evicted.
+    It owns the detached nodes (cut out of the tree, still holding blocks) and the
+    write_back evictions not handed to a batch yet: those made by the current allocation
+    call, and those pending for the next step.  It calls no other part.
+    """
 
-        Exact: it runs the plan the allocation runs first, without evicting anything.
-        Pass the ``request`` (matched, not allocated yet) to count its own device hits
-        as pinned, as its allocation will: the answer then agrees with
-        ``allocate_device_blocks(request, n)`` (standby blocks for the loads in flight it
-        would share included).  O(1) when enough blocks are free,
-        else O(k log n) for the k evictions it plans.
-        """
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise CacheManagerError(f"block count must be an int >= 0, got {n!r}")
-        exclude: frozenset[BlockNode] = frozenset()
-        if request is not None:
-            self._check_request(request)
-            if request.request_id not in self._requests:
-                nodes, tiers = self.matcher.rewalk(request, self.share_loads)
-                exclude = frozenset(nd for nd, t in zip(nodes, tiers) if t is DEV)
-                # Loads in flight it will share need a standby block each (allocation.py).
-                n += sum(1 for nd in exclude if nd.pending is TransferKind.SWAP_IN)
-        return self._plan_reclaim(n, exclude, dry_run=True) is not None
+    tree: RadixTree
+    device_pool: BlockPool
+    host_pool: BlockPool
+    policy: WritePolicy
+    stats: CacheStats
+    inflight: InFlightCopies
+    storage: Optional["StorageTier"]
+    # Nodes cut out of the tree that still hold blocks (a copy in flight, or refs).
+    _detached: set[BlockNode] = field(default_factory=set, init=False, repr=False)
+    # Device -> host evictions not yet handed to a request or batch.
+    _pending_evictions: list[CacheSwapMetadata] = field(default_factory=list, init=False, repr=False)
+    # Evictions made during the current allocation call: (device, host, hash, node).
+    _call_evictions: list[tuple[int, int, int, BlockNode]] = field(default_factory=list, init=False, repr=False)
 
-    def _plan_reclaim(
+    @property
+    def detached(self) -> frozenset[BlockNode]:
+        """The detached nodes that still hold blocks (a snapshot, for checks)."""
+        return frozenset(self._detached)
+
+    def can_reclaim(self, n: int, exclude: frozenset[BlockNode] = frozenset()) -> bool:
+        """Whether ``n`` device blocks can be free after evicting what can be evicted
+        (``exclude``: nodes to treat as referenced).  Changes nothing."""
+        return self._plan(n, exclude, dry_run=True) is not None
+
+    def _plan(
         self, n: int, exclude: frozenset[BlockNode] = frozenset(), dry_run: bool = False
     ) -> Optional[list[BlockNode]]:
         """The device leaves to evict, in eviction order, so that ``n`` blocks are free.
@@ -118,20 +134,20 @@ class EvictionMixin(ManagerState):
         # copy in flight, or below one) and blocks of detached nodes whose copy is in flight.
         bound = free + self.stats.cached_device - sum(1 for x in exclude if x.ref_count == 0 and x.device_block_id is not None)
         bound += sum(1 for x in self._detached if x.ref_count == 0 and x.device_block_id is not None)
-        retryable = bool(self._inflight) and n <= bound
+        retryable = bool(self.inflight) and n <= bound
         return NoFreeBlocksError(
             f"need {n} device blocks: {free} free and not enough evictable"
             + (" now (copies in flight pin cached blocks: retry after complete_swap)" if retryable else ""),
             retryable=retryable,
         )
 
-    def _reclaim_device(self, n: int, exclude: frozenset[BlockNode] = frozenset()) -> None:
+    def reclaim(self, n: int, exclude: frozenset[BlockNode] = frozenset()) -> None:
         """Evict LRU device leaves until ``n`` blocks are free, following the write policy.
 
-        Feasibility is decided first (``_plan_reclaim``): when ``n`` blocks cannot be
+        Feasibility is decided first (``_plan``): when ``n`` blocks cannot be
         had, NoFreeBlocksError is raised with nothing evicted and nothing queued.
         """
-        plan = self._plan_reclaim(n, exclude)
+        plan = self._plan(n, exclude)
         if plan is None:
             raise self._no_free_blocks(n, exclude)
         first = len(self._call_evictions)
@@ -170,10 +186,10 @@ class EvictionMixin(ManagerState):
         d = self.tree.clear_device(node)
         self._dec_cached_device()
         self.device_pool.free_one(d)
-        lost = self._drop_subtree(node)
+        lost = self.drop_subtree(node)
         logger.debug("dropped device leaf %#x and %d host-only descendants", node.hash_value, lost - 1)
 
-    def _drop_subtree(self, node: BlockNode) -> int:
+    def drop_subtree(self, node: BlockNode) -> int:
         """Cut ``node`` and its descendants out of the tree and free what they hold.
 
         Blocks that a running request references, or that a copy in flight uses, are
@@ -183,7 +199,7 @@ class EvictionMixin(ManagerState):
         for n in lost:
             if n.device_block_id is not None and n.ref_count == 0:
                 self._dec_cached_device()
-            self._release_detached(n)
+            self.release_detached(n)
         return len(lost)
 
     def _evict_to_host(self, node: BlockNode, host_block: int) -> None:
@@ -199,7 +215,7 @@ class EvictionMixin(ManagerState):
         self._dec_cached_device()
         self.device_pool.free_one(d)
         self.tree.set_host(node, host_block)
-        self._inflight[(DEV, HOST, host_block)] = InFlight(node, TransferKind.EVICT, d, host_block)
+        self.inflight.add(InFlight(node, TransferKind.EVICT, d, host_block))
         self._call_evictions.append((d, host_block, node.hash_value, node))
         self.stats.write_back_blocks_issued += 1
 
@@ -284,11 +300,11 @@ class EvictionMixin(ManagerState):
         hosts = sorted(pool.allocate(len(batch), contiguous=True, longest_runs=True))
         batch.sort(key=lambda e: e[0])
         for _, h, _, _ in batch:
-            del self._inflight[(DEV, HOST, h)]
+            self.inflight.pop(DEV, HOST, h)
         out = []
         for (d, _, hv, node), h in zip(batch, hosts):
             node.host_block_id = h
-            self._inflight[(DEV, HOST, h)] = InFlight(node, TransferKind.EVICT, d, h)
+            self.inflight.add(InFlight(node, TransferKind.EVICT, d, h))
             out.append((d, h, hv, node))
         self._call_evictions[first:] = out
 
@@ -298,17 +314,59 @@ class EvictionMixin(ManagerState):
         if meta is not None:
             self._pending_evictions.append(meta)
 
-    def _ref(self, node: BlockNode) -> None:
+    def hand_evictions_to(self, request: Request) -> None:
+        """Evictions made for this allocation call travel with ``request``; earlier ones that
+        no request took yet travel with it too, so they reach this step's batch."""
+        evict = self._make_evict_metadata(self._call_evictions)
+        self._call_evictions = []
+        if self._pending_evictions:
+            request.cache_evict_metadata.extend(self._pending_evictions)
+            self._pending_evictions = []
+        if evict is not None:
+            request.cache_evict_metadata.append(evict)
+
+    def reclaim_deferred(self, n: int) -> None:
+        """:meth:`reclaim` outside an allocation call: the evictions it makes wait for the
+        next step (:meth:`take_pending_evictions`) instead of joining the current call's."""
+        saved, self._call_evictions = self._call_evictions, []
+        try:
+            self.reclaim(n)
+        finally:
+            self._stash_call_evictions()
+            self._call_evictions = saved
+
+    def take_pending_evictions(self) -> list[CacheSwapMetadata]:
+        """The evictions no request carried, for this step's batch (the list is emptied)."""
+        metas, self._pending_evictions = self._pending_evictions, []
+        return metas
+
+    def defer_evictions(self, metas: list[CacheSwapMetadata]) -> None:
+        """Evictions a request took but never handed to a batch: they wait for the next step."""
+        self._pending_evictions.extend(metas)
+
+    def cancel_pending_evictions(self) -> None:
+        """Cancel the evictions never handed to a batch (reset): their nodes' copies are off."""
+        for meta in self._pending_evictions:
+            for h in meta.dst_block_ids:
+                inf = self.inflight.pop(DEV, HOST, h)
+                inf.node.pending = None
+                if inf.node.detached:
+                    self.release_detached(inf.node)  # its subtree was dropped already
+        self._pending_evictions = []
+
+    def ref(self, node: BlockNode) -> None:
+        """A running request uses ``node``'s device copy: it is no longer cached (evictable)."""
         if node.ref_count == 0 and node.device_block_id is not None:
             self._dec_cached_device()
         node.ref_count += 1
 
-    def _unref(self, node: BlockNode) -> None:
+    def unref(self, node: BlockNode) -> None:
+        """A request stops using ``node``: the last ref makes it cached (or frees a detached one)."""
         node.ref_count -= 1
         assert node.ref_count >= 0, node
         if node.ref_count == 0:
             if node.detached:
-                self._release_detached(node)
+                self.release_detached(node)
                 return
             if node.device_block_id is not None:
                 self.stats.cached_device += 1
@@ -317,15 +375,15 @@ class EvictionMixin(ManagerState):
     def _dec_cached_device(self) -> None:
         self.stats.cached_device -= 1
 
-    def _unref_no_count(self, node: BlockNode) -> None:
+    def unref_no_count(self, node: BlockNode) -> None:
         """Drop a ref on a node whose device copy was just cleared (no cached count change)."""
         node.ref_count -= 1
         if node.ref_count == 0 and node.detached:
-            self._release_detached(node)
+            self.release_detached(node)
         else:
             self.tree.offer(node)
 
-    def _release_detached(self, node: BlockNode) -> None:
+    def release_detached(self, node: BlockNode) -> None:
         """Free what a detached node holds once nobody reads it and no copy is in flight."""
         if node.ref_count or node.pending is not None:
             self._detached.add(node)

@@ -1,6 +1,7 @@
 """Bookkeeping invariants of the cache manager, checked by ``CacheManager.check_invariants``.
 
-O(cache size): for tests and debugging, not for a serving loop.  Violations raise
+O(cache size): for tests and debugging, not for a serving loop; it reads the manager's
+parts through their read-only views (never their private state).  Violations raise
 ``InvariantViolation`` (never ``assert``), so ``python -O`` still checks them.
 
 What is checked: per pool, free + owned + cached = total and no block is claimed
@@ -37,9 +38,13 @@ def check_invariants(mgr: 'CacheManager') -> dict[str, int]:
         if bid in claims:
             raise InvariantViolation(f'block {bid} claimed by {claims[bid]} and {who}')
         claims[bid] = who
+    requests = mgr.allocator.requests
+    inflight = mgr.inflight
+    detached = mgr.evictor.detached
+    host_doomed = mgr.copies.host_doomed
     refs: dict[int, int] = {}
     dev_owned = 0
-    for rid, st in mgr._requests.items():
+    for rid, st in requests.items():
         req = st.request
         if req.block_tables != st.block_ids:
             raise InvariantViolation(f'{rid}: block table diverged')
@@ -54,13 +59,13 @@ def check_invariants(mgr: 'CacheManager') -> dict[str, int]:
                     raise InvariantViolation(f'{rid}[{i}]: node {node} is not on block {b}')
                 refs[id(node)] = refs.get(id(node), 0) + 1
                 if node.detached:
-                    if node not in mgr._detached:
+                    if node not in detached:
                         raise InvariantViolation(f'{rid}[{i}]: detached node not tracked: {node}')
         for i, b in st.standby.items():
             claim(dev_claims, b, f'request {rid} standby [{i}]')
             dev_owned += 1
             node = st.nodes[i] if i < len(st.nodes) else None
-            inf = mgr._inflight.get((CacheLevel.HOST, _DEV, st.block_ids[i])) if node is not None else None
+            inf = inflight.get(CacheLevel.HOST, _DEV, st.block_ids[i]) if node is not None else None
             if inf is None or inf.node is not node or inf.sharers.get(rid) != b:
                 raise InvariantViolation(f'{rid}[{i}]: standby block {b} without a shared load in flight')
     dev_cached = 0
@@ -91,15 +96,15 @@ def check_invariants(mgr: 'CacheManager') -> dict[str, int]:
             claim(host_claims, node.host_block_id, f'node {node.hash_value:#x}')
             host_cached += 1
         if node.pending is not None:
-            if not any((inf.node is node for inf in mgr._inflight.values())):
+            if not any((inf.node is node for _, inf in inflight.items())):
                 raise InvariantViolation(f'pending without copy: {node}')
     root = mgr.tree.root
-    if mgr._host_prefix_closed:
+    if mgr.host_prefix_closed:
         for node in mgr.tree.iter_nodes():
             if node.host_block_id is not None and node.parent is not root:
-                if not (node.parent.host_block_id is not None or node in mgr._host_doomed):
+                if not (node.parent.host_block_id is not None or node in host_doomed):
                     raise InvariantViolation(f'host tier not prefix-closed: {node} has a host copy, its parent {node.parent} none')
-    for node in mgr._host_doomed:
+    for node in host_doomed:
         if not (node.pending is not None and node.host_block_id is not None):
             raise InvariantViolation(f'doomed host copy not in flight: {node}')
     if mgr.tree.num_nodes != sum((1 for _ in mgr.tree.iter_nodes())):
@@ -109,7 +114,7 @@ def check_invariants(mgr: 'CacheManager') -> dict[str, int]:
     if root.num_host_children != sum((1 for c in root.children.values() if c.host_block_id is not None)):
         raise InvariantViolation('invariant violated')
     host_owned = 0
-    for node in mgr._detached:
+    for node in detached:
         if not (node.detached and (node.ref_count or node.pending is not None)):
             raise InvariantViolation(repr(node))
         if node.ref_count != refs.pop(id(node), 0):
@@ -127,9 +132,9 @@ def check_invariants(mgr: 'CacheManager') -> dict[str, int]:
         for b, who in mgr.storage.held_host_blocks():
             claim(host_claims, b, who)
             host_owned += 1
-    for (stier, dtier, dst), inf in mgr._inflight.items():
+    for (stier, dtier, dst), inf in inflight.items():
         for rid, b in inf.sharers.items():
-            sst = mgr._requests.get(rid)
+            sst = requests.get(rid)
             if sst is None or b not in sst.standby.values():
                 raise InvariantViolation(f'load to device {dst} shared by {rid}, which holds no standby block {b}')
         if inf.node.pending is not inf.kind:

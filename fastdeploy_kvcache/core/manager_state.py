@@ -1,32 +1,32 @@
-"""The state the cache manager's parts share, declared in one place.
+"""The records the cache manager's parts pass between them, and the table of copies in flight.
 
-``CacheManager`` is assembled from one class per job (``matching``, ``allocation``,
-``eviction``, ``copies``), each in its own module and each small enough to read in
-one sitting; they all work on the attributes declared here, which only
-``CacheManager.__init__`` creates.  The per-request record (``RequestState``) and the
-record of one block of a copy in flight (``InFlight``) live here too.
+``CacheManager`` is built from parts that each own their state (``matching``,
+``allocation``, ``eviction``, ``copies``); what they share is here: the per-request record
+(``RequestState``), the record of one block of a copy in flight (``InFlight``) and
+``InFlightCopies``, the one table of those records, which allocation (loads), eviction
+(write_back evictions), copies (backups, completions) and the request lifecycle all write
+through its methods.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Iterator, Optional
 
 from fastdeploy_kvcache.core.errors import CacheManagerError
-from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, CacheSwapMetadata, MatchResult, TransferKind
+from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, MatchResult, TransferKind
 from fastdeploy_kvcache.core.request import Request
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fastdeploy_kvcache.config import CacheConfig
-    from fastdeploy_kvcache.core.block_pool import BlockPool
-    from fastdeploy_kvcache.core.matching import PrefixMatcher
-    from fastdeploy_kvcache.core.radix_tree import RadixTree
-    from fastdeploy_kvcache.core.stats import CacheStats
-    from fastdeploy_kvcache.core.write_policy import WritePolicy
 
 DEV = CacheLevel.DEVICE
 HOST = CacheLevel.HOST
+
+CopyKey = tuple[CacheLevel, CacheLevel, int]
+
+
+def check_request(request: Request) -> None:
+    """Raise CacheManagerError unless ``request`` is a ``Request`` (the API's first check)."""
+    if not isinstance(request, Request):
+        raise CacheManagerError(f"expected a Request, got {type(request).__name__}")
 
 
 @dataclass
@@ -64,45 +64,46 @@ class InFlight:
     # Loads: other running requests that read the block too (id -> their standby block).
     sharers: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def key(self) -> CopyKey:
+        """(src tier, dst tier, dst block id): a load goes host -> device, the rest device -> host."""
+        if self.kind is TransferKind.SWAP_IN:
+            return (HOST, DEV, self.dst)
+        return (DEV, HOST, self.dst)
 
-class ManagerState:
-    """Attributes shared by the manager's parts (created by ``CacheManager.__init__``)."""
 
-    config: "CacheConfig"
-    block_size: int
-    enable_prefix_caching: bool
-    # Whether a request may read a block another request's host -> device load is still
-    # bringing in (with a standby block in case the load fails); off: it computes the block.
-    share_loads: bool
-    bytes_per_block: int
-    write_policy: str  # the policy's name, for stats and logs
-    write_through_threshold: int
-    policy: "WritePolicy"
-    device_pool: "BlockPool"
-    host_pool: "BlockPool"
-    # The storage tier (core.storage_tier.StorageTier) when one is attached, else None.
-    storage: Optional[Any]
-    tree: "RadixTree"
-    stats: "CacheStats"
-    # Running requests, by id.
-    _requests: dict[str, RequestState]
-    # The matches of requests not allocated yet (core.matching.PrefixMatcher).
-    matcher: "PrefixMatcher"
-    # Every block of every copy in flight, by (src tier, dst tier, dst block id).
-    _inflight: dict[tuple[int, int, int], InFlight]
-    # Write-through backups to issue with the next step.
-    _backup_queue: "deque[BlockNode]"
-    # Device -> host evictions not yet handed to a request or batch.
-    _pending_evictions: list[CacheSwapMetadata]
-    # Evictions made during the current allocation: (device, host, hash, node).
-    _call_evictions: list[tuple[int, int, int, BlockNode]]
-    # Nodes cut out of the tree that still hold blocks (a copy in flight, or refs).
-    _detached: set[BlockNode]
-    # Nodes whose host copy goes as soon as the copy in flight on them completes
-    # (their parent's host copy was lost: see CopiesMixin._lose_host_copy).
-    _host_doomed: set[BlockNode]
+class InFlightCopies:
+    """Every block of every copy in flight, by (src tier, dst tier, dst block id).
 
-    @staticmethod
-    def _check_request(request: Request) -> None:
-        if not isinstance(request, Request):
-            raise CacheManagerError(f"expected a Request, got {type(request).__name__}")
+    One table because a completion names only tiers and block ids, whichever part
+    emitted the copy.
+    """
+
+    def __init__(self) -> None:
+        self._copies: dict[CopyKey, InFlight] = {}
+
+    def add(self, inf: InFlight) -> None:
+        """Record an emitted copy (its destination must not already be in flight)."""
+        key = inf.key
+        assert key not in self._copies, key
+        self._copies[key] = inf
+
+    def get(self, src: CacheLevel, dst: CacheLevel, block_id: int) -> Optional[InFlight]:
+        return self._copies.get((src, dst, block_id))
+
+    def pop(self, src: CacheLevel, dst: CacheLevel, block_id: int) -> InFlight:
+        """Remove and return the copy into ``block_id`` (KeyError when none is in flight)."""
+        return self._copies.pop((src, dst, block_id))
+
+    def load_to(self, block_id: int) -> InFlight:
+        """The host -> device load into device block ``block_id`` (KeyError when none)."""
+        return self._copies[(HOST, DEV, block_id)]
+
+    def items(self) -> Iterator[tuple[CopyKey, InFlight]]:
+        return iter(list(self._copies.items()))
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def __bool__(self) -> bool:
+        return bool(self._copies)

@@ -35,23 +35,27 @@ class PrefixMatcher:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.storage = storage
+        # Whether a host copy another request is loading matches too (the matching request
+        # then reads it after the load, with a standby block in case the load fails); off,
+        # it computes those blocks.
+        self.share_loads = True
         self._pending: "weakref.WeakKeyDictionary[Request, MatchResult]" = weakref.WeakKeyDictionary()
 
-    def match(self, request: Request, share_loads: bool) -> MatchResult:
+    def match(self, request: Request) -> MatchResult:
         """Longest cached prefix of ``request`` over all tiers; stored on the request.
 
         Takes no refs and changes nothing: the first allocation re-checks the match when
         it applies it (:meth:`rewalk`), so a block evicted in between is simply not reused.
         At least the last token is always left to compute (the forward pass needs one
         token to produce logits), so at most ``(num_tokens - 1) // block_size`` blocks
-        match.  ``share_loads``: a host copy another request is loading matches too.
+        match.
         """
         bs = self.block_size
         num_tokens = request.num_total_tokens
         max_blocks = (num_tokens - 1) // bs
         hashes = request.block_hashes(bs, num_tokens)
         if self.enable_prefix_caching:
-            nodes, tiers = self.tree.match(hashes, max_blocks, share_loads)
+            nodes, tiers = self.tree.match(hashes, max_blocks, self.share_loads)
         else:
             nodes, tiers = [], []
         result = MatchResult(block_size=bs, nodes=nodes, tiers=tiers)
@@ -66,7 +70,7 @@ class PrefixMatcher:
         request.match_result = result
         return result
 
-    def rewalk(self, request: Request, share_loads: bool) -> tuple[list[BlockNode], list[CacheLevel]]:
+    def rewalk(self, request: Request) -> tuple[list[BlockNode], list[CacheLevel]]:
         """The request's match from :meth:`match`, walked again: the tree may have changed
         since (anything evicted meanwhile is simply not reused)."""
         match = self._pending.get(request)
@@ -74,7 +78,7 @@ class PrefixMatcher:
             return [], []
         bs = self.block_size
         hashes = request.block_hashes(bs, request.num_total_tokens)
-        return self.tree.match(hashes, min(len(match.nodes), (request.num_total_tokens - 1) // bs), share_loads)
+        return self.tree.match(hashes, min(len(match.nodes), (request.num_total_tokens - 1) // bs), self.share_loads)
 
     def forget(self, request: Request) -> None:
         """Drop ``request``'s match (it was applied)."""

@@ -162,7 +162,7 @@ class CacheMachine(RuleBasedStateMachine):
             backups = frozenset(
                 s
                 for s, d in zip(meta.src_block_ids, meta.dst_block_ids)
-                if self.mgr._inflight[(CacheLevel.DEVICE, CacheLevel.HOST, d)].kind is TransferKind.BACKUP
+                if self.mgr.inflight.get(CacheLevel.DEVICE, CacheLevel.HOST, d).kind is TransferKind.BACKUP
             )
         self.pending.append((meta, backups))
 
@@ -177,7 +177,7 @@ class CacheMachine(RuleBasedStateMachine):
         hazards: dict[str, list] = {}
         if not meta.success and meta.dst_type is CacheLevel.DEVICE:
             for rid in expected:
-                st_ = self.mgr._requests[rid]
+                st_ = self.mgr.allocator.requests[rid]
                 first = min(i for i, b in enumerate(st_.block_ids) if b in set(meta.dst_block_ids))
                 nodes = [n for n in st_.nodes[first + 1:] if n is not None and n.pending is TransferKind.BACKUP]
                 if nodes:
@@ -214,7 +214,7 @@ class CacheMachine(RuleBasedStateMachine):
                 assert self.mgr.num_copies_in_flight > 0
             return False
         assert can, "can_allocate_device_blocks said no, the allocation succeeded"
-        tiers = self.mgr._requests[req.request_id].match.tiers
+        tiers = self.mgr.allocator.requests[req.request_id].match.tiers
         if any(a is CacheLevel.HOST and b is CacheLevel.DEVICE for a, b in zip(tiers, tiers[1:])):
             self.hazard_stage = max(self.hazard_stage, 1)
         assert len(ids) == n and len(req.block_tables) == -(-req.num_total_tokens // BS)
@@ -714,17 +714,17 @@ def test_scripted_issuer_leaving_hands_its_shared_load_over():
 def test_oracle_catches_a_broken_manager(monkeypatch):
     """Self-check: a manager that reports a failed load but forgets to make the request
     recompute must be caught by the shadow oracle (not by any bookkeeping check)."""
-    from fastdeploy_kvcache.core import cache_manager as cm
+    from fastdeploy_kvcache.core.lifecycle import RequestLifecycle
 
-    original = cm.CacheManager._fail_swap_in
+    original = RequestLifecycle.load_failed
 
     def broken(self, inf, affected):
-        st = self._requests.get(inf.request_id)
+        st = self.allocator.requests.get(inf.request_id)
         saved = (st.request.num_cached_tokens, st.request.num_computed_tokens) if st else None
         original(self, inf, affected)
         if st is not None:
             st.request.num_cached_tokens, st.request.num_computed_tokens = saved
 
-    monkeypatch.setattr(cm.CacheManager, "_fail_swap_in", broken)
+    monkeypatch.setattr(RequestLifecycle, "load_failed", broken)
     with pytest.raises(AssertionError, match="holds 'garbage'"):
         _scripted_failed_load(CacheMachine())
