@@ -15,10 +15,9 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from fastdeploy_kvcache import config as _config
 from fastdeploy_kvcache import envs
-from fastdeploy_kvcache.cli_flags import add_flag
-from fastdeploy_kvcache.config import CacheConfig, add_cli_args
+from fastdeploy_kvcache.cli_flags import add_flag, parser_actions
+from fastdeploy_kvcache.config import AUTO_DTYPE, CacheConfig, add_cli_args
 
 if TYPE_CHECKING:
     from fastdeploy_kvcache.storage.config import StorageConfig
@@ -27,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEVICES = ("auto", "cpu", "gpu")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = (AUTO_DTYPE, "bfloat16", "float16", "float32")  # the cache's, less uint8
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")  # engine/pd.py ROLES
 MODEL_IMPLS = ("paddleformers", "transformers")  # engine/torch_runner.py for the second
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -49,8 +48,10 @@ class EngineArgs:
     (block size, host tier, write policy, prefix and output caching, and ``num_gpu_blocks``:
     0 sizes the device pool from ``max_num_seqs`` and ``max_model_len``, capped by
     ``kv_cache_memory_gib``).  Its model-shape fields (layers, KV heads, head size, dtype) are
-    the model's: the engine fills them in once the model is loaded.  ``kv_cache_dtype="auto"``
-    uses the model's dtype (float32 on CPU); it stays here because "auto" is not a dtype.
+    the model's: the engine fills them in once the model is loaded, and a ``cache.dtype`` of
+    ``"auto"`` (the default here, ``--kv-cache-dtype``) becomes the model's dtype (float32 on CPU).
+    A ``CacheConfig`` passed in keeps its own dtype (``CacheConfig``'s default is bfloat16):
+    pass ``dtype="auto"`` for the model's.
     """
 
     model: str = DEFAULT_MODEL
@@ -59,8 +60,7 @@ class EngineArgs:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     # The cache's settings (--block-size, --swap-space, --write-policy, ...; see the class doc).
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    kv_cache_dtype: str = "auto"
+    cache: CacheConfig = field(default_factory=lambda: CacheConfig(dtype=AUTO_DTYPE))
     device: str = "auto"
     seed: int = 0
     # Device pool cap when cache.num_gpu_blocks is 0 (GiB of K+V over all layers).
@@ -103,8 +103,9 @@ class EngineArgs:
         if not isinstance(self.cache, CacheConfig):
             raise ValueError(f"cache: must be a CacheConfig, got {type(self.cache).__name__}")
         self.cache.validate()  # its fields may have been changed after construction
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.cache.dtype not in KV_CACHE_DTYPES:
+            # "dtype: ..." is spelled --kv-cache-dtype in the server's one-line error.
+            raise ValueError(f"dtype: must be one of {KV_CACHE_DTYPES}, got {self.cache.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device: must be one of {DEVICES}, got {self.device!r}")
         if self.splitwise_role not in SPLITWISE_ROLES:
@@ -135,20 +136,14 @@ class EngineArgs:
         """Build from a namespace parsed by a parser that went through :func:`add_engine_cli_args`."""
         values = vars(ns)
         # The cache flags resolve through CacheConfig, which knows their dests and defaults;
-        # the model's shape is filled in by the engine.
-        kwargs: dict[str, Any] = dict(cache=CacheConfig.from_cli_args(ns))
+        # the model's shape, and its dtype unless --kv-cache-dtype names one, are the engine's.
+        kwargs: dict[str, Any] = dict(cache=CacheConfig.from_cli_args(ns, defaults={"dtype": AUTO_DTYPE}))
         for f in dataclasses.fields(cls):
             if f.name in kwargs or f.name == "storage":
                 continue
             v = values.get(f.name)
             if v is not None:
                 kwargs[f.name] = v
-        # --kv-cache-dtype (the cache's flag; its dest is kv_cache_dtype unless a host
-        # parser defined the flag with another dest, which config.add_cli_args records).
-        dests = values.get(getattr(_config, "_DESTS_KEY", ""), None) or {}
-        dtype = values.get(dests.get("dtype", "kv_cache_dtype"))
-        if isinstance(dtype, str):
-            kwargs["kv_cache_dtype"] = dtype
         if "kvcache_storage_backend" in values:
             from fastdeploy_kvcache.storage.config import StorageConfig
 
@@ -174,10 +169,10 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """
     from fastdeploy_kvcache.storage.config import add_storage_cli_args
 
-    before = list(parser._actions)
+    before = parser_actions(parser)
     add_cli_args(parser)
     add_storage_cli_args(parser)
-    for action in parser._actions:
+    for action in parser_actions(parser):
         if action in before or not action.option_strings:
             continue
         flag = action.option_strings[0]
@@ -207,11 +202,6 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=d["max_num_batched_tokens"].default,
         help="Token budget of one engine step; long prompts are prefilled in chunks of it, "
              "batched with the decodes.")
-    add("--num-gpu-blocks-override", dest="num_gpu_blocks_override", type=int, default=None,
-        help="Device KV blocks (default: enough for --max-num-seqs full-length sequences, "
-             "capped at --kv-cache-memory-gib).")
-    add("--kv-cache-dtype", dest="kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None,
-        help="KV cache element type; 'auto' uses the model's dtype.")
     add("--kv-cache-memory-gib", dest="kv_cache_memory_gib", type=float,
         default=d["kv_cache_memory_gib"].default,
         help="Cap on the device KV pool when --num-gpu-blocks-override is not given.")
@@ -247,7 +237,7 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="KV cache events (vLLM's flag and schema; docs/fleet.md), a JSON object, e.g. "
              "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
              "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'. Default: off.")
-    for action in parser._actions:
+    for action in parser_actions(parser):
         if action not in before:
             _state_default(action)
     return parser

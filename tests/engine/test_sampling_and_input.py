@@ -174,11 +174,11 @@ def test_engine_args_parser_adds_to_a_parser_with_overlapping_flags() -> None:
     assert (args.model, args.cache.block_size, args.cache.swap_space, args.cache.write_policy, args.max_num_seqs) == (
         "tiny-llama-random", 32, 1.5, "write_back", 3)
     assert args.host_tier_enabled
-    assert args.kv_cache_dtype == "auto" and args.cache.num_gpu_blocks == 0
+    assert args.cache.dtype == "auto" and args.cache.num_gpu_blocks == 0
     ns = parser.parse_args(["--kv-cache-dtype", "bfloat16", "--num-gpu-blocks-override", "7",
                             "--no-enable-prefix-caching", "--no-enable-output-caching"])
     args = EngineArgs.from_cli_args(ns)
-    assert (args.kv_cache_dtype, args.cache.num_gpu_blocks) == ("bfloat16", 7)
+    assert (args.cache.dtype, args.cache.num_gpu_blocks) == ("bfloat16", 7)
     assert not args.cache.enable_prefix_caching and not args.cache.cache_output_tokens
     help_text = add_engine_cli_args(argparse.ArgumentParser()).format_help()
     for flag in ("--max-model-len", "--max-num-batched-tokens", "--num-gpu-blocks-override", "--kv-cache-dtype",

@@ -78,7 +78,7 @@ def test_transformers_path_imports_no_paddle() -> None:
         "from fastdeploy_kvcache.engine.args import EngineArgs\n"
         "from fastdeploy_kvcache.engine.llm_engine import LLMEngine\n"
         "eng = LLMEngine(EngineArgs(model='tiny-llama-random', model_impl='transformers', device='cpu',\n"
-        "                           max_model_len=256, cache=CacheConfig(num_host_blocks=8)))\n"
+        "                           max_model_len=256, cache=CacheConfig(num_host_blocks=8, dtype='auto')))\n"
         "eng.shutdown()\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('paddle', 'paddleformers'))))\n"
     )
