@@ -439,7 +439,7 @@ class StorageTier:
     def _can_hang_host_nodes(self, parent: BlockNode) -> bool:
         """Whether host-only nodes may go below ``parent`` (the host tier stays prefix-closed)."""
         m = self.manager
-        if parent is m.tree.root or not getattr(m, "_host_prefix_closed", False):
+        if parent is m.tree.root or not m.policy.host_prefix_closed:
             return True
         return parent.host_block_id is not None and parent.pending is None and not parent.detached
 
