@@ -250,6 +250,21 @@ class LLMEngine:
         self._thread = threading.Thread(target=self._loop, name="fdkv-engine", daemon=True)
         self._thread.start()
 
+    def step(self) -> None:
+        """Run one engine step on the calling thread: take the queued requests and aborts,
+        schedule and run one forward pass, refresh the stats.
+
+        For a caller that drives the engine by hand (a test that must see the state between
+        two steps) before :meth:`start`; the engine thread does the same in its loop.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("step(): the engine thread is running; step by hand only before start()")
+        if self._stop.is_set():
+            raise RuntimeError("step(): the engine is shut down")
+        self._drain_inbox()
+        self._step()
+        self._refresh_stats()
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the thread, abort what is left, drain copies, let the pool write what it owes
         (the storage tier's puts) and free the caches, all within ``timeout_s`` (idempotent).
