@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from fastdeploy_kvcache import envs
+from fastdeploy_kvcache.cli_flags import parser_actions
 from fastdeploy_kvcache.config import GiB, CacheConfig, add_cli_args
 
 
@@ -230,7 +231,7 @@ def test_help_describes_every_flag() -> None:
              "--enable-output-caching", "--no-enable-output-caching", "--kv-cache-dtype"]
     for flag in flags:
         assert flag in text, flag
-    for action in parser._actions:
+    for action in parser_actions(parser):
         if action.option_strings and action.dest != "help":
             assert action.help and len(action.help) > 20, action.option_strings
 
