@@ -154,6 +154,17 @@ def test_bad_requests_are_value_errors(engine_factory: Any) -> None:
     assert fin.finish_reason == "length" and fin.num_prompt_tokens + fin.num_output_tokens == 64
 
 
+def test_kv_cache_dtype_is_the_models_unless_named(engine_factory: Any) -> None:
+    """cache.dtype "auto" becomes the model's dtype (float32 on the CPU) in the engine's
+    resolved config and its cache tensors; a named dtype is used as given."""
+    auto = engine_factory(v1=True)
+    assert auto.args.cache.dtype == "auto" and auto.cache_config.dtype == "float32"
+    named = engine_factory(v1=True, dtype="bfloat16")
+    assert named.cache_config.dtype == "bfloat16"
+    assert "bfloat16" in str(named.pool.layer_caches[0][0].dtype)
+    assert len(_run(named, greedy(4), "b").tokens("b")) == 4  # it serves from that cache
+
+
 def test_sampler_respects_top_k_and_top_p() -> None:
     logits = np.array([5.0, 4.0, 3.0, -10.0, -10.0])
     s = RequestSampler(SamplingParams(temperature=1.0, top_k=2, seed=1), 0)
