@@ -123,8 +123,8 @@ def run(args: argparse.Namespace, mode: str, log: logging.Logger) -> dict[str, f
             publisher.shutdown()
             reader.kill()
             reader.wait()
-    finish_mean, finish_p99 = bs._us(t.finish)
-    alloc_mean, alloc_p99 = bs._us(t.alloc)
+    finish_mean, finish_p99 = bs.mean_p99_us(t.finish)
+    alloc_mean, alloc_p99 = bs.mean_p99_us(t.alloc)
     return {
         "wall_s": elapsed, "cpu_s": cpu, "finish_mean": finish_mean, "finish_p99": finish_p99, "alloc_mean": alloc_mean,
         "alloc_p99": alloc_p99, "batches": counters.batches, "events": counters.events, "bytes": counters.bytes,

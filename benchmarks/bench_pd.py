@@ -56,9 +56,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for p in (ROOT, ROOT / "benchmarks"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
 
+from bench_serving import sse_events  # noqa: E402
 from fastdeploy_kvcache.entrypoints.server_process import RouterProcess, ServerProcess  # noqa: E402
 
 logger = logging.getLogger("bench_pd")
@@ -91,12 +93,7 @@ async def one_request(client: Any, url: str, model: str, prompt: list[int], max_
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         prefill_s = resp.headers.get("x-fdkv-pd-prefill-seconds")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise RuntimeError(f"stream error: {ev['error']}")
+        async for ev in sse_events(resp):
             if ev.get("usage"):
                 tokens = int(ev["usage"]["completion_tokens"])
             if any(ch.get("text") for ch in ev.get("choices", [])):

@@ -62,7 +62,7 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from bench_serving import WORDS, machine, percentile  # noqa: E402
+from bench_serving import WORDS, machine, percentile, sse_events  # noqa: E402
 
 from fastdeploy_kvcache.entrypoints.server_process import RouterProcess, ServerProcess  # noqa: E402
 
@@ -166,12 +166,7 @@ async def stream_chat(client: Any, url: str, model: str, messages: list[dict[str
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         headers = dict(resp.headers)
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise RuntimeError(f"stream error: {ev['error']}")
+        async for ev in sse_events(resp):
             for ch in ev.get("choices") or []:
                 delta = (ch.get("delta") or {}).get("content")
                 if delta:

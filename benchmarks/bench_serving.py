@@ -89,7 +89,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -140,6 +140,18 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def sse_events(resp: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style stream (an httpx response), without ``[DONE]``;
+    an error event raises RuntimeError, so a benchmark never times a failed request."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        if "error" in ev:
+            raise RuntimeError(f"stream error: {ev['error']}")
+        yield ev
 
 
 @dataclass

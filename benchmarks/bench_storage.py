@@ -274,7 +274,7 @@ def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, wor
             return plain_paths("s4", r)
         if op == "plain_read_cold_4t":
             return plain_paths("w4", r)
-        return [fb._file(k) for k in keys("f", r)]
+        return [fb.file_path(k) for k in keys("f", r)]
 
     mb = None
     mc_failed: dict[str, list[int]] = {"put": [], "get": [], "multi_put": [], "multi_get": []}
@@ -286,7 +286,7 @@ def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, wor
             raise RuntimeError(f"mooncake not ready: {mb.health()}")
         mb.register_buffer(staging, total)
         mb.register_buffer(int(read_buf.ctypes.data), total)
-        store = mb._store
+        store = mb.raw_store
         # Mooncake's own scatter-gather (one buffer list per key) straight from the
         # layer-major tier: the alternative to staging for this backend.
         for p, bb in zip(lay.ptrs, lay.block_bytes):
@@ -339,7 +339,7 @@ def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, wor
             mb.delete(keys("m", r))
             mb.delete(keys("mm", r))
         for p in lay.ptrs:
-            mb._store.unregister_buffer(p)
+            mb.raw_store.unregister_buffer(p)
         tr_mc = StorageTransfer(lay, mb, staging_blocks=batch, capi=capi)
         e2e_ops["e2e_mooncake_put"] = lambda r: e2e_failed.extend(c for c in tr_mc.put_blocks(keys("em", r), src_ids) if c != 0)
     t.update(interleaved(e2e_ops, args.repeats, setup=lambda op, r: os.sync()))
@@ -397,7 +397,7 @@ def read_sweep(args: argparse.Namespace, workdir: Path, mooncake: Any) -> list[d
         sptrs = [int(src.ctypes.data) + i * size for i in range(n)]
         dptrs = [int(dst.ctypes.data) + i * size for i in range(n)]
         assert fb.batch_put_from(keys, sptrs, [size] * n) == [0] * n
-        paths = [fb._file(k) for k in keys]
+        paths = [fb.file_path(k) for k in keys]
         fsize = os.path.getsize(paths[0])  # header + payload: the bytes a plain read moves
         plain_buf = np.ones(fsize * n, dtype=np.uint8)
         pmv = memoryview(plain_buf)
@@ -436,9 +436,9 @@ def read_sweep(args: argparse.Namespace, workdir: Path, mooncake: Any) -> list[d
             row[f"file_{mode}_best_ratio"] = min(best["plain"], best.get("plain_threads", float("inf"))) / best["file"]
         assert bytes(dst) == bytes(src), "the file backend read back different bytes"
         if mooncake is not None:
-            from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend
+            from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
 
-            mb = MooncakeBackend(**mooncake, local_buffer_size=16 << 20, global_segment_size=0)
+            mb = MooncakeBackend(MooncakeConfig(**mooncake, local_buffer_size=16 << 20, global_segment_size=0))
             try:
                 if not mb.wait_ready(30):
                     raise RuntimeError(f"mooncake not ready: {mb.health()}")
@@ -446,7 +446,7 @@ def read_sweep(args: argparse.Namespace, workdir: Path, mooncake: Any) -> list[d
                 mb.register_buffer(int(dst.ctypes.data), total)
                 put = mb.batch_put_from(keys, sptrs, [size] * n)
                 failed = [c for c in put if c != 0]
-                raw = mb._store
+                raw = mb.raw_store
 
                 def mc_ours(_: int) -> None:
                     failed.extend(c for c in mb.batch_get_into(keys, dptrs, [size] * n) if c != size)

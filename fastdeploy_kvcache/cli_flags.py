@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional, Union
 
-__all__ = ["existing_flag", "add_flag"]
+__all__ = ["existing_flag", "add_flag", "parser_actions"]
 
 Container = Union[argparse.ArgumentParser, "argparse._ArgumentGroup"]
 
@@ -21,6 +21,13 @@ def existing_flag(parser: Container, flag: str) -> Optional[argparse.Action]:
     # its own conflict check reads (_option_string_actions, shared by a parser and its
     # groups) has kept its name since Python 2.7 and is what other frameworks' parsers read.
     return getattr(parser, "_option_string_actions", {}).get(flag)
+
+
+def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """A copy of every action ``parser`` holds, in the order they were added (groups' too)."""
+    # NOTE: as for existing_flag, argparse lists its actions nowhere public; this is the
+    # list its help formatter walks, and the one place this package reads it.
+    return list(getattr(parser, "_actions", ()))
 
 
 def add_flag(parser: Container, flag: str, **kwargs: Any) -> argparse.Action:

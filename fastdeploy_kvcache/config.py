@@ -23,6 +23,10 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 # Item size in bytes of every cache dtype the ops support.
 DTYPE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
 
+# A dtype that stands for the model's: whoever loads the model puts its dtype in (the
+# engine does, with dataclasses.replace); until then the sizes below are unknown.
+AUTO_DTYPE = "auto"
+
 # Quantized cache formats; None is an unquantized cache of ``dtype``.
 KV_CACHE_QUANTS = (None, "int8", "fp8")
 
@@ -86,7 +90,7 @@ class CacheConfig:
         if not isinstance(swap, numbers.Real) or isinstance(swap, bool) or not math.isfinite(swap) or swap < 0:
             raise ValueError(f"CacheConfig.swap_space (GiB) must be a finite number >= 0, got {_show(swap)}")
         self.swap_space = float(swap)
-        self._check_choice("dtype", tuple(DTYPE_ITEMSIZE))
+        self._check_choice("dtype", (AUTO_DTYPE, *DTYPE_ITEMSIZE))
         self._check_choice("write_policy", WRITE_POLICIES)
         self._check_choice("kv_cache_quant", KV_CACHE_QUANTS)
         for name in ("enable_prefix_caching", "cache_output_tokens"):
@@ -113,6 +117,9 @@ class CacheConfig:
     # ------------------------------------------------------------------ derived sizes
     @property
     def itemsize(self) -> int:
+        """Bytes of one cache element; ValueError while the dtype is still the model's (``auto``)."""
+        if self.dtype == AUTO_DTYPE:
+            raise ValueError("CacheConfig.dtype is 'auto' (the model's): put the model's dtype in before sizing the cache")
         return DTYPE_ITEMSIZE[self.dtype]
 
     @property
@@ -151,25 +158,27 @@ class CacheConfig:
 
     # ------------------------------------------------------------------ CLI
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "CacheConfig":
+    def from_cli_args(cls, args: argparse.Namespace, defaults: Optional[dict[str, Any]] = None,
+                      **overrides: Any) -> "CacheConfig":
         """Build from the namespace of a parser that went through :func:`add_cli_args`.
 
         Flags map onto fields through :data:`CLI_FLAGS` (``--enable-output-caching`` sets
-        ``cache_output_tokens``, ``--kv-cache-dtype auto`` keeps ``dtype``), read from the
+        ``cache_output_tokens``, ``--kv-cache-dtype auto`` leaves ``dtype`` at its default), read from the
         dest of the parser's own flag where it already had one.  A value of None means "not
-        given".  ``overrides`` (the model's shape: num_layers, num_kv_heads, head_dim, ...)
-        win over the flags.
+        given".  ``defaults`` replace the class's defaults for flags not given (an engine that
+        loads the model itself passes ``{"dtype": AUTO_DTYPE}``); ``overrides`` (the model's
+        shape: num_layers, num_kv_heads, head_dim, ...) win over the flags.
         """
         values = vars(args)
         dests: dict[str, str] = dict(values.get(_DESTS_KEY) or {})
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = dict(defaults or {})
         # NOTE: only the cache's own flags are read.  An engine parser has flags whose dests
         # happen to match a field but mean something else (a model --dtype of "auto"); the
         # model's shape comes in through ``overrides``.
         for spec in CLI_FLAGS:
             dest = dests.get(spec.field, spec.dest)
             value = values.get(dest)
-            if value is None or (spec.field == "dtype" and value == "auto"):
+            if value is None or (spec.field == "dtype" and value == AUTO_DTYPE):
                 continue
             kwargs[spec.field] = value
         kwargs.update(overrides)
@@ -236,7 +245,7 @@ CLI_FLAGS: tuple[CliFlag, ...] = (
         type=_int_at_least(1), default=None, metavar="N",
         help="Device KV blocks per worker; by default the engine sizes the device pool from free memory.")),
     CliFlag("--kv-cache-dtype", "dtype", dict(
-        choices=("auto", *DTYPE_ITEMSIZE), default=None,
+        choices=(AUTO_DTYPE, *DTYPE_ITEMSIZE), default=None,
         help="KV cache element type; 'auto' (the default) uses the model's dtype.")),
     CliFlag("--swap-space", "swap_space", dict(
         type=_finite_float_at_least(0.0), default=None, metavar="GiB",

@@ -12,15 +12,16 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from fastdeploy_kvcache.config import CacheConfig
+from fastdeploy_kvcache.config import AUTO_DTYPE, CacheConfig
 from fastdeploy_kvcache.engine.args import EngineArgs
 
 _CACHE_FIELDS = frozenset(f.name for f in dataclasses.fields(CacheConfig))
 
 
 def engine_args(**kwargs: Any) -> EngineArgs:
-    """CacheConfig's field names go into ``cache``; the rest are EngineArgs fields."""
-    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_FIELDS}
+    """CacheConfig's field names go into ``cache``; the rest are EngineArgs fields.  The cache
+    dtype is the model's unless a test names one, as on the server."""
+    cache = {"dtype": AUTO_DTYPE, **{k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_FIELDS}}
     return EngineArgs(cache=CacheConfig(**cache), **kwargs)
 
 

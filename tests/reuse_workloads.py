@@ -244,3 +244,39 @@ def check_idle_backup(factory: Factory) -> None:
     again = col.final("again").cached_tokens_by_tier
     assert again["host"] >= 2 * BS, again
     assert_no_leak(eng)
+
+
+class ReuseChecks:
+    """The checks above as test methods over the ``engine_factory`` fixture of the module that
+    subclasses this (``class TestReuse(ReuseChecks)``), so every runner runs the same tests.
+
+    ``policies`` names, per test method, the write policies it runs under (a slower runner
+    runs fewer); a method not named runs under every policy.  Each subclass gets its own
+    recompute baseline (one per runner).
+    """
+
+    policies: dict[str, tuple[str, ...]] = {}
+    baseline: RecomputeBaseline
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.baseline = RecomputeBaseline()
+
+    def pytest_generate_tests(self, metafunc: Any) -> None:
+        if "policy" in metafunc.fixturenames:
+            metafunc.parametrize("policy", self.policies.get(metafunc.function.__name__, POLICIES))
+
+    def test_device_hits_change_nothing(self, engine_factory: Factory, policy: str) -> None:
+        check_device_hits(engine_factory, self.baseline(engine_factory), policy)
+
+    def test_host_hits_change_nothing(self, engine_factory: Factory, policy: str) -> None:
+        check_host_hits(engine_factory, self.baseline(engine_factory), policy)
+
+    def test_write_back_evictions_under_concurrency(self, engine_factory: Factory) -> None:
+        check_write_back_under_concurrency(engine_factory, self.baseline(engine_factory, concurrent=True))
+
+    def test_failed_loads_recompute_and_change_nothing(self, engine_factory: Factory, policy: str) -> None:
+        check_failed_loads(engine_factory, self.baseline(engine_factory), policy)
+
+    def test_preemption_changes_nothing(self, engine_factory: Factory, policy: str) -> None:
+        check_preemption(engine_factory, policy)

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from fastdeploy_kvcache import envs
+from fastdeploy_kvcache.cli_flags import parser_actions
 from fastdeploy_kvcache.config import GiB, CacheConfig, add_cli_args
 
 
@@ -115,6 +116,17 @@ def test_cli_defaults_match_config_defaults_and_fastdeploy() -> None:
     assert CacheConfig.from_cli_args(_cli(["--kv-cache-dtype", "auto"]), dtype="float32").dtype == "float32"
 
 
+def test_auto_dtype_stands_for_the_models_until_it_is_filled_in() -> None:
+    """``--kv-cache-dtype auto`` or no flag: the caller's default dtype (the engine passes
+    "auto", which it replaces with the model's); a dtype named on the CLI wins.  An "auto"
+    config cannot be sized."""
+    assert CacheConfig.from_cli_args(_cli([]), defaults={"dtype": "auto"}).dtype == "auto"
+    assert CacheConfig.from_cli_args(_cli(["--kv-cache-dtype", "auto"]), defaults={"dtype": "auto"}).dtype == "auto"
+    assert CacheConfig.from_cli_args(_cli(["--kv-cache-dtype", "float16"]), defaults={"dtype": "auto"}).dtype == "float16"
+    with pytest.raises(ValueError, match="'auto'"):
+        CacheConfig(dtype="auto").bytes_per_block
+
+
 def test_cli_rejects_unknown_policy() -> None:
     parser = add_cli_args(argparse.ArgumentParser())
     with pytest.raises(SystemExit) as info:
@@ -219,7 +231,7 @@ def test_help_describes_every_flag() -> None:
              "--enable-output-caching", "--no-enable-output-caching", "--kv-cache-dtype"]
     for flag in flags:
         assert flag in text, flag
-    for action in parser._actions:
+    for action in parser_actions(parser):
         if action.option_strings and action.dest != "help":
             assert action.help and len(action.help) > 20, action.option_strings
 

@@ -150,7 +150,7 @@ class KVEventRecorder:
         if depth >= len(hashes) or hashes[depth] != h:
             return None
         bs = self.block_size
-        tokens = request._token_slice(depth * bs, (depth + 1) * bs)
+        tokens = request.token_slice(depth * bs, (depth + 1) * bs)
         return tuple(tokens) if type(tokens) is list else tuple(int(t) for t in tokens)  # numpy ids: plain ints
 
     def request_resync(self) -> None:

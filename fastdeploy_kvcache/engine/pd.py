@@ -268,7 +268,7 @@ class PDCoordinator:
                 break
             if not er.params.greedy:
                 er.sampler.rng.random()  # the draw the prefill side's sample() made
-            self.engine._append_token(er, int(token))
+            self.engine.append_token(er, int(token))
         return not er.finished
 
     def after_admit(self, er: Any) -> None:

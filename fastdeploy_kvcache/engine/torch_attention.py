@@ -31,12 +31,11 @@ attends, a host hit's blocks are device blocks like any other.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 # The step travels to the attention function the same way on both paths (thread-local).
-from fastdeploy_kvcache.engine.attention import current_context, step_context  # noqa: F401
+from fastdeploy_kvcache.engine.attention import current_context, select_attention, step_context  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -182,17 +181,12 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-_registered = False
-_register_lock = threading.Lock()
+def _transformers_attention_interface() -> Any:
+    from transformers import AttentionInterface
+
+    return AttentionInterface
 
 
 def register_paged_attention(config: Any) -> None:
     """Register the function with transformers (once) and select it in ``config``."""
-    global _registered
-    with _register_lock:
-        if not _registered:
-            from transformers import AttentionInterface
-
-            AttentionInterface.register(ATTN_IMPL_NAME, paged_attention_forward)
-            _registered = True
-    config._attn_implementation = ATTN_IMPL_NAME
+    select_attention(config, ATTN_IMPL_NAME, _transformers_attention_interface, paged_attention_forward)

@@ -66,80 +66,64 @@ def _find_capi(path: Optional[str], variant: Optional[str]) -> Path:
     )
 
 
-def _declare_abi(lib: ctypes.CDLL) -> None:
-    """Set argtypes/restype of every exported function (keeps ctypes from truncating)."""
-    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    pp = ctypes.POINTER(ctypes.c_void_p)
-    lib.fdkv_last_error.restype = ctypes.c_char_p
-    lib.fdkv_last_error.argtypes = []
-    lib.fdkv_last_error_fields.restype = i32
-    lib.fdkv_last_error_fields.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p), _C_INT64_P]
-    lib.fdkv_clear_error.restype = None
-    lib.fdkv_clear_error.argtypes = []
-    lib.fdkv_is_cuda.restype = i32
-    lib.fdkv_is_cuda.argtypes = []
-    lib.fdkv_abi_version.restype = i32
-    lib.fdkv_abi_version.argtypes = []
-    lib.fdkv_host_alloc.restype = i32
-    lib.fdkv_host_alloc.argtypes = [ctypes.c_size_t, ctypes.c_uint, pp]
-    lib.fdkv_host_free.restype = i32
-    lib.fdkv_host_free.argtypes = [vp]
+def _abi_signatures() -> dict[str, tuple[Any, list[Any]]]:
+    """Every exported function's ``(restype, argtypes)``, by name."""
+    vp, i64, i32, cp = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
+    pp, i32p = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)
     swap_args = [
+        cp,                               # op name (for errors)
         pp, _C_INT64_P, _C_INT64_P, i64,  # dev ptrs, per-tensor dev blocks, block bytes, tensors
         pp, i64,                          # host ptrs (one for layout), host blocks
         _C_INT64_P, i64, _C_INT64_P, i64,  # dev ids, count, host ids, count
         i32, vp, i32, i32,                # mode, stream, sync, path (ABI version 2)
     ]
-    for name in ("fdkv_swap_layers", "fdkv_swap_layout"):
+    return {
+        "fdkv_last_error": (cp, []),
+        "fdkv_last_error_fields": (i32, [ctypes.POINTER(cp), ctypes.POINTER(cp), _C_INT64_P]),
+        "fdkv_clear_error": (None, []),
+        "fdkv_is_cuda": (i32, []),
+        "fdkv_abi_version": (i32, []),
+        "fdkv_host_alloc": (i32, [ctypes.c_size_t, ctypes.c_uint, pp]),
+        "fdkv_host_free": (i32, [vp]),
+        "fdkv_swap_layers": (i32, swap_args),
+        "fdkv_swap_layout": (i32, swap_args),
+        "fdkv_swap_layer_groups": (i32, [
+            cp, pp, _C_INT64_P, _C_INT64_P, i64,  # op, dev ptrs, dev blocks, block bytes, tensors
+            pp, i64, i64,                         # host ptrs, host blocks, group size
+            _C_INT64_P, i64, _C_INT64_P, i64,     # dev ids, count, host ids, count
+            i32, vp, pp, i64, vp, i32, i32,       # mode, stream, events, count, progress, sync, path
+        ]),
+        "fdkv_progress_create": (i32, [pp]),
+        "fdkv_progress_destroy": (i32, [vp]),
+        "fdkv_progress_wait": (i32, [vp, i64, i64, _C_INT64_P]),
+        "fdkv_progress_wait_closed": (i32, [vp, i64, i32p]),
+        "fdkv_progress_state": (i32, [vp, _C_INT64_P, i32p, i32p, i32p, _C_INT64_P]),
+        "fdkv_progress_error": (cp, [vp]),
+        "fdkv_progress_abandon": (i32, [vp, cp]),
+        "fdkv_launcher_create": (i32, [pp]),
+        "fdkv_launcher_destroy": (i32, [vp]),
+        "fdkv_launcher_wait_idle": (i32, [vp, i64, i32p]),
+        "fdkv_launch_layer_groups": (i32, [
+            vp, cp, pp, _C_INT64_P, _C_INT64_P, i64,  # launcher, op, dev ptrs, dev blocks, block bytes, tensors
+            pp, i64, i64,                             # host ptrs, host blocks, group size
+            _C_INT64_P, i64, _C_INT64_P, i64,         # dev ids, count, host ids, count
+            i32, vp, pp, i64, vp,                     # mode, stream, events, count, progress
+            pp, i64, vp, vp, i32, i64,                # waits, count, start, done event, path, inline groups
+        ]),
+        "fdkv_set_option": (i32, [cp, i64]),
+        "fdkv_get_option": (i32, [cp, _C_INT64_P]),
+        "fdkv_read_files": (i32, [ctypes.POINTER(cp), i64, pp, _C_INT64_P, vp, i64, _C_INT64_P]),
+        "fdkv_last_path": (i32, []),
+        "fdkv_stream_synchronize": (i32, [vp]),
+    }
+
+
+def _declare_abi(lib: ctypes.CDLL) -> None:
+    """Set argtypes/restype of every exported function (keeps ctypes from truncating)."""
+    for name, (restype, argtypes) in _abi_signatures().items():
         fn = getattr(lib, name)
-        fn.restype = i32
-        fn.argtypes = [ctypes.c_char_p] + swap_args
-    lib.fdkv_swap_layer_groups.restype = i32
-    lib.fdkv_swap_layer_groups.argtypes = [
-        ctypes.c_char_p, pp, _C_INT64_P, _C_INT64_P, i64,  # op, dev ptrs, dev blocks, block bytes, tensors
-        pp, i64, i64,                                      # host ptrs, host blocks, group size
-        _C_INT64_P, i64, _C_INT64_P, i64,                  # dev ids, count, host ids, count
-        i32, vp, pp, i64, vp, i32, i32,                    # mode, stream, events, count, progress, sync, path
-    ]
-    lib.fdkv_progress_create.restype = i32
-    lib.fdkv_progress_create.argtypes = [pp]
-    lib.fdkv_progress_destroy.restype = i32
-    lib.fdkv_progress_destroy.argtypes = [vp]
-    lib.fdkv_progress_wait.restype = i32
-    lib.fdkv_progress_wait.argtypes = [vp, i64, i64, _C_INT64_P]
-    i32p = ctypes.POINTER(ctypes.c_int)
-    lib.fdkv_progress_wait_closed.restype = i32
-    lib.fdkv_progress_wait_closed.argtypes = [vp, i64, i32p]
-    lib.fdkv_progress_state.restype = i32
-    lib.fdkv_progress_state.argtypes = [vp, _C_INT64_P, i32p, i32p, i32p, _C_INT64_P]
-    lib.fdkv_progress_error.restype = ctypes.c_char_p
-    lib.fdkv_progress_error.argtypes = [vp]
-    lib.fdkv_progress_abandon.restype = i32
-    lib.fdkv_progress_abandon.argtypes = [vp, ctypes.c_char_p]
-    lib.fdkv_launcher_create.restype = i32
-    lib.fdkv_launcher_create.argtypes = [pp]
-    lib.fdkv_launcher_destroy.restype = i32
-    lib.fdkv_launcher_destroy.argtypes = [vp]
-    lib.fdkv_launcher_wait_idle.restype = i32
-    lib.fdkv_launcher_wait_idle.argtypes = [vp, i64, i32p]
-    lib.fdkv_launch_layer_groups.restype = i32
-    lib.fdkv_launch_layer_groups.argtypes = [
-        vp, ctypes.c_char_p, pp, _C_INT64_P, _C_INT64_P, i64,  # launcher, op, dev ptrs, dev blocks, block bytes, tensors
-        pp, i64, i64,                                          # host ptrs, host blocks, group size
-        _C_INT64_P, i64, _C_INT64_P, i64,                      # dev ids, count, host ids, count
-        i32, vp, pp, i64, vp,                                  # mode, stream, events, count, progress
-        pp, i64, vp, vp, i32, i64,                             # waits, count, start, done event, path, inline groups
-    ]
-    lib.fdkv_set_option.restype = i32
-    lib.fdkv_set_option.argtypes = [ctypes.c_char_p, i64]
-    lib.fdkv_get_option.restype = i32
-    lib.fdkv_get_option.argtypes = [ctypes.c_char_p, _C_INT64_P]
-    lib.fdkv_read_files.restype = i32
-    lib.fdkv_read_files.argtypes = [ctypes.POINTER(ctypes.c_char_p), i64, pp, _C_INT64_P, vp, i64, _C_INT64_P]
-    lib.fdkv_last_path.restype = i32
-    lib.fdkv_last_path.argtypes = []
-    lib.fdkv_stream_synchronize.restype = i32
-    lib.fdkv_stream_synchronize.argtypes = [vp]
+        fn.restype = restype
+        fn.argtypes = argtypes
 
 
 class CApi:

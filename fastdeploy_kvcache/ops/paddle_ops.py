@@ -96,12 +96,25 @@ def _run(name: str, *args: Any) -> Any:
     capi: CApi = _paddle_state["capi"]
     capi.clear_error()
     try:
+        # NOTE: the call Paddle's generated wrapper of a custom op makes (cpp_extension); the
+        # wrapper itself would hide the op's name from the error mapping below.
         return c_ops._run_custom_op(name, *args)
     except Exception:  # Paddle reports C++ errors as OSError with the message
         error = capi.error_from_last()
         if error is None:
             raise
         raise error from None
+
+
+def _per_layer_args(op: str, cache_gpu: Any, cache_cpu_ptr: int, max_block_num_cpu: int, swap_block_ids_gpu: IdsLike,
+                    swap_block_ids_cpu: IdsLike, rank: int, mode: int) -> list[Any]:
+    """The arguments both one-tensor ops share, checked in order (errors name ``op``)."""
+    return [
+        check_tensor(cache_gpu, op), int_arg(cache_cpu_ptr, op, "cache_cpu_ptr"),
+        int_arg(max_block_num_cpu, op, "max_block_num_cpu"), id_list(swap_block_ids_gpu, op, "swap_block_ids_gpu"),
+        id_list(swap_block_ids_cpu, op, "swap_block_ids_cpu"), int_arg(rank, op, "rank", 32),
+        int_arg(mode, op, "mode", 32),
+    ]
 
 
 def swap_cache_per_layer(
@@ -131,12 +144,9 @@ def swap_cache_per_layer(
     optional trailing attribute ``path``; ignored on CPU tensors.
     """
     op = "swap_cache_per_layer"
-    return _run(
-        op, check_tensor(cache_gpu, op), int_arg(cache_cpu_ptr, op, "cache_cpu_ptr"),
-        int_arg(max_block_num_cpu, op, "max_block_num_cpu"), id_list(swap_block_ids_gpu, op, "swap_block_ids_gpu"),
-        id_list(swap_block_ids_cpu, op, "swap_block_ids_cpu"), int_arg(rank, op, "rank", 32),
-        int_arg(mode, op, "mode", 32), copy_path_code(path, op),
-    )[0]
+    args = _per_layer_args(op, cache_gpu, cache_cpu_ptr, max_block_num_cpu, swap_block_ids_gpu, swap_block_ids_cpu,
+                           rank, mode)
+    return _run(op, *args, copy_path_code(path, op))[0]
 
 
 def swap_cache_per_layer_async(
@@ -157,12 +167,9 @@ def swap_cache_per_layer_async(
     host buffer alive and untouched until then.
     """
     op = "swap_cache_per_layer_async"
-    return _run(
-        op, check_tensor(cache_gpu, op), int_arg(cache_cpu_ptr, op, "cache_cpu_ptr"),
-        int_arg(max_block_num_cpu, op, "max_block_num_cpu"), id_list(swap_block_ids_gpu, op, "swap_block_ids_gpu"),
-        id_list(swap_block_ids_cpu, op, "swap_block_ids_cpu"), int_arg(rank, op, "rank", 32),
-        int_arg(mode, op, "mode", 32), stream_handle(stream), copy_path_code(path, op),
-    )[0]
+    args = _per_layer_args(op, cache_gpu, cache_cpu_ptr, max_block_num_cpu, swap_block_ids_gpu, swap_block_ids_cpu,
+                           rank, mode)
+    return _run(op, *args, stream_handle(stream), copy_path_code(path, op))[0]
 
 
 def swap_cache_all_layers(

@@ -183,7 +183,8 @@ class FileBackend(StorageBackend):
                 f"{op}: keys[{index}] = {key!r} must be at most {_MAX_KEY_LEN} characters of [A-Za-z0-9._-:]",
             )
 
-    def _file(self, key: str) -> str:
+    def file_path(self, key: str) -> str:
+        """The file that holds ``key`` (a benchmark reads it directly as its baseline)."""
         return self._dir_prefix + key.replace(":", "=") + _SUFFIX
 
     @staticmethod
@@ -235,7 +236,7 @@ class FileBackend(StorageBackend):
         key, size = self._lru.popitem(last=False)
         self._used -= size
         try:
-            os.unlink(self._file(key))
+            os.unlink(self.file_path(key))
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -327,7 +328,7 @@ class FileBackend(StorageBackend):
             self._touch_flush_queued = False
         now = time.time_ns()
         for key in keys:
-            path = self._file(key)
+            path = self.file_path(key)
             try:
                 st = os.stat(path)
                 os.utime(path, ns=(now, st.st_mtime_ns))
@@ -377,7 +378,7 @@ class FileBackend(StorageBackend):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, self._file(key))
+            os.rename(tmp, self.file_path(key))
         except OSError as exc:
             try:
                 os.unlink(tmp)
@@ -391,7 +392,7 @@ class FileBackend(StorageBackend):
             # NOTE: a tiny cap let concurrent puts evict this key's reservation while its
             # bytes were being written; an untracked file would escape the cap, so drop it.
             try:
-                os.unlink(self._file(key))
+                os.unlink(self.file_path(key))
             except OSError:
                 pass
             return Status.FULL
@@ -438,7 +439,7 @@ class FileBackend(StorageBackend):
 
     def _read_and_check(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Read a group of objects (see ``_READ_GROUP_BYTES``), then check each one."""
-        paths = [self._file(k) for k in keys]
+        paths = [self.file_path(k) for k in keys]
         digests: Optional[list[Optional[int]]] = None
         if min(sizes) >= _CHUNKED_READ_MIN_BYTES:
             headers, got, digests = self._read_files_hashed(paths, ptrs, sizes)
@@ -581,7 +582,7 @@ class FileBackend(StorageBackend):
 
     def _not_a_file(self, key: str) -> bool:
         """Whether a non-file sits at ``key``'s path: reported once, the key skipped since."""
-        path = self._file(key)
+        path = self.file_path(key)
         try:
             if not os.path.lexists(path) or os.path.isfile(path):
                 return False
@@ -597,7 +598,7 @@ class FileBackend(StorageBackend):
         return True
 
     def _still_blocked(self, key: str) -> bool:
-        path = self._file(key)
+        path = self.file_path(key)
         if os.path.lexists(path) and not os.path.isfile(path):
             return True
         with self._lock:
@@ -651,8 +652,8 @@ class FileBackend(StorageBackend):
         count = 0
         for i, key in enumerate(keys):
             self._check_key("batch_exists", i, key)
-            if not os.path.isfile(self._file(key)):
-                if os.path.lexists(self._file(key)):
+            if not os.path.isfile(self.file_path(key)):
+                if os.path.lexists(self.file_path(key)):
                     self._not_a_file(key)
                 break
             count += 1
@@ -692,7 +693,7 @@ class FileBackend(StorageBackend):
                 if size is not None:
                     self._used -= size
                 try:
-                    os.unlink(self._file(key))
+                    os.unlink(self.file_path(key))
                     removed += 1
                 except FileNotFoundError:
                     pass

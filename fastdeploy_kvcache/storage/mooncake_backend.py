@@ -341,6 +341,12 @@ class MooncakeBackend(StorageBackend):
             self._closed.wait(delay)
 
     @property
+    def raw_store(self) -> Any:
+        """Mooncake's own client (None until connected), for a benchmark's baseline: calls
+        on it bypass this backend's timeouts, breaker and statistics."""
+        return self._store
+
+    @property
     def generation(self) -> int:
         return self._generation
 

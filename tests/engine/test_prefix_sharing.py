@@ -109,17 +109,17 @@ def test_a_leader_aborted_mid_prefill_leaves_its_chunks_to_the_next(monkeypatch,
         col = Collector()
         for i in range(4):
             eng.add_request(f"r{i}", _prompt(i), greedy(6), col)
-        eng._drain_inbox()
         for _ in range(6):
-            eng._step()
+            eng.step()
         assert [er.request_id for er in eng.running] == ["r0"] and eng.running[0].req.num_computed_tokens == 288
         eng.abort("r0")
-        eng._drain_inbox()
+        eng.step()  # takes the abort; r1 leads now, r2 and r3 wait for it
         assert col.final("r0").finish_reason == "abort"
-        eng._step()  # r1 leads now; r2 and r3 wait for it
         assert [er.request_id for er in eng.running] == ["r1"]
         assert eng.sharing.stats.held_now == 2
         eng.start()
+        with pytest.raises(RuntimeError, match="thread is running"):
+            eng.step()  # by hand only while the engine's own thread is not stepping
         assert eng.wait_idle(120)
         assert {f"r{i}": col.tokens(f"r{i}") for i in range(1, 4)} == {
             k: v for k, v in recompute_tokens.items() if k != "r0"}
@@ -165,9 +165,9 @@ def _host_only_prefix(monkeypatch: pytest.MonkeyPatch, tiny_model: Any) -> LLMEn
     col = Collector()
     for rid, prompt in (("warm", _prompt(99)), ("filler", [7 + (j * 13) % 490 for j in range(70 * BS - 1)])):
         eng.add_request(rid, prompt, greedy(1), col)
-        eng._drain_inbox()
+        eng.step()
         while eng.running or eng.waiting:
-            eng._step()
+            eng.step()
         eng.pool.complete_finished(wait=True)  # the backups land
         col.final(rid)
     hashes = _prefix_hashes()
@@ -190,8 +190,7 @@ def test_a_load_in_flight_is_shared(monkeypatch, tiny_model, recompute_tokens):
         col = Collector()
         for i in range(1, 4):
             eng.add_request(f"r{i}", _prompt(i), greedy(6), col)
-        eng._drain_inbox()
-        eng._step()
+        eng.step()
         cache = eng.pool.stats()["cache"]
         n = len(PREFIX) // BS
         assert cache["swap_in_blocks_issued"] - before["swap_in_blocks_issued"] == n
@@ -216,10 +215,8 @@ def test_a_failed_shared_load_makes_every_reader_recompute(monkeypatch, tiny_mod
         col = Collector()
         for i in range(1, 4):
             eng.add_request(f"r{i}", _prompt(i), greedy(6), col)
-        eng._drain_inbox()
-        eng._step()  # the step is dropped: its one load failed
+        eng.step()  # the step is dropped: its one load failed
         assert inject.failed == 1
-        eng._refresh_stats()  # a dropped step returns before the engine refreshes them
         stats = eng.get_stats()
         assert stats["engine"]["num_failed_load_steps"] == 1
         assert stats["cache"]["shared_load_blocks"] == 2 * len(PREFIX) // BS

@@ -21,7 +21,7 @@ def test_smollm2_answers_paris_with_and_without_reuse(monkeypatch: pytest.Monkey
 
     monkeypatch.setenv("ENABLE_V1_KVCACHE_MANAGER", "1")
     # block_size 16 so the 37-token chat prompt has two full blocks to reuse.
-    eng = LLMEngine(EngineArgs(model="smollm2-135m-instruct", cache=CacheConfig(block_size=16), max_model_len=256, max_num_seqs=2))
+    eng = LLMEngine(EngineArgs(model="smollm2-135m-instruct", cache=CacheConfig(block_size=16, dtype="auto"), max_model_len=256, max_num_seqs=2))
     eng.start()
     try:
         assert eng.model_name == "smollm2-135m-instruct"

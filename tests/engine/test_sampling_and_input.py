@@ -154,6 +154,17 @@ def test_bad_requests_are_value_errors(engine_factory: Any) -> None:
     assert fin.finish_reason == "length" and fin.num_prompt_tokens + fin.num_output_tokens == 64
 
 
+def test_kv_cache_dtype_is_the_models_unless_named(engine_factory: Any) -> None:
+    """cache.dtype "auto" becomes the model's dtype (float32 on the CPU) in the engine's
+    resolved config and its cache tensors; a named dtype is used as given."""
+    auto = engine_factory(v1=True)
+    assert auto.args.cache.dtype == "auto" and auto.cache_config.dtype == "float32"
+    named = engine_factory(v1=True, dtype="bfloat16")
+    assert named.cache_config.dtype == "bfloat16"
+    assert "bfloat16" in str(named.pool.layer_caches[0][0].dtype)
+    assert len(_run(named, greedy(4), "b").tokens("b")) == 4  # it serves from that cache
+
+
 def test_sampler_respects_top_k_and_top_p() -> None:
     logits = np.array([5.0, 4.0, 3.0, -10.0, -10.0])
     s = RequestSampler(SamplingParams(temperature=1.0, top_k=2, seed=1), 0)
@@ -174,11 +185,11 @@ def test_engine_args_parser_adds_to_a_parser_with_overlapping_flags() -> None:
     assert (args.model, args.cache.block_size, args.cache.swap_space, args.cache.write_policy, args.max_num_seqs) == (
         "tiny-llama-random", 32, 1.5, "write_back", 3)
     assert args.host_tier_enabled
-    assert args.kv_cache_dtype == "auto" and args.cache.num_gpu_blocks == 0
+    assert args.cache.dtype == "auto" and args.cache.num_gpu_blocks == 0
     ns = parser.parse_args(["--kv-cache-dtype", "bfloat16", "--num-gpu-blocks-override", "7",
                             "--no-enable-prefix-caching", "--no-enable-output-caching"])
     args = EngineArgs.from_cli_args(ns)
-    assert (args.kv_cache_dtype, args.cache.num_gpu_blocks) == ("bfloat16", 7)
+    assert (args.cache.dtype, args.cache.num_gpu_blocks) == ("bfloat16", 7)
     assert not args.cache.enable_prefix_caching and not args.cache.cache_output_tokens
     help_text = add_engine_cli_args(argparse.ArgumentParser()).format_help()
     for flag in ("--max-model-len", "--max-num-batched-tokens", "--num-gpu-blocks-override", "--kv-cache-dtype",

@@ -10,42 +10,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests.reuse_workloads import (
-    POLICIES,
-    RecomputeBaseline,
-    check_device_hits,
-    check_failed_loads,
-    check_host_hits,
-    check_preemption,
-    check_write_back_under_concurrency,
-)
+from tests.reuse_workloads import ReuseChecks
 
 ROOT = Path(__file__).resolve().parents[2]
-baseline = RecomputeBaseline()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_device_hits_change_nothing(engine_factory: Any, policy: str) -> None:
-    check_device_hits(engine_factory, baseline(engine_factory), policy)
+class TestTorchReuse(ReuseChecks):
+    """The shared reuse checks; on the CPU the slower checks run under fewer policies."""
 
-
-@pytest.mark.parametrize("policy", ("write_through", "write_back"))
-def test_host_hits_change_nothing(engine_factory: Any, policy: str) -> None:
-    check_host_hits(engine_factory, baseline(engine_factory), policy)
-
-
-def test_write_back_evictions_under_concurrency(engine_factory: Any) -> None:
-    check_write_back_under_concurrency(engine_factory, baseline(engine_factory, concurrent=True))
-
-
-def test_failed_loads_recompute_and_change_nothing(engine_factory: Any) -> None:
-    check_failed_loads(engine_factory, baseline(engine_factory), "write_through")
-
-
-def test_preemption_changes_nothing(engine_factory: Any) -> None:
-    check_preemption(engine_factory, "write_back")
+    policies = {
+        "test_host_hits_change_nothing": ("write_through", "write_back"),
+        "test_failed_loads_recompute_and_change_nothing": ("write_through",),
+        "test_preemption_changes_nothing": ("write_back",),
+    }
 
 
 def test_cache_is_the_workers_torch_memory(engine_factory: Any) -> None:
@@ -78,7 +55,7 @@ def test_transformers_path_imports_no_paddle() -> None:
         "from fastdeploy_kvcache.engine.args import EngineArgs\n"
         "from fastdeploy_kvcache.engine.llm_engine import LLMEngine\n"
         "eng = LLMEngine(EngineArgs(model='tiny-llama-random', model_impl='transformers', device='cpu',\n"
-        "                           max_model_len=256, cache=CacheConfig(num_host_blocks=8)))\n"
+        "                           max_model_len=256, cache=CacheConfig(num_host_blocks=8, dtype='auto')))\n"
         "eng.shutdown()\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('paddle', 'paddleformers'))))\n"
     )

@@ -275,6 +275,7 @@ BAD_COMPLETIONS: list[tuple[str, Any, str]] = [
     ("top_k 0", {"model": MODEL, "prompt": "hi", "top_k": 0}, "top_k"),
     ("top_k < -1", {"model": MODEL, "prompt": "hi", "top_k": -2}, "top_k"),
     ("n 0", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+    ("n over the documented cap", {"model": MODEL, "prompt": "hi", "n": 65}, "n"),
     ("empty prompt", {"model": MODEL, "prompt": ""}, "prompt"),
     ("token id out of range", {"model": MODEL, "prompt": [1, 2, 10 ** 9]}, "prompt"),
     ("negative seed", {"model": MODEL, "prompt": "hi", "seed": -1}, "seed"),

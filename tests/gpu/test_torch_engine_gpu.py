@@ -19,15 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.reuse_workloads import (
-    POLICIES,
-    RecomputeBaseline,
-    check_device_hits,
-    check_failed_loads,
-    check_host_hits,
-    check_preemption,
-    check_write_back_under_concurrency,
-)
+from tests.reuse_workloads import ReuseChecks
 from tests.torch_engines import TORCH_REASON, engine_factory_for
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
@@ -60,31 +52,13 @@ def engine_factory(monkeypatch: pytest.MonkeyPatch, smollm2_fp32: Any) -> Iterat
     yield from engine_factory_for(monkeypatch, smollm2_fp32, model=MODEL, device="gpu", model_dtype="float32")
 
 
-baseline = RecomputeBaseline()
+class TestGpuReuse(ReuseChecks):
+    """The shared reuse checks on the GPU with SmolLM2."""
 
-
-@pytest.mark.parametrize("policy", POLICIES)
-def test_device_hits_change_nothing(engine_factory: Any, policy: str) -> None:
-    check_device_hits(engine_factory, baseline(engine_factory), policy)
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-def test_host_hits_change_nothing(engine_factory: Any, policy: str) -> None:
-    check_host_hits(engine_factory, baseline(engine_factory), policy)
-
-
-def test_write_back_evictions_under_concurrency(engine_factory: Any) -> None:
-    check_write_back_under_concurrency(engine_factory, baseline(engine_factory, concurrent=True))
-
-
-@pytest.mark.parametrize("policy", ("write_through", "write_back"))
-def test_failed_loads_recompute_and_change_nothing(engine_factory: Any, policy: str) -> None:
-    check_failed_loads(engine_factory, baseline(engine_factory), policy)
-
-
-@pytest.mark.parametrize("policy", ("write_through_selective", "write_back"))
-def test_preemption_changes_nothing(engine_factory: Any, policy: str) -> None:
-    check_preemption(engine_factory, policy)
+    policies = {
+        "test_failed_loads_recompute_and_change_nothing": ("write_through", "write_back"),
+        "test_preemption_changes_nothing": ("write_through_selective", "write_back"),
+    }
 
 
 def test_cache_is_device_torch_memory_and_loads_wait_on_the_gpu(engine_factory: Any) -> None:

@@ -57,8 +57,9 @@ class RequestGroup:
         self._abandoned = False
         self._on_abandoned_finish = on_abandoned_finish
 
-    def _submit(self) -> None:
-        """Add every sub-request; on a ValueError abort those already added and re-raise."""
+    def submit(self) -> None:
+        """Add every sub-request to the engine (once, by :meth:`EngineClient.submit`); on an
+        error abort those already added and re-raise."""
         added: list[str] = []
         try:
             for sub in self._subs:
@@ -168,7 +169,7 @@ class AsyncEngineClient:
         if self._draining:
             raise EngineDraining("the server is shutting down and takes no new requests")
         group = RequestGroup(self.engine, subs, on_abandoned_finish)
-        group._submit()
+        group.submit()
         self._groups.add(group)
         return group
 

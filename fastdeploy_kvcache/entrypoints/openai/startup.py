@@ -37,7 +37,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def flag_message(exc: BaseException) -> str:
-    """``exc``'s message with its leading field name (``kv_cache_dtype: ...``) spelled as its flag."""
+    """``exc``'s message with its leading field name (``dtype: ...``) spelled as its flag."""
     from fastdeploy_kvcache.config import CLI_FLAGS
     from fastdeploy_kvcache.engine.args import EngineArgs
 
