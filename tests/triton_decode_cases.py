@@ -68,8 +68,10 @@ def _reference(q: Any, k_cache: Any, v_cache: Any, table: Any, lens: Any, scale:
 
 def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     """The kernel's errors on case ``name``: against float64 (``f64``, per split choice), against
-    the torch fallback (``torch``); ``padding_changed`` and ``outside_changed`` are 1.0 when
-    garbage table padding changed the result, or a row outside the output was written."""
+    the torch fallback (``torch``), and against float64 when the kernel writes the new token's
+    K/V itself (``write_new_f64``); ``padding_changed``, ``outside_changed`` and
+    ``write_new_cache_wrong`` are 1.0 when garbage table padding changed the result, a row
+    outside the output was written, or the caches after the write differ from the expected."""
     import torch
 
     from fastdeploy_kvcache.engine.torch_attention import decode_attention_torch, decode_mask
@@ -118,6 +120,22 @@ def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     for i, n in enumerate(need):
         garbage[i, n:] = 1 << 40  # would fault or read garbage if it were dereferenced
     res["padding_changed"] = float(not torch.equal(run(garbage, 3), got))
+    # The new token's K/V handed to the kernel (slots zeroed first): it must write them, then
+    # attend over them, as if they had been in the cache.
+    k_in, v_in = k_cache.clone(), v_cache.clone()
+    rows = torch.arange(b)
+    last_blocks = table[rows, (lens - 1) // bs]
+    at = (lens - 1) % bs
+    k_new = k_cache[last_blocks, :, at].clone()  # [B, kvh, D]
+    v_new = v_cache[last_blocks, :, at].clone()
+    k_in[last_blocks, :, at] = 0
+    v_in[last_blocks, :, at] = 0
+    k_dev, v_dev = on(k_in), on(v_in)
+    full = torch.full((b + 2, heads, dim), 7.0, dtype=dt, device=device)
+    paged_decode_attention(on(q), k_dev, v_dev, on(table), on(lens), full[:b], scale, num_splits=3,
+                           k_new=on(k_new), v_new=on(v_new))
+    res["write_new_f64"] = float((full[:b].cpu().double() - ref).abs().max()) / norm
+    res["write_new_cache_wrong"] = float(not (torch.equal(k_dev.cpu(), k_cache) and torch.equal(v_dev.cpu(), v_cache)))
     mask = decode_mask(on(lens), width, bs, torch.arange(width * bs, device=device))
     fallback = decode_attention_torch(on(q), on(k_cache), on(v_cache), on(table), mask, scale).cpu()
     res["torch"] = float((got[:b].double() - fallback.double()).abs().max()) / norm

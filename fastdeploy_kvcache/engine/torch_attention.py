@@ -14,7 +14,8 @@ Per layer:
 1. the compute stream waits on the GPU for this layer's host->device load
    (``LayerDoneCounter.wait_for_layer``: ``cudaStreamWaitEvent``, no host sync);
 2. the step's new K and V go into their cache slots with one ``index_put_`` each (slots
-   computed once per step);
+   computed once per step), except the decode rows' when the Triton decode kernel runs: it
+   writes those itself;
 3. attention:
    * the leading one-token seqs (decodes) as one batch.  On CUDA with Triton: the paged
      decode kernel of ``engine/triton_paged_attention.py``, which reads each seq's blocks in
@@ -190,16 +191,21 @@ def paged_attention_forward(
     v_new = value[0].transpose(0, 1)
     if k_new.dtype != k_cache.dtype:
         k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
-    # In place, one kernel each: k_cache[block[t], :, offset[t], :] = k_new[t].
-    k_cache[step.slot_blocks, :, step.slot_offsets] = k_new
-    v_cache[step.slot_blocks, :, step.slot_offsets] = v_new
-    out = query.new_empty((num_tokens, num_heads, head_dim))
     b = step.num_decodes
+    # The decode kernel writes the decode rows' K and V itself (one launch fewer per cache);
+    # the other rows go to their slots here, in place, one kernel each:
+    # k_cache[block[t], :, offset[t], :] = k_new[t].
+    w = b if step.decode_kernel is not None else 0
+    if w < num_tokens:
+        blocks, offsets = (step.slot_blocks[w:], step.slot_offsets[w:]) if w else (step.slot_blocks, step.slot_offsets)
+        k_cache[blocks, :, offsets] = k_new[w:]
+        v_cache[blocks, :, offsets] = v_new[w:]
+    out = query.new_empty((num_tokens, num_heads, head_dim))
     if b:
         q = query[0, :, :b, :].transpose(0, 1)  # [B, H, D], a view
         if step.decode_kernel is not None:
             step.decode_kernel(q, k_cache, v_cache, step.decode_table, step.decode_lens, out[:b], scale,
-                               workspace=step.decode_workspace)
+                               workspace=step.decode_workspace, k_new=k_new[:b], v_new=v_new[:b])
         else:
             out[:b] = decode_attention_torch(q, k_cache, v_cache, step.decode_table, step.decode_mask,
                                              scale).to(out.dtype)

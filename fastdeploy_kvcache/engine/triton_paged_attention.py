@@ -8,11 +8,11 @@ block costs the same whichever tier it was loaded from.  Scores and the softmax 
 float32 with a running maximum (online softmax); positions past the sequence's length are
 masked; the result is written in the query's dtype straight into the caller's output rows.
 
-Occupancy: a batch of B sequences gives only ``B * kv_heads`` programs, too few to keep
-the GPU's memory system busy at small batches.  The context is then split over
-``num_splits`` programs per (sequence, KV head) (flash-decoding): each writes its partial
-output and log-sum-exp in float32, and a second small kernel combines them.  With one
-split the first kernel writes the output itself.
+Occupancy: a batch of B sequences gives ``B * kv_heads`` programs, too few to keep the
+GPU busy for one or two sequences.  The context can then be split over ``num_splits``
+programs per (sequence, KV head) (flash-decoding): each writes its partial output and
+log-sum-exp in float32, and a second small kernel combines them.  With one split (the
+usual case: :func:`choose_num_splits`) the first kernel writes the output itself.
 
 Triton compiles these for GPUs only.  With ``TRITON_INTERPRET=1`` in the environment
 before Triton is first imported, the same kernels run on CPU tensors in Triton's
@@ -46,16 +46,17 @@ def _dot(a, b, DOT: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_new_ptr, v_new_ptr,
     scale, blocks_per_split,
     stride_qb, stride_qh, stride_qd,
+    stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
     stride_kn, stride_kh, stride_kt, stride_kd,
     stride_vn, stride_vh, stride_vt, stride_vd,
     stride_tb, stride_tw,
     stride_ob, stride_oh, stride_od,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT: tl.constexpr, WRITE_NEW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,6 +75,23 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     q = q.to(k_ptr.dtype.element_ty)
+
+    if WRITE_NEW:
+        # The new token's K and V go to their slot (position seq_len - 1) first, written by the
+        # one program that reads that block (its split), then a barrier so that all of this
+        # program's threads see them: the step needs no separate cache write for its decodes.
+        pos = seq_len - 1
+        new_block = pos // BLOCK_SIZE
+        if (new_block >= first) & (new_block < last):
+            slot = tl.load(table_ptr + seq * stride_tb + new_block * stride_tw)
+            at = pos % BLOCK_SIZE
+            k_new = tl.load(k_new_ptr + seq * stride_knb + kv_head * stride_knh + d * stride_knd, mask=d_ok)
+            v_new = tl.load(v_new_ptr + seq * stride_vnb + kv_head * stride_vnh + d * stride_vnd, mask=d_ok)
+            tl.store(k_ptr + slot * stride_kn + kv_head * stride_kh + at * stride_kt + d * stride_kd,
+                     k_new.to(k_ptr.dtype.element_ty), mask=d_ok)
+            tl.store(v_ptr + slot * stride_vn + kv_head * stride_vh + at * stride_vt + d * stride_vd,
+                     v_new.to(v_ptr.dtype.element_ty), mask=d_ok)
+        tl.debug_barrier()
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -142,14 +160,22 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, device: Any) -> int:
-    """Splits of each sequence's context so that the grid has about four programs per SM
-    (one split when the batch alone gives that many), each split at least two blocks long."""
+    """Context splits per sequence: only for a grid far smaller than the GPU (fewer than one
+    program per 8 SMs), and never below 16 blocks a split.
+
+    NOTE: a split run is a second kernel launch, and the transformers runner's decode step is
+    bound by the host's launch time.  Measured on an H200 (bf16, Llama-3-8B heads, blocks of
+    64): at 4 to 32 seqs x 2k context one split was the fastest (the GPU read the K/V of 32 x
+    2k at about 3.7 TB/s in one split); 2 splits saved 6 to 15% of the kernel's GPU time at
+    32 x 8k and 64 x 2k, less than the host time of the second launch.
+    """
     if device.type != "cuda":
         return 1
-    want = 4 * _num_sms(device.index if device.index is not None else 0)
+    sms = _num_sms(device.index if device.index is not None else 0)
     programs = batch * kv_heads
-    splits = -(-want // programs)
-    return max(1, min(splits, max_blocks // 2))
+    if programs * 8 >= sms:
+        return 1
+    return max(1, min(-(-sms // programs), max_blocks // 16))
 
 
 def paged_decode_attention(
@@ -162,6 +188,8 @@ def paged_decode_attention(
     scale: float,
     num_splits: Optional[int] = None,
     workspace: Optional[dict] = None,
+    k_new: Any = None,
+    v_new: Any = None,
 ) -> Any:
     """Attention of one query token per sequence over its paged K/V; writes and returns ``out``.
 
@@ -175,7 +203,10 @@ def paged_decode_attention(
     * ``out``: ``[B, H, D]`` in the query's dtype (any strides);
     * ``num_splits``: context splits per sequence (None: :func:`choose_num_splits`);
     * ``workspace``: a dict reused across calls of one step (every layer has the same
-      shapes), holding the float32 partials of a split run instead of allocating per call.
+      shapes), holding the float32 partials of a split run instead of allocating per call;
+    * ``k_new``, ``v_new``: ``[B, kv_heads, D]`` (any strides), the new token's K and V: the
+      kernel writes them to position ``seq_lens[b] - 1`` of each sequence's blocks before it
+      reads them (None: they are in the cache already).
     """
     import torch
 
@@ -187,6 +218,10 @@ def paged_decode_attention(
     if block_table.shape[0] != batch or seq_lens.shape[0] != batch or tuple(out.shape) != tuple(query.shape):
         raise ValueError(f"paged_decode_attention: batch {batch} but table {tuple(block_table.shape)}, "
                          f"lens {tuple(seq_lens.shape)}, out {tuple(out.shape)}")
+    write_new = k_new is not None
+    if write_new and (v_new is None or tuple(k_new.shape) != (batch, kv_heads, head_dim)
+                      or tuple(v_new.shape) != (batch, kv_heads, head_dim)):
+        raise ValueError(f"paged_decode_attention: k_new / v_new must both be [{batch}, {kv_heads}, {head_dim}]")
     if batch == 0:
         return out
     groups = num_heads // kv_heads
@@ -206,14 +241,18 @@ def paged_decode_attention(
         part_out, part_lse = ws["out"], ws["lse"]
     else:
         part_out = part_lse = out  # unused
+    if not write_new:
+        k_new = v_new = query  # unused
     _decode_kernel[(batch, kv_heads, splits)](
-        query, k_cache, v_cache, block_table, seq_lens, out, part_out, part_lse,
+        query, k_cache, v_cache, block_table, seq_lens, out, part_out, part_lse, k_new, v_new,
         float(scale), blocks_per_split,
-        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(),
+        *query.stride(), *k_new.stride(), *v_new.stride(),
+        *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(),
         GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_D=block_d,
         BLOCK_N=max(16, triton.next_power_of_2(block_size)), NUM_SPLITS=splits,
-        DOT=2 if query.device.type != "cuda" else 1 if k_cache.dtype == torch.float32 else 0, num_warps=4,
+        DOT=2 if query.device.type != "cuda" else 1 if k_cache.dtype == torch.float32 else 0,
+        WRITE_NEW=write_new, num_warps=4,
     )
     if splits > 1:
         _combine_kernel[(batch, num_heads)](

@@ -48,6 +48,8 @@ def test_kernel_matches_float64_and_the_torch_fallback(results: dict[str, Any], 
     assert r["torch"] < tol, r
     assert r["outside_changed"] == 0.0, "the kernel wrote outside its output rows"
     assert r["padding_changed"] == 0.0, "the kernel read table entries past a seq's length"
+    assert r["write_new_f64"] < tol, r
+    assert r["write_new_cache_wrong"] == 0.0, "the new token's K/V did not land in (only in) its slot"
 
 
 def test_runner_with_the_kernel_matches_transformers_sdpa(results: dict[str, Any]) -> None:

@@ -156,6 +156,8 @@ def test_triton_decode_kernel_compiled(capi: Any, case: str, dtype: str) -> None
     assert r["torch"] < tol, r
     assert r["outside_changed"] == 0.0, "the kernel wrote outside its output rows"
     assert r["padding_changed"] == 0.0, "the kernel read table entries past a seq's length"
+    assert r["write_new_f64"] < tol, r
+    assert r["write_new_cache_wrong"] == 0.0, "the new token's K/V did not land in (only in) its slot"
 
 
 def test_logits_come_back_through_pinned_memory_and_stay_the_callers(capi: Any) -> None:
