@@ -143,6 +143,18 @@ def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     return res
 
 
+def assert_case_ok(r: dict[str, float], dtype: str) -> None:
+    """The assertions on one case's :func:`case_errors` (the CPU and the GPU test share them)."""
+    tol = TOLERANCE[dtype]
+    for s in SPLITS:
+        assert r[f"f64_splits_{s}"] < tol, (s, r)
+    assert r["torch"] < tol, r
+    assert r["outside_changed"] == 0.0, "the kernel wrote outside its output rows"
+    assert r["padding_changed"] == 0.0, "the kernel read table entries past a seq's length"
+    assert r["write_new_f64"] < tol, r
+    assert r["write_new_cache_wrong"] == 0.0, "the new token's K/V did not land in (only in) its slot"
+
+
 def runner_error() -> float:
     """The runner with the kernel as its decode attention against transformers' sdpa
     (tiny-llama-random, float32, on the CPU): tests/torch_attention_check.py."""

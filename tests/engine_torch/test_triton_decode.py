@@ -3,7 +3,8 @@
 Against a plain float64 reference and the torch fallback (tests/triton_decode_cases.py):
 block sizes 8 to 64 (and 24, not a power of two), ragged lengths, lengths that are exact
 multiples of the block size, one token, GQA groups 1, 3 and 4, tables wider than needed,
-float32 / float16 / bfloat16 caches, one split and several.  The interpreter must be chosen
+float32 / float16 / bfloat16 caches, one split and several, and the kernel writing the new
+token's K/V into its slot itself.  The interpreter must be chosen
 before Triton is first imported, so the cases run in one subprocess with TRITON_INTERPRET=1;
 each test asserts on its case.  The compiled kernel is checked on a GPU by
 tests/gpu/test_torch_engine_gpu.py.
@@ -21,16 +22,17 @@ from typing import Any
 
 import pytest
 
-from tests.triton_decode_cases import CASES, DTYPES, SPLITS, TOLERANCE
+from tests.triton_decode_cases import CASES, DTYPES, assert_case_ok
 
 ROOT = Path(__file__).resolve().parents[2]
-TRITON_REASON = "needs Triton for its CPU interpreter (pip install triton; bundled with CUDA builds of torch)"
+TRITON_REASON = ("needs PyTorch and Triton, for Triton's CPU interpreter (pip install torch triton; Triton comes "
+                 "with CUDA builds of torch)")
+if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+    pytest.skip(TRITON_REASON, allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip(TRITON_REASON)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-m", "tests.triton_decode_cases"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
@@ -41,15 +43,7 @@ def results() -> dict[str, Any]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kernel_matches_float64_and_the_torch_fallback(results: dict[str, Any], case: str, dtype: str) -> None:
-    r = results[f"{case}/{dtype}"]
-    tol = TOLERANCE[dtype]
-    for s in SPLITS:
-        assert r[f"f64_splits_{s}"] < tol, (s, r)
-    assert r["torch"] < tol, r
-    assert r["outside_changed"] == 0.0, "the kernel wrote outside its output rows"
-    assert r["padding_changed"] == 0.0, "the kernel read table entries past a seq's length"
-    assert r["write_new_f64"] < tol, r
-    assert r["write_new_cache_wrong"] == 0.0, "the new token's K/V did not land in (only in) its slot"
+    assert_case_ok(results[f"{case}/{dtype}"], dtype)
 
 
 def test_runner_with_the_kernel_matches_transformers_sdpa(results: dict[str, Any]) -> None:
