@@ -18,6 +18,7 @@ Nothing here or in the modules it imports imports Paddle: this path runs where o
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Optional, Sequence
 
@@ -78,8 +79,6 @@ def decode_kernel_for(device: Any, choice: str = "auto") -> Optional[Any]:
         logger.info("Triton does not import (%s): the decode batch uses the torch attention", exc)
         return None
     if device.type != "cuda" and choice == "triton":
-        import os
-
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("decode attention 'triton' on the CPU runs only in Triton's interpreter "
                              "(TRITON_INTERPRET=1 before Triton is imported)")
@@ -218,7 +217,7 @@ class TorchModelRunner:
         """The step's logits as a numpy array: on a GPU through pinned memory, at link speed.
 
         A pageable destination makes CUDA stage the copy through its own pinned bounce
-        buffer in small pieces (for [32, 128256] float32, 16 MB, about 40x slower than a
+        buffer in small pieces (for [32, 128256] float32, 16 MB, tens of times slower than a
         pinned copy).  Each step takes its destination from torch's caching pinned-memory
         allocator rather than from one buffer of the runner's: the returned array keeps its
         tensor alive, so the block goes back to the allocator (and to a later step) only

@@ -49,3 +49,20 @@ def test_kernel_matches_float64_and_the_torch_fallback(results: dict[str, Any], 
 def test_runner_with_the_kernel_matches_transformers_sdpa(results: dict[str, Any]) -> None:
     """tiny-llama-random in float32 through the runner, its decode batch on the kernel."""
     assert results["runner"] < 1e-4, results["runner"]
+
+
+def test_decode_attention_choice_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` and ``torch`` on the CPU are the torch fallback; ``triton`` there needs the
+    interpreter, and an unknown choice is refused with the valid ones."""
+    import torch
+
+    from fastdeploy_kvcache.engine.torch_runner import decode_kernel_for
+
+    cpu = torch.device("cpu")
+    assert decode_kernel_for(cpu) is None
+    assert decode_kernel_for(cpu, "torch") is None
+    with pytest.raises(ValueError, match="expected one of auto, triton, torch"):
+        decode_kernel_for(cpu, "flash")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="interpreter"):
+        decode_kernel_for(cpu, "triton")
