@@ -5,15 +5,17 @@
 * **baseline**: transformers' ``LlamaForCausalLM`` with its own ``sdpa`` attention and a
   ``DynamicCache`` (what a plain transformers user gets);
 * **runner**: the engine's ``TorchModelRunner`` over a paged cache (blocks of
-  ``--block-size`` tokens, scattered block ids), with its registered paged attention.
+  ``--block-size`` tokens, scattered block ids), with its registered paged attention; its
+  decode batch on the Triton paged kernel (the default on CUDA) and, in the same run, on the
+  torch fallback (``decode_attention="torch"``: gather + batched matmuls).
 
 Figures (median of ``--repeat`` timed runs, CUDA-synchronised, logits read back to the host
-on both sides as an engine must):
+on both sides as an engine must, both through pinned memory):
 
 * prefill of one ``--prefill`` -token prompt: tokens/s of each, and runner / baseline
   (target >= 0.8);
 * decode of ``--batch`` seqs at ``--context`` tokens of context: ms per step of each, and
-  runner / baseline (target <= 1.25).
+  runner / baseline (target <= 1.25); the runner's Triton decode / its torch fallback.
 
     python benchmarks/bench_gpu_runner.py [--prefill 4096] [--batch 32] [--context 2048]
 
@@ -47,6 +49,16 @@ def timed(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def to_host(t: Any) -> Any:
+    """``t`` as float32 on the host through pinned memory (as the runner reads its logits)."""
+    import torch
+
+    host = torch.empty(t.shape, dtype=torch.float32, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return host
 
 
 def main() -> int:
@@ -89,7 +101,7 @@ def main() -> int:
     def hf_prefill() -> None:
         with torch.inference_mode():
             out = model(prompt, use_cache=True, past_key_values=DynamicCache(), logits_to_keep=1)
-            out.logits.float().cpu()
+            to_host(out.logits.float())
 
     res["baseline_prefill_s"] = timed(hf_prefill, a.repeat)
     ctx = torch.randint(0, 50000, (a.batch, a.context), device=dev, generator=gen)
@@ -101,7 +113,7 @@ def main() -> int:
         # the same context length.
         def hf_decode() -> None:
             out = model(nxt, use_cache=True, past_key_values=cache)
-            out.logits[:, -1].float().cpu()
+            to_host(out.logits[:, -1].float())
             cache.crop(a.context)
 
         res["baseline_decode_s"] = timed(hf_decode, a.repeat * 4)
@@ -117,16 +129,55 @@ def main() -> int:
               for _ in range(lm.num_layers)]
     perm = torch.randperm(num_blocks, device=dev, generator=gen).tolist()
     runner = TorchModelRunner(lm, bs, "gpu")
+    res["runner_decode_attention"] = "triton" if runner.decode_kernel is not None else "torch (no Triton)"
     ids = prompt[0].tolist()
     seq = [ScheduledSeq(ids, 0, perm[:nb_prefill], True)]
     res["runner_prefill_s"] = timed(lambda: runner.forward(seq, caches, None), a.repeat)
     toks = nxt[:, 0].tolist()
     dec = [ScheduledSeq([toks[i]], a.context, perm[i * nb_seq:(i + 1) * nb_seq], True) for i in range(a.batch)]
     res["runner_decode_s"] = timed(lambda: runner.forward(dec, caches, None), a.repeat * 4)
+    fallback = TorchModelRunner(lm, bs, "gpu", decode_attention="torch")
+    res["runner_torch_decode_s"] = timed(lambda: fallback.forward(dec, caches, None), a.repeat * 4)
+    # The same step's logits from both: the kernel and the fallback compute the same attention.
+    with torch.inference_mode():
+        la, lb = torch.from_numpy(runner.forward(dec, caches, None)), torch.from_numpy(fallback.forward(dec, caches, None))
+    res["decode_logits_rel_diff"] = float((la - lb).norm() / lb.norm())
+
+    # ---- the decode attention alone (one layer's caches): K/V bytes read per second, against a
+    # device-to-device copy's bandwidth measured here (bytes read + written per second).
+    if runner.decode_kernel is not None:
+        from fastdeploy_kvcache.engine.torch_attention import decode_attention_torch, decode_mask
+
+        lens = torch.full((a.batch,), a.context + 1, dtype=torch.int64, device=dev)
+        table = torch.tensor([perm[i * nb_seq:(i + 1) * nb_seq] for i in range(a.batch)], device=dev)
+        q = torch.randn((a.batch, lm.num_heads, lm.head_dim), device=dev, dtype=torch.bfloat16, generator=gen)
+        o = torch.empty_like(q)
+        mask = decode_mask(lens, nb_seq, bs, torch.arange(nb_seq * bs, device=dev))
+        k0, v0 = caches[0]
+        calls = 20
+
+        def kernel() -> None:
+            for _ in range(calls):
+                runner.decode_kernel(q, k0, v0, table, lens, o, lm.head_dim ** -0.5)
+
+        def fallback_attn() -> None:
+            for _ in range(calls):
+                decode_attention_torch(q, k0, v0, table, mask, lm.head_dim ** -0.5)
+
+        kv_bytes = 2 * a.batch * (a.context + 1) * lm.num_kv_heads * lm.head_dim * 2
+        blob = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+        blob2 = torch.empty_like(blob)
+        copy_s = timed(lambda: blob2.copy_(blob), a.repeat)
+        del blob, blob2
+        res["hbm_copy_GBps"] = 2 * (1 << 30) / copy_s / 1e9
+        res["attn_kernel_s"] = timed(kernel, a.repeat) / calls
+        res["attn_torch_s"] = timed(fallback_attn, a.repeat) / calls
+        res["attn_kernel_GBps"] = kv_bytes / res["attn_kernel_s"] / 1e9
 
     res["prefill_tok_s"] = {"baseline": a.prefill / res["baseline_prefill_s"], "runner": a.prefill / res["runner_prefill_s"]}
     res["prefill_ratio"] = res["baseline_prefill_s"] / res["runner_prefill_s"]
     res["decode_ratio"] = res["runner_decode_s"] / res["baseline_decode_s"]
+    res["decode_triton_vs_torch"] = res["runner_decode_s"] / res["runner_torch_decode_s"]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_gpu_runner.json").write_text(json.dumps(res, indent=1))
@@ -135,7 +186,17 @@ def main() -> int:
           f"({res['prefill_tok_s']['baseline']:.0f} tok/s), runner {res['runner_prefill_s'] * 1e3:.1f} ms "
           f"({res['prefill_tok_s']['runner']:.0f} tok/s): throughput ratio {res['prefill_ratio']:.3f} (target >= 0.8)")
     print(f"decode {a.batch} seqs at {a.context}: baseline {res['baseline_decode_s'] * 1e3:.2f} ms/step, "
-          f"runner {res['runner_decode_s'] * 1e3:.2f} ms/step: ratio {res['decode_ratio']:.3f} (target <= 1.25)")
+          f"runner {res['runner_decode_s'] * 1e3:.2f} ms/step ({res['runner_decode_attention']}): "
+          f"ratio {res['decode_ratio']:.3f} (target <= 1.25)")
+    print(f"runner decode attention: {res['runner_decode_attention']} {res['runner_decode_s'] * 1e3:.2f} ms/step, "
+          f"torch fallback {res['runner_torch_decode_s'] * 1e3:.2f} ms/step: ratio {res['decode_triton_vs_torch']:.3f}; "
+          f"logits relative difference {res['decode_logits_rel_diff']:.2e}")
+    if "attn_kernel_s" in res:
+        print(f"decode attention alone, one layer, {a.batch} x {a.context + 1} tokens: Triton kernel "
+              f"{res['attn_kernel_s'] * 1e6:.1f} us ({res['attn_kernel_GBps']:.0f} GB/s of K/V, "
+              f"{res['attn_kernel_GBps'] / res['hbm_copy_GBps']:.2f}x the device copy's {res['hbm_copy_GBps']:.0f} GB/s "
+              f"measured here), torch fallback {res['attn_torch_s'] * 1e6:.1f} us: "
+              f"ratio {res['attn_kernel_s'] / res['attn_torch_s']:.3f}")
     return 0
 
 

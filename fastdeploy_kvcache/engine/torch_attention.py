@@ -14,11 +14,16 @@ Per layer:
 1. the compute stream waits on the GPU for this layer's host->device load
    (``LayerDoneCounter.wait_for_layer``: ``cudaStreamWaitEvent``, no host sync);
 2. the step's new K and V go into their cache slots with one ``index_put_`` each (slots
-   computed once per step);
+   computed once per step), except the decode rows' when the Triton decode kernel runs: it
+   writes those itself;
 3. attention:
-   * the leading one-token seqs (decodes) as one batch: their blocks gathered (padded to the
-     longest, masked past each seq's end) in the cache's own layout, two batched matmuls
-     per block with a float32 softmax over all blocks;
+   * the leading one-token seqs (decodes) as one batch.  On CUDA with Triton: the paged
+     decode kernel of ``engine/triton_paged_attention.py``, which reads each seq's blocks in
+     place through its block table (online float32 softmax, GQA, the context split over
+     several programs at small batches).  Elsewhere (the CPU, or no Triton) the torch
+     fallback :func:`decode_attention_torch`: the blocks gathered (padded to the longest,
+     masked past each seq's end) in the cache's own layout, two batched matmuls per block
+     with a float32 softmax over all blocks;
    * a prompt chunk with nothing cached before it attends over its own fresh K and V with
      SDPA (``is_causal``: the flash kernel), without reading the cache at all;
    * a chunk after cached tokens (a prefix hit, or the next chunk of a long prompt) gathers
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 # The step travels to the attention function the same way on both paths (thread-local).
 from fastdeploy_kvcache.engine.attention import current_context, select_attention, step_context  # noqa: F401
@@ -61,7 +66,14 @@ class TorchStep:
     slot_offsets: Any  # int64 [T]: its position inside the block
     num_decodes: int  # leading one-token seqs, attended as one batch
     decode_table: Any = None  # int64 [B, W]: their block tables, padded with their first block
-    decode_mask: Any = None  # float32 [B, W, 1, 1, bs]: 0 inside each seq, -inf past its end
+    # The decode batch's attention: a kernel (triton_paged_attention.paged_decode_attention)
+    # reading decode_lens (int64 [B]: each seq's length with its new token), or, with no
+    # kernel, the torch fallback reading decode_mask (float32 [B, W, 1, 1, bs]: 0 inside each
+    # seq, -inf past its end).
+    decode_kernel: Optional[Callable[..., Any]] = None
+    decode_lens: Any = None
+    decode_mask: Any = None
+    decode_workspace: dict = field(default_factory=dict)  # the kernel's partials, shared by all layers
     prefills: list[PrefillChunk] = field(default_factory=list)
     layer_done: Optional[Any] = None  # the step's LayerDoneCounter, if it loads blocks
     layers_waited: int = 0
@@ -102,6 +114,44 @@ def bmm_f32(a: Any, b: Any) -> Any:
     return torch.bmm(a.float(), b.float())
 
 
+def decode_mask(lens: Any, width: int, block_size: int, positions: Any) -> Any:
+    """float32 ``[B, W, 1, 1, bs]``: 0 at each decode seq's positions below ``lens[b]``, -inf
+    past them (``positions``: ``arange(>= W * bs)`` on the device)."""
+    import torch
+
+    keep = positions[: width * block_size][None, :] < lens[:, None]
+    zero = torch.zeros((), dtype=torch.float32, device=lens.device)
+    return torch.where(keep, zero, float("-inf")).view(lens.shape[0], width, 1, 1, block_size)
+
+
+def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask: Any, scale: float) -> Any:
+    """One query token per seq over its blocks, in torch ops: q ``[B, H, D]`` -> float32 ``[B, H, D]``.
+
+    The fallback of the Triton kernel (CPU, or no Triton): ``table`` ``[B, W]`` padded with
+    any block, ``mask`` from :func:`decode_mask`.
+    """
+    # NOTE: the gathered blocks stay in the cache layout ([B, W, kvh, bs, d], one copy) and
+    # are never upcast: scores are per block (one small matmul per block and KV head,
+    # batched), the softmax runs over (block, position) together.  Transposing them into one
+    # sequence axis or upcasting them costs extra passes over all of the batch's K/V per
+    # layer.  Scores and the output still come out in float32 (bmm_f32), as in a flash kernel.
+    b, num_heads, head_dim = q.shape
+    width = table.shape[1]
+    num_kv, bs = k_cache.shape[1], k_cache.shape[2]
+    groups = num_heads // num_kv
+    rows = b * width * num_kv
+    kb = k_cache[table].view(rows, bs, head_dim)
+    vb = v_cache[table].view(rows, bs, head_dim)
+    q = (q * scale).reshape(b, 1, num_kv, groups, head_dim).to(kb.dtype)
+    q = q.expand(b, width, num_kv, groups, head_dim).reshape(rows, groups, head_dim)
+    scores = bmm_f32(q, kb.transpose(1, 2)).view(b, width, num_kv, groups, bs) + mask
+    scores = scores - scores.amax(dim=(1, 4), keepdim=True)
+    probs = scores.exp_()
+    probs = probs / probs.sum(dim=(1, 4), keepdim=True)
+    o = bmm_f32(probs.to(vb.dtype).view(rows, groups, bs), vb).view(b, width, num_kv, groups, head_dim).sum(dim=1)
+    return o.reshape(b, num_heads, head_dim)
+
+
 def paged_attention_forward(
     module: Any,
     query: Any,
@@ -140,31 +190,24 @@ def paged_attention_forward(
     v_new = value[0].transpose(0, 1)
     if k_new.dtype != k_cache.dtype:
         k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
-    # In place, one kernel each: k_cache[block[t], :, offset[t], :] = k_new[t].
-    k_cache[step.slot_blocks, :, step.slot_offsets] = k_new
-    v_cache[step.slot_blocks, :, step.slot_offsets] = v_new
-    out = query.new_empty((num_tokens, num_heads, head_dim))
     b = step.num_decodes
+    # The decode kernel writes the decode rows' K and V itself (one launch fewer per cache);
+    # the other rows go to their slots here, in place, one kernel each:
+    # k_cache[block[t], :, offset[t], :] = k_new[t].
+    w = b if step.decode_kernel is not None else 0
+    if w < num_tokens:
+        blocks, offsets = (step.slot_blocks[w:], step.slot_offsets[w:]) if w else (step.slot_blocks, step.slot_offsets)
+        k_cache[blocks, :, offsets] = k_new[w:]
+        v_cache[blocks, :, offsets] = v_new[w:]
+    out = query.new_empty((num_tokens, num_heads, head_dim))
     if b:
-        # NOTE: the gathered blocks stay in the cache layout ([B, W, kvh, bs, d], one copy)
-        # and are never upcast: scores are per block (one small matmul per block and KV head,
-        # batched), the softmax runs over (block, position) together.  Transposing them into
-        # one sequence axis or upcasting them costs extra passes over all of the batch's K/V
-        # per layer, which measured slower than transformers' own decode.  Scores and the
-        # output still come out in float32 (bmm_f32), as in a flash kernel.
-        width = step.decode_table.shape[1]
-        bs = k_cache.shape[2]
-        rows = b * width * num_kv
-        kb = k_cache[step.decode_table].view(rows, bs, head_dim)
-        vb = v_cache[step.decode_table].view(rows, bs, head_dim)
-        q = (query[0, :, :b, :].transpose(0, 1) * scale).reshape(b, 1, num_kv, groups, head_dim).to(kb.dtype)
-        q = q.expand(b, width, num_kv, groups, head_dim).reshape(rows, groups, head_dim)
-        scores = bmm_f32(q, kb.transpose(1, 2)).view(b, width, num_kv, groups, bs) + step.decode_mask
-        scores = scores - scores.amax(dim=(1, 4), keepdim=True)
-        probs = scores.exp_()
-        probs = probs / probs.sum(dim=(1, 4), keepdim=True)
-        o = bmm_f32(probs.to(vb.dtype).view(rows, groups, bs), vb).view(b, width, num_kv, groups, head_dim).sum(dim=1)
-        out[:b] = o.reshape(b, num_heads, head_dim).to(out.dtype)
+        q = query[0, :, :b, :].transpose(0, 1)  # [B, H, D], a view
+        if step.decode_kernel is not None:
+            step.decode_kernel(q, k_cache, v_cache, step.decode_table, step.decode_lens, out[:b], scale,
+                               workspace=step.decode_workspace, k_new=k_new[:b], v_new=v_new[:b])
+        else:
+            out[:b] = decode_attention_torch(q, k_cache, v_cache, step.decode_table, step.decode_mask,
+                                             scale).to(out.dtype)
     for p in step.prefills:
         a, n = p.start, p.num_new
         q = query[:, :, a:a + n, :]

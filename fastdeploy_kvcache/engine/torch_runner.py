@@ -9,7 +9,8 @@ the paged attention of ``engine/torch_attention.py``.
 The caches are the torch tensors the worker allocated (``worker/backends/torch_backend.py``);
 they are never copied.  The step's indices (token ids, positions, K/V slots, block tables)
 go to the device in one copy from a reused pinned buffer; the only host sync of a step is
-reading the sampled rows' logits back at its end (a step that samples nothing has none).
+reading the sampled rows' logits back at its end, into pinned memory (a step that samples
+nothing has none).
 
 Nothing here or in the modules it imports imports Paddle: this path runs where only torch is.
 """
@@ -17,6 +18,7 @@ Nothing here or in the modules it imports imports Paddle: this path runs where o
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Optional, Sequence
 
@@ -25,7 +27,7 @@ import numpy as np
 from fastdeploy_kvcache.engine.model_loader import LoadedModel
 from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
 from fastdeploy_kvcache.engine.attention import step_context
-from fastdeploy_kvcache.engine.torch_attention import PrefillChunk, TorchStep, register_paged_attention
+from fastdeploy_kvcache.engine.torch_attention import PrefillChunk, TorchStep, decode_mask, register_paged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,31 @@ def torch_device(device: str) -> Any:
     return torch.device("cuda", 0) if device == "gpu" else torch.device("cpu")
 
 
+DECODE_ATTENTION = ("auto", "triton", "torch")
+
+
+def decode_kernel_for(device: Any, choice: str = "auto") -> Optional[Any]:
+    """The decode batch's attention kernel: Triton's paged kernel on CUDA where Triton imports
+    (``auto``), else None (the torch fallback).  ``triton`` insists (ValueError where it cannot
+    run), ``torch`` picks the fallback (benchmarks compare the two)."""
+    if choice not in DECODE_ATTENTION:
+        raise ValueError(f"decode attention {choice!r}: expected one of {', '.join(DECODE_ATTENTION)}")
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return None
+    try:
+        from fastdeploy_kvcache.engine.triton_paged_attention import paged_decode_attention
+    except ImportError as exc:
+        if choice == "triton":
+            raise ValueError(f"decode attention 'triton': Triton does not import ({exc})") from None
+        logger.info("Triton does not import (%s): the decode batch uses the torch attention", exc)
+        return None
+    if device.type != "cuda" and choice == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("decode attention 'triton' on the CPU runs only in Triton's interpreter "
+                             "(TRITON_INTERPRET=1 before Triton is imported)")
+    return paged_decode_attention
+
+
 def load_model_for(args: Any, device: str) -> LoadedModel:
     """The engine's model on this path (``args``: EngineArgs)."""
     from fastdeploy_kvcache.engine.torch_models import load_torch_model
@@ -69,7 +96,8 @@ def load_model_for(args: Any, device: str) -> LoadedModel:
 class TorchModelRunner:
     """Runs ``LlamaForCausalLM`` over the paged cache; see the module docstring."""
 
-    def __init__(self, loaded: LoadedModel, block_size: int, device: str) -> None:
+    def __init__(self, loaded: LoadedModel, block_size: int, device: str, decode_attention: str = "auto") -> None:
+        """``decode_attention``: see :func:`decode_kernel_for`."""
         import torch
 
         self.torch = torch
@@ -78,6 +106,7 @@ class TorchModelRunner:
         self.block_size = block_size
         self.device = torch_device(device)
         self.on_gpu = self.device.type == "cuda"
+        self.decode_kernel = decode_kernel_for(self.device, decode_attention)
         self.last_layers_waited = 0
         self.last_gpu_wait_s = 0.0  # host time the last step spent waiting for the device
         self.last_load_wait_gpu_s = 0.0  # device time its compute stream waited for loads
@@ -171,10 +200,10 @@ class TorchModelRunner:
         k = 4
         if num_dec:
             step.decode_table = views[4].view(num_dec, width)
-            dec_lens = views[5]
-            keep = self._positions(width * bs)[None, :] < dec_lens[:, None]
-            zero = self.torch.zeros((), dtype=self.torch.float32, device=self.device)
-            step.decode_mask = self.torch.where(keep, zero, float("-inf")).view(num_dec, width, 1, 1, bs)
+            step.decode_lens = views[5]
+            step.decode_kernel = self.decode_kernel
+            if self.decode_kernel is None:
+                step.decode_mask = decode_mask(step.decode_lens, width, bs, self._positions(width * bs))
             k = 6
         for (start, n, c, _), tbl in zip(chunks[num_dec:], tables):
             chunk = PrefillChunk(start, n, c)
@@ -183,6 +212,26 @@ class TorchModelRunner:
                 k += 1
             step.prefills.append(chunk)
         return step, views[0][:t], views[1], views[-1], rows
+
+    def _to_host(self, logits: Any) -> np.ndarray:
+        """The step's logits as a numpy array: on a GPU through pinned memory, at link speed.
+
+        A pageable destination makes CUDA stage the copy through its own pinned bounce
+        buffer in small pieces (for [32, 128256] float32, 16 MB, tens of times slower than a
+        pinned copy).  Each step takes its destination from torch's caching pinned-memory
+        allocator rather than from one buffer of the runner's: the returned array keeps its
+        tensor alive, so the block goes back to the allocator (and to a later step) only
+        once the caller has dropped the array.  A kept array is never overwritten, with no
+        copy on the host, and in steady state the allocator hands the same few blocks round
+        (no cudaHostAlloc per step).
+        """
+        torch = self.torch
+        if not logits.is_cuda:
+            return logits.numpy()
+        host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+        host.copy_(logits, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return host.numpy()
 
     # ------------------------------------------------------------------ forward
     def forward(self, seqs: list[ScheduledSeq], kv_caches: Sequence[Sequence[Any]],
@@ -205,7 +254,7 @@ class TorchModelRunner:
             hidden = out.last_hidden_state[0].index_select(0, rows)
             logits = self.model.lm_head(hidden).float()
             t_launched = time.perf_counter()
-            host = logits.cpu().numpy()  # the step's one host sync
+            host = self._to_host(logits)  # the step's one host sync
             self.last_gpu_wait_s = time.perf_counter() - t_launched
             if step.wait_events:
                 self.last_load_wait_gpu_s = sum(a.elapsed_time(b) for a, b in step.wait_events) / 1e3

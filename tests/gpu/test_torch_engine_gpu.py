@@ -4,7 +4,10 @@
   host hits, write_back evictions, injected load failures and preemption; each check asserts
   its situation happened, and that no block leaked (tests/reuse_workloads.py).  float32, so
   that no greedy choice flips on bf16 rounding between differently batched steps.
-* The paged attention's logits match transformers' own sdpa (bf16, and float32).
+* The paged attention's logits match transformers' own sdpa (bf16, and float32), with the
+  decode batch on the Triton kernel and on the torch fallback; the compiled kernel matches
+  float64 and the fallback (tests/triton_decode_cases.py).
+* Logits come back through pinned memory, and a later step never overwrites them.
 * The server on the GPU answers the openai client, with cached_tokens > 0 on a repeat.
 
 Needs a CUDA GPU with torch and CuPy, build/libfdkv_capi.so (`bash build.sh gpu`), and the
@@ -21,6 +24,7 @@ import pytest
 
 from tests.reuse_workloads import ReuseChecks
 from tests.torch_engines import TORCH_REASON, engine_factory_for
+from tests.triton_decode_cases import CASES, GPU_CASES
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
 pytest.importorskip("transformers", reason=TORCH_REASON)
@@ -36,6 +40,11 @@ def need_smollm2() -> None:
                      ("gguf", "the gguf package (pip install gguf)")):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"needs {why}: SmolLM2 is read from its GGUF (offline: docs/usage.md, 'On a GPU machine')")
+
+
+def need_triton() -> None:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs Triton (bundled with CUDA builds of torch; pip install triton)")
 
 
 @pytest.fixture(scope="module")
@@ -72,20 +81,76 @@ def test_cache_is_device_torch_memory_and_loads_wait_on_the_gpu(engine_factory: 
 
 
 # bf16: the two paths round differently (transformers' sdpa keeps its own bf16 intermediates,
-# the decode batch here rounds its probabilities to bf16 before the value matmul), and over
-# SmolLM2's 30 layers the logits drift apart by about 2e-2 (measured 0.021 on an H100).
-# float32 shows the functions are the same: a wrong mask, slot or table is far above 1e-3.
+# the decode batch here rounds its probabilities to bf16 before the value matmul, in the Triton
+# kernel and in the torch fallback alike), and over SmolLM2's 30 layers the logits drift apart
+# by about 2e-2 (measured 0.021 on an H100 with the fallback).  float32 shows the functions are
+# the same: a wrong mask, slot or table is far above 1e-3.
+@pytest.mark.parametrize("decode_attention", ["triton", "torch"])
 @pytest.mark.parametrize("dtype,tol", [("bfloat16", 3e-2), ("float32", 1e-3)])
 @pytest.mark.parametrize("model,prefix", [(MODEL, 200), ("tiny-llama-random", 70)])
-def test_paged_attention_matches_transformers_sdpa(capi: Any, model: str, prefix: int, dtype: str, tol: float) -> None:
+def test_paged_attention_matches_transformers_sdpa(capi: Any, model: str, prefix: int, dtype: str, tol: float,
+                                                   decode_attention: str) -> None:
     from fastdeploy_kvcache.engine.torch_models import load_torch_model
     from tests.torch_attention_check import paged_vs_sdpa_error
 
     if model == MODEL:
         need_smollm2()
+    if decode_attention == "triton":
+        need_triton()
     loaded = load_torch_model(model, seed=0, device=torch.device("cuda", 0), dtype=dtype)
-    err = paged_vs_sdpa_error(loaded, prefix=prefix, chunk=37, decodes=4, block_size=16)
+    err = paged_vs_sdpa_error(loaded, prefix=prefix, chunk=37, decodes=4, block_size=16,
+                              decode_attention=decode_attention)
     assert err < tol, err
+
+
+def test_runner_picks_the_triton_decode_kernel_on_cuda(capi: Any) -> None:
+    """``auto`` on CUDA with Triton is the kernel; ``torch`` is the fallback."""
+    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+    from fastdeploy_kvcache.engine.triton_paged_attention import paged_decode_attention
+
+    need_triton()
+    loaded = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cuda", 0), dtype="bfloat16")
+    assert TorchModelRunner(loaded, 16, "gpu").decode_kernel is paged_decode_attention
+    assert TorchModelRunner(loaded, 16, "gpu", "torch").decode_kernel is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(GPU_CASES))
+def test_triton_decode_kernel_compiled(capi: Any, case: str, dtype: str) -> None:
+    """The compiled kernel on the GPU against float64 and the torch fallback, also writing the
+    new token's K/V itself (the interpreter's cases on the CPU, plus a batch of 32 up to 2k
+    context)."""
+    from tests.triton_decode_cases import assert_case_ok, case_errors
+
+    need_triton()
+    assert_case_ok(case_errors(case, dtype, torch.device("cuda", 0)), dtype)
+
+
+def test_logits_come_back_through_pinned_memory_and_stay_the_callers(capi: Any) -> None:
+    """forward's float32 numpy logits are pinned host memory (a copy at link speed), and a
+    later step never overwrites an array the caller still holds."""
+    import numpy as np
+
+    from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
+    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+
+    loaded = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cuda", 0), dtype="float32")
+    runner = TorchModelRunner(loaded, 16, "gpu")
+    shape = (16, loaded.num_kv_heads, 16, loaded.head_dim)
+    caches = [[torch.zeros(shape, device="cuda"), torch.zeros(shape, device="cuda")]
+              for _ in range(loaded.num_layers)]
+    first = runner.forward([ScheduledSeq([5, 6, 7, 8], 0, [0], True), ScheduledSeq([9, 10], 0, [1], True)],
+                           caches, None)
+    kept = first.copy()
+    assert first.dtype == np.float32 and first.shape == (2, loaded.vocab_size)
+    assert torch.from_numpy(first).is_pinned()
+    for i in range(4):  # same shapes again: a reused buffer would be overwritten here
+        later = runner.forward([ScheduledSeq([11 + i, 12, 13], 0, [2 + i], True),
+                                ScheduledSeq([14 + i], 0, [8 + i], True)], caches, None)
+        assert not np.array_equal(later, kept)
+    np.testing.assert_array_equal(first, kept)
 
 
 # ---------------------------------------------------------------------- the server

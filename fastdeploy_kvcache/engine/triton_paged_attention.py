@@ -1,0 +1,263 @@
+"""Paged decode attention in Triton: one-token queries over K/V blocks read in place.
+
+The transformers runner's decode batch (``engine/torch_attention.py``) on CUDA.  Each
+program takes one sequence, one KV head and the query heads that share it (GQA), and walks
+the sequence's block table, loading each block of K and V straight from the cache tensors
+``[num_blocks, kv_heads, block_size, head_dim]``: nothing is gathered or copied, and a
+block costs the same whichever tier it was loaded from.  Scores and the softmax run in
+float32 with a running maximum (online softmax); positions past the sequence's length are
+masked; the result is written in the query's dtype straight into the caller's output rows.
+
+Occupancy: a batch of B sequences gives ``B * kv_heads`` programs, too few to keep the
+GPU busy for one or two sequences.  The context can then be split over ``num_splits``
+programs per (sequence, KV head) (flash-decoding): each writes its partial output and
+log-sum-exp in float32, and a second small kernel combines them.  With one split (the
+usual case: :func:`choose_num_splits`) the first kernel writes the output itself.
+
+Triton compiles these for GPUs only.  With ``TRITON_INTERPRET=1`` in the environment
+before Triton is first imported, the same kernels run on CPU tensors in Triton's
+interpreter (slow): that is how the tests check their logic on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Optional
+
+import triton
+import triton.language as tl
+
+logger = logging.getLogger(__name__)
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    """``a @ b`` accumulated in float32.  DOT 0: native (tensor cores for bf16/fp16); 1: exact
+    float32 (no TF32 rounding for float32 caches); 2: both upcast to float32 first (Triton's
+    CPU interpreter computes bfloat16 dots wrongly: tests on the CPU)."""
+    if DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif DOT == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_new_ptr, v_new_ptr,
+    scale, blocks_per_split,
+    stride_qb, stride_qh, stride_qd,
+    stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
+    stride_kn, stride_kh, stride_kt, stride_kd,
+    stride_vn, stride_vh, stride_vt, stride_vd,
+    stride_tb, stride_tw,
+    stride_ob, stride_oh, stride_od,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT: tl.constexpr, WRITE_NEW: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + seq).to(tl.int32)
+    seq_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, seq_blocks)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUPS + g
+    g_ok = g < GROUPS
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+
+    if WRITE_NEW:
+        # The new token's K and V go to their slot (position seq_len - 1) first, written by the
+        # one program that reads that block (its split), then a barrier so that all of this
+        # program's threads see them: the step needs no separate cache write for its decodes.
+        pos = seq_len - 1
+        new_block = pos // BLOCK_SIZE
+        if (new_block >= first) & (new_block < last):
+            slot = tl.load(table_ptr + seq * stride_tb + new_block * stride_tw)
+            at = pos % BLOCK_SIZE
+            k_new = tl.load(k_new_ptr + seq * stride_knb + kv_head * stride_knh + d * stride_knd, mask=d_ok)
+            v_new = tl.load(v_new_ptr + seq * stride_vnb + kv_head * stride_vnh + d * stride_vnd, mask=d_ok)
+            tl.store(k_ptr + slot * stride_kn + kv_head * stride_kh + at * stride_kt + d * stride_kd,
+                     k_new.to(k_ptr.dtype.element_ty), mask=d_ok)
+            tl.store(v_ptr + slot * stride_vn + kv_head * stride_vh + at * stride_vt + d * stride_vd,
+                     v_new.to(v_ptr.dtype.element_ty), mask=d_ok)
+        tl.debug_barrier()
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for j in range(first, last):
+        block = tl.load(table_ptr + seq * stride_tb + j * stride_tw)
+        tok_ok = (n < BLOCK_SIZE) & (j * BLOCK_SIZE + n < seq_len)
+        kv_mask = tok_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + block * stride_kn + kv_head * stride_kh + n[:, None] * stride_kt + d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + block * stride_vn + kv_head * stride_vh + n[:, None] * stride_vt + d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), DOT)
+        s = tl.where(tok_ok[None, :], s * scale, float("-inf"))
+        # Every block visited holds at least one valid position, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+        m_i = m_new
+
+    o_mask = g_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # Partials [B, H, NUM_SPLITS, BLOCK_D] and [B, H, NUM_SPLITS], contiguous.  A split past
+        # the sequence's end saw nothing: l_i = 0, stored as o = 0 and lse = -inf (weight 0).
+        empty = l_i == 0.0
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        row = (seq * (tl.num_programs(1) * GROUPS) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=o_mask)
+        tl.store(part_lse_ptr + row, lse, mask=g_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ob, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < NUM_SPLITS
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: split 0 always holds the sequence's first block
+    w = tl.exp(lse - m)
+    o = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    import torch
+
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, device: Any) -> int:
+    """Context splits per sequence: only for a grid far smaller than the GPU (fewer than one
+    program per 8 SMs), and never below 16 blocks a split.
+
+    NOTE: a split run is a second kernel launch, and the transformers runner's decode step is
+    bound by the host's launch time.  Measured on an H200 (bf16, Llama-3-8B heads, blocks of
+    64): at 4 to 32 seqs x 2k context one split was the fastest (the GPU read the K/V of 32 x
+    2k at about 3.7 TB/s in one split); 2 splits saved 6 to 15% of the kernel's GPU time at
+    32 x 8k and 64 x 2k, less than the host time of the second launch.
+    """
+    if device.type != "cuda":
+        return 1
+    sms = _num_sms(device.index if device.index is not None else 0)
+    programs = batch * kv_heads
+    if programs * 8 >= sms:
+        return 1
+    return max(1, min(-(-sms // programs), max_blocks // 16))
+
+
+def paged_decode_attention(
+    query: Any,
+    k_cache: Any,
+    v_cache: Any,
+    block_table: Any,
+    seq_lens: Any,
+    out: Any,
+    scale: float,
+    num_splits: Optional[int] = None,
+    workspace: Optional[dict] = None,
+    k_new: Any = None,
+    v_new: Any = None,
+) -> Any:
+    """Attention of one query token per sequence over its paged K/V; writes and returns ``out``.
+
+    * ``query``: ``[B, H, D]`` (any strides), H a multiple of the cache's KV heads (GQA:
+      query head ``h`` reads KV head ``h // (H // kv_heads)``, as transformers' ``repeat_kv``);
+    * ``k_cache``, ``v_cache``: ``[num_blocks, kv_heads, block_size, D]``, float32, float16
+      or bfloat16;
+    * ``block_table``: int ``[B, W]``, each row covering its sequence's ``seq_lens[b]``
+      positions (entries past them are never read: pad with any block id);
+    * ``seq_lens``: int ``[B]``, each at least 1 (the new token's K/V already in the cache);
+    * ``out``: ``[B, H, D]`` in the query's dtype (any strides);
+    * ``num_splits``: context splits per sequence (None: :func:`choose_num_splits`);
+    * ``workspace``: a dict reused across calls of one step (every layer has the same
+      shapes), holding the float32 partials of a split run instead of allocating per call;
+    * ``k_new``, ``v_new``: ``[B, kv_heads, D]`` (any strides), the new token's K and V: the
+      kernel writes them to position ``seq_lens[b] - 1`` of each sequence's blocks before it
+      reads them (None: they are in the cache already).
+    """
+    import torch
+
+    batch, num_heads, head_dim = query.shape
+    _, kv_heads, block_size, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % kv_heads or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_decode_attention: query {tuple(query.shape)} does not fit caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if block_table.shape[0] != batch or seq_lens.shape[0] != batch or tuple(out.shape) != tuple(query.shape):
+        raise ValueError(f"paged_decode_attention: batch {batch} but table {tuple(block_table.shape)}, "
+                         f"lens {tuple(seq_lens.shape)}, out {tuple(out.shape)}")
+    write_new = k_new is not None
+    if write_new and (v_new is None or tuple(k_new.shape) != (batch, kv_heads, head_dim)
+                      or tuple(v_new.shape) != (batch, kv_heads, head_dim)):
+        raise ValueError(f"paged_decode_attention: k_new / v_new must both be [{batch}, {kv_heads}, {head_dim}]")
+    if batch == 0:
+        return out
+    groups = num_heads // kv_heads
+    width = int(block_table.shape[1])
+    splits = num_splits if num_splits is not None else choose_num_splits(batch, kv_heads, width, query.device)
+    splits = max(1, min(int(splits), width))
+    blocks_per_split = -(-width // splits)
+    splits = -(-width // blocks_per_split)  # no split left with nothing to do for the longest row
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if splits > 1:
+        key = (batch, num_heads, splits, block_d, query.device)
+        ws = workspace if workspace is not None else {}
+        if ws.get("key") != key:
+            ws["key"] = key
+            ws["out"] = torch.empty((batch * num_heads * splits, block_d), dtype=torch.float32, device=query.device)
+            ws["lse"] = torch.empty((batch * num_heads * splits,), dtype=torch.float32, device=query.device)
+        part_out, part_lse = ws["out"], ws["lse"]
+    else:
+        part_out = part_lse = out  # unused
+    if not write_new:
+        k_new = v_new = query  # unused
+    _decode_kernel[(batch, kv_heads, splits)](
+        query, k_cache, v_cache, block_table, seq_lens, out, part_out, part_lse, k_new, v_new,
+        float(scale), blocks_per_split,
+        *query.stride(), *k_new.stride(), *v_new.stride(),
+        *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(),
+        GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_D=block_d,
+        BLOCK_N=max(16, triton.next_power_of_2(block_size)), NUM_SPLITS=splits,
+        DOT=2 if query.device.type != "cuda" else 1 if k_cache.dtype == torch.float32 else 0,
+        WRITE_NEW=write_new, num_warps=4,
+    )
+    if splits > 1:
+        _combine_kernel[(batch, num_heads)](
+            part_out, part_lse, out, *out.stride(),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+        )
+    return out

@@ -1,0 +1,181 @@
+"""The Triton paged decode kernel against the torch fallback and a plain float64 reference.
+
+Shared by the CPU test (tests/engine_torch/test_triton_decode.py, which runs this module in
+a subprocess with ``TRITON_INTERPRET=1``: Triton's interpreter must be chosen before Triton
+is first imported) and the GPU test (tests/gpu/test_torch_engine_gpu.py, compiled kernels).
+
+Each case is a batch of one-token queries over a scattered paged cache; :func:`case_errors`
+returns the kernel's largest errors, each relative to the reference's largest magnitude.
+
+    TRITON_INTERPRET=1 python -m tests.triton_decode_cases   # every case on the CPU, as JSON
+
+The CPU run also puts the kernel into the runner (tiny-llama-random) and compares its logits
+with transformers' sdpa (``runner``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+# name -> (query heads, KV heads, head dim, block size, seq lengths, table width or None)
+CASES: dict[str, tuple[int, int, int, int, tuple[int, ...], Any]] = {
+    # GQA group 4, ragged: one token, one short of a block, exact multiples, a long one.
+    "gqa4_bs16_ragged": (8, 2, 64, 16, (1, 15, 16, 33, 64, 97), None),
+    # No GQA (group 1), large blocks, lengths at and across block edges.
+    "gqa1_bs64": (4, 4, 128, 64, (1, 64, 65, 128, 200), None),
+    # Group 3 (SmolLM2's 9 over 3): the head tile is padded past the group.
+    "gqa3_bs16": (9, 3, 64, 16, (5, 16, 40), None),
+    # A block size below the kernel's 16-row tile, and one that is not a power of two.
+    "gqa4_bs8": (8, 2, 64, 8, (1, 8, 9, 50), None),
+    "gqa2_bs24": (4, 2, 32, 24, (3, 24, 48, 71), None),
+    # Tables wider than the longest seq needs (padded columns are never read).
+    "gqa4_bs16_padded_table": (8, 2, 64, 16, (2, 17, 31), 6),
+    # Llama-3-8B's heads (32 over 8 of 128) with its block size, context split over programs.
+    "llama3_bs64": (32, 8, 128, 64, (1, 300, 640, 1000), None),
+}
+# GPU only (too slow for the interpreter): a serving-sized batch, where the kernel picks its
+# own number of context splits from the GPU's SM count.
+GPU_CASES: dict[str, tuple[int, int, int, int, tuple[int, ...], Any]] = {
+    "llama3_bs64_batch32_2k": (32, 8, 128, 64, tuple(1 + (i * 677) % 2100 for i in range(31)) + (2048,), None),
+}
+DTYPES = ("float32", "float16", "bfloat16")
+# Each dtype's bound on the kernel's error (inputs are exact in it; the probabilities and the
+# output round to it, as in a flash kernel).
+TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
+SPLITS = (None, 1, 3)  # None: the kernel's own choice
+
+
+def _reference(q: Any, k_cache: Any, v_cache: Any, table: Any, lens: Any, scale: float) -> Any:
+    """float64 softmax attention, one seq and head at a time, from the blocks' contents."""
+    import torch
+
+    b, h, d = q.shape
+    kvh, bs = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty((b, h, d), dtype=torch.float64)
+    for i in range(b):
+        n = int(lens[i])
+        blocks = [int(x) for x in table[i, : -(-n // bs)]]
+        k = torch.cat([k_cache[x] for x in blocks], dim=1)[:, :n].double()  # [kvh, n, d]
+        v = torch.cat([v_cache[x] for x in blocks], dim=1)[:, :n].double()
+        for j in range(h):
+            kv = j // (h // kvh)
+            p = torch.softmax((k[kv] @ q[i, j].double()) * scale, dim=0)
+            out[i, j] = p @ v[kv]
+    return out
+
+
+def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
+    """The kernel's errors on case ``name``: against float64 (``f64``, per split choice), against
+    the torch fallback (``torch``), and against float64 when the kernel writes the new token's
+    K/V itself (``write_new_f64``); ``padding_changed``, ``outside_changed`` and
+    ``write_new_cache_wrong`` are 1.0 when garbage table padding changed the result, a row
+    outside the output was written, or the caches after the write differ from the expected."""
+    import torch
+
+    from fastdeploy_kvcache.engine.torch_attention import decode_attention_torch, decode_mask
+    from fastdeploy_kvcache.engine.triton_paged_attention import paged_decode_attention
+
+    heads, kv_heads, dim, bs, lens_t, width = CASES.get(name) or GPU_CASES[name]
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(len(name))
+    b = len(lens_t)
+    need = [-(-n // bs) for n in lens_t]
+    width = width or max(need)
+    num_blocks = sum(need) + 3
+    ids = torch.randperm(num_blocks, generator=gen)
+    table = torch.empty((b, width), dtype=torch.int64)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = ids[at:at + n]
+        table[i, n:] = ids[at]  # padding: a valid block (the torch fallback reads it, masked)
+        at += n
+    k_cache = torch.randn((num_blocks, kv_heads, bs, dim), generator=gen).to(dt)
+    v_cache = torch.randn((num_blocks, kv_heads, bs, dim), generator=gen).to(dt)
+    # The runner's query is a [B, H, D] view of [H, T, D]; its output rows a slice of [T, H, D].
+    q = torch.randn((heads, b + 2, dim), generator=gen).to(dt)[:, :b].transpose(0, 1)
+    lens = torch.tensor(lens_t, dtype=torch.int64)
+    scale = dim ** -0.5
+    ref = _reference(q, k_cache, v_cache, table, lens, scale)
+    norm = float(ref.abs().max())
+
+    def on(x: Any) -> Any:
+        return x.to(device)
+
+    def run(tbl: Any, splits: Any) -> Any:
+        full = torch.full((b + 2, heads, dim), 7.0, dtype=dt, device=device)
+        paged_decode_attention(on(q), on(k_cache), on(v_cache), on(tbl), on(lens), full[:b], scale, num_splits=splits)
+        return full.cpu()
+
+    res: dict[str, float] = {}
+    outside = 0.0
+    for s in SPLITS:
+        full = run(table, s)
+        outside = max(outside, float((full[b:] != 7.0).any()))
+        res[f"f64_splits_{s}"] = float((full[:b].double() - ref).abs().max()) / norm
+    res["outside_changed"] = outside
+    got = run(table, 3)
+    garbage = table.clone()
+    for i, n in enumerate(need):
+        garbage[i, n:] = 1 << 40  # would fault or read garbage if it were dereferenced
+    res["padding_changed"] = float(not torch.equal(run(garbage, 3), got))
+    # The new token's K/V handed to the kernel (slots zeroed first): it must write them, then
+    # attend over them, as if they had been in the cache.
+    k_in, v_in = k_cache.clone(), v_cache.clone()
+    rows = torch.arange(b)
+    last_blocks = table[rows, (lens - 1) // bs]
+    at = (lens - 1) % bs
+    k_new = k_cache[last_blocks, :, at].clone()  # [B, kvh, D]
+    v_new = v_cache[last_blocks, :, at].clone()
+    k_in[last_blocks, :, at] = 0
+    v_in[last_blocks, :, at] = 0
+    k_dev, v_dev = on(k_in), on(v_in)
+    full = torch.full((b + 2, heads, dim), 7.0, dtype=dt, device=device)
+    paged_decode_attention(on(q), k_dev, v_dev, on(table), on(lens), full[:b], scale, num_splits=3,
+                           k_new=on(k_new), v_new=on(v_new))
+    res["write_new_f64"] = float((full[:b].cpu().double() - ref).abs().max()) / norm
+    res["write_new_cache_wrong"] = float(not (torch.equal(k_dev.cpu(), k_cache) and torch.equal(v_dev.cpu(), v_cache)))
+    mask = decode_mask(on(lens), width, bs, torch.arange(width * bs, device=device))
+    fallback = decode_attention_torch(on(q), on(k_cache), on(v_cache), on(table), mask, scale).cpu()
+    res["torch"] = float((got[:b].double() - fallback.double()).abs().max()) / norm
+    res["torch_vs_f64"] = float((fallback.double() - ref).abs().max()) / norm
+    return res
+
+
+def assert_case_ok(r: dict[str, float], dtype: str) -> None:
+    """The assertions on one case's :func:`case_errors` (the CPU and the GPU test share them)."""
+    tol = TOLERANCE[dtype]
+    for s in SPLITS:
+        assert r[f"f64_splits_{s}"] < tol, (s, r)
+    assert r["torch"] < tol, r
+    assert r["outside_changed"] == 0.0, "the kernel wrote outside its output rows"
+    assert r["padding_changed"] == 0.0, "the kernel read table entries past a seq's length"
+    assert r["write_new_f64"] < tol, r
+    assert r["write_new_cache_wrong"] == 0.0, "the new token's K/V did not land in (only in) its slot"
+
+
+def runner_error() -> float:
+    """The runner with the kernel as its decode attention against transformers' sdpa
+    (tiny-llama-random, float32, on the CPU): tests/torch_attention_check.py."""
+    import torch
+
+    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+    from tests.torch_attention_check import paged_vs_sdpa_error
+
+    loaded = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cpu"), dtype="float32")
+    return paged_vs_sdpa_error(loaded, prefix=37, chunk=11, decodes=3, block_size=16, decode_attention="triton")
+
+
+def main() -> int:
+    import torch
+
+    out: dict[str, Any] = {f"{name}/{dtype}": case_errors(name, dtype, torch.device("cpu"))
+                           for name in CASES for dtype in DTYPES}
+    out["runner"] = runner_error()
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
