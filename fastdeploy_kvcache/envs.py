@@ -137,3 +137,10 @@ def get(name: str) -> object:
 def enable_v1_kvcache_manager() -> bool:
     """True when an engine should route KV caching through this package."""
     return bool(get("ENABLE_V1_KVCACHE_MANAGER"))
+
+
+def triton_interpreter() -> bool:
+    """Whether Triton runs its kernels in its CPU interpreter: Triton's own ``TRITON_INTERPRET``
+    (read by Triton at import; not one of ours, so not in :data:`ENV_VARS`).  The transformers
+    runner's Triton attention runs on the CPU only there (tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

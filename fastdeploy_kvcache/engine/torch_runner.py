@@ -18,12 +18,12 @@ Nothing here or in the modules it imports imports Paddle: this path runs where o
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.engine.model_loader import LoadedModel
 from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
 from fastdeploy_kvcache.engine.attention import step_context
@@ -79,7 +79,7 @@ def decode_kernel_for(device: Any, choice: str = "auto") -> Optional[Any]:
         logger.info("Triton does not import (%s): the decode batch uses the torch attention", exc)
         return None
     if device.type != "cuda" and choice == "triton":
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if not envs.triton_interpreter():
             raise ValueError("decode attention 'triton' on the CPU runs only in Triton's interpreter "
                              "(TRITON_INTERPRET=1 before Triton is imported)")
     return paged_decode_attention
