@@ -3,10 +3,11 @@
 On-disk object (little-endian)::
 
     offset 0   magic   b"FDKV"
-           4   u16     format version (1)
+           4   u16     format version (2; version 1 objects are still read)
            6   u16     header bytes (32)
            8   u64     payload bytes
-          16   u64     xxh3-64 of the payload
+          16   u64     checksum of the payload: xxh3-64 chained over 512 KiB pieces (the
+                       plain xxh3-64 for a payload of one piece, and in version 1)
           24   u64     reserved (0)
           32   payload
 
@@ -67,12 +68,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-import xxhash
 
 from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError, StorageHealth, validate_batch
 from fastdeploy_kvcache.storage.buffers import BufferRegistry
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
-from fastdeploy_kvcache.storage.file_read import FORMAT_VERSION, HEADER, MAGIC, hash_group, mem, read_object
+from fastdeploy_kvcache.storage.file_read import (FORMAT_VERSION, HEADER, MAGIC, READABLE_VERSIONS, checksum,
+                                                  hash_group, mem, read_object)
 from fastdeploy_kvcache.storage.log_limit import ThrottledLog
 from fastdeploy_kvcache.storage.stats import StorageStats
 
@@ -348,7 +349,7 @@ class FileBackend(StorageBackend):
         if not self._reserve(key, size):
             return Status.FULL
         payload = mem(ptr, size)
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, HEADER.size, size, xxhash.xxh3_64_intdigest(payload), 0)
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, HEADER.size, size, checksum(payload), 0)
         tmp = os.path.join(self._dir, f"{_TMP_PREFIX}{key.replace(':', '=')}-{os.getpid()}-{next(self._tmp_counter)}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -427,9 +428,9 @@ class FileBackend(StorageBackend):
             at = i * hsize
             # Fast path: a whole object of the expected size whose checksum holds.
             if n == hsize + size:
-                magic, version, header_size, payload_size, checksum, _ = unpack(headers, at)
+                magic, version, header_size, payload_size, recorded, _ = unpack(headers, at)
                 if (magic == MAGIC and version == FORMAT_VERSION and header_size == hsize and payload_size == size
-                        and digest == checksum):
+                        and digest == recorded):
                     out.append(size)
                     hits.append(k)
                     continue
@@ -445,7 +446,7 @@ class FileBackend(StorageBackend):
                     digest: Optional[int] = None) -> int:
         """The verdict on one object as read (``got``: bytes or -errno), for every reader.
 
-        ``digest``: the payload's xxh3 where the reader hashed it already."""
+        ``digest``: the payload's checksum where the reader computed it already."""
         if got < 0:
             err = -got
             if err == errno.ENOENT:
@@ -454,8 +455,8 @@ class FileBackend(StorageBackend):
             return self._os_status("get", key, OSError(err, os.strerror(err), path))
         if got < HEADER.size:
             return self._corrupt(key, path, f"{got}-byte file has no header")
-        magic, version, header_size, payload_size, checksum, _ = HEADER.unpack_from(headers, at)
-        if magic != MAGIC or version != FORMAT_VERSION or header_size != HEADER.size:
+        magic, version, header_size, payload_size, recorded, _ = HEADER.unpack_from(headers, at)
+        if magic != MAGIC or version not in READABLE_VERSIONS or header_size != HEADER.size:
             return self._corrupt(key, path, f"bad header (magic {magic!r}, version {version})")
         if payload_size > size:
             if got <= HEADER.size + size:
@@ -466,7 +467,9 @@ class FileBackend(StorageBackend):
             return Status.INVALID
         if got != HEADER.size + payload_size:
             return self._corrupt(key, path, f"file has {got - HEADER.size} payload bytes, header says {payload_size}")
-        if (digest if digest is not None else xxhash.xxh3_64_intdigest(mem(ptr, payload_size))) != checksum:
+        if digest is None or version != FORMAT_VERSION:  # the readers hash the current version only
+            digest = checksum(mem(ptr, payload_size), version)
+        if digest != recorded:
             return self._corrupt(key, path, "checksum mismatch")
         return payload_size
 

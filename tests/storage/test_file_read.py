@@ -14,18 +14,28 @@ import xxhash
 from fastdeploy_kvcache.storage import Status
 from fastdeploy_kvcache.storage import file_backend
 from fastdeploy_kvcache.storage.file_backend import FileBackend
-from fastdeploy_kvcache.storage.file_read import FORMAT_VERSION, HEADER, MAGIC, hash_group, mem, read_object
+from fastdeploy_kvcache.storage.file_read import (CHECKSUM_PIECE, FORMAT_VERSION, HEADER, MAGIC, checksum, hash_group,
+                                                  mem, read_object)
 
 from .conftest import HostArena
 
 NS = "fdkv1-test-0123456789abcdef-tp0of1"
 
 
-def write_object(path: Path, payload: bytes, claimed: int | None = None) -> None:
-    """An object file as the backend writes it (``claimed``: the header's payload size)."""
+def write_object(path: Path, payload: bytes, claimed: int | None = None, version: int = FORMAT_VERSION) -> None:
+    """An object file as the backend writes it (``claimed``: the header's payload size;
+    ``version`` 1: one xxh3-64 over the whole payload, as objects written before version 2)."""
     size = len(payload) if claimed is None else claimed
-    path.write_bytes(HEADER.pack(MAGIC, FORMAT_VERSION, HEADER.size, size, xxhash.xxh3_64_intdigest(payload), 0)
-                     + payload)
+    digest = xxhash.xxh3_64_intdigest(payload) if version == 1 else checksum(memoryview(payload))
+    path.write_bytes(HEADER.pack(MAGIC, version, HEADER.size, size, digest, 0) + payload)
+
+
+def chain(payload: bytes) -> int:
+    """The version-2 checksum spelled out: xxh3-64 of each 512 KiB piece, seeded with the last."""
+    seed = 0
+    for at in range(0, len(payload), CHECKSUM_PIECE):
+        seed = xxhash.xxh3_64_intdigest(payload[at:at + CHECKSUM_PIECE], seed)
+    return seed
 
 
 def read(path: Path, size: int, chunk: int) -> tuple[int, int | None, bytes, bytes]:
@@ -36,16 +46,39 @@ def read(path: Path, size: int, chunk: int) -> tuple[int, int | None, bytes, byt
     return got, digest, bytes(header), payload.tobytes()
 
 
+def test_checksum_is_plain_xxh3_for_one_piece_and_a_chain_beyond() -> None:
+    rng = np.random.default_rng(0)
+    for size in (0, 1, 65_536, CHECKSUM_PIECE, CHECKSUM_PIECE + 1, 3 * CHECKSUM_PIECE, 3 * CHECKSUM_PIECE - 7):
+        payload = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        assert checksum(memoryview(payload)) == (xxhash.xxh3_64_intdigest(payload) if size <= CHECKSUM_PIECE
+                                                 else chain(payload))
+        assert checksum(memoryview(payload), 1) == xxhash.xxh3_64_intdigest(payload)
+    two = rng.integers(0, 256, 2 * CHECKSUM_PIECE, dtype=np.uint8)
+    swapped = np.concatenate([two[CHECKSUM_PIECE:], two[:CHECKSUM_PIECE]])
+    assert checksum(memoryview(two)) != checksum(memoryview(swapped))  # the chain keeps the pieces' order
+
+
 @pytest.mark.parametrize("size, chunk", [(10_000, 4096), (4096, 4096), (4097, 4096), (1, 4096), (300_001, 65_536),
-                                         (65_536, 1 << 20)])
+                                         (65_536, 1 << 20), (CHECKSUM_PIECE * 2 + 12_345, 3000),
+                                         (CHECKSUM_PIECE * 2 + 12_345, CHECKSUM_PIECE),
+                                         (CHECKSUM_PIECE * 2, CHECKSUM_PIECE), (CHECKSUM_PIECE * 3 - 1, 1 << 20)])
 def test_whole_object_any_size_and_piece(tmp_path: Path, size: int, chunk: int) -> None:
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     path = tmp_path / "o.kv"
     write_object(path, payload)
     got, digest, header, data = read(path, size, chunk)
     assert got == HEADER.size + size
-    assert digest == xxhash.xxh3_64_intdigest(payload)
+    assert digest == checksum(memoryview(payload)) == HEADER.unpack(header)[4]
     assert data == payload and HEADER.unpack(header)[3] == size
+
+
+def test_version_1_header_gets_no_digest_from_the_reader(tmp_path: Path) -> None:
+    """The reader hashes the current version only; the verdict hashes older objects whole."""
+    payload = bytes(range(256)) * 40
+    path = tmp_path / "o.kv"
+    write_object(path, payload, version=1)
+    got, digest, _, data = read(path, len(payload), 4096)
+    assert got == HEADER.size + len(payload) and digest is None and data == payload
 
 
 def test_longer_file_reports_the_byte_past_and_hashes_only_the_buffer(tmp_path: Path) -> None:
@@ -56,7 +89,7 @@ def test_longer_file_reports_the_byte_past_and_hashes_only_the_buffer(tmp_path: 
         f.write(b"tail")
     got, digest, _, data = read(path, len(payload), 4096)
     assert got == HEADER.size + len(payload) + 1
-    assert digest == xxhash.xxh3_64_intdigest(payload) and data == payload
+    assert digest == checksum(memoryview(payload)) and data == payload
 
 
 @pytest.mark.parametrize("cut", [HEADER.size + 4096, HEADER.size + 5000, HEADER.size + 10_239, HEADER.size, 7, 0])
@@ -97,12 +130,14 @@ def test_missing_file_and_directory_are_errnos(tmp_path: Path) -> None:
 
 def test_hash_group_hashes_whole_objects_only() -> None:
     size = 5000
-    buf = np.random.default_rng(1).integers(0, 256, 4 * size, dtype=np.uint8)
+    buf = np.random.default_rng(1).integers(0, 256, 4 * size + CHECKSUM_PIECE + 1, dtype=np.uint8)
     base = int(buf.ctypes.data)
-    ptrs = [base + 3 * size, base, base + size]  # any order, gaps allowed
-    got = [HEADER.size + size, HEADER.size + size - 1, -errno.ENOENT]
-    out = hash_group(ptrs, [size] * 3, got, HEADER.size)
-    assert out == [xxhash.xxh3_64_intdigest(buf[3 * size:].tobytes()), None, None]
+    ptrs = [base + 3 * size, base, base + size, base + 4 * size]  # any order, gaps allowed
+    sizes = [size, size, size, CHECKSUM_PIECE + 1]
+    got = [HEADER.size + size, HEADER.size + size - 1, -errno.ENOENT, HEADER.size + CHECKSUM_PIECE + 1]
+    out = hash_group(ptrs, sizes, got, HEADER.size)
+    assert out == [xxhash.xxh3_64_intdigest(buf[3 * size:4 * size].tobytes()), None, None,
+                   chain(buf[4 * size:].tobytes())]
 
 
 def key(i: int) -> str:
@@ -163,3 +198,34 @@ def test_every_reader_gives_the_same_verdict_on_empty_and_zero_byte_files(
     assert not (tmp_path / (key(1).replace(":", "=") + ".kv")).exists()
     backend.close()
 
+
+
+@pytest.mark.parametrize("size", [768 << 10, (1 << 20) + 4321])  # the native group read; the piecewise one
+def test_objects_of_several_pieces_in_both_versions_read_back_and_damage_is_a_miss(
+        tmp_path: Path, size: int) -> None:
+    """Objects written before version 2 (one xxh3-64 over the payload) still read back; a
+    flipped byte in the last piece is a miss in both versions; an unknown version is too."""
+    arena = HostArena(6, size)
+    backend = FileBackend(tmp_path, min_free_bytes=0)
+    backend.register_buffer(arena.ptr, arena.nbytes)
+    data = [arena.fill(i, seed=20 + i).tobytes() for i in range(3)]
+    assert backend.batch_put_from([key(0)], [arena.slot_ptr(0)], [size]) == [Status.OK]  # version 2
+    files = [tmp_path / (key(i).replace(":", "=") + ".kv") for i in range(3)]
+    assert HEADER.unpack(files[0].read_bytes()[:HEADER.size])[1:5] == (FORMAT_VERSION, HEADER.size, size,
+                                                                     chain(data[0]))
+    write_object(files[1], data[1], version=1)
+    write_object(files[2], data[2], version=1)
+    keys, dsts = [key(i) for i in range(3)], [arena.slot_ptr(3 + i) for i in range(3)]
+    assert backend.batch_get_into(keys, dsts, [size] * 3) == [size] * 3
+    for i in range(3):
+        assert arena.slot(3 + i).tobytes() == data[i]
+    for f in files[:2]:  # flip a byte in the last piece of a version 2 and a version 1 object
+        raw = bytearray(f.read_bytes())
+        raw[-2] ^= 0x10
+        f.write_bytes(bytes(raw))
+    raw = bytearray(files[2].read_bytes())
+    raw[4:6] = (3).to_bytes(2, "little")  # a version this code does not know
+    files[2].write_bytes(bytes(raw))
+    assert backend.batch_get_into(keys, dsts, [size] * 3) == [Status.CORRUPT] * 3
+    assert not any(f.exists() for f in files) and backend.stats()["corrupt_objects"] == 3
+    backend.close()
