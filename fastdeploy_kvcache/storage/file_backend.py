@@ -75,7 +75,7 @@ from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError
 from fastdeploy_kvcache.storage.buffers import BufferRegistry
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
 from fastdeploy_kvcache.storage.file_read import (FORMAT_VERSION, HEADER, MAGIC, READABLE_VERSIONS, checksum,
-                                                  hash_group, mem, read_object)
+                                                  hash_group, mem, read_object, views)
 from fastdeploy_kvcache.storage.log_limit import ThrottledLog
 from fastdeploy_kvcache.storage.stats import StorageStats
 
@@ -416,8 +416,8 @@ class FileBackend(StorageBackend):
         if self._native is None or min(sizes) >= _CHUNKED_READ_MIN_BYTES:
             headers = bytearray(len(keys) * hsize)
             hview = memoryview(headers)
-            read = [read_object(self._file(k), hview[i * hsize:(i + 1) * hsize], mem(p, n), _HASH_CHUNK)
-                    for i, (k, p, n) in enumerate(zip(keys, ptrs, sizes))]
+            read = [read_object(self._file(k), hview[i * hsize:(i + 1) * hsize], v, _HASH_CHUNK)
+                    for i, (k, v) in enumerate(zip(keys, views(ptrs, sizes)))]
             got = [r[0] for r in read]
             digests = [r[1] for r in read]
         else:

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import xxhash
 
 __all__ = ["CHECKSUM_PIECE", "FORMAT_VERSION", "HEADER", "MAGIC", "READABLE_VERSIONS", "checksum", "hash_group",
-           "mem", "read_object"]
+           "mem", "read_object", "views"]
 
 MAGIC = b"FDKV"
 FORMAT_VERSION = 2  # written; 1 (one xxh3-64 over the whole payload) is still read
@@ -134,10 +134,16 @@ def hash_group(ptrs: Sequence[int], sizes: Sequence[int], got: Sequence[int], he
     Only whole objects (``got == header_size + size``, the only ones that can pass as they
     are) are hashed; the others get None and their verdict hashes what the header claims.
     """
+    return [checksum(v) if n == header_size + len(v) else None for v, n in zip(views(ptrs, sizes), got)]
+
+
+def views(ptrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
+    """Writable byte views of ``sizes[i]`` bytes at ``ptrs[i]``, cut from one view of their range.
+
+    NOTE: a view per object (:func:`mem`: a ctypes array type lookup and a cast) cost as
+    much as hashing a 64 KiB object.  Only the objects' own bytes are ever touched, never a
+    gap between them.
+    """
     base = min(ptrs)
     span = mem(base, max(p + s for p, s in zip(ptrs, sizes)) - base)
-    # NOTE: one view over the group's range, sliced per object: a view per object (a ctypes
-    # array type lookup and a cast) cost as much as hashing a 64 KiB object.  Only the
-    # objects' own bytes are ever touched, never a gap between them.
-    return [checksum(span[p - base:p - base + s]) if n == header_size + s else None
-            for p, s, n in zip(ptrs, sizes, got)]
+    return [span[p - base:p - base + s] for p, s in zip(ptrs, sizes)]
