@@ -19,11 +19,16 @@ namespace fdkv {
 
 namespace {
 
-// preadv until the iovecs are full or the file ends; returns bytes read or -errno.
-int64_t ReadFully(int fd, struct iovec* iov, int count) {
+// preadv until the iovecs are full or the file ends; returns bytes read or -errno.  A read
+// that comes back short once at least `enough` bytes are in is taken as the end of the file:
+// a regular file reads short only there, and asking again would cost every object a second
+// preadv that returns 0 (a read short of `enough` is still confirmed that way).
+int64_t ReadFully(int fd, struct iovec* iov, int count, int64_t enough) {
   int64_t total = 0;
   off_t offset = 0;
   while (count > 0) {
+    size_t asked = 0;
+    for (int k = 0; k < count; ++k) asked += iov[k].iov_len;
     const ssize_t r = preadv(fd, iov, count, offset);
     if (r < 0) {
       if (errno == EINTR) continue;
@@ -32,6 +37,7 @@ int64_t ReadFully(int fd, struct iovec* iov, int count) {
     if (r == 0) break;  // end of file
     total += r;
     offset += r;
+    if (static_cast<size_t>(r) < asked && total >= enough) break;
     size_t left = static_cast<size_t>(r);
     while (count > 0 && left >= iov->iov_len) {
       left -= iov->iov_len;
@@ -81,7 +87,7 @@ void ReadFiles(const char* const* paths, int64_t n, void* const* dsts, const int
     if (header_bytes > 0) iov[count++] = {static_cast<char*>(headers) + i * header_bytes, static_cast<size_t>(header_bytes)};
     if (dst_bytes[i] > 0) iov[count++] = {dsts[i], static_cast<size_t>(dst_bytes[i])};
     iov[count++] = {&past_end, 1};
-    got[i] = ReadFully(fd, iov, count);
+    got[i] = ReadFully(fd, iov, count, header_bytes + dst_bytes[i]);
     close(fd);
   }
 }

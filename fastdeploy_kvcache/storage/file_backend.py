@@ -3,10 +3,11 @@
 On-disk object (little-endian)::
 
     offset 0   magic   b"FDKV"
-           4   u16     format version (1)
+           4   u16     format version (2; version 1 objects are still read)
            6   u16     header bytes (32)
            8   u64     payload bytes
-          16   u64     xxh3-64 of the payload
+          16   u64     checksum of the payload: xxh3-64 chained over 512 KiB pieces (the
+                       plain xxh3-64 for a payload of one piece, and in version 1)
           24   u64     reserved (0)
           32   payload
 
@@ -36,16 +37,17 @@ On-disk object (little-endian)::
   block again when it next computes it.  A non-file (a directory, say) at an object's path
   is reported once and its key skipped: a miss for gets and existence checks, a quiet
   ``Status.IO`` for puts, until it is gone.
-* **Reads.**  One ``open``, one ``preadv`` (header, payload, and one byte past it, which
-  tells a longer file without an ``fstat``) and one ``close`` per object, a whole slice of
-  a batch in one native call (``read_files`` of the CPU C ABI) that holds no GIL: the engine
-  thread and the server's event loop run while a prefetch reads.  Python then checks each
-  header and checksum.  Without the library (not built) the same reads run in Python.
-  The checksum runs while the bytes are still in the CPU cache: small objects are read in
-  groups of at most 1 MiB, each group hashed right after its read; objects of 1 MiB and more
-  are read in 256 KiB chunks, each hashed as it lands.  Reading a whole batch first and
-  hashing it afterwards read every byte from memory twice and ran at about 0.6 of a plain
-  read of the same files.
+* **Reads.**  Objects under 256 KiB: one ``open``, one ``preadv`` (header, payload, and one
+  byte past it, which tells a longer file without an ``fstat``) and one ``close`` each, a
+  group of at most 1 MiB of them in one native call (``read_files`` of the CPU C ABI) that
+  holds no GIL; each group is hashed right after its read, while it is still in the CPU
+  cache.  Objects of 256 KiB and more (and every object where the library is not built) are
+  read in Python in 512 KiB pieces, each hashed as it lands (:mod:`.file_read`); the file
+  system calls and the hash release the GIL, so the engine thread and the server's event
+  loop run while a prefetch reads.  Python then checks each header and checksum.  Hashing
+  from the cache costs about a sixth of the page-cache copy on the development VM; a group
+  of 256 KiB objects, hashed after its 1 MiB read, had partly left the cache (0.76 of a
+  plain read in CPU time against 0.79 piecewise; 512 KiB objects 0.75 against 0.81).
 * **Threads.**  ``batch_get_into`` / ``batch_put_from`` split one batch into contiguous
   slices of at least ``_MIN_KEYS_PER_THREAD`` keys, one per thread, over at most
   ``io_threads`` threads (file I/O releases the GIL; an NVMe drive wants several requests in
@@ -57,12 +59,10 @@ On-disk object (little-endian)::
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import logging
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -70,11 +70,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-import xxhash
-
 from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError, StorageHealth, validate_batch
 from fastdeploy_kvcache.storage.buffers import BufferRegistry
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
+from fastdeploy_kvcache.storage.file_read import (FORMAT_VERSION, HEADER, MAGIC, READABLE_VERSIONS, checksum,
+                                                  hash_group, mem, read_object, views)
 from fastdeploy_kvcache.storage.log_limit import ThrottledLog
 from fastdeploy_kvcache.storage.stats import StorageStats
 
@@ -82,10 +82,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["FileBackend", "HEADER", "MAGIC"]
 
-MAGIC = b"FDKV"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<4sHHQQQ")
-assert HEADER.size == 32
 _SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
 # A key is a file name with ':' spelled '='; keys.KEY_RE keys never contain '=' or '/'.
@@ -95,11 +91,12 @@ _MAX_KEY_LEN = 200
 _MIN_KEYS_PER_THREAD = 16
 # Hits whose atime refresh may wait for a put batch or close before the writer does it.
 _MAX_UNFLUSHED_TOUCHES = 8192
-# The checksum must run while the bytes just read are still in the CPU cache: objects of at
-# least _CHUNKED_READ_MIN_BYTES are read and hashed in chunks of _HASH_CHUNK bytes; smaller ones
-# go to the native batch read in groups of at most _READ_GROUP_BYTES, each hashed after it.
-_CHUNKED_READ_MIN_BYTES = 1 << 20
-_HASH_CHUNK = 256 << 10
+# The checksum must run while the bytes just read are still in the CPU cache (see file_read):
+# objects of at least _CHUNKED_READ_MIN_BYTES (and every object where the C ABI is not built)
+# are read and hashed in pieces of _HASH_CHUNK bytes; smaller ones go to the native batch read
+# in groups of at most _READ_GROUP_BYTES, each group hashed right after its read.
+_CHUNKED_READ_MIN_BYTES = 256 << 10
+_HASH_CHUNK = 512 << 10
 _READ_GROUP_BYTES = 1 << 20
 
 
@@ -107,11 +104,6 @@ def default_io_threads() -> int:
     """Half the cores, 1 to 4: the GIL-held part of each read (checksum, bookkeeping) makes
     more threads than cores slower on page-cache hits."""
     return max(1, min(4, (os.cpu_count() or 2) // 2))
-
-
-def _mem(ptr: int, size: int) -> memoryview:
-    """A writable memoryview over ``size`` bytes at ``ptr`` (no copy)."""
-    return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
 
 
 class FileBackend(StorageBackend):
@@ -358,8 +350,8 @@ class FileBackend(StorageBackend):
         """One attempt; raises :class:`_DiskFull` on ENOSPC / EDQUOT (nothing left behind)."""
         if not self._reserve(key, size):
             return Status.FULL
-        payload = _mem(ptr, size)
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, HEADER.size, size, xxhash.xxh3_64_intdigest(payload), 0)
+        payload = mem(ptr, size)
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, HEADER.size, size, checksum(payload), 0)
         tmp = os.path.join(self._dir, f"{_TMP_PREFIX}{key.replace(':', '=')}-{os.getpid()}-{next(self._tmp_counter)}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -398,27 +390,6 @@ class FileBackend(StorageBackend):
             return Status.FULL
         return Status.OK
 
-    @staticmethod
-    def _read_files_py(paths: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> tuple[bytearray, list[int]]:
-        """What ``read_files`` of the C ABI does, in Python (where the library is not built)."""
-        headers = bytearray(len(paths) * HEADER.size)
-        got: list[int] = []
-        for i, (path, ptr, size) in enumerate(zip(paths, ptrs, sizes)):
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as exc:
-                got.append(-(exc.errno or errno.EIO))
-                continue
-            past_end = bytearray(1)  # filled only when the file is longer than the buffer
-            try:
-                got.append(os.preadv(fd, [memoryview(headers)[i * HEADER.size:(i + 1) * HEADER.size],
-                                          _mem(ptr, size), past_end], 0))
-            except OSError as exc:
-                got.append(-(exc.errno or errno.EIO))
-            finally:
-                os.close(fd)
-        return headers, got
-
     def _get_slice(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Read a slice of a batch (one native call where built), then check each object."""
         if self._blocked and not self._blocked.isdisjoint(keys):
@@ -438,31 +409,34 @@ class FileBackend(StorageBackend):
         return out
 
     def _read_and_check(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """Read a group of objects (see ``_READ_GROUP_BYTES``), then check each one."""
-        paths = [self.file_path(k) for k in keys]
-        digests: Optional[list[Optional[int]]] = None
-        if min(sizes) >= _CHUNKED_READ_MIN_BYTES:
-            headers, got, digests = self._read_files_hashed(paths, ptrs, sizes)
-        elif self._native is None:
-            headers, got = self._read_files_py(paths, ptrs, sizes)
+        """Read a group of objects (see ``_READ_GROUP_BYTES``), hashing each while it is in
+        the CPU cache (see :mod:`.file_read`), then check each one."""
+        hsize = HEADER.size
+        digests: Sequence[Optional[int]]
+        if self._native is None or min(sizes) >= _CHUNKED_READ_MIN_BYTES:
+            headers = bytearray(len(keys) * hsize)
+            hview = memoryview(headers)
+            read = [read_object(self.file_path(k), hview[i * hsize:(i + 1) * hsize], v, _HASH_CHUNK)
+                    for i, (k, v) in enumerate(zip(keys, views(ptrs, sizes)))]
+            got = [r[0] for r in read]
+            digests = [r[1] for r in read]
         else:
-            headers, got = self._native.read_files([os.fsencode(p) for p in paths], ptrs, sizes, HEADER.size)
+            headers, got = self._native.read_files([os.fsencode(self.file_path(k)) for k in keys], ptrs, sizes, hsize)
+            digests = hash_group(ptrs, sizes, got, hsize)
         out: list[int] = []
         hits: list[str] = []
         unpack = HEADER.unpack_from
-        hsize = HEADER.size
-        for i, (k, ptr, size, n) in enumerate(zip(keys, ptrs, sizes, got)):
+        for i, (k, ptr, size, n, digest) in enumerate(zip(keys, ptrs, sizes, got, digests)):
             at = i * hsize
-            digest = digests[i] if digests is not None else None
             # Fast path: a whole object of the expected size whose checksum holds.
             if n == hsize + size:
-                magic, version, header_size, payload_size, checksum, _ = unpack(headers, at)
+                magic, version, header_size, payload_size, recorded, _ = unpack(headers, at)
                 if (magic == MAGIC and version == FORMAT_VERSION and header_size == hsize and payload_size == size
-                        and (digest if digest is not None else xxhash.xxh3_64_intdigest(_mem(ptr, size))) == checksum):
+                        and digest == recorded):
                     out.append(size)
                     hits.append(k)
                     continue
-            r = self._check_read(k, paths[i], ptr, size, headers, at, n, digest)
+            r = self._check_read(k, self.file_path(k), ptr, size, headers, at, n, digest)
             if r >= 0:
                 hits.append(k)
             out.append(r)
@@ -470,65 +444,11 @@ class FileBackend(StorageBackend):
             self._touch(hits)
         return out
 
-    @staticmethod
-    def _read_files_hashed(paths: Sequence[str], ptrs: Sequence[int],
-                           sizes: Sequence[int]) -> tuple[bytearray, list[int], list[Optional[int]]]:
-        """Like ``read_files``, in chunks, hashing each chunk of payload right after it lands.
-
-        NOTE: a large object read whole and then hashed is read from memory twice (the read
-        evicts its own first bytes from the CPU cache before the hash starts); hashing each
-        256 KiB chunk while it is still cached made 8 MiB reads about as fast as a plain read.
-        The digest covers ``min(payload, size)`` bytes (the header's claim); None when the
-        file ended first.  The file system calls release the GIL like the native reader's.
-        """
-        hsize = HEADER.size
-        headers = bytearray(len(paths) * hsize)
-        hview = memoryview(headers)
-        got: list[int] = []
-        digests: list[Optional[int]] = []
-        for i, (path, ptr, size) in enumerate(zip(paths, ptrs, sizes)):
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as exc:
-                got.append(-(exc.errno or errno.EIO))
-                digests.append(None)
-                continue
-            try:
-                mem = _mem(ptr, size)
-                first = min(size, _HASH_CHUNK)
-                n = os.preadv(fd, [hview[i * hsize:(i + 1) * hsize], mem[:first]], 0)
-                if n < hsize:
-                    got.append(n)
-                    digests.append(None)
-                    continue
-                want = min(HEADER.unpack_from(headers, i * hsize)[3], size)
-                h = xxhash.xxh3_64()
-                done = n - hsize
-                h.update(mem[:min(done, want)])
-                short = done < first  # the file ended within the first chunk
-                while not short and done < size:
-                    k = os.preadv(fd, [mem[done:done + _HASH_CHUNK]], hsize + done)
-                    if k <= 0:
-                        break
-                    if done < want:
-                        h.update(mem[done:min(done + k, want)])
-                    short = k < min(_HASH_CHUNK, size - done)
-                    done += k
-                past = len(os.pread(fd, 1, hsize + size)) if done == size else 0
-                got.append(hsize + done + past)
-                digests.append(h.intdigest() if done >= want else None)
-            except OSError as exc:
-                got.append(-(exc.errno or errno.EIO))
-                digests.append(None)
-            finally:
-                os.close(fd)
-        return headers, got, digests
-
     def _check_read(self, key: str, path: str, ptr: int, size: int, headers: bytearray, at: int, got: int,
                     digest: Optional[int] = None) -> int:
         """The verdict on one object as read (``got``: bytes or -errno), for every reader.
 
-        ``digest``: the payload's xxh3 where the reader hashed it already."""
+        ``digest``: the payload's checksum where the reader computed it already."""
         if got < 0:
             err = -got
             if err == errno.ENOENT:
@@ -537,8 +457,8 @@ class FileBackend(StorageBackend):
             return self._os_status("get", key, OSError(err, os.strerror(err), path))
         if got < HEADER.size:
             return self._corrupt(key, path, f"{got}-byte file has no header")
-        magic, version, header_size, payload_size, checksum, _ = HEADER.unpack_from(headers, at)
-        if magic != MAGIC or version != FORMAT_VERSION or header_size != HEADER.size:
+        magic, version, header_size, payload_size, recorded, _ = HEADER.unpack_from(headers, at)
+        if magic != MAGIC or version not in READABLE_VERSIONS or header_size != HEADER.size:
             return self._corrupt(key, path, f"bad header (magic {magic!r}, version {version})")
         if payload_size > size:
             if got <= HEADER.size + size:
@@ -549,7 +469,9 @@ class FileBackend(StorageBackend):
             return Status.INVALID
         if got != HEADER.size + payload_size:
             return self._corrupt(key, path, f"file has {got - HEADER.size} payload bytes, header says {payload_size}")
-        if (digest if digest is not None else xxhash.xxh3_64_intdigest(_mem(ptr, payload_size))) != checksum:
+        if digest is None or version != FORMAT_VERSION:  # the readers hash the current version only
+            digest = checksum(mem(ptr, payload_size), version)
+        if digest != recorded:
             return self._corrupt(key, path, "checksum mismatch")
         return payload_size
 
