@@ -7,7 +7,6 @@ import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -24,7 +23,7 @@ def error_response(status: int, message: str, type_: str = "server_error", param
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
-def relay_error(role: str, resp: httpx.Response, body: bytes,
+def relay_error(role: str, status: int, body: bytes,
                 headers: Optional[dict[str, str]] = None) -> JSONResponse:
     """A server's non-200 answer, kept (status and OpenAI body) when it is OpenAI-shaped, else
     wrapped; the message is prefixed with ``role`` so the client knows which server said it."""
@@ -35,10 +34,10 @@ def relay_error(role: str, resp: httpx.Response, body: bytes,
     if isinstance(data, dict) and isinstance(data.get("error"), dict) and "message" in data["error"]:
         err = dict(data["error"])
         err["message"] = f"{role} server: {err['message']}"
-        return JSONResponse({"error": err}, status_code=resp.status_code, headers=headers)
+        return JSONResponse({"error": err}, status_code=status, headers=headers)
     text = body.decode("utf-8", "replace")[:500]
-    return error_response(resp.status_code if resp.status_code >= 400 else 502,
-                          f"{role} server answered HTTP {resp.status_code}: {text}", headers=headers)
+    return error_response(status if status >= 400 else 502,
+                          f"{role} server answered HTTP {status}: {text}", headers=headers)
 
 
 def router_app(title: str, start: Callable[[], Awaitable[None]], close: Callable[[], Awaitable[None]]) -> FastAPI:

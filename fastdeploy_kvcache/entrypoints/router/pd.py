@@ -84,7 +84,7 @@ class PDRouter:
         except httpx.HTTPError as exc:
             raise UpstreamError("prefill", f"{self.prefill_url} unreachable ({type(exc).__name__}: {exc})") from exc
         if resp.status_code != 200:
-            return None, relay_error("prefill", resp, resp.content)
+            return None, relay_error("prefill", resp.status_code, resp.content)
         try:
             data = resp.json()
         except ValueError as exc:
@@ -133,7 +133,7 @@ class PDRouter:
             logger.warning("%s", msg)
             return error_response(502, msg, code="upstream_unavailable")
         if resp.status_code != 200:
-            return relay_error("decode", resp, resp.content)
+            return relay_error("decode", resp.status_code, resp.content)
         return Response(resp.content, status_code=200, media_type="application/json", headers=headers)
 
     async def _decode_stream(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
@@ -148,7 +148,7 @@ class PDRouter:
         if resp.status_code != 200:
             content = await resp.aread()
             await resp.aclose()
-            return relay_error("decode", resp, content)
+            return relay_error("decode", resp.status_code, content)
 
         async def relay() -> AsyncIterator[bytes]:
             try:
