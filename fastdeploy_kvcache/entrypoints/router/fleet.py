@@ -148,6 +148,8 @@ class FleetRouter:
         self.metrics = RouterMetrics(lambda: self.workers)
         self.client: Optional[aiohttp.ClientSession] = None
         self._health_task: Optional[asyncio.Task[None]] = None
+        self._streams: set[aiohttp.ClientResponse] = set()  # the workers' streams being relayed
+        self._ending = False
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -172,6 +174,18 @@ class FleetRouter:
                 await w.subscriber.stop()
         if self.client is not None:
             await self.client.close()
+
+    def end_streams(self) -> int:
+        """End every stream being relayed (the shutdown's grace period is spent); how many.
+
+        Each worker connection is closed (the worker aborts the request); the client's
+        stream gets an error event saying why, then ``data: [DONE]``.
+        """
+        self._ending = True
+        streams, self._streams = list(self._streams), set()
+        for resp in streams:
+            resp.close()
+        return len(streams)
 
     # ------------------------------------------------------------------ health
     def _mark_down(self, w: Worker, why: str) -> None:
@@ -351,6 +365,8 @@ class FleetRouter:
                 w.in_flight -= 1
             return relay_error("worker", resp.status, content, headers)
 
+        self._streams.add(resp)
+
         async def relay() -> AsyncIterator[bytes]:
             buf = b""
             try:
@@ -378,11 +394,16 @@ class FleetRouter:
                 if buf:
                     yield buf
             except _UPSTREAM_ERRORS as exc:
+                if self._ending:
+                    msg = "router: shutting down; the stream was ended at the end of its grace period"
+                    yield f"data: {json.dumps(error_body(msg, code='shutting_down'))}\n\ndata: [DONE]\n\n".encode()
+                    return
                 self.metrics.failed.labels(worker=w.url).inc()
                 msg = f"worker {w.url}: the stream broke ({type(exc).__name__}: {exc})"
                 logger.warning("%s", msg)
                 yield f"data: {json.dumps(error_body(msg))}\n\n".encode()
             finally:
+                self._streams.discard(resp)
                 w.in_flight -= 1
                 # Read to the end: the connection goes back to the pool.  Otherwise (the
                 # client left) it is closed, which tells the worker to abort the request.
