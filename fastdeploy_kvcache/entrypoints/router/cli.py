@@ -144,12 +144,16 @@ def build_app_from_args(args: argparse.Namespace):  # -> FastAPI
     return build_fleet_app(FleetRouter(args.worker_urls, events, config))
 
 
-def _fastest(module: str, name: str) -> str:
-    """uvicorn's ``loop``/``http`` choice: ``name`` when ``module`` imports (uvloop, httptools:
-    a third less of the router's time per request than asyncio's loop and h11), else its default."""
-    import importlib.util
+def _fastest(module: str) -> str:
+    """uvicorn's ``loop``/``http`` choice: ``module`` when it imports (uvloop, httptools: about
+    a quarter less of the router's time per request than asyncio's loop and h11), else its default."""
+    import importlib
 
-    return name if importlib.util.find_spec(module) is not None else "auto"
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return "auto"
+    return module
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -171,8 +175,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     abort = getattr(app.state.router, "end_streams", None)
     if abort is not None:
         plan.on_abort(abort)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            loop=_fastest("uvloop", "uvloop"), http=_fastest("httptools", "httptools"))
+    from fastdeploy_kvcache.entrypoints.router.http import FastPaths
+
+    asgi = FastPaths(app, app.state.fast_paths) if getattr(app.state, "fast_paths", None) else app
+    config = uvicorn.Config(asgi, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            loop=_fastest("uvloop"), http=_fastest("httptools"))
     server = GracefulServer(config, plan, then="the router stops")
     server.run()
     if not server.started:

@@ -254,9 +254,8 @@ class FleetRouter:
                 pending[h] = expiry
         return d.index, d.reason, predicted
 
-    async def route(self, path: str, raw: Request) -> Response:
-        t0 = time.perf_counter()
-        data = await raw.body()
+    async def route(self, path: str, data: bytes, t0: float) -> Response:
+        """Forward one request (its body ``data``, arrived at ``perf_counter()`` ``t0``) to a worker."""
         try:
             body = json.loads(data)
         except ValueError:
@@ -463,15 +462,18 @@ def build_fleet_app(router: FleetRouter) -> FastAPI:
                 continue
         return error_response(503, "router: no healthy worker", code="no_healthy_worker")
 
-    # Plain Starlette routes: the body is forwarded as it came, so FastAPI's request
-    # parsing would only add time to every request.
-    async def completions(raw: Request) -> Response:
-        return await router.route("/v1/completions", raw)
+    # The two proxy endpoints take the body as bytes: it is forwarded as it came, so
+    # FastAPI's request parsing would only add time.  ``cli.main`` serves them in front of
+    # the app (http.FastPaths); the routes below answer when the app is used on its own.
+    app.state.fast_paths = {
+        "/v1/completions": lambda data, t0: router.route("/v1/completions", data, t0),
+        "/v1/chat/completions": lambda data, t0: router.route("/v1/chat/completions", data, t0),
+    }
+    for path, handler in app.state.fast_paths.items():
+        async def endpoint(raw: Request, handler: Any = handler) -> Response:
+            t0 = time.perf_counter()
+            return await handler(await raw.body(), t0)
 
-    async def chat_completions(raw: Request) -> Response:
-        return await router.route("/v1/chat/completions", raw)
-
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+        app.add_route(path, endpoint, methods=["POST"])
 
     return app
