@@ -105,6 +105,9 @@ def parse_worker_events(specs: Optional[Sequence[str]], worker_urls: Sequence[st
 
 
 def build_app_from_args(args: argparse.Namespace):  # -> FastAPI
+    if not 0 <= args.graceful_shutdown_timeout < float("inf"):
+        raise SystemExit(f"--graceful-shutdown-timeout: must be a finite number >= 0, got "
+                         f"{args.graceful_shutdown_timeout}")
     if args.prefill_url or args.decode_url:
         if args.worker_urls:
             raise SystemExit("--worker-urls and --prefill-url/--decode-url are two modes; give one")
@@ -167,11 +170,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per forwarded request otherwise
-    if not 0 <= args.graceful_shutdown_timeout < float("inf"):
-        raise SystemExit(f"--graceful-shutdown-timeout: must be a finite number >= 0, got "
-                         f"{args.graceful_shutdown_timeout}")
-    plan = ShutdownPlan(args.graceful_shutdown_timeout)
     app = build_app_from_args(args)
+    plan = ShutdownPlan(args.graceful_shutdown_timeout)
     abort = getattr(app.state.router, "end_streams", None)
     if abort is not None:
         plan.on_abort(abort)
