@@ -169,7 +169,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = make_arg_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per forwarded request otherwise
     app = build_app_from_args(args)
     plan = ShutdownPlan(args.graceful_shutdown_timeout)
     abort = getattr(app.state.router, "end_streams", None)

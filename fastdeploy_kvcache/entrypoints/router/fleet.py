@@ -33,7 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from fastdeploy_kvcache.core.kv_events import event_block_hashes
 from fastdeploy_kvcache.entrypoints.router.events import EventSubscriber
-from fastdeploy_kvcache.entrypoints.router.http import error_body, error_response, relay_error, router_app
+from fastdeploy_kvcache.entrypoints.router.http import (UPSTREAM_ERRORS, error_body, error_response, relay_error,
+                                                         router_app, upstream_session)
 from fastdeploy_kvcache.entrypoints.router.metrics import RouterMetrics
 from fastdeploy_kvcache.entrypoints.router.policy import Candidate, Policy
 from fastdeploy_kvcache.entrypoints.router.prompt import prompt_token_ids
@@ -49,11 +50,6 @@ HEADER_PREDICTED = "x-fdkv-predicted-cached-tokens"
 """Response header: prompt tokens the router expected the chosen worker to reuse."""
 
 _USAGE_MARK = b'"usage":{'
-# Keep-alive connections to a worker are dropped after this many idle seconds: below
-# uvicorn's own keep-alive (5 s), so the router never sends on a connection the worker
-# is closing.
-KEEPALIVE_S = 4.0
-_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 _COUNT_ONLY = TierWeights()  # any weights: only the matched block count is used
 
 
@@ -153,15 +149,7 @@ class FleetRouter:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        # aiohttp rather than httpx: its client side of a call costs about a quarter of
-        # httpx's (a C HTTP parser, no anyio layers), and httpx was the largest part of the
-        # router's added latency.  Bytes are relayed as they came: no Accept-Encoding is
-        # sent (so a worker never compresses) and nothing is decompressed.
-        connector = aiohttp.TCPConnector(limit=512, limit_per_host=0, keepalive_timeout=KEEPALIVE_S)
-        self.client = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("Accept-Encoding",),
-            cookie_jar=aiohttp.DummyCookieJar(),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.config.timeout_s))
+        self.client = upstream_session(self.config.timeout_s, connect_s=5.0, limit=512)
         for w in self.workers:
             if w.events is not None:
                 w.subscriber = EventSubscriber(w.url, w.view, w.events.pub, w.events.replay, self.config.events_topic)
@@ -208,7 +196,7 @@ class FleetRouter:
                                        timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as r:
                 await r.read()
                 ok, why = r.status == 200, f"HTTP {r.status}"
-        except _UPSTREAM_ERRORS as exc:
+        except UPSTREAM_ERRORS as exc:
             ok, why, refused = False, type(exc).__name__, isinstance(exc, aiohttp.ClientConnectorError)
         if ok:
             if not w.healthy:
@@ -324,7 +312,7 @@ class FleetRouter:
             raise
         except BaseException as exc:
             w.in_flight -= 1
-            if not isinstance(exc, _UPSTREAM_ERRORS):
+            if not isinstance(exc, UPSTREAM_ERRORS):
                 raise
             self.metrics.failed.labels(worker=w.url).inc()
             msg = f"worker {w.url} failed ({type(exc).__name__}: {exc})"
@@ -338,7 +326,7 @@ class FleetRouter:
             return failed  # type: ignore[return-value]
         try:
             content = await resp.read()
-        except _UPSTREAM_ERRORS as exc:
+        except UPSTREAM_ERRORS as exc:
             resp.close()
             self.metrics.failed.labels(worker=w.url).inc()
             msg = f"worker {w.url} failed while answering ({type(exc).__name__}: {exc})"
@@ -359,7 +347,7 @@ class FleetRouter:
         if resp.status != 200:
             try:
                 content = await resp.read()
-            except _UPSTREAM_ERRORS:
+            except UPSTREAM_ERRORS:
                 content = b""
             finally:
                 resp.close()
@@ -394,7 +382,7 @@ class FleetRouter:
                         yield b"".join(out)
                 if buf:
                     yield buf
-            except _UPSTREAM_ERRORS as exc:
+            except UPSTREAM_ERRORS as exc:
                 if self._ending:
                     msg = "router: shutting down; the stream was ended at the end of its grace period"
                     yield f"data: {json.dumps(error_body(msg, code='shutting_down'))}\n\ndata: [DONE]\n\n".encode()
@@ -460,7 +448,7 @@ def build_fleet_app(router: FleetRouter) -> FastAPI:
             try:
                 async with router.client.get(w.url + "/v1/models") as resp:
                     return Response(await resp.read(), status_code=resp.status, media_type="application/json")
-            except _UPSTREAM_ERRORS:
+            except UPSTREAM_ERRORS:
                 continue
         return error_response(503, "router: no healthy worker", code="no_healthy_worker")
 

@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 logger = logging.getLogger(__name__)
+
+# Keep-alive connections to a server are dropped after this many idle seconds: below
+# uvicorn's own keep-alive (5 s), so the router never sends on a connection the server
+# is closing.
+KEEPALIVE_S = 4.0
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+"""What a call to a server raises when it is unreachable, breaks or times out."""
+
+
+def upstream_session(timeout_s: float, connect_s: float, limit: int) -> aiohttp.ClientSession:
+    """The router's HTTP client to its servers (either mode), made on the running loop.
+
+    aiohttp rather than httpx: its client side of a call costs about a quarter of httpx's
+    (a C HTTP parser, no anyio layers), and httpx was the largest part of the router's
+    added latency.  Bytes are relayed as they came: no Accept-Encoding is sent (so a
+    server never compresses) and nothing is decompressed.  ``timeout_s`` bounds each read.
+    """
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, limit_per_host=0, keepalive_timeout=KEEPALIVE_S),
+        auto_decompress=False, skip_auto_headers=("Accept-Encoding",), cookie_jar=aiohttp.DummyCookieJar(),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=timeout_s))
 
 
 def error_body(message: str, type_: str = "server_error", param: Optional[str] = None,
