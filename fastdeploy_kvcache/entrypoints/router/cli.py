@@ -171,9 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app_from_args(args)
     plan = ShutdownPlan(args.graceful_shutdown_timeout)
-    abort = getattr(app.state.router, "end_streams", None)
-    if abort is not None:
-        plan.on_abort(abort)
+    plan.on_abort(app.state.router.streams.end_all)  # either mode
     from fastdeploy_kvcache.entrypoints.router.http import FastPaths
 
     asgi = FastPaths(app, app.state.fast_paths) if getattr(app.state, "fast_paths", None) else app

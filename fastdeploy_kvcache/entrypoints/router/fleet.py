@@ -33,8 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from fastdeploy_kvcache.core.kv_events import event_block_hashes
 from fastdeploy_kvcache.entrypoints.router.events import EventSubscriber
-from fastdeploy_kvcache.entrypoints.router.http import (UPSTREAM_ERRORS, error_body, error_response, relay_error,
-                                                         router_app, upstream_session)
+from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams, error_body,
+                                                         error_response, relay_error, router_app, upstream_session)
 from fastdeploy_kvcache.entrypoints.router.metrics import RouterMetrics
 from fastdeploy_kvcache.entrypoints.router.policy import Candidate, Policy
 from fastdeploy_kvcache.entrypoints.router.prompt import prompt_token_ids
@@ -144,8 +144,7 @@ class FleetRouter:
         self.metrics = RouterMetrics(lambda: self.workers)
         self.client: Optional[aiohttp.ClientSession] = None
         self._health_task: Optional[asyncio.Task[None]] = None
-        self._streams: set[aiohttp.ClientResponse] = set()  # the workers' streams being relayed
-        self._ending = False
+        self.streams = OpenStreams()  # ended by the shutdown (cli.main registers streams.end_all)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -164,18 +163,6 @@ class FleetRouter:
                 await w.subscriber.stop()
         if self.client is not None:
             await self.client.close()
-
-    def end_streams(self) -> int:
-        """End every stream being relayed (the shutdown's grace period is spent); how many.
-
-        Each worker connection is closed (the worker aborts the request); the client's
-        stream gets an error event saying why, then ``data: [DONE]``.
-        """
-        self._ending = True
-        streams, self._streams = list(self._streams), set()
-        for resp in streams:
-            resp.close()
-        return len(streams)
 
     # ------------------------------------------------------------------ health
     def _mark_down(self, w: Worker, why: str) -> None:
@@ -354,7 +341,7 @@ class FleetRouter:
                 w.in_flight -= 1
             return relay_error("worker", resp.status, content, headers)
 
-        self._streams.add(resp)
+        self.streams.add(resp)
 
         async def relay() -> AsyncIterator[bytes]:
             buf = b""
@@ -383,16 +370,15 @@ class FleetRouter:
                 if buf:
                     yield buf
             except UPSTREAM_ERRORS as exc:
-                if self._ending:
-                    msg = "router: shutting down; the stream was ended at the end of its grace period"
-                    yield f"data: {json.dumps(error_body(msg, code='shutting_down'))}\n\ndata: [DONE]\n\n".encode()
+                if self.streams.ending:
+                    yield SHUTTING_DOWN_EVENT
                     return
                 self.metrics.failed.labels(worker=w.url).inc()
                 msg = f"worker {w.url}: the stream broke ({type(exc).__name__}: {exc})"
                 logger.warning("%s", msg)
                 yield f"data: {json.dumps(error_body(msg))}\n\n".encode()
             finally:
-                self._streams.discard(resp)
+                self.streams.discard(resp)
                 w.in_flight -= 1
                 # Read to the end: the connection goes back to the pool.  Otherwise (the
                 # client left) it is closed, which tells the worker to abort the request.

@@ -64,6 +64,39 @@ def relay_error(role: str, status: int, body: bytes,
                           f"{role} server answered HTTP {status}: {text}", headers=headers)
 
 
+class OpenStreams:
+    """The servers' streams the router is relaying, so that its shutdown can end them.
+
+    ``end_all`` (the shutdown's grace period is spent, or a second signal came) closes each
+    connection to a server (which aborts the request there); the relay sees its read fail
+    with ``ending`` set and ends the client's stream with :data:`SHUTTING_DOWN_EVENT`.
+    """
+
+    def __init__(self) -> None:
+        self._open: set[aiohttp.ClientResponse] = set()
+        self.ending = False
+
+    def add(self, resp: aiohttp.ClientResponse) -> None:
+        self._open.add(resp)
+
+    def discard(self, resp: aiohttp.ClientResponse) -> None:
+        self._open.discard(resp)
+
+    def end_all(self) -> int:
+        """Close every stream still open; how many (a ShutdownPlan abort hook)."""
+        self.ending = True
+        streams, self._open = list(self._open), set()
+        for resp in streams:
+            resp.close()
+        return len(streams)
+
+
+SHUTTING_DOWN_EVENT = ("data: " + json.dumps(error_body(
+    "router: shutting down; the stream was ended at the end of its grace period", code="shutting_down"))
+    + "\n\ndata: [DONE]\n\n").encode()
+"""What a client's stream gets last when the router's shutdown ends it."""
+
+
 def internal_error(exc: BaseException) -> JSONResponse:
     """The OpenAI-shaped 500 for an exception no handler expected (logged with its trace)."""
     logger.error("unhandled error in the router", exc_info=exc)

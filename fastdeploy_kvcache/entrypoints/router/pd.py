@@ -33,8 +33,8 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from fastdeploy_kvcache.entrypoints.router.http import (UPSTREAM_ERRORS, error_body, error_response, relay_error,
-                                                         router_app, upstream_session)
+from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams, error_body,
+                                                         error_response, relay_error, router_app, upstream_session)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class PDRouter:
         self.decode_url = decode_url.rstrip("/")
         self.timeout_s = timeout_s
         self.client: Optional[aiohttp.ClientSession] = None
+        self.streams = OpenStreams()  # ended by the shutdown (cli.main registers streams.end_all)
 
     async def start(self) -> None:
         self.client = upstream_session(self.timeout_s, connect_s=10.0, limit=256)
@@ -160,16 +161,22 @@ class PDRouter:
                 resp.close()
             return relay_error("decode", resp.status, content)
 
+        self.streams.add(resp)
+
         async def relay() -> AsyncIterator[bytes]:
             try:
                 async for chunk in resp.content.iter_any():
                     yield chunk
             except UPSTREAM_ERRORS as exc:
+                if self.streams.ending:
+                    yield SHUTTING_DOWN_EVENT
+                    return
                 # The stream broke mid-way: tell the client in the stream's own error shape.
                 msg = f"decode server: the stream broke ({type(exc).__name__}: {exc})"
                 logger.warning("%s", msg)
                 yield f"data: {json.dumps(error_body(msg))}\n\n".encode()
             finally:
+                self.streams.discard(resp)
                 # Read to the end: the connection goes back to the pool.  Otherwise (the
                 # client left) it is closed, and the decode server aborts the request.
                 resp.release() if resp.content.at_eof() else resp.close()
