@@ -319,6 +319,9 @@ class FleetRouter:
             msg = f"worker {w.url} failed while answering ({type(exc).__name__}: {exc})"
             logger.warning("%s", msg)
             return error_response(502, msg, code="upstream_unavailable", headers=headers)
+        except BaseException:  # cancelled (the client left): the connection is not reusable
+            resp.close()
+            raise
         finally:
             w.in_flight -= 1
         if resp.status != 200:
