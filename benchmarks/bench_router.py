@@ -420,14 +420,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=4, help="Running requests per worker.")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--overhead-pairs", type=int, default=40)
+    ap.add_argument("--overhead-pairs", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="Smoke run: 6 conversations x 2 rounds, 10 pairs.")
+    ap.add_argument("--quick", action="store_true", help="Smoke run: 6 conversations x 2 rounds, 30 pairs.")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     a = ap.parse_args(argv)
     if a.quick:
-        a.conversations, a.documents, a.rounds, a.overhead_pairs = 6, 2, 2, 10
+        a.conversations, a.documents, a.rounds, a.overhead_pairs = 6, 2, 2, 30
     policies = [p for p in a.policies.split(",") if p]
     bad = [p for p in policies if p not in POLICIES]
     if bad:

@@ -10,70 +10,19 @@ shut the engine down so the storage tier writes what it owes, and exit 0.
 from __future__ import annotations
 
 import signal
-import socket
-import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import openai
 import pytest
 
 from fastdeploy_kvcache.entrypoints.openai.shutdown import ENGINE_MIN_S, REQUEST_SHARE, ShutdownPlan, SignalGuard
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess
-from server_helpers import BASE_ARGS, MODEL, file_store_args, prompt_ids
+from server_helpers import BASE_ARGS, file_store_args, prompt_ids
+from shutdown_helpers import Stream, refused, wait_until
 from storage_tier.helpers import block_hashes, object_file
 
 SIGNALS = [pytest.param(signal.SIGTERM, id="SIGTERM"), pytest.param(signal.SIGINT, id="SIGINT")]
-
-
-class Stream(threading.Thread):
-    """One streamed completion read to its end by the official client, on its own thread."""
-
-    def __init__(self, server: ServerProcess, prompt: list[int], max_tokens: int) -> None:
-        super().__init__(daemon=True)
-        self.client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                                    timeout=120.0)
-        self.prompt, self.max_tokens = prompt, max_tokens
-        self.chunks = 0
-        self.finish_reason: Optional[str] = None
-        self.completion_tokens: Optional[int] = None
-        self.error: Optional[BaseException] = None
-        self.ended_at: Optional[float] = None
-
-    def run(self) -> None:
-        try:
-            stream = self.client.completions.create(
-                model=MODEL, prompt=self.prompt, max_tokens=self.max_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-            for chunk in stream:
-                self.chunks += 1
-                for choice in chunk.choices:
-                    if choice.finish_reason is not None:
-                        self.finish_reason = choice.finish_reason
-                if chunk.usage is not None:
-                    self.completion_tokens = chunk.usage.completion_tokens
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.error = exc
-        finally:
-            self.ended_at = time.monotonic()
-
-
-def _refused(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-            return False
-    except OSError:
-        return True
-
-
-def _wait_until(cond: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def _clean_exit(server: ServerProcess, streams: list[Stream], code: Optional[int], what: str) -> str:
@@ -104,12 +53,12 @@ def test_signal_under_load_finishes_streams_writes_the_store_and_exits_0(tmp_pat
     try:
         for s in streams:
             s.start()
-        _wait_until(lambda: any(s.chunks for s in streams) and server.engine_stats()["num_requests_waiting"] >= 2,
+        wait_until(lambda: any(s.chunks for s in streams) and server.engine_stats()["num_requests_waiting"] >= 2,
                     120, "a first streamed token while at least two streams wait in the engine's queue")
         signalled = time.monotonic()
         server.proc.send_signal(sig)
         # Stop accepting: the listening socket closes while the streams still run.
-        _wait_until(lambda: _refused(server.port), 10, "the listening socket to close")
+        wait_until(lambda: refused(server.port), 10, "the listening socket to close")
         refused_at = time.monotonic()
         code = server.proc.wait(180)
     finally:
@@ -137,7 +86,7 @@ def test_unfinished_streams_end_cleanly_and_the_server_exits_0(tmp_path: Path, g
     try:
         for s in streams:
             s.start()
-        _wait_until(lambda: all(s.chunks for s in streams), 120, "both streams to start")
+        wait_until(lambda: all(s.chunks for s in streams), 120, "both streams to start")
         signalled = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         if second_signal is not None:

@@ -31,6 +31,9 @@ def test_worker_events_per_worker_with_star_hosts() -> None:
     (["--worker-urls", "http://a:1", "--model", "tiny-llama-random", "--host-weight", "2"], "host weight"),
     (["--worker-urls", "http://a:1", "--model", "tiny-llama-random", "--balance-rel-threshold", "0.5"],
      "balance_rel_threshold"),
+    (["--worker-urls", "http://a:1", "--graceful-shutdown-timeout", "-1"], "graceful-shutdown-timeout: must be"),
+    (["--prefill-url", "http://b:1", "--decode-url", "http://c:1", "--graceful-shutdown-timeout", "nan"],
+     "graceful-shutdown-timeout: must be"),
 ])
 def test_bad_flags_are_refused_with_a_message(argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit, match=message):

@@ -29,6 +29,7 @@ def test_segment_encoder_gives_the_servers_ids(model: str) -> None:
     tok = load_tokenizer(model)
     enc = SegmentEncoder(tok, min_piece_chars=1)
     assert enc._split is not None, "the segment cache should be on for this tokenizer"
+    assert enc._encode_piece != tok.encode, "pieces should go to the Rust encoder directly"
     rng = random.Random(0)
     doc = _text(rng, 300)
     for rnd in range(6):  # a growing conversation: cache hits on the earlier messages
@@ -40,7 +41,8 @@ def test_segment_encoder_gives_the_servers_ids(model: str) -> None:
         assert prompt_token_ids(enc, "/v1/chat/completions", {"messages": messages}) == want
         assert prompt_token_ids(enc, "/v1/chat/completions", {"messages": messages}) == want  # from the cache
     # Added tokens inside plain text, at its ends, twice in a row.
-    for text in ("<|im_start|>" + doc, doc + "<|im_end|><|im_end|>x", "a<|endoftext|> b", _text(rng, 50)):
+    for text in ("<|im_start|>" + doc, doc + "<|im_end|><|im_end|>x", "a<|endoftext|> b", _text(rng, 50),
+                 "  two spaces,\ttabs\n\nünïcödé 数字 🙂<|im_start|>  after  "):
         assert enc.encode(text) == tok.encode(text) == prompt_token_ids(enc, "/v1/completions", {"prompt": text})
 
 

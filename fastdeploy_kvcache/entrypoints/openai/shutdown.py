@@ -188,9 +188,10 @@ class SignalGuard:
 class GracefulServer(uvicorn.Server):
     """uvicorn's server with the shutdown described in the module docstring."""
 
-    def __init__(self, config: uvicorn.Config, plan: ShutdownPlan) -> None:
+    def __init__(self, config: uvicorn.Config, plan: ShutdownPlan, then: str = "the engine shuts down") -> None:
         super().__init__(config)
         self.plan = plan
+        self.then = then  # what follows the drain, for the log line
         self.signals_received: list[int] = []
 
     @contextlib.contextmanager
@@ -219,8 +220,8 @@ class GracefulServer(uvicorn.Server):
         names = [signal.Signals(s).name for s in self.signals_received]
         self.plan.begin(names[0] if names else "shutdown")
         logger.info("%s: refusing new connections; in-flight requests may finish for %.1f s "
-                    "(--graceful-shutdown-timeout %.1f s; a second signal ends them now), then the engine "
-                    "shuts down", self.plan.reason, max(0.0, self.plan.abort_at - time.monotonic()), self.plan.grace_s)
+                    "(--graceful-shutdown-timeout %.1f s; a second signal ends them now), then %s",
+                    self.plan.reason, max(0.0, self.plan.abort_at - time.monotonic()), self.plan.grace_s, self.then)
         # uvicorn waits for the connections this long, then cancels their tasks.
         self.config.timeout_graceful_shutdown = max(0.0, self.plan.abort_at - time.monotonic()) + SETTLE_S
         ender = asyncio.ensure_future(self._end_inflight_when_due())

@@ -26,14 +26,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from fastdeploy_kvcache.core.kv_events import event_block_hashes
 from fastdeploy_kvcache.entrypoints.router.events import EventSubscriber
-from fastdeploy_kvcache.entrypoints.router.http import error_body, error_response, relay_error, router_app
+from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams, error_body,
+                                                         error_response, relay_error, router_app, upstream_session)
 from fastdeploy_kvcache.entrypoints.router.metrics import RouterMetrics
 from fastdeploy_kvcache.entrypoints.router.policy import Candidate, Policy
 from fastdeploy_kvcache.entrypoints.router.prompt import prompt_token_ids
@@ -86,6 +87,35 @@ class FleetConfig:
     timeout_s: float = 600.0
 
 
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
+def _usage_of(content: bytes) -> Any:
+    """A JSON answer's ``usage`` object, or None."""
+    try:
+        return json.loads(content).get("usage")
+    except (ValueError, AttributeError):
+        return None
+
+
+_ASK_USAGE = b'{"stream_options":{"include_usage":true},'
+
+
+def _with_usage(body: dict[str, Any], data: bytes) -> bytes:
+    """The request ``data`` (whose parse is ``body``, with ``stream`` set) asking for the usage chunk.
+
+    Without ``stream_options`` the key is put in front of the client's bytes, which are
+    otherwise forwarded untouched (the object is not empty: it has ``stream``); with it,
+    or in an encoding other than UTF-8 without a BOM, the body is encoded again.
+    """
+    stripped = data.lstrip()
+    if "stream_options" not in body and stripped[:1] == b"{":
+        return _ASK_USAGE + stripped[1:]
+    body = dict(body)
+    body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return json.dumps(body).encode()
+
+
 class _Prompt:
     """A request's token ids and, per block size asked for, its event block hashes (cached)."""
 
@@ -112,13 +142,13 @@ class FleetRouter:
         self.workers = [Worker(u.rstrip("/"), e) for u, e in zip(worker_urls, events)]
         self.config = config
         self.metrics = RouterMetrics(lambda: self.workers)
-        self.client: Optional[httpx.AsyncClient] = None
+        self.client: Optional[aiohttp.ClientSession] = None
         self._health_task: Optional[asyncio.Task[None]] = None
+        self.streams = OpenStreams()  # ended by the shutdown (cli.main registers streams.end_all)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.timeout_s, connect=5.0), limits=limits)
+        self.client = upstream_session(self.config.timeout_s, connect_s=5.0, limit=512)
         for w in self.workers:
             if w.events is not None:
                 w.subscriber = EventSubscriber(w.url, w.view, w.events.pub, w.events.replay, self.config.events_topic)
@@ -132,7 +162,7 @@ class FleetRouter:
             if w.subscriber is not None:
                 await w.subscriber.stop()
         if self.client is not None:
-            await self.client.aclose()
+            await self.client.close()
 
     # ------------------------------------------------------------------ health
     def _mark_down(self, w: Worker, why: str) -> None:
@@ -149,10 +179,12 @@ class FleetRouter:
         assert self.client is not None
         refused = False
         try:
-            r = await self.client.get(w.url + "/health", timeout=self.config.health_timeout_s)
-            ok, why = r.status_code == 200, f"HTTP {r.status_code}"
-        except httpx.HTTPError as exc:
-            ok, why, refused = False, type(exc).__name__, isinstance(exc, httpx.ConnectError)
+            async with self.client.get(w.url + "/health",
+                                       timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as r:
+                await r.read()
+                ok, why = r.status == 200, f"HTTP {r.status}"
+        except UPSTREAM_ERRORS as exc:
+            ok, why, refused = False, type(exc).__name__, isinstance(exc, aiohttp.ClientConnectorError)
         if ok:
             if not w.healthy:
                 logger.info("worker %s is back", w.url)
@@ -199,9 +231,8 @@ class FleetRouter:
                 pending[h] = expiry
         return d.index, d.reason, predicted
 
-    async def route(self, path: str, raw: Request) -> Response:
-        t0 = time.perf_counter()
-        data = await raw.body()
+    async def route(self, path: str, data: bytes, t0: float) -> Response:
+        """Forward one request (its body ``data``, arrived at ``perf_counter()`` ``t0``) to a worker."""
         try:
             body = json.loads(data)
         except ValueError:
@@ -214,9 +245,7 @@ class FleetRouter:
         wants_usage = bool(body and isinstance(body.get("stream_options"), dict)
                            and body["stream_options"].get("include_usage"))
         if stream and not wants_usage and body is not None:
-            body = dict(body)
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-            data = json.dumps(body).encode()
+            data = _with_usage(body, data)
         tried: set[int] = set()
         while True:
             choice = self.choose(prompt, tried)
@@ -236,7 +265,7 @@ class FleetRouter:
                     resp = await self._forward_stream(w, path, data, headers, predicted, not wants_usage)
                 else:
                     resp = await self._forward_json(w, path, data, headers, predicted)
-            except httpx.ConnectError as exc:
+            except aiohttp.ClientConnectorError as exc:
                 w.in_flight -= 1
                 self._mark_down(w, f"connection refused: {exc}")
                 self.metrics.routed.labels(worker=w.url, reason="refused").inc()
@@ -256,23 +285,21 @@ class FleetRouter:
         if isinstance(usage.get("prompt_tokens"), int):
             self.metrics.prompt_tokens.labels(worker=w.url).inc(usage["prompt_tokens"])
 
-    async def _send(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
-                    stream: bool) -> tuple[Optional[httpx.Response], Optional[Response]]:
+    async def _send(self, w: Worker, path: str, data: bytes,
+                    headers: dict[str, str]) -> tuple[Optional[aiohttp.ClientResponse], Optional[Response]]:
         """(the worker's response, None), or (None, a 502 for the client) when the call failed.
 
         A refused connection is raised as is (nothing was sent: route() tries another
         worker); any other failure ends the request here, so its in-flight count is dropped.
         """
         assert self.client is not None
-        req = self.client.build_request("POST", w.url + path, content=data,
-                                        headers={"content-type": "application/json"})
         try:
-            return await self.client.send(req, stream=stream), None
-        except httpx.ConnectError:
+            return await self.client.post(w.url + path, data=data, headers=_JSON_HEADERS), None
+        except aiohttp.ClientConnectorError:
             raise
         except BaseException as exc:
             w.in_flight -= 1
-            if not isinstance(exc, httpx.HTTPError):
+            if not isinstance(exc, UPSTREAM_ERRORS):
                 raise
             self.metrics.failed.labels(worker=w.url).inc()
             msg = f"worker {w.url} failed ({type(exc).__name__}: {exc})"
@@ -281,33 +308,48 @@ class FleetRouter:
 
     async def _forward_json(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
                             predicted: int) -> Response:
-        resp, failed = await self._send(w, path, data, headers, stream=False)
+        resp, failed = await self._send(w, path, data, headers)
         if resp is None:
             return failed  # type: ignore[return-value]
-        w.in_flight -= 1
-        if resp.status_code != 200:
-            return relay_error("worker", resp, resp.content, headers)
         try:
-            self._record_usage(w, json.loads(resp.content).get("usage"), predicted)
-        except (ValueError, AttributeError):
-            pass
-        return Response(resp.content, status_code=200, media_type="application/json", headers=headers)
+            content = await resp.read()
+        except UPSTREAM_ERRORS as exc:
+            resp.close()
+            self.metrics.failed.labels(worker=w.url).inc()
+            msg = f"worker {w.url} failed while answering ({type(exc).__name__}: {exc})"
+            logger.warning("%s", msg)
+            return error_response(502, msg, code="upstream_unavailable", headers=headers)
+        except BaseException:  # cancelled (the client left): the connection is not reusable
+            resp.close()
+            raise
+        finally:
+            w.in_flight -= 1
+        if resp.status != 200:
+            return relay_error("worker", resp.status, content, headers)
+        self._record_usage(w, _usage_of(content), predicted)
+        return Response(content, status_code=200, media_type="application/json", headers=headers)
 
     async def _forward_stream(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
                               predicted: int, drop_usage: bool) -> Response:
-        resp, failed = await self._send(w, path, data, headers, stream=True)
+        resp, failed = await self._send(w, path, data, headers)
         if resp is None:
             return failed  # type: ignore[return-value]
-        if resp.status_code != 200:
-            content = await resp.aread()
-            await resp.aclose()
-            w.in_flight -= 1
-            return relay_error("worker", resp, content, headers)
+        if resp.status != 200:
+            try:
+                content = await resp.read()
+            except UPSTREAM_ERRORS:
+                content = b""
+            finally:
+                resp.close()
+                w.in_flight -= 1
+            return relay_error("worker", resp.status, content, headers)
+
+        self.streams.add(resp)
 
         async def relay() -> AsyncIterator[bytes]:
             buf = b""
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in resp.content.iter_any():
                     # Whole server-sent events only, so that a usage chunk split over two
                     # reads is still read (and dropped when the client did not ask for it).
                     buf += chunk
@@ -330,14 +372,20 @@ class FleetRouter:
                         yield b"".join(out)
                 if buf:
                     yield buf
-            except httpx.HTTPError as exc:
+            except UPSTREAM_ERRORS as exc:
+                if self.streams.ending:
+                    yield SHUTTING_DOWN_EVENT
+                    return
                 self.metrics.failed.labels(worker=w.url).inc()
                 msg = f"worker {w.url}: the stream broke ({type(exc).__name__}: {exc})"
                 logger.warning("%s", msg)
                 yield f"data: {json.dumps(error_body(msg))}\n\n".encode()
             finally:
+                self.streams.discard(resp)
                 w.in_flight -= 1
-                await resp.aclose()
+                # Read to the end: the connection goes back to the pool.  Otherwise (the
+                # client left) it is closed, which tells the worker to abort the request.
+                resp.release() if resp.content.at_eof() else resp.close()
 
         return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
 
@@ -387,21 +435,24 @@ def build_fleet_app(router: FleetRouter) -> FastAPI:
             if not w.healthy:
                 continue
             try:
-                resp = await router.client.get(w.url + "/v1/models")
-            except httpx.HTTPError:
+                async with router.client.get(w.url + "/v1/models") as resp:
+                    return Response(await resp.read(), status_code=resp.status, media_type="application/json")
+            except UPSTREAM_ERRORS:
                 continue
-            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
         return error_response(503, "router: no healthy worker", code="no_healthy_worker")
 
-    # Plain Starlette routes: the body is forwarded as it came, so FastAPI's request
-    # parsing would only add time to every request.
-    async def completions(raw: Request) -> Response:
-        return await router.route("/v1/completions", raw)
+    # The two proxy endpoints take the body as bytes: it is forwarded as it came, so
+    # FastAPI's request parsing would only add time.  ``cli.main`` serves them in front of
+    # the app (http.FastPaths); the routes below answer when the app is used on its own.
+    app.state.fast_paths = {
+        "/v1/completions": lambda data, t0: router.route("/v1/completions", data, t0),
+        "/v1/chat/completions": lambda data, t0: router.route("/v1/chat/completions", data, t0),
+    }
+    for path, handler in app.state.fast_paths.items():
+        async def endpoint(raw: Request, handler: Any = handler) -> Response:
+            t0 = time.perf_counter()
+            return await handler(await raw.body(), t0)
 
-    async def chat_completions(raw: Request) -> Response:
-        return await router.route("/v1/chat/completions", raw)
-
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+        app.add_route(path, endpoint, methods=["POST"])
 
     return app

@@ -29,11 +29,12 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from fastdeploy_kvcache.entrypoints.router.http import error_body, error_response, relay_error, router_app
+from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams, error_body,
+                                                         error_response, relay_error, router_app, upstream_session)
 
 logger = logging.getLogger(__name__)
 
@@ -54,21 +55,27 @@ class UpstreamError(Exception):
 
 
 class PDRouter:
-    """The router's state: one httpx client, the two servers' URLs."""
+    """The router's state: one HTTP client (:func:`.http.upstream_session`), the two servers' URLs."""
 
     def __init__(self, prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> None:
         self.prefill_url = prefill_url.rstrip("/")
         self.decode_url = decode_url.rstrip("/")
         self.timeout_s = timeout_s
-        self.client: Optional[httpx.AsyncClient] = None
+        self.client: Optional[aiohttp.ClientSession] = None
+        self.streams = OpenStreams()  # ended by the shutdown (cli.main registers streams.end_all)
 
     async def start(self) -> None:
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=10.0), limits=limits)
+        self.client = upstream_session(self.timeout_s, connect_s=10.0, limit=256)
 
     async def close(self) -> None:
         if self.client is not None:
-            await self.client.aclose()
+            await self.client.close()
+
+    async def _post_json(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        """(status, body) of a non-streamed POST; ``UPSTREAM_ERRORS`` when the call fails."""
+        assert self.client is not None
+        async with self.client.post(url, json=body) as resp:
+            return resp.status, await resp.read()
 
     # ------------------------------------------------------------------ the two calls
     async def prefill(self, path: str, body: dict[str, Any]) -> tuple[Optional[dict[str, Any]], Optional[Response]]:
@@ -80,15 +87,16 @@ class PDRouter:
         pbody["max_tokens"] = 1
         pbody["stream"] = False
         try:
-            resp = await self.client.post(self.prefill_url + path, json=pbody)
-        except httpx.HTTPError as exc:
+            status, content = await self._post_json(self.prefill_url + path, pbody)
+        except UPSTREAM_ERRORS as exc:
             raise UpstreamError("prefill", f"{self.prefill_url} unreachable ({type(exc).__name__}: {exc})") from exc
-        if resp.status_code != 200:
-            return None, relay_error("prefill", resp, resp.content)
+        if status != 200:
+            return None, relay_error("prefill", status, content)
         try:
-            data = resp.json()
+            data = json.loads(content)
         except ValueError as exc:
-            raise UpstreamError("prefill", f"answered with a body that is not JSON: {resp.text[:200]!r}") from exc
+            text = content.decode("utf-8", "replace")[:200]
+            raise UpstreamError("prefill", f"answered with a body that is not JSON: {text!r}") from exc
         kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
         if not isinstance(kv, dict) or not kv.get("prefill_token_ids"):
             raise UpstreamError("prefill", f"{self.prefill_url} returned no kv_transfer_params.prefill_token_ids: "
@@ -127,40 +135,51 @@ class PDRouter:
     async def _decode_json(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
         assert self.client is not None
         try:
-            resp = await self.client.post(self.decode_url + path, json=body)
-        except httpx.HTTPError as exc:
+            status, content = await self._post_json(self.decode_url + path, body)
+        except UPSTREAM_ERRORS as exc:
             msg = f"decode server: {self.decode_url} unreachable ({type(exc).__name__}: {exc})"
             logger.warning("%s", msg)
             return error_response(502, msg, code="upstream_unavailable")
-        if resp.status_code != 200:
-            return relay_error("decode", resp, resp.content)
-        return Response(resp.content, status_code=200, media_type="application/json", headers=headers)
+        if status != 200:
+            return relay_error("decode", status, content)
+        return Response(content, status_code=200, media_type="application/json", headers=headers)
 
     async def _decode_stream(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
         assert self.client is not None
-        req = self.client.build_request("POST", self.decode_url + path, json=body)
         try:
-            resp = await self.client.send(req, stream=True)
-        except httpx.HTTPError as exc:
+            resp = await self.client.post(self.decode_url + path, json=body)
+        except UPSTREAM_ERRORS as exc:
             msg = f"decode server: {self.decode_url} unreachable ({type(exc).__name__}: {exc})"
             logger.warning("%s", msg)
             return error_response(502, msg, code="upstream_unavailable")
-        if resp.status_code != 200:
-            content = await resp.aread()
-            await resp.aclose()
-            return relay_error("decode", resp, content)
+        if resp.status != 200:
+            try:
+                content = await resp.read()
+            except UPSTREAM_ERRORS:
+                content = b""
+            finally:
+                resp.close()
+            return relay_error("decode", resp.status, content)
+
+        self.streams.add(resp)
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in resp.content.iter_any():
                     yield chunk
-            except httpx.HTTPError as exc:
+            except UPSTREAM_ERRORS as exc:
+                if self.streams.ending:
+                    yield SHUTTING_DOWN_EVENT
+                    return
                 # The stream broke mid-way: tell the client in the stream's own error shape.
                 msg = f"decode server: the stream broke ({type(exc).__name__}: {exc})"
                 logger.warning("%s", msg)
                 yield f"data: {json.dumps(error_body(msg))}\n\n".encode()
             finally:
-                await resp.aclose()  # a client that left closes the decode request too (it aborts)
+                self.streams.discard(resp)
+                # Read to the end: the connection goes back to the pool.  Otherwise (the
+                # client left) it is closed, and the decode server aborts the request.
+                resp.release() if resp.content.at_eof() else resp.close()
 
         return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
 
@@ -169,10 +188,13 @@ class PDRouter:
 
         async def probe(url: str) -> Optional[str]:
             try:
-                r = await self.client.get(url + "/health", timeout=5.0)  # type: ignore[union-attr]
-            except httpx.HTTPError as exc:
+                async with self.client.get(url + "/health",  # type: ignore[union-attr]
+                                           timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                    await r.read()
+                    status = r.status
+            except UPSTREAM_ERRORS as exc:
                 return f"unreachable ({type(exc).__name__})"
-            return None if r.status_code == 200 else f"HTTP {r.status_code}"
+            return None if status == 200 else f"HTTP {status}"
 
         p, d = await asyncio.gather(probe(self.prefill_url), probe(self.decode_url))
         if p is None and d is None:
@@ -196,11 +218,11 @@ def build_pd_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) ->
     async def models() -> Response:
         assert router.client is not None
         try:
-            resp = await router.client.get(router.decode_url + "/v1/models")
-        except httpx.HTTPError as exc:
+            async with router.client.get(router.decode_url + "/v1/models") as resp:
+                return Response(await resp.read(), status_code=resp.status, media_type="application/json")
+        except UPSTREAM_ERRORS as exc:
             return error_response(502, f"decode server: {router.decode_url} unreachable ({type(exc).__name__})",
                                   code="upstream_unavailable")
-        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
