@@ -28,13 +28,13 @@ from typing import Any, AsyncIterator, Optional, Sequence
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from fastdeploy_kvcache.core.kv_events import event_block_hashes
 from fastdeploy_kvcache.entrypoints.router.events import EventSubscriber
-from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams, error_body,
-                                                         error_response, relay_error, router_app, upstream_session)
+from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams, RelayResponse, error_body,
+                                                         error_response, relay_error, stream_end, router_app, upstream_session)
 from fastdeploy_kvcache.entrypoints.router.metrics import RouterMetrics
 from fastdeploy_kvcache.entrypoints.router.policy import Candidate, Policy
 from fastdeploy_kvcache.entrypoints.router.prompt import prompt_token_ids
@@ -346,6 +346,11 @@ class FleetRouter:
 
         self.streams.add(resp)
 
+        def worker_done() -> None:
+            w.in_flight -= 1
+
+        end = stream_end(self.streams, resp, worker_done)
+
         async def relay() -> AsyncIterator[bytes]:
             buf = b""
             try:
@@ -381,13 +386,9 @@ class FleetRouter:
                 logger.warning("%s", msg)
                 yield f"data: {json.dumps(error_body(msg))}\n\n".encode()
             finally:
-                self.streams.discard(resp)
-                w.in_flight -= 1
-                # Read to the end: the connection goes back to the pool.  Otherwise (the
-                # client left) it is closed, which tells the worker to abort the request.
-                resp.release() if resp.content.at_eof() else resp.close()
+                end()
 
-        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+        return RelayResponse(relay(), end, headers=headers)
 
     # ------------------------------------------------------------------ introspection
     def state(self, with_hashes: bool = False) -> dict[str, Any]:

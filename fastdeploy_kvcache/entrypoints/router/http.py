@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,47 @@ def internal_error(exc: BaseException) -> JSONResponse:
 
 ProxyHandler = Callable[[bytes, float], Awaitable[Response]]
 """A proxy endpoint: (the request body, its arrival ``perf_counter()``) -> the response."""
+
+
+def stream_end(streams: "OpenStreams", resp: aiohttp.ClientResponse,
+               then: Optional[Callable[[], None]] = None) -> Callable[[], None]:
+    """The once-only end of a relayed upstream stream: forget it, run ``then`` (e.g. drop a
+    worker's in-flight count), and read it to the end so the connection goes back to the
+    pool, or, where the client left early, close it, which tells the worker to abort."""
+    ended = False
+
+    def end() -> None:
+        nonlocal ended
+        if ended:
+            return
+        ended = True
+        streams.discard(resp)
+        if then is not None:
+            then()
+        resp.release() if resp.content.at_eof() else resp.close()
+
+    return end
+
+
+class RelayResponse(StreamingResponse):
+    """A relayed stream whose ``on_end`` runs once however the response ends.
+
+    Why not the relay generator's own ``finally``: a client that leaves before the first byte
+    is sent ends the response before the generator ever starts, and an unstarted generator
+    runs no ``finally``; the worker's in-flight count would then never drop, and the upstream
+    connection would stay open (so the worker would not abort the request).  ``on_end`` must
+    be idempotent: the generator's ``finally`` calls it too.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_end: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, media_type="text/event-stream", **kwargs)
+        self.on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_end()
 
 
 class FastPaths:

@@ -31,10 +31,10 @@ from typing import Any, AsyncIterator, Optional
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams, error_body,
-                                                         error_response, relay_error, router_app, upstream_session)
+from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams, RelayResponse, error_body,
+                                                         error_response, relay_error, stream_end, router_app, upstream_session)
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +162,7 @@ class PDRouter:
             return relay_error("decode", resp.status, content)
 
         self.streams.add(resp)
+        end = stream_end(self.streams, resp)
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -176,12 +177,9 @@ class PDRouter:
                 logger.warning("%s", msg)
                 yield f"data: {json.dumps(error_body(msg))}\n\n".encode()
             finally:
-                self.streams.discard(resp)
-                # Read to the end: the connection goes back to the pool.  Otherwise (the
-                # client left) it is closed, and the decode server aborts the request.
-                resp.release() if resp.content.at_eof() else resp.close()
+                end()
 
-        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+        return RelayResponse(relay(), end, headers=headers)
 
     async def health(self) -> Response:
         assert self.client is not None
