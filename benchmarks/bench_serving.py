@@ -439,24 +439,59 @@ def wait_storage_quiet(server: ServerProcess, timeout_s: float = 300.0) -> dict[
     raise TimeoutError(f"storage work not settled after {timeout_s} s")
 
 
+def last_request_timing(server: ServerProcess) -> Optional[dict[str, Any]]:
+    """The newest finished request's timings (engine stats ``request_timings``; None if none)."""
+    timings = server.engine_stats().get("request_timings") or []
+    return timings[-1] if timings else None
+
+
+def timing_summary(timings: list[Optional[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians of the per-request timings (engine/request_timing.py) of one kind of probe."""
+    ts = [t for t in timings if t]
+
+    def med(get: Any) -> Optional[float]:
+        xs = [x for x in (get(t) for t in ts) if x is not None]
+        return percentile(xs, 50) if xs else None
+
+    def fetch(key: str) -> Any:
+        return lambda t: (t.get("fetch") or {}).get(key)
+
+    step = lambda key: (lambda t: (t.get("first_step") or {}).get(key))  # noqa: E731
+    return {"requests": len(ts), "queued_s": med(lambda t: t["queued_s"]), "prefill_s": med(lambda t: t["prefill_s"]),
+            "engine_ttft_s": med(lambda t: t["ttft_s"]), "fetch_started_s": med(fetch("started_s")),
+            "fetch_landed_s": med(fetch("landed_s")), "fetch_in_tree_s": med(fetch("in_tree_s")),
+            "fetch_job_s": med(fetch("job_s")), "fetch_bytes": med(fetch("bytes")),
+            "admit_after_fetch_s": med(lambda t: t.get("admit_after_fetch_s")),
+            "first_step_schedule_s": med(step("schedule_s")), "first_step_submit_s": med(step("submit_s")),
+            "first_step_forward_s": med(step("forward_s"))}
+
+
 async def cold_probe(writer: ServerProcess, make_cold: Any, model: str, wl: Workload, doc_words: int,
-                     repeats: int, filler_docs: int, tag: int, progress: Any = None) -> dict[str, Any]:
-    """Store ``repeats`` documents through ``writer``, restart, measure storage/host/recompute hits.
+                     repeats: int, filler_docs: int, tag: int, progress: Any = None, group: int = 3) -> dict[str, Any]:
+    """Store documents through ``writer``, restart, measure storage hits against host hits.
 
     ``writer`` is stopped here; ``make_cold()`` returns the restarted (started) server on the
-    same store.  The three TTFTs of a repeat come from that one process: the document from
-    storage, the same document from host once ``filler_docs`` other documents pushed it off
-    the device, and a never-seen document of the same length (recompute).
+    same store.  Every TTFT comes from that one process.  The documents go in rounds of
+    ``group``: a round sends each of its documents from storage and, right beside each (the
+    order alternating), a document of the round before from host, then ``filler_docs`` other
+    documents push the round's documents off the device (the host tier keeps them), then a
+    never-seen document of the same length is recomputed.  A storage hit and its host-hit
+    partner are thus seconds apart, so load drifts on a shared machine reach both; the first
+    round's partners are a warm-up round fetched from storage unmeasured.  Each measured
+    request's engine timings (queued, fetch, first step, prefill) are kept beside its TTFT.
     """
     from openai import AsyncOpenAI
+
+    rounds = max(1, math.ceil(repeats / group))
 
     def doc(k: int) -> str:
         w = Workload(1, 1, doc_words, wl.question_words, 1, 1, wl.seed)
         return w.document(tag * 100_000 + k)
 
+    stored = (rounds + 1) * group  # document 0..group-1: the warm-up round (host partners of round 0)
     try:
         client = AsyncOpenAI(base_url=writer.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
-        for k in range(repeats):
+        for k in range(stored):
             await stream_completion(client, model, f"{doc(k)}\n\nQuestion: {wl.question(k, 0)}\nAnswer:", 1)
         await client.close()
         wstats = wait_storage_quiet(writer)["storage"]["store"]  # the backend's own call timings
@@ -464,6 +499,7 @@ async def cold_probe(writer: ServerProcess, make_cold: Any, model: str, wl: Work
         writer.stop()
     cold = make_cold()  # started
     rows: list[dict[str, Any]] = []
+    recompute: list[dict[str, Any]] = []
     try:
         client = AsyncOpenAI(base_url=cold.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
 
@@ -474,45 +510,67 @@ async def cold_probe(writer: ServerProcess, make_cold: Any, model: str, wl: Work
             await stream_completion(c, model, "x", 1)
             await asyncio.to_thread(wait_storage_quiet, cold)
 
+        async def probe(k: int, q: int) -> tuple[Any, Optional[dict[str, Any]]]:
+            await settle(client)
+            out = await stream_completion(client, model, f"{doc(k)}\n\nQuestion: {wl.question(k, q)}\nAnswer:", 1)
+            return out, await asyncio.to_thread(last_request_timing, cold)
+
+        async def push_off(r: int) -> None:
+            for f in range(filler_docs):
+                await stream_completion(client, model, doc(50_000 + r * filler_docs + f) + "\nAnswer:", 1)
+
         for i in range(2):  # warm-up of the fresh process (kernels, allocator): not measured
             await stream_completion(client, model, doc(90_000 + i), 1)
-        for k in range(repeats):
-            q = [wl.question(k, i) for i in range(1, 4)]
-            await settle(client)
-            st = await stream_completion(client, model, f"{doc(k)}\n\nQuestion: {q[0]}\nAnswer:", 1)
-            for f in range(filler_docs):
-                await stream_completion(client, model, doc(50_000 + k * filler_docs + f) + "\nAnswer:", 1)
-            await settle(client)
-            host = await stream_completion(client, model, f"{doc(k)}\n\nQuestion: {q[1]}\nAnswer:", 1)
-            await settle(client)
-            rec = await stream_completion(client, model, f"{doc(70_000 + k)}\n\nQuestion: {q[2]}\nAnswer:", 1)
-            rows.append({"storage_ttft_s": st[0], "host_ttft_s": host[0], "recompute_ttft_s": rec[0],
-                         "storage_tiers": tiers_of(st[3]), "host_tiers": tiers_of(host[3]),
-                         "recompute_tiers": tiers_of(rec[3]), "prompt_tokens": st[3].prompt_tokens})
-            if progress is not None:
-                progress.update(1)
+        for k in range(group):  # the warm-up round: from storage, not measured
+            await probe(k, 1)
+        await push_off(0)
+        for r in range(rounds):
+            for i in range(group):
+                s_doc, h_doc = (r + 1) * group + i, r * group + i
+                if (r * group + i) % 2 == 0:
+                    st, st_t = await probe(s_doc, 1)
+                    host, host_t = await probe(h_doc, 2)
+                else:
+                    host, host_t = await probe(h_doc, 2)
+                    st, st_t = await probe(s_doc, 1)
+                rows.append({"storage_ttft_s": st[0], "host_ttft_s": host[0], "storage_tiers": tiers_of(st[3]),
+                             "host_tiers": tiers_of(host[3]), "prompt_tokens": st[3].prompt_tokens,
+                             "host_prompt_tokens": host[3].prompt_tokens, "storage_timing": st_t,
+                             "host_timing": host_t})
+                if progress is not None:
+                    progress.update(1)
+            await push_off(r + 1)
+            rec, rec_t = await probe(70_000 + r, 3)
+            recompute.append({"recompute_ttft_s": rec[0], "recompute_tiers": tiers_of(rec[3]), "timing": rec_t})
         await client.close()
         cstats = wait_storage_quiet(cold)["storage"]
     finally:
         cold.stop()
     valid = [r for r in rows if r["storage_tiers"]["storage"] > 0 and r["host_tiers"]["host"] > 0
-             and r["host_tiers"]["storage"] == 0 and sum(r["recompute_tiers"].values()) == 0]
-    p = {name: percentile([r[f"{name}_ttft_s"] for r in valid], 50) for name in ("storage", "host", "recompute")}
+             and r["host_tiers"]["storage"] == 0 and r["storage_tiers"]["device"] == 0
+             and r["host_tiers"]["device"] == 0]
+    rec_valid = [r["recompute_ttft_s"] for r in recompute if sum(r["recompute_tiers"].values()) == 0]
+    p = {name: percentile([r[f"{name}_ttft_s"] for r in valid], 50) for name in ("storage", "host")}
+    p["recompute"] = percentile(rec_valid, 50)
     pairs = [r["storage_ttft_s"] / r["host_ttft_s"] for r in valid]
     t = cstats["tier"]
     store = cstats["store"]
     return {
-        "repeats": repeats, "valid_repeats": len(valid), "filler_docs": filler_docs, "rows": rows,
+        "repeats": len(rows), "valid_repeats": len(valid), "group": group, "filler_docs": filler_docs, "rows": rows,
+        "recompute_rows": recompute,
         "prompt_tokens_p50": percentile([r["prompt_tokens"] for r in rows], 50),
         "storage_cached_tokens_p50": percentile([r["storage_tiers"]["storage"] for r in valid], 50),
         "storage_ttft_p50_s": p["storage"], "host_ttft_p50_s": p["host"], "recompute_ttft_p50_s": p["recompute"],
         "storage_over_host": p["storage"] / p["host"] if valid else float("nan"),
-        # Per document (storage hit and host hit of the same prefix): the spread of the ratio.
+        # Per pair (a storage hit and the host hit beside it): the median and spread of the ratio.
+        "storage_over_host_pairs_p50": percentile(pairs, 50) if valid else float("nan"),
         "storage_over_host_pairs_p25_p75": ([percentile(pairs, 25), percentile(pairs, 75)] if valid else None),
-        "storage_over_recompute": p["storage"] / p["recompute"] if valid else float("nan"),
+        "storage_over_recompute": p["storage"] / p["recompute"] if valid and rec_valid else float("nan"),
+        "storage_timing": timing_summary([r["storage_timing"] for r in valid]),
+        "host_timing": timing_summary([r["host_timing"] for r in valid]),
         # Backend calls (batch_get_into / batch_put_from) as timed by the backend itself.
         "server_read_gbps": store["read_bytes"] / store["read_seconds"] / 1e9 if store.get("read_seconds") else float("nan"),
-        # Whole prefetch jobs (queue, get, scatter), as the scheduler waited for them.
+        # Whole prefetch jobs (queue, get, scatter), from submission to the end of the copy.
         "prefetch_job_gbps": t["read_bytes"] / t["read_seconds"] / 1e9 if t["read_seconds"] else float("nan"),
         "server_write_gbps": wstats["write_bytes"] / wstats["write_seconds"] / 1e9 if wstats["write_seconds"] else float("nan"),
         "read_bytes": store["read_bytes"], "read_keys": store.get("read_keys", 0),
@@ -611,10 +669,12 @@ def run_cold_server(args: argparse.Namespace, prefixes: list[int], backends: lis
                     storage += ["--kvcache-storage-path", str(sdir), "--kvcache-storage-min-free", "0"]
                 writer = start_server(common + storage, env_b)
                 filler = math.ceil(device_blocks * bs / plen) + 1
-                bar = tqdm(total=args.cold_repeats, desc=f"cold {backend} {plen}", unit="doc", file=sys.stderr)
+                group = max(1, min(args.cold_group, args.cold_repeats))
+                bar = tqdm(total=math.ceil(args.cold_repeats / group) * group, desc=f"cold {backend} {plen}",
+                           unit="pair", file=sys.stderr)
                 res = asyncio.run(cold_probe(writer, lambda: start_server(common + storage, env_b), args.model, wl,
                                              max(1, round(plen / tokens_per_word)), args.cold_repeats, filler,
-                                             pi + 10 * bi, bar))
+                                             pi + 10 * bi, bar, group))
                 bar.close()
                 object_bytes = (int(res["read_bytes"] // res["read_keys"]) if res.get("read_keys")
                                 else int(res["write_bytes"] // res["write_keys"]) if res.get("write_keys") else 64 << 10)
@@ -705,9 +765,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--cold-prefix-tokens", default="",
                     help="Prefix lengths of the cold-server scenario, comma-separated (default: twice "
                          "--doc-tokens, about the longest prompt a user of the workload sends and more).")
-    ap.add_argument("--cold-repeats", type=int, default=15,
-                    help="Documents per backend and prefix length (single TTFTs on a shared 2-core VM vary by "
-                         "+-15 ms, as much as a storage hit adds: 5 repeats gave medians 1.18 and 1.34 apart).")
+    ap.add_argument("--cold-repeats", type=int, default=24,
+                    help="Storage-hit / host-hit pairs per backend and prefix length, rounded up to a multiple of "
+                         "--cold-group (single TTFTs on a shared 2-core VM vary by +-15 ms, as much as a storage "
+                         "hit adds: 5 repeats gave medians 1.18 and 1.34 apart).")
+    ap.add_argument("--cold-group", type=int, default=3,
+                    help="Documents per round of the cold-server scenario: one round of filler documents pushes "
+                         "them all off the device, so more pairs fit the same time.")
     ap.add_argument("--storage-backends", default=",".join(STORAGE_BACKENDS),
                     help="Backends of the cold-server scenario: file, and mooncake where it imports and "
                          "its binaries are installed (left out with a warning otherwise).")

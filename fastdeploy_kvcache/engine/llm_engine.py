@@ -53,6 +53,7 @@ from fastdeploy_kvcache.engine.kv_pool import KVPool, ManagedKVPool, PlainKVPool
 from fastdeploy_kvcache.engine.model_loader import LoadedModel, load_model
 from fastdeploy_kvcache.engine.model_runner import ModelRunner, ScheduledSeq
 from fastdeploy_kvcache.engine.outputs import RequestOutput
+from fastdeploy_kvcache.engine.request_timing import RecentTimings, request_timing
 from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams
 from fastdeploy_kvcache.engine.step_timing import StepTimes
 from fastdeploy_kvcache.engine.tokenizer import IncrementalDetokenizer
@@ -87,6 +88,9 @@ class _EngineRequest:
         self.cached_host = 0
         self.cached_storage = 0  # host hits that this request's storage prefetch brought in
         self.admitted = False  # got its first blocks at least once
+        self.admitted_time: Optional[float] = None  # time.monotonic() of that first admission
+        self.fetch: Optional[dict[str, Any]] = None  # the storage fetch it waited for (StorageTier.fetch_timing)
+        self.first_step: Optional[dict[str, Any]] = None  # the admitting step's phases (request_timing.py)
         self.text_sent = 0  # chars of detok.text already emitted
         self.stop_at: Optional[int] = None  # where a stop string starts in detok.text
         self.finished = False
@@ -204,6 +208,7 @@ class LLMEngine:
                           "steps_with_loads": 0, "layer_waits": 0}
         self._stats_snapshot: dict[str, Any] = {}
         self.step_times = StepTimes()
+        self.request_timings = RecentTimings()
         self._refresh_stats()
         logger.info(
             "LLMEngine: model %s on %s, %d layers, KV %s, %d device blocks of %d tokens, %d host blocks, v1 manager %s",
@@ -496,6 +501,9 @@ class LLMEngine:
             self._counters["steps_with_loads"] += 1
             self._counters["layer_waits"] += self.runner.last_layers_waited
         for er, n in scheduled:
+            if er.first_step is None:
+                er.first_step = {"schedule_s": t_sched - t0, "submit_s": t_submit - t_sched,
+                                 "forward_s": t_forward - t_submit, "batch": len(scheduled), "tokens": n}
             er.req.num_computed_tokens += n
             if not er.req.output_token_ids:
                 self._counters["prompt_tokens_computed"] += n
@@ -607,6 +615,8 @@ class LLMEngine:
             del self.waiting[k]
             if not er.admitted:
                 er.admitted = True
+                er.admitted_time = time.monotonic()
+                er.fetch = getattr(plan, "storage_fetch", None)
                 er.cached_device = plan.num_device_hit_tokens
                 er.cached_host = plan.num_host_hit_tokens
                 er.cached_storage = plan.num_storage_hit_tokens
@@ -705,6 +715,10 @@ class LLMEngine:
         delta = text[er.text_sent : max(er.text_sent, end)] if reason != "error" else ""
         er.text_sent = max(er.text_sent, end)
         self._counters["num_finished"] += 1
+        if er.admitted_time is not None:
+            self.request_timings.add(request_timing(
+                er.request_id, er.arrival_time, er.admitted_time, er.first_token_time, er.fetch, er.first_step,
+                {"device": er.cached_device, "host": er.cached_host, "storage": er.cached_storage}))
         self._emit(er, RequestOutput(request_id=er.request_id, new_token_ids=list(new_token_ids or []), text=delta,
                                      finished=True, finish_reason=reason, error=error))
         self._requests.pop(er.request_id, None)
@@ -741,6 +755,7 @@ class LLMEngine:
             "device": self.device,
             "engine": dict(self._counters),
             "step_times": self.step_times.snapshot(),
+            "request_timings": self.request_timings.snapshot(),
             "prefix_sharing": self.sharing.stats.as_dict(),
             **pool,
         }

@@ -156,6 +156,7 @@ class StorageKVPool(ManagedKVPool):
         first = not self.manager.is_running(request.request_id)
         plan = self.manager.ensure_resident(request, num_tokens)
         if first:
+            plan.storage_fetch = self.tier.fetch_timing(request)
             s = self.tier.admitted(request)
             plan.num_storage_hit_tokens = s
             plan.num_host_hit_tokens -= s
