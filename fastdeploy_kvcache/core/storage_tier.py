@@ -181,7 +181,7 @@ class StorageTier:
                   "put_blocks_failed", "put_skipped_stored", "storage_hit_tokens", "read_bytes",
                   "read_seconds", "write_bytes", "write_seconds", "unavailable_skips", "query_errors",
                   "prefetch_blocks_shared", "arrival_prefetch_jobs", "arrival_prefetch_blocks",
-                  "arrival_prefetch_over_budget",
+                  "arrival_prefetch_over_budget", "prefetch_jobs_inline",
                   "stored_forgotten", "store_generation_changes"):
             self.stats[k] = 0
         self.errors: dict[str, int] = collections.defaultdict(int)

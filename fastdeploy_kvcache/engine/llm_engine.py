@@ -446,7 +446,9 @@ class LLMEngine:
                 arrive = getattr(self.pool, "prefetch_on_arrival", None)
                 if arrive is not None and item.kv_transfer is None:
                     try:
-                        arrive(item.req)  # storage lookup and fetch while it waits
+                        # Storage lookup and fetch while it waits; read here at once when the
+                        # engine has nothing else to do (no request runs, none waits before it).
+                        arrive(item.req, engine_idle=not self.running and len(self.waiting) == 1)
                     except Exception:  # noqa: BLE001 - a prefetch never keeps a request out
                         logger.warning("prefetch on arrival of %s failed", item.request_id, exc_info=True)
             elif kind == "abort":
@@ -590,7 +592,7 @@ class LLMEngine:
                 continue
             r = er.req
             prefetch_ready = getattr(self.pool, "prefetch_ready", None)
-            if prefetch_ready is not None and not prefetch_ready(r):
+            if prefetch_ready is not None and not prefetch_ready(r, engine_idle=not self.running and not out):
                 break  # the storage prefetch policy holds it until its blocks are on host
             try:
                 matched = self.pool.admit(r)
