@@ -466,7 +466,7 @@ def request_timings_after(server: ServerProcess, before: int, n: int, timeout_s:
         time.sleep(0.01)
 
 
-def _engine_ratio(storage: list[Optional[dict[str, Any]]], host: list[Optional[dict[str, Any]]]) -> float:
+def engine_ratio(storage: list[Optional[dict[str, Any]]], host: list[Optional[dict[str, Any]]]) -> float:
     """Storage-hit over host-hit p50 of the engine's own time to first token (no HTTP)."""
     s = [t["ttft_s"] for t in storage if t and t.get("ttft_s") is not None]
     h = [t["ttft_s"] for t in host if t and t.get("ttft_s") is not None]
@@ -598,7 +598,7 @@ async def cold_probe(writer: ServerProcess, make_cold: Any, model: str, wl: Work
         "storage_over_recompute": p["storage"] / p["recompute"] if valid and rec_valid else float("nan"),
         "storage_timing": timing_summary([r["storage_timing"] for r in valid]),
         "host_timing": timing_summary([r["host_timing"] for r in valid]),
-        "engine_storage_over_host": _engine_ratio([r["storage_timing"] for r in valid], [r["host_timing"] for r in valid]),
+        "engine_storage_over_host": engine_ratio([r["storage_timing"] for r in valid], [r["host_timing"] for r in valid]),
         # Backend calls (batch_get_into / batch_put_from) as timed by the backend itself.
         "server_read_gbps": store["read_bytes"] / store["read_seconds"] / 1e9 if store.get("read_seconds") else float("nan"),
         # Whole prefetch jobs (queue, get, scatter), from submission to the end of the copy.

@@ -131,7 +131,7 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
     """The queued-storage scenario (see the module docstring)."""
     from tqdm import tqdm
 
-    from bench_serving import _engine_ratio, request_timings_after, timing_summary, wait_storage_quiet
+    from bench_serving import engine_ratio, request_timings_after, timing_summary, wait_storage_quiet
 
     m, seqs, plen, bs = args.queued_requests, args.queued_max_num_seqs, args.queued_prefix_tokens, args.block_size
     prompt_len = plen + 8
@@ -219,7 +219,7 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
             "prefetch_blocks_shared": tier.get("prefetch_blocks_shared"),
         }
         out[name]["storage_over_host"] = out[name]["storage_ttft_p50_s"] / out[name]["host_ttft_p50_s"]
-        out[name]["engine_storage_over_host"] = _engine_ratio(st_t, host_t)
+        out[name]["engine_storage_over_host"] = engine_ratio(st_t, host_t)
         logger.info("[queued-storage %s] %d requests, %d seqs: storage-hit TTFT p50 %.1f ms, host-hit %.1f ms: %.2fx "
                     "(pairs of bursts: median %.2fx, p25-p75 %.2f-%.2f; reused %d/%d and %d/%d)", name, m, seqs,
                     1e3 * out[name]["storage_ttft_p50_s"], 1e3 * out[name]["host_ttft_p50_s"],
