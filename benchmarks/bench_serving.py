@@ -443,18 +443,25 @@ def wait_storage_quiet(server: ServerProcess, timeout_s: float = 300.0) -> dict[
     raise TimeoutError(f"storage work not settled after {timeout_s} s")
 
 
-def finished_count(server: ServerProcess) -> int:
-    """Requests the engine finished so far (its stats snapshot)."""
-    return int(server.engine_stats().get("engine", {}).get("num_finished", 0))
+def finished_count(server: ServerProcess, settle_s: float = 0.05) -> int:
+    """Requests the engine finished so far, once two stats snapshots ``settle_s`` apart agree.
+
+    NOTE: the snapshot is refreshed after the step that finished a request, which may be
+    after its client got the last chunk; a count read too early misses that request, and the
+    timings taken after the next probe would then be off by one.
+    """
+    last = -1
+    while True:
+        n = int(server.engine_stats().get("engine", {}).get("num_finished", 0))
+        if n == last:
+            return n
+        last = n
+        time.sleep(settle_s)
 
 
 def request_timings_after(server: ServerProcess, before: int, n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """The engine timings of the ``n`` requests finished after the first ``before``.
-
-    NOTE: the stats snapshot is refreshed after the step that finished a request, which may
-    be after its client got the last chunk: wait until it counts them, or the newest entry
-    is an older request's.
-    """
+    """The engine timings of the ``n`` requests finished after the first ``before``
+    (:func:`finished_count`), once the stats snapshot counts them."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = server.engine_stats()

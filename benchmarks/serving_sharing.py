@@ -131,7 +131,7 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
     """The queued-storage scenario (see the module docstring)."""
     from tqdm import tqdm
 
-    from bench_serving import engine_ratio, request_timings_after, timing_summary, wait_storage_quiet
+    from bench_serving import engine_ratio, finished_count, request_timings_after, timing_summary, wait_storage_quiet
 
     m, seqs, plen, bs = args.queued_requests, args.queued_max_num_seqs, args.queued_prefix_tokens, args.block_size
     prompt_len = plen + 8
@@ -172,8 +172,8 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
         host_t: list[dict[str, Any]] = []
 
         def burst(docset: list[list[int]]) -> tuple[list[tuple[float, int]], list[dict[str, Any]]]:
-            stats = wait_storage_quiet(server)  # no earlier request's backups share the cores with this burst
-            before = int(stats["engine"]["num_finished"])
+            wait_storage_quiet(server)  # no earlier request's backups share the cores with this burst
+            before = finished_count(server)
             outs = asyncio.run(_burst(server.base_url, args.model, [d + _ids(rng, 8) for d in docset]))
             return outs, request_timings_after(server, before, len(docset))
 
