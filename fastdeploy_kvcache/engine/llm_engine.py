@@ -433,35 +433,54 @@ class LLMEngine:
         logger.info("engine thread stopped")
 
     def _drain_inbox(self) -> None:
-        while True:
+        arrived: list[_EngineRequest] = []
+        try:
+            while True:
+                try:
+                    kind, item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+                if kind == "add":
+                    self._requests[item.request_id] = item
+                    if self.pd is not None and not self.pd.on_add(item):
+                        continue  # PD decode: finished by the prefill's token (eos, max_tokens)
+                    self.waiting.append(item)
+                    if item.kv_transfer is None:
+                        arrived.append(item)
+                elif kind == "abort":
+                    er = self._requests.get(item)
+                    if er is not None and not er.finished:
+                        self._finish(er, "abort")
+                elif kind == "call":
+                    fn, future = item
+                    if future.set_running_or_notify_cancel():
+                        try:
+                            future.set_result(fn())
+                        except Exception as exc:  # noqa: BLE001 - the caller gets it
+                            future.set_exception(exc)
+        finally:
+            self._prefetch_arrivals(arrived)
+
+    def _prefetch_arrivals(self, arrived: list[_EngineRequest]) -> None:
+        """Start the storage lookup and fetch of requests just queued, while they wait.
+
+        NOTE: after the inbox is empty, not per item: a lookup takes a millisecond or more,
+        and a burst whose requests keep arriving during their own lookups would otherwise
+        keep the engine in the inbox, its first request ready but not scheduled.  Requests
+        arriving meanwhile are looked up after the next step.
+        """
+        arrive = getattr(self.pool, "prefetch_on_arrival", None)
+        if arrive is None:
+            return
+        for er in arrived:
+            if er.finished:
+                continue
             try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._requests[item.request_id] = item
-                if self.pd is not None and not self.pd.on_add(item):
-                    continue  # PD decode: finished by the prefill's token (eos, max_tokens)
-                self.waiting.append(item)
-                arrive = getattr(self.pool, "prefetch_on_arrival", None)
-                if arrive is not None and item.kv_transfer is None:
-                    try:
-                        # Storage lookup and fetch while it waits; read here at once when the
-                        # engine has nothing else to do (no request runs, none waits before it).
-                        arrive(item.req, engine_idle=not self.running and len(self.waiting) == 1)
-                    except Exception:  # noqa: BLE001 - a prefetch never keeps a request out
-                        logger.warning("prefetch on arrival of %s failed", item.request_id, exc_info=True)
-            elif kind == "abort":
-                er = self._requests.get(item)
-                if er is not None and not er.finished:
-                    self._finish(er, "abort")
-            elif kind == "call":
-                fn, future = item
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except Exception as exc:  # noqa: BLE001 - the caller gets it
-                        future.set_exception(exc)
+                # Read here at once when the engine has nothing else to do: no request runs
+                # and none waits before this one.
+                arrive(er.req, engine_idle=not self.running and bool(self.waiting) and self.waiting[0] is er)
+            except Exception:  # noqa: BLE001 - a prefetch never keeps a request out
+                logger.warning("prefetch on arrival of %s failed", er.request_id, exc_info=True)
 
     # ------------------------------------------------------------------ one step
     def _step(self) -> None:
