@@ -10,12 +10,14 @@
   p50s.  Targets: >= N-1 of N reuse the prefix in every burst; p50 <= 0.6x sharing off.
 * **queued-storage**: ``--queued-requests`` requests, more than the server's
   ``--queued-max-num-seqs``, each with a document that only the storage tier holds (a writer
-  server stored them and was stopped).  A restarted server gets them all at once (storage hits,
-  most of them queued); after filler documents pushed them off the device it gets them all at
-  once again (host hits).  Done twice, on fresh processes over the same store: with prefetch on
-  arrival (the default) and with ``--arrival-prefetch-host-blocks 0`` (prefetch at admission),
-  ``--queued-repeats`` bursts each (a document set per burst, in storage only until then).
-  Target: storage-hit TTFT p50 <= 1.1x host-hit TTFT p50, with prefetch on arrival.
+  server stored them and was stopped).  A restarted server gets a set all at once (storage
+  hits, most of them queued) and, right beside it (the order alternating), the set before,
+  which filler documents pushed off the device, all at once (host hits); the first set is a
+  warm-up fetched from storage unmeasured.  Done twice, on fresh processes over the same
+  store: with prefetch on arrival (the default) and with ``--arrival-prefetch-host-blocks 0``
+  (prefetch at admission), ``--queued-repeats`` pairs of bursts each.  Target: storage-hit
+  TTFT p50 <= 1.1x host-hit TTFT p50, with prefetch on arrival; the pairs' ratio of p50s
+  (median, p25-p75) and the engine's per-request timings are reported beside it.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
     """The queued-storage scenario (see the module docstring)."""
     from tqdm import tqdm
 
-    from bench_serving import wait_storage_quiet
+    from bench_serving import engine_ratio, finished_count, request_timings_after, timing_summary, wait_storage_quiet
 
     m, seqs, plen, bs = args.queued_requests, args.queued_max_num_seqs, args.queued_prefix_tokens, args.block_size
     prompt_len = plen + 8
@@ -143,8 +145,9 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
     env = {"ENABLE_V1_KVCACHE_MANAGER": "1", "PYTHONFAULTHANDLER": "1"}
     rng = random.Random(args.seed + 777)
     configs = {"arrival": [], "admission": ["--arrival-prefetch-host-blocks", "0"]}
-    sets = args.queued_repeats  # document sets per configuration, each storage-only until its burst
-    docs = {name: [[_ids(rng, plen) for _ in range(m)] for _ in range(sets)] for name in configs}
+    sets = args.queued_repeats  # measured document sets per configuration, each storage-only until its burst
+    # Set 0 of each configuration is a warm-up burst from storage: the host-hit partner of set 1.
+    docs = {name: [[_ids(rng, plen) for _ in range(m)] for _ in range(sets + 1)] for name in configs}
     filler = [_ids(rng, plen) for _ in range(seqs + 3)]
     warm = [_ids(rng, plen) for _ in range(2)]
     writer = start_server(common + store, env)
@@ -164,17 +167,40 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
         server = start_server(common + store + extra, env)  # a fresh process: the documents are in storage only
         st: list[tuple[float, int]] = []
         host: list[tuple[float, int]] = []
+        pairs: list[float] = []
+        st_t: list[dict[str, Any]] = []
+        host_t: list[dict[str, Any]] = []
+
+        def burst(docset: list[list[int]]) -> tuple[list[tuple[float, int]], list[dict[str, Any]]]:
+            wait_storage_quiet(server)  # no earlier request's backups share the cores with this burst
+            before = finished_count(server)
+            outs = asyncio.run(_burst(server.base_url, args.model, [d + _ids(rng, 8) for d in docset]))
+            return outs, request_timings_after(server, before, len(docset))
+
+        def push_off() -> None:
+            for f in filler:  # push the documents off the device (host keeps them)
+                asyncio.run(_burst(server.base_url, args.model, [f + _ids(rng, 8)]))
+
         try:
             asyncio.run(_burst(server.base_url, args.model, warm))  # warm-up, not measured
-            for docset in docs[name]:
-                wait_storage_quiet(server)
-                st += asyncio.run(_burst(server.base_url, args.model, [d + _ids(rng, 8) for d in docset]))
-                bar.update(1)
-                for f in filler:  # push the documents off the device (host keeps them)
-                    asyncio.run(_burst(server.base_url, args.model, [f + _ids(rng, 8)]))
-                wait_storage_quiet(server)
-                host += asyncio.run(_burst(server.base_url, args.model, [d + _ids(rng, 8) for d in docset]))
-                bar.update(1)
+            burst(docs[name][0])  # set 0 from storage, not measured: set 1's host-hit partner
+            push_off()
+            for r in range(1, sets + 1):
+                # A storage-hit burst (set r) and a host-hit burst (set r - 1) side by side, the
+                # order alternating, so load drifts reach both.
+                if r % 2:
+                    s_out, s_t = burst(docs[name][r])
+                    h_out, h_t = burst(docs[name][r - 1])
+                else:
+                    h_out, h_t = burst(docs[name][r - 1])
+                    s_out, s_t = burst(docs[name][r])
+                bar.update(2)
+                st += s_out
+                host += h_out
+                st_t += s_t
+                host_t += h_t
+                pairs.append(_pct([t for t, _ in s_out], 50) / _pct([t for t, _ in h_out], 50))
+                push_off()
             tier = wait_storage_quiet(server)["storage"]["tier"]
         finally:
             server.stop()
@@ -184,14 +210,21 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
             "host_ttft_p50_s": _pct([t for t, _ in host], 50), "host_ttft_p99_s": _pct([t for t, _ in host], 99),
             "storage_reused": sum(1 for _, c in st if c >= aligned), "host_reused": sum(1 for _, c in host if c >= aligned),
             "samples": len(st),
+            # Per pair of bursts side by side: storage-hit p50 / host-hit p50.
+            "pair_ratios": pairs, "pair_ratio_p50": _pct(pairs, 50),
+            "pair_ratio_p25_p75": [_pct(pairs, 25), _pct(pairs, 75)],
+            "storage_timing": timing_summary(st_t), "host_timing": timing_summary(host_t),
+            "storage_timings": st_t, "host_timings": host_t,
             "arrival_prefetch_jobs": tier.get("arrival_prefetch_jobs"), "storage_hit_tokens": tier.get("storage_hit_tokens"),
             "prefetch_blocks_shared": tier.get("prefetch_blocks_shared"),
         }
         out[name]["storage_over_host"] = out[name]["storage_ttft_p50_s"] / out[name]["host_ttft_p50_s"]
+        out[name]["engine_storage_over_host"] = engine_ratio(st_t, host_t)
         logger.info("[queued-storage %s] %d requests, %d seqs: storage-hit TTFT p50 %.1f ms, host-hit %.1f ms: %.2fx "
-                    "(reused %d/%d and %d/%d)", name, m, seqs, 1e3 * out[name]["storage_ttft_p50_s"],
-                    1e3 * out[name]["host_ttft_p50_s"], out[name]["storage_over_host"], out[name]["storage_reused"],
-                    len(st), out[name]["host_reused"], len(host))
+                    "(pairs of bursts: median %.2fx, p25-p75 %.2f-%.2f; reused %d/%d and %d/%d)", name, m, seqs,
+                    1e3 * out[name]["storage_ttft_p50_s"], 1e3 * out[name]["host_ttft_p50_s"],
+                    out[name]["storage_over_host"], out[name]["pair_ratio_p50"], *out[name]["pair_ratio_p25_p75"],
+                    out[name]["storage_reused"], len(st), out[name]["host_reused"], len(host))
     bar.close()
     return out
 
@@ -199,6 +232,13 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
 def _table(header: str, rows: list[list[str]]) -> list[str]:
     cols = header.count("|") - 1
     return [header, "|" + "---|" * cols] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _pairs(row: dict[str, Any]) -> str:
+    if "pair_ratio_p50" not in row:
+        return "-"
+    lo, hi = row["pair_ratio_p25_p75"]
+    return f"{row['pair_ratio_p50']:.2f}x ({lo:.2f}-{hi:.2f})"
 
 
 def format_sharing(report: dict[str, Any]) -> str:
@@ -219,12 +259,14 @@ def format_sharing(report: dict[str, Any]) -> str:
     qs = report.get("queued_storage") or {}
     if qs:
         rows = [[label, f"{1e3 * qs[k]['storage_ttft_p50_s']:.1f} ms", f"{1e3 * qs[k]['host_ttft_p50_s']:.1f} ms",
-                 f"{qs[k]['storage_over_host']:.2f}x"]
+                 f"{qs[k]['storage_over_host']:.2f}x (engine {qs[k].get('engine_storage_over_host', float('nan')):.2f}x)",
+                 _pairs(qs[k])]
                 for k, label in (("arrival", "on arrival (default)"),
                                  ("admission", "at admission (`--arrival-prefetch-host-blocks 0`)"))]
         lines += [f"**queued-storage** ({qs.get('repeats', 1)} bursts of {qs['requests']} requests at once per "
                   f"server, `--max-num-seqs {qs['max_num_seqs']}`, {qs['prefix_tokens']}-token documents in "
                   "storage only, then the same documents from host):", ""]
-        lines += _table("| prefetch | storage-hit TTFT p50 | host-hit TTFT p50 | storage / host |", rows)
+        lines += _table("| prefetch | storage-hit TTFT p50 | host-hit TTFT p50 | storage / host | "
+                        "bursts side by side: median (p25-p75) |", rows)
         lines += ["", "Target: storage / host <= 1.1x with prefetch on arrival.", ""]
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 class CacheLevel(enum.IntEnum):
@@ -176,7 +176,9 @@ class ResidencyPlan:
     num_cached_tokens: int = 0
     num_device_hit_tokens: int = 0
     num_host_hit_tokens: int = 0
-    num_storage_hit_tokens: int = 0  # the storage tier's loads (later issue): always 0 now
+    num_storage_hit_tokens: int = 0  # host hits that the request's storage fetch brought in
+    # The storage fetch the request waited for (StorageTier.fetch_timing), for its timings.
+    storage_fetch: Optional[dict[str, Any]] = None
 
 
 # ---------------------------------------------------------------------------

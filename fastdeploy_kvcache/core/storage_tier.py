@@ -64,8 +64,10 @@ class StorageJob:
 
     Plain ints and strings (it crosses to the worker).  The worker fills ``results`` (per
     key: bytes read / ``0`` for a stored put, or a negative ``storage.Status``),
-    ``error_kind`` when the whole batch failed (``StorageError.kind``), ``nbytes`` and
-    ``seconds``.
+    ``error_kind`` when the whole batch failed (``StorageError.kind``), ``nbytes``,
+    ``submitted_at`` and ``done_at`` (``time.monotonic()`` when the worker started it and when
+    its backend call and copy ended) and ``seconds`` (the difference: the job alone, not the
+    time it then waited to be collected).
     """
 
     kind: TransferKind
@@ -77,6 +79,8 @@ class StorageJob:
     error_kind: Optional[str] = None
     nbytes: int = 0
     seconds: float = 0.0
+    submitted_at: float = 0.0
+    done_at: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in (TransferKind.STORAGE_LOAD, TransferKind.STORAGE_SAVE):
@@ -106,6 +110,7 @@ class _Prefetch:
     aborted: bool = False
     inserted: list[BlockNode] = field(default_factory=list)
     on_arrival: bool = False  # started when the request was queued (its deadline starts at admission)
+    completed: float = 0.0  # clock() when the scheduler inserted what arrived
 
 
 class StorageTier:
@@ -176,7 +181,7 @@ class StorageTier:
                   "put_blocks_failed", "put_skipped_stored", "storage_hit_tokens", "read_bytes",
                   "read_seconds", "write_bytes", "write_seconds", "unavailable_skips", "query_errors",
                   "prefetch_blocks_shared", "arrival_prefetch_jobs", "arrival_prefetch_blocks",
-                  "arrival_prefetch_over_budget",
+                  "arrival_prefetch_over_budget", "prefetch_jobs_inline",
                   "stored_forgotten", "store_generation_changes"):
             self.stats[k] = 0
         self.errors: dict[str, int] = collections.defaultdict(int)
@@ -455,6 +460,26 @@ class StorageTier:
         n = sum(1 for node, tier in zip(match.nodes, match.tiers) if tier is CacheLevel.HOST and id(node) in mine)
         return n * self.block_size
 
+    def fetch_timing(self, request: Any) -> Optional[dict[str, Any]]:
+        """Where the request's storage fetch stood, for its per-request timings (None: no
+        fetch of its own or followed).  Call before :meth:`admitted`, which forgets it.
+
+        Times are this tier's clock: ``started`` (the job was planned), ``landed`` (its
+        backend call and copy ended; 0 if not yet), ``completed`` (its blocks joined the tree;
+        0 if not yet); ``shared`` says the job was another request's.
+        """
+        rid = request.request_id
+        pf = self._prefetch.get(rid)
+        shared = pf is None and rid in self._followers
+        if shared:
+            pf = self._followers[rid][0]
+        if pf is None:
+            return None
+        job = pf.job
+        return {"shared": shared, "on_arrival": pf.on_arrival, "blocks": len(job.keys), "bytes": job.nbytes,
+                "started": pf.started, "landed": job.done_at, "completed": pf.completed,
+                "job_s": job.seconds if pf.done else 0.0}
+
     def forget_request(self, request_id: str) -> None:
         """The request was admitted, finished or aborted: stop tracking its prefetch.
 
@@ -613,6 +638,7 @@ class StorageTier:
     def _complete_prefetch(self, pf: _Prefetch, job: StorageJob) -> None:
         """Insert the leading run that arrived as host-only nodes; free the rest."""
         pf.done = True
+        pf.completed = self.clock()
         m = self.manager
         tree = m.tree
         blocks = job.host_block_ids

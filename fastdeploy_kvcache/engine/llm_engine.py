@@ -53,6 +53,7 @@ from fastdeploy_kvcache.engine.kv_pool import KVPool, ManagedKVPool, PlainKVPool
 from fastdeploy_kvcache.engine.model_loader import LoadedModel, load_model
 from fastdeploy_kvcache.engine.model_runner import ModelRunner, ScheduledSeq
 from fastdeploy_kvcache.engine.outputs import RequestOutput
+from fastdeploy_kvcache.engine.request_timing import RecentTimings, request_timing
 from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams
 from fastdeploy_kvcache.engine.step_timing import StepTimes
 from fastdeploy_kvcache.engine.tokenizer import IncrementalDetokenizer
@@ -87,6 +88,9 @@ class _EngineRequest:
         self.cached_host = 0
         self.cached_storage = 0  # host hits that this request's storage prefetch brought in
         self.admitted = False  # got its first blocks at least once
+        self.admitted_time: Optional[float] = None  # time.monotonic() of that first admission
+        self.fetch: Optional[dict[str, Any]] = None  # the storage fetch it waited for (StorageTier.fetch_timing)
+        self.first_step: Optional[dict[str, Any]] = None  # the admitting step's phases (request_timing.py)
         self.text_sent = 0  # chars of detok.text already emitted
         self.stop_at: Optional[int] = None  # where a stop string starts in detok.text
         self.finished = False
@@ -204,6 +208,7 @@ class LLMEngine:
                           "steps_with_loads": 0, "layer_waits": 0}
         self._stats_snapshot: dict[str, Any] = {}
         self.step_times = StepTimes()
+        self.request_timings = RecentTimings()
         self._refresh_stats()
         logger.info(
             "LLMEngine: model %s on %s, %d layers, KV %s, %d device blocks of %d tokens, %d host blocks, v1 manager %s",
@@ -443,33 +448,54 @@ class LLMEngine:
         logger.info("engine thread stopped")
 
     def _drain_inbox(self) -> None:
-        while True:
+        arrived: list[_EngineRequest] = []
+        try:
+            while True:
+                try:
+                    kind, item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+                if kind == "add":
+                    self._requests[item.request_id] = item
+                    if self.pd is not None and not self.pd.on_add(item):
+                        continue  # PD decode: finished by the prefill's token (eos, max_tokens)
+                    self.waiting.append(item)
+                    if item.kv_transfer is None:
+                        arrived.append(item)
+                elif kind == "abort":
+                    er = self._requests.get(item)
+                    if er is not None and not er.finished:
+                        self._finish(er, "abort")
+                elif kind == "call":
+                    fn, future = item
+                    if future.set_running_or_notify_cancel():
+                        try:
+                            future.set_result(fn())
+                        except Exception as exc:  # noqa: BLE001 - the caller gets it
+                            future.set_exception(exc)
+        finally:
+            self._prefetch_arrivals(arrived)
+
+    def _prefetch_arrivals(self, arrived: list[_EngineRequest]) -> None:
+        """Start the storage lookup and fetch of requests just queued, while they wait.
+
+        NOTE: after the inbox is empty, not per item: a lookup takes a millisecond or more,
+        and a burst whose requests keep arriving during their own lookups would otherwise
+        keep the engine in the inbox, its first request ready but not scheduled.  Requests
+        arriving meanwhile are looked up after the next step.
+        """
+        arrive = getattr(self.pool, "prefetch_on_arrival", None)
+        if arrive is None:
+            return
+        for er in arrived:
+            if er.finished:
+                continue
             try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._requests[item.request_id] = item
-                if self.pd is not None and not self.pd.on_add(item):
-                    continue  # PD decode: finished by the prefill's token (eos, max_tokens)
-                self.waiting.append(item)
-                arrive = getattr(self.pool, "prefetch_on_arrival", None)
-                if arrive is not None and item.kv_transfer is None:
-                    try:
-                        arrive(item.req)  # storage lookup and fetch while it waits
-                    except Exception:  # noqa: BLE001 - a prefetch never keeps a request out
-                        logger.warning("prefetch on arrival of %s failed", item.request_id, exc_info=True)
-            elif kind == "abort":
-                er = self._requests.get(item)
-                if er is not None and not er.finished:
-                    self._finish(er, "abort")
-            elif kind == "call":
-                fn, future = item
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except Exception as exc:  # noqa: BLE001 - the caller gets it
-                        future.set_exception(exc)
+                # Read here at once when the engine has nothing else to do: no request runs
+                # and none waits before this one.
+                arrive(er.req, engine_idle=not self.running and bool(self.waiting) and self.waiting[0] is er)
+            except Exception:  # noqa: BLE001 - a prefetch never keeps a request out
+                logger.warning("prefetch on arrival of %s failed", er.request_id, exc_info=True)
 
     # ------------------------------------------------------------------ one step
     def _step(self) -> None:
@@ -511,6 +537,9 @@ class LLMEngine:
             self._counters["steps_with_loads"] += 1
             self._counters["layer_waits"] += self.runner.last_layers_waited
         for er, n in scheduled:
+            if er.first_step is None:
+                er.first_step = {"schedule_s": t_sched - t0, "submit_s": t_submit - t_sched,
+                                 "forward_s": t_forward - t_submit, "batch": len(scheduled), "tokens": n}
             er.req.num_computed_tokens += n
             if not er.req.output_token_ids:
                 self._counters["prompt_tokens_computed"] += n
@@ -597,7 +626,7 @@ class LLMEngine:
                 continue
             r = er.req
             prefetch_ready = getattr(self.pool, "prefetch_ready", None)
-            if prefetch_ready is not None and not prefetch_ready(r):
+            if prefetch_ready is not None and not prefetch_ready(r, engine_idle=not self.running and not out):
                 break  # the storage prefetch policy holds it until its blocks are on host
             try:
                 matched = self.pool.admit(r)
@@ -622,6 +651,8 @@ class LLMEngine:
             del self.waiting[k]
             if not er.admitted:
                 er.admitted = True
+                er.admitted_time = time.monotonic()
+                er.fetch = getattr(plan, "storage_fetch", None)
                 er.cached_device = plan.num_device_hit_tokens
                 er.cached_host = plan.num_host_hit_tokens
                 er.cached_storage = plan.num_storage_hit_tokens
@@ -725,6 +756,10 @@ class LLMEngine:
         delta = text[er.text_sent : max(er.text_sent, end)] if reason != "error" else ""
         er.text_sent = max(er.text_sent, end)
         self._counters["num_finished"] += 1
+        if er.admitted_time is not None:
+            self.request_timings.add(request_timing(
+                er.request_id, er.arrival_time, er.admitted_time, er.first_token_time, er.fetch, er.first_step,
+                {"device": er.cached_device, "host": er.cached_host, "storage": er.cached_storage}))
         self._emit(er, RequestOutput(request_id=er.request_id, new_token_ids=list(new_token_ids or []), text=delta,
                                      finished=True, finish_reason=reason, error=error))
         self._requests.pop(er.request_id, None)
@@ -761,6 +796,7 @@ class LLMEngine:
             "device": self.device,
             "engine": dict(self._counters),
             "step_times": self.step_times.snapshot(),
+            "request_timings": self.request_timings.snapshot(),
             "prefix_sharing": self.sharing.stats.as_dict(),
             **pool,
         }

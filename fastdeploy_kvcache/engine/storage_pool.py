@@ -23,7 +23,7 @@ import time
 from typing import Any, Optional
 
 from fastdeploy_kvcache.config import CacheConfig
-from fastdeploy_kvcache.core.metadata import CacheLevel, ResidencyPlan
+from fastdeploy_kvcache.core.metadata import CacheLevel, ResidencyPlan, TransferKind
 from fastdeploy_kvcache.core.request import BatchRequest, Request
 from fastdeploy_kvcache.core.storage_tier import PREFETCH_READY, StorageTier
 from fastdeploy_kvcache.engine.kv_pool import ManagedKVPool
@@ -136,26 +136,38 @@ class StorageKVPool(ManagedKVPool):
                        health["detail"], tried)
 
     # ------------------------------------------------------------------ admission
-    def prefetch_ready(self, request: Request) -> bool:
-        """False while the prefetch policy holds ``request`` for its storage hits."""
+    def prefetch_ready(self, request: Request, engine_idle: bool = False) -> bool:
+        """False while the prefetch policy holds ``request`` for its storage hits.
+
+        ``engine_idle``: nothing runs and nothing else is admitted this step, so the engine
+        would only wait for this request's fetch: it reads it on its own thread (see
+        :meth:`_submit_storage_jobs`) and the request is admitted in this same step.
+        """
         if self.manager.is_running(request.request_id):
             return True
         state = self.tier.prefetch_state(request)
-        self._submit_storage_jobs()  # a prefetch just planned starts now, not at the next step
+        # A prefetch just planned starts now, not at the next step.
+        if self._submit_storage_jobs(inline=engine_idle) and state != PREFETCH_READY:
+            state = self.tier.prefetch_state(request)
         return state == PREFETCH_READY
 
-    def prefetch_on_arrival(self, request: Request) -> None:
+    def prefetch_on_arrival(self, request: Request, engine_idle: bool = False) -> None:
         """A request was queued: its storage lookup and prefetch start now, within the
-        arrival budget (it is still checked again at admission, as without this)."""
+        arrival budget (it is still checked again at admission, as without this).
+
+        ``engine_idle``: nothing runs and no other request waits, so the fetch is read on
+        the engine's thread at once (see :meth:`_submit_storage_jobs`).
+        """
         if self.arrival_prefetch_blocks <= 0 or self.manager.is_running(request.request_id):
             return
         self.tier.prefetch_on_arrival(request, self.arrival_prefetch_blocks)
-        self._submit_storage_jobs()
+        self._submit_storage_jobs(inline=engine_idle)
 
     def ensure_resident(self, request: Request, num_tokens: int) -> ResidencyPlan:
         first = not self.manager.is_running(request.request_id)
         plan = self.manager.ensure_resident(request, num_tokens)
         if first:
+            plan.storage_fetch = self.tier.fetch_timing(request)
             s = self.tier.admitted(request)
             plan.num_storage_hit_tokens = s
             plan.num_host_hit_tokens -= s
@@ -170,9 +182,23 @@ class StorageKVPool(ManagedKVPool):
         self._submit_storage_jobs()
         return batch, counter
 
-    def _submit_storage_jobs(self) -> None:
+    def _submit_storage_jobs(self, inline: bool = False) -> bool:
+        """Hand the tier's new jobs to the worker; True if a get ran here and is complete.
+
+        ``inline`` (the engine would only wait for it): the first get runs on the calling
+        thread when no other get is in flight, and its blocks are in the tree on return.  A
+        hand-off to the transfer thread and back costs two thread wake-ups, several
+        milliseconds each on a loaded machine, on the critical path of a lone storage hit.
+        """
+        ran = False
         for job in self.tier.take_jobs():
-            self.storage_worker.submit(job)
+            if inline and not ran and job.kind is TransferKind.STORAGE_LOAD and not self.storage_worker.loads_in_flight:
+                self.tier.complete(self.storage_worker.run(job))
+                self.tier.stats["prefetch_jobs_inline"] += 1
+                ran = True
+            else:
+                self.storage_worker.submit(job)
+        return ran
 
     def complete_finished(self, wait: bool = False) -> set[str]:
         affected: set[str] = set()

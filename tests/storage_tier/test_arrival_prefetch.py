@@ -101,3 +101,50 @@ def test_a_failed_shared_fetch_leaves_every_follower_the_leading_run(rigs: Any, 
         rig.tier.forget_request(r.request_id)
     assert rig.tier.stats["prefetch_blocks_failed"] == 2
     _host_whole(rig)
+
+
+def test_a_fetch_run_on_the_calling_thread_lands_whole_and_is_timed(rigs: Any) -> None:
+    """StorageWorker.run (the engine's inline read when it would only wait): same bytes in
+    the same host blocks as a submitted job, the fetch's times in order, and the request's
+    fetch timing readable until admission forgets it."""
+    hashes = store_tokens(rigs(), TOKENS)
+    rig = rigs()
+    req = Request("r", TOKENS)
+    rig.tier.prefetch_on_arrival(req, budget_blocks=8)
+    (job,) = rig.tier.take_jobs()
+    assert rig.worker.loads_in_flight == 0
+    rig.tier.complete(rig.worker.run(job))
+    assert job.results == [rig.layout.object_bytes] * 4 and job.nbytes == 4 * rig.layout.object_bytes
+    assert 0 < job.submitted_at <= job.done_at and job.seconds == job.done_at - job.submitted_at
+    assert rig.worker.num_in_flight == 0, "an inline job is never left for collect_finished"
+    assert rig.tier.prefetch_state(req) == PREFETCH_READY
+    timing = rig.tier.fetch_timing(req)
+    assert timing is not None and not timing["shared"] and timing["on_arrival"]
+    assert timing["blocks"] == 4 and timing["bytes"] == job.nbytes and timing["job_s"] == job.seconds
+    assert timing["landed"] == job.done_at and timing["completed"] == rig.now  # the rig's clock
+    match = rig.manager.match_prefix(req)
+    assert len(match.nodes) == 4
+    for node, h in zip(match.nodes, hashes):
+        assert rig.read_host(node.host_block_id) == rig.expected(h)
+    rig.manager.ensure_resident(req, len(TOKENS))
+    assert rig.tier.admitted(req) == 4 * BS
+    assert rig.tier.fetch_timing(req) is None, "admission forgets the request's fetch"
+    req.num_computed_tokens = len(TOKENS)
+    rig.manager.request_finish(req)
+    _host_whole(rig)
+
+
+def test_a_fetch_run_on_the_calling_thread_that_cannot_run_fails_like_a_submitted_one(rigs: Any) -> None:
+    store_tokens(rigs(), TOKENS)
+    rig = rigs()
+    req = Request("r", TOKENS)
+    rig.tier.prefetch_on_arrival(req, budget_blocks=8)
+    (job,) = rig.tier.take_jobs()
+    rig.transfer.close()  # the transfer refuses every batch now
+    done = rig.worker.run(job)  # never raises: the job comes back failed
+    assert done.error_kind == "unreachable" and all(r < 0 for r in done.results)
+    rig.tier.complete(done)
+    assert rig.tier.prefetch_state(req) == PREFETCH_READY
+    assert len(rig.manager.match_prefix(req).nodes) == 0, "a failed fetch inserted blocks"
+    rig.tier.forget_request("r")
+    _host_whole(rig)
