@@ -666,8 +666,8 @@ def cold_server_args(args: argparse.Namespace, prefixes: list[int]) -> tuple[lis
     longest = max(prefixes)
     max_model_len = 1 << math.ceil(math.log2(longest * 2 + 256))
     device_blocks = 3 * math.ceil((longest + 64) / bs) + 8
-    common = ["--model", args.model, "--device", "cpu", "--block-size", str(bs), "--max-model-len", str(max_model_len),
-              "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+    common = ["--model", args.model, "--device", args.device, "--model-impl", args.model_impl, "--block-size", str(bs),
+              "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
               "--num-gpu-blocks-override", str(device_blocks), "--swap-space", str(args.swap_space),
               "--write-policy", "write_through", "--uvicorn-log-level", "warning", "--log-level", "warning"]
     return common, device_blocks

@@ -60,9 +60,11 @@ async def _burst(base_url: str, model: str, prompts: list[list[int]], max_tokens
     return [(o[0], int(getattr(o[3].prompt_tokens_details, "cached_tokens", 0) or 0)) for o in outs]
 
 
-def _server_args(model: str, block_size: int, max_model_len: int, max_num_seqs: int, batched: int,
+def _server_args(args: Any, block_size: int, max_model_len: int, max_num_seqs: int, batched: int,
                  device_blocks: int, swap_space: float) -> list[str]:
-    return ["--model", model, "--device", "cpu", "--block-size", str(block_size), "--max-model-len", str(max_model_len),
+    """The scenario's server flags, on the model, runner and device of the run (``args``)."""
+    return ["--model", args.model, "--device", args.device, "--model-impl", args.model_impl,
+            "--block-size", str(block_size), "--max-model-len", str(max_model_len),
             "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(batched),
             "--num-gpu-blocks-override", str(device_blocks), "--swap-space", str(swap_space),
             "--write-policy", "write_through", "--uvicorn-log-level", "warning", "--log-level", "warning"]
@@ -78,7 +80,7 @@ def run_cold_burst(args: Any, start_server: StartServer) -> dict[str, Any]:
     max_model_len = 1 << math.ceil(math.log2(prompt_len + 64))
     batched = n * prompt_len  # the whole burst fits one step: without sharing all are admitted at once
     device_blocks = (n + 2) * math.ceil(prompt_len / bs) + 2 * n  # the whole burst computing, plus room
-    common = _server_args(args.model, bs, max_model_len, n, batched, device_blocks, 0.0)
+    common = _server_args(args, bs, max_model_len, n, batched, device_blocks, 0.0)
     env = {"ENABLE_V1_KVCACHE_MANAGER": "1", "PYTHONFAULTHANDLER": "1"}
     servers = {"sharing": start_server(common, env),
                "off": start_server(common + ["--max-prefix-hold-s", "0"], env)}
@@ -138,7 +140,7 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
     max_model_len = 1 << math.ceil(math.log2(prompt_len + 64))
     per_doc = math.ceil(prompt_len / bs) + 1
     device_blocks = (seqs + 2) * per_doc  # the burst's documents cannot all stay on the device
-    common = _server_args(args.model, bs, max_model_len, seqs, args.max_num_batched_tokens, device_blocks,
+    common = _server_args(args, bs, max_model_len, seqs, args.max_num_batched_tokens, device_blocks,
                           args.swap_space)
     store = ["--kvcache-storage-backend", "file", "--kvcache-storage-path", str(work / "store-queued"),
              "--kvcache-storage-min-free", "0", "--kvcache-storage-prefetch-policy", "wait_complete"]

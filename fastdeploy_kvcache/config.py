@@ -60,7 +60,7 @@ class CacheConfig:
     write_through_threshold: int = 2
     enable_prefix_caching: bool = True
     # Insert a finished request's output tokens into the prefix tree too.
-    cache_output_tokens: bool = True
+    enable_output_caching: bool = True
     # Extra cache layers (e.g. speculative-decoding draft layers) beyond num_layers.
     num_extra_layers: int = 0
     # uint8 caches are quantized; they carry per-(block, head, token) fp32 scales.
@@ -93,7 +93,7 @@ class CacheConfig:
         self._check_choice("dtype", (AUTO_DTYPE, *DTYPE_ITEMSIZE))
         self._check_choice("write_policy", WRITE_POLICIES)
         self._check_choice("kv_cache_quant", KV_CACHE_QUANTS)
-        for name in ("enable_prefix_caching", "cache_output_tokens"):
+        for name in ("enable_prefix_caching", "enable_output_caching"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"CacheConfig.{name} must be True or False, got {_show(value)}")
@@ -162,9 +162,9 @@ class CacheConfig:
                       **overrides: Any) -> "CacheConfig":
         """Build from the namespace of a parser that went through :func:`add_cli_args`.
 
-        Flags map onto fields through :data:`CLI_FLAGS` (``--enable-output-caching`` sets
-        ``cache_output_tokens``, ``--kv-cache-dtype auto`` leaves ``dtype`` at its default), read from the
-        dest of the parser's own flag where it already had one.  A value of None means "not
+        Flags map onto fields through :data:`CLI_FLAGS` (``--num-gpu-blocks-override`` sets
+        ``num_gpu_blocks``, ``--kv-cache-dtype auto`` leaves ``dtype`` at its default), read from
+        the dest of the parser's own flag where it already had one.  A value of None means "not
         given".  ``defaults`` replace the class's defaults for flags not given (an engine that
         loads the model itself passes ``{"dtype": AUTO_DTYPE}``); ``overrides`` (the model's
         shape: num_layers, num_kv_heads, head_dim, ...) win over the flags.
@@ -264,8 +264,8 @@ CLI_FLAGS: tuple[CliFlag, ...] = (
              "block is still allocated through the manager, but nothing is reused."),
         negative="--no-enable-prefix-caching"),
     # NOTE: FastDeploy's EngineArgs has enable_output_caching=True ("only valid in the V1
-    # scheduler"), and so does CacheConfig.cache_output_tokens: the default here is on.
-    CliFlag("--enable-output-caching", "cache_output_tokens", dict(
+    # scheduler"), and so does CacheConfig.enable_output_caching: the default here is on.
+    CliFlag("--enable-output-caching", "enable_output_caching", dict(
         default=None,
         help="Insert a finished request's generated tokens into the prefix tree too, so a "
              "follow-up turn reuses them (default: on, as in FastDeploy; the negative form "

@@ -56,7 +56,7 @@ def test_host_blocks_from_swap_space_or_explicit_count() -> None:
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
         ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
         ({"enable_prefix_caching": 0}, "enable_prefix_caching"),
-        ({"cache_output_tokens": "yes"}, "cache_output_tokens"),
+        ({"enable_output_caching": "yes"}, "enable_output_caching"),
         ({"block_size": True}, "block_size"),
         ({"num_layers": False}, "num_layers"),
         ({"head_dim": 8.0}, "head_dim"),
@@ -99,7 +99,7 @@ def test_cli_flags_round_trip_into_config() -> None:
     assert cfg.write_policy == "write_back"
     assert cfg.write_through_threshold == 3
     assert cfg.block_size == 32
-    assert cfg.cache_output_tokens is False
+    assert cfg.enable_output_caching is False
     assert cfg.enable_prefix_caching is False
     assert cfg.dtype == "float16"
     assert cfg.num_gpu_blocks == 100
@@ -110,9 +110,9 @@ def test_cli_defaults_match_config_defaults_and_fastdeploy() -> None:
     """No flag given: the config's own defaults; prefix and output caching on, as in FastDeploy."""
     cfg = CacheConfig.from_cli_args(_cli([]))
     assert cfg == CacheConfig()
-    assert cfg.enable_prefix_caching is True and cfg.cache_output_tokens is True
+    assert cfg.enable_prefix_caching is True and cfg.enable_output_caching is True
     on = CacheConfig.from_cli_args(_cli(["--enable-prefix-caching", "--enable-output-caching"]))
-    assert on.enable_prefix_caching is True and on.cache_output_tokens is True
+    assert on.enable_prefix_caching is True and on.enable_output_caching is True
     assert CacheConfig.from_cli_args(_cli(["--kv-cache-dtype", "auto"]), dtype="float32").dtype == "float32"
 
 
@@ -194,10 +194,10 @@ def test_add_cli_args_skips_flags_the_parser_already_has() -> None:
     assert cfg.write_policy == "write_back"  # ours, added
     # The parser had only --enable-output-caching (store_true, default off): its default holds, and
     # the missing negative form is added.
-    assert CacheConfig.from_cli_args(parser.parse_args([])).cache_output_tokens is False
-    assert CacheConfig.from_cli_args(parser.parse_args(["--enable-output-caching"])).cache_output_tokens is True
+    assert CacheConfig.from_cli_args(parser.parse_args([])).enable_output_caching is False
+    assert CacheConfig.from_cli_args(parser.parse_args(["--enable-output-caching"])).enable_output_caching is True
     off = parser.parse_args(["--enable-output-caching", "--no-enable-output-caching"])
-    assert CacheConfig.from_cli_args(off).cache_output_tokens is False
+    assert CacheConfig.from_cli_args(off).enable_output_caching is False
     # Adding twice is harmless too.
     add_cli_args(parser)
     assert CacheConfig.from_cli_args(parser.parse_args(["--block-size", "8"])).block_size == 8

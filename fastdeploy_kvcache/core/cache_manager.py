@@ -288,7 +288,7 @@ class CacheManager:
         """Insert the request's computed full blocks into the tree and drop its refs.
 
         Full blocks up to ``num_computed_tokens`` (prompt and, with
-        ``cache_output_tokens``, output) become cached; a block whose hash is
+        ``enable_output_caching``, output) become cached; a block whose hash is
         already cached on device is a duplicate and goes back to the pool, as do the
         partial last block and blocks never computed.  The block table is cleared.
         """

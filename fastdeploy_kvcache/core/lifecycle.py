@@ -43,7 +43,7 @@ class RequestLifecycle:
     device_pool: BlockPool
     block_size: int
     enable_prefix_caching: bool
-    config: "CacheConfig"  # read when a request ends (cache_output_tokens)
+    config: "CacheConfig"  # read when a request ends (enable_output_caching)
     policy: WritePolicy
     stats: CacheStats
     inflight: InFlightCopies
@@ -148,7 +148,7 @@ class RequestLifecycle:
         num_full = 0
         hashes: list[int] = []
         if insert and self.enable_prefix_caching:
-            limit = req.num_total_tokens if self.config.cache_output_tokens else req.num_prompt_tokens
+            limit = req.num_total_tokens if self.config.enable_output_caching else req.num_prompt_tokens
             num_full = min(req.num_computed_tokens, limit) // bs
             if num_full:
                 hashes = req.block_hashes(bs, num_full * bs)

@@ -167,7 +167,7 @@ class LLMEngine:
                 "the cache flags (--swap-space %s, --write-policy %s, --write-through-threshold %s, "
                 "prefix caching %s, output caching %s) are inactive",
                 args.cache.swap_space, args.cache.write_policy, args.cache.write_through_threshold,
-                args.cache.enable_prefix_caching, args.cache.cache_output_tokens,
+                args.cache.enable_prefix_caching, args.cache.enable_output_caching,
             )
         if args.model_impl == "transformers":
             self.runner: Any = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size, self.device)

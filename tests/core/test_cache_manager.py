@@ -448,7 +448,7 @@ def test_prefix_caching_disabled():
 
 def test_output_tokens_cached_only_when_configured():
     for flag, expect in ((True, 3), (False, 2)):
-        mgr, sh = make(cache_output_tokens=flag)
+        mgr, sh = make(enable_output_caching=flag)
         a = Request("a", list(range(9)))
         admit(mgr, a)
         step(mgr, sh, [a])

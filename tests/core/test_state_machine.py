@@ -83,7 +83,7 @@ class CacheMachine(RuleBasedStateMachine):
             num_host_blocks=num_host,
             write_policy=policy,
             write_through_threshold=threshold,
-            cache_output_tokens=cache_output,
+            enable_output_caching=cache_output,
         )
         self.mgr = CacheManager(cfg)
         self.dev: list[object] = [None] * num_dev

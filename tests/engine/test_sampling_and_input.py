@@ -190,7 +190,7 @@ def test_engine_args_parser_adds_to_a_parser_with_overlapping_flags() -> None:
                             "--no-enable-prefix-caching", "--no-enable-output-caching"])
     args = EngineArgs.from_cli_args(ns)
     assert (args.cache.dtype, args.cache.num_gpu_blocks) == ("bfloat16", 7)
-    assert not args.cache.enable_prefix_caching and not args.cache.cache_output_tokens
+    assert not args.cache.enable_prefix_caching and not args.cache.enable_output_caching
     help_text = add_engine_cli_args(argparse.ArgumentParser()).format_help()
     for flag in ("--max-model-len", "--max-num-batched-tokens", "--num-gpu-blocks-override", "--kv-cache-dtype",
                  "--model-cache-dir", "--swap-space", "--write-policy"):
