@@ -33,8 +33,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from fastdeploy_kvcache.core.kv_events import event_block_hashes
 from fastdeploy_kvcache.entrypoints.router.events import EventSubscriber
-from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams, RelayResponse, error_body,
-                                                         error_response, relay_error, stream_end, router_app, upstream_session)
+from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams,
+                                                         RelayResponse, error_body, error_body_of, error_response,
+                                                         relay_error, router_app, stream_end, upstream_session)
 from fastdeploy_kvcache.entrypoints.router.metrics import RouterMetrics
 from fastdeploy_kvcache.entrypoints.router.policy import Candidate, Policy
 from fastdeploy_kvcache.entrypoints.router.prompt import prompt_token_ids
@@ -336,11 +337,8 @@ class FleetRouter:
             return failed  # type: ignore[return-value]
         if resp.status != 200:
             try:
-                content = await resp.read()
-            except UPSTREAM_ERRORS:
-                content = b""
+                content = await error_body_of(resp)
             finally:
-                resp.close()
                 w.in_flight -= 1
             return relay_error("worker", resp.status, content, headers)
 

@@ -107,6 +107,17 @@ ProxyHandler = Callable[[bytes, float], Awaitable[Response]]
 """A proxy endpoint: (the request body, its arrival ``perf_counter()``) -> the response."""
 
 
+async def error_body_of(resp: aiohttp.ClientResponse) -> bytes:
+    """The body of an upstream's non-200 answer to a streamed request (b"" where it broke
+    while read), the response closed either way (its connection is not reused)."""
+    try:
+        return await resp.read()
+    except UPSTREAM_ERRORS:
+        return b""
+    finally:
+        resp.close()
+
+
 def stream_end(streams: "OpenStreams", resp: aiohttp.ClientResponse,
                then: Optional[Callable[[], None]] = None) -> Callable[[], None]:
     """The once-only end of a relayed upstream stream: forget it, run ``then`` (e.g. drop a

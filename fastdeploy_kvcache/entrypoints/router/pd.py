@@ -33,8 +33,9 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams, RelayResponse, error_body,
-                                                         error_response, relay_error, stream_end, router_app, upstream_session)
+from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams,
+                                                         RelayResponse, error_body, error_body_of, error_response,
+                                                         relay_error, router_app, stream_end, upstream_session)
 
 logger = logging.getLogger(__name__)
 
@@ -153,13 +154,7 @@ class PDRouter:
             logger.warning("%s", msg)
             return error_response(502, msg, code="upstream_unavailable")
         if resp.status != 200:
-            try:
-                content = await resp.read()
-            except UPSTREAM_ERRORS:
-                content = b""
-            finally:
-                resp.close()
-            return relay_error("decode", resp.status, content)
+            return relay_error("decode", resp.status, await error_body_of(resp))
 
         self.streams.add(resp)
         end = stream_end(self.streams, resp)
