@@ -22,6 +22,13 @@ def _host_whole(rig: Any) -> None:
     assert not rig.tier.held_host_blocks()
 
 
+def _finish_whole(rig: Any, req: Request) -> None:
+    """The request computed its prompt and finished: nothing is left held on the host."""
+    req.num_computed_tokens = len(TOKENS)
+    rig.manager.request_finish(req)
+    _host_whole(rig)
+
+
 def test_arrival_prefetch_is_ready_by_admission_and_its_wait_starts_there(rigs: Any) -> None:
     store_tokens(rigs(), TOKENS)
     rig = rigs(policy="timeout")  # a restarted scheduler in front of the same directory
@@ -38,9 +45,7 @@ def test_arrival_prefetch_is_ready_by_admission_and_its_wait_starts_there(rigs: 
     rig.manager.match_prefix(req)
     plan = rig.manager.ensure_resident(req, len(TOKENS))
     assert plan.num_host_hit_tokens == 4 * BS and rig.tier.admitted(req) == 4 * BS
-    req.num_computed_tokens = len(TOKENS)
-    rig.manager.request_finish(req)
-    _host_whole(rig)
+    _finish_whole(rig, req)
 
 
 def test_arrival_prefetch_keeps_to_its_budget_and_is_shared(rigs: Any) -> None:
@@ -129,9 +134,7 @@ def test_a_fetch_run_on_the_calling_thread_lands_whole_and_is_timed(rigs: Any) -
     rig.manager.ensure_resident(req, len(TOKENS))
     assert rig.tier.admitted(req) == 4 * BS
     assert rig.tier.fetch_timing(req) is None, "admission forgets the request's fetch"
-    req.num_computed_tokens = len(TOKENS)
-    rig.manager.request_finish(req)
-    _host_whole(rig)
+    _finish_whole(rig, req)
 
 
 def test_a_fetch_run_on_the_calling_thread_that_cannot_run_fails_like_a_submitted_one(rigs: Any) -> None:

@@ -15,6 +15,7 @@ from fastdeploy_kvcache.storage import Status
 from fastdeploy_kvcache.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
 from fastdeploy_kvcache.storage.mooncake_local import LocalMooncake, MooncakeHolder, MooncakeMaster
 from server_helpers import mooncake_store_args
+from shutdown_helpers import wait_until
 from skip_helpers import needs_mooncake, needs_server_modules
 
 from .helpers import BLOCK_SIZE, assert_no_leak, complete, prompt_ids, scrape, start_server, storage_stats
@@ -40,17 +41,9 @@ def mc_env(master: MooncakeMaster) -> dict[str, str]:
     }
 
 
-def wait_for(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{what} not within {timeout_s} s")
-
 
 def wait_stored(server, n: int, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    wait_for(lambda: storage_stats(server)["tier"]["put_blocks_ok"] >= n
+    wait_until(lambda: storage_stats(server)["tier"]["put_blocks_ok"] >= n
              and storage_stats(server)["pending_work"] == 0, timeout_s, f"{n} blocks stored")
 
 
@@ -69,7 +62,7 @@ def test_a_second_server_process_reuses_the_store(tmp_path: Path, baseline_texts
     try:
         first = start_server(MC_ARGS, env=local.env())
         try:
-            wait_for(lambda: storage_stats(first)["available"], 30, "mooncake set-up")
+            wait_until(lambda: storage_stats(first)["available"], 30, "mooncake set-up")
             text, tiers = complete(first, P)
             assert text == baseline_texts["P"] and tiers["storage"] == 0
             wait_stored(first, 12)
@@ -78,7 +71,7 @@ def test_a_second_server_process_reuses_the_store(tmp_path: Path, baseline_texts
             first.stop()  # its segment is 0: the bytes live in the holder
         second = start_server(MC_ARGS, env=local.env())
         try:
-            wait_for(lambda: storage_stats(second)["available"], 30, "mooncake set-up")
+            wait_until(lambda: storage_stats(second)["available"], 30, "mooncake set-up")
             text, tiers = complete(second, P)
             assert text == baseline_texts["P"], "Mooncake KV must give the same greedy output as recompute"
             assert tiers["storage"] == 12 * BLOCK_SIZE, tiers
@@ -107,7 +100,7 @@ def test_master_down_at_start_then_dies_mid_run(tmp_path: Path, baseline_texts: 
         # The master and a holder appear: the background set-up turns the tier on.
         master.start()
         holder = MooncakeHolder(master, "256MB", tmp_path / "logs").start()
-        wait_for(lambda: storage_stats(server)["available"], 60, "the tier turning on")
+        wait_until(lambda: storage_stats(server)["available"], 60, "the tier turning on")
         text, _ = complete(server, Q)
         assert text == baseline_texts["Q"]
         wait_stored(server, 12)
@@ -117,7 +110,7 @@ def test_master_down_at_start_then_dies_mid_run(tmp_path: Path, baseline_texts: 
         text, tiers = complete(server, R)
         assert text == baseline_texts["R"] and tiers["storage"] == 0
         assert time.monotonic() - t0 < 30
-        wait_for(lambda: storage_stats(server)["pending_work"] == 0, 60, "failed puts to come back")
+        wait_until(lambda: storage_stats(server)["pending_work"] == 0, 60, "failed puts to come back")
         # Each request's existence check fails at once; a few consecutive failures open it.
         for i in range(10):
             if not storage_stats(server)["available"]:
@@ -125,7 +118,7 @@ def test_master_down_at_start_then_dies_mid_run(tmp_path: Path, baseline_texts: 
             t0 = time.monotonic()
             complete(server, prompt_ids(200 + i, 40), max_tokens=1)
             assert time.monotonic() - t0 < 30
-        wait_for(lambda: not storage_stats(server)["available"], 30, "the breaker opening")
+        wait_until(lambda: not storage_stats(server)["available"], 30, "the breaker opening")
         assert storage_stats(server)["store"]["breaker_opens"] >= 1
         metrics = scrape(server)
         assert metrics["fastdeploy:storage_breaker_state"] > 0 and metrics["fastdeploy:storage_available"] == 0
@@ -133,7 +126,7 @@ def test_master_down_at_start_then_dies_mid_run(tmp_path: Path, baseline_texts: 
         assert_no_leak(server)
         # It comes back (empty): the probe closes the breaker and puts work again.
         master.start()
-        wait_for(lambda: storage_stats(server)["available"], 60, "the breaker closing")
+        wait_until(lambda: storage_stats(server)["available"], 60, "the breaker closing")
         assert scrape(server)["fastdeploy:storage_breaker_state"] == 0
         before = storage_stats(server)["tier"]["put_blocks_ok"]
         deadline = time.monotonic() + 60
@@ -191,13 +184,13 @@ def test_store_full_is_recomputed_and_counted(tmp_path: Path, baseline_texts: di
         holder.start()
         server = start_server(MC_ARGS, env=mc_env(master))
         try:
-            wait_for(lambda: storage_stats(server)["available"], 30, "mooncake set-up")
+            wait_until(lambda: storage_stats(server)["available"], 30, "mooncake set-up")
             filler, leased = fill_and_lease(master)
             for name, p in (("P", P), ("Q", Q), ("R", R), ("S", S)):
                 for k in leased:
                     filler.batch_exists([k])  # renew the leases (10 s) before each request
                 assert complete(server, p)[0] == baseline_texts[name]
-                wait_for(lambda: storage_stats(server)["pending_work"] == 0, 60, "puts to come back")
+                wait_until(lambda: storage_stats(server)["pending_work"] == 0, 60, "puts to come back")
                 if storage_stats(server)["tier"]["errors"].get("full", 0):
                     break
             tier = storage_stats(server)["tier"]
