@@ -31,6 +31,8 @@ CI size: 200 examples of at least 50 steps.  ``FDKV_SOAK=1`` runs a long soak.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -625,10 +627,7 @@ def _scripted_failed_load(machine: CacheMachine) -> None:
     """A fixed trace: cache a prompt, push it to host, load it back with the load failing."""
     machine.setup(policy="write_back", num_dev=4, num_host=8, threshold=1, cache_output=False)
 
-    def checked(fn, *args):
-        fn(*args)
-        machine.bookkeeping()
-        machine.shadow_oracle()
+    checked = partial(run_checked, machine)
 
     checked(machine.new_requests, 0, [[1, 2, 3, 0, 1]])  # 13 tokens: 3 full blocks
     checked(machine.run_step, 1, True, True, [], True)
@@ -639,6 +638,13 @@ def _scripted_failed_load(machine: CacheMachine) -> None:
     checked(machine.revisit, [0])
     checked(machine.run_step, 1, True, False, [], True)  # the load fails and is reported
     checked(machine.run_step, 0, True, True, [], True)  # recompute
+
+
+def run_checked(machine: "CacheMachine", fn, *args) -> None:
+    """One scripted action, then the machine's bookkeeping and shadow-memory checks."""
+    fn(*args)
+    machine.bookkeeping()
+    machine.shadow_oracle()
 
 
 def test_scripted_failed_load_passes():
@@ -653,10 +659,7 @@ def test_scripted_shared_load_fails_for_every_reader():
     fails, and both recompute (each into a block of its own) before anything is cached."""
     machine = CacheMachine()
 
-    def checked(fn, *args):
-        fn(*args)
-        machine.bookkeeping()
-        machine.shadow_oracle()
+    checked = partial(run_checked, machine)
 
     machine.setup(policy="write_back", num_dev=8, num_host=8, threshold=1, cache_output=False)
     checked(machine.new_requests, 0, [[1, 2, 3, 0, 1]])  # 13 tokens: 3 full blocks
@@ -683,10 +686,7 @@ def test_scripted_issuer_leaving_hands_its_shared_load_over():
     (one copy, not zero and not two) and reads the right bytes (the shadow oracle)."""
     machine = CacheMachine()
 
-    def checked(fn, *args):
-        fn(*args)
-        machine.bookkeeping()
-        machine.shadow_oracle()
+    checked = partial(run_checked, machine)
 
     machine.setup(policy="write_back", num_dev=8, num_host=8, threshold=1, cache_output=False)
     checked(machine.new_requests, 0, [[1, 2, 3, 0, 1]])
