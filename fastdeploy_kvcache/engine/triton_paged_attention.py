@@ -152,6 +152,62 @@ def _combine_kernel(
              mask=d < HEAD_DIM)
 
 
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, out_ptr,
+    context_len, num_new, scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_kn, stride_kh, stride_kt, stride_kd,
+    stride_vn, stride_vh, stride_vt, stride_vd,
+    stride_tw,
+    stride_ot, stride_oh, stride_od,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUPS
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    m_ok = m < num_new
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + m[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+    # The tile's last query sits at context_len + its last row: no key past it is read (slots
+    # past the chunk's end may hold anything, NaN included).
+    last_pos = context_len + tl.minimum(tile * BLOCK_M + BLOCK_M, num_new) - 1
+    num_blocks = last_pos // BLOCK_SIZE + 1
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for j in range(0, num_blocks):
+        block = tl.load(table_ptr + j * stride_tw)
+        pos = j * BLOCK_SIZE + n
+        load_ok = (n < BLOCK_SIZE) & (pos <= last_pos)
+        kv_mask = load_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + block * stride_kn + kv_head * stride_kh + n[:, None] * stride_kt + d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + block * stride_vn + kv_head * stride_vh + n[:, None] * stride_vt + d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), DOT)
+        # Lower-right causal: row i (position context_len + i) sees keys up to its own position.
+        see = load_ok[None, :] & (pos[None, :] <= context_len + m[:, None])
+        s = tl.where(see, s * scale, float("-inf"))
+        # Block 0 holds position 0, seen by every row: m_i is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + m[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     import torch
@@ -260,4 +316,44 @@ def paged_decode_attention(
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
         )
+    return out
+
+
+# A chunk up to this many tokens after cached context goes through :func:`paged_prefill_attention`;
+# a longer one is compute-bound, and the runner leaves it to SDPA's flash kernel over gathered blocks.
+PAGED_PREFILL_MAX_TOKENS = 128
+
+
+def paged_prefill_attention(query: Any, k_cache: Any, v_cache: Any, table: Any, context_len: int, out: Any,
+                            scale: float) -> Any:
+    """Causal attention of a chunk of ``n`` new tokens after ``context_len`` cached ones, over
+    its blocks read in place; writes and returns ``out``.
+
+    * ``query``: ``[n, H, D]`` (any strides); query row ``i`` is position ``context_len + i``
+      and sees positions ``0 .. context_len + i`` (a lower-right causal mask);
+    * ``k_cache``, ``v_cache``: ``[num_blocks, kv_heads, block_size, D]``, the chunk's own K/V
+      already in their slots;
+    * ``table``: int ``[nb]``, the sequence's blocks covering ``context_len + n`` positions;
+    * ``out``: ``[n, H, D]`` in the query's dtype (any strides).
+    """
+    import torch
+
+    num_new, num_heads, head_dim = query.shape
+    _, kv_heads, block_size, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % kv_heads or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_prefill_attention: query {tuple(query.shape)} does not fit caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if tuple(out.shape) != tuple(query.shape) or table.shape[0] * block_size < context_len + num_new:
+        raise ValueError(f"paged_prefill_attention: out {tuple(out.shape)} or table of {table.shape[0]} blocks "
+                         f"does not fit {num_new} tokens after {context_len}")
+    if num_new == 0:
+        return out
+    block_m = 16 if num_new <= 16 else 64
+    _prefill_kernel[(triton.cdiv(num_new, block_m), num_heads)](
+        query, k_cache, v_cache, table, out, int(context_len), num_new, float(scale),
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), table.stride(0), *out.stride(),
+        GROUPS=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=max(16, triton.next_power_of_2(block_size)),
+        DOT=2 if query.device.type != "cuda" else 1 if k_cache.dtype == torch.float32 else 0, num_warps=4,
+    )
     return out
