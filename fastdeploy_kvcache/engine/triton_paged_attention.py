@@ -1,18 +1,22 @@
-"""Paged decode attention in Triton: one-token queries over K/V blocks read in place.
+"""Paged attention in Triton: queries over K/V blocks read in place through a block table.
 
-The transformers runner's decode batch (``engine/torch_attention.py``) on CUDA.  Each
-program takes one sequence, one KV head and the query heads that share it (GQA), and walks
-the sequence's block table, loading each block of K and V straight from the cache tensors
-``[num_blocks, kv_heads, block_size, head_dim]``: nothing is gathered or copied, and a
-block costs the same whichever tier it was loaded from.  Scores and the softmax run in
-float32 with a running maximum (online softmax); positions past the sequence's length are
-masked; the result is written in the query's dtype straight into the caller's output rows.
+The transformers runner's attention (``engine/torch_attention.py``) on CUDA, two kernels
+over the cache tensors ``[num_blocks, kv_heads, block_size, head_dim]``: nothing is
+gathered or copied, and a block costs the same whichever tier it was loaded from.  Scores
+and the softmax run in float32 with a running maximum (online softmax); the result is
+written in the query's dtype straight into the caller's output rows.
 
-Occupancy: a batch of B sequences gives ``B * kv_heads`` programs, too few to keep the
-GPU busy for one or two sequences.  The context can then be split over ``num_splits``
-programs per (sequence, KV head) (flash-decoding): each writes its partial output and
-log-sum-exp in float32, and a second small kernel combines them.  With one split (the
-usual case: :func:`choose_num_splits`) the first kernel writes the output itself.
+* :func:`paged_decode_attention`, the decode batch: each program takes one sequence, one
+  KV head and the query heads that share it (GQA), and walks the sequence's block table,
+  masking positions past its length.  It also writes the new token's K and V into their
+  slot first.  A batch of B sequences gives ``B * kv_heads`` programs, too few to keep the
+  GPU busy for one or two sequences: the context can then be split over ``num_splits``
+  programs per (sequence, KV head) (flash-decoding), each writing its partial output and
+  log-sum-exp in float32 for a second small kernel to combine.  With one split (the usual
+  case: :func:`choose_num_splits`) the first kernel writes the output itself.
+* :func:`paged_prefill_attention`, a short chunk after cached context (a prefix hit's new
+  tokens): each program takes 16 or 64 of the chunk's tokens and one query head, with a
+  lower-right causal mask.
 
 Triton compiles these for GPUs only.  With ``TRITON_INTERPRET=1`` in the environment
 before Triton is first imported, the same kernels run on CPU tensors in Triton's
@@ -42,6 +46,28 @@ def _dot(a, b, DOT: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, block, kv_head, n, d, load_ok, see, scale,
+                  stride_kn, stride_kh, stride_kt, stride_kd, stride_vn, stride_vh, stride_vt, stride_vd,
+                  HEAD_DIM: tl.constexpr, DOT: tl.constexpr):
+    """One cache block's step of the online softmax: rows ``q`` against the block's K and V
+    (positions ``n`` of ``block`` loaded where ``load_ok``, scores kept where ``see``)."""
+    kv_mask = load_ok[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + block * stride_kn + kv_head * stride_kh + n[:, None] * stride_kt + d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + block * stride_vn + kv_head * stride_vh + n[:, None] * stride_vt + d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)
+    s = tl.where(see, _dot(q, tl.trans(k), DOT) * scale, float("-inf"))
+    # The callers visit only blocks where every row sees a position, or has seen one in an
+    # earlier block: m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -98,21 +124,11 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for j in range(first, last):
         block = tl.load(table_ptr + seq * stride_tb + j * stride_tw)
+        # Every block visited holds at least one valid position.
         tok_ok = (n < BLOCK_SIZE) & (j * BLOCK_SIZE + n < seq_len)
-        kv_mask = tok_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + block * stride_kn + kv_head * stride_kh + n[:, None] * stride_kt + d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + block * stride_vn + kv_head * stride_vh + n[:, None] * stride_vt + d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), DOT)
-        s = tl.where(tok_ok[None, :], s * scale, float("-inf"))
-        # Every block visited holds at least one valid position, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, block, kv_head, n, d, tok_ok, tok_ok[None, :],
+                                      scale, stride_kn, stride_kh, stride_kt, stride_kd,
+                                      stride_vn, stride_vh, stride_vt, stride_vd, HEAD_DIM, DOT)
 
     o_mask = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
@@ -187,22 +203,12 @@ def _prefill_kernel(
         block = tl.load(table_ptr + j * stride_tw)
         pos = j * BLOCK_SIZE + n
         load_ok = (n < BLOCK_SIZE) & (pos <= last_pos)
-        kv_mask = load_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + block * stride_kn + kv_head * stride_kh + n[:, None] * stride_kt + d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + block * stride_vn + kv_head * stride_vh + n[:, None] * stride_vt + d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), DOT)
-        # Lower-right causal: row i (position context_len + i) sees keys up to its own position.
+        # Lower-right causal: row i (position context_len + i) sees keys up to its own
+        # position.  Block 0 holds position 0, seen by every row.
         see = load_ok[None, :] & (pos[None, :] <= context_len + m[:, None])
-        s = tl.where(see, s * scale, float("-inf"))
-        # Block 0 holds position 0, seen by every row: m_i is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, block, kv_head, n, d, load_ok, see,
+                                      scale, stride_kn, stride_kh, stride_kt, stride_kd,
+                                      stride_vn, stride_vh, stride_vt, stride_vd, HEAD_DIM, DOT)
     o = acc / l_i[:, None]
     tl.store(out_ptr + m[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
