@@ -7,7 +7,7 @@
 * **runner**: the engine's ``TorchModelRunner`` over a paged cache (blocks of
   ``--block-size`` tokens, scattered block ids), with its registered paged attention; its
   decode batch on the Triton paged kernel (the default on CUDA) and, in the same run, on the
-  torch fallback (``decode_attention="torch"``: gather + batched matmuls).
+  torch fallback (``attention="torch"``: gather + batched matmuls).
 
 Figures (median of ``--repeat`` timed runs, CUDA-synchronised, logits read back to the host
 on both sides as an engine must, both through pinned memory):
@@ -15,7 +15,9 @@ on both sides as an engine must, both through pinned memory):
 * prefill of one ``--prefill`` -token prompt: tokens/s of each, and runner / baseline
   (target >= 0.8);
 * decode of ``--batch`` seqs at ``--context`` tokens of context: ms per step of each, and
-  runner / baseline (target <= 1.25); the runner's Triton decode / its torch fallback.
+  runner / baseline (target <= 1.25); the runner's Triton decode / its torch fallback;
+* a ``--hit-chunk`` -token chunk after cached context (a prefix hit): the runner's Triton
+  prefill kernel / its torch fallback (gather + SDPA).
 
     python benchmarks/bench_gpu_runner.py [--prefill 4096] [--batch 32] [--context 2048]
 
@@ -67,6 +69,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--hit-chunk", type=int, default=64, help="tokens of the chunk after cached context")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
@@ -136,12 +139,19 @@ def main() -> int:
     toks = nxt[:, 0].tolist()
     dec = [ScheduledSeq([toks[i]], a.context, perm[i * nb_seq:(i + 1) * nb_seq], True) for i in range(a.batch)]
     res["runner_decode_s"] = timed(lambda: runner.forward(dec, caches, None), a.repeat * 4)
-    fallback = TorchModelRunner(lm, bs, "gpu", decode_attention="torch")
+    fallback = TorchModelRunner(lm, bs, "gpu", attention="torch")
     res["runner_torch_decode_s"] = timed(lambda: fallback.forward(dec, caches, None), a.repeat * 4)
     # The same step's logits from both: the kernel and the fallback compute the same attention.
     with torch.inference_mode():
         la, lb = torch.from_numpy(runner.forward(dec, caches, None)), torch.from_numpy(fallback.forward(dec, caches, None))
     res["decode_logits_rel_diff"] = float((la - lb).norm() / lb.norm())
+    # A short chunk after cached context (a prefix hit's question): the Triton prefill kernel
+    # reads the blocks in place, the fallback gathers them for SDPA.
+    ctx_len = max(1, a.prefill - a.hit_chunk)
+    hit = [ScheduledSeq(ids[:a.hit_chunk], ctx_len, perm[:-(-(ctx_len + a.hit_chunk) // bs)], True)]
+    res["hit_chunk_context"] = ctx_len
+    res["runner_hit_chunk_s"] = timed(lambda: runner.forward(hit, caches, None), a.repeat * 4)
+    res["runner_torch_hit_chunk_s"] = timed(lambda: fallback.forward(hit, caches, None), a.repeat * 4)
 
     # ---- the decode attention alone (one layer's caches): K/V bytes read per second, against a
     # device-to-device copy's bandwidth measured here (bytes read + written per second).
@@ -191,6 +201,10 @@ def main() -> int:
     print(f"runner decode attention: {res['runner_decode_attention']} {res['runner_decode_s'] * 1e3:.2f} ms/step, "
           f"torch fallback {res['runner_torch_decode_s'] * 1e3:.2f} ms/step: ratio {res['decode_triton_vs_torch']:.3f}; "
           f"logits relative difference {res['decode_logits_rel_diff']:.2e}")
+    print(f"{a.hit_chunk}-token chunk after {res['hit_chunk_context']} cached tokens: runner "
+          f"{res['runner_hit_chunk_s'] * 1e3:.2f} ms ({res['runner_decode_attention']}), torch fallback "
+          f"{res['runner_torch_hit_chunk_s'] * 1e3:.2f} ms: ratio "
+          f"{res['runner_hit_chunk_s'] / res['runner_torch_hit_chunk_s']:.3f}")
     if "attn_kernel_s" in res:
         print(f"decode attention alone, one layer, {a.batch} x {a.context + 1} tokens: Triton kernel "
               f"{res['attn_kernel_s'] * 1e6:.1f} us ({res['attn_kernel_GBps']:.0f} GB/s of K/V, "

@@ -4,7 +4,7 @@ Shared by the CPU test (tests/engine_torch) and the GPU test (tests/gpu): the sa
 a prompt through the runner in pieces over a paged cache (a prefill, a chunk after cached
 tokens, then batched one-token decodes of two seqs of different lengths) and whole through
 transformers' sdpa forward; the function returns the largest relative error of the logits.
-``decode_attention`` picks the decode batch's attention (``TorchModelRunner``).
+``attention`` picks the paged attention's kernels (``TorchModelRunner``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 
 def paged_vs_sdpa_error(loaded: Any, prefix: int, chunk: int, decodes: int, block_size: int, seed: int = 0,
-                        decode_attention: str = "auto") -> float:
+                        attention: str = "auto") -> float:
     import torch
 
     from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
@@ -37,7 +37,7 @@ def paged_vs_sdpa_error(loaded: Any, prefix: int, chunk: int, decodes: int, bloc
     finally:
         model.config._attn_implementation = prev
 
-    runner = TorchModelRunner(loaded, block_size, "gpu" if dev.type == "cuda" else "cpu", decode_attention)
+    runner = TorchModelRunner(loaded, block_size, "gpu" if dev.type == "cuda" else "cpu", attention)
     nb = -(-(prefix + chunk + decodes) // block_size) + -(-len(short_ids) // block_size)
     shape = (nb + 3, loaded.num_kv_heads, block_size, loaded.head_dim)
     caches = [[torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev)]

@@ -40,6 +40,15 @@ CASES: dict[str, tuple[int, int, int, int, tuple[int, ...], Any]] = {
 GPU_CASES: dict[str, tuple[int, int, int, int, tuple[int, ...], Any]] = {
     "llama3_bs64_batch32_2k": (32, 8, 128, 64, tuple(1 + (i * 677) % 2100 for i in range(31)) + (2048,), None),
 }
+# Chunks after cached context: name -> (query heads, KV heads, head dim, block size, context, chunk).
+PREFILL_CASES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "gqa4_bs16_ctx37_n11": (8, 2, 64, 16, 37, 11),
+    "gqa1_bs64_ctx64_n1": (4, 4, 128, 64, 64, 1),  # one token, context a whole block
+    "gqa3_bs16_ctx16_n33": (9, 3, 64, 16, 16, 33),  # two row tiles
+    "gqa4_bs8_ctx50_n70": (8, 2, 64, 8, 50, 70),
+    "gqa2_bs24_ctx48_n5": (4, 2, 32, 24, 48, 5),
+    "llama3_bs64_ctx300_n64": (32, 8, 128, 64, 300, 64),
+}
 DTYPES = ("float32", "float16", "bfloat16")
 # Each dtype's bound on the kernel's error (inputs are exact in it; the probabilities and the
 # output round to it, as in a flash kernel).
@@ -143,6 +152,56 @@ def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     return res
 
 
+def prefill_case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
+    """The prefill kernel's errors on ``name``: against float64 (``f64``) and against the
+    gather + SDPA fallback (``torch``); ``outside_changed`` is 1.0 when it wrote outside its
+    rows.  Slots past the chunk's end hold NaN: a kernel that read them would return NaN."""
+    import torch
+
+    from fastdeploy_kvcache.engine.torch_attention import prefill_attention_torch
+    from fastdeploy_kvcache.engine.triton_paged_attention import paged_prefill_attention
+
+    heads, kv_heads, dim, bs, ctx, n = PREFILL_CASES[name]
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(len(name))
+    total = ctx + n
+    nb = -(-total // bs)
+    num_blocks = nb + 3
+    table = torch.randperm(num_blocks, generator=gen)[:nb]
+    k_cache = torch.randn((num_blocks, kv_heads, bs, dim), generator=gen).to(dt)
+    v_cache = torch.randn((num_blocks, kv_heads, bs, dim), generator=gen).to(dt)
+    last, at = int(table[-1]), (total - 1) % bs + 1
+    k_cache[last, :, at:] = float("nan")
+    v_cache[last, :, at:] = float("nan")
+    q = torch.randn((heads, n + 2, dim), generator=gen).to(dt)[:, 1:n + 1].transpose(0, 1)  # [n, H, D], strided
+    scale = dim ** -0.5
+    seq_k = torch.cat([k_cache[int(x)] for x in table], dim=1)[:, :total].double()  # [kvh, total, D]
+    seq_v = torch.cat([v_cache[int(x)] for x in table], dim=1)[:, :total].double()
+    ref = torch.empty((n, heads, dim), dtype=torch.float64)
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        s = (q[:, h].double() @ seq_k[kv].T) * scale  # [n, total]
+        s = s.masked_fill(torch.arange(total)[None, :] > ctx + torch.arange(n)[:, None], float("-inf"))
+        ref[:, h] = torch.softmax(s, dim=1) @ seq_v[kv]
+    norm = float(ref.abs().max())
+    full = torch.full((n + 2, heads, dim), 7.0, dtype=dt, device=device)
+    paged_prefill_attention(q.to(device), k_cache.to(device), v_cache.to(device), table.to(device), ctx,
+                            full[1:n + 1], scale)
+    full = full.cpu()
+    fallback = prefill_attention_torch(q.transpose(0, 1)[None].to(device), k_cache.to(device), v_cache.to(device),
+                                       table.to(device), ctx, scale)[0].transpose(0, 1).cpu()
+    return {"f64": float((full[1:n + 1].double() - ref).abs().max()) / norm,
+            "torch": float((full[1:n + 1].double() - fallback.double()).abs().max()) / norm,
+            "outside_changed": float(bool((full[0] != 7.0).any() or (full[n + 1] != 7.0).any()))}
+
+
+def assert_prefill_ok(r: dict[str, float], dtype: str) -> None:
+    """The assertions on one :func:`prefill_case_errors` result."""
+    assert r["f64"] < TOLERANCE[dtype], r
+    assert r["torch"] < TOLERANCE[dtype], r
+    assert r["outside_changed"] == 0.0, "the kernel wrote outside its output rows"
+
+
 def assert_case_ok(r: dict[str, float], dtype: str) -> None:
     """The assertions on one case's :func:`case_errors` (the CPU and the GPU test share them)."""
     tol = TOLERANCE[dtype]
@@ -164,7 +223,7 @@ def runner_error() -> float:
     from tests.torch_attention_check import paged_vs_sdpa_error
 
     loaded = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cpu"), dtype="float32")
-    return paged_vs_sdpa_error(loaded, prefix=37, chunk=11, decodes=3, block_size=16, decode_attention="triton")
+    return paged_vs_sdpa_error(loaded, prefix=37, chunk=11, decodes=3, block_size=16, attention="triton")
 
 
 def main() -> int:
@@ -172,6 +231,8 @@ def main() -> int:
 
     out: dict[str, Any] = {f"{name}/{dtype}": case_errors(name, dtype, torch.device("cpu"))
                            for name in CASES for dtype in DTYPES}
+    out.update({f"prefill/{name}/{dtype}": prefill_case_errors(name, dtype, torch.device("cpu"))
+                for name in PREFILL_CASES for dtype in DTYPES})
     out["runner"] = runner_error()
     print(json.dumps(out))
     return 0

@@ -26,8 +26,10 @@ Per layer:
      with a float32 softmax over all blocks;
    * a prompt chunk with nothing cached before it attends over its own fresh K and V with
      SDPA (``is_causal``: the flash kernel), without reading the cache at all;
-   * a chunk after cached tokens (a prefix hit, or the next chunk of a long prompt) gathers
-     its blocks and uses SDPA with a lower-right causal bias (flash or memory-efficient).
+   * a chunk after cached tokens (a prefix hit, or the next chunk of a long prompt): a short
+     one (up to ``PAGED_PREFILL_MAX_TOKENS``) on CUDA with Triton through the paged prefill
+     kernel, reading its blocks in place; otherwise (:func:`prefill_attention_torch`) its
+     blocks gathered and SDPA with a lower-right causal bias (flash or memory-efficient).
 
 The cost of a read is the same whichever tier the blocks came from: by the time a layer
 attends, a host hit's blocks are device blocks like any other.
@@ -54,6 +56,9 @@ class PrefillChunk:
     num_new: int
     context_len: int  # tokens already in the cache before this chunk
     table: Any = None  # int64 device tensor of its blocks covering context_len + num_new (context_len > 0)
+    # With context before it: triton_paged_attention.paged_prefill_attention, reading the
+    # blocks in place (a short chunk on CUDA with Triton); None: gather + SDPA.
+    kernel: Optional[Callable[..., Any]] = None
 
 
 @dataclass
@@ -152,6 +157,24 @@ def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask:
     return o.reshape(b, num_heads, head_dim)
 
 
+def prefill_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, context_len: int, scale: float) -> Any:
+    """A chunk of ``n`` tokens after ``context_len`` cached ones: q ``[1, H, n, D]`` -> ``[1, H, n, D]``.
+
+    Its blocks gathered (a copy), then SDPA with a lower-right causal mask (flash or
+    memory-efficient); the fallback of the Triton kernel, and the path of long chunks.
+    """
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    n = q.shape[2]
+    total = context_len + n
+    groups = q.shape[1] // k_cache.shape[1]
+    k = gather_blocks(k_cache, table)[None, :, :total, :].to(q.dtype)
+    v = gather_blocks(v_cache, table)[None, :, :total, :].to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, total), scale=scale,
+                                          enable_gqa=groups > 1)
+
+
 def paged_attention_forward(
     module: Any,
     query: Any,
@@ -165,7 +188,6 @@ def paged_attention_forward(
     """transformers attention interface: q [1, H, T, D], k/v [1, KVH, T, D] -> ([1, T, H, D], None)."""
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention.bias import causal_lower_right
 
     step = current_context()
     layer = int(module.layer_idx)
@@ -214,12 +236,11 @@ def paged_attention_forward(
         if p.context_len == 0:
             k, v = key[:, :, a:a + n, :], value[:, :, a:a + n, :]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=n > 1, scale=scale, enable_gqa=groups > 1)
+        elif p.kernel is not None:
+            p.kernel(q[0].transpose(0, 1), k_cache, v_cache, p.table, p.context_len, out[a:a + n], scale)
+            continue
         else:
-            total = p.context_len + n
-            k = gather_blocks(k_cache, p.table)[None, :, :total, :].to(q.dtype)
-            v = gather_blocks(v_cache, p.table)[None, :, :total, :].to(q.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, total), scale=scale,
-                                               enable_gqa=groups > 1)
+            o = prefill_attention_torch(q, k_cache, v_cache, p.table, p.context_len, scale)
         out[a:a + n] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 

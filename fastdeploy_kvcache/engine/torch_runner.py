@@ -60,27 +60,28 @@ def torch_device(device: str) -> Any:
     return torch.device("cuda", 0) if device == "gpu" else torch.device("cpu")
 
 
-DECODE_ATTENTION = ("auto", "triton", "torch")
+ATTENTION_CHOICES = ("auto", "triton", "torch")
 
 
 def decode_kernel_for(device: Any, choice: str = "auto") -> Optional[Any]:
-    """The decode batch's attention kernel: Triton's paged kernel on CUDA where Triton imports
-    (``auto``), else None (the torch fallback).  ``triton`` insists (ValueError where it cannot
-    run), ``torch`` picks the fallback (benchmarks compare the two)."""
-    if choice not in DECODE_ATTENTION:
-        raise ValueError(f"decode attention {choice!r}: expected one of {', '.join(DECODE_ATTENTION)}")
+    """The paged attention's Triton decode kernel for ``choice`` (the runner's ``attention``):
+    on CUDA where Triton imports (``auto``), else None (the torch fallback).  ``triton``
+    insists (ValueError where it cannot run), ``torch`` picks the fallback (benchmarks
+    compare the two)."""
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"attention {choice!r}: expected one of {', '.join(ATTENTION_CHOICES)}")
     if choice == "torch" or (choice == "auto" and device.type != "cuda"):
         return None
     try:
         from fastdeploy_kvcache.engine.triton_paged_attention import paged_decode_attention
     except ImportError as exc:
         if choice == "triton":
-            raise ValueError(f"decode attention 'triton': Triton does not import ({exc})") from None
-        logger.info("Triton does not import (%s): the decode batch uses the torch attention", exc)
+            raise ValueError(f"attention 'triton': Triton does not import ({exc})") from None
+        logger.info("Triton does not import (%s): the paged attention uses torch ops", exc)
         return None
     if device.type != "cuda" and choice == "triton":
         if not envs.triton_interpreter():
-            raise ValueError("decode attention 'triton' on the CPU runs only in Triton's interpreter "
+            raise ValueError("attention 'triton' on the CPU runs only in Triton's interpreter "
                              "(TRITON_INTERPRET=1 before Triton is imported)")
     return paged_decode_attention
 
@@ -96,8 +97,10 @@ def load_model_for(args: Any, device: str) -> LoadedModel:
 class TorchModelRunner:
     """Runs ``LlamaForCausalLM`` over the paged cache; see the module docstring."""
 
-    def __init__(self, loaded: LoadedModel, block_size: int, device: str, decode_attention: str = "auto") -> None:
-        """``decode_attention``: see :func:`decode_kernel_for`."""
+    def __init__(self, loaded: LoadedModel, block_size: int, device: str, attention: str = "auto") -> None:
+        """``attention``: the paged attention's kernels, ``auto`` / ``triton`` / ``torch``
+        (:func:`decode_kernel_for`); with Triton, the decode batch and short chunks after
+        cached context run Triton kernels that read the blocks in place."""
         import torch
 
         self.torch = torch
@@ -106,7 +109,17 @@ class TorchModelRunner:
         self.block_size = block_size
         self.device = torch_device(device)
         self.on_gpu = self.device.type == "cuda"
-        self.decode_kernel = decode_kernel_for(self.device, decode_attention)
+        self.decode_kernel = decode_kernel_for(self.device, attention)
+        self.prefill_kernel: Optional[Any] = None
+        self.prefill_kernel_max_tokens = 0
+        if self.decode_kernel is not None:
+            from fastdeploy_kvcache.engine.triton_paged_attention import (
+                PAGED_PREFILL_MAX_TOKENS,
+                paged_prefill_attention,
+            )
+
+            self.prefill_kernel = paged_prefill_attention
+            self.prefill_kernel_max_tokens = PAGED_PREFILL_MAX_TOKENS
         self.last_layers_waited = 0
         self.last_gpu_wait_s = 0.0  # host time the last step spent waiting for the device
         self.last_load_wait_gpu_s = 0.0  # device time its compute stream waited for loads
@@ -210,6 +223,8 @@ class TorchModelRunner:
             if tbl is not None:
                 chunk.table = views[k]
                 k += 1
+                if n <= self.prefill_kernel_max_tokens:
+                    chunk.kernel = self.prefill_kernel
             step.prefills.append(chunk)
         return step, views[0][:t], views[1], views[-1], rows
 

@@ -1,18 +1,22 @@
-"""Paged decode attention in Triton: one-token queries over K/V blocks read in place.
+"""Paged attention in Triton: queries over K/V blocks read in place through a block table.
 
-The transformers runner's decode batch (``engine/torch_attention.py``) on CUDA.  Each
-program takes one sequence, one KV head and the query heads that share it (GQA), and walks
-the sequence's block table, loading each block of K and V straight from the cache tensors
-``[num_blocks, kv_heads, block_size, head_dim]``: nothing is gathered or copied, and a
-block costs the same whichever tier it was loaded from.  Scores and the softmax run in
-float32 with a running maximum (online softmax); positions past the sequence's length are
-masked; the result is written in the query's dtype straight into the caller's output rows.
+The transformers runner's attention (``engine/torch_attention.py``) on CUDA, two kernels
+over the cache tensors ``[num_blocks, kv_heads, block_size, head_dim]``: nothing is
+gathered or copied, and a block costs the same whichever tier it was loaded from.  Scores
+and the softmax run in float32 with a running maximum (online softmax); the result is
+written in the query's dtype straight into the caller's output rows.
 
-Occupancy: a batch of B sequences gives ``B * kv_heads`` programs, too few to keep the
-GPU busy for one or two sequences.  The context can then be split over ``num_splits``
-programs per (sequence, KV head) (flash-decoding): each writes its partial output and
-log-sum-exp in float32, and a second small kernel combines them.  With one split (the
-usual case: :func:`choose_num_splits`) the first kernel writes the output itself.
+* :func:`paged_decode_attention`, the decode batch: each program takes one sequence, one
+  KV head and the query heads that share it (GQA), and walks the sequence's block table,
+  masking positions past its length.  It also writes the new token's K and V into their
+  slot first.  A batch of B sequences gives ``B * kv_heads`` programs, too few to keep the
+  GPU busy for one or two sequences: the context can then be split over ``num_splits``
+  programs per (sequence, KV head) (flash-decoding), each writing its partial output and
+  log-sum-exp in float32 for a second small kernel to combine.  With one split (the usual
+  case: :func:`choose_num_splits`) the first kernel writes the output itself.
+* :func:`paged_prefill_attention`, a short chunk after cached context (a prefix hit's new
+  tokens): each program takes 16 or 64 of the chunk's tokens and one query head, with a
+  lower-right causal mask.
 
 Triton compiles these for GPUs only.  With ``TRITON_INTERPRET=1`` in the environment
 before Triton is first imported, the same kernels run on CPU tensors in Triton's
@@ -42,6 +46,28 @@ def _dot(a, b, DOT: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, block, kv_head, n, d, load_ok, see, scale,
+                  stride_kn, stride_kh, stride_kt, stride_kd, stride_vn, stride_vh, stride_vt, stride_vd,
+                  HEAD_DIM: tl.constexpr, DOT: tl.constexpr):
+    """One cache block's step of the online softmax: rows ``q`` against the block's K and V
+    (positions ``n`` of ``block`` loaded where ``load_ok``, scores kept where ``see``)."""
+    kv_mask = load_ok[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + block * stride_kn + kv_head * stride_kh + n[:, None] * stride_kt + d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + block * stride_vn + kv_head * stride_vh + n[:, None] * stride_vt + d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)
+    s = tl.where(see, _dot(q, tl.trans(k), DOT) * scale, float("-inf"))
+    # The callers visit only blocks where every row sees a position, or has seen one in an
+    # earlier block: m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -98,21 +124,11 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for j in range(first, last):
         block = tl.load(table_ptr + seq * stride_tb + j * stride_tw)
+        # Every block visited holds at least one valid position.
         tok_ok = (n < BLOCK_SIZE) & (j * BLOCK_SIZE + n < seq_len)
-        kv_mask = tok_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + block * stride_kn + kv_head * stride_kh + n[:, None] * stride_kt + d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + block * stride_vn + kv_head * stride_vh + n[:, None] * stride_vt + d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), DOT)
-        s = tl.where(tok_ok[None, :], s * scale, float("-inf"))
-        # Every block visited holds at least one valid position, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, block, kv_head, n, d, tok_ok, tok_ok[None, :],
+                                      scale, stride_kn, stride_kh, stride_kt, stride_kd,
+                                      stride_vn, stride_vh, stride_vt, stride_vd, HEAD_DIM, DOT)
 
     o_mask = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
@@ -150,6 +166,52 @@ def _combine_kernel(
     o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, out_ptr,
+    context_len, num_new, scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_kn, stride_kh, stride_kt, stride_kd,
+    stride_vn, stride_vh, stride_vt, stride_vd,
+    stride_tw,
+    stride_ot, stride_oh, stride_od,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUPS
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    m_ok = m < num_new
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + m[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+    # The tile's last query sits at context_len + its last row: no key past it is read (slots
+    # past the chunk's end may hold anything, NaN included).
+    last_pos = context_len + tl.minimum(tile * BLOCK_M + BLOCK_M, num_new) - 1
+    num_blocks = last_pos // BLOCK_SIZE + 1
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for j in range(0, num_blocks):
+        block = tl.load(table_ptr + j * stride_tw)
+        pos = j * BLOCK_SIZE + n
+        load_ok = (n < BLOCK_SIZE) & (pos <= last_pos)
+        # Lower-right causal: row i (position context_len + i) sees keys up to its own
+        # position.  Block 0 holds position 0, seen by every row.
+        see = load_ok[None, :] & (pos[None, :] <= context_len + m[:, None])
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, block, kv_head, n, d, load_ok, see,
+                                      scale, stride_kn, stride_kh, stride_kt, stride_kd,
+                                      stride_vn, stride_vh, stride_vt, stride_vd, HEAD_DIM, DOT)
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + m[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -260,4 +322,44 @@ def paged_decode_attention(
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
         )
+    return out
+
+
+# A chunk up to this many tokens after cached context goes through :func:`paged_prefill_attention`;
+# a longer one is compute-bound, and the runner leaves it to SDPA's flash kernel over gathered blocks.
+PAGED_PREFILL_MAX_TOKENS = 128
+
+
+def paged_prefill_attention(query: Any, k_cache: Any, v_cache: Any, table: Any, context_len: int, out: Any,
+                            scale: float) -> Any:
+    """Causal attention of a chunk of ``n`` new tokens after ``context_len`` cached ones, over
+    its blocks read in place; writes and returns ``out``.
+
+    * ``query``: ``[n, H, D]`` (any strides); query row ``i`` is position ``context_len + i``
+      and sees positions ``0 .. context_len + i`` (a lower-right causal mask);
+    * ``k_cache``, ``v_cache``: ``[num_blocks, kv_heads, block_size, D]``, the chunk's own K/V
+      already in their slots;
+    * ``table``: int ``[nb]``, the sequence's blocks covering ``context_len + n`` positions;
+    * ``out``: ``[n, H, D]`` in the query's dtype (any strides).
+    """
+    import torch
+
+    num_new, num_heads, head_dim = query.shape
+    _, kv_heads, block_size, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % kv_heads or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_prefill_attention: query {tuple(query.shape)} does not fit caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if tuple(out.shape) != tuple(query.shape) or table.shape[0] * block_size < context_len + num_new:
+        raise ValueError(f"paged_prefill_attention: out {tuple(out.shape)} or table of {table.shape[0]} blocks "
+                         f"does not fit {num_new} tokens after {context_len}")
+    if num_new == 0:
+        return out
+    block_m = 16 if num_new <= 16 else 64
+    _prefill_kernel[(triton.cdiv(num_new, block_m), num_heads)](
+        query, k_cache, v_cache, table, out, int(context_len), num_new, float(scale),
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), table.stride(0), *out.stride(),
+        GROUPS=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=max(16, triton.next_power_of_2(block_size)),
+        DOT=2 if query.device.type != "cuda" else 1 if k_cache.dtype == torch.float32 else 0, num_warps=4,
+    )
     return out

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.triton_decode_cases import CASES, DTYPES, assert_case_ok
+from tests.triton_decode_cases import CASES, DTYPES, PREFILL_CASES, assert_case_ok, assert_prefill_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 TRITON_REASON = ("needs PyTorch and Triton, for Triton's CPU interpreter (pip install torch triton; Triton comes "
@@ -46,8 +46,16 @@ def test_kernel_matches_float64_and_the_torch_fallback(results: dict[str, Any], 
     assert_case_ok(results[f"{case}/{dtype}"], dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+def test_prefill_kernel_matches_float64_and_gather_sdpa(results: dict[str, Any], case: str, dtype: str) -> None:
+    """A chunk after cached context, its blocks read in place (lower-right causal)."""
+    assert_prefill_ok(results[f"prefill/{case}/{dtype}"], dtype)
+
+
 def test_runner_with_the_kernel_matches_transformers_sdpa(results: dict[str, Any]) -> None:
-    """tiny-llama-random in float32 through the runner, its decode batch on the kernel."""
+    """tiny-llama-random in float32 through the runner, its decode batch and its chunk after
+    cached context on the kernels."""
     assert results["runner"] < 1e-4, results["runner"]
 
 

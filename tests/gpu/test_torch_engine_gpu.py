@@ -24,7 +24,7 @@ import pytest
 
 from tests.reuse_workloads import ReuseChecks
 from tests.torch_engines import TORCH_REASON, engine_factory_for
-from tests.triton_decode_cases import CASES, GPU_CASES
+from tests.triton_decode_cases import CASES, DTYPES, GPU_CASES, PREFILL_CASES
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
 pytest.importorskip("transformers", reason=TORCH_REASON)
@@ -85,21 +85,21 @@ def test_cache_is_device_torch_memory_and_loads_wait_on_the_gpu(engine_factory: 
 # kernel and in the torch fallback alike), and over SmolLM2's 30 layers the logits drift apart
 # by about 2e-2 (measured 0.021 on an H100 with the fallback).  float32 shows the functions are
 # the same: a wrong mask, slot or table is far above 1e-3.
-@pytest.mark.parametrize("decode_attention", ["triton", "torch"])
+@pytest.mark.parametrize("attention", ["triton", "torch"])
 @pytest.mark.parametrize("dtype,tol", [("bfloat16", 3e-2), ("float32", 1e-3)])
 @pytest.mark.parametrize("model,prefix", [(MODEL, 200), ("tiny-llama-random", 70)])
 def test_paged_attention_matches_transformers_sdpa(capi: Any, model: str, prefix: int, dtype: str, tol: float,
-                                                   decode_attention: str) -> None:
+                                                   attention: str) -> None:
     from fastdeploy_kvcache.engine.torch_models import load_torch_model
     from tests.torch_attention_check import paged_vs_sdpa_error
 
     if model == MODEL:
         need_smollm2()
-    if decode_attention == "triton":
+    if attention == "triton":
         need_triton()
     loaded = load_torch_model(model, seed=0, device=torch.device("cuda", 0), dtype=dtype)
     err = paged_vs_sdpa_error(loaded, prefix=prefix, chunk=37, decodes=4, block_size=16,
-                              decode_attention=decode_attention)
+                              attention=attention)
     assert err < tol, err
 
 
@@ -125,6 +125,16 @@ def test_triton_decode_kernel_compiled(capi: Any, case: str, dtype: str) -> None
 
     need_triton()
     assert_case_ok(case_errors(case, dtype, torch.device("cuda", 0)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+def test_triton_prefill_kernel_compiled(capi: Any, case: str, dtype: str) -> None:
+    """The compiled prefill kernel (a chunk after cached context) against float64 and gather + SDPA."""
+    from tests.triton_decode_cases import assert_prefill_ok, prefill_case_errors
+
+    need_triton()
+    assert_prefill_ok(prefill_case_errors(case, dtype, torch.device("cuda", 0)), dtype)
 
 
 def test_logits_come_back_through_pinned_memory_and_stay_the_callers(capi: Any) -> None:
