@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import statistics
@@ -306,7 +307,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="how the host-hit load is issued: launched (one LayerStackCall.launch from the step's "
                         "thread, the worker's way), groups (one LayerStackCall.run from a loader thread) "
                         "and/or per-layer (one Python call per layer from a loader thread)")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=9,
+                   help="rounds; each round times the device hit, every host hit and every load alone once, "
+                        "and each figure is the median over the rounds")
     p.add_argument("--timeline", action="store_true",
                    help="record when each layer's load landed and its compute ended (one extra host hit per row)")
     p.add_argument("--sync-check", action="store_true",
@@ -344,18 +347,46 @@ def main(argv: Optional[list[str]] = None) -> int:
     compute = torch.cuda.current_stream()
     g = torch.Generator(device="cuda").manual_seed(1)
 
+    def once(fn: Any) -> float:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(compute)
+        fn()
+        b.record(compute)
+        b.synchronize()
+        return a.elapsed_time(b)
+
     def timed(fn: Any, reps: int) -> float:
         fn()  # warm-up (cuBLAS handles, kernels, the staging ring)
-        out = []
+        return statistics.median(once(fn) for _ in range(reps))
+
+    def timed_together(fns: dict[str, Any], reps: int) -> dict[str, list[float]]:
+        """Each function once per round, ``reps`` rounds: the device hit and the host hits it
+        is compared with see the same moments of the machine (the host's launch speed drifts
+        by tens of percent over seconds, which per-figure batches of repeats turned into
+        ratios that moved by as much between runs)."""
+        for fn in fns.values():
+            fn()  # warm-up
+        samples: dict[str, list[float]] = {k: [] for k in fns}
         for _ in range(reps):
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(compute)
-            fn()
-            b.record(compute)
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        return statistics.median(out)
+            for k, fn in fns.items():
+                samples[k].append(once(fn))
+        return samples
+
+    def host_hit(blocks: int, path: Any, loader: str, x_new: Any, prefix: int) -> None:
+        events, ready, th = model.start_load(blocks, path, loader)
+
+        def wait(l: int) -> None:
+            ready(l)
+            compute.wait_event(events[l])
+
+        model.forward(x_new, prefix, wait)
+        th.join()
+
+    def load_alone(blocks: int, path: Any, loader: str) -> None:
+        events, _, th = model.start_load(blocks, path, loader)
+        th.join()
+        compute.wait_event(events[-1])
 
     rows = []
     try:
@@ -368,41 +399,30 @@ def main(argv: Optional[list[str]] = None) -> int:
                 x_new = x_all[prefix:].contiguous()
                 t_re = timed(lambda: model.forward(x_all, 0), reps)
                 model.fill_device_prefix(blocks)
-                t_dev = timed(lambda: model.forward(x_new, prefix), reps)
+                fns: dict[str, Any] = {"device": lambda: model.forward(x_new, prefix)}
+                for path, loader in [(pa, lo) for lo in loaders for pa in paths]:
+                    fns[f"host {loader}/{path}"] = functools.partial(host_hit, blocks, path, loader, x_new, prefix)
+                    fns[f"load {loader}/{path}"] = functools.partial(load_alone, blocks, path, loader)
+                samples = timed_together(fns, reps)
+                t_dev = statistics.median(samples["device"])
                 syncs = count_syncs(torch, lambda: model.forward(x_new, prefix)) if args.sync_check else None
                 row: dict[str, Any] = {"prefix": prefix, "new": new, "kv_bytes": kv_bytes, "recompute_ms": t_re,
-                                       "device_hit_ms": t_dev, "h2d_limit_GBps": limit,
+                                       "device_hit_ms": t_dev, "device_hit_samples_ms": samples["device"], "h2d_limit_GBps": limit,
                                        "pcie_floor_ms": kv_bytes / limit / 1e6, "host_hit": {},
                                        "device_hit_syncs": syncs}
                 floor = max(t_dev, row["pcie_floor_ms"])
                 row["floor_ms"] = floor
                 for path, loader in [(pa, lo) for lo in loaders for pa in paths]:
                     key = f"{loader}/{path}"
-
-                    def host_hit() -> None:
-                        events, ready, th = model.start_load(blocks, path, loader)
-
-                        def wait(l: int) -> None:
-                            ready(l)
-                            compute.wait_event(events[l])
-
-                        model.forward(x_new, prefix, wait)
-                        th.join()
-
-                    t_host = timed(host_hit, reps)
-
-                    def load_alone() -> None:
-                        events, _, th = model.start_load(blocks, path, loader)
-                        th.join()
-                        compute.wait_event(events[-1])
-
-                    t_load = timed(load_alone, reps)
+                    t_host = statistics.median(samples[f"host {key}"])
+                    t_load = statistics.median(samples[f"load {key}"])
                     timeline = None
                     if args.timeline:
                         timeline = layer_timeline(torch, model, compute, x_new, prefix, blocks, path, loader)
                     used = sorted(set(model.used_paths))
                     model.used_paths.clear()
-                    row["host_hit"][key] = {"ms": t_host, "load_alone_ms": t_load, "timeline": timeline, "ratio_to_floor": t_host / floor,
+                    row["host_hit"][key] = {"ms": t_host, "load_alone_ms": t_load,
+                                             "samples_ms": samples[f"host {key}"], "timeline": timeline, "ratio_to_floor": t_host / floor,
                                              "ratio_to_recompute": t_host / t_re, "paths_used": used}
                     print(f"prefix {prefix:>6} new {new:>5}: recompute {t_re:8.2f} ms  device hit {t_dev:7.2f} ms  "
                           f"PCIe floor {row['pcie_floor_ms']:6.2f} ms  syncs {syncs}  host hit [{key}] {t_host:7.2f} ms  "
