@@ -1,0 +1,103 @@
+"""The CUDA-graph decode path's static buffers and padding, without a GPU.
+
+``TorchModelRunner.enable_decode_graphs(..., capture=False)`` runs the same path as a replay
+(inputs copied into the static buffers, rows padded to a captured batch size with length 0,
+the sampled rows read back) with an eager forward pass instead of the graph.  This runs
+tiny-llama-random in float32 through it and through the ordinary eager path, each over its
+own copy of one cache, and returns what the CPU test (tests/engine_torch/test_decode_graphs.py)
+asserts.  The Triton decode kernel runs in Triton's interpreter, chosen before Triton is
+first imported, hence a subprocess:
+
+    TRITON_INTERPRET=1 python -m tests.decode_graph_check   # prints the result as JSON
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+BLOCK = 16
+MAX_NUM_SEQS = 4  # batch sizes 1, 2, 4
+MAX_MODEL_LEN = 256
+PROMPTS = (20, 33, 7)  # prompt lengths of the three seqs
+# Which seqs decode in each step: one (size 1), three (padded to 4), two (size 2), three again.
+DECODE_STEPS = ((0,), (0, 1, 2), (1, 2), (0, 1, 2))
+
+
+def padded_decode_results() -> dict[str, Any]:
+    """``logits_err``: the largest relative error of the graph path's logits against the eager
+    path's; ``tokens_equal``: the greedy tokens of every step agree; ``untouched_changed``:
+    1.0 when a cache block no seq owns changed (block 0, which the padded rows' tables point
+    at, among them); ``replays`` / ``expected_replays``; ``eager_steps_replayed``: replays
+    counted during the prefills and a step mixing a decode with a prompt chunk (must be 0);
+    ``oversize_bucket``: whether a step of more seqs than the largest size found a graph."""
+    import torch
+
+    from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
+    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+
+    loaded = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cpu"), dtype="float32")
+    gen = torch.Generator().manual_seed(3)
+    vocab = min(loaded.vocab_size, loaded.tokenizer.vocab_size)
+    num_blocks = 40
+    shape = (num_blocks, loaded.num_kv_heads, BLOCK, loaded.head_dim)
+    # Random contents everywhere: a write into a block nobody owns shows.
+    base = [[torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)] for _ in range(loaded.num_layers)]
+    caches = {"eager": [[t.clone() for t in layer] for layer in base],
+              "graph": [[t.clone() for t in layer] for layer in base]}
+    runners = {"eager": TorchModelRunner(loaded, BLOCK, "cpu", "triton"),
+               "graph": TorchModelRunner(loaded, BLOCK, "cpu", "triton")}
+    assert runners["graph"].enable_decode_graphs(caches["graph"], MAX_NUM_SEQS, MAX_MODEL_LEN, capture=False)
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 belongs to nobody
+    per_seq = -(-(max(PROMPTS) + len(DECODE_STEPS) + 1) // BLOCK)
+    blocks = [ids[i * per_seq:(i + 1) * per_seq] for i in range(len(PROMPTS))]
+    owned = {b for bl in blocks for b in bl}
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPTS]
+    res: dict[str, Any] = {"logits_err": 0.0, "tokens_equal": True}
+    tokens: dict[str, list[list[int]]] = {}
+    for name, runner in runners.items():
+        out = runner.forward([ScheduledSeq(p, 0, bl, True) for p, bl in zip(prompts, blocks)], caches[name], None)
+        tokens[name] = [list(p) + [int(out[i].argmax())] for i, p in enumerate(prompts)]
+    res["eager_steps_replayed"] = runners["graph"].graph_replays
+    for step in DECODE_STEPS:
+        got = {}
+        for name, runner in runners.items():
+            seqs = [ScheduledSeq(tokens[name][i][-1:], len(tokens[name][i]) - 1, blocks[i], True) for i in step]
+            got[name] = torch.from_numpy(runner.forward(seqs, caches[name], None).copy())
+        err = float((got["graph"] - got["eager"]).norm() / got["eager"].norm())
+        res["logits_err"] = max(res["logits_err"], err)
+        for name in runners:
+            for r, i in enumerate(step):
+                tokens[name][i].append(int(got[name][r].argmax()))
+        res["tokens_equal"] = res["tokens_equal"] and tokens["graph"] == tokens["eager"]
+    res["replays"] = runners["graph"].graph_replays
+    res["expected_replays"] = len(DECODE_STEPS)
+    # A decode beside a prompt chunk: eager, not counted.
+    g = runners["graph"]
+    before = g.graph_replays
+    spare = [b for b in ids if b not in owned][:2]
+    g.forward([ScheduledSeq(tokens["graph"][0][-1:], len(tokens["graph"][0]) - 1, blocks[0], True),
+               ScheduledSeq(prompts[2][:5], 0, spare, True)], caches["graph"], None)
+    res["eager_steps_replayed"] += g.graph_replays - before
+    owned |= set(spare)
+    changed = 0.0
+    for layer, ref in zip(caches["graph"], base):
+        for t, r in zip(layer, ref):
+            for b in range(num_blocks):
+                if b not in owned and not torch.equal(t[b], r[b]):
+                    changed = 1.0
+    res["untouched_changed"] = changed
+    many = [ScheduledSeq([1], 3, blocks[0], True)] * (MAX_NUM_SEQS + 1)
+    res["oversize_bucket"] = g._graph_bucket(many) is not None
+    return res
+
+
+def main() -> int:
+    print(json.dumps(padded_decode_results()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
