@@ -18,54 +18,67 @@ import sys
 from typing import Any
 
 BLOCK = 16
-MAX_NUM_SEQS = 4  # batch sizes 1, 2, 4
 MAX_MODEL_LEN = 256
-PROMPTS = (20, 33, 7)  # prompt lengths of the three seqs
-# Which seqs decode in each step: one (size 1), three (padded to 4), two (size 2), three again.
+# The CPU run: three seqs (prompt lengths), batch sizes 1, 2, 4; which seqs decode in each
+# step: one (size 1), three (padded to 4), two (size 2), three again.
+PROMPTS = (20, 33, 7)
 DECODE_STEPS = ((0,), (0, 1, 2), (1, 2), (0, 1, 2))
+# The GPU run (tests/gpu/test_torch_engine_gpu.py): 32 seqs, steps of 1, 3 and 32.
+GPU_PROMPTS = tuple(5 + (i * 7) % 60 for i in range(32))
+GPU_DECODE_STEPS = ((0,), (0, 1, 2), tuple(range(32)), (0, 1, 2))
 
 
-def padded_decode_results() -> dict[str, Any]:
+def padded_decode_results(device: str = "cpu", dtype: str = "float32", prompts: tuple[int, ...] = PROMPTS,
+                          steps: tuple[tuple[int, ...], ...] = DECODE_STEPS, max_num_seqs: int = 4) -> dict[str, Any]:
     """``logits_err``: the largest relative error of the graph path's logits against the eager
     path's; ``tokens_equal``: the greedy tokens of every step agree; ``untouched_changed``:
     1.0 when a cache block no seq owns changed (block 0, which the padded rows' tables point
     at, among them); ``replays`` / ``expected_replays``; ``eager_steps_replayed``: replays
     counted during the prefills and a step mixing a decode with a prompt chunk (must be 0);
-    ``oversize_bucket``: whether a step of more seqs than the largest size found a graph."""
+    ``oversize_bucket``: whether a step of more seqs than the largest size found a graph.
+
+    ``device`` ``"cpu"``: the static path without capture; ``"gpu"``: captured graphs.
+    """
     import torch
 
     from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
     from fastdeploy_kvcache.engine.torch_models import load_torch_model
     from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
 
-    loaded = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cpu"), dtype="float32")
+    dev = torch.device("cuda", 0) if device == "gpu" else torch.device("cpu")
+    loaded = load_torch_model("tiny-llama-random", seed=0, device=dev, dtype=dtype)
     gen = torch.Generator().manual_seed(3)
     vocab = min(loaded.vocab_size, loaded.tokenizer.vocab_size)
-    num_blocks = 40
+    per_seq = -(-(max(prompts) + len(steps) + 1) // BLOCK)
+    num_blocks = len(prompts) * per_seq + 8
     shape = (num_blocks, loaded.num_kv_heads, BLOCK, loaded.head_dim)
+    dt = getattr(torch, dtype)
     # Random contents everywhere: a write into a block nobody owns shows.
-    base = [[torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)] for _ in range(loaded.num_layers)]
+    base = [[torch.randn(shape, generator=gen).to(dev, dt), torch.randn(shape, generator=gen).to(dev, dt)]
+            for _ in range(loaded.num_layers)]
     caches = {"eager": [[t.clone() for t in layer] for layer in base],
               "graph": [[t.clone() for t in layer] for layer in base]}
-    runners = {"eager": TorchModelRunner(loaded, BLOCK, "cpu", "triton"),
-               "graph": TorchModelRunner(loaded, BLOCK, "cpu", "triton")}
-    assert runners["graph"].enable_decode_graphs(caches["graph"], MAX_NUM_SEQS, MAX_MODEL_LEN, capture=False)
+    attention = "triton" if device == "cpu" else "auto"
+    runners = {"eager": TorchModelRunner(loaded, BLOCK, device, attention),
+               "graph": TorchModelRunner(loaded, BLOCK, device, attention)}
+    # capture: None captures on CUDA; False runs the static path eagerly (the CPU).
+    assert runners["graph"].enable_decode_graphs(caches["graph"], max_num_seqs, MAX_MODEL_LEN,
+                                                 capture=None if device == "gpu" else False)
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 belongs to nobody
-    per_seq = -(-(max(PROMPTS) + len(DECODE_STEPS) + 1) // BLOCK)
-    blocks = [ids[i * per_seq:(i + 1) * per_seq] for i in range(len(PROMPTS))]
+    blocks = [ids[i * per_seq:(i + 1) * per_seq] for i in range(len(prompts))]
     owned = {b for bl in blocks for b in bl}
-    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPTS]
+    prompt_ids = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in prompts]
     res: dict[str, Any] = {"logits_err": 0.0, "tokens_equal": True}
     tokens: dict[str, list[list[int]]] = {}
     for name, runner in runners.items():
-        out = runner.forward([ScheduledSeq(p, 0, bl, True) for p, bl in zip(prompts, blocks)], caches[name], None)
-        tokens[name] = [list(p) + [int(out[i].argmax())] for i, p in enumerate(prompts)]
+        out = runner.forward([ScheduledSeq(p, 0, bl, True) for p, bl in zip(prompt_ids, blocks)], caches[name], None)
+        tokens[name] = [list(p) + [int(out[i].argmax())] for i, p in enumerate(prompt_ids)]
     res["eager_steps_replayed"] = runners["graph"].graph_replays
-    for step in DECODE_STEPS:
+    for step in steps:
         got = {}
         for name, runner in runners.items():
             seqs = [ScheduledSeq(tokens[name][i][-1:], len(tokens[name][i]) - 1, blocks[i], True) for i in step]
-            got[name] = torch.from_numpy(runner.forward(seqs, caches[name], None).copy())
+            got[name] = torch.from_numpy(runner.forward(seqs, caches[name], None).copy()).double()
         err = float((got["graph"] - got["eager"]).norm() / got["eager"].norm())
         res["logits_err"] = max(res["logits_err"], err)
         for name in runners:
@@ -73,23 +86,23 @@ def padded_decode_results() -> dict[str, Any]:
                 tokens[name][i].append(int(got[name][r].argmax()))
         res["tokens_equal"] = res["tokens_equal"] and tokens["graph"] == tokens["eager"]
     res["replays"] = runners["graph"].graph_replays
-    res["expected_replays"] = len(DECODE_STEPS)
+    res["expected_replays"] = len(steps)
     # A decode beside a prompt chunk: eager, not counted.
     g = runners["graph"]
     before = g.graph_replays
     spare = [b for b in ids if b not in owned][:2]
     g.forward([ScheduledSeq(tokens["graph"][0][-1:], len(tokens["graph"][0]) - 1, blocks[0], True),
-               ScheduledSeq(prompts[2][:5], 0, spare, True)], caches["graph"], None)
+               ScheduledSeq(prompt_ids[2][:5], 0, spare, True)], caches["graph"], None)
     res["eager_steps_replayed"] += g.graph_replays - before
     owned |= set(spare)
     changed = 0.0
     for layer, ref in zip(caches["graph"], base):
         for t, r in zip(layer, ref):
             for b in range(num_blocks):
-                if b not in owned and not torch.equal(t[b], r[b]):
+                if b not in owned and not torch.equal(t[b].cpu(), r[b].cpu()):
                     changed = 1.0
     res["untouched_changed"] = changed
-    many = [ScheduledSeq([1], 3, blocks[0], True)] * (MAX_NUM_SEQS + 1)
+    many = [ScheduledSeq([1], 3, blocks[0], True)] * (max_num_seqs + 1)
     res["oversize_bucket"] = g._graph_bucket(many) is not None
     return res
 
