@@ -35,7 +35,8 @@ def padded_decode_results(device: str = "cpu", dtype: str = "float32", prompts: 
     1.0 when a cache block no seq owns changed (block 0, which the padded rows' tables point
     at, among them); ``replays`` / ``expected_replays``; ``eager_steps_replayed``: replays
     counted during the prefills and a step mixing a decode with a prompt chunk (must be 0);
-    ``oversize_bucket``: whether a step of more seqs than the largest size found a graph.
+    ``oversize_bucket``: whether a step of more seqs than the largest size found a graph;
+    ``other_caches_bucket``: whether a step over caches other than the captured ones did.
 
     ``device`` ``"cpu"``: the static path without capture; ``"gpu"``: captured graphs.
     """
@@ -103,7 +104,9 @@ def padded_decode_results(device: str = "cpu", dtype: str = "float32", prompts: 
                     changed = 1.0
     res["untouched_changed"] = changed
     many = [ScheduledSeq([1], 3, blocks[0], True)] * (max_num_seqs + 1)
-    res["oversize_bucket"] = g._graph_bucket(many) is not None
+    res["oversize_bucket"] = g._graph_bucket(many, caches["graph"]) is not None
+    # Other caches than the captured ones: eager (a graph would write into the captured ones).
+    res["other_caches_bucket"] = g._graph_bucket(many[:1], caches["eager"]) is not None
     return res
 
 

@@ -86,6 +86,7 @@ class DecodeGraphs:
         self.capture = capture
         self.width = -(-max_model_len // block_size)  # W_max: blocks of the longest sequence
         self.sizes = graph_batch_sizes(max_num_seqs)
+        self.cache_ptr = int(kv_caches[0][0].data_ptr())  # the graphs hold these caches' addresses
         top = self.sizes[-1]
         # NOTE: allocated before any capture, outside the graph pool: the copies into them
         # happen on the compute stream before each replay.

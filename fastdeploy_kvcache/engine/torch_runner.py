@@ -310,7 +310,7 @@ class TorchModelRunner:
         self.last_gpu_wait_s = 0.0
         self.last_load_wait_gpu_s = 0.0
         self.last_step_replayed = False
-        bucket = self._graph_bucket(seqs)
+        bucket = self._graph_bucket(seqs, kv_caches)
         if bucket is not None:
             return self._forward_graph(bucket, seqs, layer_done)
         with torch.inference_mode():
@@ -333,11 +333,14 @@ class TorchModelRunner:
             return host
 
     # ------------------------------------------------------------------ graph path
-    def _graph_bucket(self, seqs: Sequence[ScheduledSeq]) -> Optional[GraphBucket]:
-        """The graph a step replays: only a decode-only step (every seq one token) that fits
-        a captured batch size and ``max_model_len``'s table; None runs it eagerly."""
+    def _graph_bucket(self, seqs: Sequence[ScheduledSeq], kv_caches: Sequence[Sequence[Any]]) -> Optional[GraphBucket]:
+        """The graph a step replays: only a decode-only step (every seq one token) over the
+        caches the graphs were captured on that fits a captured batch size and
+        ``max_model_len``'s table; None runs it eagerly."""
         graphs = self.decode_graphs
         if graphs is None or not seqs or any(len(s.token_ids) != 1 for s in seqs):
+            return None
+        if int(kv_caches[0][0].data_ptr()) != graphs.cache_ptr:
             return None
         if max(s.context_len for s in seqs) + 1 > graphs.width * self.block_size:
             return None

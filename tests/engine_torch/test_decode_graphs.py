@@ -64,9 +64,10 @@ def test_padded_rows_leave_other_blocks_untouched(padded: dict[str, Any]) -> Non
 
 
 def test_steps_the_graphs_cannot_express_run_eagerly(padded: dict[str, Any]) -> None:
-    """Prefills, a decode beside a prompt chunk, and more seqs than the largest size."""
+    """Prefills, a decode beside a prompt chunk, more seqs than the largest size, and caches
+    other than the captured ones."""
     assert padded["eager_steps_replayed"] == 0, padded
-    assert padded["oversize_bucket"] is False, padded
+    assert padded["oversize_bucket"] is False and padded["other_caches_bucket"] is False, padded
 
 
 def test_engine_on_the_cpu_logs_and_runs_eagerly(engine_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
