@@ -137,9 +137,12 @@ class DecodeGraphs:
                 torch.cuda.current_stream().wait_stream(side)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
+                # The warm-up's stream, for every capture: per-stream library state (BLAS
+                # handles and workspaces) already exists there, and one stream for all
+                # captures lets them share the pool (torch.cuda.graph's notes).
                 # thread_local: the worker's copy threads may call CUDA meanwhile; only this
                 # thread's unsafe calls (a host sync in the forward pass) end the capture.
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                     bucket.logits = self.forward(bucket)
                 bucket.graph = graph
         torch.cuda.synchronize()

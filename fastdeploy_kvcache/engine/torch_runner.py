@@ -333,7 +333,8 @@ class TorchModelRunner:
             return host
 
     # ------------------------------------------------------------------ graph path
-    def _graph_bucket(self, seqs: Sequence[ScheduledSeq], kv_caches: Sequence[Sequence[Any]]) -> Optional[GraphBucket]:
+    def _graph_bucket(self, seqs: Sequence[ScheduledSeq],
+                      kv_caches: Sequence[Sequence[Any]]) -> Optional[GraphBucket]:
         """The graph a step replays: only a decode-only step (every seq one token) over the
         caches the graphs were captured on that fits a captured batch size and
         ``max_model_len``'s table; None runs it eagerly."""
@@ -346,7 +347,8 @@ class TorchModelRunner:
             return None
         return graphs.bucket_for(len(seqs))
 
-    def _forward_graph(self, bucket: GraphBucket, seqs: Sequence[ScheduledSeq], layer_done: Optional[Any]) -> np.ndarray:
+    def _forward_graph(self, bucket: GraphBucket, seqs: Sequence[ScheduledSeq],
+                       layer_done: Optional[Any]) -> np.ndarray:
         """A decode-only step through its graph: the inputs into the static buffers (one
         host-to-device copy, then two device copies), a replay, the sampled rows read back."""
         graphs = self.decode_graphs
@@ -354,7 +356,8 @@ class TorchModelRunner:
         bs, b, n = self.block_size, bucket.size, len(seqs)
         if layer_done is not None:
             # NOTE: a graph cannot wait per layer (the events are new each step), so the compute
-            # stream waits for every layer's load before the replay (on the GPU: no host sync).
+            # stream waits for every layer's load before the replay (a GPU-side wait per layer,
+            # as in the eager path, only all of them up front).
             # A decode-only step rarely loads at all (loads come with a prefix hit's prompt
             # chunk), so the lost overlap of load and compute costs next to nothing.
             for layer in range(len(bucket.step.kv_caches)):
