@@ -110,8 +110,58 @@ def padded_decode_results(device: str = "cpu", dtype: str = "float32", prompts: 
     return res
 
 
+def engine_results() -> dict[str, Any]:
+    """The engine with the static path on (tiny-llama-random, float32, the Triton kernels in
+    the interpreter): tests/reuse_workloads.py's host-hit check under write_back (loads,
+    evictions, device and host hits) against the eager runner's recompute tokens.
+    ``error``: the check's assertion message, or None; ``replays``: steps through the path."""
+    import gc
+    import os
+
+    import torch
+
+    from fastdeploy_kvcache.engine.llm_engine import LLMEngine
+    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+    from tests.engine_args import ENGINE_DEFAULTS, engine_args
+    from tests.reuse_workloads import check_host_hits, recompute_tokens
+
+    loaded = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cpu"), dtype="float32")
+    made: list[Any] = []
+
+    def factory(graphs: bool) -> Any:
+        def make(v1: bool = True, **kwargs: Any) -> Any:
+            os.environ["ENABLE_V1_KVCACHE_MANAGER"] = "1" if v1 else "0"
+            args = engine_args(**{**ENGINE_DEFAULTS, "model": "tiny-llama-random", "model_impl": "transformers",
+                                  "device": "cpu", **kwargs})
+            eng = LLMEngine(args, loaded_model=loaded)
+            eng.runner = TorchModelRunner(loaded, eng.cache_config.block_size, "cpu", "triton")
+            if graphs:
+                assert eng.runner.enable_decode_graphs(eng.pool.layer_caches, args.max_num_seqs, eng.max_model_len,
+                                                       capture=False)
+            eng.start()
+            made.append(eng)
+            return eng
+        return make
+
+    res: dict[str, Any] = {"error": None}
+    try:
+        ref = recompute_tokens(factory(graphs=False))
+        check_host_hits(factory(graphs=True), ref, "write_back")
+    except AssertionError as exc:
+        res["error"] = str(exc)[-2000:] or repr(exc)
+    res["replays"] = sum(e.get_stats()["engine"]["cudagraph_replays"] for e in made)
+    res["eager_engine_replays"] = made[0].get_stats()["engine"]["cudagraph_replays"] if made else -1
+    for eng in made:
+        eng.shutdown()
+    gc.collect()
+    return res
+
+
 def main() -> int:
-    print(json.dumps(padded_decode_results()))
+    out = padded_decode_results()
+    out["engine"] = engine_results()
+    print(json.dumps(out))
     return 0
 
 

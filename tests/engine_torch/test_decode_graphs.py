@@ -2,8 +2,8 @@
 
 Capture needs a GPU (tests/gpu/test_torch_engine_gpu.py); here the same static buffers,
 padding and read-back run with an eager forward pass in place of the replay
-(tests/decode_graph_check.py, in Triton's interpreter), and the engine on a CPU falls back
-to eager steps with a warning.
+(tests/decode_graph_check.py, in Triton's interpreter), also inside the engine, and the
+engine on a CPU falls back to eager steps with a warning.
 """
 
 from __future__ import annotations
@@ -68,6 +68,16 @@ def test_steps_the_graphs_cannot_express_run_eagerly(padded: dict[str, Any]) -> 
     other than the captured ones."""
     assert padded["eager_steps_replayed"] == 0, padded
     assert padded["oversize_bucket"] is False and padded["other_caches_bucket"] is False, padded
+
+
+def test_engine_through_the_static_path_changes_no_token(padded: dict[str, Any]) -> None:
+    """The engine's decode steps through the static path (tiny-llama-random, Triton kernels in
+    the interpreter): the host-hit workload under write_back (device and host hits, loads,
+    evictions) gives the eager runner's recompute tokens, leaks nothing, and its decode steps
+    went through the path."""
+    engine = padded["engine"]
+    assert engine["error"] is None, engine["error"]
+    assert engine["replays"] > 0 and engine["eager_engine_replays"] == 0, engine
 
 
 def test_engine_on_the_cpu_logs_and_runs_eagerly(engine_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
