@@ -16,6 +16,10 @@ on both sides as an engine must, both through pinned memory):
   (target >= 0.8);
 * decode of ``--batch`` seqs at ``--context`` tokens of context: ms per step of each, and
   runner / baseline (target <= 1.25); the runner's Triton decode / its torch fallback;
+* the same decode step replayed from a CUDA graph (``enable_decode_graphs``, as
+  ``--use-cudagraph`` serves it; batch sizes up to ``--batch``, tables of
+  ``--max-model-len``): ms per step, its ratio to the eager runner and to transformers' own,
+  and its logits' difference from the eager runner's;
 * a ``--hit-chunk`` -token chunk after cached context (a prefix hit): the runner's Triton
   prefill kernel / its torch fallback (gather + SDPA).
 
@@ -70,6 +74,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--hit-chunk", type=int, default=64, help="tokens of the chunk after cached context")
+    ap.add_argument("--max-model-len", type=int, default=8192,
+                    help="the CUDA graphs' table width (blocks of this many tokens), as a server's flag")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
@@ -145,6 +151,16 @@ def main() -> int:
     with torch.inference_mode():
         la, lb = torch.from_numpy(runner.forward(dec, caches, None)), torch.from_numpy(fallback.forward(dec, caches, None))
     res["decode_logits_rel_diff"] = float((la - lb).norm() / lb.norm())
+    # The same decode step replayed from a CUDA graph (captured here as the engine does at start).
+    graphed = TorchModelRunner(lm, bs, "gpu")
+    if graphed.enable_decode_graphs(caches, a.batch, max(a.max_model_len, a.context + 1)):
+        res["graph_capture_s"] = graphed.decode_graphs.capture_s
+        res["graph_pool_MiB"] = graphed.decode_graphs.pool_bytes / (1 << 20)
+        res["runner_graph_decode_s"] = timed(lambda: graphed.forward(dec, caches, None), a.repeat * 4)
+        with torch.inference_mode():
+            lg = torch.from_numpy(graphed.forward(dec, caches, None))
+        res["graph_replays"] = graphed.graph_replays
+        res["graph_logits_rel_diff"] = float((lg - la).norm() / la.norm())
     # A short chunk after cached context (a prefix hit's question): the Triton prefill kernel
     # reads the blocks in place, the fallback gathers them for SDPA.
     ctx_len = max(1, a.prefill - a.hit_chunk)
@@ -188,6 +204,9 @@ def main() -> int:
     res["prefill_ratio"] = res["baseline_prefill_s"] / res["runner_prefill_s"]
     res["decode_ratio"] = res["runner_decode_s"] / res["baseline_decode_s"]
     res["decode_triton_vs_torch"] = res["runner_decode_s"] / res["runner_torch_decode_s"]
+    if "runner_graph_decode_s" in res:
+        res["graph_vs_eager"] = res["runner_graph_decode_s"] / res["runner_decode_s"]
+        res["graph_vs_baseline"] = res["runner_graph_decode_s"] / res["baseline_decode_s"]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_gpu_runner.json").write_text(json.dumps(res, indent=1))
@@ -205,6 +224,15 @@ def main() -> int:
           f"{res['runner_hit_chunk_s'] * 1e3:.2f} ms ({res['runner_decode_attention']}), torch fallback "
           f"{res['runner_torch_hit_chunk_s'] * 1e3:.2f} ms: ratio "
           f"{res['runner_hit_chunk_s'] / res['runner_torch_hit_chunk_s']:.3f}")
+    if "runner_graph_decode_s" in res:
+        g = res["runner_graph_decode_s"]
+        print(f"decode {a.batch} seqs at {a.context} replayed from a CUDA graph: {g * 1e3:.2f} ms/step "
+              f"({res['graph_replays']} replays; captured in {res['graph_capture_s']:.1f} s, pool "
+              f"{res['graph_pool_MiB']:.0f} MiB): ratio to the eager runner {res['graph_vs_eager']:.3f}, to "
+              f"transformers' own {res['graph_vs_baseline']:.3f}; logits relative difference from the eager "
+              f"runner {res['graph_logits_rel_diff']:.2e}")
+    else:
+        print("decode from a CUDA graph: not captured (see the warning above); no figure")
     if "attn_kernel_s" in res:
         print(f"decode attention alone, one layer, {a.batch} x {a.context + 1} tokens: Triton kernel "
               f"{res['attn_kernel_s'] * 1e6:.1f} us ({res['attn_kernel_GBps']:.0f} GB/s of K/V, "

@@ -67,6 +67,7 @@ Usage:
     # On a GPU with PyTorch (the transformers runner; docs/gpu_serving.md has the run):
     python benchmarks/bench_serving.py --model-impl transformers --device gpu --model llama3-8b-random \
         --users 32 --rounds 4 --doc-tokens 4096 --concurrency 10 --no-cold-server --fit-check --tag h100
+    # ... and with decode steps replayed from CUDA graphs: add --use-cudagraph
 
 On the GPU the report adds the in-run H2D limit (one contiguous pinned 1 GiB copy), a host
 hit's ratio to its floor ``max(device-hit TTFT, KV bytes / H2D limit)``, round 1 with the
@@ -670,7 +671,12 @@ def cold_server_args(args: argparse.Namespace, prefixes: list[int]) -> tuple[lis
               "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
               "--num-gpu-blocks-override", str(device_blocks), "--swap-space", str(args.swap_space),
               "--write-policy", "write_through", "--uvicorn-log-level", "warning", "--log-level", "warning"]
-    return common, device_blocks
+    return common + runner_flags(args), device_blocks
+
+
+def runner_flags(args: argparse.Namespace) -> list[str]:
+    """The model runner's flags every server of the run gets (``--use-cudagraph``)."""
+    return ["--use-cudagraph"] if args.use_cudagraph else []
 
 
 def usable_backends(requested: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -782,6 +788,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model-impl", default="paddleformers", choices=("paddleformers", "transformers"),
                     help="The servers' model runner (transformers: the GPU path on PyTorch).")
     ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="Where the servers run the model.")
+    ap.add_argument("--use-cudagraph", action="store_true",
+                    help="Servers replay decode-only steps from CUDA graphs (--model-impl transformers on a GPU; "
+                         "the server's flag of the same name).")
     ap.add_argument("--fit-check", action="store_true",
                     help="Also run the workload with a device pool that holds all of it, switch off and on "
                          "(output tokens/s ratio).")
@@ -879,6 +888,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
         ap.error(f"--configs: unknown {bad}; choose from {CONFIGS}")
+    if args.use_cudagraph and args.model_impl != "transformers":
+        ap.error("--use-cudagraph: only with --model-impl transformers")
     requested_backends = [b for b in args.storage_backends.split(",") if b]
     bad = [b for b in requested_backends if b not in STORAGE_BACKENDS]
     if bad:
@@ -905,7 +916,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.concurrency),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens),
               "--num-gpu-blocks-override", str(device_blocks), "--uvicorn-log-level", "warning",
-              "--log-level", "warning"]
+              "--log-level", "warning"] + runner_flags(args)
 
     results: dict[str, ConfigResult] = {}
     probe: dict[str, Any] = {}

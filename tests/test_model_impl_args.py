@@ -36,6 +36,25 @@ def test_bad_values_name_the_field(fields: dict, where: str) -> None:
         EngineArgs(**fields).validate()
 
 
+def test_use_cudagraph_flag_parses_and_defaults_off() -> None:
+    assert _parse(["--model-impl", "transformers"]).use_cudagraph is False
+    assert _parse(["--model-impl", "transformers", "--use-cudagraph"]).use_cudagraph is True
+
+
+@pytest.mark.parametrize("fields,where", [
+    ({"use_cudagraph": True}, "use_cudagraph: only --model-impl transformers"),
+    ({"use_cudagraph": "yes", "model_impl": "transformers"}, "use_cudagraph: must be a bool"),
+])
+def test_use_cudagraph_needs_the_transformers_runner(fields: dict, where: str) -> None:
+    with pytest.raises(ValueError, match=where):
+        EngineArgs(**fields).validate()
+
+
+def test_cli_rejects_use_cudagraph_with_paddleformers() -> None:
+    with pytest.raises(ValueError, match="use_cudagraph: only --model-impl transformers"):
+        _parse(["--use-cudagraph"])
+
+
 def test_cli_rejects_an_unknown_impl() -> None:
     with pytest.raises(SystemExit):
         _parse(["--model-impl", "jax"])

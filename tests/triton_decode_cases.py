@@ -152,6 +152,68 @@ def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     return res
 
 
+# Rows of length 0 (a CUDA graph's padded rows) between real ones: (lengths, block size).
+ZERO_LENGTH_LENS = (0, 17, 0, 33, 0)
+ZERO_LENGTH_BLOCK = 16
+
+
+def zero_length_errors(dtype: str, device: Any) -> dict[str, float]:
+    """Rows of length 0 among real rows, the kernel writing the new tokens' K/V, at each split
+    choice: ``f64`` the real rows' error against float64 (relative), ``zero_rows_not_zero``
+    1.0 when a length-0 row's output is not all zeros (NaN included), ``cache_wrong`` 1.0
+    when the caches after the call differ from the real rows' two slots written (a
+    length-0 row wrote somewhere: its position -1 truncates to slot 0 of its table's block)."""
+    import torch
+
+    from fastdeploy_kvcache.engine.triton_paged_attention import paged_decode_attention
+
+    heads, kv_heads, dim, bs = 8, 2, 64, ZERO_LENGTH_BLOCK
+    lens_t = ZERO_LENGTH_LENS
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(7)
+    b = len(lens_t)
+    width = max(-(-n // bs) for n in lens_t)
+    num_blocks = b * width + 2
+    # Every row's table is real blocks (a padded row's stale table from an earlier step).
+    table = torch.randperm(num_blocks, generator=gen)[: b * width].view(b, width).clone()
+    k_cache = torch.randn((num_blocks, kv_heads, bs, dim), generator=gen).to(dt)
+    v_cache = torch.randn((num_blocks, kv_heads, bs, dim), generator=gen).to(dt)
+    q = torch.randn((b, heads, dim), generator=gen).to(dt)
+    k_new = torch.randn((b, kv_heads, dim), generator=gen).to(dt)
+    v_new = torch.randn((b, kv_heads, dim), generator=gen).to(dt)
+    lens = torch.tensor(lens_t, dtype=torch.int64)
+    real = [i for i, n in enumerate(lens_t) if n > 0]
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for i in real:
+        blk, at = int(table[i, (lens_t[i] - 1) // bs]), (lens_t[i] - 1) % bs
+        want_k[blk, :, at] = k_new[i]
+        want_v[blk, :, at] = v_new[i]
+    scale = dim ** -0.5
+    ref = _reference(q[real], want_k, want_v, table[real], lens[real], scale)
+    norm = float(ref.abs().max())
+    res: dict[str, float] = {}
+    for splits in SPLITS:
+        k_dev, v_dev = k_cache.to(device), v_cache.to(device)
+        out = torch.full((b, heads, dim), 7.0, dtype=dt, device=device)
+        paged_decode_attention(q.to(device), k_dev, v_dev, table.to(device), lens.to(device), out, scale,
+                               num_splits=splits, k_new=k_new.to(device), v_new=v_new.to(device))
+        out = out.cpu()
+        res[f"f64_splits_{splits}"] = float((out[real].double() - ref).abs().max()) / norm
+        zeros = [i for i in range(b) if i not in real]
+        res[f"zero_rows_not_zero_splits_{splits}"] = float(not bool((out[zeros] == 0).all()))
+        res[f"cache_wrong_splits_{splits}"] = float(not (torch.equal(k_dev.cpu(), want_k)
+                                                         and torch.equal(v_dev.cpu(), want_v)))
+    return res
+
+
+def assert_zero_length_ok(r: dict[str, float], dtype: str) -> None:
+    """The assertions on one :func:`zero_length_errors` result."""
+    for s in SPLITS:
+        assert r[f"f64_splits_{s}"] < TOLERANCE[dtype], (s, r)
+        assert r[f"zero_rows_not_zero_splits_{s}"] == 0.0, f"a length-0 row's output is not zeros ({s} splits)"
+        assert r[f"cache_wrong_splits_{s}"] == 0.0, f"a length-0 row wrote into the cache ({s} splits)"
+
+
 def prefill_case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     """The prefill kernel's errors on ``name``: against float64 (``f64``) and against the
     gather + SDPA fallback (``torch``); ``outside_changed`` is 1.0 when it wrote outside its
@@ -233,6 +295,7 @@ def main() -> int:
                            for name in CASES for dtype in DTYPES}
     out.update({f"prefill/{name}/{dtype}": prefill_case_errors(name, dtype, torch.device("cpu"))
                 for name in PREFILL_CASES for dtype in DTYPES})
+    out.update({f"zero_length/{dtype}": zero_length_errors(dtype, torch.device("cpu")) for dtype in DTYPES})
     out["runner"] = runner_error()
     print(json.dumps(out))
     return 0

@@ -75,6 +75,9 @@ class EngineArgs:
     # Model weights and activations on the transformers path ("auto": bfloat16 on a GPU,
     # float32 on a CPU); the paddleformers path picks the same by itself.
     model_dtype: str = "auto"
+    # CUDA graphs of decode-only steps on the transformers runner (engine/decode_graphs.py):
+    # captured at start; without a CUDA device, logged and every step runs eagerly.
+    use_cudagraph: bool = False
     # KV cache events (engine/kv_events_config.KVEventsConfig, --kv-events-config); None: off.
     kv_events_config: Optional[Any] = None
     # In-batch prefix sharing (core/prefix_sharing.py): the most seconds a waiting request is
@@ -117,6 +120,11 @@ class EngineArgs:
         if self.model_dtype != "auto" and self.model_impl != "transformers":
             raise ValueError("model_dtype: only --model-impl transformers takes a model dtype (paddleformers: "
                              "float32 on CPU, bfloat16 on GPU)")
+        if not isinstance(self.use_cudagraph, bool):
+            raise ValueError(f"use_cudagraph: must be a bool, got {self.use_cudagraph!r}")
+        if self.use_cudagraph and self.model_impl != "transformers":
+            raise ValueError("use_cudagraph: only --model-impl transformers captures CUDA graphs "
+                             "(the paddleformers runner runs eagerly)")
         if not isinstance(self.max_prefix_hold_s, (int, float)) or isinstance(self.max_prefix_hold_s, bool) \
                 or not self.max_prefix_hold_s >= 0:
             raise ValueError(f"max_prefix_hold_s: must be a number >= 0, got {self.max_prefix_hold_s!r}")
@@ -196,6 +204,11 @@ def _engine_flags() -> tuple[tuple[str, dict[str, Any]], ...]:
                  "models: smollm2-135m-instruct, tiny-llama-random, llama3-8b-random or a .gguf file).")),
         ("model_dtype", dict(choices=MODEL_DTYPES,
             help="Model dtype for --model-impl transformers: 'auto' is bfloat16 on a GPU, float32 on a CPU.")),
+        ("use_cudagraph", dict(action="store_true",
+            help="--model-impl transformers on a CUDA device: capture each decode-only step size "
+                 "(1, 2, 4, 8, 16, 24, 32, then every 16 up to --max-num-seqs) as a CUDA graph at start and "
+                 "replay it (docs/gpu_serving.md). Steps with a prompt chunk run eagerly; without a CUDA "
+                 "device, or if the capture fails, it logs a warning and every step runs eagerly. Default: off.")),
         ("max_prefix_hold_s", dict(type=float,
             help="In-batch prefix sharing: a waiting request whose next uncached block another running "
                  "request is computing waits for it (then reuses it) for at most this many seconds in total, "

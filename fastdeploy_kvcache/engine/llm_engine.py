@@ -171,6 +171,9 @@ class LLMEngine:
             )
         if args.model_impl == "transformers":
             self.runner: Any = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size, self.device)
+            if args.use_cudagraph:
+                # Once the pool exists (the graphs hold its caches' addresses), before serving.
+                self.runner.enable_decode_graphs(self.pool.layer_caches, args.max_num_seqs, self.max_model_len)
         else:
             self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
         # PD disaggregation (--splitwise-role prefill|decode): engine/pd.py; None when mixed.
@@ -205,7 +208,7 @@ class LLMEngine:
         self._step_count = itertools.count()
         self._counters = {"num_steps": 0, "num_preemptions": 0, "num_failed_load_steps": 0,
                           "prompt_tokens_computed": 0, "output_tokens": 0, "num_finished": 0,
-                          "steps_with_loads": 0, "layer_waits": 0}
+                          "steps_with_loads": 0, "layer_waits": 0, "cudagraph_replays": 0}
         self._stats_snapshot: dict[str, Any] = {}
         self.step_times = StepTimes()
         self.request_timings = RecentTimings()
@@ -533,6 +536,8 @@ class LLMEngine:
         t_forward = time.perf_counter()
         if self.pd is not None:
             self.pd.count_recomputed(scheduled)
+        if getattr(self.runner, "last_step_replayed", False):
+            self._counters["cudagraph_replays"] += 1
         if counter is not None:
             self._counters["steps_with_loads"] += 1
             self._counters["layer_waits"] += self.runner.last_layers_waited

@@ -12,6 +12,11 @@ go to the device in one copy from a reused pinned buffer; the only host sync of 
 reading the sampled rows' logits back at its end, into pinned memory (a step that samples
 nothing has none).
 
+With :meth:`TorchModelRunner.enable_decode_graphs` (``--use-cudagraph``) a step whose seqs
+all decode one token replays a CUDA graph captured at start for the next batch size up
+(``engine/decode_graphs.py``); every other step (any prompt chunk, more seqs than the
+largest graph, a table wider than ``max_model_len``) runs eagerly as before.
+
 Nothing here or in the modules it imports imports Paddle: this path runs where only torch is.
 """
 
@@ -27,6 +32,7 @@ from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.engine.model_loader import LoadedModel
 from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
 from fastdeploy_kvcache.engine.attention import step_context
+from fastdeploy_kvcache.engine.decode_graphs import DecodeGraphs, GraphBucket
 from fastdeploy_kvcache.engine.torch_attention import PrefillChunk, TorchStep, decode_mask, register_paged_attention
 
 logger = logging.getLogger(__name__)
@@ -126,7 +132,54 @@ class TorchModelRunner:
         self._staging: Optional[Any] = None  # pinned int64 buffer of the step's indices
         self._staging_done: Optional[Any] = None  # CUDA event after the last copy out of it
         self._arange: Any = torch.arange(0, device=self.device)
+        self.decode_graphs: Optional[DecodeGraphs] = None  # enable_decode_graphs
+        self.graph_replays = 0  # steps run through decode_graphs (replayed, or padded eagerly without capture)
+        self.last_step_replayed = False
         register_paged_attention(self.model.config)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def enable_decode_graphs(self, kv_caches: Sequence[Sequence[Any]], max_num_seqs: int, max_model_len: int,
+                             capture: Optional[bool] = None) -> bool:
+        """Capture the decode-only step's CUDA graphs over ``kv_caches`` (``engine/decode_graphs.py``);
+        True when later decode-only steps go through them.
+
+        ``capture``: None captures on CUDA and, elsewhere, logs that steps stay eager;
+        ``False`` (the CPU tests) runs the same padded static-buffer path eagerly instead of
+        replaying.  Capture needs the Triton decode kernel (the padded rows' length-0 guard is
+        the kernel's).  A capture that fails (a host sync in the forward pass, an op CUDA
+        cannot capture) is logged once and every step then runs eagerly, for good.
+        """
+        if capture is None:
+            capture = self.on_gpu
+            if not capture:
+                logger.warning("--use-cudagraph: no CUDA device (the model runs on the %s); every step runs eagerly",
+                               self.device.type)
+                return False
+        elif capture and not self.on_gpu:
+            raise ValueError("CUDA graphs need a CUDA device; the runner is on the CPU")
+        if self.decode_kernel is None:
+            logger.warning("--use-cudagraph: the decode attention is not the Triton kernel (Triton missing, or "
+                           "attention 'torch'); every step runs eagerly")
+            return False
+        graphs = DecodeGraphs(self.model, kv_caches, self.block_size, max_num_seqs, max_model_len,
+                              self.decode_kernel, self.device, capture)
+        if capture:
+            try:
+                graphs.capture_all()
+            except Exception as exc:  # noqa: BLE001 - any capture failure means eager, never a crash
+                graphs.release()
+                logger.warning("CUDA graph capture failed (%s: %s); every step runs eagerly",
+                               type(exc).__name__, exc)
+                try:
+                    self.torch.cuda.synchronize()
+                except Exception:  # noqa: BLE001
+                    logger.debug("synchronize after the failed capture raised", exc_info=True)
+                return False
+            logger.info("CUDA graphs: decode steps of %s seqs captured in %.1f s (tables of %d blocks); "
+                        "graph memory pool %.1f MiB", ",".join(map(str, graphs.sizes)), graphs.capture_s,
+                        graphs.width, graphs.pool_bytes / (1 << 20))
+        self.decode_graphs = graphs
+        return True
 
     # ------------------------------------------------------------------ indices
     def _upload(self, host: np.ndarray) -> Any:
@@ -256,6 +309,10 @@ class TorchModelRunner:
         self.last_layers_waited = 0
         self.last_gpu_wait_s = 0.0
         self.last_load_wait_gpu_s = 0.0
+        self.last_step_replayed = False
+        bucket = self._graph_bucket(seqs, kv_caches)
+        if bucket is not None:
+            return self._forward_graph(bucket, seqs, layer_done)
         with torch.inference_mode():
             step, input_ids, position_ids, rows, row_list = self._build(seqs, kv_caches, layer_done)
             with step_context(step):
@@ -273,4 +330,61 @@ class TorchModelRunner:
             self.last_gpu_wait_s = time.perf_counter() - t_launched
             if step.wait_events:
                 self.last_load_wait_gpu_s = sum(a.elapsed_time(b) for a, b in step.wait_events) / 1e3
+            return host
+
+    # ------------------------------------------------------------------ graph path
+    def _graph_bucket(self, seqs: Sequence[ScheduledSeq],
+                      kv_caches: Sequence[Sequence[Any]]) -> Optional[GraphBucket]:
+        """The graph a step replays: only a decode-only step (every seq one token) over the
+        caches the graphs were captured on that fits a captured batch size and
+        ``max_model_len``'s table; None runs it eagerly."""
+        graphs = self.decode_graphs
+        if graphs is None or not seqs or any(len(s.token_ids) != 1 for s in seqs):
+            return None
+        if int(kv_caches[0][0].data_ptr()) != graphs.cache_ptr:
+            return None
+        if max(s.context_len for s in seqs) + 1 > graphs.width * self.block_size:
+            return None
+        return graphs.bucket_for(len(seqs))
+
+    def _forward_graph(self, bucket: GraphBucket, seqs: Sequence[ScheduledSeq],
+                       layer_done: Optional[Any]) -> np.ndarray:
+        """A decode-only step through its graph: the inputs into the static buffers (one
+        host-to-device copy, then two device copies), a replay, the sampled rows read back."""
+        graphs = self.decode_graphs
+        assert graphs is not None
+        bs, b, n = self.block_size, bucket.size, len(seqs)
+        if layer_done is not None:
+            # NOTE: a graph cannot wait per layer (the events are new each step), so the compute
+            # stream waits for every layer's load before the replay (a GPU-side wait per layer,
+            # as in the eager path, only all of them up front).
+            # A decode-only step rarely loads at all (loads come with a prefix hit's prompt
+            # chunk), so the lost overlap of load and compute costs next to nothing.
+            for layer in range(len(bucket.step.kv_caches)):
+                layer_done.wait_for_layer(layer)
+            self.last_layers_waited = len(bucket.step.kv_caches)
+        lens = np.fromiter((s.context_len + 1 for s in seqs), dtype=np.int64, count=n)
+        head = np.zeros((3, b), dtype=np.int64)
+        head[0, :n] = [int(s.token_ids[0]) for s in seqs]
+        head[1, :n] = lens - 1
+        head[2, :n] = lens
+        width = int(-(-lens.max() // bs))
+        table = np.empty((n, width), dtype=np.int64)
+        for r, s in enumerate(seqs):
+            nb = -(-int(lens[r]) // bs)
+            table[r, :nb] = s.block_ids[:nb]
+            table[r, nb:] = s.block_ids[0]
+        rows = [r for r, s in enumerate(seqs) if s.wants_logits]
+        with self.torch.inference_mode():
+            dev = self._upload(np.concatenate([head.ravel(), table.ravel(), np.asarray(rows, dtype=np.int64)]))
+            graphs.load(bucket, dev[:3 * b].view(3, b), dev[3 * b:3 * b + n * width].view(n, width))
+            logits = graphs.run(bucket)
+            self.graph_replays += 1
+            self.last_step_replayed = True
+            if not rows:
+                return np.zeros((0, self.loaded.vocab_size), dtype=np.float32)
+            picked = logits[:n] if len(rows) == n else logits.index_select(0, dev[3 * b + n * width:])
+            t_launched = time.perf_counter()
+            host = self._to_host(picked)  # the step's one host sync
+            self.last_gpu_wait_s = time.perf_counter() - t_launched
             return host

@@ -106,9 +106,11 @@ def _decode_kernel(
         # The new token's K and V go to their slot (position seq_len - 1) first, written by the
         # one program that reads that block (its split), then a barrier so that all of this
         # program's threads see them: the step needs no separate cache write for its decodes.
+        # A row of length 0 (a CUDA graph's padding) writes nothing: its position -1 would
+        # truncate to slot 0 of its block 0 (Triton's // and % round toward zero).
         pos = seq_len - 1
         new_block = pos // BLOCK_SIZE
-        if (new_block >= first) & (new_block < last):
+        if (seq_len > 0) & (new_block >= first) & (new_block < last):
             slot = tl.load(table_ptr + seq * stride_tb + new_block * stride_tw)
             at = pos % BLOCK_SIZE
             k_new = tl.load(k_new_ptr + seq * stride_knb + kv_head * stride_knh + d * stride_knd, mask=d_ok)
@@ -132,7 +134,8 @@ def _decode_kernel(
 
     o_mask = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
-        o = acc / l_i[:, None]
+        # A row of length 0 saw nothing (l_i = 0, acc = 0): zeros, not 0 / 0.
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
@@ -160,10 +163,12 @@ def _combine_kernel(
     s_ok = s < NUM_SPLITS
     row = (seq * NUM_HEADS + head) * NUM_SPLITS + s
     lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)  # finite: split 0 always holds the sequence's first block
+    m = tl.max(lse, 0)  # finite unless the sequence has length 0: split 0 holds its first block
+    m = tl.where(m == float("-inf"), 0.0, m)  # length 0: every weight 0, the output 0
     w = tl.exp(lse - m)
     o = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
-    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    w_sum = tl.sum(w, 0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 
@@ -261,7 +266,8 @@ def paged_decode_attention(
       or bfloat16;
     * ``block_table``: int ``[B, W]``, each row covering its sequence's ``seq_lens[b]``
       positions (entries past them are never read: pad with any block id);
-    * ``seq_lens``: int ``[B]``, each at least 1 (the new token's K/V already in the cache);
+    * ``seq_lens``: int ``[B]``, the new token's K/V included; a row of length 0 (a CUDA
+      graph's padding) reads and writes no cache slot and gets zeros;
     * ``out``: ``[B, H, D]`` in the query's dtype (any strides);
     * ``num_splits``: context splits per sequence (None: :func:`choose_num_splits`);
     * ``workspace``: a dict reused across calls of one step (every layer has the same

@@ -22,7 +22,14 @@ from typing import Any
 
 import pytest
 
-from tests.triton_decode_cases import CASES, DTYPES, PREFILL_CASES, assert_case_ok, assert_prefill_ok
+from tests.triton_decode_cases import (
+    CASES,
+    DTYPES,
+    PREFILL_CASES,
+    assert_case_ok,
+    assert_prefill_ok,
+    assert_zero_length_ok,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TRITON_REASON = ("needs PyTorch and Triton, for Triton's CPU interpreter (pip install torch triton; Triton comes "
@@ -51,6 +58,13 @@ def test_kernel_matches_float64_and_the_torch_fallback(results: dict[str, Any], 
 def test_prefill_kernel_matches_float64_and_gather_sdpa(results: dict[str, Any], case: str, dtype: str) -> None:
     """A chunk after cached context, its blocks read in place (lower-right causal)."""
     assert_prefill_ok(results[f"prefill/{case}/{dtype}"], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_length_zero_rows_read_and_write_nothing(results: dict[str, Any], dtype: str) -> None:
+    """A CUDA graph's padded rows (length 0) among real ones: zeros out, no cache slot written,
+    the real rows unchanged, at every split choice."""
+    assert_zero_length_ok(results[f"zero_length/{dtype}"], dtype)
 
 
 def test_runner_with_the_kernel_matches_transformers_sdpa(results: dict[str, Any]) -> None:
