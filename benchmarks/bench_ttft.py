@@ -23,8 +23,11 @@ Reported, with the limit measured in the same run (one contiguous 1 GiB pinned
   (target <= 1.10);
 * ``host hit / recompute`` (target <= 0.25).
 
+``--launch graphs`` replays each layer from a CUDA graph captured for the row's shape (one
+launch per layer), beside the eager pass (``LayerGraphs`` says why both are measured).
+
     python benchmarks/bench_ttft.py [--prefixes 1k,8k,32k] [--new 1,128,2k] [--paths auto,staged]
-        [--loaders launched,groups,per-layer]
+        [--loaders launched,groups,per-layer] [--launch eager,graphs]
 
 Writes ``bench_ttft.json`` under ``--out``.  Exits 0 with a message without a GPU, torch or
 the CUDA C ABI library.
@@ -127,39 +130,47 @@ class Model:
             return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                                   attn_mask=bias)
 
-    def forward(self, x: Any, prefix: int, wait: Optional[Any] = None, marks: Optional[list[Any]] = None) -> Any:
-        """x [T, 4096]: T new tokens after `prefix` cached tokens (prefix 0: recompute)."""
+    def layer(self, x: Any, l: int, prefix: int, wait: Optional[Any] = None) -> Any:
+        """Layer ``l`` over x [T, 4096], T new tokens after ``prefix`` cached tokens."""
         torch = self.torch
         F = torch.nn.functional
         t = x.shape[0]
         blocks = prefix // BLOCK
+        h = F.rms_norm(x, (HIDDEN,), self.norm)
+        qkv = h @ self.w_qkv
+        q = qkv[:, : Q_HEADS * HEAD_DIM].view(t, Q_HEADS, HEAD_DIM).transpose(0, 1).unsqueeze(0)
+        k_new = qkv[:, Q_HEADS * HEAD_DIM: (Q_HEADS + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
+        v_new = qkv[:, (Q_HEADS + KV_HEADS) * HEAD_DIM:].view(t, KV_HEADS, HEAD_DIM)
+        if blocks:
+            if wait is not None:
+                wait(l)  # this layer's prefix KV has arrived (a wait on the GPU)
+            bt = self.block_table[:blocks]
+            k_pre = self.k[l][bt].view(blocks * BLOCK, KV_HEADS, HEAD_DIM)
+            v_pre = self.v[l][bt].view(blocks * BLOCK, KV_HEADS, HEAD_DIM)
+            k_all = torch.cat([k_pre, k_new]).transpose(0, 1).unsqueeze(0)
+            v_all = torch.cat([v_pre, v_new]).transpose(0, 1).unsqueeze(0)
+        else:
+            k_all = k_new.transpose(0, 1).unsqueeze(0)
+            v_all = v_new.transpose(0, 1).unsqueeze(0)
+        o = self.attention(q, k_all, v_all, t, k_all.shape[2])
+        x = x + o.squeeze(0).transpose(0, 1).reshape(t, Q_HEADS * HEAD_DIM) @ self.w_o
+        h = F.rms_norm(x, (HIDDEN,), self.norm)
+        gu = h @ self.w_gu
+        return x + (F.silu(gu[:, :MLP]) * gu[:, MLP:]) @ self.w_down
+
+    def forward(self, x: Any, prefix: int, wait: Optional[Any] = None, marks: Optional[list[Any]] = None) -> Any:
+        """x [T, 4096]: T new tokens after `prefix` cached tokens (prefix 0: recompute)."""
         for l in range(LAYERS):
-            h = F.rms_norm(x, (HIDDEN,), self.norm)
-            qkv = h @ self.w_qkv
-            q = qkv[:, : Q_HEADS * HEAD_DIM].view(t, Q_HEADS, HEAD_DIM).transpose(0, 1).unsqueeze(0)
-            k_new = qkv[:, Q_HEADS * HEAD_DIM: (Q_HEADS + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
-            v_new = qkv[:, (Q_HEADS + KV_HEADS) * HEAD_DIM:].view(t, KV_HEADS, HEAD_DIM)
-            if blocks:
-                if wait is not None:
-                    wait(l)  # this layer's prefix KV has arrived (a wait on the GPU)
-                bt = self.block_table[:blocks]
-                k_pre = self.k[l][bt].view(blocks * BLOCK, KV_HEADS, HEAD_DIM)
-                v_pre = self.v[l][bt].view(blocks * BLOCK, KV_HEADS, HEAD_DIM)
-                k_all = torch.cat([k_pre, k_new]).transpose(0, 1).unsqueeze(0)
-                v_all = torch.cat([v_pre, v_new]).transpose(0, 1).unsqueeze(0)
-            else:
-                k_all = k_new.transpose(0, 1).unsqueeze(0)
-                v_all = v_new.transpose(0, 1).unsqueeze(0)
-            o = self.attention(q, k_all, v_all, t, k_all.shape[2])
-            x = x + o.squeeze(0).transpose(0, 1).reshape(t, Q_HEADS * HEAD_DIM) @ self.w_o
-            h = F.rms_norm(x, (HIDDEN,), self.norm)
-            gu = h @ self.w_gu
-            x = x + (F.silu(gu[:, :MLP]) * gu[:, MLP:]) @ self.w_down
+            x = self.layer(x, l, prefix, wait)
             if marks is not None:  # --timeline: when layer l's compute ended
-                mark = torch.cuda.Event(enable_timing=True)
+                mark = self.torch.cuda.Event(enable_timing=True)
                 mark.record()
                 marks.append(mark)
         return x[-1:]
+
+    def capture_layers(self, x: Any, prefix: int) -> "LayerGraphs":
+        """Each layer of the forward pass over ``x`` as a CUDA graph (``--launch graphs``)."""
+        return LayerGraphs(self, x, prefix)
 
     # ------------------------------------------------------------------ host hit
     def start_load(self, blocks: int, path: Any, loader: str = "groups", timing: bool = False
@@ -243,6 +254,49 @@ class _LaunchClosed:
         self.used_paths.append(self.progress.state().paths)
 
 
+class LayerGraphs:
+    """The forward pass over one shape, each layer captured as a CUDA graph: a replay is one
+    launch per layer where the eager pass makes about a dozen.
+
+    Why it is measured: while a host-to-device load fills the PCIe link, every kernel launch
+    costs the host more (about 6 us per ``cudaLaunchKernel`` on an idle link, about 16 us
+    during an 8k-token load, measured on an H200), so an eager pass whose launch time is near
+    the load's time becomes bound by its own launches.  Replayed layers take that cost out,
+    which shows how much of a host hit's gap over its floor is launch time.  A host hit still
+    waits for each layer's load between replays, on the GPU.
+    """
+
+    def __init__(self, model: "Model", x: Any, prefix: int) -> None:
+        torch = model.torch
+        self.torch = torch
+        self.static_x = x.clone()
+        self.graphs: list[Any] = []
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS workspaces, kernels)
+            h = self.static_x
+            for l in range(LAYERS):
+                h = model.layer(h, l, prefix)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        h = self.static_x
+        for l in range(LAYERS):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                h = model.layer(h, l, prefix)
+            self.graphs.append(g)
+        self.out = h
+
+    def forward(self, x: Any, wait: Optional[Any] = None) -> Any:
+        self.static_x.copy_(x)
+        for l, g in enumerate(self.graphs):
+            if wait is not None:
+                wait(l)
+            g.replay()
+        return self.out[-1:]
+
+
 def layer_timeline(torch: Any, model: "Model", compute: Any, x: Any, prefix: int, blocks: int, path: Any,
                    loader: str) -> dict[str, list[float]]:
     """One host hit with timing events: when each layer's load landed and when its compute
@@ -310,6 +364,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--reps", type=int, default=9,
                    help="rounds; each round times the device hit, every host hit and every load alone once, "
                         "and each figure is the median over the rounds")
+    p.add_argument("--launch", default="eager,graphs",
+                   help="how the forward pass is launched: eager (kernel by kernel) and/or graphs (each layer "
+                        "replayed from a CUDA graph captured for the row's shape; the floor of each uses the "
+                        "device hit launched the same way)")
     p.add_argument("--timeline", action="store_true",
                    help="record when each layer's load landed and its compute ended (one extra host hit per row)")
     p.add_argument("--sync-check", action="store_true",
@@ -335,6 +393,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     news = [parse_tokens(x) for x in args.new.split(",") if x]
     paths = [x for x in args.paths.split(",") if x]
     loaders = [x for x in args.loaders.split(",") if x]
+    launches = [x for x in args.launch.split(",") if x]
+    if not launches or set(launches) - {"eager", "graphs"}:
+        p.error(f"--launch {args.launch!r}: give eager and/or graphs")
     bad = sorted(set(loaders) - {"launched", "groups", "per-layer"})
     if bad:
         p.error(f"--loaders: {', '.join(bad)} is not a loader (launched, groups, per-layer)")
@@ -373,14 +434,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 samples[k].append(once(fn))
         return samples
 
-    def host_hit(blocks: int, path: Any, loader: str, x_new: Any, prefix: int) -> None:
+    def host_hit(blocks: int, path: Any, loader: str, forward: Any) -> None:
         events, ready, th = model.start_load(blocks, path, loader)
 
         def wait(l: int) -> None:
             ready(l)
             compute.wait_event(events[l])
 
-        model.forward(x_new, prefix, wait)
+        forward(wait=wait)
         th.join()
 
     def load_alone(blocks: int, path: Any, loader: str) -> None:
@@ -399,30 +460,46 @@ def main(argv: Optional[list[str]] = None) -> int:
                 x_new = x_all[prefix:].contiguous()
                 t_re = timed(lambda: model.forward(x_all, 0), reps)
                 model.fill_device_prefix(blocks)
-                fns: dict[str, Any] = {"device": lambda: model.forward(x_new, prefix)}
+                forwards: dict[str, Any] = {"": functools.partial(model.forward, x_new, prefix)}
+                if "graphs" in launches:
+                    try:
+                        forwards["/graphs"] = functools.partial(model.capture_layers(x_new, prefix).forward, x_new)
+                    except RuntimeError as exc:  # a capture the driver refuses: the eager figures stand
+                        print(f"prefix {prefix} new {new}: layers not captured ({exc})", flush=True)
+                if "eager" not in launches:
+                    del forwards[""]
+                fns: dict[str, Any] = {}
+                for mode, fwd in forwards.items():
+                    fns[f"device{mode}"] = fwd
+                    for path, loader in [(pa, lo) for lo in loaders for pa in paths]:
+                        fns[f"host {loader}/{path}{mode}"] = functools.partial(host_hit, blocks, path, loader, fwd)
                 for path, loader in [(pa, lo) for lo in loaders for pa in paths]:
-                    fns[f"host {loader}/{path}"] = functools.partial(host_hit, blocks, path, loader, x_new, prefix)
                     fns[f"load {loader}/{path}"] = functools.partial(load_alone, blocks, path, loader)
                 samples = timed_together(fns, reps)
-                t_dev = statistics.median(samples["device"])
+                first = next(iter(forwards))
+                t_dev = statistics.median(samples[f"device{first}"])
                 syncs = count_syncs(torch, lambda: model.forward(x_new, prefix)) if args.sync_check else None
                 row: dict[str, Any] = {"prefix": prefix, "new": new, "kv_bytes": kv_bytes, "recompute_ms": t_re,
-                                       "device_hit_ms": t_dev, "device_hit_samples_ms": samples["device"], "h2d_limit_GBps": limit,
-                                       "pcie_floor_ms": kv_bytes / limit / 1e6, "host_hit": {},
+                                       "device_hit_ms": t_dev, "device_hit_samples_ms": samples[f"device{first}"],
+                                       "h2d_limit_GBps": limit, "pcie_floor_ms": kv_bytes / limit / 1e6, "host_hit": {},
                                        "device_hit_syncs": syncs}
-                floor = max(t_dev, row["pcie_floor_ms"])
-                row["floor_ms"] = floor
-                for path, loader in [(pa, lo) for lo in loaders for pa in paths]:
-                    key = f"{loader}/{path}"
+                if "/graphs" in forwards:
+                    row["device_hit_graphs_ms"] = statistics.median(samples["device/graphs"])
+                row["floor_ms"] = max(t_dev, row["pcie_floor_ms"])
+                for (path, loader), mode in [((pa, lo), m) for lo in loaders for pa in paths for m in forwards]:
+                    key = f"{loader}/{path}{mode}"
+                    t_dev = statistics.median(samples[f"device{mode}"])
+                    floor = max(t_dev, row["pcie_floor_ms"])
                     t_host = statistics.median(samples[f"host {key}"])
-                    t_load = statistics.median(samples[f"load {key}"])
+                    t_load = statistics.median(samples[f"load {loader}/{path}"])
                     timeline = None
-                    if args.timeline:
+                    if args.timeline and not mode:
                         timeline = layer_timeline(torch, model, compute, x_new, prefix, blocks, path, loader)
                     used = sorted(set(model.used_paths))
                     model.used_paths.clear()
                     row["host_hit"][key] = {"ms": t_host, "load_alone_ms": t_load,
-                                             "samples_ms": samples[f"host {key}"], "timeline": timeline, "ratio_to_floor": t_host / floor,
+                                             "samples_ms": samples[f"host {key}"], "timeline": timeline, "device_hit_ms": t_dev, "floor_ms": floor,
+                                             "ratio_to_floor": t_host / floor,
                                              "ratio_to_recompute": t_host / t_re, "paths_used": used}
                     print(f"prefix {prefix:>6} new {new:>5}: recompute {t_re:8.2f} ms  device hit {t_dev:7.2f} ms  "
                           f"PCIe floor {row['pcie_floor_ms']:6.2f} ms  syncs {syncs}  host hit [{key}] {t_host:7.2f} ms  "
@@ -437,12 +514,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "options": list(args.option),
               "h2d_limit_GBps": limit, "layers": LAYERS, "rows": rows}
     (out / "bench_ttft.json").write_text(json.dumps(report, indent=1))
-    print("| prefix + new | recompute ms | device hit ms | KV / H2D limit ms | host hit ms (loader/path) | host / floor "
+    print("| prefix + new | recompute ms | device hit ms (same launch) | KV / H2D limit ms | host hit ms (loader/path[/graphs]) "
+          "| host / floor "
           "| host / recompute |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         for path, h in r["host_hit"].items():
-            print(f"| {r['prefix']} + {r['new']} | {r['recompute_ms']:.1f} | {r['device_hit_ms']:.1f} | "
+            print(f"| {r['prefix']} + {r['new']} | {r['recompute_ms']:.1f} | {h['device_hit_ms']:.1f} | "
                   f"{r['pcie_floor_ms']:.1f} | {h['ms']:.1f} ({path}) | {h['ratio_to_floor']:.3f} | "
                   f"{h['ratio_to_recompute']:.3f} |")
     return 0
