@@ -73,7 +73,7 @@ from typing import Any, Optional, Sequence, Union
 from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError, StorageHealth, validate_batch
 from fastdeploy_kvcache.storage.buffers import BufferRegistry
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
-from fastdeploy_kvcache.storage.file_read import (FORMAT_VERSION, HEADER, MAGIC, READABLE_VERSIONS, checksum,
+from fastdeploy_kvcache.storage.file_read import (CHECKSUM_PIECE, FORMAT_VERSION, HEADER, MAGIC, READABLE_VERSIONS, checksum,
                                                   hash_group, mem, read_object, views)
 from fastdeploy_kvcache.storage.log_limit import ThrottledLog
 from fastdeploy_kvcache.storage.stats import StorageStats
@@ -98,6 +98,11 @@ _MAX_UNFLUSHED_TOUCHES = 8192
 _CHUNKED_READ_MIN_BYTES = 256 << 10
 _HASH_CHUNK = 512 << 10
 _READ_GROUP_BYTES = 1 << 20
+# The native read that hashes as it reads (``read_files_hashed``): bytes per read (each
+# hashed right after it lands), and bytes per call (its hashing needs no group to stay in
+# the cache, so a group only bounds the time between looks at the GIL).
+_HASHED_READ_STEP = 256 << 10
+_HASHED_GROUP_BYTES = 8 << 20
 
 
 def default_io_threads() -> int:
@@ -157,6 +162,9 @@ class FileBackend(StorageBackend):
         self._closed = False
         self.io_threads = io_threads
         self._native = _native_reader()
+        # Bytes per read of the native read that hashes as it reads; 0 where the library
+        # lacks it (then the older readers below hash).
+        self._hashed_step = _HASHED_READ_STEP if self._native is not None and self._native.has_hashed_read else 0
         self._touched: set[str] = set()  # hits whose file atime is not refreshed yet
         self._touch_flush_queued = False
         self._log = ThrottledLog(logger)
@@ -400,7 +408,7 @@ class FileBackend(StorageBackend):
                 for i, r in zip(idx, part):
                     out[i] = r
             return out
-        group = max(1, _READ_GROUP_BYTES // max(sizes))
+        group = max(1, (_HASHED_GROUP_BYTES if self._reads_hashed() else _READ_GROUP_BYTES) // max(sizes))
         if len(keys) <= group:
             return self._read_and_check(keys, ptrs, sizes)
         out: list[int] = []
@@ -408,12 +416,19 @@ class FileBackend(StorageBackend):
             out += self._read_and_check(keys[lo:lo + group], ptrs[lo:lo + group], sizes[lo:lo + group])
         return out
 
+    def _reads_hashed(self) -> bool:
+        """Whether reads go to the native read that hashes as it reads."""
+        return self._native is not None and self._hashed_step > 0
+
     def _read_and_check(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Read a group of objects (see ``_READ_GROUP_BYTES``), hashing each while it is in
         the CPU cache (see :mod:`.file_read`), then check each one."""
         hsize = HEADER.size
         digests: Sequence[Optional[int]]
-        if self._native is None or min(sizes) >= _CHUNKED_READ_MIN_BYTES:
+        if self._reads_hashed():
+            headers, got, digests = self._native.read_files_hashed(
+                [os.fsencode(self.file_path(k)) for k in keys], ptrs, sizes, hsize, CHECKSUM_PIECE, self._hashed_step)
+        elif self._native is None or min(sizes) >= _CHUNKED_READ_MIN_BYTES:
             headers = bytearray(len(keys) * hsize)
             hview = memoryview(headers)
             read = [read_object(self.file_path(k), hview[i * hsize:(i + 1) * hsize], v, _HASH_CHUNK)
