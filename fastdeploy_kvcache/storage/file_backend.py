@@ -37,17 +37,21 @@ On-disk object (little-endian)::
   block again when it next computes it.  A non-file (a directory, say) at an object's path
   is reported once and its key skipped: a miss for gets and existence checks, a quiet
   ``Status.IO`` for puts, until it is gone.
-* **Reads.**  Objects under 256 KiB: one ``open``, one ``preadv`` (header, payload, and one
+* **Reads.**  Where the C ABI has it (built with xxHash's header, on a CPU with AVX-512),
+  ``read_files_hashed`` reads up to ``_HASHED_GROUP_BYTES`` of objects in one call that
+  holds no GIL, ``_HASHED_READ_STEP`` bytes per ``preadv``, and hashes each step right after
+  it lands, while it is in the CPU cache: the whole checksum costs no Python at all.
+  Elsewhere, objects under 256 KiB: one ``open``, one ``preadv`` (header, payload, and one
   byte past it, which tells a longer file without an ``fstat``) and one ``close`` each, a
-  group of at most 1 MiB of them in one native call (``read_files`` of the CPU C ABI) that
-  holds no GIL; each group is hashed right after its read, while it is still in the CPU
-  cache.  Objects of 256 KiB and more (and every object where the library is not built) are
-  read in Python in 512 KiB pieces, each hashed as it lands (:mod:`.file_read`); the file
-  system calls and the hash release the GIL, so the engine thread and the server's event
-  loop run while a prefetch reads.  Python then checks each header and checksum.  Hashing
-  from the cache costs about a sixth of the page-cache copy on the development VM; a group
-  of 256 KiB objects, hashed after its 1 MiB read, had partly left the cache (0.76 of a
-  plain read in CPU time against 0.79 piecewise; 512 KiB objects 0.75 against 0.81).
+  group of at most 1 MiB of them in one native call (``read_files``) that holds no GIL;
+  each group is hashed right after its read, while it is still in the CPU cache.  Objects
+  of 256 KiB and more (and every object where the library is not built) are read in Python
+  in 512 KiB pieces, each hashed as it lands (:mod:`.file_read`); the file system calls and
+  the hash release the GIL, so the engine thread and the server's event loop run while a
+  prefetch reads.  Python then checks each header and checksum.  Hashing from the cache
+  costs about a sixth of the page-cache copy on the development VM; a group of 256 KiB
+  objects, hashed after its 1 MiB read, had partly left the cache (0.76 of a plain read in
+  CPU time against 0.79 piecewise; 512 KiB objects 0.75 against 0.81).
 * **Threads.**  ``batch_get_into`` / ``batch_put_from`` split one batch into contiguous
   slices of at least ``_MIN_KEYS_PER_THREAD`` keys, one per thread, over at most
   ``io_threads`` threads (file I/O releases the GIL; an NVMe drive wants several requests in
