@@ -55,6 +55,18 @@ namespace fdkv {
 
 namespace {
 
+// One preadv at `offset`, retried on EINTR: bytes read, 0 at the end of the file, or -errno.
+// *asked gets the bytes the iovecs ask for.
+int64_t Preadv(int fd, const struct iovec* iov, int count, off_t offset, size_t* asked) {
+  *asked = 0;
+  for (int k = 0; k < count; ++k) *asked += iov[k].iov_len;
+  for (;;) {
+    const ssize_t r = preadv(fd, iov, count, offset);
+    if (r >= 0) return r;
+    if (errno != EINTR) return -static_cast<int64_t>(errno);
+  }
+}
+
 // preadv until the iovecs are full or the file ends; returns bytes read or -errno.  A read
 // that comes back short once at least `enough` bytes are in is taken as the end of the file:
 // a regular file reads short only there, and asking again would cost every object a second
@@ -64,12 +76,8 @@ int64_t ReadFully(int fd, struct iovec* iov, int count, int64_t enough) {
   off_t offset = 0;
   while (count > 0) {
     size_t asked = 0;
-    for (int k = 0; k < count; ++k) asked += iov[k].iov_len;
-    const ssize_t r = preadv(fd, iov, count, offset);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return -static_cast<int64_t>(errno);
-    }
+    const int64_t r = Preadv(fd, iov, count, offset, &asked);
+    if (r < 0) return r;
     if (r == 0) break;  // end of file
     total += r;
     offset += r;
@@ -133,12 +141,8 @@ int64_t ReadHashedOne(int fd, char* header, int64_t header_bytes, char* dst, int
     if (done < size) iov[count++] = {dst + done, static_cast<size_t>(end - done)};
     if (end == size) iov[count++] = {&past_end, 1};
     size_t asked = 0;
-    for (int k = 0; k < count; ++k) asked += iov[k].iov_len;
-    const ssize_t r = preadv(fd, iov, count, off);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return -static_cast<int64_t>(errno);
-    }
+    const int64_t r = Preadv(fd, iov, count, off, &asked);
+    if (r < 0) return r;
     if (r == 0) break;  // end of file
     off += r;
     done = off - header_bytes < 0 ? 0 : (off - header_bytes > size ? size : off - header_bytes);
