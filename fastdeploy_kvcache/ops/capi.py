@@ -285,7 +285,8 @@ class CApi:
         lands (still in the CPU cache): xxh3-64 over every ``piece_bytes`` of ``dsts[i]``,
         each piece seeded with the previous piece's hash.  Returns ``(headers, got,
         digests)``; ``digests[i]`` is None where the buffer was not filled.  Raises
-        :class:`SwapOpError` where :attr:`has_hashed_read` is False.
+        :class:`SwapOpError` for bad arguments or a library without the function, and
+        RuntimeError where it was built without xxHash (:attr:`has_hashed_read` False).
         """
         n = len(paths)
         if len(dsts) != n or len(sizes) != n:
