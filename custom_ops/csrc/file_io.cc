@@ -195,6 +195,8 @@ void ReadFilesHashed(const char* const* paths, int64_t n, void* const* dsts, con
   if (digests == nullptr) throw InvalidArgument(op, "digests", -1, " is a null pointer");
   if (hashed == nullptr) throw InvalidArgument(op, "hashed", -1, " is a null pointer");
 #if FDKV_HAVE_XXHASH
+  // The hashing code is AVX-512 machine code: refuse, never fault, on a CPU without it.
+  if (!HaveHashedRead()) throw std::runtime_error("read_files_hashed: this CPU lacks AVX-512 (F, BW)");
   XXH3_state_t state;
   for (int64_t i = 0; i < n; ++i) {
     hashed[i] = 0;

@@ -286,7 +286,8 @@ class CApi:
         each piece seeded with the previous piece's hash.  Returns ``(headers, got,
         digests)``; ``digests[i]`` is None where the buffer was not filled.  Raises
         :class:`SwapOpError` for bad arguments or a library without the function, and
-        RuntimeError where it was built without xxHash (:attr:`has_hashed_read` False).
+        RuntimeError where :attr:`has_hashed_read` is False (built without xxHash, or a CPU
+        without AVX-512).
         """
         n = len(paths)
         if len(dsts) != n or len(sizes) != n:
