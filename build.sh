@@ -143,6 +143,8 @@ quiet_when_current() {
 # The compilers and headers the two builds use, from Debian packages when missing.
 ensure_toolchain() {
   command -v "${CXX:-g++}" >/dev/null 2>&1 || apt_install g++
+  # xxHash's header: the C ABI's file read checksums as it reads (without it, Python hashes).
+  [ -f /usr/include/xxhash.h ] || apt_install libxxhash-dev || log "no libxxhash-dev: file storage reads hash in Python"
   # paddle.utils.cpp_extension compiles against Python.h (python3-dev on Debian's python3).
   if [ -x "$PY" ] && ! "$PY" -I -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
     apt_install "python3-dev"

@@ -318,6 +318,17 @@ FDKV_API int fdkv_read_files(const char* const* paths, int64_t n, void* const* d
   return Guard([&] { fdkv::ReadFiles(paths, n, dsts, dst_bytes, headers, header_bytes, got); });
 }
 
+FDKV_API int fdkv_read_files_hashed(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,
+                                    void* headers, int64_t header_bytes, int64_t piece_bytes, int64_t step_bytes,
+                                    int64_t* got, uint64_t* digests, int32_t* hashed) {
+  return Guard([&] {
+    fdkv::ReadFilesHashed(paths, n, dsts, dst_bytes, headers, header_bytes, piece_bytes, step_bytes, got, digests,
+                          hashed);
+  });
+}
+
+FDKV_API int fdkv_has_hashed_read(void) { return fdkv::HaveHashedRead() ? 1 : 0; }
+
 FDKV_API int fdkv_last_path(void) { return fdkv::LastPath(); }
 
 FDKV_API int fdkv_stream_synchronize(void* stream) {

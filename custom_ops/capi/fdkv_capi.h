@@ -137,6 +137,15 @@ FDKV_API int fdkv_get_option(const char* name, int64_t* value);
 // file could not be opened or read).  Holds no lock of the caller's (ctypes drops the GIL).
 FDKV_API int fdkv_read_files(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,
                              void* headers, int64_t header_bytes, int64_t* got);
+// fdkv_read_files that also checksums each payload while reading it, step_bytes at a time:
+// digests[i] = xxh3-64 chained over piece_bytes pieces of dsts[i] (piece k seeded with piece
+// k-1's hash, the first with 0), hashed[i] = 1 where the whole buffer was filled, else 0.
+// Where fdkv_has_hashed_read() == 0 (built without xxHash's header, or a CPU without
+// AVX-512 F and BW) it fails with FDKV_ERR_OTHER.  Neither function is covered by FDKV_ABI_VERSION: look both up by name.
+FDKV_API int fdkv_read_files_hashed(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,
+                                    void* headers, int64_t header_bytes, int64_t piece_bytes, int64_t step_bytes,
+                                    int64_t* got, uint64_t* digests, int32_t* hashed);
+FDKV_API int fdkv_has_hashed_read(void);
 // Bit mask of the paths the calling thread's last swap used: 1 memcpy, 2 kernel, 4 DMA, 8 CPU,
 // 16 staged, 32 (with 4) DMA as 2D rows over tensors at one pitch.
 FDKV_API int fdkv_last_path(void);

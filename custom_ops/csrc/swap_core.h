@@ -320,6 +320,14 @@ void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* ho
 // Nothing is verified here (file_io.cc).
 void ReadFiles(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,
                void* headers, int64_t header_bytes, int64_t* got);
+// ReadFiles that also hashes each payload as it lands, in reads of step_bytes: digests[i] is
+// xxh3-64 chained over piece_bytes pieces of dsts[i] (each seeded with the previous piece's
+// hash), hashed[i] 1 where the whole buffer was filled (else 0 and digests[i] unset).
+// Throws (std::runtime_error) where built without xxHash (HaveHashedRead() false).
+void ReadFilesHashed(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,
+                     void* headers, int64_t header_bytes, int64_t piece_bytes, int64_t step_bytes, int64_t* got,
+                     uint64_t* digests, int32_t* hashed);
+bool HaveHashedRead();
 
 // Pinned host memory: cudaHostAlloc with CUDA, else resident pages from mmap.  Every
 // allocation's size is recorded (HostBytesFrom) so swaps can bound host ids; HostFree

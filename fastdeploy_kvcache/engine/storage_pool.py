@@ -155,8 +155,9 @@ class StorageKVPool(ManagedKVPool):
         """A request was queued: its storage lookup and prefetch start now, within the
         arrival budget (it is still checked again at admission, as without this).
 
-        ``engine_idle``: nothing runs and no other request waits, so the fetch is read on
-        the engine's thread at once (see :meth:`_submit_storage_jobs`).
+        ``engine_idle``: nothing runs and the next step admits this request, so the engine
+        would only wait for its fetch: it is read on the engine's thread at once (see
+        :meth:`_submit_storage_jobs`).
         """
         if self.arrival_prefetch_blocks <= 0 or self.manager.is_running(request.request_id):
             return

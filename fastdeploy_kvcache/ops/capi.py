@@ -270,6 +270,48 @@ class CApi:
         del hbuf  # release the export so the bytearray stays resizable for the caller
         return headers, list(got[:n])
 
+    @property
+    def has_hashed_read(self) -> bool:
+        """Whether :meth:`read_files_hashed` works: the library exports it (sources newer
+        than ABI version 6 need not be: it is looked up by name) and was built with xxHash."""
+        fn = getattr(self.lib, "fdkv_has_hashed_read", None)
+        return fn is not None and hasattr(self.lib, "fdkv_read_files_hashed") and bool(fn())
+
+    def read_files_hashed(self, paths: Sequence[bytes], dsts: Sequence[int], sizes: Sequence[int], header_bytes: int,
+                          piece_bytes: int, step_bytes: int) -> tuple[bytearray, list[int], list[Optional[int]]]:
+        """:meth:`read_files`, and each payload's checksum computed as it is read.
+
+        Reads each payload ``step_bytes`` at a time and hashes each step right after it
+        lands (still in the CPU cache): xxh3-64 over every ``piece_bytes`` of ``dsts[i]``,
+        each piece seeded with the previous piece's hash.  Returns ``(headers, got,
+        digests)``; ``digests[i]`` is None where the buffer was not filled.  Raises
+        :class:`SwapOpError` for bad arguments or a library without the function, and
+        RuntimeError where :attr:`has_hashed_read` is False (built without xxHash, or a CPU
+        without AVX-512).
+        """
+        n = len(paths)
+        if len(dsts) != n or len(sizes) != n:
+            raise SwapOpError(f"read_files_hashed: {n} paths, {len(dsts)} dsts, {len(sizes)} sizes; need equal",
+                              "read_files_hashed", "dsts", None)
+        fn = getattr(self.lib, "fdkv_read_files_hashed", None)
+        if fn is None:
+            raise SwapOpError(f"{self.path} has no fdkv_read_files_hashed; rebuild it: {_BUILD_HINT}",
+                              "read_files_hashed", "", None)
+        fn.restype = ctypes.c_int32
+        c_paths = (ctypes.c_char_p * max(n, 1))(*paths)
+        c_dsts = (ctypes.c_void_p * max(n, 1))(*dsts)
+        c_sizes = (ctypes.c_int64 * max(n, 1))(*sizes)
+        got = (ctypes.c_int64 * max(n, 1))()
+        digests = (ctypes.c_uint64 * max(n, 1))()
+        hashed = (ctypes.c_int32 * max(n, 1))()
+        headers = bytearray(max(n * header_bytes, 1))
+        hbuf = (ctypes.c_char * len(headers)).from_buffer(headers)
+        self.check(fn(c_paths, ctypes.c_int64(n), c_dsts, c_sizes, ctypes.c_void_p(ctypes.addressof(hbuf)),
+                      ctypes.c_int64(header_bytes), ctypes.c_int64(piece_bytes), ctypes.c_int64(step_bytes), got,
+                      digests, hashed))
+        del hbuf  # release the export so the bytearray stays resizable for the caller
+        return headers, list(got[:n]), [d if h else None for d, h in zip(digests[:n], hashed[:n])]
+
     def last_path(self) -> int:
         """Bit mask (PATH_*) of the copy paths the calling thread's last swap used."""
         return int(self.lib.fdkv_last_path())

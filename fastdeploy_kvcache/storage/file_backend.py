@@ -37,17 +37,21 @@ On-disk object (little-endian)::
   block again when it next computes it.  A non-file (a directory, say) at an object's path
   is reported once and its key skipped: a miss for gets and existence checks, a quiet
   ``Status.IO`` for puts, until it is gone.
-* **Reads.**  Objects under 256 KiB: one ``open``, one ``preadv`` (header, payload, and one
+* **Reads.**  Where the C ABI has it (built with xxHash's header, on a CPU with AVX-512),
+  ``read_files_hashed`` reads up to ``_HASHED_GROUP_BYTES`` of objects in one call that
+  holds no GIL, ``_HASHED_READ_STEP`` bytes per ``preadv``, and hashes each step right after
+  it lands, while it is in the CPU cache: the whole checksum costs no Python at all.
+  Elsewhere, objects under 256 KiB: one ``open``, one ``preadv`` (header, payload, and one
   byte past it, which tells a longer file without an ``fstat``) and one ``close`` each, a
-  group of at most 1 MiB of them in one native call (``read_files`` of the CPU C ABI) that
-  holds no GIL; each group is hashed right after its read, while it is still in the CPU
-  cache.  Objects of 256 KiB and more (and every object where the library is not built) are
-  read in Python in 512 KiB pieces, each hashed as it lands (:mod:`.file_read`); the file
-  system calls and the hash release the GIL, so the engine thread and the server's event
-  loop run while a prefetch reads.  Python then checks each header and checksum.  Hashing
-  from the cache costs about a sixth of the page-cache copy on the development VM; a group
-  of 256 KiB objects, hashed after its 1 MiB read, had partly left the cache (0.76 of a
-  plain read in CPU time against 0.79 piecewise; 512 KiB objects 0.75 against 0.81).
+  group of at most 1 MiB of them in one native call (``read_files``) that holds no GIL;
+  each group is hashed right after its read, while it is still in the CPU cache.  Objects
+  of 256 KiB and more (and every object where the library is not built) are read in Python
+  in 512 KiB pieces, each hashed as it lands (:mod:`.file_read`); the file system calls and
+  the hash release the GIL, so the engine thread and the server's event loop run while a
+  prefetch reads.  Python then checks each header and checksum.  Hashing from the cache
+  costs about a sixth of the page-cache copy on the development VM; a group of 256 KiB
+  objects, hashed after its 1 MiB read, had partly left the cache (0.76 of a plain read in
+  CPU time against 0.79 piecewise; 512 KiB objects 0.75 against 0.81).
 * **Threads.**  ``batch_get_into`` / ``batch_put_from`` split one batch into contiguous
   slices of at least ``_MIN_KEYS_PER_THREAD`` keys, one per thread, over at most
   ``io_threads`` threads (file I/O releases the GIL; an NVMe drive wants several requests in
@@ -73,7 +77,7 @@ from typing import Any, Optional, Sequence, Union
 from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError, StorageHealth, validate_batch
 from fastdeploy_kvcache.storage.buffers import BufferRegistry
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
-from fastdeploy_kvcache.storage.file_read import (FORMAT_VERSION, HEADER, MAGIC, READABLE_VERSIONS, checksum,
+from fastdeploy_kvcache.storage.file_read import (CHECKSUM_PIECE, FORMAT_VERSION, HEADER, MAGIC, READABLE_VERSIONS, checksum,
                                                   hash_group, mem, read_object, views)
 from fastdeploy_kvcache.storage.log_limit import ThrottledLog
 from fastdeploy_kvcache.storage.stats import StorageStats
@@ -98,6 +102,11 @@ _MAX_UNFLUSHED_TOUCHES = 8192
 _CHUNKED_READ_MIN_BYTES = 256 << 10
 _HASH_CHUNK = 512 << 10
 _READ_GROUP_BYTES = 1 << 20
+# The native read that hashes as it reads (``read_files_hashed``): bytes per read (each
+# hashed right after it lands), and bytes per call (its hashing needs no group to stay in
+# the cache, so a group only bounds the time between looks at the GIL).
+_HASHED_READ_STEP = 256 << 10
+_HASHED_GROUP_BYTES = 8 << 20
 
 
 def default_io_threads() -> int:
@@ -157,6 +166,9 @@ class FileBackend(StorageBackend):
         self._closed = False
         self.io_threads = io_threads
         self._native = _native_reader()
+        # Bytes per read of the native read that hashes as it reads; 0 where the library
+        # lacks it (then the older readers below hash).
+        self._hashed_step = _HASHED_READ_STEP if self._native is not None and self._native.has_hashed_read else 0
         self._touched: set[str] = set()  # hits whose file atime is not refreshed yet
         self._touch_flush_queued = False
         self._log = ThrottledLog(logger)
@@ -400,7 +412,7 @@ class FileBackend(StorageBackend):
                 for i, r in zip(idx, part):
                     out[i] = r
             return out
-        group = max(1, _READ_GROUP_BYTES // max(sizes))
+        group = max(1, (_HASHED_GROUP_BYTES if self._reads_hashed() else _READ_GROUP_BYTES) // max(sizes))
         if len(keys) <= group:
             return self._read_and_check(keys, ptrs, sizes)
         out: list[int] = []
@@ -408,12 +420,19 @@ class FileBackend(StorageBackend):
             out += self._read_and_check(keys[lo:lo + group], ptrs[lo:lo + group], sizes[lo:lo + group])
         return out
 
+    def _reads_hashed(self) -> bool:
+        """Whether reads go to the native read that hashes as it reads."""
+        return self._native is not None and self._hashed_step > 0
+
     def _read_and_check(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Read a group of objects (see ``_READ_GROUP_BYTES``), hashing each while it is in
         the CPU cache (see :mod:`.file_read`), then check each one."""
         hsize = HEADER.size
         digests: Sequence[Optional[int]]
-        if self._native is None or min(sizes) >= _CHUNKED_READ_MIN_BYTES:
+        if self._reads_hashed():
+            headers, got, digests = self._native.read_files_hashed(
+                [os.fsencode(self.file_path(k)) for k in keys], ptrs, sizes, hsize, CHECKSUM_PIECE, self._hashed_step)
+        elif self._native is None or min(sizes) >= _CHUNKED_READ_MIN_BYTES:
             headers = bytearray(len(keys) * hsize)
             hview = memoryview(headers)
             read = [read_object(self.file_path(k), hview[i * hsize:(i + 1) * hsize], v, _HASH_CHUNK)

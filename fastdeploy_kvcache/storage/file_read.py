@@ -13,7 +13,9 @@ it lands, while it is hot:
 * :func:`hash_group` hashes objects that a batch read (the C ABI's ``read_files``) has just
   put in place, slicing one view of the group's memory instead of building a view per object.
 
-Both return the same ``(got, digest)`` pairs, so one verdict function serves every reader.
+Both return the same ``(got, digest)`` pairs, so one verdict function serves every reader,
+and so does the C ABI's ``read_files_hashed``, which the file backend prefers where built (it
+reads and hashes in C: see the backend's module doc).
 ``got`` counts the file's bytes read (header, payload and at most one byte past it: a longer
 file shows up without an ``fstat``) or is ``-errno``; ``digest`` is the :func:`checksum` of
 the first ``min(claimed, buffer)`` payload bytes, or None where the file ended before them or

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pytest
+
+if TYPE_CHECKING:
+    from fastdeploy_kvcache.storage.file_backend import FileBackend
 
 
 class HostArena:
@@ -30,3 +35,24 @@ class HostArena:
 @pytest.fixture
 def arena() -> HostArena:
     return HostArena(16, 64 << 10)
+
+
+# The file backend's readers: the C ABI's read that hashes as it reads (the default where
+# built), its plain batch read hashed afterwards in Python, and Python's own reads.
+READERS = ["hashed", "native", "python"]
+
+
+def use_reader(backend: "FileBackend", reader: str) -> None:
+    """Make ``backend`` read with ``reader`` (one of READERS); a reader that is not built fails
+    the test, saying what builds it, or skips where the CPU cannot run it."""
+    if reader == "python":
+        backend._native = None
+        return
+    assert backend._native is not None, "the C ABI (build/libfdkv_capi_cpu.so) is not built: bash build.sh"
+    if reader == "native":
+        backend._hashed_step = 0
+    elif not backend._reads_hashed():
+        if backend._native.has_hashed_read:
+            raise AssertionError("the backend does not use the hashed read its library has")
+        pytest.skip("the hashed read needs the C ABI built with xxHash's header (libxxhash-dev, which "
+                    "bash build.sh installs) and a CPU with AVX-512 F and BW")

@@ -18,7 +18,7 @@ from fastdeploy_kvcache.storage import file_backend
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
 from fastdeploy_kvcache.storage.file_backend import HEADER, FileBackend
 
-from .conftest import HostArena
+from .conftest import READERS, HostArena, use_reader
 
 NS = "fdkv1-test-0123456789abcdef-tp0of1"
 
@@ -97,12 +97,11 @@ def test_object_larger_than_the_buffer_is_deleted_so_a_put_rewrites_it(tmp_path:
     backend.close()
 
 
-@pytest.mark.parametrize("reader", ["native", "python"])
+@pytest.mark.parametrize("reader", READERS)
 def test_directory_at_an_object_path_is_reported_once_and_skipped(
         tmp_path: Path, arena: HostArena, reader: str, caplog: pytest.LogCaptureFixture) -> None:
     backend = make(tmp_path, arena)
-    if reader == "python":
-        backend._native = None
+    use_reader(backend, reader)
     arena.fill(0, seed=5)
     arena.fill(1, seed=6)
     squat = tmp_path / (key(0).replace(":", "=") + ".kv")
@@ -208,21 +207,23 @@ def test_seeding_from_existing_directory_and_restart(tmp_path: Path, arena: Host
     third.close()
 
 
-@pytest.mark.parametrize("reader", ["native", "python", "chunked"])
+@pytest.mark.parametrize("reader", READERS + ["chunked"])
 @pytest.mark.parametrize("damage", ["flip_payload", "truncate", "bad_magic", "appended", "header_only",
                                     "claims_larger_payload"])
 def test_corrupt_object_is_a_miss_deleted_and_counted(tmp_path: Path, arena: HostArena, damage: str, reader: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every reader (the C ABI's batch read, the Python one used where it is not built, and
-    the chunked read-and-hash of large objects) gives the same verdicts."""
+    """Every reader (the C ABI's read that hashes as it reads, its plain batch read, the
+    Python one used where it is not built, and the chunked read-and-hash of large objects)
+    gives the same verdicts."""
+    if reader == "hashed":  # steps that do not divide the 512 KiB piece or the 64 KiB object
+        monkeypatch.setattr(file_backend, "_HASHED_READ_STEP", 3000)
     backend = make(tmp_path, arena)
-    if reader == "python":
-        backend._native = None
-    elif reader == "chunked":  # as for objects of 1 MiB and more: these are 64 KiB, in 4 KiB chunks
+    if reader == "chunked":  # as for objects of 1 MiB and more: these are 64 KiB, in 4 KiB chunks
         monkeypatch.setattr(file_backend, "_CHUNKED_READ_MIN_BYTES", 1)
         monkeypatch.setattr(file_backend, "_HASH_CHUNK", 4096)
+        use_reader(backend, "python")
     else:
-        assert backend._native is not None, "the C ABI (build/libfdkv_capi_cpu.so) is not built: bash build.sh"
+        use_reader(backend, reader)
     arena.fill(0, seed=3)
     arena.fill(1, seed=4)
     assert put(backend, arena, [0, 1], [0, 1]) == [Status.OK] * 2

@@ -17,7 +17,7 @@ from fastdeploy_kvcache.storage.file_backend import FileBackend
 from fastdeploy_kvcache.storage.file_read import (CHECKSUM_PIECE, FORMAT_VERSION, HEADER, MAGIC, checksum, hash_group,
                                                   mem, read_object)
 
-from .conftest import HostArena
+from .conftest import HostArena, use_reader
 
 NS = "fdkv1-test-0123456789abcdef-tp0of1"
 
@@ -144,13 +144,20 @@ def key(i: int) -> str:
     return f"{NS}:{i:032x}"
 
 
-@pytest.fixture
-def piecewise(tmp_path: Path, arena: HostArena, monkeypatch: pytest.MonkeyPatch) -> FileBackend:
-    """A backend that reads every object piecewise, in pieces that do not divide 64 KiB."""
+@pytest.fixture(params=["piecewise", "hashed"])
+def piecewise(request: pytest.FixtureRequest, tmp_path: Path, arena: HostArena,
+              monkeypatch: pytest.MonkeyPatch) -> FileBackend:
+    """A backend that reads every object piecewise, in pieces that do not divide 64 KiB:
+    in Python, or in the C ABI's read that hashes as it reads."""
     monkeypatch.setattr(file_backend, "_CHUNKED_READ_MIN_BYTES", 1)
     monkeypatch.setattr(file_backend, "_HASH_CHUNK", 3000)
+    monkeypatch.setattr(file_backend, "_HASHED_READ_STEP", 3000)
     backend = FileBackend(tmp_path, min_free_bytes=0)
     backend.register_buffer(arena.ptr, arena.nbytes)
+    if request.param == "piecewise":
+        backend._hashed_step = 0
+    else:
+        use_reader(backend, "hashed")
     yield backend
     backend.close()
 
@@ -181,7 +188,7 @@ def test_damage_in_any_piece_is_a_miss(piecewise: FileBackend, arena: HostArena,
     np.testing.assert_array_equal(arena.slot(10), arena.slot(2))
 
 
-@pytest.mark.parametrize("reader", ["native", "piecewise"])
+@pytest.mark.parametrize("reader", ["hashed", "native", "piecewise"])
 def test_every_reader_gives_the_same_verdict_on_empty_and_zero_byte_files(
         tmp_path: Path, arena: HostArena, monkeypatch: pytest.MonkeyPatch, reader: str) -> None:
     if reader == "piecewise":
@@ -189,8 +196,7 @@ def test_every_reader_gives_the_same_verdict_on_empty_and_zero_byte_files(
         monkeypatch.setattr(file_backend, "_HASH_CHUNK", 3000)
     backend = FileBackend(tmp_path, min_free_bytes=0)
     backend.register_buffer(arena.ptr, arena.nbytes)
-    if reader == "native":
-        assert backend._native is not None, "the C ABI (build/libfdkv_capi_cpu.so) is not built: bash build.sh"
+    use_reader(backend, "python" if reader == "piecewise" else reader)
     write_object(tmp_path / (key(0).replace(":", "=") + ".kv"), b"")  # a well-formed empty object
     (tmp_path / (key(1).replace(":", "=") + ".kv")).write_bytes(b"")  # a zero-byte file
     out = backend.batch_get_into([key(0), key(1)], [arena.slot_ptr(0), arena.slot_ptr(1)], [arena.slot_bytes] * 2)
@@ -200,7 +206,7 @@ def test_every_reader_gives_the_same_verdict_on_empty_and_zero_byte_files(
 
 
 
-@pytest.mark.parametrize("reader", ["native", "piecewise"])
+@pytest.mark.parametrize("reader", ["hashed", "native", "piecewise"])
 @pytest.mark.parametrize("size", [768 << 10, (1 << 20) + 4321])
 def test_objects_of_several_pieces_in_both_versions_read_back_and_damage_is_a_miss(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int, reader: str) -> None:
@@ -208,11 +214,12 @@ def test_objects_of_several_pieces_in_both_versions_read_back_and_damage_is_a_mi
     flipped byte in the last piece is a miss in both versions; an unknown version is too."""
     if reader == "native":  # the native group read, which serves only small objects by default
         monkeypatch.setattr(file_backend, "_CHUNKED_READ_MIN_BYTES", 1 << 30)
+    if reader == "hashed":  # a step that divides neither the piece nor the object
+        monkeypatch.setattr(file_backend, "_HASHED_READ_STEP", 100_000)
     arena = HostArena(6, size)
     backend = FileBackend(tmp_path, min_free_bytes=0)
     backend.register_buffer(arena.ptr, arena.nbytes)
-    if reader == "native":
-        assert backend._native is not None, "the C ABI (build/libfdkv_capi_cpu.so) is not built: bash build.sh"
+    use_reader(backend, "python" if reader == "piecewise" else reader)
     data = [arena.fill(i, seed=20 + i).tobytes() for i in range(3)]
     assert backend.batch_put_from([key(0)], [arena.slot_ptr(0)], [size]) == [Status.OK]  # version 2
     files = [tmp_path / (key(i).replace(":", "=") + ".kv") for i in range(3)]
