@@ -227,8 +227,8 @@ def main() -> int:
     if "runner_graph_decode_s" in res:
         g = res["runner_graph_decode_s"]
         print(f"decode {a.batch} seqs at {a.context} replayed from a CUDA graph: {g * 1e3:.2f} ms/step "
-              f"({res['graph_replays']} replays; captured in {res['graph_capture_s']:.1f} s, pool "
-              f"{res['graph_pool_MiB']:.0f} MiB): ratio to the eager runner {res['graph_vs_eager']:.3f}, to "
+              f"({res['graph_replays']} replays; captured in {res['graph_capture_s']:.1f} s, "
+              f"{res['graph_pool_MiB']:.0f} MiB of device memory taken): ratio to the eager runner {res['graph_vs_eager']:.3f}, to "
               f"transformers' own {res['graph_vs_baseline']:.3f}; logits relative difference from the eager "
               f"runner {res['graph_logits_rel_diff']:.2e}")
     else:

@@ -122,7 +122,10 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         self._ints.zero_()  # every length 0: the warm-up runs read and write no cache slot
         torch.cuda.synchronize()
-        reserved = torch.cuda.memory_reserved()
+        # Device memory the warm-ups and captures take (the graphs' pool, Triton's and cuBLAS's
+        # workspaces), as the driver sees it: torch's own reserved figure can fall during a
+        # capture, which frees cached blocks first.
+        free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         with torch.inference_mode():
@@ -146,7 +149,7 @@ class DecodeGraphs:
                     bucket.logits = self.forward(bucket)
                 bucket.graph = graph
         torch.cuda.synchronize()
-        self.pool_bytes = torch.cuda.memory_reserved() - reserved
+        self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         self.capture_s = time.perf_counter() - t0
 
     def release(self) -> None:

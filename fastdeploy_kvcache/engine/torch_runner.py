@@ -176,7 +176,7 @@ class TorchModelRunner:
                     logger.debug("synchronize after the failed capture raised", exc_info=True)
                 return False
             logger.info("CUDA graphs: decode steps of %s seqs captured in %.1f s (tables of %d blocks); "
-                        "graph memory pool %.1f MiB", ",".join(map(str, graphs.sizes)), graphs.capture_s,
+                        "%.1f MiB of device memory taken", ",".join(map(str, graphs.sizes)), graphs.capture_s,
                         graphs.width, graphs.pool_bytes / (1 << 20))
         self.decode_graphs = graphs
         return True
