@@ -546,16 +546,17 @@ class LLMEngine:
         rewound = self._complete_copies(wait=False)
         self._commit_prefill(scheduled)
         t_complete = time.perf_counter()
+        # Greedy rows take one argmax over the whole matrix (the same ids as row by row).
+        greedy = np.argmax(logits, axis=1).tolist() if len(logits) and self._all_greedy(scheduled, seqs) else None
         k = 0
         for (er, n), s in zip(scheduled, seqs):
             if not s.wants_logits:
                 continue
-            logits_row = logits[k]
             k += 1
             if er.finished or er.request_id in rewound:
                 continue
             try:
-                self.append_token(er, er.sampler.sample(logits_row))
+                self.append_token(er, greedy[k - 1] if greedy is not None else er.sampler.sample(logits[k - 1]))
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own
                 logger.exception("request %s failed", er.request_id)
                 self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
@@ -567,6 +568,11 @@ class LLMEngine:
             getattr(self.runner, "last_load_wait_gpu_s", 0.0), len(scheduled))
         self._flush_kv_events()
         self._refresh_stats()
+
+    @staticmethod
+    def _all_greedy(scheduled: list[tuple[_EngineRequest, int]], seqs: list[ScheduledSeq]) -> bool:
+        """Whether every request that samples this step decodes greedily."""
+        return all(er.params.greedy for (er, _), s in zip(scheduled, seqs) if s.wants_logits)
 
     def _commit_prefill(self, scheduled: list[tuple[_EngineRequest, int]]) -> None:
         """Make the prompt blocks this step completed reusable now (requests held for them
@@ -588,6 +594,7 @@ class LLMEngine:
     def _schedule(self) -> list[tuple[_EngineRequest, int]]:
         """Pick this step's requests and token counts; make their blocks resident."""
         budget = self.args.max_num_batched_tokens
+        block_size = self.cache_config.block_size
         out: list[tuple[_EngineRequest, int]] = []
         preempted = False
         i = 0
@@ -596,6 +603,15 @@ class LLMEngine:
             r = er.req
             n = min(r.num_total_tokens - r.num_computed_tokens, budget)
             if n <= 0:
+                i += 1
+                continue
+            if len(r.block_tables) * block_size >= r.num_computed_tokens + n:
+                # NOTE: most decode steps need no new block: skip the pool's call (it would
+                # only check the table and find nothing to do), the one per-request cost of
+                # scheduling a running request.  Copies the pool queued meanwhile still go
+                # with this step's batch (begin_step issues them).
+                out.append((er, n))
+                budget -= n
                 i += 1
                 continue
             try:

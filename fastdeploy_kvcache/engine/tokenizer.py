@@ -38,6 +38,13 @@ class EngineTokenizer:
         self.hf = hf_tokenizer
         self.eos_token_ids: list[int] = sorted({int(t) for t in eos_token_ids})
         self.vocab_size: int = len(hf_tokenizer)
+        # NOTE: decode runs twice per output token (IncrementalDetokenizer); transformers'
+        # decode wraps the Rust tokenizer's in argument conversions that cost more than the
+        # decoding itself, so a fast tokenizer's backend is called directly (what its
+        # _decode does, clean-up included).
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._backend_decode = getattr(backend, "decode", None)
+        self._clean_up = bool(getattr(hf_tokenizer, "clean_up_tokenization_spaces", False))
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
@@ -45,7 +52,11 @@ class EngineTokenizer:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self._backend_decode is None:
+            return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self._backend_decode(ids if isinstance(ids, list) else [int(t) for t in ids],
+                                    skip_special_tokens=skip_special_tokens)
+        return self.hf.clean_up_tokenization(text) if self._clean_up else text
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return list(self.hf.convert_ids_to_tokens(list(ids)))
