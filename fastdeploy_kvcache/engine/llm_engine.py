@@ -68,6 +68,10 @@ OutputCallback = Callable[[RequestOutput], None]
 # bounds (doubling), so a new request is picked up at once and finished copies soon after.
 _IDLE_POLL_MIN_S = 0.0005
 _IDLE_POLL_MAX_S = 0.01
+# While requests run, the stats snapshot (get_stats) is rebuilt at most this often: building
+# it is tens of microseconds, a share of a short GPU step.  An idle engine, a step by hand
+# (step()) and the step that runs the last request refresh it at once.
+_STATS_PERIOD_S = 0.05
 
 
 class _EngineRequest:
@@ -207,6 +211,7 @@ class LLMEngine:
                           "prompt_tokens_computed": 0, "output_tokens": 0, "num_finished": 0,
                           "steps_with_loads": 0, "layer_waits": 0}
         self._stats_snapshot: dict[str, Any] = {}
+        self._stats_time = 0.0  # time.monotonic() of the snapshot
         self.step_times = StepTimes()
         self.request_timings = RecentTimings()
         self._refresh_stats()
@@ -567,7 +572,8 @@ class LLMEngine:
              "gpu_wait": wait_s, "complete": t_complete - t_forward, "sample": time.perf_counter() - t_complete},
             getattr(self.runner, "last_load_wait_gpu_s", 0.0), len(scheduled))
         self._flush_kv_events()
-        self._refresh_stats()
+        if not self.running or time.monotonic() - self._stats_time >= _STATS_PERIOD_S:
+            self._refresh_stats()
 
     @staticmethod
     def _all_greedy(scheduled: list[tuple[_EngineRequest, int]], seqs: list[ScheduledSeq]) -> bool:
@@ -740,7 +746,7 @@ class LLMEngine:
             safe = len(text) - (er.max_stop_len - 1 if er.max_stop_len else 0)
             delta = text[er.text_sent : max(er.text_sent, safe)]
             er.text_sent += len(delta)
-            self._emit(er, RequestOutput(request_id=er.request_id, new_token_ids=[token], text=delta))
+            self._emit(er, [token], delta)
             return
         self._finish(er, reason, new_token_ids=[token])
 
@@ -776,20 +782,21 @@ class LLMEngine:
             self.request_timings.add(request_timing(
                 er.request_id, er.arrival_time, er.admitted_time, er.first_token_time, er.fetch, er.first_step,
                 {"device": er.cached_device, "host": er.cached_host, "storage": er.cached_storage}))
-        self._emit(er, RequestOutput(request_id=er.request_id, new_token_ids=list(new_token_ids or []), text=delta,
-                                     finished=True, finish_reason=reason, error=error))
+        self._emit(er, list(new_token_ids or []), delta, finished=True, finish_reason=reason, error=error)
         self._requests.pop(er.request_id, None)
         with self._lock:
             self._live_ids.discard(er.request_id)
 
-    def _emit(self, er: _EngineRequest, out: RequestOutput) -> None:
+    def _emit(self, er: _EngineRequest, new_token_ids: list[int], text: str, finished: bool = False,
+              finish_reason: Optional[str] = None, error: Optional[str] = None) -> None:
+        """Hand ``er``'s output of this step to its callback (built in one call: it runs per token)."""
         r = er.req
-        out.num_prompt_tokens = r.num_prompt_tokens
-        out.num_output_tokens = len(r.output_token_ids)
-        out.num_cached_tokens = er.num_cached_tokens
-        out.cached_tokens_by_tier = {"device": er.cached_device, "host": er.cached_host, "storage": er.cached_storage}
-        out.first_token_time = er.first_token_time
-        out.arrival_time = er.arrival_time
+        dev, host, storage = er.cached_device, er.cached_host, er.cached_storage
+        out = RequestOutput(request_id=r.request_id, new_token_ids=new_token_ids, text=text, finished=finished,
+                            finish_reason=finish_reason, num_prompt_tokens=len(r.prompt_token_ids),
+                            num_output_tokens=len(r.output_token_ids), num_cached_tokens=dev + host + storage,
+                            cached_tokens_by_tier={"device": dev, "host": host, "storage": storage},
+                            first_token_time=er.first_token_time, arrival_time=er.arrival_time, error=error)
         try:
             er.on_output(out)
         except Exception:  # noqa: BLE001 - a broken callback must not stop the engine
@@ -822,3 +829,4 @@ class LLMEngine:
             snap["kv_events"] = self.kv_events.stats()
         with self._lock:
             self._stats_snapshot = snap
+        self._stats_time = time.monotonic()
