@@ -558,7 +558,7 @@ class LLMEngine:
             if not s.wants_logits:
                 continue
             k += 1
-            if er.finished or er.request_id in rewound:
+            if er.finished or (rewound and er.req.request_id in rewound):
                 continue
             try:
                 self.append_token(er, greedy[k - 1] if greedy is not None else er.sampler.sample(logits[k - 1]))

@@ -13,10 +13,11 @@ next to the converted model, so later starts just load ``tokenizer.json``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,14 @@ class EngineTokenizer:
         text = self._backend_decode(ids if isinstance(ids, list) else [int(t) for t in ids],
                                     skip_special_tokens=skip_special_tokens)
         return self.hf.clean_up_tokenization(text) if self._clean_up else text
+
+    def list_decoder(self) -> Callable[[list[int]], str]:
+        """``decode`` of a list of ids, special tokens skipped, as one call with nothing in
+        between where the backend allows it (the incremental detokenizer's per-token path)."""
+        backend_decode = self._backend_decode
+        if backend_decode is None or self._clean_up:
+            return self.decode
+        return functools.partial(backend_decode, skip_special_tokens=True)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return list(self.hf.convert_ids_to_tokens(list(ids)))
@@ -125,6 +134,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: EngineTokenizer) -> None:
         self.tokenizer = tokenizer
+        self._decode = tokenizer.list_decoder()
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -133,7 +143,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one id; return the text it completes (may be empty)."""
         self.ids.append(int(token_id))
-        dec = self.tokenizer.decode
+        dec = self._decode
         prefix = dec(self.ids[self.prefix_offset : self.read_offset])
         full = dec(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

@@ -206,3 +206,22 @@ def test_tiny_tokenizer_is_deterministic_and_round_trips() -> None:
     assert a.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
     d = IncrementalDetokenizer(a)
     assert "".join(d.add(t) for t in a.encode(text)) + d.flush() == text
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_decode_matches_transformers_decode(clean_up: bool) -> None:
+    """The engine decodes through the Rust tokenizer directly (it runs twice per output
+    token); the text must be what transformers' own decode gives, special tokens and the
+    clean-up of spaces before punctuation included."""
+    tok = build_tiny_tokenizer()
+    tok.hf.clean_up_tokenization_spaces = clean_up
+    fast = type(tok)(tok.hf, tok.eos_token_ids)
+    assert fast._backend_decode is not None  # the direct path is the one under test
+    rng = np.random.default_rng(0)
+    specials = tok.encode("<|im_start|>user\nhi , there .<|im_end|>")
+    cases = [specials, tok.encode("a , b . c ! d ?"), []]
+    cases += [rng.integers(0, tok.vocab_size, size=int(n)).tolist() for n in rng.integers(1, 40, size=50)]
+    for ids in cases:
+        for skip in (True, False):
+            assert fast.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip), ids
+    assert fast.decode(np.asarray(cases[0])) == tok.hf.decode(cases[0], skip_special_tokens=True)
