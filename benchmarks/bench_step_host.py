@@ -21,7 +21,8 @@ Reported per step (mean microseconds over the measured steps, each with the targ
 of requests running): the phases ``schedule``, ``submit``, ``launch``, ``complete`` and
 ``sample`` as the engine records them (``launch``: the step's sequences built for the runner,
 plus the null runner), ``other`` (the inbox, the stats refresh and the event flush), and
-``host`` = all of them.  The engine is driven as its thread's loop drives it (inbox, then
+``host`` = all of them; ``gc``: the part of them that CPython's cyclic GC took (shown, not
+added).  The engine is driven as its thread's loop drives it (inbox, then
 ``_step``).  Baselines from the same run:
 
 * ``floor``: a bare loop that does for each running request what any Python engine must
@@ -31,7 +32,7 @@ plus the null runner), ``other`` (the inbox, the stats refresh and the event flu
   ``REF`` (exported with ``git archive`` into a temporary folder), interleaved round by round
   with the current tree, and the ratio current / REF per phase.
 
-Usage: python benchmarks/bench_step_host.py [--running 32,64] [--steps 400] [--rounds 3]
+Usage: python benchmarks/bench_step_host.py [--running 32,64] [--steps 400] [--rounds 5]
            [--baseline-ref <commit>] [--json benchmarks/results/bench_step_host_cpu.json]
        python benchmarks/bench_step_host.py --quick     # seconds: 60 steps, 1 round
 
@@ -284,11 +285,23 @@ def export_ref(ref: str, into: Path) -> Path:
     return into
 
 
+def _missing_dependency() -> str:
+    """What the CPU engine lacks here ('' when it can run)."""
+    import importlib.util
+
+    for name in ("paddle", "paddleformers"):
+        if importlib.util.find_spec(name) is None:
+            return f"{name} is not installed"
+    from fastdeploy_kvcache import ops
+
+    return "" if ops.paddle_ops_available() else "the compiled Paddle custom ops are missing"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--running", default="32,64", help="running-request counts, comma-separated")
     parser.add_argument("--steps", type=int, default=400, help="measured steps per count and round")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median per phase)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median per phase)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline-ref", default="", help="git commit to measure against in the same run")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -299,6 +312,10 @@ def main() -> None:
     if args.quick:
         args.steps, args.rounds = 60, 1
     args.running_list = [int(x) for x in args.running.split(",")]
+    missing = _missing_dependency()
+    if missing:
+        print(f"bench_step_host: skipped, {missing} (bash build.sh)")
+        return
     if args.child or args.profile:
         child_main(args)
         return
@@ -318,31 +335,41 @@ def main() -> None:
                 runs[name].append(run_child(root, args))
                 bar.update(1)
     floors = {n: statistics.median(floor_us(n, 2000) for _ in range(5)) for n in args.running_list}
-    keys = PHASES + ("host",)
+    keys = PHASES + ("host", "gc")
     med = {name: {n: {k: statistics.median(r[str(n)][k] for r in rs) for k in keys}
                   for n in args.running_list} for name, rs in runs.items()}
     lines = [f"bench_step_host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
              f"load {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M')}; {args.steps} steps x "
              f"{args.rounds} rounds, median of rounds, µs per step"]
     for n in args.running_list:
-        lines.append(f"\n{n} running   " + "  ".join(f"{k:>9}" for k in keys) + "   floor  host/floor  host/budget")
+        lines.append(f"\n{n} running    " + "  ".join(f"{k:>8}" for k in keys)
+                     + "  µs/req   floor  host/floor  host/budget")
         for name in trees:
             m = med[name][n]
-            lines.append(f"{name[:12]:<12}" + "  ".join(f"{m[k]:9.1f}" for k in keys)
-                         + f"  {floors[n]:6.1f}  {m['host'] / floors[n]:9.1f}x  {m['host'] / BUDGET_US:10.2f}")
+            label = "current" if name == "current" else "ref"
+            lines.append(f"{label:<12}" + "  ".join(f"{m[k]:8.1f}" for k in keys)
+                         + f"  {m['host'] / n:6.2f}  {floors[n]:6.1f}  {m['host'] / floors[n]:9.1f}x"
+                         + f"  {m['host'] / BUDGET_US:10.2f}")
         if args.baseline_ref:
             cur, ref = med["current"][n], med[args.baseline_ref][n]
-            lines.append("current/ref " + "  ".join(f"{cur[k] / ref[k]:9.2f}" for k in keys))
+            lines.append("current/ref " + "  ".join(f"{cur[k] / ref[k] if ref[k] else float('nan'):8.2f}"
+                                                    for k in keys))
         m = med["current"][n]
         lines.append(f"  current host {m['host']:.0f} µs = {m['host'] / 150:.1f}% of a 15 ms step "
-                     f"(budget {BUDGET_US:.0f} µs = 3%); sample runs: hit rate "
+                     f"(budget {BUDGET_US:.0f} µs = 3%); cache manager + worker (schedule + submit + complete) "
+                     f"{m['schedule'] + m['submit'] + m['complete']:.0f} µs = "
+                     f"{(m['schedule'] + m['submit'] + m['complete']) / 150:.1f}%; first round: hit rate "
                      f"{runs['current'][0][str(n)]['hit_rate']:.2f}, host-hit tokens "
                      f"{runs['current'][0][str(n)]['host_hit_tokens']}")
+    if args.baseline_ref:
+        lines.append(f"\nref: the same benchmark on the package at {args.baseline_ref}, interleaved round by round")
     print("\n".join(lines))
     print(f"took {time.perf_counter() - started:.0f} s")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
+                                         "baseline_ref": args.baseline_ref or None,
+                                         "load_avg_1min": os.getloadavg()[0],
                                          "steps": args.steps, "rounds": args.rounds, "budget_us": BUDGET_US,
                                          "floor_us": floors, "median_us": med, "runs": runs}, indent=1))
     if tmp is not None:
