@@ -155,23 +155,36 @@ class Workload:
             self.engine.add_request(rid, list(conv), params, self.on_output)
 
 
-def build_engine(running: int, seed: int) -> Any:
-    """A CPU engine over the tiny random Llama, its runner replaced by :class:`NullRunner`."""
+def build_engine(running: int, seed: int, model_impl: str = "paddleformers", device: str = "cpu",
+                 model: str = "tiny-llama-random") -> Any:
+    """An engine over ``model``, its runner replaced by :class:`NullRunner`.
+
+    ``paddleformers``: the tiny random Llama on the CPU (Paddle).  ``transformers``: the torch
+    path, where the worker's copies run on a GPU with ``device="gpu"`` (the model's own
+    shapes size the KV cache, so ``llama3-8b-random`` copies what an 8B model would).
+    """
     os.environ["ENABLE_V1_KVCACHE_MANAGER"] = "1"
     from fastdeploy_kvcache.config import AUTO_DTYPE, CacheConfig
     from fastdeploy_kvcache.engine.args import EngineArgs
     from fastdeploy_kvcache.engine.llm_engine import LLMEngine
-    from fastdeploy_kvcache.engine.model_loader import build_tiny_llama
 
-    loaded = build_tiny_llama(seed=0)
+    if model_impl == "paddleformers":
+        from fastdeploy_kvcache.engine.model_loader import build_tiny_llama
+
+        loaded = build_tiny_llama(seed=0)
+    else:
+        from fastdeploy_kvcache.engine import torch_runner
+
+        probe = EngineArgs(model=model, model_impl=model_impl, device=device, seed=0)
+        loaded = torch_runner.load_model_for(probe, torch_runner.select_device(device))
     max_len = 2048
     # A live turn holds about 30 blocks on average: the device pool holds the running
     # requests and little more, the host tier 4x more, so idle conversations move to host.
     device_blocks = running * 40
     cache = CacheConfig(dtype=AUTO_DTYPE, block_size=BLOCK, num_gpu_blocks=device_blocks,
                         num_host_blocks=device_blocks * 4, write_policy="write_through_selective")
-    args = EngineArgs(model="tiny-llama-random", max_model_len=max_len, max_num_seqs=running,
-                      max_num_batched_tokens=2048, cache=cache, device="cpu", seed=seed)
+    args = EngineArgs(model=model, max_model_len=max_len, max_num_seqs=running, model_impl=model_impl,
+                      max_num_batched_tokens=2048, cache=cache, device=device, seed=seed)
     engine = LLMEngine(args, loaded_model=loaded)
     engine.runner = NullRunner(loaded.vocab_size, seed)
     return engine, max_len
@@ -197,9 +210,10 @@ def floor_us(running: int, steps: int) -> float:
     return (time.perf_counter() - t) / steps * 1e6
 
 
-def measure(running: int, steps: int, seed: int, profile: Optional[str] = None) -> dict[str, Any]:
+def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
+            engine_kw: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """Mean µs per phase over ``steps`` steps with ``running`` requests running."""
-    engine, max_len = build_engine(running, seed)
+    engine, max_len = build_engine(running, seed, **(engine_kw or {}))
     load = Workload(engine, running, seed, max_len)
     st = engine.step_times
     # Warm-up: fill the engine and let conversations cycle through the host tier.
@@ -261,14 +275,16 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None) 
 
 def child_main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING)
-    out = {str(n): measure(n, args.steps, args.seed, args.profile) for n in args.running_list}
+    kw = {"model_impl": args.model_impl, "device": args.device, "model": args.model}
+    out = {str(n): measure(n, args.steps, args.seed, args.profile, kw) for n in args.running_list}
     print("RESULT " + json.dumps(out))
 
 
 def run_child(package_root: Path, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, FDKV_BENCH_PACKAGE_ROOT=str(package_root), PYTHONPATH=str(package_root))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--running", args.running,
-           "--steps", str(args.steps), "--seed", str(args.seed)]
+           "--steps", str(args.steps), "--seed", str(args.seed), "--model-impl", args.model_impl,
+           "--device", args.device, "--model", args.model]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -285,13 +301,16 @@ def export_ref(ref: str, into: Path) -> Path:
     return into
 
 
-def _missing_dependency() -> str:
-    """What the CPU engine lacks here ('' when it can run)."""
+def _missing_dependency(model_impl: str) -> str:
+    """What the engine path lacks here ('' when it can run)."""
     import importlib.util
 
-    for name in ("paddle", "paddleformers"):
+    names = ("paddle", "paddleformers") if model_impl == "paddleformers" else ("torch", "transformers")
+    for name in names:
         if importlib.util.find_spec(name) is None:
             return f"{name} is not installed"
+    if model_impl != "paddleformers":
+        return ""
     from fastdeploy_kvcache import ops
 
     return "" if ops.paddle_ops_available() else "the compiled Paddle custom ops are missing"
@@ -304,15 +323,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median per phase)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline-ref", default="", help="git commit to measure against in the same run")
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="instead of --baseline-ref where there is no git history: a folder holding the "
+                             "package to measure against (git archive REF fastdeploy_kvcache setup_ops.py), "
+                             "with a build/ of the compiled libraries")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--profile", default=None, help="(child) cProfile the measured steps into this file")
     parser.add_argument("--quick", action="store_true", help="smoke run: 60 steps, 1 round")
+    parser.add_argument("--model-impl", choices=("paddleformers", "transformers"), default="paddleformers",
+                        help="the engine path: Paddle on the CPU, or torch (the GPU path; --device gpu)")
+    parser.add_argument("--device", default="cpu", help="cpu, or gpu with --model-impl transformers")
+    parser.add_argument("--model", default="tiny-llama-random",
+                        help="with --model-impl transformers: llama3-8b-random sizes the cache like an 8B model")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.steps, args.rounds = 60, 1
     args.running_list = [int(x) for x in args.running.split(",")]
-    missing = _missing_dependency()
+    missing = _missing_dependency(args.model_impl)
     if missing:
         print(f"bench_step_host: skipped, {missing} (bash build.sh)")
         return
@@ -327,6 +355,9 @@ def main() -> None:
     if args.baseline_ref:
         tmp = tempfile.TemporaryDirectory(prefix="bench_step_host_")
         trees[args.baseline_ref] = export_ref(args.baseline_ref, Path(tmp.name))
+    elif args.baseline_tree is not None:
+        args.baseline_ref = str(args.baseline_tree)
+        trees[args.baseline_ref] = args.baseline_tree.resolve()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     started = time.perf_counter()
     with tqdm(total=args.rounds * len(trees), desc="bench_step_host", unit="run") as bar:
@@ -338,7 +369,8 @@ def main() -> None:
     keys = PHASES + ("host", "gc")
     med = {name: {n: {k: statistics.median(r[str(n)][k] for r in rs) for k in keys}
                   for n in args.running_list} for name, rs in runs.items()}
-    lines = [f"bench_step_host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+    lines = [f"bench_step_host: {args.model_impl} on {args.device} ({args.model}), "
+             f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
              f"load {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M')}; {args.steps} steps x "
              f"{args.rounds} rounds, median of rounds, µs per step"]
     for n in args.running_list:
