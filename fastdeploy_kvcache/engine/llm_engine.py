@@ -368,7 +368,8 @@ class LLMEngine:
         return health() if health is not None else None
 
     def get_stats(self) -> dict[str, Any]:
-        """A snapshot refreshed by the engine thread after every step (safe from any thread)."""
+        """A snapshot the engine thread refreshes (safe from any thread): at most every 50 ms while
+        requests run, at once when the last one finishes or the engine is idle, after a step()."""
         with self._lock:
             return dict(self._stats_snapshot)
 
