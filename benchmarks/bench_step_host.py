@@ -27,6 +27,8 @@ added).  The engine is driven as its thread's loop drives it (inbox, then
 
 * ``floor``: a bare loop that does for each running request what any Python engine must
   (append a token, build an output, call the request's callback), per step;
+* ``--server-loop``: the outputs go to an asyncio loop on another thread, as in the server
+  (``entrypoints/openai/engine_client.py``), which serialises each as a streamed chunk;
 * ``budget``: 3% of a 15 ms decode step (a CUDA-graph decode step on an H100), 450 µs;
 * with ``--baseline-ref REF``: the same measurement on the package as it was at git commit
   ``REF`` (exported with ``git archive`` into a temporary folder), interleaved round by round
@@ -110,10 +112,40 @@ class GcMeter:
             self.passes[info["generation"]] += 1
 
 
+class ServerLoop:
+    """An asyncio loop on its own thread that receives the outputs as the server's does: through
+    ``LoopHandoff`` where the measured tree has it, else one ``call_soon_threadsafe`` per output.
+    Each output is serialised there as a streamed chunk, competing for the GIL as in the server."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.asyncio = asyncio
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-loop", daemon=True)
+        self.thread.start()
+        try:
+            from fastdeploy_kvcache.entrypoints.openai.engine_client import LoopHandoff
+        except ImportError:  # a tree from before it
+            self.hand = self.loop.call_soon_threadsafe
+        else:
+            self.hand = LoopHandoff.of(self.loop).call
+
+    def sync(self) -> None:
+        """Wait until the loop has run everything handed to it so far."""
+        self.asyncio.run_coroutine_threadsafe(self.asyncio.sleep(0), self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
 class Workload:
     """Keeps ``running`` requests in the engine: a finished turn starts another one."""
 
-    def __init__(self, engine: Any, running: int, seed: int, max_len: int) -> None:
+    def __init__(self, engine: Any, running: int, seed: int, max_len: int, server: Optional[ServerLoop] = None) -> None:
         from fastdeploy_kvcache.engine.sampling import SamplingParams
 
         self.engine = engine
@@ -129,8 +161,18 @@ class Workload:
         self.finished: list[str] = []
         self.next_id = 0
         self.outputs = 0
+        self.server = server
+        self.chunks = 0
 
     def on_output(self, out: Any) -> None:
+        if self.server is not None:
+            self.server.hand(self._record, out)
+        else:
+            self._record(out)
+
+    def _record(self, out: Any) -> None:
+        if self.server is not None:  # what the server does per output: a streamed chunk
+            self.chunks += len(json.dumps({"id": out.request_id, "choices": [{"index": 0, "text": out.text}]}))
         conv = self.live[out.request_id]
         conv.extend(out.new_token_ids)
         self.outputs += 1
@@ -213,12 +255,16 @@ def floor_us(running: int, steps: int) -> float:
 def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
             engine_kw: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """Mean µs per phase over ``steps`` steps with ``running`` requests running."""
-    engine, max_len = build_engine(running, seed, **(engine_kw or {}))
-    load = Workload(engine, running, seed, max_len)
+    kw = dict(engine_kw or {})
+    server = ServerLoop() if kw.pop("server_loop", False) else None
+    engine, max_len = build_engine(running, seed, **kw)
+    load = Workload(engine, running, seed, max_len, server)
     st = engine.step_times
     # Warm-up: fill the engine and let conversations cycle through the host tier.
     warm = max(200, steps // 2)
     for _ in range(warm):
+        if server is not None:
+            server.sync()
         load.refill()
         engine._drain_inbox()
         engine._step()
@@ -234,6 +280,8 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
     gc.callbacks.append(gc_meter)
     pc = time.perf_counter
     while counted < steps:
+        if server is not None:
+            server.sync()  # the last step's outputs are in before the workload reads them
         load.refill()
         before = dict(st._all)
         a = pc()
@@ -268,6 +316,8 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
     result["swap_in_blocks"] = cache.get("swap_in_blocks")
     result["finished"] = stats["engine"]["num_finished"]
     engine.shutdown()
+    if server is not None:
+        server.close()
     if prof is not None:
         prof.dump_stats(profile)
     return result
@@ -275,7 +325,7 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
 
 def child_main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING)
-    kw = {"model_impl": args.model_impl, "device": args.device, "model": args.model}
+    kw = {"model_impl": args.model_impl, "device": args.device, "model": args.model, "server_loop": args.server_loop}
     out = {str(n): measure(n, args.steps, args.seed, args.profile, kw) for n in args.running_list}
     print("RESULT " + json.dumps(out))
 
@@ -284,7 +334,7 @@ def run_child(package_root: Path, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, FDKV_BENCH_PACKAGE_ROOT=str(package_root), PYTHONPATH=str(package_root))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--running", args.running,
            "--steps", str(args.steps), "--seed", str(args.seed), "--model-impl", args.model_impl,
-           "--device", args.device, "--model", args.model]
+           "--device", args.device, "--model", args.model] + (["--server-loop"] if args.server_loop else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -330,6 +380,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--profile", default=None, help="(child) cProfile the measured steps into this file")
     parser.add_argument("--quick", action="store_true", help="smoke run: 60 steps, 1 round")
+    parser.add_argument("--server-loop", action="store_true",
+                        help="outputs go to an asyncio loop thread as in the server (see ServerLoop)")
     parser.add_argument("--model-impl", choices=("paddleformers", "transformers"), default="paddleformers",
                         help="the engine path: Paddle on the CPU, or torch (the GPU path; --device gpu)")
     parser.add_argument("--device", default="cpu", help="cpu, or gpu with --model-impl transformers")
@@ -369,7 +421,8 @@ def main() -> None:
     keys = PHASES + ("host", "gc")
     med = {name: {n: {k: statistics.median(r[str(n)][k] for r in rs) for k in keys}
                   for n in args.running_list} for name, rs in runs.items()}
-    lines = [f"bench_step_host: {args.model_impl} on {args.device} ({args.model}), "
+    lines = [f"bench_step_host: {args.model_impl} on {args.device} ({args.model})"
+             f"{', outputs through an event loop thread' if args.server_loop else ''}, "
              f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
              f"load {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M')}; {args.steps} steps x "
              f"{args.rounds} rounds, median of rounds, µs per step"]
