@@ -453,7 +453,8 @@ def main() -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
-                                         "baseline_ref": args.baseline_ref or None,
+                                         "baseline_ref": args.baseline_ref or None, "server_loop": args.server_loop,
+                                         "model_impl": args.model_impl, "device": args.device, "model": args.model,
                                          "load_avg_1min": os.getloadavg()[0],
                                          "steps": args.steps, "rounds": args.rounds, "budget_us": BUDGET_US,
                                          "floor_us": floors, "median_us": med, "runs": runs}, indent=1))
