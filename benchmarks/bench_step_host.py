@@ -27,18 +27,23 @@ added).  The engine is driven as its thread's loop drives it (inbox, then
 
 * ``floor``: a bare loop that does for each running request what any Python engine must
   (append a token, build an output, call the request's callback), per step;
-* ``--server-loop``: the outputs go to an asyncio loop on another thread, as in the server
-  (``entrypoints/openai/engine_client.py``), which serialises each as a streamed chunk;
 * ``budget``: 3% of a 15 ms decode step (a CUDA-graph decode step on an H100), 450 µs;
 * with ``--baseline-ref REF``: the same measurement on the package as it was at git commit
   ``REF`` (exported with ``git archive`` into a temporary folder), interleaved round by round
   with the current tree, and the ratio current / REF per phase.
 
+With ``--server-loop`` the outputs go to an asyncio loop on another thread, as in the server
+(``entrypoints/openai/engine_client.py``), which serialises each as a streamed chunk: the
+server's share of the GIL shows in the engine's phases.  With ``--model-impl transformers``
+the torch path runs instead (``--device gpu``: the worker's copies on the GPU;
+``--model llama3-8b-random`` sizes the cache like an 8B model's).
+
 Usage: python benchmarks/bench_step_host.py [--running 32,64] [--steps 400] [--rounds 5]
-           [--baseline-ref <commit>] [--json benchmarks/results/bench_step_host_cpu.json]
+           [--server-loop] [--baseline-ref <commit>] [--json benchmarks/results/<name>.json]
        python benchmarks/bench_step_host.py --quick     # seconds: 60 steps, 1 round
 
-Needs paddlepaddle, paddleformers and the compiled Paddle custom ops (``bash build.sh``).
+Needs paddlepaddle, paddleformers and the compiled Paddle custom ops (``bash build.sh``), or
+torch and transformers with ``--model-impl transformers``; exits 0 with a message without them.
 """
 
 from __future__ import annotations
