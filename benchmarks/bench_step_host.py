@@ -130,12 +130,22 @@ class ServerLoop:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="bench-loop", daemon=True)
         self.thread.start()
+        self.flush: Optional[Any] = None
         try:
             from fastdeploy_kvcache.entrypoints.openai.engine_client import LoopHandoff
         except ImportError:  # a tree from before it
             self.hand = self.loop.call_soon_threadsafe
         else:
-            self.hand = LoopHandoff.of(self.loop).call
+            handoff = LoopHandoff.of(self.loop)
+            self.hand = handoff.call
+            if hasattr(handoff, "wait_for_flush"):  # as the server sets it up (AsyncEngineClient.start)
+                handoff.wait_for_flush()
+                self.flush = handoff.flush
+
+    def attach(self, engine: Any) -> None:
+        """Let ``engine`` wake the loop once per step, as the server does."""
+        if self.flush is not None:
+            engine.add_output_flush_hook(self.flush)
 
     def sync(self) -> None:
         """Wait until the loop has run everything handed to it so far."""
@@ -263,7 +273,19 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
     kw = dict(engine_kw or {})
     server = ServerLoop() if kw.pop("server_loop", False) else None
     engine, max_len = build_engine(running, seed, **kw)
+    if server is not None:
+        server.attach(engine)
     load = Workload(engine, running, seed, max_len, server)
+    # What the engine thread's loop runs per step: the inbox, then the step, each followed by
+    # the output flush where the tree has one.
+    flush = getattr(engine, "_flush_outputs", lambda: None)
+
+    def one_step() -> None:
+        engine._drain_inbox()
+        flush()
+        engine._step()
+        flush()
+
     st = engine.step_times
     # Warm-up: fill the engine and let conversations cycle through the host tier.
     warm = max(200, steps // 2)
@@ -271,8 +293,7 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
         if server is not None:
             server.sync()
         load.refill()
-        engine._drain_inbox()
-        engine._step()
+        one_step()
     sums = {p: 0.0 for p in PHASES}
     counted = 0
     gc_meter = GcMeter()
@@ -292,8 +313,7 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
         a = pc()
         if prof is not None:
             prof.enable()
-        engine._drain_inbox()  # what the engine thread's loop runs per step
-        engine._step()
+        one_step()
         if prof is not None:
             prof.disable()
         total = pc() - a

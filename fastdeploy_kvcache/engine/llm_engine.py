@@ -207,6 +207,7 @@ class LLMEngine:
         self._idle = threading.Event()
         self._idle.set()
         self._step_count = itertools.count()
+        self._output_flush_hooks: list[Callable[[], None]] = []
         self._counters = {"num_steps": 0, "num_preemptions": 0, "num_failed_load_steps": 0,
                           "prompt_tokens_computed": 0, "output_tokens": 0, "num_finished": 0,
                           "steps_with_loads": 0, "layer_waits": 0}
@@ -273,6 +274,7 @@ class LLMEngine:
             raise RuntimeError("step(): the engine is shut down")
         self._drain_inbox()
         self._step()
+        self._flush_outputs()
         self._refresh_stats()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -295,6 +297,7 @@ class LLMEngine:
         self._drain_inbox()
         for er in list(self.running) + list(self.waiting):
             self._finish(er, "abort")
+        self._flush_outputs()
         try:
             self.pool.complete_finished(wait=True)
         except Exception:  # noqa: BLE001 - shutting down anyway
@@ -357,6 +360,23 @@ class LLMEngine:
         self._inbox.put(("add", er))
         self._wake.set()
 
+    def add_output_flush_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` on the engine thread each time a burst of outputs has been emitted:
+        after each step, after the inbox (aborts), after shutdown's last outputs.
+
+        For a consumer that queues the ``on_output`` calls and wakes its reader once per
+        burst (the server's ``LoopHandoff``) instead of once per output.  Call before
+        :meth:`start`.  A hook that raises is logged and the engine goes on.
+        """
+        self._output_flush_hooks.append(hook)
+
+    def _flush_outputs(self) -> None:
+        for hook in self._output_flush_hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine
+                logger.exception("output flush hook %r failed", hook)
+
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step; its blocks are freed and it finishes with "abort"."""
         self._inbox.put(("abort", request_id))
@@ -417,6 +437,7 @@ class LLMEngine:
         while not self._stop.is_set():
             try:
                 self._drain_inbox()
+                self._flush_outputs()  # aborts, before any idle wait below
                 if not self.running and not self.waiting:
                     if self.pool.copies_in_flight:
                         # NOTE: poll, never drain, while idle: a request arriving now would
@@ -443,10 +464,12 @@ class LLMEngine:
                         self._wake.clear()
                     continue
                 self._step()
+                self._flush_outputs()
             except Exception:  # noqa: BLE001 - the thread must survive anything
                 logger.exception("engine step failed; failing the requests of this step")
                 for er in list(self.running):
                     self._finish(er, "error", error="internal engine error (see the server log)")
+                self._flush_outputs()
                 try:
                     self._complete_copies(wait=True)
                 except Exception:  # noqa: BLE001

@@ -83,3 +83,24 @@ def test_a_closed_loop_drops_calls_without_raising() -> None:
     other = asyncio.new_event_loop()
     other.close()
     assert LoopHandoff(other).call(print, "x") is False
+
+
+def test_waiting_for_flush_wakes_the_loop_once_per_flush_and_loses_nothing() -> None:
+    loop = _CountingLoop()
+    handoff = LoopHandoff(loop)
+    handoff.wait_for_flush()
+    seen: list[int] = []
+    try:
+        for i in range(50):
+            assert handoff.call(seen.append, i)
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert seen == [] and loop.threadsafe_calls == 0  # nothing until the engine flushes
+        handoff.flush()
+        handoff.flush()  # a drain is already pending: no second wake-up
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert seen == list(range(50)) and loop.threadsafe_calls == 1
+        handoff.flush()  # nothing queued: nothing to wake
+        assert loop.threadsafe_calls == 1
+    finally:
+        loop.close()
+    assert handoff.call(seen.append, 99) is False

@@ -34,7 +34,8 @@ class LoopHandoff:
     its thread each time: about 2.4 us of the engine thread per output, and a handoff of the
     GIL to the loop's thread in the middle of the engine's step.  A step emits one output per
     running request in a burst, so calls queue here and only the first of a burst schedules
-    a drain; the drain runs everything queued until it ends.
+    a drain; the drain runs everything queued until it ends.  The server goes one further
+    (:meth:`wait_for_flush`): the engine wakes the loop once, after the step.
     """
 
     _of_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopHandoff]" = weakref.WeakKeyDictionary()
@@ -43,6 +44,7 @@ class LoopHandoff:
         self._loop = loop
         self._pending: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
         self._scheduled = False
+        self._wait_for_flush = False
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> "LoopHandoff":
@@ -58,8 +60,25 @@ class LoopHandoff:
         if self._loop.is_closed():
             return False
         self._pending.append((fn, args))
-        # NOTE: append first, then read the flag; _drain clears it before popping, so a call
-        # that sees it set is popped by that drain (no lost wake-up without a lock).
+        return self._wait_for_flush or self._wake()
+
+    def wait_for_flush(self) -> None:
+        """From now on, calls wait for :meth:`flush` instead of waking the loop themselves.
+
+        The engine flushes after each step (``LLMEngine.add_output_flush_hook``): the loop's
+        thread then serialises the step's outputs while the engine waits for the GPU, not in
+        the middle of the step, where both would want the GIL.
+        """
+        self._wait_for_flush = True
+
+    def flush(self) -> None:
+        """From any thread: wake the loop for the calls queued so far (once)."""
+        if self._pending and not self._loop.is_closed():
+            self._wake()
+
+    def _wake(self) -> bool:
+        # NOTE: called after the append; _drain clears the flag before popping, so a call
+        # that finds it set is popped by that drain (no lost wake-up without a lock).
         if not self._scheduled:
             self._scheduled = True
             try:
@@ -199,6 +218,15 @@ class AsyncEngineClient:
         self._draining = False
 
     def start(self) -> None:
+        """Start the engine; called on the event loop's thread (the server's lifespan), whose
+        handoff then wakes the loop once per engine step."""
+        try:
+            handoff = LoopHandoff.of(asyncio.get_running_loop())
+        except RuntimeError:  # no running loop: every output wakes its loop itself
+            handoff = None
+        if handoff is not None:
+            handoff.wait_for_flush()
+            self.engine.add_output_flush_hook(handoff.flush)
         self.engine.start()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
