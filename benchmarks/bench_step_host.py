@@ -34,7 +34,9 @@ added).  The engine is driven as its thread's loop drives it (inbox, then
 
 With ``--server-loop`` the outputs go to an asyncio loop on another thread, as in the server
 (``entrypoints/openai/engine_client.py``), which serialises each as a streamed chunk: the
-server's share of the GIL shows in the engine's phases.  With ``--model-impl transformers``
+server's share of the GIL shows in the engine's phases where it lands inside them.  With
+``--gpu-step-ms`` the null runner sleeps that long per step, as the host waits for a GPU (the
+GIL is free meanwhile; reported as ``gpu_wait``, not host time).  With ``--model-impl transformers``
 the torch path runs instead (``--device gpu``: the worker's copies on the GPU;
 ``--model llama3-8b-random`` sizes the cache like an 8B model's).
 
@@ -87,7 +89,8 @@ class NullRunner:
     last_gpu_wait_s = 0.0
     last_load_wait_gpu_s = 0.0
 
-    def __init__(self, vocab: int, seed: int) -> None:
+    def __init__(self, vocab: int, seed: int, gpu_step_s: float = 0.0) -> None:
+        self.gpu_step_s = gpu_step_s
         rng = np.random.default_rng(seed)
         self.table = rng.standard_normal((VOCAB_ROWS + 256, vocab)).astype(np.float32)
         self.calls = 0
@@ -95,6 +98,12 @@ class NullRunner:
     def forward(self, seqs: list[Any], kv_caches: Any, layer_done: Optional[Any]) -> np.ndarray:
         if layer_done is not None:
             layer_done.wait_all()
+        if self.gpu_step_s:
+            # The device's share of the step: the host sleeps (GIL released), as it waits for
+            # a GPU; reported as gpu_wait, not host time.
+            t = time.perf_counter()
+            time.sleep(self.gpu_step_s)
+            self.last_gpu_wait_s = time.perf_counter() - t
         n = sum(1 for s in seqs if s.wants_logits)
         self.calls += 1
         off = self.calls % VOCAB_ROWS
@@ -213,7 +222,7 @@ class Workload:
 
 
 def build_engine(running: int, seed: int, model_impl: str = "paddleformers", device: str = "cpu",
-                 model: str = "tiny-llama-random") -> Any:
+                 model: str = "tiny-llama-random", gpu_step_ms: float = 0.0) -> Any:
     """An engine over ``model``, its runner replaced by :class:`NullRunner`.
 
     ``paddleformers``: the tiny random Llama on the CPU (Paddle).  ``transformers``: the torch
@@ -243,7 +252,7 @@ def build_engine(running: int, seed: int, model_impl: str = "paddleformers", dev
     args = EngineArgs(model=model, max_model_len=max_len, max_num_seqs=running, model_impl=model_impl,
                       max_num_batched_tokens=2048, cache=cache, device=device, seed=seed)
     engine = LLMEngine(args, loaded_model=loaded)
-    engine.runner = NullRunner(loaded.vocab_size, seed)
+    engine.runner = NullRunner(loaded.vocab_size, seed, gpu_step_ms / 1000.0)
     return engine, max_len
 
 
@@ -282,9 +291,11 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
 
     def one_step() -> None:
         engine._drain_inbox()
-        flush()
+        if not engine.running:
+            flush()
         engine._step()
-        flush()
+        if not engine.running:
+            flush()
 
     st = engine.step_times
     # Warm-up: fill the engine and let conversations cycle through the host tier.
@@ -350,7 +361,8 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
 
 def child_main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING)
-    kw = {"model_impl": args.model_impl, "device": args.device, "model": args.model, "server_loop": args.server_loop}
+    kw = {"model_impl": args.model_impl, "device": args.device, "model": args.model, "server_loop": args.server_loop,
+          "gpu_step_ms": args.gpu_step_ms}
     out = {str(n): measure(n, args.steps, args.seed, args.profile, kw) for n in args.running_list}
     print("RESULT " + json.dumps(out))
 
@@ -359,7 +371,8 @@ def run_child(package_root: Path, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, FDKV_BENCH_PACKAGE_ROOT=str(package_root), PYTHONPATH=str(package_root))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--running", args.running,
            "--steps", str(args.steps), "--seed", str(args.seed), "--model-impl", args.model_impl,
-           "--device", args.device, "--model", args.model] + (["--server-loop"] if args.server_loop else [])
+           "--device", args.device, "--model", args.model, "--gpu-step-ms", str(args.gpu_step_ms)]
+    cmd += ["--server-loop"] if args.server_loop else []
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -407,6 +420,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: 60 steps, 1 round")
     parser.add_argument("--server-loop", action="store_true",
                         help="outputs go to an asyncio loop thread as in the server (see ServerLoop)")
+    parser.add_argument("--gpu-step-ms", type=float, default=0.0,
+                        help="the null runner sleeps this long per step (GIL released), as the host waits for a GPU")
     parser.add_argument("--model-impl", choices=("paddleformers", "transformers"), default="paddleformers",
                         help="the engine path: Paddle on the CPU, or torch (the GPU path; --device gpu)")
     parser.add_argument("--device", default="cpu", help="cpu, or gpu with --model-impl transformers")
@@ -447,7 +462,8 @@ def main() -> None:
     med = {name: {n: {k: statistics.median(r[str(n)][k] for r in rs) for k in keys}
                   for n in args.running_list} for name, rs in runs.items()}
     lines = [f"bench_step_host: {args.model_impl} on {args.device} ({args.model})"
-             f"{', outputs through an event loop thread' if args.server_loop else ''}, "
+             f"{', outputs through an event loop thread' if args.server_loop else ''}"
+             f"{f', {args.gpu_step_ms:g} ms device wait per step' if args.gpu_step_ms else ''}, "
              f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
              f"load {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M')}; {args.steps} steps x "
              f"{args.rounds} rounds, median of rounds, µs per step"]
@@ -480,6 +496,7 @@ def main() -> None:
         args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
                                          "baseline_ref": args.baseline_ref or None, "server_loop": args.server_loop,
                                          "model_impl": args.model_impl, "device": args.device, "model": args.model,
+                                         "gpu_step_ms": args.gpu_step_ms,
                                          "load_avg_1min": os.getloadavg()[0],
                                          "steps": args.steps, "rounds": args.rounds, "budget_us": BUDGET_US,
                                          "floor_us": floors, "median_us": med, "runs": runs}, indent=1))

@@ -361,8 +361,9 @@ class LLMEngine:
         self._wake.set()
 
     def add_output_flush_hook(self, hook: Callable[[], None]) -> None:
-        """Call ``hook()`` on the engine thread each time a burst of outputs has been emitted:
-        after each step, after the inbox (aborts), after shutdown's last outputs.
+        """Call ``hook()`` on the engine thread where the outputs emitted so far should go to
+        their consumer: as each forward pass starts (the previous step's outputs), before the
+        engine waits for anything else, when no request is left running, and at shutdown.
 
         For a consumer that queues the ``on_output`` calls and wakes its reader once per
         burst (the server's ``LoopHandoff``) instead of once per output.  Call before
@@ -437,7 +438,8 @@ class LLMEngine:
         while not self._stop.is_set():
             try:
                 self._drain_inbox()
-                self._flush_outputs()  # aborts, before any idle wait below
+                if not self.running:
+                    self._flush_outputs()  # aborts, before any idle wait below; else the step flushes
                 if not self.running and not self.waiting:
                     if self.pool.copies_in_flight:
                         # NOTE: poll, never drain, while idle: a request arriving now would
@@ -464,7 +466,8 @@ class LLMEngine:
                         self._wake.clear()
                     continue
                 self._step()
-                self._flush_outputs()
+                if not self.running:
+                    self._flush_outputs()  # the last outputs: no next step will flush them
             except Exception:  # noqa: BLE001 - the thread must survive anything
                 logger.exception("engine step failed; failing the requests of this step")
                 for er in list(self.running):
@@ -533,6 +536,7 @@ class LLMEngine:
         t_sched = time.perf_counter()
         if not scheduled:
             # Nothing fits right now: copies in flight pin blocks; wait for them.
+            self._flush_outputs()
             self._complete_copies(wait=True)
             return
         next(self._step_count)
@@ -545,6 +549,10 @@ class LLMEngine:
             r = er.req
             c = r.num_computed_tokens
             seqs.append(ScheduledSeq(r.token_slice(c, c + n), c, list(r.block_tables), c + n == r.num_total_tokens))
+        # NOTE: the previous step's outputs go to their consumer here, as the forward pass
+        # starts: a consumer on another thread (the server's event loop) then runs while this
+        # thread waits for the device, instead of taking the GIL in the middle of a step.
+        self._flush_outputs()
         try:
             logits = self.runner.forward(seqs, self.pool.layer_caches, counter)
         except Exception as exc:
@@ -556,6 +564,7 @@ class LLMEngine:
                 # redo the same tokens next step.
                 logger.warning("step dropped: %s", exc)
                 self._counters["num_failed_load_steps"] += 1
+                self._flush_outputs()
                 self._complete_copies(wait=True)
                 return
             raise

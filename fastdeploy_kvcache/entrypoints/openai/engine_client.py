@@ -35,7 +35,7 @@ class LoopHandoff:
     GIL to the loop's thread in the middle of the engine's step.  A step emits one output per
     running request in a burst, so calls queue here and only the first of a burst schedules
     a drain; the drain runs everything queued until it ends.  The server goes one further
-    (:meth:`wait_for_flush`): the engine wakes the loop once, after the step.
+    (:meth:`wait_for_flush`): the engine wakes the loop once per step, as its forward starts.
     """
 
     _of_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopHandoff]" = weakref.WeakKeyDictionary()
@@ -65,9 +65,9 @@ class LoopHandoff:
     def wait_for_flush(self) -> None:
         """From now on, calls wait for :meth:`flush` instead of waking the loop themselves.
 
-        The engine flushes after each step (``LLMEngine.add_output_flush_hook``): the loop's
-        thread then serialises the step's outputs while the engine waits for the GPU, not in
-        the middle of the step, where both would want the GIL.
+        The engine flushes as its next forward pass starts (``LLMEngine.add_output_flush_hook``):
+        the loop's thread then serialises a step's outputs while the engine waits for the GPU,
+        not in the middle of the step, where both would want the GIL.
         """
         self._wait_for_flush = True
 
