@@ -366,8 +366,8 @@ class LLMEngine:
         engine waits for anything else, when no request is left running, and at shutdown.
 
         For a consumer that queues the ``on_output`` calls and wakes its reader once per
-        burst (the server's ``LoopHandoff``) instead of once per output.  Call before
-        :meth:`start`.  A hook that raises is logged and the engine goes on.
+        burst (the server's ``LoopHandoff``) instead of once per output.  Add it before the
+        requests whose outputs it flushes.  A hook that raises is logged and the engine goes on.
         """
         self._output_flush_hooks.append(hook)
 
