@@ -104,8 +104,8 @@ class Allocator:
         if st is None:
             plan = self._allocate_first(request, num_tokens=num_tokens)
         else:
-            need = max(0, -(-num_tokens // self.block_size) - len(st.block_ids))
-            ids = self._append_blocks(st, need)
+            need = -(-num_tokens // self.block_size) - len(st.block_ids)
+            ids = self._append_blocks(st, need) if need > 0 else []
             plan = ResidencyPlan(new_block_ids=ids, num_cached_tokens=request.num_cached_tokens)
         self.evictor.hand_evictions_to(request)
         return plan

@@ -317,6 +317,8 @@ class Evictor:
     def hand_evictions_to(self, request: Request) -> None:
         """Evictions made for this allocation call travel with ``request``; earlier ones that
         no request took yet travel with it too, so they reach this step's batch."""
+        if not self._call_evictions and not self._pending_evictions:
+            return  # the usual case: a call that evicted nothing
         evict = self._make_evict_metadata(self._call_evictions)
         self._call_evictions = []
         if self._pending_evictions:

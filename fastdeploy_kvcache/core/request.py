@@ -166,6 +166,9 @@ class BatchRequest:
         Every metadata object is checked first, so a bad one changes neither the batch
         nor the request.
         """
+        if not request.cache_evict_metadata and not request.cache_swap_metadata:
+            self.requests.append(request)  # most requests of a step carry no copies
+            return
         for meta in request.cache_evict_metadata:
             self._check_direction(meta, CopyDirection.DEVICE_TO_HOST)
         for meta in request.cache_swap_metadata:

@@ -68,6 +68,10 @@ OutputCallback = Callable[[RequestOutput], None]
 # bounds (doubling), so a new request is picked up at once and finished copies soon after.
 _IDLE_POLL_MIN_S = 0.0005
 _IDLE_POLL_MAX_S = 0.01
+# While requests run, the stats snapshot (get_stats) is rebuilt at most this often: building
+# it is tens of microseconds, a share of a short GPU step.  An idle engine, a step by hand
+# (step()) and the step that runs the last request refresh it at once.
+_STATS_PERIOD_S = 0.05
 
 
 class _EngineRequest:
@@ -209,10 +213,12 @@ class LLMEngine:
         self._idle = threading.Event()
         self._idle.set()
         self._step_count = itertools.count()
+        self._output_flush_hooks: list[Callable[[], None]] = []
         self._counters = {"num_steps": 0, "num_preemptions": 0, "num_failed_load_steps": 0,
                           "prompt_tokens_computed": 0, "output_tokens": 0, "num_finished": 0,
                           "steps_with_loads": 0, "layer_waits": 0, "cudagraph_replays": 0}
         self._stats_snapshot: dict[str, Any] = {}
+        self._stats_time = 0.0  # time.monotonic() of the snapshot
         self.step_times = StepTimes()
         self.request_timings = RecentTimings()
         self._refresh_stats()
@@ -274,6 +280,7 @@ class LLMEngine:
             raise RuntimeError("step(): the engine is shut down")
         self._drain_inbox()
         self._step()
+        self._flush_outputs()
         self._refresh_stats()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -296,6 +303,7 @@ class LLMEngine:
         self._drain_inbox()
         for er in list(self.running) + list(self.waiting):
             self._finish(er, "abort")
+        self._flush_outputs()
         try:
             self.pool.complete_finished(wait=True)
         except Exception:  # noqa: BLE001 - shutting down anyway
@@ -358,6 +366,24 @@ class LLMEngine:
         self._inbox.put(("add", er))
         self._wake.set()
 
+    def add_output_flush_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` on the engine thread where the outputs emitted so far should go to
+        their consumer: as each forward pass starts (the previous step's outputs), before the
+        engine waits for anything else, when no request is left running, and at shutdown.
+
+        For a consumer that queues the ``on_output`` calls and wakes its reader once per
+        burst (the server's ``LoopHandoff``) instead of once per output.  Add it before the
+        requests whose outputs it flushes.  A hook that raises is logged and the engine goes on.
+        """
+        self._output_flush_hooks.append(hook)
+
+    def _flush_outputs(self) -> None:
+        for hook in self._output_flush_hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine
+                logger.exception("output flush hook %r failed", hook)
+
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step; its blocks are freed and it finishes with "abort"."""
         self._inbox.put(("abort", request_id))
@@ -369,7 +395,8 @@ class LLMEngine:
         return health() if health is not None else None
 
     def get_stats(self) -> dict[str, Any]:
-        """A snapshot refreshed by the engine thread after every step (safe from any thread)."""
+        """A snapshot the engine thread refreshes (safe from any thread): at most every 50 ms while
+        requests run, at once when the last one finishes or the engine is idle, after a step()."""
         with self._lock:
             return dict(self._stats_snapshot)
 
@@ -417,6 +444,8 @@ class LLMEngine:
         while not self._stop.is_set():
             try:
                 self._drain_inbox()
+                if not self.running:
+                    self._flush_outputs()  # aborts, before any idle wait below; else the step flushes
                 if not self.running and not self.waiting:
                     if self.pool.copies_in_flight:
                         # NOTE: poll, never drain, while idle: a request arriving now would
@@ -443,10 +472,13 @@ class LLMEngine:
                         self._wake.clear()
                     continue
                 self._step()
+                if not self.running:
+                    self._flush_outputs()  # the last outputs: no next step will flush them
             except Exception:  # noqa: BLE001 - the thread must survive anything
                 logger.exception("engine step failed; failing the requests of this step")
                 for er in list(self.running):
                     self._finish(er, "error", error="internal engine error (see the server log)")
+                self._flush_outputs()
                 try:
                     self._complete_copies(wait=True)
                 except Exception:  # noqa: BLE001
@@ -529,6 +561,7 @@ class LLMEngine:
         t_sched = time.perf_counter()
         if not scheduled:
             # Nothing fits right now: copies in flight pin blocks; wait for them.
+            self._flush_outputs()
             self._complete_copies(wait=True)
             return
         next(self._step_count)
@@ -541,6 +574,10 @@ class LLMEngine:
             r = er.req
             c = r.num_computed_tokens
             seqs.append(ScheduledSeq(r.token_slice(c, c + n), c, list(r.block_tables), c + n == r.num_total_tokens))
+        # NOTE: the previous step's outputs go to their consumer here, as the forward pass
+        # starts: a consumer on another thread (the server's event loop) then runs while this
+        # thread waits for the device, instead of taking the GIL in the middle of a step.
+        self._flush_outputs()
         try:
             logits = self.runner.forward(seqs, self.pool.layer_caches, counter)
         except Exception as exc:
@@ -552,6 +589,7 @@ class LLMEngine:
                 # redo the same tokens next step.
                 logger.warning("step dropped: %s", exc)
                 self._counters["num_failed_load_steps"] += 1
+                self._flush_outputs()
                 self._complete_copies(wait=True)
                 return
             raise
@@ -573,16 +611,17 @@ class LLMEngine:
         rewound = self._complete_copies(wait=False)
         self._commit_prefill(scheduled)
         t_complete = time.perf_counter()
+        # Greedy rows take one argmax over the whole matrix (the same ids as row by row).
+        greedy = np.argmax(logits, axis=1).tolist() if len(logits) and self._all_greedy(scheduled, seqs) else None
         k = 0
         for (er, n), s in zip(scheduled, seqs):
             if not s.wants_logits:
                 continue
-            logits_row = logits[k]
             k += 1
-            if er.finished or er.request_id in rewound:
+            if er.finished or (rewound and er.req.request_id in rewound):
                 continue
             try:
-                self.append_token(er, er.sampler.sample(logits_row))
+                self.append_token(er, greedy[k - 1] if greedy is not None else er.sampler.sample(logits[k - 1]))
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own
                 logger.exception("request %s failed", er.request_id)
                 self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
@@ -593,7 +632,13 @@ class LLMEngine:
              "gpu_wait": wait_s, "complete": t_complete - t_forward, "sample": time.perf_counter() - t_complete},
             getattr(self.runner, "last_load_wait_gpu_s", 0.0), len(scheduled))
         self._flush_kv_events()
-        self._refresh_stats()
+        if not self.running or time.monotonic() - self._stats_time >= _STATS_PERIOD_S:
+            self._refresh_stats()
+
+    @staticmethod
+    def _all_greedy(scheduled: list[tuple[_EngineRequest, int]], seqs: list[ScheduledSeq]) -> bool:
+        """Whether every request that samples this step decodes greedily."""
+        return all(er.params.greedy for (er, _), s in zip(scheduled, seqs) if s.wants_logits)
 
     def _commit_prefill(self, scheduled: list[tuple[_EngineRequest, int]]) -> None:
         """Make the prompt blocks this step completed reusable now (requests held for them
@@ -615,6 +660,7 @@ class LLMEngine:
     def _schedule(self) -> list[tuple[_EngineRequest, int]]:
         """Pick this step's requests and token counts; make their blocks resident."""
         budget = self.args.max_num_batched_tokens
+        block_size = self.cache_config.block_size
         out: list[tuple[_EngineRequest, int]] = []
         preempted = False
         i = 0
@@ -623,6 +669,15 @@ class LLMEngine:
             r = er.req
             n = min(r.num_total_tokens - r.num_computed_tokens, budget)
             if n <= 0:
+                i += 1
+                continue
+            if len(r.block_tables) * block_size >= r.num_computed_tokens + n:
+                # NOTE: most decode steps need no new block: skip the pool's call (it would
+                # only check the table and find nothing to do), the one per-request cost of
+                # scheduling a running request.  Copies the pool queued meanwhile still go
+                # with this step's batch (begin_step issues them).
+                out.append((er, n))
+                budget -= n
                 i += 1
                 continue
             try:
@@ -751,7 +806,7 @@ class LLMEngine:
             safe = len(text) - (er.max_stop_len - 1 if er.max_stop_len else 0)
             delta = text[er.text_sent : max(er.text_sent, safe)]
             er.text_sent += len(delta)
-            self._emit(er, RequestOutput(request_id=er.request_id, new_token_ids=[token], text=delta))
+            self._emit(er, [token], delta)
             return
         self._finish(er, reason, new_token_ids=[token])
 
@@ -787,20 +842,21 @@ class LLMEngine:
             self.request_timings.add(request_timing(
                 er.request_id, er.arrival_time, er.admitted_time, er.first_token_time, er.fetch, er.first_step,
                 {"device": er.cached_device, "host": er.cached_host, "storage": er.cached_storage}))
-        self._emit(er, RequestOutput(request_id=er.request_id, new_token_ids=list(new_token_ids or []), text=delta,
-                                     finished=True, finish_reason=reason, error=error))
+        self._emit(er, list(new_token_ids or []), delta, finished=True, finish_reason=reason, error=error)
         self._requests.pop(er.request_id, None)
         with self._lock:
             self._live_ids.discard(er.request_id)
 
-    def _emit(self, er: _EngineRequest, out: RequestOutput) -> None:
+    def _emit(self, er: _EngineRequest, new_token_ids: list[int], text: str, finished: bool = False,
+              finish_reason: Optional[str] = None, error: Optional[str] = None) -> None:
+        """Hand ``er``'s output of this step to its callback (built in one call: it runs per token)."""
         r = er.req
-        out.num_prompt_tokens = r.num_prompt_tokens
-        out.num_output_tokens = len(r.output_token_ids)
-        out.num_cached_tokens = er.num_cached_tokens
-        out.cached_tokens_by_tier = {"device": er.cached_device, "host": er.cached_host, "storage": er.cached_storage}
-        out.first_token_time = er.first_token_time
-        out.arrival_time = er.arrival_time
+        dev, host, storage = er.cached_device, er.cached_host, er.cached_storage
+        out = RequestOutput(request_id=r.request_id, new_token_ids=new_token_ids, text=text, finished=finished,
+                            finish_reason=finish_reason, num_prompt_tokens=len(r.prompt_token_ids),
+                            num_output_tokens=len(r.output_token_ids), num_cached_tokens=dev + host + storage,
+                            cached_tokens_by_tier={"device": dev, "host": host, "storage": storage},
+                            first_token_time=er.first_token_time, arrival_time=er.arrival_time, error=error)
         try:
             er.on_output(out)
         except Exception:  # noqa: BLE001 - a broken callback must not stop the engine
@@ -833,3 +889,4 @@ class LLMEngine:
             snap["kv_events"] = self.kv_events.stats()
         with self._lock:
             self._stats_snapshot = snap
+        self._stats_time = time.monotonic()

@@ -23,6 +23,7 @@ import threading
 from typing import Any
 
 PHASES = ("schedule", "submit", "launch", "gpu_wait", "complete", "sample")
+_KEYS = {p: f"{p}_s" for p in PHASES}  # built once: add() runs every step
 
 
 class StepTimes:
@@ -40,15 +41,16 @@ class StepTimes:
 
     def add(self, phases: dict[str, float], load_wait_gpu_s: float, running: int) -> None:
         """One step's phase seconds (keys of :data:`PHASES`), with ``running`` requests."""
-        targets = [self._all] + ([self._busy] if running >= self.busy_threshold else [])
+        targets = (self._all, self._busy) if running >= self.busy_threshold else (self._all,)
         total = sum(phases.values())
+        keys = _KEYS
         with self._lock:
             for t in targets:
                 t["steps"] += 1
                 t["step_s"] += total
                 t["load_wait_gpu_s"] += load_wait_gpu_s
                 for p, s in phases.items():
-                    t[f"{p}_s"] += s
+                    t[keys[p]] += s
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -13,10 +13,11 @@ next to the converted model, so later starts just load ``tokenizer.json``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,13 @@ class EngineTokenizer:
         self.hf = hf_tokenizer
         self.eos_token_ids: list[int] = sorted({int(t) for t in eos_token_ids})
         self.vocab_size: int = len(hf_tokenizer)
+        # NOTE: decode runs twice per output token (IncrementalDetokenizer); transformers'
+        # decode wraps the Rust tokenizer's in argument conversions that cost more than the
+        # decoding itself, so a fast tokenizer's backend is called directly (what its
+        # _decode does, clean-up included).
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._backend_decode = getattr(backend, "decode", None)
+        self._clean_up = bool(getattr(hf_tokenizer, "clean_up_tokenization_spaces", False))
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
@@ -45,7 +53,19 @@ class EngineTokenizer:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self._backend_decode is None:
+            return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self._backend_decode(ids if isinstance(ids, list) else [int(t) for t in ids],
+                                    skip_special_tokens=skip_special_tokens)
+        return self.hf.clean_up_tokenization(text) if self._clean_up else text
+
+    def list_decoder(self) -> Callable[[list[int]], str]:
+        """``decode`` of a list of ids, special tokens skipped, as one call with nothing in
+        between where the backend allows it (the incremental detokenizer's per-token path)."""
+        backend_decode = self._backend_decode
+        if backend_decode is None or self._clean_up:
+            return self.decode
+        return functools.partial(backend_decode, skip_special_tokens=True)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return list(self.hf.convert_ids_to_tokens(list(ids)))
@@ -114,6 +134,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: EngineTokenizer) -> None:
         self.tokenizer = tokenizer
+        self._decode = tokenizer.list_decoder()
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -122,7 +143,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one id; return the text it completes (may be empty)."""
         self.ids.append(int(token_id))
-        dec = self.tokenizer.decode
+        dec = self._decode
         prefix = dec(self.ids[self.prefix_offset : self.read_offset])
         full = dec(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

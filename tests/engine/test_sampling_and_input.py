@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 from typing import Any
 
@@ -206,3 +207,59 @@ def test_tiny_tokenizer_is_deterministic_and_round_trips() -> None:
     assert a.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
     d = IncrementalDetokenizer(a)
     assert "".join(d.add(t) for t in a.encode(text)) + d.flush() == text
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_decode_matches_transformers_decode(clean_up: bool) -> None:
+    """The engine decodes through the Rust tokenizer directly (it runs twice per output
+    token); the text must be what transformers' own decode gives, special tokens and the
+    clean-up of spaces before punctuation included."""
+    tok = build_tiny_tokenizer()
+    tok.hf.clean_up_tokenization_spaces = clean_up
+    fast = type(tok)(tok.hf, tok.eos_token_ids)
+    assert fast._backend_decode is not None  # the direct path is the one under test
+    rng = np.random.default_rng(0)
+    specials = tok.encode("<|im_start|>user\nhi , there .<|im_end|>")
+    cases = [specials, tok.encode("a , b . c ! d ?"), []]
+    cases += [rng.integers(0, tok.vocab_size, size=int(n)).tolist() for n in rng.integers(1, 40, size=50)]
+    for ids in cases:
+        for skip in (True, False):
+            assert fast.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip), ids
+    assert fast.decode(np.asarray(cases[0])) == tok.hf.decode(cases[0], skip_special_tokens=True)
+
+
+def test_a_consumer_that_delivers_on_the_output_flush_gets_every_output(engine_factory: Any) -> None:
+    """The server hands outputs to its event loop only when the engine flushes them
+    (LLMEngine.add_output_flush_hook): every output must be followed by a flush, the last
+    step's and an abort of a waiting request included, or a stream would hang."""
+    eng = engine_factory(v1=True, max_num_seqs=1)
+    lock = threading.Lock()
+    pending: list[Any] = []
+    delivered = Collector()
+
+    def on_output(out: Any) -> None:
+        with lock:
+            pending.append(out)
+
+    def flush() -> None:
+        with lock:
+            items = pending[:]
+            pending.clear()
+        for out in items:
+            delivered(out)
+
+    def broken() -> None:
+        raise RuntimeError("a consumer's bug")
+
+    eng.add_output_flush_hook(broken)  # logged; the engine and the other hooks go on
+    eng.add_output_flush_hook(flush)
+    eng.add_request("a", PROMPT, greedy(12), on_output)
+    eng.add_request("b", PROMPT, greedy(12), on_output)  # waits: one request runs at a time
+    deadline = time.monotonic() + 30
+    while not delivered.outputs.get("a") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    eng.abort("b")
+    assert eng.wait_idle(30)
+    assert pending == []
+    assert delivered.final("a").finish_reason == "length" and len(delivered.tokens("a")) == 12
+    assert delivered.final("b").finish_reason == "abort"
