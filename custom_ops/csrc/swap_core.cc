@@ -14,6 +14,8 @@
 #include <thread>
 #include <unordered_set>
 
+#include <unistd.h>
+
 #if !FDKV_WITH_CUDA
 #include <sys/mman.h>
 #endif
@@ -34,7 +36,7 @@ struct OptionSpec {
   int64_t lo;
   int64_t hi;
 };
-constexpr int kNumOptions = 18;
+constexpr int kNumOptions = 20;
 const OptionSpec kSpecs[kNumOptions] = {
     {"copy_grid", 8, 1, 65535},
     {"copy_path", kCopyAuto, kCopyAuto, kCopyStaged},
@@ -86,6 +88,15 @@ const OptionSpec kSpecs[kNumOptions] = {
     // does not wait for the stack's staged plan and pipeline start (~0.2 ms of host time for
     // 48 layers of 512 blocks on an H100 host), which the forward pass would.
     {"staged_stack_from_group", 1, 0, 1 << 20},
+    // File reads (file_io.cc, ReadFilesHashed): most threads one batch read is spread over
+    // (the calling thread is one of them; 1 reads on the caller alone).  The default is
+    // min(4, online CPUs), set in InitDefaults: one thread hashing at ~10 GB/s behind a
+    // page-cache copy could not keep up with a plain read's copy alone.
+    {"read_threads", 4, 1, 256},
+    // Each thread beyond the caller's needs this many payload bytes of the batch: starting
+    // a thread costs ~20-50 us, about what 256 KiB of page-cache read and hash take.
+    // 0: split any batch (tests).
+    {"read_thread_min_bytes", 1 << 20, 0, kInt64Max},
 };
 
 std::atomic<int64_t> g_values[kNumOptions];
@@ -100,6 +111,9 @@ const OptionSpec* SpecByOption(const std::string& name) {
 void InitDefaults() {
   std::call_once(g_defaults_once, [] {
     for (int i = 0; i < kNumOptions; ++i) g_values[i].store(kSpecs[i].def);
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    const OptionSpec* rt = SpecByOption("read_threads");
+    g_values[rt - kSpecs].store(std::max<int64_t>(1, std::min<int64_t>(rt->def, cpus)));
   });
 }
 

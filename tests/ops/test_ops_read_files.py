@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -145,3 +147,132 @@ def test_hashed_read_refuses_bad_arguments_naming_them(capi_cpu: ops.CApi, tmp_p
     assert e.value.argument == "dsts"
     assert (buf == 0).all()
     assert capi_cpu.read_files_hashed([], [], [], HEADER, 64, 64)[1:] == ([], [])
+
+
+@pytest.fixture
+def read_options(capi_cpu: ops.CApi):
+    """The read threading options, restored after the test (they are process-wide)."""
+    names = ("read_threads", "read_thread_min_bytes")
+    before = {k: capi_cpu.get_option(k) for k in names}
+    yield before
+    for k, v in before.items():
+        capi_cpu.set_option(k, v)
+
+
+def _mixed_batch(tmp_path: Path) -> tuple[list[bytes], list[int], list[bytes]]:
+    """Objects of mixed sizes (around the piece and step edges, up to ~1 MiB), with short,
+    long, headerless, missing and unreadable ones among them: paths, buffer sizes, payloads."""
+    rng = np.random.default_rng(25)
+    sizes = [0, 1, 240, 4096, 4097, 65_536, 300_000, 1 << 20, 12_289, 777]
+    payloads = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    paths = [_write(tmp_path / f"o{i}", bytes([i]) * HEADER, p) for i, p in enumerate(payloads)]
+    bufs = list(sizes)
+    paths.append(_write(tmp_path / "short", b"h" * HEADER, b"x" * 100))
+    bufs.append(50_000)
+    paths.append(_write(tmp_path / "long", b"l" * HEADER, bytes(range(256)) * 400))
+    bufs.append(60_000)
+    paths.append(_write(tmp_path / "headless", b"h" * 10, b""))
+    bufs.append(4096)
+    paths.append(os.fsencode(str(tmp_path / "missing")))
+    bufs.append(4096)
+    (tmp_path / "dir").mkdir()
+    paths.append(os.fsencode(str(tmp_path / "dir")))
+    bufs.append(4096)
+    # Interleave the failures with the good objects, so each thread meets some of both.
+    order = [0, 10, 1, 2, 11, 3, 4, 12, 5, 6, 13, 7, 8, 14, 9]
+    return [paths[i] for i in order], [bufs[i] for i in order], payloads
+
+
+def _read_all(capi: ops.CApi, paths: list[bytes], bufs: list[int]) -> tuple[bytes, list[int], list, list[bytes]]:
+    out = [np.full(max(n, 1), 7, dtype=np.uint8) for n in bufs]
+    headers, got, digests = capi.read_files_hashed(paths, [int(o.ctypes.data) for o in out], bufs, HEADER, 4096, 3000)
+    return bytes(headers), got, digests, [o.tobytes() for o in out]
+
+
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_threaded_hashed_read_matches_the_one_thread_read(capi_cpu: ops.CApi, tmp_path: Path, read_options: dict,
+                                                          threads: int) -> None:
+    """Headers, byte counts, digests and buffers are the same whatever the read threads,
+    for a batch of mixed sizes with failures among the objects."""
+    _need_hashed(capi_cpu)
+    paths, bufs, payloads = _mixed_batch(tmp_path)
+    capi_cpu.set_option("read_threads", 1)
+    one = _read_all(capi_cpu, paths, bufs)
+    capi_cpu.set_option("read_threads", threads)
+    capi_cpu.set_option("read_thread_min_bytes", 0)
+    many = _read_all(capi_cpu, paths, bufs)
+    assert many == one
+    # And the one-thread read is right: every good object whole, with the chained checksum.
+    _, got, digests, data = one
+    good = [i for i, p in enumerate(paths) if os.path.basename(p).startswith(b"o")]
+    assert len(good) == len(payloads)
+    for i in good:
+        p = payloads[int(os.path.basename(paths[i])[1:])]
+        assert got[i] == HEADER + len(p) and digests[i] == _chain(p, 4096) and data[i][:len(p)] == p
+    assert sorted(g for i, g in enumerate(got) if i not in good) == \
+        sorted([HEADER + 100, HEADER + 60_001, 10, -errno.ENOENT, -errno.EISDIR])
+    assert [d for i, d in enumerate(digests) if i not in good].count(None) == 4
+
+
+def _reads_past_a_stalled_object(capi: ops.CApi, tmp_path: Path, wait_s: float) -> tuple[bool, list[int]]:
+    """Read [a FIFO nobody writes yet, a regular file]: whether the file's bytes landed while
+    the FIFO's open still waited for a writer (only another read thread can get them), and
+    ``got``.  After ``wait_s`` the FIFO gets its writer, so the read always ends."""
+    tmp_path.mkdir(exist_ok=True)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    payload = b"\x5a" * 8192
+    paths = [os.fsencode(str(fifo)), _write(tmp_path / "file", b"f" * HEADER, payload)]
+    out = np.zeros((2, len(payload)), dtype=np.uint8)
+    result: dict = {}
+
+    def read() -> None:
+        result["r"] = capi.read_files_hashed(paths, [int(out.ctypes.data), int(out.ctypes.data) + len(payload)],
+                                              [len(payload)] * 2, HEADER, 4096, 4096)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline = time.monotonic() + wait_s
+    landed = False
+    while time.monotonic() < deadline and not landed:
+        landed = bool(out[1, -1] == 0x5A)  # the reader holds no GIL: its writes show as they land
+        time.sleep(0.005)
+    with open(fifo, "wb"):  # lets the FIFO's open return; the read on it then fails
+        pass
+    reader.join(30)
+    assert not reader.is_alive()
+    return landed, result["r"][1]
+
+
+def test_other_objects_are_read_while_one_stalls(capi_cpu: ops.CApi, tmp_path: Path, read_options: dict) -> None:
+    """With several read threads a slow object (a cold file, here a FIFO's open) holds up
+    only its own thread; with one, the objects after it wait."""
+    _need_hashed(capi_cpu)
+    capi_cpu.set_option("read_threads", 2)
+    capi_cpu.set_option("read_thread_min_bytes", 0)
+    landed, got = _reads_past_a_stalled_object(capi_cpu, tmp_path / "two", 20.0)
+    assert landed and got[1] == HEADER + 8192 and got[0] < 0
+    capi_cpu.set_option("read_threads", 1)
+    landed, got = _reads_past_a_stalled_object(capi_cpu, tmp_path / "one", 0.3)
+    assert not landed and got[1] == HEADER + 8192 and got[0] < 0
+
+
+def test_read_thread_min_bytes_keeps_small_batches_on_the_caller(capi_cpu: ops.CApi, tmp_path: Path,
+                                                                 read_options: dict) -> None:
+    """A batch under read_thread_min_bytes of payload reads on the calling thread alone."""
+    _need_hashed(capi_cpu)
+    capi_cpu.set_option("read_threads", 4)
+    capi_cpu.set_option("read_thread_min_bytes", 1 << 20)  # the batch below moves 16 KiB
+    landed, _ = _reads_past_a_stalled_object(capi_cpu, tmp_path, 0.3)
+    assert not landed
+
+
+def test_read_thread_options_default_and_refuse_bad_values(capi_cpu: ops.CApi, read_options: dict) -> None:
+    assert read_options["read_threads"] == max(1, min(4, os.sysconf("SC_NPROCESSORS_ONLN")))
+    assert read_options["read_thread_min_bytes"] == 1 << 20
+    for name, bad in (("read_threads", 0), ("read_threads", -2), ("read_threads", 257), ("read_thread_min_bytes", -1)):
+        with pytest.raises(ops.SwapOpError, match=f"'{name}' is unknown or value {bad} is out of its range"):
+            capi_cpu.set_option(name, bad)
+        assert capi_cpu.get_option(name) == read_options[name]
+    capi_cpu.set_option("read_threads", 256)
+    assert capi_cpu.get_option("read_threads") == 256
