@@ -140,6 +140,8 @@ FDKV_API int fdkv_read_files(const char* const* paths, int64_t n, void* const* d
 // fdkv_read_files that also checksums each payload while reading it, step_bytes at a time:
 // digests[i] = xxh3-64 chained over piece_bytes pieces of dsts[i] (piece k seeded with piece
 // k-1's hash, the first with 0), hashed[i] = 1 where the whole buffer was filled, else 0.
+// The objects are read on up to the read_threads option's threads, the caller's among them
+// (each with at least read_thread_min_bytes of payload); it returns when all are done.
 // Where fdkv_has_hashed_read() == 0 (built without xxHash's header, or a CPU without
 // AVX-512 F and BW) it fails with FDKV_ERR_OTHER.  Neither function is covered by FDKV_ABI_VERSION: look both up by name.
 FDKV_API int fdkv_read_files_hashed(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,

@@ -90,13 +90,14 @@ const OptionSpec kSpecs[kNumOptions] = {
     {"staged_stack_from_group", 1, 0, 1 << 20},
     // File reads (file_io.cc, ReadFilesHashed): most threads one batch read is spread over
     // (the calling thread is one of them; 1 reads on the caller alone).  The default is
-    // min(4, online CPUs), set in InitDefaults: one thread hashing at ~10 GB/s behind a
-    // page-cache copy could not keep up with a plain read's copy alone.
+    // half the online CPUs, 1 to 4, set in InitDefaults: on a 2-core VM shared with another
+    // job a second thread made warm 64 KiB reads slower in the median (it waits for a core,
+    // and the call for its last object) though cold reads gained from two in flight.
     {"read_threads", 4, 1, 256},
-    // Each thread beyond the caller's needs this many payload bytes of the batch: starting
-    // a thread costs ~20-50 us, about what 256 KiB of page-cache read and hash take.
-    // 0: split any batch (tests).
-    {"read_thread_min_bytes", 1 << 20, 0, kInt64Max},
+    // Each thread, the caller's included, needs this many payload bytes of the batch:
+    // starting one costs ~20-30 us, and on the 2-core VM a 2 MiB batch read no faster on
+    // two threads (4 MiB did).  0: split any batch (tests).
+    {"read_thread_min_bytes", 2 << 20, 0, kInt64Max},
 };
 
 std::atomic<int64_t> g_values[kNumOptions];
@@ -113,7 +114,7 @@ void InitDefaults() {
     for (int i = 0; i < kNumOptions; ++i) g_values[i].store(kSpecs[i].def);
     const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     const OptionSpec* rt = SpecByOption("read_threads");
-    g_values[rt - kSpecs].store(std::max<int64_t>(1, std::min<int64_t>(rt->def, cpus)));
+    g_values[rt - kSpecs].store(std::max<int64_t>(1, std::min<int64_t>(rt->def, cpus / 2)));
   });
 }
 

@@ -283,8 +283,9 @@ class CApi:
 
         Reads each payload ``step_bytes`` at a time and hashes each step right after it
         lands (still in the CPU cache): xxh3-64 over every ``piece_bytes`` of ``dsts[i]``,
-        each piece seeded with the previous piece's hash.  Returns ``(headers, got,
-        digests)``; ``digests[i]`` is None where the buffer was not filled.  Raises
+        each piece seeded with the previous piece's hash.  The objects are spread over up to
+        the ``read_threads`` option's threads inside the call (each with at least
+        ``read_thread_min_bytes`` of payload); the results do not depend on how many.  Returns ``(headers, got, digests)``; ``digests[i]`` is None where the buffer was not filled.  Raises
         :class:`SwapOpError` for bad arguments or a library without the function, and
         RuntimeError where :attr:`has_hashed_read` is False (built without xxHash, or a CPU
         without AVX-512).

@@ -259,7 +259,8 @@ def test_other_objects_are_read_while_one_stalls(capi_cpu: ops.CApi, tmp_path: P
 
 def test_read_thread_min_bytes_keeps_small_batches_on_the_caller(capi_cpu: ops.CApi, tmp_path: Path,
                                                                  read_options: dict) -> None:
-    """A batch under read_thread_min_bytes of payload reads on the calling thread alone."""
+    """A batch of less than read_thread_min_bytes of payload per thread reads on the calling
+    thread alone."""
     _need_hashed(capi_cpu)
     capi_cpu.set_option("read_threads", 4)
     capi_cpu.set_option("read_thread_min_bytes", 1 << 20)  # the batch below moves 16 KiB
@@ -268,8 +269,8 @@ def test_read_thread_min_bytes_keeps_small_batches_on_the_caller(capi_cpu: ops.C
 
 
 def test_read_thread_options_default_and_refuse_bad_values(capi_cpu: ops.CApi, read_options: dict) -> None:
-    assert read_options["read_threads"] == max(1, min(4, os.sysconf("SC_NPROCESSORS_ONLN")))
-    assert read_options["read_thread_min_bytes"] == 1 << 20
+    assert read_options["read_threads"] == max(1, min(4, os.sysconf("SC_NPROCESSORS_ONLN") // 2))
+    assert read_options["read_thread_min_bytes"] == 2 << 20
     for name, bad in (("read_threads", 0), ("read_threads", -2), ("read_threads", 257), ("read_thread_min_bytes", -1)):
         with pytest.raises(ops.SwapOpError, match=f"'{name}' is unknown or value {bad} is out of its range"):
             capi_cpu.set_option(name, bad)
