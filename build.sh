@@ -10,8 +10,8 @@
 #                          without a GPU (every test would skip)
 #   bash build.sh serve-gpu
 #                          serve on a GPU machine with PyTorch and CUDA and no Paddle: the
-#                          transformers model runner (--model-impl transformers) with
-#                          ENABLE_V1_KVCACHE_MANAGER=1 and a host tier (--swap-space
+#                          transformers model runner (--model-impl transformers, decode
+#                          steps from CUDA graphs) with ENABLE_V1_KVCACHE_MANAGER=1 and a host tier (--swap-space
 #                          ${FDKV_SWAP_SPACE:-4} GiB) on 127.0.0.1:8188; extra args pass through
 #                          (e.g. --model llama3-8b-random --kv-cache-memory-gib 16)
 #   Offline GPU machine: put the wheels it lacks in .whl/ (docs/usage.md lists them); gpu-test
@@ -152,6 +152,10 @@ ensure_toolchain() {
 }
 
 build_capi_cpu() { ensure_toolchain; quiet_when_current bash custom_ops/capi/build_capi.sh cpu; }
+# The GPU machine's paths: the storage tier's host-side transfers use the CPU library too.  No
+# package installs there (it may have no network): without xxHash's header the file reads
+# hash in Python.
+build_capi_cpu_with_what_is_here() { quiet_when_current bash custom_ops/capi/build_capi.sh cpu; }
 build_capi_gpu() {
   have_nvcc || die "the CUDA C ABI library needs nvcc (the CUDA toolkit): none on PATH or in /usr/local/cuda/bin"
   quiet_when_current bash custom_ops/capi/build_capi.sh gpu
@@ -239,6 +243,7 @@ case "$cmd" in
     # Without a GPU every test would skip and the run would look green: refuse instead.
     have_gpu || die "gpu-test needs an NVIDIA GPU, and \`nvidia-smi -L\` lists none on this machine; run it on a GPU machine (\`bash build.sh test\` runs the CPU suite)"
     build_capi_gpu
+    build_capi_cpu_with_what_is_here
     use_brought_wheels
     shift || true
     PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "${GPU_PY:-python3}" -m pytest -q -rs -p no:cacheprovider tests/gpu "$@" ;;
@@ -246,11 +251,12 @@ case "$cmd" in
     # The GPU path without Paddle: system python3 with torch, CUDA C ABI copies, tiered cache on.
     have_gpu || die "serve-gpu needs an NVIDIA GPU, and \`nvidia-smi -L\` lists none on this machine (\`bash build.sh serve\` serves on the CPU)"
     build_capi_gpu
+    build_capi_cpu_with_what_is_here
     use_brought_wheels
     shift || true
     log "serving on http://${FDKV_HOST:-127.0.0.1}:${FDKV_PORT:-8188} (transformers runner on the GPU, ENABLE_V1_KVCACHE_MANAGER=1, --swap-space ${FDKV_SWAP_SPACE:-4})"
     ENABLE_V1_KVCACHE_MANAGER=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "${GPU_PY:-python3}" \
-      -m fastdeploy_kvcache.entrypoints.openai.api_server --model-impl transformers --device gpu \
+      -m fastdeploy_kvcache.entrypoints.openai.api_server --model-impl transformers --device gpu --use-cudagraph \
       --host "${FDKV_HOST:-127.0.0.1}" --port "${FDKV_PORT:-8188}" --swap-space "${FDKV_SWAP_SPACE:-4}" "$@" ;;
   bench)
     shift || true
