@@ -63,10 +63,11 @@ def _complete(server: ServerProcess, prompt: list[int], max_tokens: int = 8) -> 
 
 
 @contextmanager
-def _open_request(server: ServerProcess, prompt: list[int]) -> Iterator[socket.socket]:
+def _open_request(server: ServerProcess, prompt: list[int], max_tokens: int = 8) -> Iterator[socket.socket]:
     """A completion request sent on a raw connection that the test closes when it wants
     (the server aborts a request whose client disconnected)."""
-    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True}).encode()
     host, port = server.base_url.split("//")[1].split(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
     try:
@@ -129,7 +130,10 @@ def test_an_aborted_follower_frees_what_it_held(recompute: ServerProcess) -> Non
         with cf.ThreadPoolExecutor(1) as pool:
             leader = pool.submit(_complete, server, leader_prompt, 64)
             _wait_for("the leader runs", lambda: server.engine_stats()["num_requests_running"] == 1)
-            with _open_request(server, PREFIX + prompt_ids(201, 5)):
+            # NOTE: a follower long enough to be still in flight when its client leaves: the
+            # engine's stats snapshot may be up to 50 ms old while requests run, so the test
+            # can see the hold only after it ended, and a short follower would finish first.
+            with _open_request(server, PREFIX + prompt_ids(201, 5), max_tokens=1024):
                 _wait_for("the follower is held",
                           lambda: server.engine_stats()["prefix_sharing"]["held_requests"] >= 1)
             text, cached = leader.result()
