@@ -9,21 +9,14 @@ engine on a CPU falls back to eager steps with a warning.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.triton_interpreter import TRITON_REASON, run_in_interpreter
 from fastdeploy_kvcache.engine.decode_graphs import graph_batch_sizes
 
-ROOT = Path(__file__).resolve().parents[2]
-TRITON_REASON = ("needs PyTorch and Triton, for Triton's CPU interpreter (pip install torch triton; Triton comes "
-                 "with CUDA builds of torch)")
 
 
 @pytest.mark.parametrize("max_num_seqs,sizes", [
@@ -42,11 +35,7 @@ def test_graph_batch_sizes(max_num_seqs: int, sizes: list[int]) -> None:
 def padded() -> dict[str, Any]:
     if importlib.util.find_spec("triton") is None:
         pytest.skip(TRITON_REASON)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-m", "tests.decode_graph_check"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_in_interpreter("tests.decode_graph_check")
 
 
 def test_padded_static_decode_matches_the_eager_path(padded: dict[str, Any]) -> None:

@@ -13,15 +13,11 @@ tests/gpu/test_torch_engine_gpu.py.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.triton_interpreter import TRITON_REASON, run_in_interpreter
 from tests.triton_decode_cases import (
     CASES,
     DTYPES,
@@ -31,20 +27,13 @@ from tests.triton_decode_cases import (
     assert_zero_length_ok,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-TRITON_REASON = ("needs PyTorch and Triton, for Triton's CPU interpreter (pip install torch triton; Triton comes "
-                 "with CUDA builds of torch)")
 if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
     pytest.skip(TRITON_REASON, allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-m", "tests.triton_decode_cases"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_in_interpreter("tests.triton_decode_cases")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
