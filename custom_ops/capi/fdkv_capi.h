@@ -148,6 +148,25 @@ FDKV_API int fdkv_read_files_hashed(const char* const* paths, int64_t n, void* c
                                     void* headers, int64_t header_bytes, int64_t piece_bytes, int64_t step_bytes,
                                     int64_t* got, uint64_t* digests, int32_t* hashed);
 FDKV_API int fdkv_has_hashed_read(void);
+// The hashed read with its payloads scattered: the n paths are NUL-terminated strings back
+// to back in path_blob (blob_bytes long: one buffer, no array of pointers to build); object
+// i's payload goes to segs_per_object segments, segment k at segs[i * segs_per_object + k]
+// of seg_bytes[k] bytes (shared_lengths != 0: the same lengths for every object) or of
+// seg_bytes[i * segs_per_object + k], filled in order with preadv iovecs.  The checksum is
+// the same as fdkv_read_files_hashed's over the concatenated segments (pieces may span
+// segments).  states[i] = 0 where the payload was not filled, 1 filled and hashed, 2 that
+// and the header is the file backend's object header (magic "FDKV", u16 version ==
+// check_version, u16 header bytes == header_bytes, u64 payload bytes == the segments'
+// total, u64 checksum == digests[i]) with nothing past the payload; check_version 0 checks
+// nothing (never 2).  Same threads and failure as fdkv_read_files_hashed.  Look it up by name.
+FDKV_API int fdkv_read_objects(const char* path_blob, int64_t blob_bytes, int64_t n, void* const* segs,
+                               const int64_t* seg_bytes, int64_t segs_per_object, int32_t shared_lengths,
+                               void* headers, int64_t header_bytes, int64_t piece_bytes, int64_t step_bytes,
+                               int32_t check_version, int64_t* got, uint64_t* digests, int32_t* states);
+// *count = how many of the n paths in path_blob (as fdkv_read_objects), from the first, are
+// regular files (stat, so a symlink to a file counts; a directory or a missing path ends
+// the count).  Holds no lock of the caller's.  Look it up by name.
+FDKV_API int fdkv_files_exist(const char* path_blob, int64_t blob_bytes, int64_t n, int64_t* count);
 // Bit mask of the paths the calling thread's last swap used: 1 memcpy, 2 kernel, 4 DMA, 8 CPU,
 // 16 staged, 32 (with 4) DMA as 2D rows over tensors at one pitch.
 FDKV_API int fdkv_last_path(void);

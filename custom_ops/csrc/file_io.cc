@@ -43,6 +43,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <system_error>
@@ -50,6 +51,7 @@
 #include <vector>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -122,37 +124,89 @@ void CheckReadArgs(const char* op, const char* const* paths, int64_t n, void* co
   }
 }
 
+// Where one object's payload goes: `count` segments, segs[k] of lens[k] bytes, filled in
+// order (one segment: a contiguous buffer; several: the blocks of one layer-major host-tier
+// block, each segment one layer's tensor).
+struct ObjectDst {
+  void* const* segs;
+  const int64_t* lens;
+  int64_t count;
+  int64_t size;  // the segments' total
+};
+
+// A position in an ObjectDst's payload: segment `seg`, `off` bytes into it.  Kept on a
+// segment with bytes left (or at `count`, the end), so Span() never yields an empty iovec.
+struct SegCursor {
+  int64_t seg = 0;
+  int64_t off = 0;
+  void Advance(const ObjectDst& d, int64_t bytes) {
+    while (bytes > 0 && seg < d.count) {
+      const int64_t left = d.lens[seg] - off;
+      if (bytes < left) {
+        off += bytes;
+        return;
+      }
+      bytes -= left;
+      ++seg;
+      off = 0;
+    }
+  }
+  char* At(const ObjectDst& d) const { return static_cast<char*>(d.segs[seg]) + off; }
+  int64_t Left(const ObjectDst& d) const { return d.lens[seg] - off; }
+};
+
+// At most this many payload iovecs per preadv (IOV_MAX is 1024); a step spanning more
+// segments is read in several preadvs.
+constexpr int kMaxPayloadIov = 64;
+
 #if FDKV_HAVE_XXHASH
 // Reads one object (header, then the payload in steps of `step` bytes, then one byte past
 // it) and hashes the payload as it lands: xxh3-64 over each `piece` bytes, each piece
-// seeded with the previous one's hash (streamed xxh3 equals the one-call hash).  Returns
-// the bytes read or -errno; *digest is set only when the whole buffer was filled.
-int64_t ReadHashedOne(int fd, char* header, int64_t header_bytes, char* dst, int64_t size, int64_t piece,
+// seeded with the previous one's hash (streamed xxh3 equals the one-call hash, so a piece
+// that spans segments hashes as if contiguous).  Returns the bytes read or -errno;
+// *digest is set only when the whole payload was filled.
+int64_t ReadHashedOne(int fd, char* header, int64_t header_bytes, const ObjectDst& dst, int64_t piece,
                       int64_t step, XXH3_state_t* state, uint64_t* digest, int32_t* hashed) {
+  const int64_t size = dst.size;
   char past_end = 0;
   int64_t off = 0;     // file bytes read so far (the next read's offset)
   int64_t done = 0;    // payload bytes in place
   int64_t fed = 0;     // payload bytes hashed
   int64_t in_piece = 0;
+  SegCursor rd, hs;    // where `done` and `fed` are in the segments
   XXH64_hash_t seed = 0;
   XXH3_64bits_reset_withSeed(state, seed);
   *hashed = 0;
   for (;;) {
-    struct iovec iov[3];
+    struct iovec iov[kMaxPayloadIov + 2];
     int count = 0;
     if (off < header_bytes) iov[count++] = {header + off, static_cast<size_t>(header_bytes - off)};
-    const int64_t end = done + step < size ? done + step : size;
-    if (done < size) iov[count++] = {dst + done, static_cast<size_t>(end - done)};
+    int64_t end = done;
+    if (done < size) {
+      const int64_t want = done + step < size ? done + step : size;
+      SegCursor c = rd;
+      for (int k = 0; k < kMaxPayloadIov && end < want; ++k) {
+        const int64_t left = c.Left(dst);
+        const int64_t take = want - end < left ? want - end : left;
+        iov[count++] = {c.At(dst), static_cast<size_t>(take)};
+        end += take;
+        c.Advance(dst, take);
+      }
+    }
     if (end == size) iov[count++] = {&past_end, 1};
     size_t asked = 0;
     const int64_t r = Preadv(fd, iov, count, off, &asked);
     if (r < 0) return r;
     if (r == 0) break;  // end of file
     off += r;
-    done = off - header_bytes < 0 ? 0 : (off - header_bytes > size ? size : off - header_bytes);
+    const int64_t now = off - header_bytes < 0 ? 0 : (off - header_bytes > size ? size : off - header_bytes);
+    rd.Advance(dst, now - done);
+    done = now;
     while (fed < done) {
-      const int64_t take = done - fed < piece - in_piece ? done - fed : piece - in_piece;
-      XXH3_64bits_update(state, dst + fed, static_cast<size_t>(take));
+      int64_t take = done - fed < piece - in_piece ? done - fed : piece - in_piece;
+      if (take > hs.Left(dst)) take = hs.Left(dst);
+      XXH3_64bits_update(state, hs.At(dst), static_cast<size_t>(take));
+      hs.Advance(dst, take);
       fed += take;
       in_piece += take;
       if (in_piece == piece) {
@@ -207,40 +261,59 @@ bool HaveHashedRead() {
 #endif
 }
 
-void ReadFilesHashed(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,
-                     void* headers, int64_t header_bytes, int64_t piece_bytes, int64_t step_bytes, int64_t* got,
-                     uint64_t* digests, int32_t* hashed) {
-  const char* op = "read_files_hashed";
-  CheckReadArgs(op, paths, n, dsts, dst_bytes, headers, header_bytes, got);
-  if (piece_bytes <= 0) throw InvalidArgument(op, "piece_bytes", -1, " = " + std::to_string(piece_bytes) + " must be > 0");
-  if (step_bytes <= 0) throw InvalidArgument(op, "step_bytes", -1, " = " + std::to_string(step_bytes) + " must be > 0");
-  if (n == 0) return;
-  if (digests == nullptr) throw InvalidArgument(op, "digests", -1, " is a null pointer");
-  if (hashed == nullptr) throw InvalidArgument(op, "hashed", -1, " is a null pointer");
+namespace {
+
+// Whether an object read whole (got == header + payload) carries the file backend's header
+// for exactly this payload and checksum: magic "FDKV", u16 version == `version`, u16 header
+// bytes, u64 payload bytes, u64 checksum, little-endian (storage/file_backend.py).  Lets
+// the caller look only at the objects that fail it.
+bool HeaderMatches(const char* h, int64_t header_bytes, int64_t got, int64_t size, uint64_t digest, int32_t version) {
+  if (header_bytes < 24 || got != header_bytes + size) return false;
+  uint16_t v = 0, hb = 0;
+  uint64_t payload = 0, recorded = 0;
+  std::memcpy(&v, h + 4, 2);
+  std::memcpy(&hb, h + 6, 2);
+  std::memcpy(&payload, h + 8, 8);
+  std::memcpy(&recorded, h + 16, 8);
+  return std::memcmp(h, "FDKV", 4) == 0 && v == version && hb == header_bytes &&
+         payload == static_cast<uint64_t>(size) && recorded == digest;
+}
+
+// The one reader behind both hashed reads: object i's payload goes to dst_of(i) (an
+// ObjectDst), its header to headers + i * header_bytes.  states[i]: 0 the payload was not
+// filled (digests[i] unset), 1 filled and hashed, 2 that and HeaderMatches (check_version
+// > 0 only).  Objects go to threads one at a time, each claimed by whichever thread is
+// free (mixed sizes balance themselves); every object's results land in its own slots, so
+// they are the same whatever thread read it.
+template <typename DstOf>
+void ReadObjectsCore(const char* op, const char* const* paths, int64_t n, const std::vector<int64_t>& sizes,
+                     DstOf dst_of, void* headers, int64_t header_bytes, int64_t piece_bytes, int64_t step_bytes,
+                     int32_t check_version, int64_t* got, uint64_t* digests, int32_t* states) {
 #if FDKV_HAVE_XXHASH
   // The hashing code is AVX-512 machine code: refuse, never fault, on a CPU without it.
-  if (!HaveHashedRead()) throw std::runtime_error("read_files_hashed: this CPU lacks AVX-512 (F, BW)");
-  // Objects go to threads one at a time, each claimed by whichever thread is free (mixed
-  // sizes balance themselves); every object's results land in its own slots, so they are
-  // the same whatever thread read it.
+  if (!HaveHashedRead()) throw std::runtime_error(std::string(op) + ": this CPU lacks AVX-512 (F, BW)");
   std::atomic<int64_t> next{0};
   auto work = [&]() {
     XXH3_state_t state;
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
          i = next.fetch_add(1, std::memory_order_relaxed)) {
-      hashed[i] = 0;
+      states[i] = 0;
       const int fd = open(paths[i], O_RDONLY | O_CLOEXEC);
       if (fd < 0) {
         got[i] = -static_cast<int64_t>(errno);
         continue;
       }
-      got[i] = ReadHashedOne(fd, static_cast<char*>(headers) + i * header_bytes, header_bytes,
-                             static_cast<char*>(dsts[i]), dst_bytes[i], piece_bytes, step_bytes, &state, &digests[i],
-                             &hashed[i]);
+      char* header = static_cast<char*>(headers) + i * header_bytes;
+      got[i] = ReadHashedOne(fd, header, header_bytes, dst_of(i), piece_bytes, step_bytes, &state, &digests[i],
+                             &states[i]);
       close(fd);
+      if (check_version > 0 && states[i] == 1 &&
+          HeaderMatches(header, header_bytes, got[i], sizes[i], digests[i], check_version)) {
+        states[i] = 2;
+      }
     }
   };
-  const int64_t threads = ReadThreadsFor(n, dst_bytes);
+  const int64_t threads = ReadThreadsFor(n, sizes.data());
   std::vector<std::thread> helpers;
   helpers.reserve(static_cast<size_t>(threads - 1));
   for (int64_t t = 1; t < threads; ++t) {
@@ -253,8 +326,107 @@ void ReadFilesHashed(const char* const* paths, int64_t n, void* const* dsts, con
   work();
   for (std::thread& h : helpers) h.join();
 #else
-  throw std::runtime_error("read_files_hashed: built without xxHash's header (install libxxhash-dev and rebuild)");
+  (void)paths, (void)n, (void)sizes, (void)dst_of, (void)headers, (void)header_bytes, (void)piece_bytes;
+  (void)step_bytes, (void)check_version, (void)got, (void)digests, (void)states;
+  throw std::runtime_error(std::string(op) + ": built without xxHash's header (install libxxhash-dev and rebuild)");
 #endif
+}
+
+void CheckHashArgs(const char* op, int64_t piece_bytes, int64_t step_bytes) {
+  if (piece_bytes <= 0) throw InvalidArgument(op, "piece_bytes", -1, " = " + std::to_string(piece_bytes) + " must be > 0");
+  if (step_bytes <= 0) throw InvalidArgument(op, "step_bytes", -1, " = " + std::to_string(step_bytes) + " must be > 0");
+}
+
+}  // namespace
+
+void ReadFilesHashed(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,
+                     void* headers, int64_t header_bytes, int64_t piece_bytes, int64_t step_bytes, int64_t* got,
+                     uint64_t* digests, int32_t* hashed) {
+  const char* op = "read_files_hashed";
+  CheckReadArgs(op, paths, n, dsts, dst_bytes, headers, header_bytes, got);
+  CheckHashArgs(op, piece_bytes, step_bytes);
+  if (n == 0) return;
+  if (digests == nullptr) throw InvalidArgument(op, "digests", -1, " is a null pointer");
+  if (hashed == nullptr) throw InvalidArgument(op, "hashed", -1, " is a null pointer");
+  const std::vector<int64_t> sizes(dst_bytes, dst_bytes + n);
+  auto dst_of = [&](int64_t i) { return ObjectDst{&dsts[i], &dst_bytes[i], 1, dst_bytes[i]}; };
+  ReadObjectsCore(op, paths, n, sizes, dst_of, headers, header_bytes, piece_bytes, step_bytes, 0, got, digests, hashed);
+}
+
+std::vector<const char*> SplitPaths(const char* op, const char* blob, int64_t blob_bytes, int64_t n) {
+  if (n < 0) throw InvalidArgument(op, "n", -1, " = " + std::to_string(n) + " must be >= 0");
+  std::vector<const char*> out;
+  if (n == 0) return out;
+  if (blob == nullptr) throw InvalidArgument(op, "paths", -1, " is a null pointer");
+  out.reserve(static_cast<size_t>(n));
+  int64_t at = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const void* nul = at < blob_bytes ? std::memchr(blob + at, 0, static_cast<size_t>(blob_bytes - at)) : nullptr;
+    if (nul == nullptr) {
+      throw InvalidArgument(op, "paths", i, ": the " + std::to_string(blob_bytes) + "-byte blob holds only " +
+                                                std::to_string(i) + " NUL-terminated paths, n = " + std::to_string(n));
+    }
+    const int64_t end = static_cast<const char*>(nul) - blob;
+    if (end == at) throw InvalidArgument(op, "paths", i, " is empty");
+    out.push_back(blob + at);
+    at = end + 1;
+  }
+  return out;
+}
+
+void ReadObjects(const char* path_blob, int64_t blob_bytes, int64_t n, void* const* segs, const int64_t* seg_bytes,
+                 int64_t segs_per_object, int32_t shared_lengths, void* headers, int64_t header_bytes,
+                 int64_t piece_bytes, int64_t step_bytes, int32_t check_version, int64_t* got, uint64_t* digests,
+                 int32_t* states) {
+  const char* op = "read_objects";
+  const std::vector<const char*> paths = SplitPaths(op, path_blob, blob_bytes, n);
+  if (segs_per_object <= 0) {
+    throw InvalidArgument(op, "segs_per_object", -1, " = " + std::to_string(segs_per_object) + " must be > 0");
+  }
+  if (header_bytes < 0) {
+    throw InvalidArgument(op, "header_bytes", -1, " = " + std::to_string(header_bytes) + " must be >= 0");
+  }
+  CheckHashArgs(op, piece_bytes, step_bytes);
+  if (n == 0) return;
+  if (segs == nullptr) throw InvalidArgument(op, "segs", -1, " is a null pointer");
+  if (seg_bytes == nullptr) throw InvalidArgument(op, "seg_bytes", -1, " is a null pointer");
+  if (header_bytes > 0 && headers == nullptr) throw InvalidArgument(op, "headers", -1, " is a null pointer");
+  if (got == nullptr) throw InvalidArgument(op, "got", -1, " is a null pointer");
+  if (digests == nullptr) throw InvalidArgument(op, "digests", -1, " is a null pointer");
+  if (states == nullptr) throw InvalidArgument(op, "states", -1, " is a null pointer");
+  const int64_t lengths = shared_lengths ? segs_per_object : n * segs_per_object;
+  for (int64_t k = 0; k < lengths; ++k) {
+    if (seg_bytes[k] <= 0) {
+      throw InvalidArgument(op, "seg_bytes", k, " = " + std::to_string(seg_bytes[k]) + " must be > 0");
+    }
+  }
+  std::vector<int64_t> sizes(static_cast<size_t>(n), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* lens = seg_bytes + (shared_lengths ? 0 : i * segs_per_object);
+    for (int64_t k = 0; k < segs_per_object; ++k) {
+      if (segs[i * segs_per_object + k] == nullptr) {
+        throw InvalidArgument(op, "segs", i * segs_per_object + k, " is a null pointer");
+      }
+      sizes[i] += lens[k];
+    }
+  }
+  auto dst_of = [&](int64_t i) {
+    return ObjectDst{&segs[i * segs_per_object], seg_bytes + (shared_lengths ? 0 : i * segs_per_object),
+                     segs_per_object, sizes[i]};
+  };
+  ReadObjectsCore(op, paths.data(), n, sizes, dst_of, headers, header_bytes, piece_bytes, step_bytes, check_version,
+                  got, digests, states);
+}
+
+int64_t FilesExist(const char* path_blob, int64_t blob_bytes, int64_t n) {
+  const std::vector<const char*> paths = SplitPaths("files_exist", path_blob, blob_bytes, n);
+  int64_t count = 0;
+  for (const char* p : paths) {
+    struct stat st;
+    if (stat(p, &st) != 0 || !S_ISREG(st.st_mode)) break;
+    ++count;
+  }
+  return count;
 }
 
 void ReadFiles(const char* const* paths, int64_t n, void* const* dsts, const int64_t* dst_bytes,

@@ -7,6 +7,7 @@ The layer-stack call lives in :mod:`.layer_stack`; :meth:`CApi.layer_stack_call`
 
 from __future__ import annotations
 
+import array
 import ctypes
 import logging
 import threading
@@ -312,6 +313,80 @@ class CApi:
                       digests, hashed))
         del hbuf  # release the export so the bytearray stays resizable for the caller
         return headers, list(got[:n]), [d if h else None for d, h in zip(digests[:n], hashed[:n])]
+
+    @property
+    def has_read_objects(self) -> bool:
+        """Whether :meth:`read_objects` works: the library exports ``fdkv_read_objects``
+        (looked up by name, like the hashed read) and :attr:`has_hashed_read` holds."""
+        return hasattr(self.lib, "fdkv_read_objects") and self.has_hashed_read
+
+    def read_objects(self, path_blob: bytes, n: int, segs: Sequence[int], seg_bytes: Sequence[int],
+                     segs_per_object: int, shared_lengths: bool, header_bytes: int, piece_bytes: int,
+                     step_bytes: int, check_version: int = 0) -> tuple[bytearray, list[int], list[int], list[int]]:
+        """:meth:`read_files_hashed` with each payload scattered over ``segs_per_object`` segments.
+
+        ``path_blob`` holds the ``n`` paths, each ending in a NUL byte (one bytes object: no
+        per-path conversion).  Object i's payload fills ``segs[i * segs_per_object + k]``,
+        ``seg_bytes[k]`` bytes each when ``shared_lengths`` (else
+        ``seg_bytes[i * segs_per_object + k]``), in order; the checksum is that of the
+        concatenated segments.  Returns ``(headers, got, digests, states)``: ``states[i]`` 0
+        where the payload was not filled (``digests[i]`` meaningless), 1 filled and hashed, 2
+        also a whole object whose header (format ``check_version``; 0 checks nothing) names
+        exactly this payload and checksum.  Raises :class:`SwapOpError` for bad arguments
+        (nothing read) and RuntimeError where :attr:`has_read_objects` is False.
+        """
+        fn = getattr(self.lib, "fdkv_read_objects", None)
+        if fn is None:
+            raise SwapOpError(f"{self.path} has no fdkv_read_objects; rebuild it: {_BUILD_HINT}", "read_objects", "", None)
+        if not isinstance(path_blob, bytes):
+            raise SwapOpError(f"read_objects: path_blob must be bytes, got {type(path_blob).__name__}",
+                              "read_objects", "paths", None)
+        if is_int(segs_per_object) and is_int(n) and segs_per_object > 0 and n >= 0:
+            if len(segs) != n * segs_per_object:
+                raise SwapOpError(f"read_objects: {len(segs)} segs for {n} objects of {segs_per_object} segments",
+                                  "read_objects", "segs", None)
+            want = segs_per_object if shared_lengths else n * segs_per_object
+            if len(seg_bytes) != want:
+                raise SwapOpError(f"read_objects: {len(seg_bytes)} seg_bytes, need {want}", "read_objects", "seg_bytes",
+                                  None)
+        fn.restype = ctypes.c_int32
+        c_segs = array.array("Q", segs) if segs else array.array("Q", [0])
+        c_lens = array.array("q", seg_bytes) if seg_bytes else array.array("q", [0])
+        slots = max(int(n), 1) if is_int(n) else 1
+        got = array.array("q", bytes(8 * slots))
+        digests = array.array("Q", bytes(8 * slots))
+        states = array.array("i", bytes(4 * slots))
+        headers = bytearray(max(slots * header_bytes, 1))
+        hbuf = (ctypes.c_char * len(headers)).from_buffer(headers)
+        vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+        self.check(fn(ctypes.c_char_p(path_blob), i64(len(path_blob)), i64(n), vp(c_segs.buffer_info()[0]),
+                      vp(c_lens.buffer_info()[0]), i64(segs_per_object), i32(1 if shared_lengths else 0),
+                      vp(ctypes.addressof(hbuf)), i64(header_bytes), i64(piece_bytes), i64(step_bytes),
+                      i32(check_version), vp(got.buffer_info()[0]), vp(digests.buffer_info()[0]),
+                      vp(states.buffer_info()[0])))
+        del hbuf  # release the export so the bytearray stays resizable for the caller
+        return headers, got[:n].tolist(), digests[:n].tolist(), states[:n].tolist()
+
+    @property
+    def has_files_exist(self) -> bool:
+        """Whether the library exports ``fdkv_files_exist`` (looked up by name)."""
+        return hasattr(self.lib, "fdkv_files_exist")
+
+    def files_exist(self, path_blob: bytes, n: int) -> int:
+        """How many of the ``n`` NUL-terminated paths in ``path_blob``, from the first, are
+        regular files (a stat each in C, no GIL held; a directory or missing path ends the
+        count).  Raises :class:`SwapOpError` for a malformed blob."""
+        fn = getattr(self.lib, "fdkv_files_exist", None)
+        if fn is None:
+            raise SwapOpError(f"{self.path} has no fdkv_files_exist; rebuild it: {_BUILD_HINT}", "files_exist", "", None)
+        if not isinstance(path_blob, bytes):
+            raise SwapOpError(f"files_exist: path_blob must be bytes, got {type(path_blob).__name__}",
+                              "files_exist", "paths", None)
+        fn.restype = ctypes.c_int32
+        count = ctypes.c_int64(0)
+        self.check(fn(ctypes.c_char_p(path_blob), ctypes.c_int64(len(path_blob)), ctypes.c_int64(n),
+                      ctypes.byref(count)))
+        return int(count.value)
 
     def last_path(self) -> int:
         """Bit mask (PATH_*) of the copy paths the calling thread's last swap used."""
