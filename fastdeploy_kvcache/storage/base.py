@@ -84,6 +84,9 @@ class StorageHealth:
     Mooncake master, a holder that went away): the caller forgets what it knew was stored."""
 
 
+_INT, _STR = {int}, {str}
+
+
 def validate_batch(
     op: str, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
 ) -> tuple[list[str], list[int], list[int]]:
@@ -97,8 +100,9 @@ def validate_batch(
             "invalid", f"{op}: keys, ptrs and sizes differ in length ({len(keys)}, {len(ptrs)}, {len(sizes)})"
         )
     # Fast path (a prefetch of hundreds of keys, every call): plain ints and distinct str keys.
-    if (all(type(p) is int and p > 0 for p in ptrs) and all(type(x) is int and x > 0 for x in sizes)
-            and all(type(k) is str and k for k in keys) and len(set(keys)) == len(keys)):
+    # Each test is one C-level pass (a generator per element cost ~0.4 us a key).
+    if (not keys or (set(map(type, ptrs)) == _INT and set(map(type, sizes)) == _INT and set(map(type, keys)) == _STR
+                     and min(ptrs) > 0 and min(sizes) > 0 and all(keys) and len(set(keys)) == len(keys))):
         return list(keys), list(ptrs), list(sizes)
     seen: set[str] = set()
     for i, (key, ptr, size) in enumerate(zip(keys, ptrs, sizes)):

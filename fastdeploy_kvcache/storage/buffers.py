@@ -43,13 +43,36 @@ class BufferRegistry:
         with self._lock:
             return [(s, e - s) for s, e in zip(self._starts, self._ends)]
 
-    def check(self, op: str, ptrs: "list[int] | tuple[int, ...]", sizes: "list[int] | tuple[int, ...]") -> None:
-        """Raise ``StorageError("invalid")`` naming the first ptr not inside one region."""
+    def spans_one_region(self, ptrs: "list[int] | tuple[int, ...]", nbytes: int) -> bool:
+        """Whether ``nbytes`` at every ptr lie in one region (one bisect for the batch)."""
+        if not ptrs:
+            return True
+        with self._lock:
+            lo, hi = min(ptrs), max(ptrs) + nbytes
+            j = bisect.bisect_right(self._starts, lo) - 1
+            return j >= 0 and hi <= self._ends[j]
+
+    def check(self, op: str, ptrs: "list[int] | tuple[int, ...]", sizes: "list[int] | tuple[int, ...]",
+              name: str = "ptrs") -> None:
+        """Raise ``StorageError("invalid")`` naming the first ptr not inside one region
+        (as ``name[index]``).
+
+        A batch's buffers usually lie in one region (a staging buffer, one host-tier tensor):
+        when the span from the lowest start to the highest end does, that one bisect
+        answers for the batch; only otherwise is each ptr looked up.
+        """
+        if not ptrs:
+            return
         with self._lock:
             starts, ends = self._starts, self._ends
+            # max(ptrs) + max(sizes) bounds every end without a sum per ptr.
+            j = bisect.bisect_right(starts, min(ptrs)) - 1
+            if j >= 0 and max(ptrs) + max(sizes) <= ends[j]:
+                return
             for i, (ptr, size) in enumerate(zip(ptrs, sizes)):
                 j = bisect.bisect_right(starts, ptr) - 1
                 if j < 0 or ptr + size > ends[j]:
                     raise StorageError(
-                        "invalid", f"{op}: ptrs[{i}] = {ptr:#x} (+{size} bytes) is not inside a registered buffer"
+                        "invalid",
+                        f"{op}: {name}[{i}] = {ptr:#x} (+{size} bytes) is not inside a registered buffer"
                     )

@@ -64,6 +64,7 @@ On-disk object (little-endian)::
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -90,6 +91,7 @@ _SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
 # A key is a file name with ':' spelled '='; keys.KEY_RE keys never contain '=' or '/'.
 _ALLOWED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-:")
+_ALLOWED_BYTES = "".join(sorted(_ALLOWED)).encode()
 _MAX_KEY_LEN = 200
 # Fewer keys than this per thread cost more in hand-offs than the reads they spread.
 _MIN_KEYS_PER_THREAD = 16
@@ -102,11 +104,10 @@ _MAX_UNFLUSHED_TOUCHES = 8192
 _CHUNKED_READ_MIN_BYTES = 256 << 10
 _HASH_CHUNK = 512 << 10
 _READ_GROUP_BYTES = 1 << 20
-# The native read that hashes as it reads (``read_files_hashed``): bytes per read (each
-# hashed right after it lands), and bytes per call (its hashing needs no group to stay in
-# the cache, so a group only bounds the time between looks at the GIL).
+# The native read that hashes as it reads (``read_objects``): bytes per read, each hashed
+# right after it lands.  It takes a whole slice of a batch in one call: it holds no GIL and
+# needs no group to keep its bytes in the cache.
 _HASHED_READ_STEP = 256 << 10
-_HASHED_GROUP_BYTES = 8 << 20
 
 
 def default_io_threads() -> int:
@@ -166,10 +167,11 @@ class FileBackend(StorageBackend):
         self._closed = False
         self.io_threads = io_threads
         self._native = _native_reader()
-        # Bytes per read of the native read that hashes as it reads; 0 where the library
-        # lacks it (then the older readers below hash).
-        self._hashed_step = _HASHED_READ_STEP if self._native is not None and self._native.has_hashed_read else 0
+        # Bytes per read of the native read that hashes as it reads (and can scatter each
+        # payload over segments); 0 where the library lacks it (then the older readers hash).
+        self._hashed_step = _HASHED_READ_STEP if self._native is not None and self._native.has_read_objects else 0
         self._touched: set[str] = set()  # hits whose file atime is not refreshed yet
+        self._hits: list[str] = []  # hits not yet moved in the LRU (_apply_hits_locked)
         self._touch_flush_queued = False
         self._log = ThrottledLog(logger)
         self._blocked: set[str] = set()  # keys whose path holds a non-file (reported once)
@@ -190,6 +192,13 @@ class FileBackend(StorageBackend):
     def file_path(self, key: str) -> str:
         """The file that holds ``key`` (a benchmark reads it directly as its baseline)."""
         return self._dir_prefix + key.replace(":", "=") + _SUFFIX
+
+    def _path_blob(self, keys: Sequence[str]) -> bytes:
+        """Every key's :meth:`file_path`, each ending in a NUL byte, as one bytes object (the
+        native calls' argument): a few string operations for the batch, none per key."""
+        pre = self._dir_prefix
+        joined = "\0".join(keys).replace(":", "=").replace("\0", _SUFFIX + "\0" + pre)
+        return os.fsencode(pre + joined + _SUFFIX + "\0")
 
     @staticmethod
     def _key_of(filename: str) -> Optional[str]:
@@ -237,6 +246,7 @@ class FileBackend(StorageBackend):
         return count
 
     def _drop_oldest_locked(self) -> None:
+        self._apply_hits_locked()
         key, size = self._lru.popitem(last=False)
         self._used -= size
         try:
@@ -256,6 +266,7 @@ class FileBackend(StorageBackend):
         """Make room for an object of ``size`` bytes; False when it cannot fit at all."""
         nbytes = size + HEADER.size
         with self._lock:
+            self._apply_hits_locked()
             if self.capacity_bytes and nbytes > self.capacity_bytes:
                 return False
             old = self._lru.pop(key, None)
@@ -277,6 +288,7 @@ class FileBackend(StorageBackend):
 
     def _evict_for_space_locked(self, nbytes: int, free: int) -> bool:
         """Evict LRU objects until ``nbytes`` fit above the floor; False when they cannot."""
+        self._apply_hits_locked()
         while free - nbytes < self.min_free_bytes and self._lru:
             oldest_size = next(iter(self._lru.values()))
             self._drop_oldest_locked()
@@ -307,16 +319,29 @@ class FileBackend(StorageBackend):
     def _touch(self, keys: Sequence[str]) -> None:
         """Hits: newest in the in-memory LRU now; their files' atimes later (:meth:`_flush_touches`)."""
         with self._lock:
-            lru = self._lru
-            for key in keys:
-                if key in lru:
-                    lru.move_to_end(key)
-                    self._touched.add(key)
+            self._hits.extend(keys)
+
+    def _apply_hits_locked(self) -> None:
+        """Move the hits recorded by :meth:`_touch` to the newest end of the LRU, in order.
+
+        Called before anything reads or changes the order (a put's reservation, an
+        eviction, :meth:`lru_keys`, an atime flush), so the order is exactly what moving
+        each hit at once would give, while a read pays one list extend instead of a
+        ``move_to_end`` per key."""
+        if not self._hits:
+            return
+        lru, hits, self._hits = self._lru, self._hits, []
+        move = lru.move_to_end
+        for key in hits:
+            if key in lru:  # else forgotten meanwhile, or another process's object
+                move(key)
+                self._touched.add(key)
 
     def _queue_touch_flush(self) -> None:
         """Refresh atimes on the writer thread once many hits wait (never blocks a read)."""
         with self._lock:
-            if self._touch_flush_queued or len(self._touched) < _MAX_UNFLUSHED_TOUCHES or self._closed:
+            if (self._touch_flush_queued or len(self._touched) + len(self._hits) < _MAX_UNFLUSHED_TOUCHES
+                    or self._closed):
                 return
             self._touch_flush_queued = True
         try:
@@ -328,6 +353,7 @@ class FileBackend(StorageBackend):
     def _flush_touches(self) -> int:
         """Set atime = now on every file hit since the last flush (the LRU seed of a restart)."""
         with self._lock:
+            self._apply_hits_locked()
             keys, self._touched = self._touched, set()
             self._touch_flush_queued = False
         now = time.time_ns()
@@ -402,37 +428,71 @@ class FileBackend(StorageBackend):
             return Status.FULL
         return Status.OK
 
-    def _get_slice(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """Read a slice of a batch (one native call where built), then check each object."""
+    def _get_slice(self, keys: Sequence[str], ptrs: Sequence[Any], sizes: Sequence[int],
+                   seg_bytes: Optional[list[int]] = None) -> list[int]:
+        """Read a slice of a batch (one native call where built), then check each object.
+
+        ``ptrs[i]``: object i's buffer, or with ``seg_bytes`` its segments' addresses."""
         if self._blocked and not self._blocked.isdisjoint(keys):
             out = [int(Status.MISSING)] * len(keys)
             idx = [i for i, k in enumerate(keys) if k not in self._blocked]
             if idx:
-                part = self._get_slice([keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx])
+                part = self._get_slice([keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx],
+                                       seg_bytes)
                 for i, r in zip(idx, part):
                     out[i] = r
             return out
-        group = max(1, (_HASHED_GROUP_BYTES if self._reads_hashed() else _READ_GROUP_BYTES) // max(sizes))
+        if self._reads_hashed():
+            return self._read_objects(keys, ptrs, sizes, seg_bytes)
+        group = max(1, _READ_GROUP_BYTES // max(sizes))
         if len(keys) <= group:
             return self._read_and_check(keys, ptrs, sizes)
-        out: list[int] = []
+        out = []
         for lo in range(0, len(keys), group):
             out += self._read_and_check(keys[lo:lo + group], ptrs[lo:lo + group], sizes[lo:lo + group])
         return out
 
     def _reads_hashed(self) -> bool:
-        """Whether reads go to the native read that hashes as it reads."""
+        """Whether reads go to the native read that hashes as it reads (``read_objects``)."""
         return self._native is not None and self._hashed_step > 0
 
+    def _read_objects(self, keys: Sequence[str], ptrs: Sequence[Any], sizes: Sequence[int],
+                      seg_bytes: Optional[list[int]]) -> list[int]:
+        """One ``read_objects`` call for the slice; Python looks only at the objects whose
+        header and checksum the call did not find right (state 2 is a whole, good object)."""
+        hsize = HEADER.size
+        if seg_bytes is None:
+            segs, lens, per, shared = ptrs, sizes, 1, False
+        else:
+            segs, lens, per, shared = list(itertools.chain.from_iterable(ptrs)), seg_bytes, len(seg_bytes), True
+        headers, got, digests, states = self._native.read_objects(
+            self._path_blob(keys), len(keys), segs, lens, per, shared, hsize, CHECKSUM_PIECE, self._hashed_step,
+            FORMAT_VERSION)
+        if 0 not in states and 1 not in states:
+            self._touch(keys)
+            return list(sizes)
+        out: list[int] = []
+        hits: list[str] = []
+        for i, (k, state) in enumerate(zip(keys, states)):
+            if state == 2:
+                r = sizes[i]
+            else:
+                r = self._check_read(k, ptrs[i], sizes[i], headers, i * hsize, got[i], digests[i] if state else None,
+                                     seg_bytes)
+            if r >= 0:
+                hits.append(k)
+            out.append(r)
+        if hits:
+            self._touch(hits)
+        return out
+
     def _read_and_check(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """Read a group of objects (see ``_READ_GROUP_BYTES``), hashing each while it is in
-        the CPU cache (see :mod:`.file_read`), then check each one."""
+        """Read a group of objects (see ``_READ_GROUP_BYTES``) where the native hashed read is
+        not built, hashing each while it is in the CPU cache (see :mod:`.file_read`), then
+        check each one."""
         hsize = HEADER.size
         digests: Sequence[Optional[int]]
-        if self._reads_hashed():
-            headers, got, digests = self._native.read_files_hashed(
-                [os.fsencode(self.file_path(k)) for k in keys], ptrs, sizes, hsize, CHECKSUM_PIECE, self._hashed_step)
-        elif self._native is None or min(sizes) >= _CHUNKED_READ_MIN_BYTES:
+        if self._native is None or min(sizes) >= _CHUNKED_READ_MIN_BYTES:
             headers = bytearray(len(keys) * hsize)
             hview = memoryview(headers)
             read = [read_object(self.file_path(k), hview[i * hsize:(i + 1) * hsize], v, _HASH_CHUNK)
@@ -455,7 +515,7 @@ class FileBackend(StorageBackend):
                     out.append(size)
                     hits.append(k)
                     continue
-            r = self._check_read(k, self.file_path(k), ptr, size, headers, at, n, digest)
+            r = self._check_read(k, ptr, size, headers, at, n, digest)
             if r >= 0:
                 hits.append(k)
             out.append(r)
@@ -463,11 +523,13 @@ class FileBackend(StorageBackend):
             self._touch(hits)
         return out
 
-    def _check_read(self, key: str, path: str, ptr: int, size: int, headers: bytearray, at: int, got: int,
-                    digest: Optional[int] = None) -> int:
+    def _check_read(self, key: str, ptr: Any, size: int, headers: bytearray, at: int, got: int,
+                    digest: Optional[int] = None, seg_bytes: Optional[list[int]] = None) -> int:
         """The verdict on one object as read (``got``: bytes or -errno), for every reader.
 
-        ``digest``: the payload's checksum where the reader computed it already."""
+        ``digest``: the payload's checksum where the reader computed it already.  ``ptr``:
+        the payload's buffer, or with ``seg_bytes`` its segments' addresses."""
+        path = self.file_path(key)
         if got < 0:
             err = -got
             if err == errno.ENOENT:
@@ -489,7 +551,7 @@ class FileBackend(StorageBackend):
         if got != HEADER.size + payload_size:
             return self._corrupt(key, path, f"file has {got - HEADER.size} payload bytes, header says {payload_size}")
         if digest is None or version != FORMAT_VERSION:  # the readers hash the current version only
-            digest = checksum(mem(ptr, payload_size), version)
+            digest = checksum(_payload(ptr, payload_size, seg_bytes), version)
         if digest != recorded:
             return self._corrupt(key, path, "checksum mismatch")
         return payload_size
@@ -574,10 +636,47 @@ class FileBackend(StorageBackend):
         if self._closed:
             raise StorageError("unreachable", f"{op}: the file backend is closed")
         keys, ptrs, sizes = validate_batch(op, keys, ptrs, sizes)
-        for i, key in enumerate(keys):
-            self._check_key(op, i, key)
+        self._check_keys(op, keys)
         self._buffers.check(op, ptrs, sizes)
         return keys, ptrs, sizes
+
+    def _check_keys(self, op: str, keys: Sequence[str]) -> None:
+        """:meth:`_check_key` for a batch: one pass over all keys' characters, and a loop
+        (naming the first bad key) only when that fails."""
+        if keys and (max(map(len, keys)) > _MAX_KEY_LEN or not _allowed_only("".join(keys))):
+            for i, key in enumerate(keys):
+                self._check_key(op, i, key)
+
+    def _check_segments(self, op: str, keys: Sequence[str], seg_ptrs: Sequence[int],
+                        seg_bytes: Sequence[int]) -> tuple[list[str], list[list[int]], list[int], list[int]]:
+        """Validate a segment batch (see :meth:`batch_get_segments`); returns the keys, each
+        object's segment addresses, the object sizes and the segment lengths."""
+        if self._closed:
+            raise StorageError("unreachable", f"{op}: the file backend is closed")
+        if not self.reads_segments:
+            raise StorageError("invalid", f"{op}: this file backend has no native segment read (the C ABI's "
+                                          f"read_objects, built with xxHash on a CPU with AVX-512); use batch_get_into")
+        lens = list(seg_bytes)
+        if not lens:
+            raise StorageError("invalid", f"{op}: seg_bytes is empty; each object needs at least one segment")
+        for t, n in enumerate(lens):
+            if type(n) is not int or n <= 0:
+                raise StorageError("invalid", f"{op}: seg_bytes[{t}] must be a positive int, got {n!r}")
+        per = len(lens)
+        ptrs = list(seg_ptrs)
+        if len(ptrs) != len(keys) * per:
+            raise StorageError("invalid", f"{op}: {len(ptrs)} seg_ptrs for {len(keys)} keys of {per} segments "
+                                          f"(need {len(keys) * per})")
+        size = sum(lens)
+        keys, _, _ = validate_batch(op, keys, [1] * len(keys), [size] * len(keys))
+        for i, ptr in enumerate(ptrs):
+            if type(ptr) is not int or ptr <= 0:
+                raise StorageError("invalid", f"{op}: seg_ptrs[{i}] must be a non-null address (int), got {ptr!r}")
+        self._check_keys(op, keys)
+        # Segment t of every object usually lies in one host-tier tensor: one span check each.
+        if any(not self._buffers.spans_one_region(ptrs[t::per], lens[t]) for t in range(per)):
+            self._buffers.check(op, ptrs, lens * len(keys), name="seg_ptrs")
+        return keys, [ptrs[i:i + per] for i in range(0, len(ptrs), per)], [size] * len(keys), lens
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         self._buffers.add(ptr, nbytes)
@@ -586,10 +685,17 @@ class FileBackend(StorageBackend):
         self._buffers.remove(ptr)
 
     def batch_exists(self, keys: Sequence[str]) -> int:
-        """Consecutive keys from the start whose files exist (a stat each, no read).
+        """Consecutive keys from the start whose files exist (a stat each, no read: in one
+        native call where the library has it, else in Python).
 
         Only regular files count: a directory at an object's path is a miss."""
         self._stats.add("exists_calls")
+        if self._native is not None and self._native.has_files_exist:
+            self._check_keys("batch_exists", keys)
+            count = self._native.files_exist(self._path_blob(keys), len(keys)) if keys else 0
+            if count < len(keys) and os.path.lexists(self.file_path(keys[count])):
+                self._not_a_file(keys[count])
+            return count
         count = 0
         for i, key in enumerate(keys):
             self._check_key("batch_exists", i, key)
@@ -608,12 +714,37 @@ class FileBackend(StorageBackend):
         self._queue_touch_flush()
         return results
 
+    @property
+    def reads_segments(self) -> bool:
+        """Whether :meth:`batch_get_segments` works: the C ABI's ``read_objects`` is built
+        (with xxHash, on a CPU with AVX-512)."""
+        return self._reads_hashed()
+
+    def batch_get_segments(self, keys: Sequence[str], seg_ptrs: Sequence[int], seg_bytes: Sequence[int]) -> list[int]:
+        """Read each object's payload straight into segments (a host tier's layer-major
+        blocks): object i's bytes fill ``seg_ptrs[i * S + t]`` (``seg_bytes[t]`` bytes, S =
+        ``len(seg_bytes)``) for t in order, with no copy through a staging buffer.
+
+        Results, verdicts, stats, LRU touches and loss reports are those of
+        :meth:`batch_get_into` for objects of ``sum(seg_bytes)`` bytes; every segment must lie
+        in a registered buffer.  After a negative result the object's segments hold
+        unspecified bytes.  Raises ``StorageError("invalid")`` (nothing read) for bad input
+        or where :attr:`reads_segments` is False.
+        """
+        keys, ptrs, sizes, lens = self._check_segments("batch_get_segments", keys, seg_ptrs, seg_bytes)
+        start = time.perf_counter()
+        results = self._map_slices(functools.partial(self._get_slice, seg_bytes=lens), keys, ptrs, sizes)
+        self._stats.record_reads(results, time.perf_counter() - start)
+        self._stats.add("segment_read_keys", len(keys))
+        self._queue_touch_flush()
+        return results
+
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         keys, ptrs, sizes = self._check("batch_put_from", keys, ptrs, sizes)
         start = time.perf_counter()
         results = self._map(self._put_one, keys, ptrs, sizes)
         self._stats.record_writes(results, sizes, time.perf_counter() - start)
-        if self._touched:
+        if self._touched or self._hits:
             self._flush_touches()  # puts are background work already (see the module doc)
         return results
 
@@ -653,6 +784,7 @@ class FileBackend(StorageBackend):
     def lru_keys(self) -> list[str]:
         """Keys, least recently used first (tests and debugging)."""
         with self._lock:
+            self._apply_hits_locked()
             return list(self._lru)
 
     def health(self) -> StorageHealth:
@@ -702,6 +834,21 @@ def _native_reader() -> Optional[Any]:
             errors.append(str(exc))
     logger.info("file storage: native batch reads unavailable (%s); reading in Python", "; ".join(errors))
     return None
+
+
+def _allowed_only(text: str) -> bool:
+    """Whether every character of ``text`` is in ``_ALLOWED`` (a C-speed pass: deleting
+    the allowed bytes leaves nothing; a set test per character cost 0.2 us per key)."""
+    return text.isascii() and not text.encode().translate(None, _ALLOWED_BYTES)
+
+
+def _payload(ptr: Any, nbytes: int, seg_bytes: Optional[list[int]]) -> Any:
+    """The first ``nbytes`` of a payload read into one buffer at ``ptr``, or into segments
+    (``ptr``: their addresses, ``seg_bytes``: their lengths; joined in a copy, which only an
+    object the native read could not vouch for costs)."""
+    if seg_bytes is None:
+        return mem(ptr, nbytes)
+    return b"".join(mem(p, n) for p, n in zip(ptr, seg_bytes))[:nbytes]
 
 
 def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:

@@ -28,6 +28,8 @@ class StorageStats:
         self.hits = 0
         self.misses = 0
         self.exists_calls = 0
+        # Objects read straight into a host tier's segments (FileBackend.batch_get_segments).
+        self.segment_read_keys = 0
         self.deleted = 0
         self.evicted = 0
         self.corrupt_objects = 0
@@ -38,6 +40,10 @@ class StorageStats:
         with self._lock:
             self.read_seconds += seconds
             self.read_keys += len(results)
+            if results and min(results) >= 0:  # all hits (the usual prefetch): no loop
+                self.hits += len(results)
+                self.read_bytes += sum(results)
+                return
             for r in results:
                 if r >= 0:
                     self.hits += 1
@@ -79,6 +85,7 @@ class StorageStats:
                 "hits": self.hits,
                 "misses": self.misses,
                 "exists_calls": self.exists_calls,
+                "segment_read_keys": self.segment_read_keys,
                 "deleted": self.deleted,
                 "evicted": self.evicted,
                 "corrupt_objects": self.corrupt_objects,
