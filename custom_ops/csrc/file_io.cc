@@ -165,11 +165,11 @@ constexpr int kMaxPayloadIov = 64;
 // seeded with the previous one's hash (streamed xxh3 equals the one-call hash, so a piece
 // that spans segments hashes as if contiguous).  Returns the bytes read or -errno;
 // *digest is set only when the whole payload was filled.
+// `off`: file bytes already read (the header, where the caller read it first).
 int64_t ReadHashedOne(int fd, char* header, int64_t header_bytes, const ObjectDst& dst, int64_t piece,
-                      int64_t step, XXH3_state_t* state, uint64_t* digest, int32_t* hashed) {
+                      int64_t step, XXH3_state_t* state, uint64_t* digest, int32_t* hashed, int64_t off = 0) {
   const int64_t size = dst.size;
   char past_end = 0;
-  int64_t off = 0;     // file bytes read so far (the next read's offset)
   int64_t done = 0;    // payload bytes in place
   int64_t fed = 0;     // payload bytes hashed
   int64_t in_piece = 0;
@@ -263,32 +263,41 @@ bool HaveHashedRead() {
 
 namespace {
 
-// Whether an object read whole (got == header + payload) carries the file backend's header
-// for exactly this payload and checksum: magic "FDKV", u16 version == `version`, u16 header
-// bytes, u64 payload bytes, u64 checksum, little-endian (storage/file_backend.py).  Lets
-// the caller look only at the objects that fail it.
-bool HeaderMatches(const char* h, int64_t header_bytes, int64_t got, int64_t size, uint64_t digest, int32_t version) {
-  if (header_bytes < 24 || got != header_bytes + size) return false;
+// Whether `h` is the file backend's object header for a payload of `size` bytes: magic
+// "FDKV", u16 version == `version`, u16 header bytes, u64 payload bytes (then the u64
+// checksum), little-endian (storage/file_backend.py).
+bool HeaderNames(const char* h, int64_t header_bytes, int64_t size, int32_t version) {
+  if (header_bytes < 24) return false;
   uint16_t v = 0, hb = 0;
-  uint64_t payload = 0, recorded = 0;
+  uint64_t payload = 0;
   std::memcpy(&v, h + 4, 2);
   std::memcpy(&hb, h + 6, 2);
   std::memcpy(&payload, h + 8, 8);
+  return std::memcmp(h, "FDKV", 4) == 0 && v == version && hb == header_bytes && payload == static_cast<uint64_t>(size);
+}
+
+// Whether an object read whole (got == header + payload) carries that header and the
+// recorded checksum equals `digest`.  Lets the caller look only at the objects that fail it.
+bool HeaderMatches(const char* h, int64_t header_bytes, int64_t got, int64_t size, uint64_t digest, int32_t version) {
+  if (got != header_bytes + size || !HeaderNames(h, header_bytes, size, version)) return false;
+  uint64_t recorded = 0;
   std::memcpy(&recorded, h + 16, 8);
-  return std::memcmp(h, "FDKV", 4) == 0 && v == version && hb == header_bytes &&
-         payload == static_cast<uint64_t>(size) && recorded == digest;
+  return recorded == digest;
 }
 
 // The one reader behind both hashed reads: object i's payload goes to dst_of(i) (an
 // ObjectDst), its header to headers + i * header_bytes.  states[i]: 0 the payload was not
 // filled (digests[i] unset), 1 filled and hashed, 2 that and HeaderMatches (check_version
-// > 0 only).  Objects go to threads one at a time, each claimed by whichever thread is
+// > 0 only), 3 (header_first only) the header did not name this payload, so nothing was
+// read past it (got[i]: its bytes read).  header_first reads each header alone before the
+// payload: one more pread per object, and an object of another size leaves the destination
+// untouched.  Objects go to threads one at a time, each claimed by whichever thread is
 // free (mixed sizes balance themselves); every object's results land in its own slots, so
 // they are the same whatever thread read it.
 template <typename DstOf>
 void ReadObjectsCore(const char* op, const char* const* paths, int64_t n, const std::vector<int64_t>& sizes,
                      DstOf dst_of, void* headers, int64_t header_bytes, int64_t piece_bytes, int64_t step_bytes,
-                     int32_t check_version, int64_t* got, uint64_t* digests, int32_t* states) {
+                     int32_t check_version, bool header_first, int64_t* got, uint64_t* digests, int32_t* states) {
 #if FDKV_HAVE_XXHASH
   // The hashing code is AVX-512 machine code: refuse, never fault, on a CPU without it.
   if (!HaveHashedRead()) throw std::runtime_error(std::string(op) + ": this CPU lacks AVX-512 (F, BW)");
@@ -304,8 +313,19 @@ void ReadObjectsCore(const char* op, const char* const* paths, int64_t n, const 
         continue;
       }
       char* header = static_cast<char*>(headers) + i * header_bytes;
+      int64_t off = 0;
+      if (header_first) {
+        struct iovec hv = {header, static_cast<size_t>(header_bytes)};
+        off = ReadFully(fd, &hv, 1, header_bytes);
+        if (off < 0 || off < header_bytes || !HeaderNames(header, header_bytes, sizes[i], check_version)) {
+          got[i] = off;
+          if (off >= 0) states[i] = 3;
+          close(fd);
+          continue;
+        }
+      }
       got[i] = ReadHashedOne(fd, header, header_bytes, dst_of(i), piece_bytes, step_bytes, &state, &digests[i],
-                             &states[i]);
+                             &states[i], off);
       close(fd);
       if (check_version > 0 && states[i] == 1 &&
           HeaderMatches(header, header_bytes, got[i], sizes[i], digests[i], check_version)) {
@@ -327,7 +347,7 @@ void ReadObjectsCore(const char* op, const char* const* paths, int64_t n, const 
   for (std::thread& h : helpers) h.join();
 #else
   (void)paths, (void)n, (void)sizes, (void)dst_of, (void)headers, (void)header_bytes, (void)piece_bytes;
-  (void)step_bytes, (void)check_version, (void)got, (void)digests, (void)states;
+  (void)step_bytes, (void)check_version, (void)header_first, (void)got, (void)digests, (void)states;
   throw std::runtime_error(std::string(op) + ": built without xxHash's header (install libxxhash-dev and rebuild)");
 #endif
 }
@@ -350,7 +370,8 @@ void ReadFilesHashed(const char* const* paths, int64_t n, void* const* dsts, con
   if (hashed == nullptr) throw InvalidArgument(op, "hashed", -1, " is a null pointer");
   const std::vector<int64_t> sizes(dst_bytes, dst_bytes + n);
   auto dst_of = [&](int64_t i) { return ObjectDst{&dsts[i], &dst_bytes[i], 1, dst_bytes[i]}; };
-  ReadObjectsCore(op, paths, n, sizes, dst_of, headers, header_bytes, piece_bytes, step_bytes, 0, got, digests, hashed);
+  ReadObjectsCore(op, paths, n, sizes, dst_of, headers, header_bytes, piece_bytes, step_bytes, 0, false, got, digests,
+                  hashed);
 }
 
 std::vector<const char*> SplitPaths(const char* op, const char* blob, int64_t blob_bytes, int64_t n) {
@@ -376,8 +397,8 @@ std::vector<const char*> SplitPaths(const char* op, const char* blob, int64_t bl
 
 void ReadObjects(const char* path_blob, int64_t blob_bytes, int64_t n, void* const* segs, const int64_t* seg_bytes,
                  int64_t segs_per_object, int32_t shared_lengths, void* headers, int64_t header_bytes,
-                 int64_t piece_bytes, int64_t step_bytes, int32_t check_version, int64_t* got, uint64_t* digests,
-                 int32_t* states) {
+                 int64_t piece_bytes, int64_t step_bytes, int32_t check_version, int32_t header_first, int64_t* got,
+                 uint64_t* digests, int32_t* states) {
   const char* op = "read_objects";
   const std::vector<const char*> paths = SplitPaths(op, path_blob, blob_bytes, n);
   if (segs_per_object <= 0) {
@@ -414,8 +435,11 @@ void ReadObjects(const char* path_blob, int64_t blob_bytes, int64_t n, void* con
     return ObjectDst{&segs[i * segs_per_object], seg_bytes + (shared_lengths ? 0 : i * segs_per_object),
                      segs_per_object, sizes[i]};
   };
+  if (header_first && check_version <= 0) {
+    throw InvalidArgument(op, "header_first", -1, " needs check_version > 0 (the header it checks)");
+  }
   ReadObjectsCore(op, paths.data(), n, sizes, dst_of, headers, header_bytes, piece_bytes, step_bytes, check_version,
-                  got, digests, states);
+                  header_first != 0, got, digests, states);
 }
 
 int64_t FilesExist(const char* path_blob, int64_t blob_bytes, int64_t n) {

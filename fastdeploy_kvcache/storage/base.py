@@ -187,6 +187,19 @@ class StorageBackend(abc.ABC):
         result is the object's size.
         """
 
+    @property
+    def reads_segments(self) -> bool:
+        """Whether :meth:`batch_get_segments` works (the file backend with the native
+        library); a transfer tests it to skip its staging copy."""
+        return False
+
+    def batch_get_segments(self, keys: Sequence[str], seg_ptrs: Sequence[int], seg_bytes: Sequence[int]) -> list[int]:
+        """Read each object straight into ``len(seg_bytes)`` segments: object i's bytes fill
+        ``seg_ptrs[i * S + t]`` (``seg_bytes[t]`` bytes) for t in order.  Results as
+        :meth:`batch_get_into` for objects of ``sum(seg_bytes)`` bytes.  Raises
+        ``StorageError("invalid")`` where :attr:`reads_segments` is False."""
+        raise StorageError("invalid", f"batch_get_segments: the {self.name} backend does not read into segments")
+
     @abc.abstractmethod
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Store ``sizes[i]`` bytes at ``ptrs[i]`` under ``keys[i]``: ``Status.OK`` or negative.

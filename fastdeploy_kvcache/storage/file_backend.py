@@ -63,6 +63,7 @@ On-disk object (little-endian)::
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import itertools
@@ -459,7 +460,11 @@ class FileBackend(StorageBackend):
     def _read_objects(self, keys: Sequence[str], ptrs: Sequence[Any], sizes: Sequence[int],
                       seg_bytes: Optional[list[int]]) -> list[int]:
         """One ``read_objects`` call for the slice; Python looks only at the objects whose
-        header and checksum the call did not find right (state 2 is a whole, good object)."""
+        header and checksum the call did not find right (state 2 is a whole, good object).
+
+        Segment reads check each header first, so an object of another size never touches
+        the segments (a host block stays as it was, as with a staging copy); its verdict
+        comes from :meth:`_verdict_via_scratch`."""
         hsize = HEADER.size
         if seg_bytes is None:
             segs, lens, per, shared = ptrs, sizes, 1, False
@@ -467,8 +472,8 @@ class FileBackend(StorageBackend):
             segs, lens, per, shared = list(itertools.chain.from_iterable(ptrs)), seg_bytes, len(seg_bytes), True
         headers, got, digests, states = self._native.read_objects(
             self._path_blob(keys), len(keys), segs, lens, per, shared, hsize, CHECKSUM_PIECE, self._hashed_step,
-            FORMAT_VERSION)
-        if 0 not in states and 1 not in states:
+            FORMAT_VERSION, seg_bytes is not None)
+        if states.count(2) == len(states):
             self._touch(keys)
             return list(sizes)
         out: list[int] = []
@@ -476,6 +481,8 @@ class FileBackend(StorageBackend):
         for i, (k, state) in enumerate(zip(keys, states)):
             if state == 2:
                 r = sizes[i]
+            elif state == 3:
+                r = self._verdict_via_scratch(k, ptrs[i], sizes[i], seg_bytes)
             else:
                 r = self._check_read(k, ptrs[i], sizes[i], headers, i * hsize, got[i], digests[i] if state else None,
                                      seg_bytes)
@@ -485,6 +492,30 @@ class FileBackend(StorageBackend):
         if hits:
             self._touch(hits)
         return out
+
+    def _verdict_via_scratch(self, key: str, segs: Sequence[int], size: int, seg_bytes: Optional[list[int]]) -> int:
+        """The verdict on an object whose header did not name a payload of ``size`` bytes,
+        as :meth:`batch_get_into` gives it: read whole into a scratch buffer and checked.
+        The segments stay untouched unless the object turns out whole after all (replaced
+        meanwhile): then it is copied into them."""
+        hsize = HEADER.size
+        scratch = bytearray(size)
+        view = (ctypes.c_char * size).from_buffer(scratch)
+        ptr = ctypes.addressof(view)
+        try:
+            headers, got, digests, states = self._native.read_objects(
+                self._path_blob([key]), 1, [ptr], [size], 1, False, hsize, CHECKSUM_PIECE, self._hashed_step,
+                FORMAT_VERSION)
+            r = size if states[0] == 2 else self._check_read(key, ptr, size, headers, 0, got[0],
+                                                             digests[0] if states[0] else None)
+            if r == size and seg_bytes is not None:
+                at = 0
+                for seg, n in zip(segs, seg_bytes):
+                    ctypes.memmove(seg, ptr + at, n)
+                    at += n
+            return r
+        finally:
+            del view
 
     def _read_and_check(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Read a group of objects (see ``_READ_GROUP_BYTES``) where the native hashed read is
@@ -727,8 +758,10 @@ class FileBackend(StorageBackend):
 
         Results, verdicts, stats, LRU touches and loss reports are those of
         :meth:`batch_get_into` for objects of ``sum(seg_bytes)`` bytes; every segment must lie
-        in a registered buffer.  After a negative result the object's segments hold
-        unspecified bytes.  Raises ``StorageError("invalid")`` (nothing read) for bad input
+        in a registered buffer.  The segments hold the object only where the result is
+        ``sum(seg_bytes)``: an object of another size leaves them untouched (its header is
+        read first), while after any other negative result (a corrupt or truncated
+        object, an I/O error) they hold unspecified bytes.  Raises ``StorageError("invalid")`` (nothing read) for bad input
         or where :attr:`reads_segments` is False.
         """
         keys, ptrs, sizes, lens = self._check_segments("batch_get_segments", keys, seg_ptrs, seg_bytes)

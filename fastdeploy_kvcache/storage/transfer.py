@@ -182,6 +182,11 @@ class StorageTransfer:
             self._free(self._put.staging)
             self._free(self._get.staging)
             raise
+        # Where the backend reads into segments, prefetches land straight in the host tier,
+        # whose tensors are then registered with it too.
+        self._host_registered: list[int] = []
+        if backend.reads_segments:
+            self._register_host_tier()
         self._writer = BoundedExecutor("fdkv-storage-put", max_pending)
         self._reader = BoundedExecutor("fdkv-storage-get", max_pending)
         self._closed = False
@@ -196,6 +201,33 @@ class StorageTransfer:
         if not st.registered:
             self.backend.register_buffer(st.ptr, st.nbytes)
             st.registered = True
+
+    def _register_host_tier(self) -> None:
+        """Register every host-tier tensor with the backend (for :meth:`get_blocks`' direct
+        read); on a refusal, undo and keep the staging path."""
+        lay = self.layout
+        try:
+            for ptr, bb in zip(lay.ptrs, lay.block_bytes):
+                self.backend.register_buffer(ptr, bb * lay.num_blocks)
+                self._host_registered.append(ptr)
+        except StorageError as exc:
+            logger.warning("storage transfer: cannot register the host tier with the %s backend (%s); "
+                           "prefetches go through the staging buffer", self.backend.name, exc)
+            self._unregister_host_tier()
+
+    def _unregister_host_tier(self) -> None:
+        for ptr in self._host_registered:
+            try:
+                self.backend.unregister_buffer(ptr)
+            except Exception:  # noqa: BLE001 - closing anyway
+                logger.warning("storage transfer: unregister_buffer(%#x) failed", ptr, exc_info=True)
+        self._host_registered = []
+
+    @property
+    def reads_direct(self) -> bool:
+        """Whether :meth:`get_blocks` reads objects straight into host blocks (the backend
+        reads into segments and holds the host tier registered) instead of via staging."""
+        return bool(self._host_registered)
 
     def _free(self, st: _Staging) -> None:
         if st.registered:
@@ -299,6 +331,8 @@ class StorageTransfer:
         another layout under a colliding key) is ``Status.INVALID`` and is not scattered.
         """
         ids = self._check("get_blocks", keys, host_block_ids)
+        if self.reads_direct:
+            return self._get_direct(keys, ids)
         results: list[int] = []
         n = self.staging_blocks
         size = self.object_bytes
@@ -316,6 +350,19 @@ class StorageTransfer:
                     self._swap(st, [chunk[i] for i in whole], whole, 1)
                 results += got
         return results
+
+    def _get_direct(self, keys: Sequence[str], ids: list[int]) -> list[int]:
+        """:meth:`get_blocks` as one backend call that reads each object's layer segments
+        straight into its host block (no staging buffer, no scatter).  A block whose object
+        did not arrive whole holds unspecified bytes and gets a negative result, as a block
+        that was never scattered would; the caller uses neither."""
+        lay = self.layout
+        size = self.object_bytes
+        tensors = list(zip(lay.ptrs, lay.block_bytes))
+        segs = [ptr + block * bb for block in ids for ptr, bb in tensors]
+        with self._get.lock:
+            got = self.backend.batch_get_segments(list(keys), segs, list(lay.block_bytes))
+        return [r if r == size or r < 0 else int(Status.INVALID) for r in got]
 
     # ------------------------------------------------------------------ asynchronous
     def submit_put_blocks(self, keys: Sequence[str], host_block_ids: Sequence[int]) -> "Future[list[int]]":
@@ -350,3 +397,4 @@ class StorageTransfer:
         with self._put.lock, self._get.lock:
             self._free(self._put.staging)
             self._free(self._get.staging)
+            self._unregister_host_tier()
