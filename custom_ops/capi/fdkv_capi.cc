@@ -332,11 +332,11 @@ FDKV_API int fdkv_has_hashed_read(void) { return fdkv::HaveHashedRead() ? 1 : 0;
 FDKV_API int fdkv_read_objects(const char* path_blob, int64_t blob_bytes, int64_t n, void* const* segs,
                                const int64_t* seg_bytes, int64_t segs_per_object, int32_t shared_lengths,
                                void* headers, int64_t header_bytes, int64_t piece_bytes, int64_t step_bytes,
-                               int32_t check_version, int32_t header_first, int64_t* got, uint64_t* digests,
+                               int32_t check_version, int32_t size_first, int64_t* got, uint64_t* digests,
                                int32_t* states) {
   return Guard([&] {
     fdkv::ReadObjects(path_blob, blob_bytes, n, segs, seg_bytes, segs_per_object, shared_lengths, headers,
-                      header_bytes, piece_bytes, step_bytes, check_version, header_first, got, digests, states);
+                      header_bytes, piece_bytes, step_bytes, check_version, size_first, got, digests, states);
   });
 }
 

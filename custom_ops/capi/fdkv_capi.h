@@ -158,14 +158,14 @@ FDKV_API int fdkv_has_hashed_read(void);
 // and the header is the file backend's object header (magic "FDKV", u16 version ==
 // check_version, u16 header bytes == header_bytes, u64 payload bytes == the segments'
 // total, u64 checksum == digests[i]) with nothing past the payload; check_version 0 checks
-// nothing (never 2).  header_first != 0 (needs check_version > 0) reads each header alone
-// first and reads no further where it does not name this payload: states[i] = 3, got[i] its
-// bytes, the segments untouched (one more pread per object).  Same threads and failure as
+// nothing (never 2).  size_first != 0 fstats each file first and reads nothing from one that
+// is not a regular file of header_bytes + the payload's size: states[i] = 3, got[i] = 0,
+// the segments untouched (an fstat per object).  Same threads and failure as
 // fdkv_read_files_hashed.  Look it up by name.
 FDKV_API int fdkv_read_objects(const char* path_blob, int64_t blob_bytes, int64_t n, void* const* segs,
                                const int64_t* seg_bytes, int64_t segs_per_object, int32_t shared_lengths,
                                void* headers, int64_t header_bytes, int64_t piece_bytes, int64_t step_bytes,
-                               int32_t check_version, int32_t header_first, int64_t* got, uint64_t* digests,
+                               int32_t check_version, int32_t size_first, int64_t* got, uint64_t* digests,
                                int32_t* states);
 // *count = how many of the n paths in path_blob (as fdkv_read_objects), from the first, are
 // regular files (stat, so a symlink to a file counts; a directory or a missing path ends

@@ -165,11 +165,11 @@ constexpr int kMaxPayloadIov = 64;
 // seeded with the previous one's hash (streamed xxh3 equals the one-call hash, so a piece
 // that spans segments hashes as if contiguous).  Returns the bytes read or -errno;
 // *digest is set only when the whole payload was filled.
-// `off`: file bytes already read (the header, where the caller read it first).
 int64_t ReadHashedOne(int fd, char* header, int64_t header_bytes, const ObjectDst& dst, int64_t piece,
-                      int64_t step, XXH3_state_t* state, uint64_t* digest, int32_t* hashed, int64_t off = 0) {
+                      int64_t step, XXH3_state_t* state, uint64_t* digest, int32_t* hashed) {
   const int64_t size = dst.size;
   char past_end = 0;
+  int64_t off = 0;     // file bytes read so far (the next read's offset)
   int64_t done = 0;    // payload bytes in place
   int64_t fed = 0;     // payload bytes hashed
   int64_t in_piece = 0;
@@ -288,16 +288,16 @@ bool HeaderMatches(const char* h, int64_t header_bytes, int64_t got, int64_t siz
 // The one reader behind both hashed reads: object i's payload goes to dst_of(i) (an
 // ObjectDst), its header to headers + i * header_bytes.  states[i]: 0 the payload was not
 // filled (digests[i] unset), 1 filled and hashed, 2 that and HeaderMatches (check_version
-// > 0 only), 3 (header_first only) the header did not name this payload, so nothing was
-// read past it (got[i]: its bytes read).  header_first reads each header alone before the
-// payload: one more pread per object, and an object of another size leaves the destination
-// untouched.  Objects go to threads one at a time, each claimed by whichever thread is
+// > 0 only), 3 (size_first only) the file is not a regular file of header_bytes + the
+// payload's size, so nothing was read (got[i] 0).  size_first costs an fstat per object (less
+// than a second read), and then an object of another size leaves the destination untouched.
+// Objects go to threads one at a time, each claimed by whichever thread is
 // free (mixed sizes balance themselves); every object's results land in its own slots, so
 // they are the same whatever thread read it.
 template <typename DstOf>
 void ReadObjectsCore(const char* op, const char* const* paths, int64_t n, const std::vector<int64_t>& sizes,
                      DstOf dst_of, void* headers, int64_t header_bytes, int64_t piece_bytes, int64_t step_bytes,
-                     int32_t check_version, bool header_first, int64_t* got, uint64_t* digests, int32_t* states) {
+                     int32_t check_version, bool size_first, int64_t* got, uint64_t* digests, int32_t* states) {
 #if FDKV_HAVE_XXHASH
   // The hashing code is AVX-512 machine code: refuse, never fault, on a CPU without it.
   if (!HaveHashedRead()) throw std::runtime_error(std::string(op) + ": this CPU lacks AVX-512 (F, BW)");
@@ -313,19 +313,17 @@ void ReadObjectsCore(const char* op, const char* const* paths, int64_t n, const 
         continue;
       }
       char* header = static_cast<char*>(headers) + i * header_bytes;
-      int64_t off = 0;
-      if (header_first) {
-        struct iovec hv = {header, static_cast<size_t>(header_bytes)};
-        off = ReadFully(fd, &hv, 1, header_bytes);
-        if (off < 0 || off < header_bytes || !HeaderNames(header, header_bytes, sizes[i], check_version)) {
-          got[i] = off;
-          if (off >= 0) states[i] = 3;
+      if (size_first) {
+        struct stat st;
+        if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size != header_bytes + sizes[i]) {
+          got[i] = 0;
+          states[i] = 3;
           close(fd);
           continue;
         }
       }
       got[i] = ReadHashedOne(fd, header, header_bytes, dst_of(i), piece_bytes, step_bytes, &state, &digests[i],
-                             &states[i], off);
+                             &states[i]);
       close(fd);
       if (check_version > 0 && states[i] == 1 &&
           HeaderMatches(header, header_bytes, got[i], sizes[i], digests[i], check_version)) {
@@ -347,7 +345,7 @@ void ReadObjectsCore(const char* op, const char* const* paths, int64_t n, const 
   for (std::thread& h : helpers) h.join();
 #else
   (void)paths, (void)n, (void)sizes, (void)dst_of, (void)headers, (void)header_bytes, (void)piece_bytes;
-  (void)step_bytes, (void)check_version, (void)header_first, (void)got, (void)digests, (void)states;
+  (void)step_bytes, (void)check_version, (void)size_first, (void)got, (void)digests, (void)states;
   throw std::runtime_error(std::string(op) + ": built without xxHash's header (install libxxhash-dev and rebuild)");
 #endif
 }
@@ -397,7 +395,7 @@ std::vector<const char*> SplitPaths(const char* op, const char* blob, int64_t bl
 
 void ReadObjects(const char* path_blob, int64_t blob_bytes, int64_t n, void* const* segs, const int64_t* seg_bytes,
                  int64_t segs_per_object, int32_t shared_lengths, void* headers, int64_t header_bytes,
-                 int64_t piece_bytes, int64_t step_bytes, int32_t check_version, int32_t header_first, int64_t* got,
+                 int64_t piece_bytes, int64_t step_bytes, int32_t check_version, int32_t size_first, int64_t* got,
                  uint64_t* digests, int32_t* states) {
   const char* op = "read_objects";
   const std::vector<const char*> paths = SplitPaths(op, path_blob, blob_bytes, n);
@@ -435,11 +433,8 @@ void ReadObjects(const char* path_blob, int64_t blob_bytes, int64_t n, void* con
     return ObjectDst{&segs[i * segs_per_object], seg_bytes + (shared_lengths ? 0 : i * segs_per_object),
                      segs_per_object, sizes[i]};
   };
-  if (header_first && check_version <= 0) {
-    throw InvalidArgument(op, "header_first", -1, " needs check_version > 0 (the header it checks)");
-  }
   ReadObjectsCore(op, paths.data(), n, sizes, dst_of, headers, header_bytes, piece_bytes, step_bytes, check_version,
-                  header_first != 0, got, digests, states);
+                  size_first != 0, got, digests, states);
 }
 
 int64_t FilesExist(const char* path_blob, int64_t blob_bytes, int64_t n) {

@@ -334,11 +334,11 @@ bool HaveHashedRead();
 // seg_bytes[i * segs_per_object + k].  Hashes exactly as ReadFilesHashed over the
 // concatenated segments.  states[i]: 0 not filled, 1 filled and hashed, 2 that and the
 // header is the file backend's for this payload, version check_version, checksum equal
-// (check_version 0: never 2), 3 (header_first != 0 only) the header, read alone first, does
-// not name this payload: nothing else read.  ReadFilesHashed is its one-segment case.
+// (check_version 0: never 2), 3 (size_first != 0 only) the file is not a regular file of
+// header_bytes + the payload's size (fstat): nothing read.  ReadFilesHashed is its one-segment case.
 void ReadObjects(const char* path_blob, int64_t blob_bytes, int64_t n, void* const* segs, const int64_t* seg_bytes,
                  int64_t segs_per_object, int32_t shared_lengths, void* headers, int64_t header_bytes,
-                 int64_t piece_bytes, int64_t step_bytes, int32_t check_version, int32_t header_first, int64_t* got,
+                 int64_t piece_bytes, int64_t step_bytes, int32_t check_version, int32_t size_first, int64_t* got,
                  uint64_t* digests, int32_t* states);
 // How many of the n paths in path_blob (as ReadObjects), from the first, are regular files
 // (stat: a symlink to one counts, a directory does not).

@@ -323,7 +323,7 @@ class CApi:
     def read_objects(self, path_blob: bytes, n: int, segs: Sequence[int], seg_bytes: Sequence[int],
                      segs_per_object: int, shared_lengths: bool, header_bytes: int, piece_bytes: int,
                      step_bytes: int, check_version: int = 0,
-                     header_first: bool = False) -> tuple[bytearray, list[int], list[int], list[int]]:
+                     size_first: bool = False) -> tuple[bytearray, list[int], list[int], list[int]]:
         """:meth:`read_files_hashed` with each payload scattered over ``segs_per_object`` segments.
 
         ``path_blob`` holds the ``n`` paths, each ending in a NUL byte (one bytes object: no
@@ -333,9 +333,9 @@ class CApi:
         concatenated segments.  Returns ``(headers, got, digests, states)``: ``states[i]`` 0
         where the payload was not filled (``digests[i]`` meaningless), 1 filled and hashed, 2
         also a whole object whose header (format ``check_version``; 0 checks nothing) names
-        exactly this payload and checksum, 3 (``header_first`` only: each header is read alone
-        first) the header does not name this payload, so nothing past it was read and the
-        segments are untouched (``got[i]``: the header bytes read).  Raises :class:`SwapOpError` for bad arguments
+        exactly this payload and checksum, 3 (``size_first`` only: each file is fstat'ed
+        first) the file is not a regular file of ``header_bytes`` + the payload's size, so
+        nothing was read and the segments are untouched (``got[i]`` 0).  Raises :class:`SwapOpError` for bad arguments
         (nothing read) and RuntimeError where :attr:`has_read_objects` is False.
         """
         fn = getattr(self.lib, "fdkv_read_objects", None)
@@ -365,7 +365,7 @@ class CApi:
         self.check(fn(ctypes.c_char_p(path_blob), i64(len(path_blob)), i64(n), vp(c_segs.buffer_info()[0]),
                       vp(c_lens.buffer_info()[0]), i64(segs_per_object), i32(1 if shared_lengths else 0),
                       vp(ctypes.addressof(hbuf)), i64(header_bytes), i64(piece_bytes), i64(step_bytes),
-                      i32(check_version), i32(1 if header_first else 0), vp(got.buffer_info()[0]), vp(digests.buffer_info()[0]),
+                      i32(check_version), i32(1 if size_first else 0), vp(got.buffer_info()[0]), vp(digests.buffer_info()[0]),
                       vp(states.buffer_info()[0])))
         del hbuf  # release the export so the bytearray stays resizable for the caller
         return headers, got[:n].tolist(), digests[:n].tolist(), states[:n].tolist()

@@ -462,8 +462,8 @@ class FileBackend(StorageBackend):
         """One ``read_objects`` call for the slice; Python looks only at the objects whose
         header and checksum the call did not find right (state 2 is a whole, good object).
 
-        Segment reads check each header first, so an object of another size never touches
-        the segments (a host block stays as it was, as with a staging copy); its verdict
+        Segment reads check each file's size first, so an object of another size never
+        touches the segments (a host block stays as it was, as with a staging copy); its verdict
         comes from :meth:`_verdict_via_scratch`."""
         hsize = HEADER.size
         if seg_bytes is None:
@@ -494,7 +494,7 @@ class FileBackend(StorageBackend):
         return out
 
     def _verdict_via_scratch(self, key: str, segs: Sequence[int], size: int, seg_bytes: Optional[list[int]]) -> int:
-        """The verdict on an object whose header did not name a payload of ``size`` bytes,
+        """The verdict on an object whose file is not ``size`` payload bytes long (or not a file),
         as :meth:`batch_get_into` gives it: read whole into a scratch buffer and checked.
         The segments stay untouched unless the object turns out whole after all (replaced
         meanwhile): then it is copied into them."""
@@ -700,9 +700,10 @@ class FileBackend(StorageBackend):
                                           f"(need {len(keys) * per})")
         size = sum(lens)
         keys, _, _ = validate_batch(op, keys, [1] * len(keys), [size] * len(keys))
-        for i, ptr in enumerate(ptrs):
-            if type(ptr) is not int or ptr <= 0:
-                raise StorageError("invalid", f"{op}: seg_ptrs[{i}] must be a non-null address (int), got {ptr!r}")
+        if ptrs and (set(map(type, ptrs)) != {int} or min(ptrs) <= 0):
+            for i, ptr in enumerate(ptrs):
+                if type(ptr) is not int or ptr <= 0:
+                    raise StorageError("invalid", f"{op}: seg_ptrs[{i}] must be a non-null address (int), got {ptr!r}")
         self._check_keys(op, keys)
         # Segment t of every object usually lies in one host-tier tensor: one span check each.
         if any(not self._buffers.spans_one_region(ptrs[t::per], lens[t]) for t in range(per)):
@@ -759,8 +760,8 @@ class FileBackend(StorageBackend):
         Results, verdicts, stats, LRU touches and loss reports are those of
         :meth:`batch_get_into` for objects of ``sum(seg_bytes)`` bytes; every segment must lie
         in a registered buffer.  The segments hold the object only where the result is
-        ``sum(seg_bytes)``: an object of another size leaves them untouched (its header is
-        read first), while after any other negative result (a corrupt or truncated
+        ``sum(seg_bytes)``: an object of another size leaves them untouched (each file's size
+        is checked first), while after any other negative result (a corrupt or truncated
         object, an I/O error) they hold unspecified bytes.  Raises ``StorageError("invalid")`` (nothing read) for bad input
         or where :attr:`reads_segments` is False.
         """

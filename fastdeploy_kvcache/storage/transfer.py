@@ -35,6 +35,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
+
 from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
 
@@ -185,6 +187,8 @@ class StorageTransfer:
         # Where the backend reads into segments, prefetches land straight in the host tier,
         # whose tensors are then registered with it too.
         self._host_registered: list[int] = []
+        self._seg_base = np.asarray(layout.ptrs, dtype=np.uint64)
+        self._seg_stride = np.asarray(layout.block_bytes, dtype=np.uint64)
         if backend.reads_segments:
             self._register_host_tier()
         self._writer = BoundedExecutor("fdkv-storage-put", max_pending)
@@ -358,8 +362,8 @@ class StorageTransfer:
         that was never scattered would; the caller uses neither."""
         lay = self.layout
         size = self.object_bytes
-        tensors = list(zip(lay.ptrs, lay.block_bytes))
-        segs = [ptr + block * bb for block in ids for ptr, bb in tensors]
+        # Segment t of block b: ptrs[t] + b * block_bytes[t], blocks in order, t fastest.
+        segs = (np.asarray(ids, dtype=np.uint64)[:, None] * self._seg_stride + self._seg_base).ravel().tolist()
         with self._get.lock:
             got = self.backend.batch_get_segments(list(keys), segs, list(lay.block_bytes))
         return [r if r == size or r < 0 else int(Status.INVALID) for r in got]
