@@ -7,10 +7,12 @@ cold), and ends with no block leaked and no host block left pinned.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from fastdeploy_kvcache.storage.file_backend import FileBackend
 from skip_helpers import needs_server_modules
 
 from .helpers import (
@@ -28,6 +30,19 @@ from .helpers import (
 )
 
 pytestmark = needs_server_modules()
+
+
+
+def segment_reads_built() -> bool:
+    """Whether the file backend here reads into the host tier's segments (the CPU C ABI
+    built with xxHash, on a CPU with AVX-512): the server's backend decides the same way."""
+    with tempfile.TemporaryDirectory() as d:
+        backend = FileBackend(d, min_free_bytes=0)
+        try:
+            return backend.reads_segments
+        finally:
+            backend.close()
+
 
 P = prompt_ids(1, 200)  # 12 full blocks
 Q = prompt_ids(2, 200)
@@ -75,6 +90,12 @@ def test_restart_reuses_the_store_with_the_same_tokens_and_faults_recompute(tmp_
         assert tiers["storage"] == 2 * BLOCK_SIZE, tiers
         stats = assert_no_leak(second)["storage"]
         assert stats["store"]["corrupt_objects"] == 1, stats["store"]
+        # The prefetches read straight into the host tier where the library can (no staging
+        # copy): every object the store read went that way; else none did.
+        store_reads = stats["store"]["read_keys"]
+        assert store_reads >= 12 + 5 + 2, stats["store"]
+        expect_direct = store_reads if segment_reads_built() else 0
+        assert stats["store"]["segment_read_keys"] == expect_direct, stats["store"]
         assert stats["tier"]["errors"].get("corrupt", 0) == 1, stats["tier"]
         # The recomputed blocks were stored again (one exists round trip per request).
         assert stats["tier"]["exists_calls"] == 3
