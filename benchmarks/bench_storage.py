@@ -21,6 +21,8 @@ What it answers (every figure from the same run, medians of ``--repeats``):
    ``read_threads``, whichever is more) of the same files' bytes, at object sizes from
    64 KiB to 8 MiB, warm (page cache) and cold (POSIX_FADV_DONTNEED on each file before each
    run: only our files leave the cache, not the other tenants' of a shared machine).
+   The same objects are also read with ``batch_get_segments`` straight into a layer-major
+   host tier (8 segments per object), against the same plain read.
    Mooncake: our backend's ``batch_get_into`` against the client's own ``batch_get_into`` of
    the same keys into the same buffers.  Ratios >= 0.8 are the target.  The warm rows also
    print the checksum ceiling: xxh3 over a piece just read, against the plain read's rate,
@@ -386,6 +388,7 @@ def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, wor
 
 
 SWEEP_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)
+SWEEP_SEGMENTS = 8  # segments per object in the host-tier read: 4 layers, K and V
 
 
 def checksum_after_read_gbps(paths: list[str], size: int, buf: np.ndarray, pieces: int = 64) -> float:
@@ -466,6 +469,21 @@ def read_sweep(args: argparse.Namespace, workdir: Path, mooncake: Any) -> list[d
         ops_: dict[str, Callable[[int], Any]] = {"plain": plain, "file": backend}
         if pool is not None:
             ops_["plain_threads"] = plain_threads
+        # The same objects read straight into a layer-major host tier: SWEEP_SEGMENTS tensors
+        # (4 layers' K and V), each object one block, as a storage prefetch reads them.
+        seg_bufs: list[np.ndarray] = []
+        if fb.reads_segments:
+            seg = size // SWEEP_SEGMENTS
+            seg_bufs = [np.ones(n * seg, dtype=np.uint8) for _ in range(SWEEP_SEGMENTS)]
+            for b in seg_bufs:
+                fb.register_buffer(int(b.ctypes.data), b.nbytes)
+            seg_ptrs = [int(b.ctypes.data) + i * seg for i in range(n) for b in seg_bufs]
+
+            def segments(_: int) -> None:
+                out = fb.batch_get_segments(keys, seg_ptrs, [seg] * SWEEP_SEGMENTS)
+                assert out == [size] * n, out
+
+            ops_["segments"] = segments
         row: dict[str, Any] = {"object_bytes": size, "objects": n, "io_threads": fb.io_threads,
                                "read_threads": args.read_threads, "plain_threads": threads}
         raw: dict[str, dict[str, list[float]]] = {"warm": {}, "cold": {}}
@@ -481,7 +499,13 @@ def read_sweep(args: argparse.Namespace, workdir: Path, mooncake: Any) -> list[d
             # Best of the repeats too: on a shared VM the medians carry other tenants' load.
             best = {k: min(v) for k, v in raw[mode].items()}
             row[f"file_{mode}_best_ratio"] = min(best["plain"], best.get("plain_threads", float("inf"))) / best["file"]
+            if seg_bufs:
+                row[f"segments_{mode}_gbps"] = gbps(total, t["segments"])
+                row[f"segments_{mode}_ratio"] = base / t["segments"]
         assert bytes(dst) == bytes(src), "the file backend read back different bytes"
+        if seg_bufs:
+            tier = np.stack([b.reshape(n, -1) for b in seg_bufs], axis=1).reshape(-1)
+            assert tier.tobytes() == src.tobytes(), "the segment read put different bytes in the host tier"
         # Warm reads are CPU work only: their ratio in CPU seconds is the one the other tenants
         # of a shared machine disturb least (cold reads wait on the disk: wall time only).
         cpu_med = {k: statistics.median(v) for k, v in warm_cpu.items()}
@@ -553,6 +577,17 @@ def render_sweep(rows: list[dict]) -> str:
             if r.get("mooncake_failed_keys"):
                 line += f" ({r['mooncake_failed_keys']} keys failed)"
         lines.append(line)
+    if any("segments_warm_ratio" in r for r in rows):
+        lines += ["", f"Read straight into a layer-major host tier ({SWEEP_SEGMENTS} segments per object, "
+                      "batch_get_segments), against the same plain read:", "",
+                  "| object | segments warm GB/s | segments / plain warm | segments cold GB/s | segments / plain cold |",
+                  "|---|---|---|---|---|"]
+        for r in rows:
+            kib = r["object_bytes"] >> 10
+            cell = f"{kib} KiB" if kib < 1024 else f"{kib >> 10} MiB"
+            if "segments_warm_ratio" in r:
+                lines.append(f"| {cell} | {r['segments_warm_gbps']:.2f} | **{r['segments_warm_ratio']:.2f}** | "
+                             f"{r['segments_cold_gbps']:.2f} | **{r['segments_cold_ratio']:.2f}** |")
     worst = min(min(r["file_warm_ratio"], r["file_cold_ratio"]) for r in rows)
     lines.append("")
     best = min(min(r["file_warm_best_ratio"], r["file_cold_best_ratio"]) for r in rows)

@@ -6,10 +6,13 @@
 // Python lock, so the engine thread and the server's event loop keep running while a
 // prefetch reads.  Verification (header, checksum) stays with the caller.
 //
-// ReadFilesHashed also computes each payload's checksum (the file backend's format: xxh3-64
+// ReadObjects also computes each payload's checksum (the file backend's format: xxh3-64
 // chained over fixed pieces) while it reads, one step of the payload at a time, so each step
 // is hashed right after it lands, while it is still in the CPU cache: hashing it later, from
-// memory, costs several times as much.  Built only where xxHash's header is installed
+// memory, costs several times as much.  Its destination is a list of segments per object
+// (one for a contiguous buffer, one per layer tensor for a host-tier block, read without a
+// staging copy), and it compares each header with what it read, so the caller handles only
+// the failures.  ReadFilesHashed is its one-segment case; FilesExist is the existence check.  Built only where xxHash's header is installed
 // (Debian: libxxhash-dev); without it the call reports FDKV_ERR_OTHER and the caller hashes.
 //
 // NOTE: xxh3 picks its vector code at compile time, and without -mavx2 that is SSE2, which

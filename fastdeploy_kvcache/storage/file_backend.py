@@ -20,8 +20,9 @@ On-disk object (little-endian)::
   miss (``Status.CORRUPT``); the file is deleted and ``corrupt_objects`` counted.
 * **Capacity.**  ``capacity_bytes`` caps the files' total size; a put past it evicts the
   least recently used objects first.  The LRU order is seeded at start from the files
-  already there (oldest ``max(atime, mtime)`` first).  A hit moves the key to the end of the
-  in-memory order at once; the files' atimes are refreshed later, off the read path: after
+  already there (oldest ``max(atime, mtime)`` first).  A hit is recorded in a list and moved
+  to the end of the in-memory order before anything reads or changes that order (a put, an
+  eviction), which gives the same order as moving it at once; the files' atimes are refreshed later, off the read path: after
   the next put batch (puts run in the background), at close, or on the writer thread once
   ``_MAX_UNFLUSHED_TOUCHES`` hits are waiting.  A utime per hit cost a prefetch a quarter of
   its time, and a refresh right behind a read still competed with the engine for the GIL.
@@ -38,9 +39,13 @@ On-disk object (little-endian)::
   is reported once and its key skipped: a miss for gets and existence checks, a quiet
   ``Status.IO`` for puts, until it is gone.
 * **Reads.**  Where the C ABI has it (built with xxHash's header, on a CPU with AVX-512),
-  ``read_files_hashed`` reads up to ``_HASHED_GROUP_BYTES`` of objects in one call that
-  holds no GIL, ``_HASHED_READ_STEP`` bytes per ``preadv``, and hashes each step right after
-  it lands, while it is in the CPU cache: the whole checksum costs no Python at all.
+  ``read_objects`` reads a thread's whole slice of a batch in one call that holds no GIL,
+  ``_HASHED_READ_STEP`` bytes per ``preadv``, hashes each step right after it lands, while
+  it is in the CPU cache, and compares each header and checksum with what it read: Python
+  builds one buffer of paths per call and looks only at the objects that failed (the
+  verdicts below), so a batch of good objects costs a few C-level passes, not a loop.
+  ``batch_get_segments`` is the same read with each payload spread over a host tier's layer
+  segments (an ``fstat`` first, so an object of another size never touches them).
   Elsewhere, objects under 256 KiB: one ``open``, one ``preadv`` (header, payload, and one
   byte past it, which tells a longer file without an ``fstat``) and one ``close`` each, a
   group of at most 1 MiB of them in one native call (``read_files``) that holds no GIL;

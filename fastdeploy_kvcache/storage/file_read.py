@@ -14,7 +14,7 @@ it lands, while it is hot:
   put in place, slicing one view of the group's memory instead of building a view per object.
 
 Both return the same ``(got, digest)`` pairs, so one verdict function serves every reader,
-and so does the C ABI's ``read_files_hashed``, which the file backend prefers where built (it
+and so does the C ABI's ``read_objects``, which the file backend prefers where built (it
 reads and hashes in C: see the backend's module doc).
 ``got`` counts the file's bytes read (header, payload and at most one byte past it: a longer
 file shows up without an ``fstat``) or is ``-errno``; ``digest`` is the :func:`checksum` of

@@ -7,24 +7,31 @@ every layer, K then V (then scales), contiguous::
 
     object = [layer 0: K | V (| K scale | V scale)] [layer 1: ...] ... [layer L-1: ...]
 
-:class:`StorageTransfer` converts between the two through a block-major *staging buffer*
-that is registered with the backend once:
+:class:`StorageTransfer` converts between the two:
 
 * backup (host -> storage): one native gather of all layers and all blocks of a batch into
-  staging (``fdkv_swap_layout`` of the CPU build of the C ABI, mode 0: plain memcpy, run
-  with the GIL released), then one ``batch_put_from`` of the staged objects;
-* prefetch (storage -> host): one ``batch_get_into`` into staging, then one native scatter
-  (mode 1) of the blocks that arrived whole.
+  a block-major *staging buffer* registered with the backend once (``fdkv_swap_layout`` of
+  the CPU build of the C ABI, mode 0: plain memcpy, run with the GIL released), then one
+  ``batch_put_from`` of the staged objects;
+* prefetch (storage -> host) where the backend reads into segments
+  (:attr:`StorageBackend.reads_segments`: the file backend with the native library): one
+  ``batch_get_segments`` that reads each object's bytes straight into its host block's
+  per-layer segments, no staging and no scatter; the host tier's tensors are registered
+  with the backend for it;
+* prefetch otherwise (Mooncake, no library): one ``batch_get_into`` into staging, then one
+  native scatter (mode 1) of the blocks that arrived whole.
 
-There are no per-layer Python copies: each direction is two native calls per batch of up to
-``staging_blocks`` blocks, whatever the layer count.  ``benchmarks/bench_storage.py``
+There are no per-layer Python copies: each direction is one or two native calls per batch,
+whatever the layer count.  ``benchmarks/bench_storage.py``
 measured why staging rather than a block-major host layout (docs/storage.md has the figures):
 the gather runs at memory speed, several times the bandwidth of either backend, so it costs
 a small fraction of a transfer, and the host tier keeps its layer-major layout, which the
 per-layer device loads need.
 
 Blocks are whole or nothing: a block whose object did not arrive complete (miss, corrupt,
-wrong size, error) is never scattered into the host tier, and its result is negative.
+wrong size, error) gets a negative result and is never used.  Through staging it is never
+scattered into the host tier; read directly, a missing object or one of another size leaves
+it untouched, and a corrupt one of the right size may leave bytes in it.
 """
 
 from __future__ import annotations
