@@ -482,21 +482,22 @@ class FileBackend(StorageBackend):
             self._touch(keys)
             return list(sizes)
         out: list[int] = []
-        hits: list[str] = []
         for i, (k, state) in enumerate(zip(keys, states)):
             if state == 2:
-                r = sizes[i]
+                out.append(sizes[i])
             elif state == 3:
-                r = self._verdict_via_scratch(k, ptrs[i], sizes[i], seg_bytes)
+                out.append(self._verdict_via_scratch(k, ptrs[i], sizes[i], seg_bytes))
             else:
-                r = self._check_read(k, ptrs[i], sizes[i], headers, i * hsize, got[i], digests[i] if state else None,
-                                     seg_bytes)
-            if r >= 0:
-                hits.append(k)
-            out.append(r)
+                out.append(self._check_read(k, ptrs[i], sizes[i], headers, i * hsize, got[i],
+                                            digests[i] if state else None, seg_bytes))
+        return self._touch_hits(keys, out)
+
+    def _touch_hits(self, keys: Sequence[str], results: list[int]) -> list[int]:
+        """:meth:`_touch` the keys whose result is a hit; returns ``results``."""
+        hits = [k for k, r in zip(keys, results) if r >= 0]
         if hits:
             self._touch(hits)
-        return out
+        return results
 
     def _verdict_via_scratch(self, key: str, segs: Sequence[int], size: int, seg_bytes: Optional[list[int]]) -> int:
         """The verdict on an object whose file is not ``size`` payload bytes long (or not a file),
@@ -539,7 +540,6 @@ class FileBackend(StorageBackend):
             headers, got = self._native.read_files([os.fsencode(self.file_path(k)) for k in keys], ptrs, sizes, hsize)
             digests = hash_group(ptrs, sizes, got, hsize)
         out: list[int] = []
-        hits: list[str] = []
         unpack = HEADER.unpack_from
         for i, (k, ptr, size, n, digest) in enumerate(zip(keys, ptrs, sizes, got, digests)):
             at = i * hsize
@@ -549,15 +549,9 @@ class FileBackend(StorageBackend):
                 if (magic == MAGIC and version == FORMAT_VERSION and header_size == hsize and payload_size == size
                         and digest == recorded):
                     out.append(size)
-                    hits.append(k)
                     continue
-            r = self._check_read(k, ptr, size, headers, at, n, digest)
-            if r >= 0:
-                hits.append(k)
-            out.append(r)
-        if hits:
-            self._touch(hits)
-        return out
+            out.append(self._check_read(k, ptr, size, headers, at, n, digest))
+        return self._touch_hits(keys, out)
 
     def _check_read(self, key: str, ptr: Any, size: int, headers: bytearray, at: int, got: int,
                     digest: Optional[int] = None, seg_bytes: Optional[list[int]] = None) -> int:

@@ -155,7 +155,8 @@ class StorageTransfer:
         staging_blocks: objects per staging buffer: the largest batch one native call and
             one backend call move (bigger batches are split).
         capi: the C ABI whose swap_layout does the gather; default the CPU build, which
-            copies host memory with memcpy wherever the caches live.
+            copies host memory with memcpy wherever the caches live.  With the CUDA build
+            (the layout may be device memory) prefetches always go through staging.
         max_pending: batches queued per direction before ``submit_*`` answers "busy".
 
     The caller (the worker, on the scheduler's instructions) must keep the host blocks of a
@@ -192,11 +193,12 @@ class StorageTransfer:
             self._free(self._get.staging)
             raise
         # Where the backend reads into segments, prefetches land straight in the host tier,
-        # whose tensors are then registered with it too.
+        # whose tensors are then registered with it too.  Not with the CUDA build's swaps:
+        # its layout may be device memory (the PD hand-off), which a file read cannot target.
         self._host_registered: list[int] = []
         self._seg_base = np.asarray(layout.ptrs, dtype=np.uint64)
         self._seg_stride = np.asarray(layout.block_bytes, dtype=np.uint64)
-        if backend.reads_segments:
+        if backend.reads_segments and not getattr(capi, "is_cuda", False):
             self._register_host_tier()
         self._writer = BoundedExecutor("fdkv-storage-put", max_pending)
         self._reader = BoundedExecutor("fdkv-storage-get", max_pending)
