@@ -761,8 +761,9 @@ class FileBackend(StorageBackend):
         in a registered buffer.  The segments hold the object only where the result is
         ``sum(seg_bytes)``: an object of another size leaves them untouched (each file's size
         is checked first), while after any other negative result (a corrupt or truncated
-        object, an I/O error) they hold unspecified bytes.  Raises ``StorageError("invalid")`` (nothing read) for bad input
-        or where :attr:`reads_segments` is False.
+        object, an I/O error) they hold unspecified bytes.  Raises
+        ``StorageError("invalid")`` (nothing read) for bad input or where
+        :attr:`reads_segments` is False.
         """
         keys, ptrs, sizes, lens = self._check_segments("batch_get_segments", keys, seg_ptrs, seg_bytes)
         start = time.perf_counter()

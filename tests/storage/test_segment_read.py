@@ -20,8 +20,9 @@ from skip_helpers import needs_cpu_capi
 pytestmark = needs_cpu_capi()
 
 LAYERS = 3
-# Per layer a key and a value tensor; sizes that divide neither the read step nor the piece.
-BLOCK_BYTES = (3001, 3001, 3001, 3001, 3001, 3001)
+# Per layer a key and a value tensor; sizes that divide neither the read step nor the piece,
+# above the transfer's DIRECT_READ_MIN_SEGMENT_BYTES.
+BLOCK_BYTES = (5003, 5003, 5003, 5003, 5003, 5003)
 NUM_BLOCKS = 16
 
 
@@ -193,4 +194,25 @@ def test_batch_exists_agrees_between_the_native_check_and_python(tmp_path: Path,
     backend._native = native
     with pytest.raises(StorageError, match=r"keys\[1\]"):
         backend.batch_exists([keys[0], "a/b"])
+    backend.close()
+
+
+def test_tiny_segments_keep_the_staging_path(tmp_path: Path) -> None:
+    """Segments below the direct read's floor (per-iovec costs outweigh the copy) stage."""
+    backend = FileBackend(tmp_path, min_free_bytes=0)
+    need_segments(backend)
+    tier = HostTier(seed=3)
+    small = StorageTransfer(tier.layout, backend, staging_blocks=2, direct_read_min_segment_bytes=5004)
+    assert not small.reads_direct
+    keys = [key(i) for i in range(3)]
+    assert small.put_blocks(keys, [0, 1, 2]) == [Status.OK] * 3
+    assert small.get_blocks(keys, [5, 6, 7]) == [sum(BLOCK_BYTES)] * 3
+    assert [tier.block(b) for b in (5, 6, 7)] == [tier.block(b) for b in (0, 1, 2)]
+    assert backend.stats()["segment_read_keys"] == 0
+    small.close()
+    direct = StorageTransfer(tier.layout, backend, staging_blocks=2, direct_read_min_segment_bytes=5003)
+    assert direct.reads_direct
+    assert direct.get_blocks(keys, [8, 9, 10]) == [sum(BLOCK_BYTES)] * 3
+    assert backend.stats()["segment_read_keys"] == 3
+    direct.close()
     backend.close()
