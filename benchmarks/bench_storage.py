@@ -14,7 +14,9 @@ What it answers (every figure from the same run, medians of ``--repeats``):
    Reads are measured warm (page cache) and cold (after fdatasync + POSIX_FADV_DONTNEED on
    every file, so they come from the disk).  Plain files run with 1 and with 4 threads (the
    file backend's default ``io_threads``); ratios use the faster of the two.
-3. **End to end**: StorageTransfer.put_blocks / get_blocks (gather + put, get + scatter).
+3. **End to end**: StorageTransfer.put_blocks / get_blocks (gather + put; for ``file`` a
+   read straight into the layer-major tier where the transfer reads direct, else get +
+   scatter).
 4. **Read sweep** (``--read-sweep``, or ``--only-read-sweep``): a batch read through the
    ``file`` backend against a plain read (open/readinto/close per file, in Python, best of 1
    thread and as many threads as the backend reads on: its ``io_threads`` or the C library's
@@ -626,7 +628,7 @@ ROWS = [
     ("mooncake_multibuf_put_gbps", "mooncake batch_put_from_multi_buffers from the layer-major tier"),
     ("mooncake_multibuf_get_gbps", "mooncake batch_get_into_multi_buffers into the layer-major tier"),
     ("e2e_file_put_gbps", "StorageTransfer.put_blocks, file (gather + put)"),
-    ("e2e_file_get_warm_gbps", "StorageTransfer.get_blocks, file warm (get + scatter)"),
+    ("e2e_file_get_warm_gbps", "StorageTransfer.get_blocks, file warm (straight into the tier, or get + scatter)"),
     ("e2e_mooncake_put_gbps", "StorageTransfer.put_blocks, mooncake"),
     ("e2e_mooncake_get_gbps", "StorageTransfer.get_blocks, mooncake"),
 ]
