@@ -266,6 +266,7 @@ bool HaveHashedRead() {
 
 namespace {
 
+#if FDKV_HAVE_XXHASH
 // Whether `h` is the file backend's object header for a payload of `size` bytes: magic
 // "FDKV", u16 version == `version`, u16 header bytes, u64 payload bytes (then the u64
 // checksum), little-endian (storage/file_backend.py).
@@ -287,6 +288,7 @@ bool HeaderMatches(const char* h, int64_t header_bytes, int64_t got, int64_t siz
   std::memcpy(&recorded, h + 16, 8);
   return recorded == digest;
 }
+#endif
 
 // The one reader behind both hashed reads: object i's payload goes to dst_of(i) (an
 // ObjectDst), its header to headers + i * header_bytes.  states[i]: 0 the payload was not
