@@ -307,6 +307,9 @@ class StorageTransfer:
         ids = [int(i) for i in host_block_ids]
         if len(ids) != len(keys):
             raise StorageError("invalid", f"{op}: {len(keys)} keys but {len(ids)} host block ids")
+        # Fast path (every prefetch and backup): in range and distinct, in C-level passes.
+        if not ids or (min(ids) >= 0 and max(ids) < self.layout.num_blocks and len(set(ids)) == len(ids)):
+            return ids
         seen: set[int] = set()
         for i, block in enumerate(ids):
             if not 0 <= block < self.layout.num_blocks:
