@@ -847,7 +847,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--queued-requests", type=int, default=8, help="Requests sent at once (queued-storage).")
     ap.add_argument("--queued-max-num-seqs", type=int, default=2, help="The server's --max-num-seqs (queued-storage).")
     ap.add_argument("--queued-prefix-tokens", type=int, default=2048, help="Document length (queued-storage).")
-    ap.add_argument("--queued-repeats", type=int, default=6,
+    ap.add_argument("--queued-repeats", type=int, default=10,
                     help="Pairs of bursts side by side (storage hits, host hits) per server (queued-storage).")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))

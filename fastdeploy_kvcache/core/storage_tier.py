@@ -95,6 +95,16 @@ class StorageJob:
         r = self.results[i]
         return r > 0 if self.kind is TransferKind.STORAGE_LOAD else r == 0
 
+    def leading_ok(self) -> int:
+        """How many blocks from the first made it (:meth:`ok` for each, in one pass)."""
+        if self.error_kind is not None:
+            return 0
+        load = self.kind is TransferKind.STORAGE_LOAD
+        for i, r in enumerate(self.results):
+            if (r <= 0) if load else (r != 0):
+                return i
+        return len(self.results)
+
 
 @dataclass
 class _Prefetch:
@@ -279,22 +289,41 @@ class StorageTier:
     def available(self) -> bool:
         self._heal()
         try:
-            return bool(self.backend.health().available)
-        except Exception:  # noqa: BLE001 - a broken health() means "off"
-            logger.warning("storage health() raised; treating the tier as off", exc_info=True)
+            return bool(self.backend.available())
+        except Exception:  # noqa: BLE001 - a broken available() means "off"
+            logger.warning("storage available() raised; treating the tier as off", exc_info=True)
             return False
 
-    def query(self, hashes: Sequence[int]) -> int:
-        """How many leading ``hashes`` storage holds: one ``batch_exists`` round trip (0 when off)."""
+    def query(self, hashes: Sequence[int], keys: Optional[Sequence[str]] = None) -> int:
+        """How many leading ``hashes`` storage holds, as one ``batch_exists`` round trip
+        tells (0 when off); ``keys``: their keys, where the caller formed them already.
+
+        A run of three or more blocks is probed at its first and last block only: both
+        there reads as the whole run, because a run is written and hit together, so the
+        store keeps or evicts it whole nearly always (a hole is found by the fetch, which
+        inserts the leading run that arrived and frees the rest).  The first there but not
+        the last: a second round trip asks for the whole run.  On the engine's thread this
+        is two existence checks per request instead of one per block.
+        """
         if not hashes:
             return 0
         if not self.available():
             self.stats["unavailable_skips"] += 1
             return 0
+        if keys is None:
+            keys = self.ns.keys(hashes)
         self.stats["exists_calls"] += 1
         self.stats["query_blocks"] += len(hashes)
         try:
-            n = int(self.backend.batch_exists(self.ns.keys(hashes)))
+            if len(keys) > 2:
+                n = int(self.backend.batch_exists([keys[0], keys[-1]]))
+                if n == 2:
+                    n = len(keys)
+                elif n == 1:
+                    self.stats["exists_calls"] += 1
+                    n = int(self.backend.batch_exists(keys))
+            else:
+                n = int(self.backend.batch_exists(keys))
         except Exception as exc:  # noqa: BLE001 - StorageError or anything: a miss
             kind = getattr(exc, "kind", "io")
             self.errors[kind] += 1
@@ -410,7 +439,8 @@ class StorageTier:
         parent = nodes[-1] if nodes else m.tree.root
         if not self._can_hang_host_nodes(parent) or (limit is not None and limit <= 0):
             return None
-        n = self.query(rest)
+        rest_keys = self.ns.keys(rest)
+        n = self.query(rest, rest_keys)
         if n < self.config.prefetch_min_blocks:
             return None
         # A block another request's prefetch is bringing in will be a host hit: stop there.
@@ -429,7 +459,7 @@ class StorageTier:
         if not host:
             return None
         want = want[: len(host)]
-        job = StorageJob(TransferKind.STORAGE_LOAD, self.ns.keys(want), list(host), list(want))
+        job = StorageJob(TransferKind.STORAGE_LOAD, list(rest_keys[: len(want)]), list(host), list(want))
         now = self.clock()
         deadline = self._deadline(now, len(want) * bs)
         pf = _Prefetch(request.request_id, start, list(hashes[: start + len(want)]), job, now, deadline)
@@ -606,9 +636,10 @@ class StorageTier:
             raise ValueError(f"storage job {job.task_id} is not in flight (foreign, or completed twice)")
         if job.error_kind is not None:
             self.errors[job.error_kind] += len(job.keys)
-        for r in job.results:
-            if r < 0:
-                self.errors[_status_kind(r)] += 1
+        if job.results and min(job.results) < 0:
+            for r in job.results:
+                if r < 0:
+                    self.errors[_status_kind(r)] += 1
         if job.kind is TransferKind.STORAGE_LOAD:
             self.stats["read_bytes"] += job.nbytes
             self.stats["read_seconds"] += job.seconds
@@ -643,13 +674,12 @@ class StorageTier:
         tree = m.tree
         blocks = job.host_block_ids
         self._prefetch_blocks.difference_update(blocks)
-        arrived = 0
-        while arrived < len(blocks) and job.ok(arrived):
-            arrived += 1
+        arrived = min(job.leading_ok(), len(blocks))
         self.stats["prefetch_blocks_loaded"] += arrived
         self.stats["prefetch_blocks_failed"] += len(blocks) - arrived
         # A block that did not arrive (miss, corrupt, error) is not known to be stored.
-        self._forget(h for i, h in enumerate(job.hashes) if not job.ok(i))
+        if arrived < len(job.hashes):
+            self._forget(h for i, h in enumerate(job.hashes) if not job.ok(i))
         # Walk the request's chain to where the fetched blocks hang (it may have changed).
         parent = tree.root
         ok = True

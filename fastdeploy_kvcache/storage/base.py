@@ -218,6 +218,11 @@ class StorageBackend(abc.ABC):
     def health(self) -> StorageHealth:
         """Cheap, non-blocking: current availability and breaker state."""
 
+    def available(self) -> bool:
+        """Whether calls may go out now: ``health().available``, for a hot path that needs no
+        detail (a backend whose health() costs a system call answers cheaper)."""
+        return bool(self.health().available)
+
     @abc.abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters for metrics: bytes/seconds read and written, errors by kind, ..."""

@@ -821,6 +821,11 @@ class FileBackend(StorageBackend):
             self._apply_hits_locked()
             return list(self._lru)
 
+    def available(self) -> bool:
+        """Open: no statvfs (health() reads the free space too).  A directory that vanished
+        shows as misses and failed puts, as it would between two health checks."""
+        return not self._closed
+
     def health(self) -> StorageHealth:
         try:
             free = self._free_bytes()

@@ -284,3 +284,39 @@ def test_a_second_request_waits_on_the_prefetch_in_flight_for_its_prefix(rigs: A
     second.tier.forget_request("b")
     second.manager.check_invariants()
     assert not second.tier._followers and not second.tier._prefetch
+
+
+def _unlink(rig: Any, tmp_path: Path, h: int) -> None:
+    (tmp_path / "kv" / (rig.tier.ns.key(h).replace(":", "=") + ".kv")).unlink()
+
+
+def test_a_lookup_probes_the_first_and_last_block_and_asks_the_whole_run_only_when_they_differ(
+        rigs: Any, tmp_path: Path) -> None:
+    hashes = store_tokens(rigs(), TOKENS)
+    assert len(hashes) == 4
+    rig = rigs()
+    assert rig.tier.query(hashes) == 4 and rig.tier.stats["exists_calls"] == 1
+    _unlink(rig, tmp_path, hashes[3])  # the last gone: a second round trip finds the run's end
+    assert rig.tier.query(hashes) == 3 and rig.tier.stats["exists_calls"] == 3
+    _unlink(rig, tmp_path, hashes[0])  # the first gone: a miss after one round trip
+    assert rig.tier.query(hashes) == 0 and rig.tier.stats["exists_calls"] == 4
+
+
+def test_a_hole_the_probe_cannot_see_is_found_by_the_fetch(rigs: Any, tmp_path: Path) -> None:
+    hashes = store_tokens(rigs(), TOKENS)
+    rig = rigs()
+    _unlink(rig, tmp_path, hashes[1])  # first and last still there
+    req = Request("r", TOKENS)
+    assert rig.tier.prefetch_state(req) == PREFETCH_WAITING
+    jobs = rig.tier.take_jobs()
+    assert len(jobs) == 1 and len(jobs[0].keys) == 4, "the probe took the whole run"
+    rig.worker.submit(jobs[0])
+    rig.drain()
+    assert rig.tier.prefetch_state(req) == PREFETCH_READY
+    assert rig.tier.stats["prefetch_blocks_loaded"] == 1 and rig.tier.stats["prefetch_blocks_failed"] == 3
+    match = rig.manager.match_prefix(req)
+    assert [t for t in match.tiers] == [CacheLevel.HOST], "only the leading run joins the tree"
+    assert rig.read_host(match.nodes[0].host_block_id) == rig.expected(hashes[0])
+    rig.tier.check_invariants()
+    rig.manager.check_invariants()
+    assert rig.manager.host_pool.num_free == rig.manager.host_pool.num_blocks - 1, "the unused blocks are free again"
