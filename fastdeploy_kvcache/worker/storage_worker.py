@@ -88,6 +88,37 @@ class StorageWorker:
         self._finish(job, fut, t0)
         return job
 
+    def run_many(self, jobs: list[StorageJob]) -> list[StorageJob]:
+        """:meth:`run` for several gets at once: one transfer call over all their blocks (one
+        native read), each job then finished with its own slice of the results.  A batch
+        that cannot run fails every job, as :meth:`submit` would."""
+        if len(jobs) == 1 or any(job.kind is not TransferKind.STORAGE_LOAD for job in jobs):
+            return [self.run(job) for job in jobs]
+        if self._closed:
+            raise RuntimeError("the storage worker is closed")
+        t0 = time.monotonic()
+        for job in jobs:
+            job.submitted_at = t0
+        results: Optional[list[int]] = None
+        error: Optional[BaseException] = None
+        try:
+            results = list(self.transfer.get_blocks([k for job in jobs for k in job.keys],
+                                                    [b for job in jobs for b in job.host_block_ids]))
+        except Exception as exc:  # noqa: BLE001 - StorageError or worse: reported per job
+            error = exc
+        done = time.monotonic()
+        at = 0
+        for job in jobs:
+            fut: "Future[list[int]]" = Future()
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(results[at:at + len(job.keys)])  # type: ignore[index]
+            at += len(job.keys)
+            job.done_at = done
+            self._finish(job, fut, t0)
+        return jobs
+
     @property
     def loads_in_flight(self) -> int:
         """Gets submitted and not collected yet (the transfer's get lane may be busy)."""

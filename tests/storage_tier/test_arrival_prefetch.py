@@ -151,3 +151,52 @@ def test_a_fetch_run_on_the_calling_thread_that_cannot_run_fails_like_a_submitte
     assert len(rig.manager.match_prefix(req).nodes) == 0, "a failed fetch inserted blocks"
     rig.tier.forget_request("r")
     _host_whole(rig)
+
+
+def _two_arrivals(rigs: Any) -> tuple[Any, list[Request], list[list[int]]]:
+    other = [t + 7000 for t in TOKENS]
+    hashes = [store_tokens(rigs(), TOKENS), store_tokens(rigs(), other)]
+    rig = rigs()
+    reqs = [Request("a", TOKENS), Request("b", other)]
+    for r in reqs:
+        rig.tier.prefetch_on_arrival(r, budget_blocks=16)
+    return rig, reqs, hashes
+
+
+def test_several_fetches_run_here_as_one_batch_land_each_in_its_own_request(rigs: Any) -> None:
+    """StorageWorker.run_many (the idle engine's fetches for its next step): one transfer
+    call, each job finished with its own slice of the results, bytes where each belongs."""
+    rig, reqs, hashes = _two_arrivals(rigs)
+    jobs = rig.tier.take_jobs()
+    assert len(jobs) == 2
+    calls: list[int] = []
+    get_blocks = rig.transfer.get_blocks
+    rig.transfer.get_blocks = lambda keys, ids: calls.append(len(keys)) or get_blocks(keys, ids)
+    for job in rig.worker.run_many(jobs):
+        rig.tier.complete(job)
+    assert calls == [8], "the two fetches were not one transfer call"
+    for job in jobs:
+        assert job.results == [rig.layout.object_bytes] * 4 and job.nbytes == 4 * rig.layout.object_bytes
+        assert 0 < job.submitted_at <= job.done_at
+    assert rig.worker.num_in_flight == 0
+    for r, hs in zip(reqs, hashes):
+        assert rig.tier.prefetch_state(r) == PREFETCH_READY
+        match = rig.manager.match_prefix(r)
+        assert len(match.nodes) == 4
+        for node, h in zip(match.nodes, hs):
+            assert rig.read_host(node.host_block_id) == rig.expected(h), f"{r.request_id} got another's bytes"
+        rig.tier.forget_request(r.request_id)
+
+
+def test_a_batch_of_fetches_that_cannot_run_fails_every_job(rigs: Any) -> None:
+    rig, reqs, _ = _two_arrivals(rigs)
+    jobs = rig.tier.take_jobs()
+    rig.transfer.close()
+    for job in rig.worker.run_many(jobs):
+        assert job.error_kind == "unreachable" and all(r < 0 for r in job.results)
+        rig.tier.complete(job)
+    for r in reqs:
+        assert rig.tier.prefetch_state(r) == PREFETCH_READY
+        assert len(rig.manager.match_prefix(r).nodes) == 0, "a failed fetch inserted blocks"
+        rig.tier.forget_request(r.request_id)
+    _host_whole(rig)
