@@ -527,7 +527,7 @@ class LLMEngine:
         since their lookups (a few tenths of a millisecond each, on this thread) would only
         delay the next step, and their fetches would slow its forward pass on a small machine.
         On an idle engine the fetches of those the next step admits are read here at once, on
-        this thread, as one batch (``prefetch_arrivals_now``); the fetches of the step after
+        this thread, as one batch; the fetches of the step after
         run on the storage thread during the next step.
         NOTE: measured on a burst of 8 storage hits with ``--max-num-seqs 2`` on 2 cores:
         with every arrival looked up before the first step, that step started 22 ms after
@@ -553,20 +553,15 @@ class LLMEngine:
             else:
                 ahead.append((at, er))
         ahead.sort(key=lambda item: item[0])
-        # The next step's on an idle engine: looked up, then read here in one batch.
-        now = [er for at, er in ahead if idle and at < free]
-        arrive_now = getattr(self.pool, "prefetch_arrivals_now", None)
-        if now and arrive_now is not None:
+        now = [er.req for at, er in ahead if idle and at < free]  # the next step's, on an idle engine
+        rest = [er.req for at, er in ahead if not (idle and at < free)]
+        for group, here in ((now, True), (rest, False)):
+            if not group:
+                continue
             try:
-                arrive_now([er.req for er in now])
+                arrive(group, engine_idle=here)
             except Exception:  # noqa: BLE001 - a prefetch never keeps a request out
-                logger.warning("prefetch on arrival of %s failed", [er.request_id for er in now], exc_info=True)
-            ahead = [(at, er) for at, er in ahead if not (idle and at < free)]
-        for at, er in ahead:
-            try:
-                arrive(er.req, engine_idle=idle and at < free)
-            except Exception:  # noqa: BLE001 - a prefetch never keeps a request out
-                logger.warning("prefetch on arrival of %s failed", er.request_id, exc_info=True)
+                logger.warning("prefetch on arrival of %s failed", [r.request_id for r in group], exc_info=True)
 
     # ------------------------------------------------------------------ one step
     def _step(self) -> None:

@@ -151,31 +151,27 @@ class StorageKVPool(ManagedKVPool):
             state = self.tier.prefetch_state(request)
         return state == PREFETCH_READY
 
-    def prefetch_on_arrival(self, request: Request, engine_idle: bool = False) -> None:
-        """A request was queued: its storage lookup and prefetch start now, within the
-        arrival budget (it is still checked again at admission, as without this).
+    def prefetch_on_arrival(self, requests: list[Request], engine_idle: bool = False) -> None:
+        """Requests were queued: their storage lookups and prefetches start now, within the
+        arrival budget (each is still checked again at admission, as without this).
 
-        ``engine_idle``: nothing runs and the next step admits this request, so the engine
-        would only wait for its fetch: it is read on the engine's thread at once (see
-        :meth:`_submit_storage_jobs`).
+        ``engine_idle``: nothing runs and the next step admits these requests, so the engine
+        would only wait for their fetches: they are read on the engine's thread at once, all
+        in one batch (:meth:`StorageWorker.run_many`, see :meth:`_submit_storage_jobs`): one
+        native read and one wait for the GIL after it, not one per request; on a server
+        taking in a burst, the event loop holds the GIL most of the time between the
+        engine's calls.  A lookup that fails leaves its request to admission.
         """
-        if self.arrival_prefetch_blocks <= 0 or self.manager.is_running(request.request_id):
-            return
-        self.tier.prefetch_on_arrival(request, self.arrival_prefetch_blocks)
-        self._submit_storage_jobs(inline=engine_idle)
-
-    def prefetch_arrivals_now(self, requests: list[Request]) -> None:
-        """Requests the idle engine's next step admits: look each up, then read all their
-        fetches here in one batch (:meth:`StorageWorker.run_many`), since the engine would
-        only wait for them.  One native read and one wait for the GIL after it, not one per
-        request: on a server taking in a burst, the event loop holds the GIL for most of the
-        time between the engine's calls."""
         if self.arrival_prefetch_blocks <= 0:
             return
         for request in requests:
-            if not self.manager.is_running(request.request_id):
+            if self.manager.is_running(request.request_id):
+                continue
+            try:
                 self.tier.prefetch_on_arrival(request, self.arrival_prefetch_blocks)
-        self._submit_storage_jobs(inline=True, inline_all=True)
+            except Exception:  # noqa: BLE001 - a prefetch never keeps a request out
+                logger.warning("prefetch on arrival of %s failed", request.request_id, exc_info=True)
+        self._submit_storage_jobs(inline=engine_idle, inline_all=engine_idle)
 
     def ensure_resident(self, request: Request, num_tokens: int) -> ResidencyPlan:
         first = not self.manager.is_running(request.request_id)
