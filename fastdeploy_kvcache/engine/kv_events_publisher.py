@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
+import stat
 import threading
 from typing import Any, Optional
 
@@ -72,6 +74,9 @@ class ZmqEventPublisher:
         self._ctx = zmq.Context()
         self._pub: Optional[zmq.Socket] = None
         self._replay: Optional[zmq.Socket] = None
+        # (path, inode) of each ipc socket file this publisher bound: ZMQ leaves the file
+        # behind when the socket closes, so closing removes it (if it is still ours).
+        self._ipc_files: list[tuple[str, int]] = []
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
@@ -101,6 +106,7 @@ class ZmqEventPublisher:
         try:
             if bind_only or binds(endpoint):
                 sock.bind(endpoint)
+                self._remember_ipc_file(endpoint)
             else:
                 sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -147,11 +153,28 @@ class ZmqEventPublisher:
                 return  # it owns the sockets; the process is going away anyway
         self._close_sockets()
 
+    def _remember_ipc_file(self, endpoint: str) -> None:
+        if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):  # @: abstract, no file
+            return
+        path = endpoint[len("ipc://"):]
+        try:
+            self._ipc_files.append((path, os.stat(path).st_ino))
+        except OSError:
+            pass
+
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
+        for path, inode in self._ipc_files:
+            try:
+                st = os.lstat(path)
+                if stat.S_ISSOCK(st.st_mode) and st.st_ino == inode:  # not a newer server's socket
+                    os.unlink(path)
+            except OSError:
+                pass
+        self._ipc_files.clear()
 
     # ------------------------------------------------------------------ publisher thread
     def _run(self) -> None:

@@ -558,9 +558,14 @@ class MooncakeBackend(StorageBackend):
                     store.unregister_buffer(ptr)
                 except Exception:  # noqa: BLE001 - shutting down
                     pass
+            # Mooncake's own close takes about a second (its client threads): say so, so that
+            # a stop is not silent meanwhile.
+            logger.info("closing the Mooncake client")
+            t0 = time.monotonic()
             try:
                 store.close()
             except Exception as exc:  # noqa: BLE001
                 logger.warning("mooncake close: %s", exc)
+            logger.info("Mooncake client closed in %.2f s", time.monotonic() - t0)
         self.breaker.force_open()
 

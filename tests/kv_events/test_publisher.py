@@ -155,3 +155,22 @@ def test_config_defaults_follow_vllm():
     assert KVEventsConfig.from_json('{"enable_kv_cache_events": true}').publisher == "zmq"
     off = KVEventsConfig.from_json("{}")
     assert off.publisher == "null" and not off.active
+
+
+def test_closing_removes_its_ipc_socket_files_and_only_its_own(tmp_path):
+    """ZMQ leaves a bound ipc socket's file behind; the publisher's shutdown removes it."""
+    pub_path, replay_path = tmp_path / "events", tmp_path / "replay"
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{pub_path}",
+                         replay_endpoint=f"ipc://{replay_path}")
+    pub = ZmqEventPublisher(cfg)
+    assert pub_path.is_socket() and replay_path.is_socket()
+    pub.shutdown()
+    assert not pub_path.exists() and not replay_path.exists()
+
+    # A file that another publisher bound since (a newer server on the same path) stays.
+    first = ZmqEventPublisher(cfg)
+    second = ZmqEventPublisher(cfg)  # ZMQ replaces the file: the path is now second's
+    first.shutdown()
+    assert pub_path.is_socket() and replay_path.is_socket()
+    second.shutdown()
+    assert not pub_path.exists() and not replay_path.exists()

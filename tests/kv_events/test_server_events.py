@@ -185,3 +185,23 @@ def test_events_need_the_tiered_cache_manager() -> None:
             server.start()
     finally:
         server.stop()
+
+
+def test_a_stopped_server_leaves_no_ipc_socket_files(tmp_path: Path) -> None:
+    """SIGTERM: the server stops cleanly, its event sockets' files are gone, and the stop
+    ends with its own last log line (the process leaves right after it)."""
+    pub, replay = tmp_path / "events", tmp_path / "replay"
+    server = ServerProcess([*BASE_ARGS, "--kv-events-config", events_config(f"ipc://{pub}", f"ipc://{replay}")],
+                           env={"ENABLE_V1_KVCACHE_MANAGER": "1"}, startup_timeout_s=180)
+    try:
+        server.start()
+        assert pub.is_socket() and replay.is_socket()
+        ask(server, prompt_ids(7, 40))
+        code = server.stop()
+    finally:
+        server.stop()
+    log = server.log_tail(40)
+    assert code == 0, log
+    assert "Traceback" not in log, log
+    assert log.strip().splitlines()[-1].endswith("engine shut down"), log
+    assert not pub.exists() and not replay.exists(), sorted(p.name for p in tmp_path.iterdir())

@@ -24,7 +24,7 @@ import logging
 import math
 import sys
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, NoReturn, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,7 +45,8 @@ from fastdeploy_kvcache.entrypoints.openai.protocol import (
     ModelList,
 )
 from fastdeploy_kvcache.entrypoints.openai.serving import ClientDisconnected, OpenAIServing, RequestError
-from fastdeploy_kvcache.entrypoints.openai.shutdown import DEFAULT_GRACE_S, GracefulServer, ShutdownPlan, run_bounded
+from fastdeploy_kvcache.entrypoints.openai.shutdown import (DEFAULT_GRACE_S, GracefulServer, ShutdownPlan, exit_process,
+                                                            run_bounded)
 from fastdeploy_kvcache.entrypoints.openai.startup import OneLineErrorParser, prepare
 
 logger = logging.getLogger(__name__)
@@ -280,8 +281,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     return app
 
 
-def run_server(args: argparse.Namespace, prog: str = "fastdeploy-kvcache serve") -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully and return (exit 0).
+def run_server(args: argparse.Namespace, prog: str = "fastdeploy-kvcache serve") -> NoReturn:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully and exit 0 (:func:`exit_process`).
 
     See :mod:`.shutdown` for what a signal does, and why the handlers need guarding. A
     configuration error or a busy port ends the process first, with one line naming the flag
@@ -298,6 +299,7 @@ def run_server(args: argparse.Namespace, prog: str = "fastdeploy-kvcache serve")
     server.run(sockets=[sock])
     if not server.started:
         sys.exit(STARTUP_FAILURE_EXIT)  # the lifespan failed (uvicorn.run's status for it)
+    exit_process(0)  # everything is closed: skip the interpreter's teardown (shutdown.py)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

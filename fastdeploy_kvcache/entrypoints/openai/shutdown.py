@@ -14,7 +14,10 @@ a terminal sends SIGINT; both get the same treatment here:
    ``ENGINE_MIN_S``): it aborts what is left, finishes its copies and lets the storage tier
    write what it owes.
 4. The process exits 0 (uvicorn would re-raise the signal and exit -15 or with a
-   KeyboardInterrupt trace; a stop that was asked for and done is a success).
+   KeyboardInterrupt trace; a stop that was asked for and done is a success), through
+   :func:`exit_process`: once everything is closed, the interpreter's teardown of the
+   native libraries (Paddle's allocator returning the KV pools, the model) only costs
+   time, most of an idle server's stop.
 
 Why the handlers need guarding: ``import paddleformers`` calls
 ``paddle.disable_signal_handler()``, which resets SIGTERM to the default action *in C*,
@@ -27,14 +30,17 @@ handler whenever something replaced it, logging once per signal.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import ctypes
 import ctypes.util
 import logging
+import os
 import signal
+import sys
 import threading
 import time
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Callable, Generator, NoReturn, Optional
 
 import uvicorn
 
@@ -182,6 +188,28 @@ class SignalGuard:
         while True:
             self.check()
             await asyncio.sleep(GUARD_INTERVAL_S)
+
+
+def exit_process(status: int) -> NoReturn:
+    """Leave the process now with ``status``: the ``atexit`` handlers run, the log and the
+    standard streams are flushed, then ``os._exit``.
+
+    For the end of a server's or router's ``main``, once its stop closed everything it owns
+    (engine, storage tier, sockets).  What it skips is the interpreter's final teardown:
+    garbage-collecting every module, which makes Paddle free the KV pools and the weights
+    one tensor at a time (0.7 s of a 1.0 s stop of an idle server on a 2-vCPU VM) and
+    unloads native libraries whose own threads may still run.
+    """
+    try:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
+                pass
+        os._exit(status)
 
 
 # ---------------------------------------------------------------------- server
