@@ -8,6 +8,9 @@ distutils after setuptools).  paddleformers' logger also writes INFO chatter ("U
 download source: huggingface" when nothing is downloaded, "Loading configuration file")
 with ANSI colour codes, whatever the stream.
 
+Importing transformers alone (the router and the tokenizers load it without paddleformers)
+prints the same "PyTorch was not found" advice: :func:`import_transformers` drops it.
+
 Each of those is silenced where it is raised and nothing else is: the notices are
 dropped by exact message, only while the import runs; paddleformers' logger keeps its
 warnings and errors (at INFO and below only with ``--log-level debug``), and writes plain
@@ -20,7 +23,7 @@ import logging
 import sys
 import warnings
 from types import ModuleType
-from typing import Any
+from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -55,18 +58,44 @@ def import_paddle() -> ModuleType:
     return paddle
 
 
+class _NoticeFilters:
+    """The filters of ``_IMPORT_LOG_NOTICES`` on their loggers, while the ``with`` block runs."""
+
+    def __init__(self, names: Optional[set[str]] = None) -> None:
+        self.names = names
+        self.filters: list[tuple[logging.Logger, logging.Filter]] = []
+
+    def __enter__(self) -> "_NoticeFilters":
+        for name in sorted({n for n, _ in _IMPORT_LOG_NOTICES if self.names is None or n in self.names}):
+            flt = _DropNotices(tuple(p for n, p in _IMPORT_LOG_NOTICES if n == name))
+            target = logging.getLogger(name)
+            target.addFilter(flt)
+            self.filters.append((target, flt))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for target, flt in self.filters:
+            target.removeFilter(flt)
+
+
+def import_transformers() -> ModuleType:
+    """``import transformers`` (once), without its "PyTorch was not found" advice: what is
+    used of it here without torch (tokenizers, the GGUF tokenizer converter) needs none."""
+    if "transformers" in sys.modules:
+        return sys.modules["transformers"]
+    with _NoticeFilters({"transformers"}):
+        import transformers
+        # The advice is logged when the first submodule resolves torch's availability.
+        from transformers import PreTrainedTokenizerFast  # noqa: F401
+    return transformers
+
+
 def import_paddleformers() -> ModuleType:
     """``import paddleformers`` (once), without its notices; its logger set up as above."""
     if "paddleformers" in sys.modules:
         return sys.modules["paddleformers"]
-    filters: list[tuple[logging.Logger, logging.Filter]] = []
-    for name in sorted({name for name, _ in _IMPORT_LOG_NOTICES}):
-        flt = _DropNotices(tuple(p for n, p in _IMPORT_LOG_NOTICES if n == name))
-        target = logging.getLogger(name)
-        target.addFilter(flt)
-        filters.append((target, flt))
     import_paddle()
-    try:
+    with _NoticeFilters():
         with warnings.catch_warnings():
             for pattern in _IMPORT_WARNINGS:
                 warnings.filterwarnings("ignore", message=pattern)
@@ -75,9 +104,6 @@ def import_paddleformers() -> ModuleType:
             # imported under the Llama model's modules.
             from paddleformers.nn.attention.interface import AttentionInterface  # noqa: F401
             from paddleformers.transformers import LlamaForCausalLM  # noqa: F401
-    finally:
-        for target, flt in filters:
-            target.removeFilter(flt)
     _plain_paddleformers_logger()
     return paddleformers
 

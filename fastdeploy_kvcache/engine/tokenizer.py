@@ -19,6 +19,8 @@ import logging
 import os
 from typing import Any, Callable, Optional, Sequence
 
+from fastdeploy_kvcache.engine.dependency_notices import import_transformers
+
 logger = logging.getLogger(__name__)
 
 CHATML_TEMPLATE = (
@@ -87,6 +89,7 @@ class EngineTokenizer:
 
     @classmethod
     def load(cls, directory: str, eos_token_ids: Optional[Sequence[int]] = None) -> "EngineTokenizer":
+        import_transformers()  # without its "PyTorch was not found" advice
         from transformers import PreTrainedTokenizerFast
 
         hf = PreTrainedTokenizerFast.from_pretrained(directory)
@@ -171,6 +174,7 @@ def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> EngineTokenizer:
     ``fields`` maps metadata keys to values (lists for tokens, merges and token types).
     """
     from tokenizers import AddedToken, pre_tokenizers
+    import_transformers()  # without its "PyTorch was not found" advice
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.ggml import convert_gguf_tokenizer
 
@@ -234,6 +238,7 @@ _TINY_CORPUS = (
 def build_tiny_tokenizer(vocab_size: int = 512) -> EngineTokenizer:
     """A small byte-level BPE trained on a fixed text: same vocabulary on every run."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    import_transformers()  # without its "PyTorch was not found" advice
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -262,6 +267,7 @@ def build_synthetic_tokenizer(vocab_size: int) -> EngineTokenizer:
     Built in well under a second, nothing downloaded.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    import_transformers()  # without its "PyTorch was not found" advice
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -216,11 +216,18 @@ def exit_process(status: int) -> NoReturn:
 class GracefulServer(uvicorn.Server):
     """uvicorn's server with the shutdown described in the module docstring."""
 
-    def __init__(self, config: uvicorn.Config, plan: ShutdownPlan, then: str = "the engine shuts down") -> None:
+    def __init__(self, config: uvicorn.Config, plan: ShutdownPlan, then: str = "the engine shuts down",
+                 on_serving: Optional[Callable[[], None]] = None) -> None:
         super().__init__(config)
         self.plan = plan
         self.then = then  # what follows the drain, for the log line
+        self.on_serving = on_serving  # called once the port is bound (the "serving on" line)
         self.signals_received: list[int] = []
+
+    async def startup(self, sockets: Optional[list[Any]] = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_serving is not None:
+            self.on_serving()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:

@@ -164,7 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     import uvicorn
     from uvicorn.config import STARTUP_FAILURE
 
-    from fastdeploy_kvcache.entrypoints.openai.shutdown import GracefulServer, ShutdownPlan
+    from fastdeploy_kvcache.entrypoints.openai.shutdown import GracefulServer, ShutdownPlan, exit_process
 
     args = make_arg_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
@@ -177,7 +177,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     asgi = FastPaths(app, app.state.fast_paths) if getattr(app.state, "fast_paths", None) else app
     config = uvicorn.Config(asgi, host=args.host, port=args.port, log_level="warning", access_log=False,
                             loop=_fastest("uvloop"), http=_fastest("httptools"))
-    server = GracefulServer(config, plan, then="the router stops")
+    n = len(args.worker_urls or ())
+    mode = "prefill/decode" if args.prefill_url else f"{n} worker{'' if n == 1 else 's'}"
+    server = GracefulServer(config, plan, then="the router stops",
+                            on_serving=lambda: logger.info("router serving on http://%s:%s (%s)",
+                                                           args.host, args.port, mode))
     server.run()
     if not server.started:
         sys.exit(STARTUP_FAILURE)  # a busy port, ...: uvicorn.run's status
+    exit_process(0)  # everything is closed: skip the interpreter's teardown

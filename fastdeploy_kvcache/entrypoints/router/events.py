@@ -145,8 +145,12 @@ class EventSubscriber:
         if self.last_seq is None or seq > self.last_seq:
             self._apply(seq, payload)
 
-    async def _replay(self, start: int, live_seq: Optional[int]) -> None:
-        """Apply the buffered batches from ``start`` (below ``live_seq``, if given) from the replay socket."""
+    async def _replay(self, start: int, live_seq: Optional[int], at_start: bool = False) -> None:
+        """Apply the buffered batches from ``start`` (below ``live_seq``, if given) from the replay socket.
+
+        ``at_start``: the subscriber's first replay, which finds no answer while the worker
+        is still starting; that is no fault (its first batch asks again), so it logs at debug.
+        """
         if not self.replay_endpoint:
             return
         import zmq
@@ -159,7 +163,8 @@ class EventSubscriber:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 if not await sock.poll(REPLAY_TIMEOUT_S * 1000):
-                    logger.warning("worker %s: replay from %d timed out", self.name, start)
+                    logger.log(logging.DEBUG if at_start else logging.WARNING,
+                               "worker %s: replay from %d timed out", self.name, start)
                     return
                 frames = await sock.recv_multipart()
                 if len(frames) == 3 and not frames[0]:
@@ -189,7 +194,7 @@ class EventSubscriber:
         try:
             # Whatever the worker still buffers, so that a (re)started router sees the cache of
             # an idle worker too; live batches queued meanwhile are skipped as duplicates.
-            await self._replay(0, None)
+            await self._replay(0, None, at_start=True)
             self._catching_up = self.last_seq is not None
             while True:
                 frames = await sub.recv_multipart()

@@ -69,6 +69,8 @@ class Worker:
     view: WorkerView = field(default_factory=WorkerView)
     subscriber: Optional[EventSubscriber] = None
     healthy: bool = True
+    up_once: bool = False  # answered /health at least once: until then a failure is "waiting", not "down"
+    waiting_logged: bool = False
     failures: int = 0
     in_flight: int = 0
     pending: dict[int, float] = field(default_factory=dict)
@@ -167,7 +169,11 @@ class FleetRouter:
 
     # ------------------------------------------------------------------ health
     def _mark_down(self, w: Worker, why: str) -> None:
-        if w.healthy:
+        if not w.up_once:
+            if not w.waiting_logged:  # still starting (loading its model): once, not every poll
+                logger.info("worker %s is not up yet (%s); waiting for it", w.url, why)
+                w.waiting_logged = True
+        elif w.healthy:
             logger.warning("worker %s is down (%s); routing around it", w.url, why)
         w.healthy = False
         w.pending.clear()
@@ -187,12 +193,14 @@ class FleetRouter:
         except UPSTREAM_ERRORS as exc:
             ok, why, refused = False, type(exc).__name__, isinstance(exc, aiohttp.ClientConnectorError)
         if ok:
-            if not w.healthy:
+            if not w.up_once:
+                logger.info("worker %s is up", w.url)
+            elif not w.healthy:
                 logger.info("worker %s is back", w.url)
-            w.healthy, w.failures = True, 0
+            w.healthy, w.failures, w.up_once = True, 0, True
             return
         w.failures += 1
-        if w.failures >= self.config.health_failures or refused:
+        if w.failures >= self.config.health_failures or refused or not w.up_once:
             self._mark_down(w, why)
 
     async def _health_loop(self) -> None:
