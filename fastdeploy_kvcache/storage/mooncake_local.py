@@ -58,7 +58,7 @@ class MooncakeMaster:
     ) -> None:
         binary = find_binary("mooncake_master")
         if binary is None:
-            raise FileNotFoundError("mooncake_master not installed: run `bash build.sh`")
+            raise FileNotFoundError("mooncake_master not installed: run `bash build.sh` (or `bash build.sh serve`)")
         self.binary = binary
         self.rpc_port = rpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
@@ -135,7 +135,7 @@ class MooncakeHolder:
     def __init__(self, master: MooncakeMaster, segment: str = "256MB", log_dir: Optional[Union[str, Path]] = None) -> None:
         binary = find_binary("mooncake_client")
         if binary is None:
-            raise FileNotFoundError("mooncake_client not installed: run `bash build.sh`")
+            raise FileNotFoundError("mooncake_client not installed: run `bash build.sh` (or `bash build.sh serve`)")
         self.binary = binary
         self.master = master
         self.segment = segment
@@ -211,7 +211,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    local = LocalMooncake(args.segment, args.log_dir).start()
+    try:
+        local = LocalMooncake(args.segment, args.log_dir).start()
+    except (FileNotFoundError, RuntimeError, TimeoutError) as exc:  # not installed, or a child died
+        sys.stderr.write(f"mooncake_local: {exc}\n")
+        return 2
     for k, v in local.env().items():
         sys.stdout.write(f"export {k}={v}\n")
     sys.stdout.flush()
