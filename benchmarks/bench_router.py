@@ -31,7 +31,7 @@ router's added latency:
   one through the router (which sends it to that worker), interleaved; the p50 of the
   per-pair differences.
 
-Targets (issue 26): cache_aware reuse >= 0.9x the baseline's; cache_aware TTFT p50 <= 0.5x
+Targets: cache_aware reuse >= 0.9x the baseline's; cache_aware TTFT p50 <= 0.5x
 round_robin's; router overhead p50 <= 2 ms.  Outputs: a table on stdout, JSON and PNG under
 ``--out-dir`` (default benchmarks/results).
 

@@ -40,7 +40,7 @@ store then answers, in rounds of ``--cold-group`` documents, each document of th
 storage with a document of the round before (pushed off the device by filler documents) from
 host right beside it, the order alternating, until ``--cold-repeats`` pairs; each round also
 recomputes a never-seen document of the same length.  A pair is seconds apart, so load
-drifts reach both.  Targets (issues 9 and 25) are same-run ratios of those TTFT p50s: storage
+drifts reach both.  Targets are same-run ratios of those TTFT p50s: storage
 hit <= 1.2x host hit (file), storage hit <= 0.25x recompute at the largest prefix; the pairs'
 median ratio and p25-p75 are reported beside it, and the engine's timings of each request
 (``request_timings``: queued, fetch started / landed / in the tree, first step, prefill).
@@ -1185,14 +1185,14 @@ def build_report(args: argparse.Namespace, results: dict[str, ConfigResult], pro
         "host_over_recompute_ttft_p50_round2plus": 0.25,
         "host_hit_over_device_hit_ttft_p50": 1.15,
     }
-    # Issue 27: a miss costs nothing, interleaved round-1 prompts (the miss probe).
+    # A miss costs nothing: interleaved round-1 prompts (the miss probe).
     for name, row in ((miss or {}).get("configs") or {}).items():
         if "over_recompute" in row and name != "recompute":
             # A request that reused anything was no miss: then the figure says nothing.
             ratios[f"miss_over_recompute:{name}"] = row["over_recompute"] if row["cached_tokens"] == 0 else float("nan")
             if name == "device+host":
                 targets[f"miss_over_recompute:{name}"] = 1.05
-    # Issues 9 and 25, cold server: storage hit <= 1.2x host hit with the file backend (every
+    # Cold server: storage hit <= 1.2x host hit with the file backend (every
     # prefix length measured), storage hit <= 0.25x recompute at the largest prefix (every backend).
     results_cold = (cold or {}).get("results", {})
     largest = max((int(k.split("/")[1]) for k in results_cold), default=0)
@@ -1389,8 +1389,8 @@ def _target_label(key: str, report: dict[str, Any]) -> str:
 
 
 def format_targets(report: dict[str, Any], cold: bool = False) -> str:
-    """Targets of issues 8 and 27 (workload, hit probe, miss probe) or, with ``cold``, of issue 9
-    (cold server)."""
+    """Targets of the workload, the hit probe and the miss probe or, with ``cold``, of the cold
+    server."""
     keys = [k for k in report["targets"] if k.startswith("cold_") == cold and k in report["ratios"]]
     if not keys:
         return ""
@@ -1432,7 +1432,7 @@ def format_console(report: dict[str, Any]) -> str:
         skipped = report["cold"].get("skipped_backends") or {}
         parts += ["", "Cold server (restarted server, warm store):", format_cold_table(report)]
         parts += [f"({b} left out: {why})" for b, why in skipped.items()]
-        parts += ["", "Targets (issue 9):", format_targets(report, cold=True)]
+        parts += ["", "Targets (cold server):", format_targets(report, cold=True)]
     from serving_sharing import format_sharing
 
     if format_sharing(report):

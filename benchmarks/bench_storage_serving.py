@@ -12,7 +12,7 @@ A thin front of ``bench_serving.py``, which does all of it (one implementation):
   host; and a never-seen document of the same length is recomputed.  All three TTFTs come
   from the same server process in the same run.  ``file`` and ``mooncake`` backends.
 
-Targets (issue 9, same-run ratios of p50 TTFT): storage hit <= 1.3 x host hit (file), and
+Targets (same-run ratios of p50 TTFT): storage hit <= 1.3 x host hit (file), and
 storage hit <= 0.25 x recompute at the largest prefix.  Also reported: each backend's GB/s as
 the server saw it (bytes / seconds of its storage jobs) next to a plain file write and read of
 the same bytes in the same run.

@@ -184,7 +184,7 @@ def _fastdeploy_like_parser() -> argparse.ArgumentParser:
 
 
 def test_add_cli_args_skips_flags_the_parser_already_has() -> None:
-    """Issue 8: addable to FastDeploy's parser without option conflicts; its flags still configure us."""
+    """Addable to FastDeploy's parser without option conflicts; its flags still configure us."""
     parser = add_cli_args(_fastdeploy_like_parser())
     args = parser.parse_args(["--block-size", "16", "--swap-space", "1.5", "--no-enable-prefix-caching",
                               "--num-gpu-blocks-override", "40", "--write-policy", "write_back"])

@@ -178,3 +178,97 @@ def test_every_cited_doc_section_is_a_heading_of_that_doc() -> None:
             if not any(wanted in h for h in headings(doc)):
                 bad.append(f"{path.relative_to(ROOT)}: cites {stem}.md, {section!r}: no such heading")
     assert not bad, "\n".join(sorted(set(bad)))
+
+
+ISSUE_RE = re.compile(r"\bissues? #?[0-9]+\b", re.IGNORECASE)
+# "Work in flight is shared" in docs/architecture.md: a citation with the section first.
+CITATION_AFTER_RE = re.compile(r"\"([^\"]{2,80})\"\s+in\s+`?(?:docs/)?(\w+)\.md")
+
+
+def test_docs_and_code_cite_no_issue_numbers() -> None:
+    """History lives in commit messages: no issue number in a doc, a comment or a printed label."""
+    bad = []
+    for path in DOC_FILES + code_files():
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            m = ISSUE_RE.search(line)
+            if m:
+                bad.append(f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r}")
+    assert not bad, "state what a thing is, not which issue asked for it:\n" + "\n".join(bad)
+
+
+def test_every_section_cited_before_its_doc_is_a_heading_of_that_doc() -> None:
+    """``"Work in flight is shared" in docs/architecture.md`` must name a heading it has."""
+    docs = {p.stem: p for p in (ROOT / "docs").glob("*.md")}
+    bad = []
+    for path in DOC_FILES + code_files():
+        text = re.sub(r"\n\s*(?:#|//|\*)?\s*", " ", path.read_text(errors="replace"))
+        for section, stem in CITATION_AFTER_RE.findall(text):
+            doc = docs.get(stem)
+            wanted = re.sub(r"[`*]", "", section).lower()
+            if doc is not None and not any(wanted in h for h in headings(doc)):
+                bad.append(f"{path.relative_to(ROOT)}: cites {section!r} in {stem}.md: no such heading")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def _storage_flags() -> list[str]:
+    import argparse
+
+    from fastdeploy_kvcache.storage.config import add_storage_cli_args
+
+    parser = add_storage_cli_args(argparse.ArgumentParser())
+    return [o for a in parser._actions for o in a.option_strings if o.startswith("--kvcache-storage-")]
+
+
+def _table_rows(text: str, header: str) -> list[list[str]]:
+    """The rows of the markdown table whose header line starts with ``header``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def _section(text: str, heading: str) -> str:
+    body = text.split(f"\n{heading}\n", 1)[1]
+    return re.split(r"\n## ", body, maxsplit=1)[0]
+
+
+def test_every_storage_flag_is_in_usage_md_and_in_storage_md_flag_table_with_a_meaning() -> None:
+    flags = _storage_flags()
+    assert len(flags) >= 9, flags
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    storage = (ROOT / "docs" / "storage.md").read_text()
+    table = _table_rows(_section(storage, "## Flags (`storage/config.py`)"), "| flag | default | meaning |")
+    documented = {}
+    for cells in table:
+        for flag in re.findall(r"--kvcache-storage-[\w-]+", cells[0]):
+            documented[flag] = cells
+    missing_usage = [f for f in flags if f"`{f}" not in usage]
+    assert not missing_usage, f"docs/usage.md's flag tables lack {missing_usage}"
+    assert "storage.md" in _section(usage, "## Flags"), "docs/usage.md's flags must point to docs/storage.md"
+    missing = [f for f in flags if f not in documented]
+    assert not missing, f"docs/storage.md's flag table lacks {missing}"
+    empty = [cells[0] for cells in table if len(cells) < 3 or len(cells[2]) < 10]
+    assert not empty, f"docs/storage.md's flag table has rows without a meaning: {empty}"
+
+
+def test_storage_md_starts_with_a_quick_start_and_its_flags_before_the_internals() -> None:
+    heads = [line for line in (ROOT / "docs" / "storage.md").read_text().splitlines() if line.startswith("## ")]
+    assert heads[:2] == ["## Quick start", "## Flags (`storage/config.py`)"], heads[:4]
+    quick = _section((ROOT / "docs" / "storage.md").read_text(), "## Quick start")
+    assert "bash build.sh serve --kvcache-storage-backend file" in quick
+    assert "/metrics" in quick and "When a new block reaches the store" in quick
+
+
+def test_runnable_recipes_use_the_venvs_python() -> None:
+    """A fresh checkout has `.venv/bin/python` after `bash build.sh`, not a `python` on PATH."""
+    bad = []
+    for doc in DOC_FILES:
+        for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), flags=re.S):
+            for line in block.splitlines():
+                if re.match(r"\s*python -m ", line):
+                    bad.append(f"{doc.relative_to(ROOT)}: {line.strip()[:80]}")
+    assert not bad, "use .venv/bin/python (or a build.sh subcommand) in recipes:\n" + "\n".join(bad)

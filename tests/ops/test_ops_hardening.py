@@ -1,4 +1,4 @@
-"""Regressions of issue 7's op defects: each bad input raises an error that names what is
+"""Regressions of the ops' input defects: each bad input raises an error that names what is
 wrong, copies nothing, and never takes the process down.
 
 Inputs that used to crash the interpreter (SIGABRT inside Paddle, SIGSEGV in a copy, a
