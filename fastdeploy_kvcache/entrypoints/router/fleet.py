@@ -11,7 +11,9 @@ forwarded unchanged; the worker's answer (JSON or its SSE stream) goes back as i
   dies while answering fails that request only (502, or an error event in the stream).
 * **Health.**  Every ``health_interval_s`` each worker's ``/health`` is asked; after
   ``health_failures`` failures in a row it is down (no requests, its view emptied, since a
-  restarted worker starts with an empty cache); one success brings it back.
+  restarted worker starts with an empty cache); one success brings it back.  A worker gets
+  requests from its first successful check on; until then it is still starting ("not up
+  yet", said once), not down.
 * **Usage.**  Each response's ``usage.prompt_tokens_details.cached_tokens`` is read (for a
   stream the router asks for the usage chunk, and drops it again when the client did not
   ask for it), so ``/metrics`` sets the predicted reuse against the reported one.
@@ -68,7 +70,7 @@ class Worker:
     events: Optional[EventEndpoints]
     view: WorkerView = field(default_factory=WorkerView)
     subscriber: Optional[EventSubscriber] = None
-    healthy: bool = True
+    healthy: bool = False  # until its first /health answer: no request goes to a worker still starting
     up_once: bool = False  # answered /health at least once: until then a failure is "waiting", not "down"
     waiting_logged: bool = False
     failures: int = 0
@@ -91,6 +93,9 @@ class FleetConfig:
 
 
 _JSON_HEADERS = {"content-type": "application/json"}
+# How long the router's start waits for the first health checks (a worker still loading its
+# model keeps its check open up to the health timeout; the router does not wait for that).
+FIRST_PROBE_WAIT_S = 1.0
 
 
 def _usage_of(content: bytes) -> Any:
@@ -156,7 +161,12 @@ class FleetRouter:
             if w.events is not None:
                 w.subscriber = EventSubscriber(w.url, w.view, w.events.pub, w.events.replay, self.config.events_topic)
                 w.subscriber.start()
-        self._health_task = asyncio.ensure_future(self._health_loop())
+        # The first health checks, before the router serves: workers already up are healthy
+        # from its first request on; one still starting is "not up yet" (logged once) and gets
+        # requests once it answers.
+        first = [asyncio.ensure_future(self._probe(w)) for w in self.workers]
+        await asyncio.wait(first, timeout=min(FIRST_PROBE_WAIT_S, self.config.health_timeout_s))
+        self._health_task = asyncio.ensure_future(self._health_loop(first))
 
     async def close(self) -> None:
         if self._health_task is not None:
@@ -203,14 +213,15 @@ class FleetRouter:
         if w.failures >= self.config.health_failures or refused or not w.up_once:
             self._mark_down(w, why)
 
-    async def _health_loop(self) -> None:
+    async def _health_loop(self, first: Sequence["asyncio.Future[None]"] = ()) -> None:
+        await asyncio.gather(*first, return_exceptions=True)
         while True:
+            await asyncio.sleep(self.config.health_interval_s)
             await asyncio.gather(*(self._probe(w) for w in self.workers), return_exceptions=True)
             now = time.monotonic()
             for w in self.workers:
                 if len(w.pending) > 4096:
                     w.pending = {h: t for h, t in w.pending.items() if t > now}
-            await asyncio.sleep(self.config.health_interval_s)
 
     # ------------------------------------------------------------------ routing
     def _block_size_of(self, view: WorkerView) -> int:
