@@ -272,3 +272,15 @@ def test_runnable_recipes_use_the_venvs_python() -> None:
                 if re.match(r"\s*python -m ", line):
                     bad.append(f"{doc.relative_to(ROOT)}: {line.strip()[:80]}")
     assert not bad, "use .venv/bin/python (or a build.sh subcommand) in recipes:\n" + "\n".join(bad)
+
+
+def test_build_sh_serve_installs_what_the_recipes_after_it_need() -> None:
+    """docs/fleet.md's and docs/storage.md's recipes start from `bash build.sh serve`: it must
+    install Mooncake (best effort) like a plain `bash build.sh`."""
+    text = (ROOT / "build.sh").read_text()
+    serve = text[text.index("\n  serve)"):]
+    serve = serve[:serve.index(";;")]
+    build = text[text.index("\n  build)"):]
+    build = build[:build.index(";;")]
+    for step in ("install_mooncake", "install_engine_packages", "setup_venv"):
+        assert step in build and step in serve, f"`bash build.sh serve` lacks {step}"
