@@ -54,7 +54,7 @@ from fastdeploy_kvcache.engine.model_loader import LoadedModel, load_model
 from fastdeploy_kvcache.engine.model_runner import ModelRunner, ScheduledSeq
 from fastdeploy_kvcache.engine.outputs import RequestOutput
 from fastdeploy_kvcache.engine.request_timing import RecentTimings, request_timing
-from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams
+from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams, StepSampling
 from fastdeploy_kvcache.engine.step_timing import StepTimes
 from fastdeploy_kvcache.engine.tokenizer import IncrementalDetokenizer
 
@@ -586,9 +586,12 @@ class LLMEngine:
         # NOTE: the previous step's outputs go to their consumer here, as the forward pass
         # starts: a consumer on another thread (the server's event loop) then runs while this
         # thread waits for the device, instead of taking the GIL in the middle of a step.
+        # Each sampling row's draw is taken before the forward pass, so a runner on a GPU
+        # samples there and returns only the ids.
+        sampling = StepSampling.for_samplers([er.sampler for (er, _), s in zip(scheduled, seqs) if s.wants_logits])
         self._flush_outputs()
         try:
-            logits = self.runner.forward(seqs, self.pool.layer_caches, counter)
+            token_ids = self.runner.forward_sample(seqs, self.pool.layer_caches, counter, sampling)
         except Exception as exc:
             from fastdeploy_kvcache.worker.layer_done import LayerSwapError, LayerSwapTimeoutError
 
@@ -620,8 +623,7 @@ class LLMEngine:
         rewound = self._complete_copies(wait=False)
         self._commit_prefill(scheduled)
         t_complete = time.perf_counter()
-        # Greedy rows take one argmax over the whole matrix (the same ids as row by row).
-        greedy = np.argmax(logits, axis=1).tolist() if len(logits) and self._all_greedy(scheduled, seqs) else None
+        token_list = token_ids.tolist()
         k = 0
         for (er, n), s in zip(scheduled, seqs):
             if not s.wants_logits:
@@ -629,8 +631,9 @@ class LLMEngine:
             k += 1
             if er.finished or (rewound and er.req.request_id in rewound):
                 continue
+            er.sampler.consume()  # a dropped token (rewound above) keeps its draw for the redo
             try:
-                self.append_token(er, greedy[k - 1] if greedy is not None else er.sampler.sample(logits[k - 1]))
+                self.append_token(er, token_list[k - 1])
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own
                 logger.exception("request %s failed", er.request_id)
                 self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
@@ -643,11 +646,6 @@ class LLMEngine:
         self._flush_kv_events()
         if not self.running or time.monotonic() - self._stats_time >= _STATS_PERIOD_S:
             self._refresh_stats()
-
-    @staticmethod
-    def _all_greedy(scheduled: list[tuple[_EngineRequest, int]], seqs: list[ScheduledSeq]) -> bool:
-        """Whether every request that samples this step decodes greedily."""
-        return all(er.params.greedy for (er, _), s in zip(scheduled, seqs) if s.wants_logits)
 
     def _commit_prefill(self, scheduled: list[tuple[_EngineRequest, int]]) -> None:
         """Make the prompt blocks this step completed reusable now (requests held for them
