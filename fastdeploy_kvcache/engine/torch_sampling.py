@@ -49,6 +49,6 @@ def sample_on_device(torch: Any, logits: Any, sampling: StepSampling, packed: An
     keep = torch.where(top_p[:, None] < 1.0, keep, vocab)
     probs.masked_fill_(col[None, :] >= keep, 0.0)
     cdf = probs.cumsum(dim=-1)
-    cdf.div_(cdf[:, -1:])
+    cdf = cdf / cdf[:, -1:]  # not in place: the divisor is a view of cdf
     pick = torch.searchsorted(cdf, u[:, None].contiguous(), side="right").clamp_(max=vocab - 1)
     return ids.index_copy(0, rows, order.gather(1, pick).squeeze(1))
