@@ -292,8 +292,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        max_len = state["client"].max_model_len
-        return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in state["names"]])
+        client = state["client"]
+        return ModelList(data=[ModelCard(id=name, max_model_len=client.max_model_len, block_size=client.block_size)
+                               for name in state["names"]])
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -271,6 +271,11 @@ class AsyncEngineClient:
         return self.engine.max_model_len
 
     @property
+    def block_size(self) -> int:
+        """Tokens per KV block: the engine's cache config (``--block-size``)."""
+        return self.engine.cache_config.block_size
+
+    @property
     def max_request_tokens(self) -> int:
         """Most tokens (prompt + output) one request can hold: the context and the device pool."""
         cfg = getattr(self.engine, "cache_config", None)

@@ -226,6 +226,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "fastdeploy_kvcache"
     max_model_len: Optional[int] = None
+    # Extension: the server's --block-size, which the router hashes prompts with.
+    block_size: Optional[int] = None
 
 
 class ModelList(BaseModel):
