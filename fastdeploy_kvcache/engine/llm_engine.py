@@ -38,7 +38,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -53,6 +53,7 @@ from fastdeploy_kvcache.engine.kv_pool import KVPool, ManagedKVPool, PlainKVPool
 from fastdeploy_kvcache.engine.model_loader import LoadedModel, load_model
 from fastdeploy_kvcache.engine.model_runner import ModelRunner, ScheduledSeq
 from fastdeploy_kvcache.engine.outputs import RequestOutput
+from fastdeploy_kvcache.engine.request_checks import RequestRejected, check_fits_device_pool, check_prompt
 from fastdeploy_kvcache.engine.request_timing import RecentTimings, request_timing
 from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams, StepSampling
 from fastdeploy_kvcache.engine.step_timing import StepTimes
@@ -60,7 +61,7 @@ from fastdeploy_kvcache.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "RequestOutput", "SamplingParams", "EngineArgs"]
+__all__ = ["LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams", "EngineArgs"]
 
 OutputCallback = Callable[[RequestOutput], None]
 
@@ -321,49 +322,60 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises ValueError (nothing queued) for bad input or a duplicate id.
 
-        ``kv_transfer``: a decode server's ``kv_transfer_params`` (engine/pd.py).
+        ``kv_transfer``: a decode server's ``kv_transfer_params`` (engine/pd.py).  Errors about
+        the prompt or its fit are :class:`RequestRejected` (``param``, ``code``).
+        """
+        self.add_requests([(request_id, prompt_token_ids, params, on_output, kv_transfer)])
+
+    def add_requests(self, requests: Sequence[tuple[str, list[int], SamplingParams, OutputCallback,
+                                                    Optional[Any]]]) -> None:
+        """Queue several requests, all or none: every one is checked before any is queued.
+
+        Each item is ``(request_id, prompt_token_ids, params, on_output, kv_transfer)``.  This is
+        the one place a prompt is checked (``engine/request_checks.py``); requests that share
+        one prompt list (the choices of ``n > 1``) have it checked once.
         """
         if self._stop.is_set():
             raise RuntimeError("the engine is shut down")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
-        if not callable(on_output):
-            raise ValueError("on_output: must be callable")
-        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-            raise ValueError("prompt: must be a non-empty list of token ids")
         vocab = self.loaded.vocab_size
-        for i, t in enumerate(prompt_token_ids):
-            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= int(t) < vocab:
-                raise ValueError(f"prompt: token {i} ({t!r}) is not an id in [0, {vocab})")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens is longer than max_model_len={self.max_model_len}"
-            )
-        params.validate(vocab_size=vocab)
-        pd_params = None
-        if kv_transfer is not None:
-            if self.pd is None:
-                raise ValueError("kv_transfer_params: only a --splitwise-role decode server takes them")
-            pd_params = self.pd.check_request(kv_transfer)
-        per_request_blocks = -(-min(len(prompt_token_ids) + params.max_tokens, self.max_model_len) // self.cache_config.block_size)
-        if per_request_blocks > self.cache_config.num_gpu_blocks:
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens + max_tokens {params.max_tokens} need {per_request_blocks} "
-                f"KV blocks, more than the {self.cache_config.num_gpu_blocks} the device pool has"
-            )
-        with self._lock:
-            if request_id in self._live_ids:
+        checked_prompts: set[int] = set()
+        ready: list[tuple[str, list[int], SamplingParams, OutputCallback, Any]] = []
+        ids_seen: set[str] = set()
+        for request_id, prompt_token_ids, params, on_output, kv_transfer in requests:
+            if not isinstance(request_id, str) or not request_id:
+                raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+            if request_id in ids_seen:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
-            self._live_ids.add(request_id)
+            ids_seen.add(request_id)
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
+            if not callable(on_output):
+                raise ValueError("on_output: must be callable")
+            if id(prompt_token_ids) not in checked_prompts:
+                check_prompt(prompt_token_ids, vocab, self.max_model_len)
+                checked_prompts.add(id(prompt_token_ids))
+            params.validate(vocab_size=vocab)
+            pd_params = None
+            if kv_transfer is not None:
+                if self.pd is None:
+                    raise ValueError("kv_transfer_params: only a --splitwise-role decode server takes them")
+                pd_params = self.pd.check_request(kv_transfer)
+            check_fits_device_pool(len(prompt_token_ids), params.max_tokens, self.max_model_len,
+                                   self.cache_config.block_size, self.cache_config.num_gpu_blocks)
+            ready.append((request_id, prompt_token_ids, params, on_output, pd_params))
+        with self._lock:
+            in_use = [rid for rid, *_ in ready if rid in self._live_ids]
+            if in_use:
+                raise ValueError(f"request_id: {in_use[0]!r} is already in use")
+            self._live_ids.update(rid for rid, *_ in ready)
             self._idle.clear()
-        req = Request(request_id, [int(t) for t in prompt_token_ids])
-        seed = int(self._seed_rng.integers(0, 2**63 - 1))
-        er = _EngineRequest(req, params, on_output, RequestSampler(params, seed),
-                            IncrementalDetokenizer(self.tokenizer), time.monotonic())
-        er.kv_transfer = pd_params
-        self._inbox.put(("add", er))
+        for request_id, prompt_token_ids, params, on_output, pd_params in ready:
+            req = Request(request_id, [int(t) for t in prompt_token_ids])
+            seed = int(self._seed_rng.integers(0, 2**63 - 1))
+            er = _EngineRequest(req, params, on_output, RequestSampler(params, seed),
+                                IncrementalDetokenizer(self.tokenizer), time.monotonic())
+            er.kv_transfer = pd_params
+            self._inbox.put(("add", er))
         self._wake.set()
 
     def add_output_flush_hook(self, hook: Callable[[], None]) -> None:

@@ -15,6 +15,8 @@ from typing import Optional
 
 import numpy as np
 
+from fastdeploy_kvcache.engine.request_checks import check_token_ids
+
 logger = logging.getLogger(__name__)
 
 # Stop strings are matched in text; an absurd number of them is a client bug.
@@ -57,6 +59,12 @@ class SamplingParams:
             raise ValueError(f"stop: must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop: empty stop strings are not allowed")
+        for i, s in enumerate(self.stop):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"stop: string {i} is not valid Unicode text: a lone UTF-16 surrogate "
+                                 f"U+{ord(s[exc.start]):04X} at character {exc.start}") from None
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
@@ -65,8 +73,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: must be a list of integers >= 0, got {self.stop_token_ids!r}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
-        if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids: ids must be < the vocabulary size {vocab_size}")
+        if vocab_size is not None:
+            check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
 
