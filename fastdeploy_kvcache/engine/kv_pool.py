@@ -182,6 +182,9 @@ class ManagedKVPool(KVPool):
             "transfer": {k: v for k, v in t.items() if k in ("d2h", "h2d", "in_flight")},
             "failed_loads": int(t.get("h2d", {}).get("failed", 0)),
             "failed_blocks": int(m.get("failed_blocks", 0)),
+            # The worker's count: the manager takes landed blocks at its next step (an idle
+            # engine's cache stats lag behind it).
+            "host_blocks_pinned": self.controller.host_blocks_ready,
         }
 
     def check_invariants(self) -> dict[str, int]:

@@ -119,9 +119,9 @@ class EngineStatsCollector(Collector):
             blocks_owned.add_metric(["device"], owned)
         out += [blocks_used, blocks_free, blocks_cached, blocks_owned]
         gauge("fastdeploy_kvcache:host_blocks_ready",
-              "Host KV blocks whose pinned memory is there (the tier is pinned in the background "
+              "Host KV blocks whose memory is pinned (the tier is pinned in the background "
               "while the server serves; equal to host_blocks_total once complete).",
-              lookup(flat, "host_blocks_ready"))
+              lookup(flat, "host_blocks_pinned", "host_blocks_ready"))
         gauge("fastdeploy_kvcache:host_blocks_total", "Host KV blocks of the host tier, pinned or not yet.",
               lookup(flat, "host_blocks_total"))
 
