@@ -61,6 +61,16 @@ def _positive_seconds(value: str) -> float:
     return seconds
 
 
+def _non_negative(value: str) -> float:
+    try:
+        number = float(value.strip())
+    except ValueError:
+        raise ValueError(f"expected a number >= 0, got {value!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"expected a finite number >= 0, got {value!r}")
+    return number
+
+
 def _existing_file(value: str) -> str:
     """A library path that must exist: a wrong path is an error, not a silent fallback to
     whatever library the search would find instead."""
@@ -98,6 +108,21 @@ ENV_VARS: dict[str, EnvVar] = {
             "Seconds a host-side wait on a layer's load may take before "
             "LayerSwapTimeoutError.",
             _positive_seconds,
+        ),
+        EnvVar(
+            "FDKV_HOST_GROW_CHUNK_MIB",
+            "1024",
+            "The engine's host tier (--swap-space) is pinned in the background, this many MiB "
+            "of blocks at a time, lowest block ids first, while the server already serves "
+            "from the blocks pinned so far. 0 pins the whole tier before serving.",
+            _non_negative,
+        ),
+        EnvVar(
+            "FDKV_HOST_GROW_PACE_S",
+            "0",
+            "Seconds the background pinning of the host tier waits between pieces (0: none): "
+            "leaves memory bandwidth to serving, and lets tests watch the tier grow.",
+            _non_negative,
         ),
         EnvVar(
             "FDKV_MODEL_CACHE_DIR",

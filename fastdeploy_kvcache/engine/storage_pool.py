@@ -218,6 +218,7 @@ class StorageKVPool(ManagedKVPool):
 
     def complete_finished(self, wait: bool = False) -> set[str]:
         affected: set[str] = set()
+        self._admit_landed_host_blocks()
         self._flush_idle_backups()
         copies = self.controller.collect_finished(wait=wait)
         for meta in copies:

@@ -109,7 +109,8 @@ class EngineStatsCollector(Collector):
         blocks_owned = GaugeMetricFamily("fastdeploy_kvcache:blocks_owned",
                                          "Device KV blocks owned by running requests.", labels=["tier"])
         for tier in ("device", "host"):
-            total = lookup(flat, f"{tier}_blocks_total")
+            # A host tier still being pinned in the background has only its ready blocks.
+            total = lookup(flat, f"{tier}_blocks_ready", f"{tier}_blocks_total")
             free = lookup(flat, f"{tier}_blocks_free")
             if total is not None and free is not None:
                 blocks_used.add_metric([tier], total - free)
@@ -121,6 +122,12 @@ class EngineStatsCollector(Collector):
         if owned is not None:
             blocks_owned.add_metric(["device"], owned)
         out += [blocks_used, blocks_free, blocks_cached, blocks_owned]
+        gauge("fastdeploy_kvcache:host_blocks_ready",
+              "Host KV blocks whose memory is pinned (the tier is pinned in the background "
+              "while the server serves; equal to host_blocks_total once complete).",
+              lookup(flat, "host_blocks_pinned", "host_blocks_ready"))
+        gauge("fastdeploy_kvcache:host_blocks_total", "Host KV blocks of the host tier, pinned or not yet.",
+              lookup(flat, "host_blocks_total"))
 
         copied_bytes = CounterMetricFamily("fastdeploy_kvcache:swap_bytes",
                                            "Bytes copied between device and host, per direction.",
