@@ -184,6 +184,10 @@ class StorageTier:
         # failed during it are not tried again.
         self._flushing = False
         self._flush_failed: set[int] = set()
+        # Hashes the flush stored: one the store then loses is not written again (a store that
+        # evicts on its own would otherwise take every put of the flush in turn, forever).
+        self._flush_written: set[int] = set()
+        self._flush_full = 0  # flush puts the store refused as full: the flush stops
         self.stats: dict[str, float] = collections.defaultdict(float)  # type: ignore[assignment]
         for k in ("exists_calls", "query_blocks", "hit_blocks", "prefetch_jobs", "prefetch_blocks_issued",
                   "prefetch_blocks_loaded", "prefetch_blocks_failed", "prefetch_blocks_inserted",
@@ -637,7 +641,7 @@ class StorageTier:
             todo.extend(node.children.values())
             h = node.hash_value
             if node.detached or node.pending is not None or h in self._stored or h in self._putting \
-                    or h in self._flush_failed:
+                    or h in self._flush_failed or h in self._flush_written:
                 continue
             if node.host_block_id is not None:
                 host.append(node)
@@ -649,6 +653,16 @@ class StorageTier:
     def flush_failed_blocks(self) -> int:
         """Puts that failed during the flush (not tried again)."""
         return len(self._flush_failed)
+
+    @property
+    def flush_store_full(self) -> int:
+        """Flush puts the store refused as full (``Status.FULL``): the flush stops at the first."""
+        return self._flush_full
+
+    @property
+    def flush_lost_blocks(self) -> int:
+        """Blocks the flush stored that the store has lost since (evicted by its own policy)."""
+        return sum(1 for h in self._flush_written if h not in self._stored and h not in self._putting)
 
     def queue_flush_puts(self, nodes: Iterable[BlockNode]) -> int:
         """Queue puts of ``nodes``' host copies (the flush); returns how many were queued."""
@@ -709,12 +723,16 @@ class StorageTier:
             if job.ok(i):
                 if not lost:  # else a later key of its own batch evicted it
                     self._remember(h)
+                if self._flushing:
+                    self._flush_written.add(h)
                 self.stats["put_blocks_ok"] += 1
             else:
                 self._forget((h,))
                 self.stats["put_blocks_failed"] += 1
                 if self._flushing:
                     self._flush_failed.add(h)
+                    if i < len(job.results) and job.results[i] == Status.FULL:
+                        self._flush_full += 1
             self.pool.unpin((b,))
 
     def _complete_prefetch(self, pf: _Prefetch, job: StorageJob) -> None:

@@ -200,3 +200,20 @@ def test_a_restarted_mooncake_master_makes_the_tier_store_again(tmp_path: Path, 
         assert backend.batch_exists(rig.tier.ns.keys(hashes)) == 4
     finally:
         local.stop()
+
+
+def test_the_stop_flush_does_not_write_again_what_the_store_lost_after_the_flush_wrote_it(rigs: Any) -> None:
+    """A store that evicts on its own (Mooncake's master, another process) may take the flush's
+    own puts: writing them again would take the next ones, until the flush's time ran out."""
+    rig = rigs()
+    rig.backend.delete(rig.tier.ns.keys(store_tokens(rig, TOKENS)))
+    rig.tier.begin_flush()
+    host, _ = rig.tier.flush_candidates()
+    assert host and rig.tier.queue_flush_puts(host) == len(host)
+    rig.submit()
+    rig.drain()
+    hashes = [n.hash_value for n in host]
+    rig.backend.delete(rig.tier.ns.keys(hashes))  # reported lost to the tier
+    assert not any(rig.tier.is_stored(h) for h in hashes)
+    assert rig.tier.flush_candidates() == ([], [])
+    assert rig.tier.flush_lost_blocks == len(hashes)

@@ -25,6 +25,7 @@ def test_objects_the_byte_cap_evicts_are_forgotten_and_counted(tmp_path: Path) -
         on_disk = len(list(store.glob("*.kv")))
         tier, backend = stats["tier"], stats["store"]
         assert 0 < on_disk < tier["put_blocks_ok"]
+        assert tier["put_blocks_issued"] <= 2 * 12, "each computed block is put once: no evict-and-rewrite loop"
         assert backend["evicted"] == tier["put_blocks_ok"] - on_disk
         assert tier["stored_forgotten"] >= backend["evicted"]
         assert tier["stored_blocks_known"] == on_disk, "the stored-set must hold exactly what is on disk"
