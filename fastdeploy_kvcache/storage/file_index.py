@@ -50,6 +50,7 @@ class ObjectIndex:
         self._keep = False
         self._kept: list[str] = []  # held keys released when keep_new_objects turns off
         self._used = 0
+        self._held_bytes = 0
         self._hits: list[str] = []  # hits not yet moved in the LRU
         self.touched: set[str] = set()  # hits whose file atime is not refreshed yet (the backend's)
 
@@ -119,6 +120,8 @@ class ObjectIndex:
                     return False
                 old = self.pop_locked(key)
                 if self.capacity_bytes:
+                    if self._held_bytes + nbytes > self.capacity_bytes:
+                        return False  # only held objects stand in the way: evict nothing for nothing
                     victims += self._evict_to_cap_locked(nbytes)
                     if self._used + nbytes > self.capacity_bytes:
                         return False
@@ -132,6 +135,7 @@ class ObjectIndex:
                     if not ok:
                         return False
                 self._held[key] = nbytes
+                self._held_bytes += nbytes
                 self._used += nbytes
                 return True
         finally:
@@ -167,9 +171,7 @@ class ObjectIndex:
                     if key in self._held:
                         self._kept.append(key)
                     continue
-                size = self._held.pop(key, None)
-                if size is not None:
-                    self._lru[key] = size
+                self._unhold_locked(key)
 
     def keep_new_objects(self, on: bool) -> None:
         """While on, objects put are not evicted by later puts (the stop flush)."""
@@ -179,9 +181,14 @@ class ObjectIndex:
                 return
             kept, self._kept = self._kept, []
             for key in kept:
-                size = self._held.pop(key, None)
-                if size is not None:
-                    self._lru[key] = size
+                self._unhold_locked(key)
+
+    def _unhold_locked(self, key: str) -> None:
+        """A held object joins the LRU as the newest."""
+        size = self._held.pop(key, None)
+        if size is not None:
+            self._held_bytes -= size
+            self._lru[key] = size
 
     # ------------------------------------------------------------------ eviction (lock held)
     def pop_locked(self, key: str) -> Optional[int]:
@@ -190,6 +197,8 @@ class ObjectIndex:
         size = self._lru.pop(key, None)
         if size is None:
             size = self._held.pop(key, None)
+            if size is not None:
+                self._held_bytes -= size
         if size is not None:
             self._used -= size
         return size

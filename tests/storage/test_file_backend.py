@@ -471,3 +471,20 @@ def test_keep_new_objects_on_a_full_disk_answers_full_without_evicting_them(tiny
     assert get(backend, arena, list(range(ok)), list(range(ok))) == [arena.slot_bytes] * ok
     assert not [p for p in os.listdir(tiny_tmpfs) if p.startswith(".tmp-")]
     backend.close()
+
+
+def test_a_put_that_cannot_fit_beside_held_objects_evicts_nothing(tmp_path: Path, arena: HostArena) -> None:
+    """Small LRU objects beside held ones: a large put that could not fit even with them gone
+    must not evict them on the way to FULL."""
+    small = arena.slot_bytes // 4
+    backend = make(tmp_path, arena, capacity_bytes=2 * (arena.slot_bytes + HEADER.size))
+    for i in range(4):
+        arena.fill(i, seed=i)
+    assert backend.batch_put_from([key(9)], [arena.slot_ptr(3)], [small]) == [Status.OK]
+    backend.keep_new_objects(True)
+    assert put(backend, arena, [0], [0]) == [Status.OK]
+    assert backend.batch_put_from([key(1)], [arena.slot_ptr(1)], [arena.slot_bytes + small]) == [Status.FULL]
+    assert backend.stats()["evicted"] == 0 and backend.batch_exists([key(9)]) == 1
+    backend.keep_new_objects(False)
+    assert backend.lru_keys() == [key(9), key(0)]
+    backend.close()
