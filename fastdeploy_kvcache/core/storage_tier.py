@@ -184,6 +184,10 @@ class StorageTier:
         # failed during it are not tried again.
         self._flushing = False
         self._flush_failed: set[int] = set()
+        # Hashes the flush stored: one the store then loses is not written again (a store that
+        # evicts on its own would otherwise take every put of the flush in turn, forever).
+        self._flush_written: set[int] = set()
+        self._flush_full = 0  # flush puts the store refused as full: the flush stops
         self.stats: dict[str, float] = collections.defaultdict(float)  # type: ignore[assignment]
         for k in ("exists_calls", "query_blocks", "hit_blocks", "prefetch_jobs", "prefetch_blocks_issued",
                   "prefetch_blocks_loaded", "prefetch_blocks_failed", "prefetch_blocks_inserted",
@@ -333,7 +337,12 @@ class StorageTier:
         n = max(0, min(n, len(hashes)))
         self.stats["hit_blocks"] += n
         if n < len(hashes):
-            self._forget(hashes[n:n + 1])  # storage says it lacks this one, whatever we thought
+            # NOTE: storage lacks block n, and the probe says nothing about the blocks after
+            # it; the run was written together, so it was most likely lost together.  Forget
+            # them all: the next computation stores every one again (an object still there
+            # is merely overwritten), where forgetting block n alone healed one block per
+            # recompute.
+            self._forget(hashes[n:])
         return n
 
     # ------------------------------------------------------------------ prefetch
@@ -567,8 +576,54 @@ class StorageTier:
     # ------------------------------------------------------------------ flush at shutdown
     def begin_flush(self) -> None:
         """From now on every device -> host copy is put (write_back too): the engine is
-        stopping and writes what the store lacks (``StorageKVPool.flush_to_storage``)."""
+        stopping and writes what the store lacks (``StorageKVPool.flush_to_storage``).
+
+        First the store is asked about every cached block the stored-set counts as stored
+        (:meth:`vouch_cached`): what it lacks (deleted behind the server's back, say) is
+        forgotten, so the flush writes it."""
         self._flushing = True
+        self.vouch_cached()
+
+    def vouch_cached(self) -> int:
+        """Check every tree block believed stored against the store; forget the ones it
+        lacks.  Returns how many were forgotten (0 when the store cannot answer: then the
+        flush's puts fail anyway).  Existence checks in chunks: about one round trip per
+        chunk plus one per missing block."""
+        self._heal()
+        hashes: list[int] = []
+        todo = collections.deque(self.manager.tree.root.children.values())
+        while todo:
+            node = todo.popleft()
+            todo.extend(node.children.values())
+            if not node.detached and node.hash_value in self._stored:
+                hashes.append(node.hash_value)
+        missing = self._missing(hashes)
+        self._forget(missing)
+        if missing:
+            logger.info("storage: %d of %d cached blocks counted as stored are missing from the store; "
+                        "they are written again", len(missing), len(hashes))
+        return len(missing)
+
+    def _missing(self, hashes: Sequence[int], chunk: int = 256) -> list[int]:
+        """The ``hashes`` whose objects the store lacks (``batch_exists`` counts present
+        keys from the start, so each call skips past one missing key)."""
+        missing: list[int] = []
+        try:
+            for lo in range(0, len(hashes), chunk):
+                part = list(hashes[lo:lo + chunk])
+                keys = self.ns.keys(part)
+                i = 0
+                while i < len(part):
+                    i += max(0, int(self.backend.batch_exists(keys[i:])))
+                    self.stats["exists_calls"] += 1
+                    if i < len(part):
+                        missing.append(part[i])
+                        i += 1
+        except Exception as exc:  # noqa: BLE001 - StorageError or anything: cannot vouch, keep what we knew
+            self.errors[getattr(exc, "kind", "io")] += 1
+            logger.debug("storage exists failed during a check (%s)", exc)
+            return []
+        return missing
 
     def flush_candidates(self) -> tuple[list[BlockNode], list[BlockNode]]:
         """Cached blocks the store lacks, parents first: (with a host copy, device-only).
@@ -586,7 +641,7 @@ class StorageTier:
             todo.extend(node.children.values())
             h = node.hash_value
             if node.detached or node.pending is not None or h in self._stored or h in self._putting \
-                    or h in self._flush_failed:
+                    or h in self._flush_failed or h in self._flush_written:
                 continue
             if node.host_block_id is not None:
                 host.append(node)
@@ -598,6 +653,16 @@ class StorageTier:
     def flush_failed_blocks(self) -> int:
         """Puts that failed during the flush (not tried again)."""
         return len(self._flush_failed)
+
+    @property
+    def flush_store_full(self) -> int:
+        """Flush puts the store refused as full (``Status.FULL``): the flush stops at the first."""
+        return self._flush_full
+
+    @property
+    def flush_lost_blocks(self) -> int:
+        """Blocks the flush stored that the store has lost since (evicted by its own policy)."""
+        return sum(1 for h in self._flush_written if h not in self._stored and h not in self._putting)
 
     def queue_flush_puts(self, nodes: Iterable[BlockNode]) -> int:
         """Queue puts of ``nodes``' host copies (the flush); returns how many were queued."""
@@ -658,12 +723,16 @@ class StorageTier:
             if job.ok(i):
                 if not lost:  # else a later key of its own batch evicted it
                     self._remember(h)
+                if self._flushing:
+                    self._flush_written.add(h)
                 self.stats["put_blocks_ok"] += 1
             else:
                 self._forget((h,))
                 self.stats["put_blocks_failed"] += 1
                 if self._flushing:
                     self._flush_failed.add(h)
+                    if i < len(job.results) and job.results[i] == Status.FULL:
+                        self._flush_full += 1
             self.pool.unpin((b,))
 
     def _complete_prefetch(self, pf: _Prefetch, job: StorageJob) -> None:
