@@ -59,6 +59,17 @@ def test_configuration_error_is_one_line_naming_the_flag(args: list[str], flag: 
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("name, value", [("ENABLE_V1_KVCACHE_MANAGER", "maybe"),
+                                         ("FDKV_LAYER_WAIT_TIMEOUT_S", "-3")])
+def test_bad_environment_variable_is_one_line_before_the_model_loads(name: str, value: str) -> None:
+    out = subprocess.run([*SERVER, "--port", str(free_port()), "--model", "tiny-llama-random"],
+                         capture_output=True, text=True, env=dict(ENV, **{name: value}), timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{name}={value!r}" in lines[0] and "error" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_busy_port_is_one_line_and_exit_2() -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
