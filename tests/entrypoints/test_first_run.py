@@ -103,6 +103,35 @@ def test_help_shows_every_default_and_only_accepted_values() -> None:
     assert "--max-num-seqs sequences of --max-model-len tokens" in text
 
 
+def _help_entry(help_text: str, flag: str) -> str:
+    """The flag's entry of ``--help``, on one line."""
+    entry: list[str] = []
+    for line in help_text.split("options:", 1)[1].splitlines():
+        if re.match(r"^  -", line):
+            if entry:
+                break
+            if line.strip().startswith(flag + " "):
+                entry.append(line.strip())
+        elif entry and line.startswith("   "):
+            entry.append(line.strip())
+    return " ".join(entry)
+
+
+def test_help_says_what_build_sh_serve_passes_for_the_host_tier() -> None:
+    """`bash build.sh serve` and `serve-gpu` start with a host tier the flag's default does not
+    give: --help says both, with the values build.sh really passes."""
+    script = (ROOT / "build.sh").read_text()
+    serve = re.search(r"\n  serve\)(.*?);;", script, re.S).group(1)
+    serve_gpu = re.search(r"\n  serve-gpu\)(.*?);;", script, re.S).group(1)
+    passed = re.search(r"--swap-space (\d+(?:\.\d+)?) ", serve).group(1)
+    gpu_default = re.search(r'--swap-space "\$\{FDKV_SWAP_SPACE:-(\d+)\}"', serve_gpu).group(1)
+    out = run_server_cmd("--help", timeout=60)
+    entry = _help_entry(out.stdout, "--swap-space")
+    assert "default: 0" in entry, entry
+    assert f"`bash build.sh serve` passes {passed}" in entry, entry
+    assert "FDKV_SWAP_SPACE" in entry and f"{gpu_default} unless set" in entry, entry
+
+
 def _venv_python() -> Path:
     return ROOT / ".venv" / "bin" / "python"
 
