@@ -41,6 +41,10 @@ def run_server_cmd(*args: str, timeout: float = 120) -> subprocess.CompletedProc
     (["--model", "tiny-llama-random", "--device", "gpu"], "--device"),
     (["--kv-cache-dtype", "uint8"], "--kv-cache-dtype"),
     (["--model", "tiny-llama-random", "--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--model", "tiny-llama-random", "--max-model-len", "4097"], "--max-model-len"),  # 4096 positions
+    (["--model", "llama3-8b-random", "--model-impl", "transformers", "--max-model-len", "32768"], "--max-model-len"),
+    (["--model", "llama3-8b-random"], "--model"),  # the transformers runner's only
+    (["--model", "tiny-llama-random", "--gpu-memory-utilization", "1.2"], "--gpu-memory-utilization"),
     (["--swap-space", "-1"], "--swap-space"),
     (["--model", str(ROOT / "docs")], "--model"),  # a directory that is not a checkpoint
     (["--model", "tiny-llama-random", "--kvcache-storage-backend", "file", "--kvcache-storage-path",

@@ -69,12 +69,13 @@ def check_config(args: argparse.Namespace) -> Any:
     """The server's EngineArgs, after every check that needs no model: raises ConfigError.
 
     Checks the environment variables, the values (ranges, choices), that ``--model`` names
-    something loadable, and that ``--device`` is available.  Cheap next to loading the model,
-    so a mistake costs seconds.
+    something loadable, that ``--max-model-len`` fits its positions, and that ``--device`` is
+    available.  Cheap next to loading the model, so a mistake costs seconds.
     """
-    from fastdeploy_kvcache.engine.args import EngineArgs
+    from fastdeploy_kvcache.engine.args import EngineArgs, check_max_model_len
     from fastdeploy_kvcache.engine.llm_engine import wants_gpu
-    from fastdeploy_kvcache.engine.model_loader import model_kind
+    from fastdeploy_kvcache.engine.model_loader import model_positions
+    from fastdeploy_kvcache.engine.torch_models import RANDOM_SHAPES
 
     check_environment()
     engine_args = EngineArgs.from_cli_args(args)
@@ -82,16 +83,16 @@ def check_config(args: argparse.Namespace) -> Any:
     if storage is not None and storage.enabled and not engine_args.host_tier_enabled:
         raise ConfigError(f"--kvcache-storage-backend {storage.backend}: needs a host tier to stage blocks "
                           "through; give --swap-space (GiB)")
+    if engine_args.model_impl != "transformers" and engine_args.model in RANDOM_SHAPES:
+        raise ConfigError(f"--model {engine_args.model}: runs on --model-impl transformers only")
+    # model_positions also checks that --model names something loadable.
+    check_max_model_len(engine_args.max_model_len, model_positions(engine_args.model), engine_args.model)
     if engine_args.model_impl == "transformers":
         # torch's view of the GPU, not Paddle's: this path may run where Paddle is absent.
-        from fastdeploy_kvcache.engine.torch_models import LLAMA3_8B_RANDOM
         from fastdeploy_kvcache.engine.torch_runner import select_device
 
-        if engine_args.model != LLAMA3_8B_RANDOM:
-            model_kind(engine_args.model)
         select_device(engine_args.device)
     else:
-        model_kind(engine_args.model)
         wants_gpu(engine_args.device)
     return engine_args
 
