@@ -147,7 +147,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         built_in = args.model in ("smollm2-135m-instruct", "tiny-llama-random")
         self.model_name = args.model if built_in else self.loaded.name
-        if built_in and args.model_cache_dir and loaded_model is None:
+        if args.model_cache_dir and loaded_model is None:
             self._publish_tokenizer(args.model_cache_dir)
         if args.gpu_memory_utilization is not None and self.device != "gpu":
             logger.info("--gpu-memory-utilization %g: not used on the CPU (the device pool is capped at "
@@ -275,11 +275,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ public API
     def _publish_tokenizer(self, cache_dir: str) -> None:
-        """A built-in model's tokenizer where clients can load it (engine/tokenizer.py)."""
+        """The model's tokenizer where clients can load it (engine/tokenizer.py)."""
         from fastdeploy_kvcache.engine.tokenizer import publish_tokenizer
 
         try:
-            path = publish_tokenizer(self.tokenizer, cache_dir, self.model_name)
+            path = publish_tokenizer(self.tokenizer, cache_dir, self.model_name, self.loaded.max_position_embeddings)
         except OSError as exc:
             logger.warning("could not save the tokenizer for clients under %s: %s", cache_dir, exc)
             return

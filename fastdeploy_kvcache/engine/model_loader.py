@@ -103,6 +103,48 @@ def model_positions(model: str) -> int:
     return int(raw["max_position_embeddings"])
 
 
+def load_tokenizer(model: str) -> EngineTokenizer:
+    """``model``'s tokenizer, exactly the one the engine serves it with, without its weights:
+    a built-in name's, a GGUF's (from its metadata), a checkpoint directory's."""
+    from fastdeploy_kvcache.engine.torch_models import RANDOM_SHAPES, random_model_tokenizer
+
+    if model in RANDOM_SHAPES:
+        return random_model_tokenizer(model)
+    kind = model_kind(model)
+    if kind == "tiny":
+        return build_tiny_tokenizer(512)
+    if kind in ("default", "gguf"):
+        import gguf
+
+        path = find_smollm2_gguf() if kind == "default" else os.path.expanduser(model)
+        return tokenizer_from_gguf_fields(read_gguf_metadata(gguf.GGUFReader(path)))
+    return load_dir_tokenizer(os.path.expanduser(model))
+
+
+def load_dir_tokenizer(path: str) -> EngineTokenizer:
+    """A checkpoint directory's tokenizer, its config's end-of-sequence ids counted too."""
+    tok = EngineTokenizer.load(path)
+    with open(os.path.join(path, "config.json")) as fh:
+        raw = json.load(fh)
+    # The model's own end-of-sequence ids count too (a list in newer configs).
+    eos = raw.get("eos_token_id")
+    extra = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    tok.eos_token_ids = sorted(set(tok.eos_token_ids) | {int(t) for t in extra})
+    return tok
+
+
+def served_model_name(model: str) -> str:
+    """The name the server gives ``model`` (and its published tokenizer's directory): a
+    built-in name as it is, a GGUF file's or a directory's base name."""
+    from fastdeploy_kvcache.engine.torch_models import RANDOM_SHAPES
+
+    if model in RANDOM_SHAPES or model in (DEFAULT_MODEL_NAME, TINY_MODEL_NAME):
+        return model
+    path = os.path.normpath(os.path.expanduser(model))
+    name = os.path.basename(path)
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
 # GGUF metadata value types (the format's gguf_type) and their fixed sizes.
 _GGUF_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
@@ -278,11 +320,7 @@ def load_local_dir(path: str, dtype: str = "float32") -> LoadedModel:
     config = LlamaConfig.from_pretrained(path)
     _cpu_safe(config, dtype != "float32")
     model = LlamaForCausalLM.from_pretrained(path, config=config, dtype=dtype)
-    tok = EngineTokenizer.load(path)
-    # The model's own end-of-sequence ids count too (a list in newer configs).
-    eos = raw.get("eos_token_id")
-    extra = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
-    tok.eos_token_ids = sorted(set(tok.eos_token_ids) | {int(t) for t in extra})
+    tok = load_dir_tokenizer(path)
     return _describe(model, tok, os.path.basename(os.path.normpath(path)), dtype)
 
 
