@@ -233,7 +233,7 @@ _ENGINE_FLAG_HELP = {
                                  "--gpu-memory-utilization leaves; elsewhere enough for --max-num-seqs sequences "
                                  "of --max-model-len tokens, capped at --kv-cache-memory-gib).",
     "--swap-space": "Host (pinned CPU) KV cache size in GiB per worker (default: 0, no host tier; "
-                    "`bash build.sh serve` passes 1, and `bash build.sh serve-gpu` passes $FDKV_SWAP_SPACE, 4 "
+                    "`bash build.sh serve` gives 1, and `bash build.sh serve-gpu` gives $FDKV_SWAP_SPACE, 4 "
                     "unless set).",
     "--kv-cache-dtype": "KV cache element type; 'auto' (the default) uses the model's dtype "
                         "(float32 on the CPU, bfloat16 on the GPU).",

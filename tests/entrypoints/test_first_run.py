@@ -132,7 +132,7 @@ def test_help_says_what_build_sh_serve_passes_for_the_host_tier() -> None:
     out = run_server_cmd("--help", timeout=60)
     entry = _help_entry(out.stdout, "--swap-space")
     assert "default: 0" in entry, entry
-    assert f"`bash build.sh serve` passes {passed}" in entry, entry
+    assert f"`bash build.sh serve` gives {passed}" in entry, entry
     assert "FDKV_SWAP_SPACE" in entry and f"{gpu_default} unless set" in entry, entry
 
 
