@@ -148,14 +148,22 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         built_in = args.model in ("smollm2-135m-instruct", "tiny-llama-random")
         self.model_name = args.model if built_in else self.loaded.name
-        if built_in and args.model_cache_dir and loaded_model is None:
+        if args.model_cache_dir and loaded_model is None:
             self._publish_tokenizer(args.model_cache_dir)
-        self.max_model_len = min(args.max_model_len, self.loaded.max_position_embeddings)
-        if args.max_model_len > self.loaded.max_position_embeddings:
-            logger.warning("max_model_len %d exceeds the model's %d positions; using %d",
-                           args.max_model_len, self.loaded.max_position_embeddings, self.max_model_len)
+        if args.gpu_memory_utilization is not None and self.device != "gpu":
+            logger.info("--gpu-memory-utilization %g: not used on the CPU (the device pool is capped at "
+                        "--kv-cache-memory-gib)", args.gpu_memory_utilization)
+        # The device's defaults; a max_model_len past the model's positions is a ValueError.
+        args = self.args = args.resolved(self.device, self.loaded.max_position_embeddings)
+        self.max_model_len: int = args.max_model_len
         self.use_v1 = envs.enable_v1_kvcache_manager()
-        self.cache_config = self._make_cache_config()
+        # The runner comes before the pool: on a GPU it runs the step that sizes the pool.
+        self.cache_config = self._model_cache_config()
+        if args.model_impl == "transformers":
+            self.runner: Any = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size, self.device)
+        else:
+            self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
+        self.cache_config.num_gpu_blocks = self._device_pool_blocks()
         storage = getattr(args, "storage", None)
         if self.use_v1 and storage is not None and storage.enabled:
             from fastdeploy_kvcache.engine.storage_pool import StorageKVPool, model_fingerprint
@@ -174,13 +182,9 @@ class LLMEngine:
                 args.cache.swap_space, args.cache.write_policy, args.cache.write_through_threshold,
                 args.cache.enable_prefix_caching, args.cache.enable_output_caching,
             )
-        if args.model_impl == "transformers":
-            self.runner: Any = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size, self.device)
-            if args.use_cudagraph:
-                # Once the pool exists (the graphs hold its caches' addresses), before serving.
-                self.runner.enable_decode_graphs(self.pool.layer_caches, args.max_num_seqs, self.max_model_len)
-        else:
-            self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
+        if args.model_impl == "transformers" and args.use_cudagraph:
+            # Once the pool exists (the graphs hold its caches' addresses), before serving.
+            self.runner.enable_decode_graphs(self.pool.layer_caches, args.max_num_seqs, self.max_model_len)
         # PD disaggregation (--splitwise-role prefill|decode): engine/pd.py; None when mixed.
         from fastdeploy_kvcache.engine.pd import make_pd_coordinator
 
@@ -231,30 +235,52 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ setup
-    def _make_cache_config(self) -> CacheConfig:
-        """``args.cache`` with the model's shape and dtype filled in, and the device pool sized:
-        the one CacheConfig the pool, manager and runner read."""
+    def _model_cache_config(self) -> CacheConfig:
+        """``args.cache`` with the model's shape and dtype filled in: the one CacheConfig the
+        pool, manager and runner read (its device block count is set next)."""
         a, lm = self.args, self.loaded
         dtype = lm.dtype if a.cache.dtype == AUTO_DTYPE else a.cache.dtype
-        config = dataclasses.replace(a.cache, num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
-                                     head_dim=lm.head_dim, dtype=dtype)
-        per_seq = -(-self.max_model_len // config.block_size)
+        return dataclasses.replace(a.cache, num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
+                                   head_dim=lm.head_dim, dtype=dtype)
+
+    def _device_pool_blocks(self) -> int:
+        """The device pool's size (``engine/kv_sizing.py``): the override, the GiB cap, or on a
+        GPU with the transformers runner what ``--gpu-memory-utilization`` leaves after a
+        profiled worst-case step."""
+        from fastdeploy_kvcache.engine import kv_sizing
+
+        a, config = self.args, self.cache_config
+        per_seq = kv_sizing.blocks_per_sequence(self.max_model_len, config.block_size)
         if config.num_gpu_blocks:
             if config.num_gpu_blocks < per_seq:
                 logger.warning("%d device blocks hold fewer than max_model_len=%d tokens: long requests will fail",
                                config.num_gpu_blocks, self.max_model_len)
-        else:
-            cap = max(per_seq, int(a.kv_cache_memory_gib * (1 << 30)) // config.bytes_per_block)
-            config.num_gpu_blocks = min(a.max_num_seqs * per_seq, cap)
-        return config
+            return config.num_gpu_blocks
+        sizes = dict(bytes_per_block=config.bytes_per_block, block_size=config.block_size,
+                     max_model_len=self.max_model_len, max_num_seqs=a.max_num_seqs)
+        if a.kv_cache_memory_gib is not None or self.device != "gpu" or a.model_impl != "transformers":
+            gib = kv_sizing.CPU_KV_CACHE_MEMORY_GIB if a.kv_cache_memory_gib is None else a.kv_cache_memory_gib
+            return kv_sizing.device_pool_blocks(kv_cache_memory_gib=gib, **sizes)
+        from fastdeploy_kvcache.engine.decode_graphs import graph_batch_sizes
+        from fastdeploy_kvcache.engine.gpu_memory import profile_device_memory
+
+        graphs = (kv_sizing.graph_reserve_bytes(graph_batch_sizes(a.max_num_seqs), self.loaded.vocab_size)
+                  if a.use_cudagraph else 0)
+        mem = profile_device_memory(self.runner, config, min(a.max_num_batched_tokens, self.max_model_len),
+                                    a.max_num_seqs, graphs)
+        budget = kv_sizing.kv_budget_bytes(mem, a.gpu_memory_utilization)
+        blocks = kv_sizing.device_pool_blocks(kv_budget=budget, **sizes)
+        logger.info("--gpu-memory-utilization %g: %d device blocks (%.2f GiB of KV)", a.gpu_memory_utilization,
+                    blocks, blocks * config.bytes_per_block / (1 << 30))
+        return blocks
 
     # ------------------------------------------------------------------ public API
     def _publish_tokenizer(self, cache_dir: str) -> None:
-        """A built-in model's tokenizer where clients can load it (engine/tokenizer.py)."""
+        """The model's tokenizer where clients can load it (engine/tokenizer.py)."""
         from fastdeploy_kvcache.engine.tokenizer import publish_tokenizer
 
         try:
-            path = publish_tokenizer(self.tokenizer, cache_dir, self.model_name)
+            path = publish_tokenizer(self.tokenizer, cache_dir, self.model_name, self.loaded.max_position_embeddings)
         except OSError as exc:
             logger.warning("could not save the tokenizer for clients under %s: %s", cache_dir, exc)
             return
