@@ -31,6 +31,7 @@ KV_CACHE_DTYPES = (AUTO_DTYPE, "bfloat16", "float16", "float32")  # the cache's,
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")  # engine/pd.py ROLES
 MODEL_IMPLS = ("paddleformers", "transformers")  # engine/torch_runner.py for the second
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
+FUSED_LAYERS = ("auto", "on", "off")  # engine/torch_fused.py
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,9 @@ class EngineArgs:
     # CUDA graphs of decode-only steps on the transformers runner (engine/decode_graphs.py):
     # captured at start; without a CUDA device, logged and every step runs eagerly.
     use_cudagraph: bool = False
+    # Fused decoder layers on the transformers runner (engine/torch_fused.py): "auto" is on with a
+    # CUDA device, off on the CPU.
+    fused_layers: str = "auto"
     # KV cache events (engine/kv_events_config.KVEventsConfig, --kv-events-config); None: off.
     kv_events_config: Optional[Any] = None
     # In-batch prefix sharing (core/prefix_sharing.py): the most seconds a waiting request is
@@ -154,6 +158,10 @@ class EngineArgs:
                              "float32 on CPU, bfloat16 on GPU)")
         if not isinstance(self.use_cudagraph, bool):
             raise ValueError(f"use_cudagraph: must be a bool, got {self.use_cudagraph!r}")
+        if self.fused_layers not in FUSED_LAYERS:
+            raise ValueError(f"fused_layers: must be one of {FUSED_LAYERS}, got {self.fused_layers!r}")
+        if self.fused_layers == "on" and self.model_impl != "transformers":
+            raise ValueError("fused_layers: only --model-impl transformers fuses its decoder layers")
         if self.use_cudagraph and self.model_impl != "transformers":
             raise ValueError("use_cudagraph: only --model-impl transformers captures CUDA graphs "
                              "(the paddleformers runner runs eagerly)")
@@ -296,6 +304,11 @@ def _engine_flags() -> tuple[tuple[str, dict[str, Any]], ...]:
                  "(1, 2, 4, 8, 16, 24, 32, then every 16 up to --max-num-seqs) as a CUDA graph at start and "
                  "replay it (docs/gpu_serving.md). Steps with a prompt chunk run eagerly; without a CUDA "
                  "device, or if the capture fails, it logs a warning and every step runs eagerly. Default: off.")),
+        ("fused_layers", dict(choices=FUSED_LAYERS,
+            help="--model-impl transformers: run each Llama decoder layer fused (q/k/v and gate/up as one GEMM "
+                 "each; RMSNorm, residual add + norm, rotary embedding and SiLU*up as one generated kernel each, "
+                 "compiled with torch.compile at start). 'auto' (the default) is on with a CUDA device and off on "
+                 "the CPU. Logits agree with the unfused layers to the dtype's rounding.")),
         ("max_prefix_hold_s", dict(type=float,
             help="In-batch prefix sharing: a waiting request whose next uncached block another running "
                  "request is computing waits for it (then reuses it) for at most this many seconds in total, "

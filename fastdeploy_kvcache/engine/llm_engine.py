@@ -160,7 +160,9 @@ class LLMEngine:
         # The runner comes before the pool: on a GPU it runs the step that sizes the pool.
         self.cache_config = self._model_cache_config()
         if args.model_impl == "transformers":
-            self.runner: Any = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size, self.device)
+            fused = args.fused_layers == "on" or (args.fused_layers == "auto" and self.device == "gpu")
+            self.runner: Any = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size, self.device,
+                                                             fused_layers=fused)
         else:
             self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
         self.cache_config.num_gpu_blocks = self._device_pool_blocks()

@@ -107,10 +107,13 @@ def load_model_for(args: Any, device: str) -> LoadedModel:
 class TorchModelRunner:
     """Runs ``LlamaForCausalLM`` over the paged cache; see the module docstring."""
 
-    def __init__(self, loaded: LoadedModel, block_size: int, device: str, attention: str = "auto") -> None:
+    def __init__(self, loaded: LoadedModel, block_size: int, device: str, attention: str = "auto",
+                 fused_layers: bool = False) -> None:
         """``attention``: the paged attention's kernels, ``auto`` / ``triton`` / ``torch``
         (:func:`decode_kernel_for`); with Triton, the decode batch and short chunks after
-        cached context run Triton kernels that read the blocks in place."""
+        cached context run Triton kernels that read the blocks in place.  ``fused_layers``:
+        fuse the model's decoder layers (``engine/torch_fused.py``; kernels compiled on a GPU).
+        The model is changed in place, for every runner over it."""
         import torch
 
         self.torch = torch
@@ -142,6 +145,13 @@ class TorchModelRunner:
         self.graph_replays = 0  # steps run through decode_graphs (replayed, or padded eagerly without capture)
         self.last_step_replayed = False
         register_paged_attention(self.model.config)
+        self.fused_layers = 0
+        if fused_layers:
+            from fastdeploy_kvcache.engine.torch_fused import fuse_decoder_layers
+
+            self.fused_layers = fuse_decoder_layers(self.model, compile_kernels=self.on_gpu)
+            logger.info("fused %d decoder layers (%s)", self.fused_layers,
+                        "kernels compiled by torch.compile" if self.on_gpu else "eager elementwise pieces")
 
     # ------------------------------------------------------------------ CUDA graphs
     def enable_decode_graphs(self, kv_caches: Sequence[Sequence[Any]], max_num_seqs: int, max_model_len: int,
