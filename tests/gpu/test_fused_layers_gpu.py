@@ -52,7 +52,7 @@ def test_fused_layers_compute_what_the_unfused_layers_compute(capi: Any) -> None
     want = TorchModelRunner(plain, bs, "gpu").forward(seqs, [[k.clone(), v.clone()] for k, v in caches], None)
     runner = TorchModelRunner(fused_model, bs, "gpu", fused_layers=True)
     assert runner.fused_layers == plain.num_layers
-    layer = fused_model.model.layers[0]
+    layer = fused_model.model.model.layers[0]
     assert layer.self_attn.q_proj.weight.data_ptr() == layer.fdkv_w_qkv.data_ptr()
     assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == layer.fdkv_w_gate_up.untyped_storage().data_ptr()
     got = runner.forward(seqs, [[k.clone(), v.clone()] for k, v in caches], None)
