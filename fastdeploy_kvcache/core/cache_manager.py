@@ -54,6 +54,7 @@ from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.core.stats import CacheStats
 from fastdeploy_kvcache.core.storage_tier import StorageTier
+from fastdeploy_kvcache.core.tier_port import StoragePort
 from fastdeploy_kvcache.core.write_policy import make_write_policy
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class CacheManager:
         tree, dev, host, policy, stats, inflight = (self.tree, self.device_pool, self.host_pool, self.policy,
                                                     self.stats, self.inflight)
         self.evictor = Evictor(tree=tree, device_pool=dev, host_pool=host, policy=policy, stats=stats,
-                               inflight=inflight, storage=storage)
+                               inflight=inflight)
         self.copies = CopyTracker(tree=tree, host_pool=host, policy=policy, stats=stats, inflight=inflight,
                                   evictor=self.evictor)
         self.allocator = Allocator(tree=tree, device_pool=dev, block_size=self.block_size, stats=stats,
@@ -123,8 +124,13 @@ class CacheManager:
                                           enable_prefix_caching=self.enable_prefix_caching, config=config,
                                           policy=policy, stats=stats, inflight=inflight, allocator=self.allocator,
                                           evictor=self.evictor, copies=self.copies)
+        # The storage tier reaches the tree and the host pool only through this port.
+        self.storage_port: Optional[StoragePort] = None
         if storage is not None:
-            storage.bind(self, self.host_pool)
+            assert isinstance(self.host_pool, PinnableBlockPool)
+            self.storage_port = StoragePort(tree, self.host_pool, self.evictor, policy, self.block_size,
+                                            self.enable_prefix_caching)
+            storage.bind(self.storage_port)
         logger.info(
             "CacheManager: %d device blocks, %d host blocks, block_size=%d, policy=%s",
             self.device_pool.num_blocks,
