@@ -294,7 +294,7 @@ def test_gpu_memory_utilization_sizes_the_pool_within_its_share(engine_factory: 
     free, total = torch.cuda.mem_get_info()
     # Whatever else uses the device, give the pool about 2 GiB of the share beyond today's use.
     share = min(1.0, (total - free + 2 * GiB) / total)
-    eng = engine_factory(gpu_memory_utilization=share)
+    eng = engine_factory(gpu_memory_utilization=share, kv_cache_memory_gib=None)
     cfg = eng.cache_config
     pool_bytes = cfg.num_gpu_blocks * cfg.bytes_per_block
     assert eng.args.kv_cache_memory_gib is None and eng.args.gpu_memory_utilization == share
