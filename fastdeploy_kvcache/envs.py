@@ -111,10 +111,11 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "FDKV_HOST_GROW_CHUNK_MIB",
-            "1024",
-            "The engine's host tier (--swap-space) is pinned in the background, this many MiB "
-            "of blocks at a time, lowest block ids first, while the server already serves "
-            "from the blocks pinned so far. 0 pins the whole tier before serving.",
+            "0",
+            "0 (the default) pins the engine's host tier (--swap-space) before serving. N > 0 pins "
+            "it in the background, N MiB of blocks at a time, lowest block ids first, while the "
+            "server already serves from the blocks pinned so far; CPU copies only: with CUDA "
+            "copies it is refused (a 2D copy across separately registered pieces fails).",
             _non_negative,
         ),
         EnvVar(

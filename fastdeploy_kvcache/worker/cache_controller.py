@@ -227,6 +227,13 @@ class CacheController:
         if not isinstance(grow_pace_s, numbers.Real) or not 0 <= grow_pace_s < float("inf"):
             raise ValueError(f"initialize_host_cache: grow_pace_s must be a finite number >= 0, got {_show(grow_pace_s)}")
         self._check_cache_size("host cache", blocks, numa.physical_memory_bytes(), "swap_space / num_host_blocks")
+        if grow_chunk_bytes > 0 and self.backend.is_cuda:
+            # NOTE: on an H200, cudaMemcpy2DAsync over a host range pinned as several
+            # cudaHostRegister pieces failed with cudaErrorInvalidValue (bench_overlap
+            # --host-grow-chunk-mib 4): every all-layer copy spans pieces.  Until the copy path
+            # handles pieces (or the pieces are registered again as one), CUDA copies pin first.
+            raise ValueError("initialize_host_cache: pinning in the background (grow_chunk_bytes > 0, "
+                             "FDKV_HOST_GROW_CHUNK_MIB) works with CPU copies only; with CUDA copies set it to 0")
         with self._lock:
             self._check_open()
             if self.host_cache_kvs_map:
