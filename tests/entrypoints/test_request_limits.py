@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from conftest import MAX_MODEL_LEN, MODEL
+from conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL
 from fastdeploy_kvcache.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES
 
 # A /health answer slower than this while a huge prompt is handled means the loop stalled.
@@ -190,7 +190,6 @@ def test_prompt_plus_max_tokens_past_the_device_pool_is_context_length_exceeded(
     over-long prompt, so a client can tell "too long" from "malformed"."""
     import openai
 
-    from conftest import BLOCK_SIZE
 
     pool_tokens = 128 * BLOCK_SIZE  # conftest's NUM_GPU_BLOCKS
     assert pool_tokens + 100 < MAX_MODEL_LEN
