@@ -200,6 +200,23 @@ def main() -> int:
         res["attn_torch_s"] = timed(fallback_attn, a.repeat) / calls
         res["attn_kernel_GBps"] = kv_bytes / res["attn_kernel_s"] / 1e9
 
+    # ---- the decode floor, and the same graph-replayed step with fused decoder layers: weights
+    # plus the step's K/V read once, at the device copy's bandwidth measured here.
+    if "runner_graph_decode_s" in res and "hbm_copy_GBps" in res:
+        from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams, StepSampling
+
+        greedy = StepSampling.for_samplers([RequestSampler(SamplingParams(temperature=0.0), 0)] * a.batch)
+        res["runner_graph_sample_s"] = timed(lambda: graphed.forward_sample(dec, caches, None, greedy), a.repeat * 4)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        step_kv_bytes = lm.num_layers * 2 * a.batch * (a.context + 1) * lm.num_kv_heads * lm.head_dim * 2
+        res["decode_floor_s"] = (weight_bytes + step_kv_bytes) / (res["hbm_copy_GBps"] * 1e9)
+        fused = TorchModelRunner(lm, bs, "gpu", fused_layers=True)  # fuses lm's layers in place: measured last
+        if fused.enable_decode_graphs(caches, a.batch, max(a.max_model_len, a.context + 1)):
+            res["fused_graph_sample_s"] = timed(lambda: fused.forward_sample(dec, caches, None, greedy), a.repeat * 4)
+            with torch.inference_mode():
+                lf = torch.from_numpy(fused.forward(dec, caches, None))
+            res["fused_logits_rel_diff"] = float((lf - la).norm() / la.norm())
+
     res["prefill_tok_s"] = {"baseline": a.prefill / res["baseline_prefill_s"], "runner": a.prefill / res["runner_prefill_s"]}
     res["prefill_ratio"] = res["baseline_prefill_s"] / res["runner_prefill_s"]
     res["decode_ratio"] = res["runner_decode_s"] / res["baseline_decode_s"]
@@ -233,6 +250,15 @@ def main() -> int:
               f"runner {res['graph_logits_rel_diff']:.2e}")
     else:
         print("decode from a CUDA graph: not captured (see the warning above); no figure")
+    if "decode_floor_s" in res:
+        floor = res["decode_floor_s"]
+        print(f"decode floor, {a.batch} seqs at {a.context} (weights + K/V at the device copy's bandwidth): "
+              f"{floor * 1e3:.2f} ms; graph-replayed step with sampling on the GPU {res['runner_graph_sample_s'] * 1e3:.2f} ms "
+              f"({floor / res['runner_graph_sample_s']:.2f} of the floor)")
+        if "fused_graph_sample_s" in res:
+            print(f"  with fused decoder layers (--fused-layers): {res['fused_graph_sample_s'] * 1e3:.2f} ms "
+                  f"({floor / res['fused_graph_sample_s']:.2f} of the floor, target >= 0.75); logits relative "
+                  f"difference from the unfused eager runner {res['fused_logits_rel_diff']:.2e}")
     if "attn_kernel_s" in res:
         print(f"decode attention alone, one layer, {a.batch} x {a.context + 1} tokens: Triton kernel "
               f"{res['attn_kernel_s'] * 1e6:.1f} us ({res['attn_kernel_GBps']:.0f} GB/s of K/V, "

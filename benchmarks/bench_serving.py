@@ -657,6 +657,14 @@ def plain_file_gbps(write_bytes: int, read_bytes: int, object_bytes: int, direct
             "plain_object_bytes": object_bytes, "plain_write_objects": n_write, "plain_read_objects": n_read}
 
 
+def model_len_for(tokens: int, model: str) -> int:
+    """``--max-model-len`` for sequences of ``tokens``: the next power of two, at most the
+    model's positions (more is a start-up error)."""
+    from fastdeploy_kvcache.engine.model_loader import model_positions
+
+    return min(1 << math.ceil(math.log2(tokens)), model_positions(model))
+
+
 def cold_server_args(args: argparse.Namespace, prefixes: list[int]) -> tuple[list[str], int]:
     """Server flags of the cold-server scenario (before the storage flags) and its device pool.
 
@@ -665,7 +673,7 @@ def cold_server_args(args: argparse.Namespace, prefixes: list[int]) -> tuple[lis
     """
     bs = args.block_size
     longest = max(prefixes)
-    max_model_len = 1 << math.ceil(math.log2(longest * 2 + 256))
+    max_model_len = model_len_for(longest * 2 + 256, args.model)
     device_blocks = 3 * math.ceil((longest + 64) / bs) + 8
     common = ["--model", args.model, "--device", args.device, "--model-impl", args.model_impl, "--block-size", str(bs),
               "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -908,7 +916,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # to about three times its token count (odd byte sequences), hence 3 * output_tokens.
     per_user_tokens = args.doc_tokens + args.rounds * (args.question_tokens + 3 * args.output_tokens + 16)
     working_set_blocks = args.users * math.ceil(per_user_tokens / bs)
-    max_model_len = 1 << math.ceil(math.log2(per_user_tokens + 64))
+    max_model_len = model_len_for(per_user_tokens + 64, args.model)
     # A third of the working set, but never less than the running batch needs.
     device_blocks = max(int(working_set_blocks * args.device_fraction),
                         args.concurrency * math.ceil(per_user_tokens / bs) + 2)

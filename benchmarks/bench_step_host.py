@@ -109,6 +109,9 @@ class NullRunner:
         off = self.calls % VOCAB_ROWS
         return self.table[off : off + n]
 
+    def forward_sample(self, seqs: list[Any], kv_caches: Any, layer_done: Optional[Any], sampling: Any) -> np.ndarray:
+        return sampling.sample_host(self.forward(seqs, kv_caches, layer_done))
+
 
 class GcMeter:
     """Seconds CPython's cyclic GC ran while installed in ``gc.callbacks``, and its passes per generation."""

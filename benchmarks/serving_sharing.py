@@ -77,7 +77,9 @@ def run_cold_burst(args: Any, start_server: StartServer) -> dict[str, Any]:
     n, plen, bs = args.burst_size, args.burst_prefix_tokens, args.block_size
     suffix = 8
     prompt_len = plen + suffix
-    max_model_len = 1 << math.ceil(math.log2(prompt_len + 64))
+    from bench_serving import model_len_for
+
+    max_model_len = model_len_for(prompt_len + 64, args.model)
     batched = n * prompt_len  # the whole burst fits one step: without sharing all are admitted at once
     device_blocks = (n + 2) * math.ceil(prompt_len / bs) + 2 * n  # the whole burst computing, plus room
     common = _server_args(args, bs, max_model_len, n, batched, device_blocks, 0.0)
@@ -137,7 +139,9 @@ def run_queued_storage(args: Any, start_server: StartServer, work: Path) -> dict
 
     m, seqs, plen, bs = args.queued_requests, args.queued_max_num_seqs, args.queued_prefix_tokens, args.block_size
     prompt_len = plen + 8
-    max_model_len = 1 << math.ceil(math.log2(prompt_len + 64))
+    from bench_serving import model_len_for
+
+    max_model_len = model_len_for(prompt_len + 64, args.model)
     per_doc = math.ceil(prompt_len / bs) + 1
     device_blocks = (seqs + 2) * per_doc  # the burst's documents cannot all stay on the device
     common = _server_args(args, bs, max_model_len, seqs, args.max_num_batched_tokens, device_blocks,

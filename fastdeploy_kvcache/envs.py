@@ -61,6 +61,16 @@ def _positive_seconds(value: str) -> float:
     return seconds
 
 
+def _non_negative(value: str) -> float:
+    try:
+        number = float(value.strip())
+    except ValueError:
+        raise ValueError(f"expected a number >= 0, got {value!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"expected a finite number >= 0, got {value!r}")
+    return number
+
+
 def _existing_file(value: str) -> str:
     """A library path that must exist: a wrong path is an error, not a silent fallback to
     whatever library the search would find instead."""
@@ -98,6 +108,22 @@ ENV_VARS: dict[str, EnvVar] = {
             "Seconds a host-side wait on a layer's load may take before "
             "LayerSwapTimeoutError.",
             _positive_seconds,
+        ),
+        EnvVar(
+            "FDKV_HOST_GROW_CHUNK_MIB",
+            "0",
+            "0 (the default) pins the engine's host tier (--swap-space) before serving. N > 0 pins "
+            "it in the background, N MiB of blocks at a time, lowest block ids first, while the "
+            "server already serves from the blocks pinned so far; CPU copies only: with CUDA "
+            "copies it is refused (a 2D copy across separately registered pieces fails).",
+            _non_negative,
+        ),
+        EnvVar(
+            "FDKV_HOST_GROW_PACE_S",
+            "0",
+            "Seconds the background pinning of the host tier waits between pieces (0: none): "
+            "leaves memory bandwidth to serving, and lets tests watch the tier grow.",
+            _non_negative,
         ),
         EnvVar(
             "FDKV_MODEL_CACHE_DIR",

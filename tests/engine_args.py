@@ -25,8 +25,11 @@ def engine_args(**kwargs: Any) -> EngineArgs:
     return EngineArgs(cache=CacheConfig(**cache), **kwargs)
 
 
-# What every engine test starts from; a factory's own defaults and a test's keywords win.
-ENGINE_DEFAULTS: dict[str, Any] = dict(block_size=16, max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4)
+# What every engine test starts from; a factory's own defaults and a test's keywords win.  The
+# 1 GiB pool cap (the CPU's default) also holds on a GPU: a test process runs several engines
+# on one device, and --gpu-memory-utilization would give the first one the whole share.
+ENGINE_DEFAULTS: dict[str, Any] = dict(block_size=16, max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4,
+                                       kv_cache_memory_gib=1.0)
 
 
 def started_engines(monkeypatch: pytest.MonkeyPatch, loaded: Any, **defaults: Any) -> Iterator[Callable[..., Any]]:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from fastdeploy_kvcache.core.metadata import CopyDirection
 from fastdeploy_kvcache.engine.outputs import RequestOutput
 from fastdeploy_kvcache.engine.sampling import SamplingParams
+from fastdeploy_kvcache.worker.backends.faulty import CopyCall, FaultInjectingBackend
 
 POLICIES = ("write_through", "write_through_selective", "write_back")
 BS = 16  # the block size every workload below is laid out for
@@ -127,15 +128,16 @@ def assert_no_leak(engine: Any) -> dict[str, int]:
 
 
 class FailLoads:
-    """TransferManager fault injector: the first ``n`` host->device loads fail at ``layer``."""
+    """Fault rule (``FaultInjectingBackend.rule``): the first ``n`` host->device loads fail at
+    ``layer``."""
 
     def __init__(self, n: int, layer: int = 1) -> None:
         self.left = n
         self.layer = layer
         self.failed = 0
 
-    def __call__(self, direction: CopyDirection, layer: int, meta: Any) -> None:
-        if direction is CopyDirection.HOST_TO_DEVICE and layer == self.layer and self.left > 0:
+    def __call__(self, call: CopyCall) -> None:
+        if call.direction is CopyDirection.HOST_TO_DEVICE and call.layer == self.layer and self.left > 0:
             self.left -= 1
             self.failed += 1
             raise RuntimeError("injected load failure")
@@ -190,7 +192,7 @@ def check_failed_loads(factory: Factory, ref: dict[str, list[int]], policy: str)
     eng = factory(v1=True, write_policy=policy, write_through_threshold=1,
                   num_gpu_blocks=8, num_host_blocks=64, max_num_seqs=2)
     inject = FailLoads(2)
-    eng.pool.controller.transfer_manager.fault_injector = inject
+    eng.pool.controller.transfer_manager.wrap_backend(FaultInjectingBackend).rule = inject
     got, col = run_waves(eng)
     assert inject.failed == 2, "no load was attempted: the test does not test what it says"
     assert got == ref

@@ -158,3 +158,40 @@ def test_the_parser_sees_function_level_and_relative_imports_and_skips_type_chec
     # "from . import sibling" names the package it comes from, which is all the unit needs.
     assert found == {"typing", f"{PACKAGE}.core", f"{PACKAGE}.storage", f"{PACKAGE}.entrypoints.cli",
                      f"{PACKAGE}.envs"}
+
+
+def _module_edges() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (at any depth, TYPE_CHECKING left out).
+
+    ``from package import name`` counts as an import of ``package.name`` when that is a module.
+    """
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        targets = graph.setdefault(module, set())
+        for name, _ in _imports(tree, module, is_package):
+            if name in paths and name != module:
+                targets.add(name)
+        package = module if is_package else module.rpartition(".")[0]
+        for node in ast.walk(tree):  # the submodules named by "from package import name"
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    if sub in paths and sub != module:
+                        targets.add(sub)
+    return graph
+
+
+def test_no_import_cycle_between_the_server_modules() -> None:
+    """Within entrypoints/openai no module imports one that imports it back (at any depth):
+    shared bases live in a module of their own (``section_collector.py``)."""
+    prefix = f"{PACKAGE}.entrypoints.openai."
+    graph = {m: {d for d in deps if d.startswith(prefix)} for m, deps in _module_edges().items()
+             if m.startswith(prefix)}
+    assert _cycle(graph) is None

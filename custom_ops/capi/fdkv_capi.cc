@@ -146,6 +146,22 @@ FDKV_API int fdkv_host_free(void* ptr) {
   return Guard([&] { fdkv::HostFree(ptr); });
 }
 
+FDKV_API int fdkv_host_reserve(size_t nbytes, void** out) {
+  if (out == nullptr) return FailInvalid(fdkv::InvalidArgument("cuda_host_reserve", "out", -1, " is a null pointer"));
+  *out = nullptr;
+  return Guard([&] { *out = fdkv::HostReserve(nbytes); });
+}
+
+FDKV_API int fdkv_host_pin_ranges(void* base, const int64_t* offsets, const int64_t* lengths, int64_t n,
+                                  int threads, int device, int64_t* pinned) {
+  return Guard([&] {
+    const int64_t got = fdkv::HostPinRanges(base, offsets, lengths, n, threads, device);
+    if (pinned != nullptr) *pinned = got;
+  });
+}
+
+FDKV_API int fdkv_host_pin_threads(void) { return fdkv::HostPinThreads(); }
+
 FDKV_API int fdkv_swap_layers(const char* op, void* const* dev_ptrs, const int64_t* num_dev_blocks,
                               const int64_t* block_bytes, int64_t num_tensors, void* const* host_ptrs,
                               int64_t num_host_blocks, const int64_t* dev_ids, int64_t num_dev_ids,

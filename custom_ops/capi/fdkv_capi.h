@@ -29,13 +29,25 @@ FDKV_API void fdkv_clear_error(void);
 FDKV_API int fdkv_is_cuda(void);
 FDKV_API int fdkv_host_alloc(size_t nbytes, unsigned flags, void** out);
 FDKV_API int fdkv_host_free(void* ptr);
+// Address space for a host buffer that is pinned piece by piece (nothing resident yet);
+// fdkv_host_free releases it.  The size is recorded as fdkv_host_alloc's is.
+FDKV_API int fdkv_host_reserve(size_t nbytes, void** out);
+// Make n byte ranges [base + offsets[i], + lengths[i]) of a reserved (or allocated) buffer
+// resident and pinned, each rounded out to pages; already pinned pages are skipped.
+// threads <= 0: fdkv_host_pin_threads(); device >= 0: cudaSetDevice on the calling thread
+// first (CPU build: ignored).  *pinned (may be null): bytes newly pinned.
+FDKV_API int fdkv_host_pin_ranges(void* base, const int64_t* offsets, const int64_t* lengths, int64_t n,
+                                  int threads, int device, int64_t* pinned);
+// Threads the pinning faults pages in with by default.
+FDKV_API int fdkv_host_pin_threads(void);
 
 // ABI version: 2 added the trailing `path` argument of the swap functions; 3 the error
 // fields (fdkv_last_error_fields, fdkv_clear_error), FDKV_ERR_NO_MEMORY and
 // num_host_blocks = -1 (the size fdkv_host_alloc recorded); 4 fdkv_read_files; 5 fdkv_swap_layer_groups;
-// 6 fdkv_launch_layer_groups, the launcher and the progress state.  fastdeploy_kvcache/ops
+// 6 fdkv_launch_layer_groups, the launcher and the progress state; 7 fdkv_host_reserve,
+// fdkv_host_pin_ranges, fdkv_host_pin_threads (pinned memory is registered, not cudaHostAlloc'd).  fastdeploy_kvcache/ops
 // checks it, so a library built from older sources fails loudly instead of misbehaving.
-#define FDKV_ABI_VERSION 6
+#define FDKV_ABI_VERSION 7
 FDKV_API int fdkv_abi_version(void);
 
 // Tensor t's block dev_ids[i] <-> host_ptrs[t]'s block host_ids[i], every tensor.

@@ -7,18 +7,18 @@
 #include <chrono>
 #include <cerrno>
 #include <climits>
+#include <iterator>
 #include <map>
+#include <vector>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <unordered_set>
 
-#include <unistd.h>
-
-#if !FDKV_WITH_CUDA
 #include <sys/mman.h>
-#endif
+#include <unistd.h>
 
 namespace fdkv {
 
@@ -751,25 +751,120 @@ void SwapLayout(const char* op, const std::vector<TensorDesc>& tensors, void* ho
 // ------------------------------------------------------------------------ memory
 namespace {
 
-// Sizes of the live HostAlloc allocations, by base address (ordered, so the allocation
-// holding an interior pointer is one upper_bound away).
+constexpr size_t kPage = 4096;
+
+// One live HostAlloc / HostReserve allocation.
+struct HostRegion {
+  size_t nbytes = 0;   // the size the caller asked for (HostBytesFrom bounds ids by it)
+  size_t mapped = 0;   // bytes of the anonymous mapping (whole pages); 0: cudaHostAlloc memory
+  // Page ranges [begin, end) already made resident (and, with CUDA, registered): each is
+  // one cudaHostRegister, undone by HostFree.  Disjoint; a page is touched only once.
+  std::map<uintptr_t, uintptr_t> pinned;
+};
+
+// Live allocations by base address (ordered, so the allocation holding an interior
+// pointer is one upper_bound away).
 std::mutex g_host_mu;
-std::map<uintptr_t, size_t>& HostRegistry() {
+std::map<uintptr_t, HostRegion>& HostRegistry() {
   // NOTE: leaked on purpose: pinned buffers may be freed from static destructors of
   // other libraries after this one's statics are gone.
-  static auto* registry = new std::map<uintptr_t, size_t>();
+  static auto* registry = new std::map<uintptr_t, HostRegion>();
   return *registry;
 }
 
-#if !FDKV_WITH_CUDA
-// Bytes of the mapping behind a HostAlloc of ``nbytes`` (whole pages).
-size_t HostMappedBytes(size_t nbytes) {
-  constexpr size_t kPage = 4096;
-  return (nbytes + kPage - 1) / kPage * kPage;
+size_t PageCeil(size_t n) { return (n + kPage - 1) / kPage * kPage; }
+
+void CheckHostSize(const char* op, size_t nbytes) {
+  // NOTE: a size_t argument cannot be negative, but a negative Python int or int64 wraps
+  // to a huge one: anything above INT64_MAX is a caller's mistake, not a request.
+  if (nbytes == 0 || nbytes > static_cast<size_t>(INT64_MAX) - kPage) {
+    throw InvalidArgument(op, "nbytes", -1,
+                          " = " + std::to_string(nbytes) + " must be > 0 and <= " +
+                              std::to_string(static_cast<size_t>(INT64_MAX) - kPage));
+  }
 }
+
+// Address space for nbytes of zero pages, none resident yet (so reserving is instant).
+void* MapAnonymous(size_t nbytes) {
+  void* p = mmap(nullptr, PageCeil(nbytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  return p;
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux >= 5.14; older kernels answer EINVAL (then we touch)
+#endif
+
+// Make the pages of [begin, end) resident, split over `threads` threads.  Each thread asks
+// the kernel to fault its share in (MADV_POPULATE_WRITE: no user-space fault per page), or
+// writes one zero byte per page where the kernel cannot.  NOTE: the pages are fresh zero
+// pages no block lives in yet (the caller's bookkeeping guarantees it), so the zero write
+// changes nothing.  Why threads: one thread faults ~1.5-3 GiB/s (the kernel zeroes each
+// page); page faults of disjoint ranges run in parallel.
+void TouchPages(uintptr_t begin, uintptr_t end, int threads) {
+  if (end <= begin) return;
+  if (threads <= 0) threads = HostPinThreads();
+  const size_t pages = (end - begin) / kPage;
+  const size_t n = std::max<size_t>(1, std::min<size_t>(static_cast<size_t>(std::max(threads, 1)), pages));
+  auto work = [](uintptr_t b, uintptr_t e) {
+    if (e <= b) return;
+    if (madvise(reinterpret_cast<void*>(b), e - b, MADV_POPULATE_WRITE) == 0) return;
+    for (uintptr_t a = b; a < e; a += kPage) *reinterpret_cast<volatile char*>(a) = 0;
+  };
+  if (n == 1) {
+    work(begin, end);
+    return;
+  }
+  const size_t per = (pages + n - 1) / n * kPage;
+  std::vector<std::thread> pool;
+  pool.reserve(n - 1);
+  for (size_t t = 1; t < n; ++t) {
+    const uintptr_t b = begin + t * per;
+    pool.emplace_back(work, std::min(b, end), std::min(b + per, end));
+  }
+  work(begin, std::min(begin + per, end));
+  for (auto& th : pool) th.join();
+}
+
+// Page ranges of [begin, end) (rounded out to pages) that `pinned` does not cover yet.
+void AddUncovered(const std::map<uintptr_t, uintptr_t>& pinned, uintptr_t begin, uintptr_t end,
+                  std::vector<std::pair<uintptr_t, uintptr_t>>* out) {
+  begin = begin / kPage * kPage;
+  end = PageCeil(end);
+  auto it = pinned.upper_bound(begin);
+  if (it != pinned.begin()) {
+    auto prev = std::prev(it);
+    if (prev->second > begin) begin = prev->second;
+  }
+  while (begin < end) {
+    if (it != pinned.end() && it->first < end) {
+      if (it->first > begin) out->emplace_back(begin, it->first);
+      begin = std::max(begin, it->second);
+      ++it;
+    } else {
+      out->emplace_back(begin, end);
+      break;
+    }
+  }
+}
+
+#if FDKV_WITH_CUDA
+// cudaHostAlloc's flags as cudaHostRegister's: portable and mapped as cudaHostAlloc's memory
+// is with unified addressing (the copy kernel reads host blocks through their host address).
+unsigned RegisterFlags(unsigned alloc_flags) {
+  (void)alloc_flags;
+  return cudaHostRegisterPortable | cudaHostRegisterMapped;
+}
+constexpr unsigned kWriteCombined = 4;  // cudaHostAllocWriteCombined: no register twin
 #endif
 
 }  // namespace
+
+int HostPinThreads() {
+  const unsigned hw = std::thread::hardware_concurrency();
+  return static_cast<int>(std::max(1u, std::min(hw == 0 ? 1u : hw, 16u)));
+}
 
 int64_t HostBytesFrom(const void* p) {
   const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
@@ -778,42 +873,117 @@ int64_t HostBytesFrom(const void* p) {
   auto it = reg.upper_bound(addr);
   if (it == reg.begin()) return -1;
   --it;
-  if (addr - it->first >= it->second) return -1;
-  return static_cast<int64_t>(it->second - (addr - it->first));
+  if (addr - it->first >= it->second.nbytes) return -1;
+  return static_cast<int64_t>(it->second.nbytes - (addr - it->first));
 }
 
-void* HostAlloc(size_t nbytes, unsigned flags) {
-  constexpr size_t kAlign = 4096;
-  // NOTE: a size_t argument cannot be negative, but a negative Python int or int64 wraps
-  // to a huge one: anything above INT64_MAX is a caller's mistake, not a request.
-  if (nbytes == 0 || nbytes > static_cast<size_t>(INT64_MAX) - kAlign) {
-    throw InvalidArgument("cuda_host_alloc", "nbytes", -1,
-                          " = " + std::to_string(nbytes) + " must be > 0 and <= " +
-                              std::to_string(static_cast<size_t>(INT64_MAX) - kAlign));
-  }
-#if FDKV_WITH_CUDA
-  void* p = nullptr;
-  CudaHostAlloc(&p, nbytes, flags);
-#else
-  (void)flags;
-  // NOTE: cudaHostAlloc hands back resident (pinned) pages; malloc hands back pages that
-  // fault on first touch, and on the CI VM a first write of 8 MiB into fresh host blocks
-  // cost a storage prefetch ~6 ms of page faults (against 1.5 ms for the copy).  So the
-  // pages are made resident now, by the kernel in one go (MAP_POPULATE: 0.5 s per GiB on
-  // that VM, against 0.75 s for touching them from user space).
-  void* p = mmap(nullptr, HostMappedBytes(nbytes), PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-  if (p == MAP_FAILED) throw std::bad_alloc();
-#endif
+void* HostReserve(size_t nbytes) {
+  CheckHostSize("cuda_host_reserve", nbytes);
+  void* p = MapAnonymous(nbytes);
+  HostRegion region;
+  region.nbytes = nbytes;
+  region.mapped = PageCeil(nbytes);
   std::lock_guard<std::mutex> lock(g_host_mu);
-  HostRegistry()[reinterpret_cast<uintptr_t>(p)] = nbytes;
+  HostRegistry()[reinterpret_cast<uintptr_t>(p)] = std::move(region);
   return p;
 }
 
+int64_t HostPinRanges(void* base, const int64_t* offsets, const int64_t* lengths, int64_t n, int threads,
+                      int device) {
+  const char* op = "cuda_host_pin";
+  if (n < 0) throw InvalidArgument(op, "n", -1, " = " + std::to_string(n) + " must be >= 0");
+  if (n > 0 && (offsets == nullptr || lengths == nullptr)) throw InvalidArgument(op, "offsets", -1, " is a null pointer");
+  const uintptr_t b = reinterpret_cast<uintptr_t>(base);
+  std::vector<std::pair<uintptr_t, uintptr_t>> todo;
+  {
+    std::lock_guard<std::mutex> lock(g_host_mu);
+    auto& reg = HostRegistry();
+    auto it = reg.find(b);
+    if (it == reg.end() || it->second.mapped == 0) {
+      throw InvalidArgument(op, "base", -1,
+                            " = " + std::to_string(b) + " is not a live allocation of cuda_host_reserve / cuda_host_alloc");
+    }
+    const HostRegion& region = it->second;
+    std::vector<std::pair<uintptr_t, uintptr_t>> want;
+    for (int64_t i = 0; i < n; ++i) {
+      if (offsets[i] < 0 || lengths[i] < 0 || static_cast<uint64_t>(offsets[i]) > region.nbytes ||
+          static_cast<uint64_t>(lengths[i]) > region.nbytes - static_cast<uint64_t>(offsets[i])) {
+        throw InvalidArgument(op, "offsets", i,
+                              ": [" + std::to_string(offsets[i]) + ", +" + std::to_string(lengths[i]) +
+                                  ") is not inside the allocation's " + std::to_string(region.nbytes) + " bytes");
+      }
+      if (lengths[i] > 0) want.emplace_back(b + offsets[i], b + offsets[i] + lengths[i]);
+    }
+    std::sort(want.begin(), want.end());
+    std::vector<std::pair<uintptr_t, uintptr_t>> merged;
+    for (const auto& r : want) {  // page-rounded and merged, so no page is listed twice
+      const uintptr_t lo = r.first / kPage * kPage, hi = PageCeil(r.second);
+      if (!merged.empty() && lo <= merged.back().second) merged.back().second = std::max(merged.back().second, hi);
+      else merged.emplace_back(lo, hi);
+    }
+    for (const auto& r : merged) AddUncovered(region.pinned, r.first, r.second, &todo);
+  }
+  // NOTE: touching and registering run without the registry lock (seconds per GiB at
+  // worst): a HostFree of this allocation meanwhile is the caller's bug, as any free of
+  // memory still in use.
+  int64_t done = 0;
+#if FDKV_WITH_CUDA
+  if (device >= 0 && !todo.empty()) CudaSetDevice(device);
+#else
+  (void)device;
+#endif
+  for (const auto& r : todo) {
+    TouchPages(r.first, r.second, threads);
+#if FDKV_WITH_CUDA
+    CudaHostRegister(reinterpret_cast<void*>(r.first), r.second - r.first, RegisterFlags(0));
+#endif
+    std::lock_guard<std::mutex> lock(g_host_mu);
+    auto it = HostRegistry().find(b);
+    if (it != HostRegistry().end()) it->second.pinned[r.first] = r.second;
+    done += static_cast<int64_t>(r.second - r.first);
+  }
+  return done;
+}
+
+void* HostAlloc(size_t nbytes, unsigned flags, int threads) {
+  CheckHostSize("cuda_host_alloc", nbytes);
+#if FDKV_WITH_CUDA
+  if (flags & kWriteCombined) {
+    void* p = nullptr;
+    CudaHostAlloc(&p, nbytes, flags);
+    HostRegion region;
+    region.nbytes = nbytes;
+    std::lock_guard<std::mutex> lock(g_host_mu);
+    HostRegistry()[reinterpret_cast<uintptr_t>(p)] = std::move(region);
+    return p;
+  }
+#else
+  (void)flags;
+#endif
+  // NOTE: not cudaHostAlloc: it faults and pins page by page on one thread (8 GiB in 5.7 s
+  // on an H200 host).  Mapping anonymous pages, faulting them in from several threads and
+  // registering the resident range once is the same pinned, mapped memory for a fraction
+  // of that (the register itself: 0.31 s per 8 GiB there).  Without CUDA the pages are
+  // made resident all the same: malloc'd pages fault on first touch, and on the CI VM a
+  // first write of 8 MiB into fresh host blocks cost a storage prefetch ~6 ms of page
+  // faults (against 1.5 ms for the copy).  Anonymous pages read as zero either way.
+  void* p = HostReserve(nbytes);
+  try {
+    const int64_t off = 0, len = static_cast<int64_t>(nbytes);
+    HostPinRanges(p, &off, &len, 1, threads, -1);
+  } catch (...) {
+    HostFree(p);
+    throw;
+  }
+  return p;
+}
+
+void* HostAlloc(size_t nbytes, unsigned flags) { return HostAlloc(nbytes, flags, 0); }
+
 namespace {
 
-// Drop ``ptr`` from the registry; returns the size HostAlloc recorded for it.
-size_t UnregisterHost(void* ptr) {
+// Drop ``ptr`` from the registry; returns what HostAlloc / HostReserve recorded for it.
+HostRegion UnregisterHost(void* ptr) {
   std::lock_guard<std::mutex> lock(g_host_mu);
   auto& reg = HostRegistry();
   auto it = reg.find(reinterpret_cast<uintptr_t>(ptr));
@@ -822,21 +992,35 @@ size_t UnregisterHost(void* ptr) {
                           " = " + std::to_string(reinterpret_cast<uintptr_t>(ptr)) +
                               " is not a live allocation of this library's cuda_host_alloc (freed twice?)");
   }
-  const size_t nbytes = it->second;
+  HostRegion region = std::move(it->second);
   reg.erase(it);
-  return nbytes;
+  return region;
 }
 
 }  // namespace
 
 void HostFree(void* ptr) {
   if (ptr == nullptr) return;
+  const HostRegion region = UnregisterHost(ptr);
 #if FDKV_WITH_CUDA
-  UnregisterHost(ptr);
-  CudaHostFree(ptr);
+  if (region.mapped == 0) {
+    CudaHostFree(ptr);
+    return;
+  }
+  // Every range is unregistered and the mapping goes even if one unregister fails (the
+  // pages are unreachable either way); the first failure is reported after.
+  std::exception_ptr first;
+  for (const auto& r : region.pinned) {
+    try {
+      CudaHostUnregister(reinterpret_cast<void*>(r.first));
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  munmap(ptr, region.mapped);
+  if (first) std::rethrow_exception(first);
 #else
-  const size_t nbytes = UnregisterHost(ptr);
-  munmap(ptr, HostMappedBytes(nbytes));
+  munmap(ptr, region.mapped);
 #endif
 }
 

@@ -344,10 +344,24 @@ void ReadObjects(const char* path_blob, int64_t blob_bytes, int64_t n, void* con
 // (stat: a symlink to one counts, a directory does not).
 int64_t FilesExist(const char* path_blob, int64_t blob_bytes, int64_t n);
 
-// Pinned host memory: cudaHostAlloc with CUDA, else resident pages from mmap.  Every
-// allocation's size is recorded (HostBytesFrom) so swaps can bound host ids; HostFree
-// rejects a pointer it did not hand out (a double free is an error, not heap corruption).
+// Pinned host memory: anonymous pages faulted in by `threads` threads (<= 0: HostPinThreads)
+// and, with CUDA, registered (cudaHostRegister) as one range; cudaHostAlloc only for
+// write-combined memory.  Without CUDA, resident pages from mmap.  Every allocation's size
+// is recorded (HostBytesFrom) so swaps can bound host ids; HostFree rejects a pointer it
+// did not hand out (a double free is an error, not heap corruption).  Pages read as zero.
 void* HostAlloc(size_t nbytes, unsigned flags);
+void* HostAlloc(size_t nbytes, unsigned flags, int threads);
+// Address space for nbytes (zero pages, none resident, nothing pinned): HostPinRanges pins
+// parts of it while the rest waits, so one base pointer addresses a buffer pinned piecewise.
+void* HostReserve(size_t nbytes);
+// Make [base + offsets[i], + lengths[i]) resident and (CUDA) registered, each range rounded
+// out to whole pages; pages pinned by an earlier call are skipped (never touched twice, so
+// a page that already holds data is left alone).  `device` >= 0: the calling thread's CUDA
+// device first.  Returns the bytes newly pinned.  HostFree unregisters every range.
+int64_t HostPinRanges(void* base, const int64_t* offsets, const int64_t* lengths, int64_t n, int threads,
+                      int device);
+// Threads HostAlloc faults pages in with by default: the hardware threads, at most 16.
+int HostPinThreads();
 void HostFree(void* ptr);
 // Bytes from `p` to the end of the HostAlloc allocation holding it; -1 if none holds it.
 int64_t HostBytesFrom(const void* p);
@@ -447,6 +461,8 @@ int ExecuteCuda(const std::vector<LaneDesc>& lanes, const int64_t* src_ids,
                 const int64_t* dst_ids, int64_t n, bool mergeable, int mode, const ExecTarget& target);
 void CudaHostAlloc(void** ptr, size_t nbytes, unsigned flags);
 void CudaHostFree(void* ptr);
+void CudaHostRegister(void* ptr, size_t nbytes, unsigned flags);
+void CudaHostUnregister(void* ptr);
 void CudaStreamSynchronize(void* stream);
 void CudaEventRecord(void* event, void* stream);
 // Whether the event's work has completed (cudaEventQuery); an error also reads as done, so a

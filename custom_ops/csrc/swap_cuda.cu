@@ -945,6 +945,12 @@ void CudaHostAlloc(void** ptr, size_t nbytes, unsigned flags) {
 
 void CudaHostFree(void* ptr) { FDKV_CUDA_CHECK(cudaFreeHost(ptr)); }
 
+void CudaHostRegister(void* ptr, size_t nbytes, unsigned flags) {
+  FDKV_CUDA_CHECK(cudaHostRegister(ptr, nbytes, flags));
+}
+
+void CudaHostUnregister(void* ptr) { FDKV_CUDA_CHECK(cudaHostUnregister(ptr)); }
+
 void CudaStreamSynchronize(void* stream) {
   FDKV_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
 }

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Iterable
+from typing import Iterable, Optional
 
 from fastdeploy_kvcache.core.metadata import CacheLevel
 
@@ -65,12 +65,24 @@ class BlockPool:
 
     The pool knows only whether an id is free.  Who owns an allocated id (a running
     request, a cached tree node, an in-flight copy) is the cache manager's business.
+
+    ``num_ready`` (default: all): only ids below it exist yet.  A host tier whose memory is
+    still being pinned starts with the ids that landed and gains the rest through
+    :meth:`extend_ready`, in ascending order; an id at or above ``num_ready`` is neither free
+    nor allocated, so nothing can be handed out before its memory is there.  Every count
+    (``num_free``, ``num_used``, free + owned + cached) is over the ready ids.
     """
 
-    def __init__(self, num_blocks: int, level: CacheLevel = CacheLevel.DEVICE) -> None:
+    def __init__(self, num_blocks: int, level: CacheLevel = CacheLevel.DEVICE,
+                 num_ready: Optional[int] = None) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        if num_ready is None:
+            num_ready = num_blocks
+        if not isinstance(num_ready, int) or isinstance(num_ready, bool) or not 0 <= num_ready <= num_blocks:
+            raise ValueError(f"num_ready must be an int in [0, {num_blocks}], got {num_ready!r}")
         self.num_blocks = num_blocks
+        self.num_ready = num_ready
         self.level = level
         self._masks: list[int] = []
         self._heap: list[int] = []  # bucket indices with at least one free id
@@ -82,18 +94,49 @@ class BlockPool:
         self.reset()
 
     def reset(self) -> None:
-        """Mark every id free."""
+        """Mark every ready id free."""
         nb = (self.num_blocks + _BUCKET - 1) >> _BUCKET_BITS
+        ready = self.num_ready
         full = (1 << _BUCKET) - 1
-        self._masks = [full] * nb
-        if nb and self.num_blocks & _BUCKET_MASK:
-            self._masks[-1] = (1 << (self.num_blocks & _BUCKET_MASK)) - 1
-        self._heap = list(range(nb))  # already a heap (sorted)
-        self._in_heap = [True] * nb
+        whole = ready >> _BUCKET_BITS  # buckets wholly ready
+        self._masks = [full] * whole + [0] * (nb - whole)
+        if ready & _BUCKET_MASK:
+            self._masks[whole] = (1 << (ready & _BUCKET_MASK)) - 1
+        live = whole + (1 if ready & _BUCKET_MASK else 0)
+        self._heap = list(range(live))  # already a heap (sorted)
+        self._in_heap = [True] * live + [False] * (nb - live)
         self._full_masks = list(self._masks)
-        self._full_heap = list(range(nb))
-        self._in_full = [True] * nb
-        self._num_free = self.num_blocks
+        self._full_heap = list(range(live))
+        self._in_full = [True] * live + [False] * (nb - live)
+        self._num_free = ready
+
+    def extend_ready(self, num_ready: int) -> int:
+        """Ids ``[self.num_ready, num_ready)`` have landed: they join the free set.
+
+        Returns how many joined (0 when ``num_ready`` is not above the current count: ids
+        never leave).  O(new ids / 64 + log buckets).
+        """
+        if not isinstance(num_ready, int) or isinstance(num_ready, bool) or num_ready > self.num_blocks:
+            raise ValueError(f"num_ready must be an int <= {self.num_blocks}, got {num_ready!r}")
+        lo, hi = self.num_ready, num_ready
+        if hi <= lo:
+            return 0
+        masks, full_masks = self._masks, self._full_masks
+        for b in range(lo >> _BUCKET_BITS, ((hi - 1) >> _BUCKET_BITS) + 1):
+            first = max(lo, b << _BUCKET_BITS) & _BUCKET_MASK
+            last = min(hi, (b + 1) << _BUCKET_BITS) - (b << _BUCKET_BITS)  # exclusive, 1..64
+            bits = ((1 << (last - first)) - 1) << first
+            masks[b] |= bits
+            full_masks[b] |= bits
+            if not self._in_heap[b]:
+                heapq.heappush(self._heap, b)
+                self._in_heap[b] = True
+            if masks[b] == full_masks[b] and not self._in_full[b]:
+                heapq.heappush(self._full_heap, b)
+                self._in_full[b] = True
+        self.num_ready = hi
+        self._num_free += hi - lo
+        return hi - lo
 
     # ------------------------------------------------------------------ queries
     @property
@@ -102,14 +145,14 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - self._num_free
+        return self.num_ready - self._num_free
 
     def is_free(self, block_id: int) -> bool:
         self._check_range(block_id)
         return bool(self._masks[block_id >> _BUCKET_BITS] >> (block_id & _BUCKET_MASK) & 1)
 
     def usage(self) -> float:
-        return self.num_used / self.num_blocks if self.num_blocks else 0.0
+        return self.num_used / self.num_ready if self.num_ready else 0.0
 
     # ------------------------------------------------------------------ allocate / free
     def allocate(self, n: int, contiguous: bool = False, longest_runs: bool = False) -> list[int]:
@@ -270,6 +313,8 @@ class BlockPool:
         seen: set[int] = set()
         for bid in ids:
             self._check_range(bid)
+            if bid >= self.num_ready:
+                raise BlockPoolError(f"{self.level.name} block {bid} has not landed (ids below {self.num_ready} have)")
             if masks[bid >> _BUCKET_BITS] >> (bid & _BUCKET_MASK) & 1 or bid in seen:
                 raise BlockPoolError(f"{self.level.name} block {bid} freed twice (it is already free)")
             seen.add(bid)

@@ -54,6 +54,7 @@ from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.core.stats import CacheStats
 from fastdeploy_kvcache.core.storage_tier import StorageTier
+from fastdeploy_kvcache.core.tier_port import StoragePort
 from fastdeploy_kvcache.core.write_policy import make_write_policy
 
 logger = logging.getLogger(__name__)
@@ -78,9 +79,12 @@ class CacheManager:
       two tiers are (mostly) exclusive.
     """
 
-    def __init__(self, config: CacheConfig, storage: Optional[StorageTier] = None) -> None:
+    def __init__(self, config: CacheConfig, storage: Optional[StorageTier] = None,
+                 host_blocks_ready: Optional[int] = None) -> None:
         """``storage``: the storage tier below the host tier, if any (it needs host blocks to
-        stage through); the manager builds a pinnable host pool for it and binds it."""
+        stage through); the manager builds a pinnable host pool for it and binds it.
+        ``host_blocks_ready``: host blocks whose memory is there now (default: all); the rest
+        join through :meth:`add_landed_host_blocks` as the worker pins them."""
         if not isinstance(config, CacheConfig):
             raise CacheManagerError(f"CacheManager needs a CacheConfig, got {type(config).__name__}")
         config.validate()  # fields may have been changed after construction
@@ -97,12 +101,12 @@ class CacheManager:
         self.device_pool = BlockPool(config.num_gpu_blocks, DEV)
         self.storage: Optional[StorageTier] = storage
         if storage is None:
-            self.host_pool = BlockPool(config.host_block_count, HOST)
+            self.host_pool = BlockPool(config.host_block_count, HOST, host_blocks_ready)
         else:
             if not isinstance(storage, StorageTier):
                 raise CacheManagerError(f"CacheManager's storage must be a StorageTier, got {type(storage).__name__}")
             # Pinned host blocks (a put still reading them) are not handed out again.
-            self.host_pool = PinnableBlockPool(config.host_block_count, HOST)
+            self.host_pool = PinnableBlockPool(config.host_block_count, HOST, host_blocks_ready)
         self.policy = make_write_policy(config.write_policy, config.write_through_threshold)
         self.tree = RadixTree()
         self.stats = CacheStats()
@@ -111,7 +115,7 @@ class CacheManager:
         tree, dev, host, policy, stats, inflight = (self.tree, self.device_pool, self.host_pool, self.policy,
                                                     self.stats, self.inflight)
         self.evictor = Evictor(tree=tree, device_pool=dev, host_pool=host, policy=policy, stats=stats,
-                               inflight=inflight, storage=storage)
+                               inflight=inflight)
         self.copies = CopyTracker(tree=tree, host_pool=host, policy=policy, stats=stats, inflight=inflight,
                                   evictor=self.evictor)
         self.allocator = Allocator(tree=tree, device_pool=dev, block_size=self.block_size, stats=stats,
@@ -120,8 +124,13 @@ class CacheManager:
                                           enable_prefix_caching=self.enable_prefix_caching, config=config,
                                           policy=policy, stats=stats, inflight=inflight, allocator=self.allocator,
                                           evictor=self.evictor, copies=self.copies)
+        # The storage tier reaches the tree and the host pool only through this port.
+        self.storage_port: Optional[StoragePort] = None
         if storage is not None:
-            storage.bind(self, self.host_pool)
+            assert isinstance(self.host_pool, PinnableBlockPool)
+            self.storage_port = StoragePort(tree, self.host_pool, self.evictor, policy, self.block_size,
+                                            self.enable_prefix_caching)
+            storage.bind(self.storage_port)
         logger.info(
             "CacheManager: %d device blocks, %d host blocks, block_size=%d, policy=%s",
             self.device_pool.num_blocks,
@@ -339,6 +348,21 @@ class CacheManager:
         self.stats.cached_device = 0
         logger.info("cache reset: %d nodes dropped, %d copies still in flight", len(nodes), len(self.inflight))
 
+    def add_landed_host_blocks(self, num_ready: int) -> int:
+        """Host blocks ``[0, num_ready)`` have memory now: the new ones join the host pool's
+        free list.  Returns how many joined.
+
+        The worker pins a large host tier in the background (``CacheController``,
+        ``host_blocks_ready``) and the engine relays its count here: until then the pool
+        holds only the landed ids, so no eviction, backup or storage fetch is ever given a
+        host block whose memory is not there.  Counts only grow; a smaller one is a no-op.
+        """
+        added = self.host_pool.extend_ready(num_ready)
+        if added:
+            logger.debug("host pool: %d blocks landed, %d of %d ready", added, self.host_pool.num_ready,
+                         self.host_pool.num_blocks)
+        return added
+
     def get_stats(self) -> dict[str, Any]:
         """Counters since construction, plus current pool occupancy."""
         s = self.stats.as_dict(self.bytes_per_block)
@@ -352,6 +376,7 @@ class CacheManager:
             device_blocks_owned=dev_total - dev_free - dev_cached,
             device_usage=self.device_pool.usage(),
             host_blocks_total=self.host_pool.num_blocks,
+            host_blocks_ready=self.host_pool.num_ready,
             host_blocks_free=self.host_pool.num_free,
             host_usage=self.host_pool.usage(),
             num_running_requests=len(self.allocator.requests),

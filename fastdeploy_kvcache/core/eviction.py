@@ -26,7 +26,7 @@ from fastdeploy_kvcache.core.stats import CacheStats
 from fastdeploy_kvcache.core.write_policy import WritePolicy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fastdeploy_kvcache.core.storage_tier import StorageTier
+    from fastdeploy_kvcache.core.tier_port import HostEvictionListener
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,9 @@ class Evictor:
 
     It owns the detached nodes (cut out of the tree, still holding blocks) and the
     write_back evictions not handed to a batch yet: those made by the current allocation
-    call, and those pending for the next step.  It calls no other part.
+    call, and those pending for the next step.  It calls no other part; a storage tier
+    learns of host evictions through the listener it registered
+    (``tier_port.HostEvictionListener``), which the evictor knows only by that protocol.
     """
 
     tree: RadixTree
@@ -47,13 +49,18 @@ class Evictor:
     policy: WritePolicy
     stats: CacheStats
     inflight: InFlightCopies
-    storage: Optional["StorageTier"]
+    # Told of each host copy before it is dropped (the storage tier, through its port).
+    _host_evict_listener: Optional["HostEvictionListener"] = field(default=None, init=False, repr=False)
     # Nodes cut out of the tree that still hold blocks (a copy in flight, or refs).
     _detached: set[BlockNode] = field(default_factory=set, init=False, repr=False)
     # Device -> host evictions not yet handed to a request or batch.
     _pending_evictions: list[CacheSwapMetadata] = field(default_factory=list, init=False, repr=False)
     # Evictions made during the current allocation call: (device, host, hash, node).
     _call_evictions: list[tuple[int, int, int, BlockNode]] = field(default_factory=list, init=False, repr=False)
+
+    def set_host_evict_listener(self, listener: Optional["HostEvictionListener"]) -> None:
+        """Tell ``listener`` of each host copy before it is dropped (one listener; None: none)."""
+        self._host_evict_listener = listener
 
     @property
     def detached(self) -> frozenset[BlockNode]:
@@ -235,8 +242,8 @@ class Evictor:
             victim = self.tree.host_heap.pop()
             if victim is None:
                 return None
-            if self.storage is not None:
-                self.storage.on_host_evict(victim)  # write_back: store it before it goes
+            if self._host_evict_listener is not None:
+                self._host_evict_listener.on_host_evict(victim)  # write_back: store it before it goes
             h = self.tree.clear_host(victim)
             pool.free_one(h)
             self.stats.host_evictions += 1
@@ -259,8 +266,8 @@ class Evictor:
             if victim in keep:
                 aside.append(victim)
                 continue
-            if self.storage is not None:
-                self.storage.on_host_evict(victim)  # write_back: store it before it goes
+            if self._host_evict_listener is not None:
+                self._host_evict_listener.on_host_evict(victim)  # write_back: store it before it goes
             pool.free_one(self.tree.clear_host(victim))
             self.stats.host_evictions += 1
             if victim.device_block_id is None:

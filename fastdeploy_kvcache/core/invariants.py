@@ -30,7 +30,8 @@ def check_invariants(mgr: 'CacheManager') -> dict[str, int]:
 
     Raises InvariantViolation naming the first violation; returns per-pool counts.
     """
-    dev_total, host_total = (mgr.device_pool.num_blocks, mgr.host_pool.num_blocks)
+    # A host tier still being pinned counts only its landed blocks (BlockPool.num_ready).
+    dev_total, host_total = (mgr.device_pool.num_blocks, mgr.host_pool.num_ready)
     dev_claims: dict[int, str] = {}
     host_claims: dict[int, str] = {}
 
@@ -150,6 +151,9 @@ def check_invariants(mgr: 'CacheManager') -> dict[str, int]:
     host_free = set(mgr.host_pool.free_ids())
     if dev_free & dev_claims.keys():
         raise InvariantViolation(f'free device blocks also in use: {sorted(dev_free & dev_claims.keys())}')
+    unlanded = [b for b in host_claims if b >= host_total]
+    if unlanded:
+        raise InvariantViolation(f'host blocks in use before their memory landed (ready: {host_total}): {sorted(unlanded)[:8]}')
     if host_free & host_claims.keys():
         raise InvariantViolation(f'free host blocks also in use: {sorted(host_free & host_claims.keys())}')
     if len(dev_free) + dev_owned + dev_cached != dev_total:

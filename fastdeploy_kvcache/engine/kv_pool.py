@@ -94,11 +94,27 @@ class ManagedKVPool(KVPool):
     def __init__(self, config: CacheConfig, backend: str = "paddle") -> None:
         from fastdeploy_kvcache.core.cache_manager import CacheManager
 
+        from fastdeploy_kvcache import envs
+
         super().__init__(config, backend)
         self.num_host_blocks = config.host_block_count
         if self.num_host_blocks > 0:
-            self.controller.initialize_host_cache(self.num_host_blocks)
-        self.manager = CacheManager(config, storage=self._make_storage_tier())
+            # Pinned in the background (FDKV_HOST_GROW_CHUNK_MIB): the manager starts with the
+            # blocks that landed, and each step hands it the ones landed since (below).
+            self.controller.initialize_host_cache(
+                self.num_host_blocks,
+                grow_chunk_bytes=int(float(envs.get("FDKV_HOST_GROW_CHUNK_MIB")) * (1 << 20)),
+                grow_pace_s=float(envs.get("FDKV_HOST_GROW_PACE_S")))
+        self._host_ready = self.controller.host_blocks_ready
+        self.manager = CacheManager(config, storage=self._make_storage_tier(), host_blocks_ready=self._host_ready)
+
+    def _admit_landed_host_blocks(self) -> None:
+        """Hand the manager the host blocks the worker pinned since the last call (one int
+        compare while nothing landed)."""
+        ready = self.controller.host_blocks_ready
+        if ready != self._host_ready:
+            self._host_ready = ready
+            self.manager.add_landed_host_blocks(ready)
 
     def _make_storage_tier(self) -> Optional[Any]:
         """The storage tier the manager is built with (None here; ``StorageKVPool`` makes one
@@ -127,6 +143,7 @@ class ManagedKVPool(KVPool):
         return self.manager.is_running(request.request_id)
 
     def begin_step(self, requests: list[Request]) -> tuple[BatchRequest, Optional[Any]]:
+        self._admit_landed_host_blocks()
         batch = BatchRequest(requests)
         batch.append_evict_metadata(self.manager.issue_pending_backup_to_batch_request())
         counter = self.controller.submit_swap_tasks(batch.cache_evict_metadata, batch.cache_swap_metadata)
@@ -147,6 +164,7 @@ class ManagedKVPool(KVPool):
 
     def complete_finished(self, wait: bool = False) -> set[str]:
         affected: set[str] = set()
+        self._admit_landed_host_blocks()
         self._flush_idle_backups()
         for meta in self.controller.collect_finished(wait=wait):
             affected.update(self.manager.complete_swap(meta))
@@ -164,6 +182,9 @@ class ManagedKVPool(KVPool):
             "transfer": {k: v for k, v in t.items() if k in ("d2h", "h2d", "in_flight")},
             "failed_loads": int(t.get("h2d", {}).get("failed", 0)),
             "failed_blocks": int(m.get("failed_blocks", 0)),
+            # The worker's count: the manager takes landed blocks at its next step (an idle
+            # engine's cache stats lag behind it).
+            "host_blocks_pinned": self.controller.host_blocks_ready,
         }
 
     def check_invariants(self) -> dict[str, int]:

@@ -38,7 +38,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -53,14 +53,15 @@ from fastdeploy_kvcache.engine.kv_pool import KVPool, ManagedKVPool, PlainKVPool
 from fastdeploy_kvcache.engine.model_loader import LoadedModel, load_model
 from fastdeploy_kvcache.engine.model_runner import ModelRunner, ScheduledSeq
 from fastdeploy_kvcache.engine.outputs import RequestOutput
+from fastdeploy_kvcache.engine.request_checks import RequestRejected, check_fits_device_pool, check_prompt
 from fastdeploy_kvcache.engine.request_timing import RecentTimings, request_timing
-from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams
+from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams, StepSampling
 from fastdeploy_kvcache.engine.step_timing import StepTimes
 from fastdeploy_kvcache.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "RequestOutput", "SamplingParams", "EngineArgs"]
+__all__ = ["LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams", "EngineArgs"]
 
 OutputCallback = Callable[[RequestOutput], None]
 
@@ -147,14 +148,24 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         built_in = args.model in ("smollm2-135m-instruct", "tiny-llama-random")
         self.model_name = args.model if built_in else self.loaded.name
-        if built_in and args.model_cache_dir and loaded_model is None:
+        if args.model_cache_dir and loaded_model is None:
             self._publish_tokenizer(args.model_cache_dir)
-        self.max_model_len = min(args.max_model_len, self.loaded.max_position_embeddings)
-        if args.max_model_len > self.loaded.max_position_embeddings:
-            logger.warning("max_model_len %d exceeds the model's %d positions; using %d",
-                           args.max_model_len, self.loaded.max_position_embeddings, self.max_model_len)
+        if args.gpu_memory_utilization is not None and self.device != "gpu":
+            logger.info("--gpu-memory-utilization %g: not used on the CPU (the device pool is capped at "
+                        "--kv-cache-memory-gib)", args.gpu_memory_utilization)
+        # The device's defaults; a max_model_len past the model's positions is a ValueError.
+        args = self.args = args.resolved(self.device, self.loaded.max_position_embeddings)
+        self.max_model_len: int = args.max_model_len
         self.use_v1 = envs.enable_v1_kvcache_manager()
-        self.cache_config = self._make_cache_config()
+        # The runner comes before the pool: on a GPU it runs the step that sizes the pool.
+        self.cache_config = self._model_cache_config()
+        if args.model_impl == "transformers":
+            fused = args.fused_layers == "on" or (args.fused_layers == "auto" and self.device == "gpu")
+            self.runner: Any = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size, self.device,
+                                                             fused_layers=fused)
+        else:
+            self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
+        self.cache_config.num_gpu_blocks = self._device_pool_blocks()
         storage = getattr(args, "storage", None)
         if self.use_v1 and storage is not None and storage.enabled:
             from fastdeploy_kvcache.engine.storage_pool import StorageKVPool, model_fingerprint
@@ -173,13 +184,9 @@ class LLMEngine:
                 args.cache.swap_space, args.cache.write_policy, args.cache.write_through_threshold,
                 args.cache.enable_prefix_caching, args.cache.enable_output_caching,
             )
-        if args.model_impl == "transformers":
-            self.runner: Any = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size, self.device)
-            if args.use_cudagraph:
-                # Once the pool exists (the graphs hold its caches' addresses), before serving.
-                self.runner.enable_decode_graphs(self.pool.layer_caches, args.max_num_seqs, self.max_model_len)
-        else:
-            self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
+        if args.model_impl == "transformers" and args.use_cudagraph:
+            # Once the pool exists (the graphs hold its caches' addresses), before serving.
+            self.runner.enable_decode_graphs(self.pool.layer_caches, args.max_num_seqs, self.max_model_len)
         # PD disaggregation (--splitwise-role prefill|decode): engine/pd.py; None when mixed.
         from fastdeploy_kvcache.engine.pd import make_pd_coordinator
 
@@ -230,30 +237,52 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ setup
-    def _make_cache_config(self) -> CacheConfig:
-        """``args.cache`` with the model's shape and dtype filled in, and the device pool sized:
-        the one CacheConfig the pool, manager and runner read."""
+    def _model_cache_config(self) -> CacheConfig:
+        """``args.cache`` with the model's shape and dtype filled in: the one CacheConfig the
+        pool, manager and runner read (its device block count is set next)."""
         a, lm = self.args, self.loaded
         dtype = lm.dtype if a.cache.dtype == AUTO_DTYPE else a.cache.dtype
-        config = dataclasses.replace(a.cache, num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
-                                     head_dim=lm.head_dim, dtype=dtype)
-        per_seq = -(-self.max_model_len // config.block_size)
+        return dataclasses.replace(a.cache, num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
+                                   head_dim=lm.head_dim, dtype=dtype)
+
+    def _device_pool_blocks(self) -> int:
+        """The device pool's size (``engine/kv_sizing.py``): the override, the GiB cap, or on a
+        GPU with the transformers runner what ``--gpu-memory-utilization`` leaves after a
+        profiled worst-case step."""
+        from fastdeploy_kvcache.engine import kv_sizing
+
+        a, config = self.args, self.cache_config
+        per_seq = kv_sizing.blocks_per_sequence(self.max_model_len, config.block_size)
         if config.num_gpu_blocks:
             if config.num_gpu_blocks < per_seq:
                 logger.warning("%d device blocks hold fewer than max_model_len=%d tokens: long requests will fail",
                                config.num_gpu_blocks, self.max_model_len)
-        else:
-            cap = max(per_seq, int(a.kv_cache_memory_gib * (1 << 30)) // config.bytes_per_block)
-            config.num_gpu_blocks = min(a.max_num_seqs * per_seq, cap)
-        return config
+            return config.num_gpu_blocks
+        sizes = dict(bytes_per_block=config.bytes_per_block, block_size=config.block_size,
+                     max_model_len=self.max_model_len, max_num_seqs=a.max_num_seqs)
+        if a.kv_cache_memory_gib is not None or self.device != "gpu" or a.model_impl != "transformers":
+            gib = kv_sizing.CPU_KV_CACHE_MEMORY_GIB if a.kv_cache_memory_gib is None else a.kv_cache_memory_gib
+            return kv_sizing.device_pool_blocks(kv_cache_memory_gib=gib, **sizes)
+        from fastdeploy_kvcache.engine.decode_graphs import graph_batch_sizes
+        from fastdeploy_kvcache.engine.gpu_memory import profile_device_memory
+
+        graphs = (kv_sizing.graph_reserve_bytes(graph_batch_sizes(a.max_num_seqs), self.loaded.vocab_size)
+                  if a.use_cudagraph else 0)
+        mem = profile_device_memory(self.runner, config, min(a.max_num_batched_tokens, self.max_model_len),
+                                    a.max_num_seqs, graphs)
+        budget = kv_sizing.kv_budget_bytes(mem, a.gpu_memory_utilization)
+        blocks = kv_sizing.device_pool_blocks(kv_budget=budget, **sizes)
+        logger.info("--gpu-memory-utilization %g: %d device blocks (%.2f GiB of KV)", a.gpu_memory_utilization,
+                    blocks, blocks * config.bytes_per_block / (1 << 30))
+        return blocks
 
     # ------------------------------------------------------------------ public API
     def _publish_tokenizer(self, cache_dir: str) -> None:
-        """A built-in model's tokenizer where clients can load it (engine/tokenizer.py)."""
+        """The model's tokenizer where clients can load it (engine/tokenizer.py)."""
         from fastdeploy_kvcache.engine.tokenizer import publish_tokenizer
 
         try:
-            path = publish_tokenizer(self.tokenizer, cache_dir, self.model_name)
+            path = publish_tokenizer(self.tokenizer, cache_dir, self.model_name, self.loaded.max_position_embeddings)
         except OSError as exc:
             logger.warning("could not save the tokenizer for clients under %s: %s", cache_dir, exc)
             return
@@ -321,49 +350,60 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises ValueError (nothing queued) for bad input or a duplicate id.
 
-        ``kv_transfer``: a decode server's ``kv_transfer_params`` (engine/pd.py).
+        ``kv_transfer``: a decode server's ``kv_transfer_params`` (engine/pd.py).  Errors about
+        the prompt or its fit are :class:`RequestRejected` (``param``, ``code``).
+        """
+        self.add_requests([(request_id, prompt_token_ids, params, on_output, kv_transfer)])
+
+    def add_requests(self, requests: Sequence[tuple[str, list[int], SamplingParams, OutputCallback,
+                                                    Optional[Any]]]) -> None:
+        """Queue several requests, all or none: every one is checked before any is queued.
+
+        Each item is ``(request_id, prompt_token_ids, params, on_output, kv_transfer)``.  This is
+        the one place a prompt is checked (``engine/request_checks.py``); requests that share
+        one prompt list (the choices of ``n > 1``) have it checked once.
         """
         if self._stop.is_set():
             raise RuntimeError("the engine is shut down")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
-        if not callable(on_output):
-            raise ValueError("on_output: must be callable")
-        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-            raise ValueError("prompt: must be a non-empty list of token ids")
         vocab = self.loaded.vocab_size
-        for i, t in enumerate(prompt_token_ids):
-            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= int(t) < vocab:
-                raise ValueError(f"prompt: token {i} ({t!r}) is not an id in [0, {vocab})")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens is longer than max_model_len={self.max_model_len}"
-            )
-        params.validate(vocab_size=vocab)
-        pd_params = None
-        if kv_transfer is not None:
-            if self.pd is None:
-                raise ValueError("kv_transfer_params: only a --splitwise-role decode server takes them")
-            pd_params = self.pd.check_request(kv_transfer)
-        per_request_blocks = -(-min(len(prompt_token_ids) + params.max_tokens, self.max_model_len) // self.cache_config.block_size)
-        if per_request_blocks > self.cache_config.num_gpu_blocks:
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens + max_tokens {params.max_tokens} need {per_request_blocks} "
-                f"KV blocks, more than the {self.cache_config.num_gpu_blocks} the device pool has"
-            )
-        with self._lock:
-            if request_id in self._live_ids:
+        checked_prompts: set[int] = set()
+        ready: list[tuple[str, list[int], SamplingParams, OutputCallback, Any]] = []
+        ids_seen: set[str] = set()
+        for request_id, prompt_token_ids, params, on_output, kv_transfer in requests:
+            if not isinstance(request_id, str) or not request_id:
+                raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+            if request_id in ids_seen:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
-            self._live_ids.add(request_id)
+            ids_seen.add(request_id)
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
+            if not callable(on_output):
+                raise ValueError("on_output: must be callable")
+            if id(prompt_token_ids) not in checked_prompts:
+                check_prompt(prompt_token_ids, vocab, self.max_model_len)
+                checked_prompts.add(id(prompt_token_ids))
+            params.validate(vocab_size=vocab)
+            pd_params = None
+            if kv_transfer is not None:
+                if self.pd is None:
+                    raise ValueError("kv_transfer_params: only a --splitwise-role decode server takes them")
+                pd_params = self.pd.check_request(kv_transfer)
+            check_fits_device_pool(len(prompt_token_ids), params.max_tokens, self.max_model_len,
+                                   self.cache_config.block_size, self.cache_config.num_gpu_blocks)
+            ready.append((request_id, prompt_token_ids, params, on_output, pd_params))
+        with self._lock:
+            in_use = [rid for rid, *_ in ready if rid in self._live_ids]
+            if in_use:
+                raise ValueError(f"request_id: {in_use[0]!r} is already in use")
+            self._live_ids.update(rid for rid, *_ in ready)
             self._idle.clear()
-        req = Request(request_id, [int(t) for t in prompt_token_ids])
-        seed = int(self._seed_rng.integers(0, 2**63 - 1))
-        er = _EngineRequest(req, params, on_output, RequestSampler(params, seed),
-                            IncrementalDetokenizer(self.tokenizer), time.monotonic())
-        er.kv_transfer = pd_params
-        self._inbox.put(("add", er))
+        for request_id, prompt_token_ids, params, on_output, pd_params in ready:
+            req = Request(request_id, [int(t) for t in prompt_token_ids])
+            seed = int(self._seed_rng.integers(0, 2**63 - 1))
+            er = _EngineRequest(req, params, on_output, RequestSampler(params, seed),
+                                IncrementalDetokenizer(self.tokenizer), time.monotonic())
+            er.kv_transfer = pd_params
+            self._inbox.put(("add", er))
         self._wake.set()
 
     def add_output_flush_hook(self, hook: Callable[[], None]) -> None:
@@ -586,9 +626,12 @@ class LLMEngine:
         # NOTE: the previous step's outputs go to their consumer here, as the forward pass
         # starts: a consumer on another thread (the server's event loop) then runs while this
         # thread waits for the device, instead of taking the GIL in the middle of a step.
+        # Each sampling row's draw is taken before the forward pass, so a runner on a GPU
+        # samples there and returns only the ids.
+        sampling = StepSampling.for_samplers([er.sampler for (er, _), s in zip(scheduled, seqs) if s.wants_logits])
         self._flush_outputs()
         try:
-            logits = self.runner.forward(seqs, self.pool.layer_caches, counter)
+            token_ids = self.runner.forward_sample(seqs, self.pool.layer_caches, counter, sampling)
         except Exception as exc:
             from fastdeploy_kvcache.worker.layer_done import LayerSwapError, LayerSwapTimeoutError
 
@@ -620,8 +663,7 @@ class LLMEngine:
         rewound = self._complete_copies(wait=False)
         self._commit_prefill(scheduled)
         t_complete = time.perf_counter()
-        # Greedy rows take one argmax over the whole matrix (the same ids as row by row).
-        greedy = np.argmax(logits, axis=1).tolist() if len(logits) and self._all_greedy(scheduled, seqs) else None
+        token_list = token_ids.tolist()
         k = 0
         for (er, n), s in zip(scheduled, seqs):
             if not s.wants_logits:
@@ -629,8 +671,9 @@ class LLMEngine:
             k += 1
             if er.finished or (rewound and er.req.request_id in rewound):
                 continue
+            er.sampler.consume()  # a dropped token (rewound above) keeps its draw for the redo
             try:
-                self.append_token(er, greedy[k - 1] if greedy is not None else er.sampler.sample(logits[k - 1]))
+                self.append_token(er, token_list[k - 1])
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own
                 logger.exception("request %s failed", er.request_id)
                 self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
@@ -643,11 +686,6 @@ class LLMEngine:
         self._flush_kv_events()
         if not self.running or time.monotonic() - self._stats_time >= _STATS_PERIOD_S:
             self._refresh_stats()
-
-    @staticmethod
-    def _all_greedy(scheduled: list[tuple[_EngineRequest, int]], seqs: list[ScheduledSeq]) -> bool:
-        """Whether every request that samples this step decodes greedily."""
-        return all(er.params.greedy for (er, _), s in zip(scheduled, seqs) if s.wants_logits)
 
     def _commit_prefill(self, scheduled: list[tuple[_EngineRequest, int]]) -> None:
         """Make the prompt blocks this step completed reusable now (requests held for them

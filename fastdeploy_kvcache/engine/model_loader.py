@@ -76,6 +76,127 @@ def model_kind(model: str) -> str:
     )
 
 
+TINY_POSITIONS = 4096
+
+
+def model_positions(model: str) -> int:
+    """The positions (``max_position_embeddings``) of ``model`` without loading it: a built-in
+    name's, a checkpoint directory's ``config.json``, a GGUF's ``context_length``.  ValueError
+    (naming ``model``) when it names nothing loadable.  Cheap, so a server can check
+    ``--max-model-len`` before loading."""
+    from fastdeploy_kvcache.engine.torch_models import TORCH_SHAPES
+
+    if model in TORCH_SHAPES:
+        return int(TORCH_SHAPES[model]["max_position_embeddings"])
+    kind = model_kind(model)
+    if kind == "tiny":
+        return TINY_POSITIONS
+    if kind == "default":
+        return gguf_context_length(find_smollm2_gguf())
+    path = os.path.expanduser(model)
+    if kind == "gguf":
+        return gguf_context_length(path)
+    with open(os.path.join(path, "config.json")) as fh:
+        raw = json.load(fh)
+    if not isinstance(raw.get("max_position_embeddings"), int):
+        raise ValueError(f"model: {model}'s config.json has no integer max_position_embeddings")
+    return int(raw["max_position_embeddings"])
+
+
+def load_tokenizer(model: str) -> EngineTokenizer:
+    """``model``'s tokenizer, exactly the one the engine serves it with, without its weights:
+    a built-in name's, a GGUF's (from its metadata), a checkpoint directory's."""
+    from fastdeploy_kvcache.engine.torch_models import RANDOM_SHAPES, random_model_tokenizer
+
+    if model in RANDOM_SHAPES:
+        return random_model_tokenizer(model)
+    kind = model_kind(model)
+    if kind == "tiny":
+        return build_tiny_tokenizer(512)
+    if kind in ("default", "gguf"):
+        import gguf
+
+        path = find_smollm2_gguf() if kind == "default" else os.path.expanduser(model)
+        return tokenizer_from_gguf_fields(read_gguf_metadata(gguf.GGUFReader(path)))
+    return load_dir_tokenizer(os.path.expanduser(model))
+
+
+def load_dir_tokenizer(path: str) -> EngineTokenizer:
+    """A checkpoint directory's tokenizer, its config's end-of-sequence ids counted too."""
+    tok = EngineTokenizer.load(path)
+    with open(os.path.join(path, "config.json")) as fh:
+        raw = json.load(fh)
+    # The model's own end-of-sequence ids count too (a list in newer configs).
+    eos = raw.get("eos_token_id")
+    extra = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    tok.eos_token_ids = sorted(set(tok.eos_token_ids) | {int(t) for t in extra})
+    return tok
+
+
+def served_model_name(model: str) -> str:
+    """The name the server gives ``model`` (and its published tokenizer's directory): a
+    built-in name as it is, a GGUF file's or a directory's base name."""
+    from fastdeploy_kvcache.engine.torch_models import RANDOM_SHAPES
+
+    if model in RANDOM_SHAPES or model in (DEFAULT_MODEL_NAME, TINY_MODEL_NAME):
+        return model
+    path = os.path.normpath(os.path.expanduser(model))
+    name = os.path.basename(path)
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+# GGUF metadata value types (the format's gguf_type) and their fixed sizes.
+_GGUF_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+
+
+def gguf_context_length(path: str) -> int:
+    """``<arch>.context_length`` from a GGUF's header, reading only the metadata before it.
+
+    NOTE: not ``gguf.GGUFReader``, which maps every tensor first (seconds for a small model):
+    this walks the key/value pairs and stops at the one it needs (read_gguf_llama's default,
+    2048, when the file has none).
+    """
+    import struct
+
+    def read(fh: Any, n: int) -> bytes:
+        data = fh.read(n)
+        if len(data) != n:
+            raise ValueError(f"model: {path} is truncated (GGUF metadata)")
+        return data
+
+    def skip(fh: Any, vtype: int) -> None:
+        if vtype in _GGUF_FIXED:
+            fh.seek(_GGUF_FIXED[vtype], 1)
+        elif vtype == _GGUF_STRING:
+            fh.seek(struct.unpack("<Q", read(fh, 8))[0], 1)
+        elif vtype == _GGUF_ARRAY:
+            etype, count = struct.unpack("<IQ", read(fh, 12))
+            if etype in _GGUF_FIXED:
+                fh.seek(_GGUF_FIXED[etype] * count, 1)
+            else:
+                for _ in range(count):
+                    skip(fh, etype)
+        else:
+            raise ValueError(f"model: {path}: unknown GGUF value type {vtype}")
+
+    with open(path, "rb") as fh:
+        if read(fh, 4) != b"GGUF":
+            raise ValueError(f"model: {path} is not a GGUF file")
+        version, _tensors, kv_count = struct.unpack("<IQQ", read(fh, 20))
+        if version < 2:
+            raise ValueError(f"model: {path} is GGUF version {version}; 2 or later is supported")
+        for _ in range(kv_count):
+            key = read(fh, struct.unpack("<Q", read(fh, 8))[0]).decode("utf-8", "replace")
+            vtype = struct.unpack("<I", read(fh, 4))[0]
+            if key.endswith(".context_length") and vtype in _GGUF_INTS:
+                fmt = _GGUF_INTS[vtype]
+                return int(struct.unpack(fmt, read(fh, struct.calcsize(fmt)))[0])
+            skip(fh, vtype)
+    return 2048
+
+
 def load_model(model: str, cache_dir: str, *, seed: int = 0, device_is_gpu: bool = False) -> LoadedModel:
     """Load ``model``: a registered name, a local checkpoint directory, or a .gguf file."""
     dtype = _paddle_dtype_name(device_is_gpu)
@@ -159,7 +280,7 @@ def build_tiny_llama(seed: int = 0, dtype: str = "float32") -> LoadedModel:
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=4096,
+        max_position_embeddings=TINY_POSITIONS,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=True,
@@ -199,11 +320,7 @@ def load_local_dir(path: str, dtype: str = "float32") -> LoadedModel:
     config = LlamaConfig.from_pretrained(path)
     _cpu_safe(config, dtype != "float32")
     model = LlamaForCausalLM.from_pretrained(path, config=config, dtype=dtype)
-    tok = EngineTokenizer.load(path)
-    # The model's own end-of-sequence ids count too (a list in newer configs).
-    eos = raw.get("eos_token_id")
-    extra = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
-    tok.eos_token_ids = sorted(set(tok.eos_token_ids) | {int(t) for t in extra})
+    tok = load_dir_tokenizer(path)
     return _describe(model, tok, os.path.basename(os.path.normpath(path)), dtype)
 
 

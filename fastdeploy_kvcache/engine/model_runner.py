@@ -17,6 +17,7 @@ import numpy as np
 from fastdeploy_kvcache.engine.attention import SeqSlice, StepContext, register_paged_attention, step_context
 from fastdeploy_kvcache.engine.int64_staging import Int64Staging
 from fastdeploy_kvcache.engine.model_loader import LoadedModel
+from fastdeploy_kvcache.engine.sampling import StepSampling
 
 logger = logging.getLogger(__name__)
 
@@ -84,3 +85,9 @@ class ModelRunner:
             picked = paddle.index_select(hidden[0], self.staging.tensor(rows), axis=0)
             logits = self.model.lm_head(picked.unsqueeze(0))[0]
             return logits.astype("float32").numpy()
+
+    def forward_sample(self, seqs: list[ScheduledSeq], kv_caches: Sequence[Sequence[Any]],
+                       layer_done: Optional[Any], sampling: StepSampling) -> np.ndarray:
+        """Run the step and pick each sampling row's token on the host (the logits are
+        already there on the CPU); returns int64 ids, one per seq with ``wants_logits``."""
+        return sampling.sample_host(self.forward(seqs, kv_caches, layer_done))

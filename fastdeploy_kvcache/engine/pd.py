@@ -266,8 +266,7 @@ class PDCoordinator:
         for token in params.prefill_token_ids:
             if er.finished:
                 break
-            if not er.params.greedy:
-                er.sampler.rng.random()  # the draw the prefill side's sample() made
+            er.sampler.skip_draw()  # the draw the prefill side's sample() made
             self.engine.append_token(er, int(token))
         return not er.finished
 

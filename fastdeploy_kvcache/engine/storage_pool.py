@@ -218,6 +218,7 @@ class StorageKVPool(ManagedKVPool):
 
     def complete_finished(self, wait: bool = False) -> set[str]:
         affected: set[str] = set()
+        self._admit_landed_host_blocks()
         self._flush_idle_backups()
         copies = self.controller.collect_finished(wait=wait)
         for meta in copies:
@@ -284,6 +285,9 @@ class StorageKVPool(ManagedKVPool):
         elif not tier.available():
             outcome = "store unavailable"
         else:
+            # The store keeps what the flush writes: a store smaller than the cache fills once
+            # and the flush stops, instead of evicting its own puts and writing them again.
+            self.store.keep_new_objects(True)
             tier.begin_flush()
             tried: set[Any] = set()  # device-only nodes whose backup was queued once
             last: tuple[Any, ...] = ()
@@ -291,6 +295,10 @@ class StorageKVPool(ManagedKVPool):
             while True:
                 if time.monotonic() >= deadline:
                     outcome = f"stopped after {timeout_s:g} s (--kvcache-storage-shutdown-flush)"
+                    break
+                if tier.flush_store_full:
+                    outcome = "store full (its byte cap, free-space floor or disk)"
+                    self._drain_storage_jobs(deadline)
                     break
                 host, device = tier.flush_candidates()
                 device = [n for n in device if n not in tried]
@@ -314,16 +322,25 @@ class StorageKVPool(ManagedKVPool):
                     break
                 if still:
                     time.sleep(0.01)
+            self.store.keep_new_objects(False)
         host, device = tier.flush_candidates()
         written = int(tier.stats["put_blocks_ok"] - ok0)
+        lost = tier.flush_lost_blocks
         out = {"written_blocks": written, "written_bytes": int(tier.stats["write_bytes"] - bytes0),
                "left_device_only": len(device), "left_host": len(host),
-               "failed_puts": tier.flush_failed_blocks, "seconds": time.monotonic() - t0, "outcome": outcome}
+               "failed_puts": tier.flush_failed_blocks, "lost_after_write": lost,
+               "seconds": time.monotonic() - t0, "outcome": outcome}
         logger.info(
             "storage flush at stop: wrote %d blocks (%.1f MiB) in %.2f s; left %d unstored (%d device-only, "
-            "%d on host, %d puts failed): %s", written, out["written_bytes"] / (1 << 20), out["seconds"],
-            len(device) + len(host) + out["failed_puts"], len(device), len(host), out["failed_puts"], outcome)
+            "%d on host, %d puts failed, %d evicted by the store after the write): %s", written,
+            out["written_bytes"] / (1 << 20), out["seconds"], len(device) + len(host) + out["failed_puts"] + lost,
+            len(device), len(host), out["failed_puts"], lost, outcome)
         return out
+
+    def _drain_storage_jobs(self, deadline: float) -> None:
+        """Collect the storage jobs in flight (the flush stops; their pins must come back)."""
+        while self.copies_in_flight and time.monotonic() < deadline:
+            self.complete_finished(wait=True)
 
     def close(self, timeout_s: float = 30.0) -> None:
         # Finish what the last requests left: backups to host, then their puts (all bounded).

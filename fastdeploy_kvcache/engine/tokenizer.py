@@ -84,8 +84,31 @@ class EngineTokenizer:
         # to their ids; no BOS is added twice because add_special_tokens is off.
         return self.encode(text)
 
-    def save(self, directory: str) -> None:
-        self.hf.save_pretrained(directory)
+    def save(self, directory: str, model_max_length: Optional[int] = None) -> None:
+        """Write a Hugging Face tokenizer directory (``tokenizer.json``, ``tokenizer_config.json``)
+        that every transformers release since 4.x loads with ``AutoTokenizer.from_pretrained``.
+
+        NOTE: not ``save_pretrained``: transformers 5 names its own class there
+        (``TokenizersBackend``) and moves the chat template to a separate file, which a client
+        on transformers 4 cannot load.  ``tokenizer.json`` is the tokenizers library's format,
+        the same in both; the config names ``PreTrainedTokenizerFast`` (both know it) and keeps
+        the chat template inline.  Special tokens are marked in ``tokenizer.json`` itself.
+        """
+        hf = self.hf
+        os.makedirs(directory, exist_ok=True)
+        hf.backend_tokenizer.save(os.path.join(directory, "tokenizer.json"))
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "clean_up_tokenization_spaces": self._clean_up}
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            value = getattr(hf, name, None)
+            if isinstance(value, str):
+                config[name] = value
+        if isinstance(hf.chat_template, str):
+            config["chat_template"] = hf.chat_template
+        if model_max_length:
+            config["model_max_length"] = int(model_max_length)
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as fh:
+            json.dump(config, fh, indent=1, ensure_ascii=False)
 
     @classmethod
     def load(cls, directory: str, eos_token_ids: Optional[Sequence[int]] = None) -> "EngineTokenizer":
@@ -98,34 +121,56 @@ class EngineTokenizer:
         return cls(hf, eos_token_ids)
 
 
-def publish_tokenizer(tokenizer: EngineTokenizer, cache_dir: str, model_name: str) -> str:
+def publish_tokenizer(tokenizer: EngineTokenizer, cache_dir: str, model_name: str,
+                      model_max_length: Optional[int] = None) -> str:
     """Save ``tokenizer`` as ``<cache_dir>/tokenizers/<model_name>`` for clients; its path.
 
-    The directory is a Hugging Face tokenizer (``tokenizer.json`` and its config): a client or
+    The directory is a Hugging Face tokenizer (:meth:`EngineTokenizer.save`): a client or
     benchmark loads it with ``transformers.AutoTokenizer.from_pretrained(path)`` and counts
-    tokens exactly as the server does.  Rewritten only when its ``tokenizer.json`` differs.
+    tokens exactly as the server does.  Rewritten only when its files would differ.
     """
+    return export_tokenizer(tokenizer, os.path.join(cache_dir, "tokenizers", model_name), model_max_length)
+
+
+def export_tokenizer(tokenizer: EngineTokenizer, target: str, model_max_length: Optional[int] = None) -> str:
+    """Write ``tokenizer`` into the directory ``target`` (:meth:`EngineTokenizer.save`), unless
+    it already holds the same files; returns ``target``.  Written into a sibling and renamed,
+    so a reader never sees half a tokenizer and two writers at once both leave a whole one."""
     import shutil
     import tempfile
 
-    target = os.path.join(cache_dir, "tokenizers", model_name)
-    current = tokenizer.hf.backend_tokenizer.to_str()
+    target = os.path.abspath(target)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}-", dir=parent)
     try:
-        with open(os.path.join(target, "tokenizer.json")) as fh:
-            if json.loads(fh.read()) == json.loads(current):
-                return target
+        tokenizer.save(tmp, model_max_length)
+        if _same_files(tmp, target):
+            return target
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            pass  # another process wrote it at the same time
+        return target
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _same_files(a: str, b: str) -> bool:
+    """Whether directory ``b`` holds exactly ``a``'s files with the same JSON contents."""
+    try:
+        names = sorted(os.listdir(a))
+        if sorted(os.listdir(b)) != names:
+            return False
+        for name in names:
+            with open(os.path.join(a, name)) as fa, open(os.path.join(b, name)) as fb:
+                if json.load(fa) != json.load(fb):
+                    return False
     except (OSError, ValueError):
-        pass
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{model_name}-", dir=os.path.dirname(target))
-    tokenizer.save(tmp)
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private
-    shutil.rmtree(target, ignore_errors=True)
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another server wrote it at the same time
-    return target
+        return False
+    return True
 
 
 class IncrementalDetokenizer:

@@ -7,7 +7,10 @@
   of 128, MLP 14336, vocabulary 128256, rope theta 500000) with random weights drawn on the
   device from the seed at start.  Its text is meaningless but its timing is a real 8B
   model's.  Its tokenizer is :func:`~fastdeploy_kvcache.engine.tokenizer.build_synthetic_tokenizer`:
-  one token per UTF-8 byte of the prompt, and each sampled id reads back as a made-up word.
+  one token per UTF-8 byte of the prompt, and each sampled id reads back as a made-up word;
+* ``llama3.1-8b-random``: the same with Llama-3.1-8B's positions (131,072) and its llama3 rope
+  scaling (factor 8 over the original 8,192 positions, low/high frequency factors 1 and 4),
+  for long prompts; the same tokenizer.
 
 The model is built on the meta device and materialised on the target one, so no random
 initialisation runs on the host (an 8B model would take minutes there).
@@ -34,7 +37,8 @@ from fastdeploy_kvcache.engine.tokenizer import EngineTokenizer, build_synthetic
 logger = logging.getLogger(__name__)
 
 LLAMA3_8B_RANDOM = "llama3-8b-random"
-TORCH_MODELS = (DEFAULT_MODEL_NAME, TINY_MODEL_NAME, LLAMA3_8B_RANDOM)
+LLAMA31_8B_RANDOM = "llama3.1-8b-random"
+TORCH_MODELS = (DEFAULT_MODEL_NAME, TINY_MODEL_NAME, LLAMA3_8B_RANDOM, LLAMA31_8B_RANDOM)
 
 # Llama-3-8B's published shape.
 LLAMA3_8B_SHAPE: dict[str, Any] = dict(
@@ -42,11 +46,37 @@ LLAMA3_8B_SHAPE: dict[str, Any] = dict(
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
     rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
 )
+# Llama-3.1-8B's: the same layers, 131,072 positions, and the llama3 rope scaling that stretches
+# the original 8,192 (in transformers' rope_scaling form, which every release since 4.43 reads).
+LLAMA3_ROPE_SCALING: dict[str, Any] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)
+LLAMA31_8B_SHAPE: dict[str, Any] = dict(LLAMA3_8B_SHAPE, max_position_embeddings=131072,
+                                        rope_scaling=dict(LLAMA3_ROPE_SCALING))
 TINY_SHAPE: dict[str, Any] = dict(
     vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
     tie_word_embeddings=True,
 )
+
+
+# The random-weight models by name: their shapes (a LlamaConfig's keywords).
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {LLAMA3_8B_RANDOM: LLAMA3_8B_SHAPE, LLAMA31_8B_RANDOM: LLAMA31_8B_SHAPE}
+# Every model of this path whose shape is known without a file.
+TORCH_SHAPES: dict[str, dict[str, Any]] = {TINY_MODEL_NAME: TINY_SHAPE, **RANDOM_SHAPES}
+
+
+def llama_config(shape: dict[str, Any]) -> Any:
+    """transformers' ``LlamaConfig`` of ``shape`` (a copy: the config may keep and edit the dicts)."""
+    import copy
+
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**copy.deepcopy(shape))
+
+
+def random_model_tokenizer(model: str) -> EngineTokenizer:
+    """The tokenizer of a random-weight model (:data:`RANDOM_SHAPES`), built without its weights."""
+    return build_synthetic_tokenizer(RANDOM_SHAPES[model]["vocab_size"])
 
 
 def load_torch_model(model: str, *, seed: int, device: Any, dtype: str) -> LoadedModel:
@@ -57,8 +87,8 @@ def load_torch_model(model: str, *, seed: int, device: Any, dtype: str) -> Loade
         # decoding never flips on float noise between a cached and a recomputed prefix.
         lm = _random_llama(TINY_SHAPE, build_tiny_tokenizer(512), model, seed=seed, device=device, dtype=dtype,
                            std=0.1)
-    elif model == LLAMA3_8B_RANDOM:
-        lm = _random_llama(LLAMA3_8B_SHAPE, build_synthetic_tokenizer(LLAMA3_8B_SHAPE["vocab_size"]), model,
+    elif model in RANDOM_SHAPES:
+        lm = _random_llama(RANDOM_SHAPES[model], random_model_tokenizer(model), model,
                            seed=seed, device=device, dtype=dtype, std=0.02)
     elif model == DEFAULT_MODEL_NAME:
         lm = _gguf_llama(find_smollm2_gguf(), model, device=device, dtype=dtype)
@@ -83,9 +113,9 @@ def _torch_dtype(dtype: str) -> Any:
 def _on_meta(shape: dict[str, Any]) -> tuple[Any, Any]:
     """An uninitialised ``LlamaForCausalLM`` of ``shape`` on the meta device, and its config."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(**shape)
+    cfg = llama_config(shape)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     return model, cfg

@@ -8,9 +8,11 @@ the paged attention of ``engine/torch_attention.py``.
 
 The caches are the torch tensors the worker allocated (``worker/backends/torch_backend.py``);
 they are never copied.  The step's indices (token ids, positions, K/V slots, block tables)
-go to the device in one copy from a reused pinned buffer; the only host sync of a step is
-reading the sampled rows' logits back at its end, into pinned memory (a step that samples
-nothing has none).
+go to the device in one copy from a reused pinned buffer.  The engine calls
+:meth:`TorchModelRunner.forward_sample`: the sampling rows' tokens are picked on the device
+(``engine/torch_sampling.py``), and the only host sync of a step reads back those int64 ids
+(a step that samples nothing has none).  :meth:`TorchModelRunner.forward` returns the float32
+logits instead, for tests and benchmarks.
 
 With :meth:`TorchModelRunner.enable_decode_graphs` (``--use-cudagraph``) a step whose seqs
 all decode one token replays a CUDA graph captured at start for the next batch size up
@@ -33,6 +35,8 @@ from fastdeploy_kvcache.engine.model_loader import LoadedModel
 from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
 from fastdeploy_kvcache.engine.attention import step_context
 from fastdeploy_kvcache.engine.decode_graphs import DecodeGraphs, GraphBucket
+from fastdeploy_kvcache.engine.sampling import StepSampling
+from fastdeploy_kvcache.engine.torch_sampling import sample_on_device
 from fastdeploy_kvcache.engine.torch_attention import PrefillChunk, TorchStep, decode_mask, register_paged_attention
 
 logger = logging.getLogger(__name__)
@@ -103,10 +107,13 @@ def load_model_for(args: Any, device: str) -> LoadedModel:
 class TorchModelRunner:
     """Runs ``LlamaForCausalLM`` over the paged cache; see the module docstring."""
 
-    def __init__(self, loaded: LoadedModel, block_size: int, device: str, attention: str = "auto") -> None:
+    def __init__(self, loaded: LoadedModel, block_size: int, device: str, attention: str = "auto",
+                 fused_layers: bool = False) -> None:
         """``attention``: the paged attention's kernels, ``auto`` / ``triton`` / ``torch``
         (:func:`decode_kernel_for`); with Triton, the decode batch and short chunks after
-        cached context run Triton kernels that read the blocks in place."""
+        cached context run Triton kernels that read the blocks in place.  ``fused_layers``:
+        fuse the model's decoder layers (``engine/torch_fused.py``; kernels compiled on a GPU).
+        The model is changed in place, for every runner over it."""
         import torch
 
         self.torch = torch
@@ -129,13 +136,22 @@ class TorchModelRunner:
         self.last_layers_waited = 0
         self.last_gpu_wait_s = 0.0  # host time the last step spent waiting for the device
         self.last_load_wait_gpu_s = 0.0  # device time its compute stream waited for loads
-        self._staging: Optional[Any] = None  # pinned int64 buffer of the step's indices
-        self._staging_done: Optional[Any] = None  # CUDA event after the last copy out of it
+        # Pinned int64 buffers by use ("step": the step's indices, "sampling": its sampling
+        # rows), each with the CUDA event after the last copy out of it.
+        self._staging: dict[str, tuple[Any, Optional[Any]]] = {}
+        self._pending_wait_events: Optional[list[tuple[Any, Any]]] = None
         self._arange: Any = torch.arange(0, device=self.device)
         self.decode_graphs: Optional[DecodeGraphs] = None  # enable_decode_graphs
         self.graph_replays = 0  # steps run through decode_graphs (replayed, or padded eagerly without capture)
         self.last_step_replayed = False
         register_paged_attention(self.model.config)
+        self.fused_layers = 0
+        if fused_layers:
+            from fastdeploy_kvcache.engine.torch_fused import fuse_decoder_layers
+
+            self.fused_layers = fuse_decoder_layers(self.model, compile_kernels=self.on_gpu)
+            logger.info("fused %d decoder layers (%s)", self.fused_layers,
+                        "kernels compiled by torch.compile" if self.on_gpu else "eager elementwise pieces")
 
     # ------------------------------------------------------------------ CUDA graphs
     def enable_decode_graphs(self, kv_caches: Sequence[Sequence[Any]], max_num_seqs: int, max_model_len: int,
@@ -182,28 +198,31 @@ class TorchModelRunner:
         return True
 
     # ------------------------------------------------------------------ indices
-    def _upload(self, host: np.ndarray) -> Any:
+    def _upload(self, host: np.ndarray, use: str = "step") -> Any:
         """One int64 host array to the device: through a reused pinned buffer on a GPU.
 
         The buffer is written again only once the last step's copy out of it has completed
         (its event; normally long done, since a step that samples ends with a host sync, but
-        a step that only prefills does not).
+        a step that only prefills does not).  Each ``use`` has its own buffer, so a second
+        upload in the same step does not wait for the first one's copy.
         """
         torch = self.torch
         src = torch.from_numpy(host)
         if not self.on_gpu:
             return src
-        if self._staging_done is not None:
-            self._staging_done.synchronize()
-        if self._staging is None or self._staging.numel() < host.size:
+        buf, done = self._staging.get(use, (None, None))
+        if done is not None:
+            done.synchronize()
+        if buf is None or buf.numel() < host.size:
             # The old buffer may still be read by a copy: torch's pinned allocator keeps it
             # until that copy's stream has passed it.
-            self._staging = torch.empty(max(4096, 2 * host.size), dtype=torch.int64, pin_memory=True)
-        buf = self._staging[: host.size]
-        buf.copy_(src)
-        out = buf.to(self.device, non_blocking=True)
-        self._staging_done = torch.cuda.Event()
-        self._staging_done.record()
+            buf = torch.empty(max(4096, 2 * host.size), dtype=torch.int64, pin_memory=True)
+        part = buf[: host.size]
+        part.copy_(src)
+        out = part.to(self.device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._staging[use] = (buf, done)
         return out
 
     def _positions(self, length: int) -> Any:
@@ -305,11 +324,43 @@ class TorchModelRunner:
     def forward(self, seqs: list[ScheduledSeq], kv_caches: Sequence[Sequence[Any]],
                 layer_done: Optional[Any]) -> np.ndarray:
         """Run the step; returns float32 logits, one row per seq with ``wants_logits``, in ``seqs`` order."""
+        logits = self._forward_logits(seqs, kv_caches, layer_done)
+        if logits is None:
+            return np.zeros((0, self.loaded.vocab_size), dtype=np.float32)
+        return self._sync_to_host(logits)
+
+    def forward_sample(self, seqs: list[ScheduledSeq], kv_caches: Sequence[Sequence[Any]],
+                       layer_done: Optional[Any], sampling: StepSampling) -> np.ndarray:
+        """Run the step and pick each sampling row's token where the logits are: on a GPU
+        the step's one host sync reads back the int64 ids, not ``[rows, vocab]`` floats."""
+        logits = self._forward_logits(seqs, kv_caches, layer_done)
+        if logits is None:
+            return np.zeros(0, dtype=np.int64)
+        if not logits.is_cuda:
+            return sampling.sample_host(logits.numpy())
+        packed = self._upload(sampling.packed(), "sampling")
+        return self._sync_to_host(sample_on_device(self.torch, logits, sampling, packed))
+
+    def _sync_to_host(self, out: Any) -> np.ndarray:
+        """The step's one host sync: ``out`` read back, the wait timed, the load waits summed."""
+        t_launched = time.perf_counter()
+        host = self._to_host(out)
+        self.last_gpu_wait_s = time.perf_counter() - t_launched
+        events, self._pending_wait_events = self._pending_wait_events, None
+        if events:
+            self.last_load_wait_gpu_s = sum(a.elapsed_time(b) for a, b in events) / 1e3
+        return host
+
+    def _forward_logits(self, seqs: list[ScheduledSeq], kv_caches: Sequence[Sequence[Any]],
+                        layer_done: Optional[Any]) -> Optional[Any]:
+        """The step's float32 logits on the device (None when no seq samples), launched and
+        not waited for."""
         torch = self.torch
         self.last_layers_waited = 0
         self.last_gpu_wait_s = 0.0
         self.last_load_wait_gpu_s = 0.0
         self.last_step_replayed = False
+        self._pending_wait_events = None
         bucket = self._graph_bucket(seqs, kv_caches)
         if bucket is not None:
             return self._forward_graph(bucket, seqs, layer_done)
@@ -321,16 +372,13 @@ class TorchModelRunner:
                                            use_cache=False)
                 finally:
                     self.last_layers_waited = step.layers_waited
-            if not row_list:
-                return np.zeros((0, self.loaded.vocab_size), dtype=np.float32)
-            hidden = out.last_hidden_state[0].index_select(0, rows)
-            logits = self.model.lm_head(hidden).float()
-            t_launched = time.perf_counter()
-            host = self._to_host(logits)  # the step's one host sync
-            self.last_gpu_wait_s = time.perf_counter() - t_launched
             if step.wait_events:
-                self.last_load_wait_gpu_s = sum(a.elapsed_time(b) for a, b in step.wait_events) / 1e3
-            return host
+                # Their times can be read only once the step's sync has passed them.
+                self._pending_wait_events = step.wait_events
+            if not row_list:
+                return None
+            hidden = out.last_hidden_state[0].index_select(0, rows)
+            return self.model.lm_head(hidden).float()
 
     # ------------------------------------------------------------------ graph path
     def _graph_bucket(self, seqs: Sequence[ScheduledSeq],
@@ -348,9 +396,10 @@ class TorchModelRunner:
         return graphs.bucket_for(len(seqs))
 
     def _forward_graph(self, bucket: GraphBucket, seqs: Sequence[ScheduledSeq],
-                       layer_done: Optional[Any]) -> np.ndarray:
+                       layer_done: Optional[Any]) -> Optional[Any]:
         """A decode-only step through its graph: the inputs into the static buffers (one
-        host-to-device copy, then two device copies), a replay, the sampled rows read back."""
+        host-to-device copy, then two device copies), a replay; the sampling rows' logits
+        (a view of the graph's output, valid until the next replay), or None."""
         graphs = self.decode_graphs
         assert graphs is not None
         bs, b, n = self.block_size, bucket.size, len(seqs)
@@ -382,9 +431,5 @@ class TorchModelRunner:
             self.graph_replays += 1
             self.last_step_replayed = True
             if not rows:
-                return np.zeros((0, self.loaded.vocab_size), dtype=np.float32)
-            picked = logits[:n] if len(rows) == n else logits.index_select(0, dev[3 * b + n * width:])
-            t_launched = time.perf_counter()
-            host = self._to_host(picked)  # the step's one host sync
-            self.last_gpu_wait_s = time.perf_counter() - t_launched
-            return host
+                return None
+            return logits[:n] if len(rows) == n else logits.index_select(0, dev[3 * b + n * width:])

@@ -53,7 +53,7 @@ from fastdeploy_kvcache.ops.paths import (
     PATH_STAGED,
     copy_path_code,
 )
-from fastdeploy_kvcache.ops.pinned import cuda_host_alloc, cuda_host_free
+from fastdeploy_kvcache.ops.pinned import cuda_host_alloc, cuda_host_free, cuda_host_pin_ranges, cuda_host_reserve
 
 __all__ = [
     "CopyDirection",
@@ -83,6 +83,8 @@ __all__ = [
     "paddle_ops_available",
     "paddle_ops_capi",
     "cuda_host_alloc",
+    "cuda_host_reserve",
+    "cuda_host_pin_ranges",
     "cuda_host_free",
     "swap_cache_per_layer",
     "swap_cache_per_layer_async",

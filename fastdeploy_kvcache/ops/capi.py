@@ -32,8 +32,8 @@ from fastdeploy_kvcache.ops.paths import copy_path_code
 
 logger = logging.getLogger(__name__)
 
-_ABI_VERSION = 6  # fdkv_abi_version() of libraries with error fields, recorded host sizes, read_files,
-# layer groups (LayerStackCall.run), launched stacks (LayerStackCall.launch)
+_ABI_VERSION = 7  # fdkv_abi_version() of libraries with error fields, recorded host sizes, read_files,
+# layer groups (LayerStackCall.run), launched stacks (LayerStackCall.launch), piecewise pinning (host_reserve)
 
 _BUILD_HINT = "run `bash build.sh` (CPU) or `bash build.sh gpu` (CUDA C ABI) from the repository root"
 
@@ -86,6 +86,9 @@ def _abi_signatures() -> dict[str, tuple[Any, list[Any]]]:
         "fdkv_abi_version": (i32, []),
         "fdkv_host_alloc": (i32, [ctypes.c_size_t, ctypes.c_uint, pp]),
         "fdkv_host_free": (i32, [vp]),
+        "fdkv_host_reserve": (i32, [ctypes.c_size_t, pp]),
+        "fdkv_host_pin_ranges": (i32, [vp, _C_INT64_P, _C_INT64_P, i64, i32, i32, _C_INT64_P]),
+        "fdkv_host_pin_threads": (i32, []),
         "fdkv_swap_layers": (i32, swap_args),
         "fdkv_swap_layout": (i32, swap_args),
         "fdkv_swap_layer_groups": (i32, [
@@ -144,7 +147,7 @@ class CApi:
         if version < _ABI_VERSION:
             raise OpsNotBuiltError(
                 f"{path} has C ABI version {version}, this package needs {_ABI_VERSION} "
-                f"(error fields, recorded host sizes, read_files, layer groups, launched stacks); rebuild it: {_BUILD_HINT}"
+                f"(error fields, recorded host sizes, read_files, layer groups, launched stacks, piecewise pinning); rebuild it: {_BUILD_HINT}"
             )
         _declare_abi(lib)
         self.is_cuda: bool = bool(lib.fdkv_is_cuda())
@@ -186,7 +189,11 @@ class CApi:
 
     # ---------------------------------------------------------------- pinned memory
     def host_alloc(self, nbytes: int, flags: int = 0) -> int:
-        """Pinned host memory (``cudaHostAlloc``), or 4 KiB-aligned memory without CUDA.
+        """Pinned host memory, or resident 4 KiB-aligned memory without CUDA; it reads as zero.
+
+        With CUDA: anonymous pages faulted in by several threads, then one
+        ``cudaHostRegister`` (portable, mapped); ``cudaHostAlloc(nbytes, flags)`` only for
+        write-combined ``flags``.
 
         The library records the size, so a swap given ``num_host_blocks=-1`` (or the
         Paddle layout op's default ``max_block_num_cpu=-1``) bounds host ids by it.
@@ -206,6 +213,36 @@ class CApi:
         did not hand out, or one already freed, is a :class:`SwapOpError`)."""
         ptr = ptr_arg(ptr, "cuda_host_free", "ptr")
         self.check(self.lib.fdkv_host_free(ctypes.c_void_p(ptr)))
+
+    def host_reserve(self, nbytes: int) -> int:
+        """Address space for ``nbytes`` of host memory that :meth:`host_pin_ranges` pins piece by
+        piece; nothing is resident or pinned yet (instant).  Freed by :meth:`host_free`; the
+        size is recorded as :meth:`host_alloc`'s is.  Its pages read as zero."""
+        if not is_int(nbytes) or not 0 < int(nbytes) < (1 << 64):
+            raise SwapOpError(f"cuda_host_reserve: nbytes = {nbytes!r} must be an integer > 0",
+                              "cuda_host_reserve", "nbytes", None)
+        out = ctypes.c_void_p()
+        self.check(self.lib.fdkv_host_reserve(int(nbytes), ctypes.byref(out)))
+        return int(out.value or 0)
+
+    def host_pin_ranges(self, base: int, ranges: Sequence[tuple[int, int]], threads: int = 0,
+                        device: int = -1) -> int:
+        """Make ``(offset, length)`` byte ranges of the buffer at ``base`` (from
+        :meth:`host_reserve` or :meth:`host_alloc`) resident and, with CUDA, pinned
+        (``cudaHostRegister``); each is rounded out to whole pages and pages pinned before
+        are skipped.  ``threads`` <= 0: :meth:`host_pin_threads`.  ``device`` >= 0: the
+        calling thread's CUDA device is set first.  Returns the bytes newly pinned."""
+        base = ptr_arg(base, "cuda_host_pin", "base")
+        offsets = (ctypes.c_int64 * max(len(ranges), 1))(*[int(o) for o, _ in ranges])
+        lengths = (ctypes.c_int64 * max(len(ranges), 1))(*[int(n) for _, n in ranges])
+        pinned = ctypes.c_int64(0)
+        self.check(self.lib.fdkv_host_pin_ranges(ctypes.c_void_p(base), offsets, lengths, len(ranges),
+                                                 int(threads), int(device), ctypes.byref(pinned)))
+        return int(pinned.value)
+
+    def host_pin_threads(self) -> int:
+        """Threads pinning faults pages in with by default (hardware threads, at most 16)."""
+        return int(self.lib.fdkv_host_pin_threads())
 
     # ---------------------------------------------------------------- options
     def set_option(self, name: str, value: int) -> None:

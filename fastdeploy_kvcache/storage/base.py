@@ -223,6 +223,14 @@ class StorageBackend(abc.ABC):
         detail (a backend whose health() costs a system call answers cheaper)."""
         return bool(self.health().available)
 
+    def keep_new_objects(self, on: bool) -> None:
+        """While on, objects put from now on are not evicted to make room for later puts: a
+        put that would have to answers ``Status.FULL`` instead.  The stop flush turns it on,
+        so a store smaller than the cache fills once and says so, rather than evicting what
+        the flush just wrote (each eviction then reported lost and written again).  A
+        backend whose store evicts on its own (Mooncake's master) ignores it; the flush then
+        does not write again what it wrote and lost (``StorageTier``)."""
+
     @abc.abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters for metrics: bytes/seconds read and written, errors by kind, ..."""

@@ -19,7 +19,10 @@ On-disk object (little-endian)::
   (zero-copy ``preadv`` into registered memory).  A mismatch or a short file counts as a
   miss (``Status.CORRUPT``); the file is deleted and ``corrupt_objects`` counted.
 * **Capacity.**  ``capacity_bytes`` caps the files' total size; a put past it evicts the
-  least recently used objects first.  The LRU order is seeded at start from the files
+  least recently used objects first, never an object of its own batch or, while
+  :meth:`FileBackend.keep_new_objects` is on (the stop flush), one put since: then the put
+  answers ``Status.FULL``.  The index (LRU order, held objects, bytes) is
+  :class:`~.file_index.ObjectIndex`; this module does the I/O and the integrity checks.  The LRU order is seeded at start from the files
   already there (oldest ``max(atime, mtime)`` first).  A hit is recorded in a list and moved
   to the end of the in-memory order before anything reads or changes that order (a put, an
   eviction), which gives the same order as moving it at once; the files' atimes are refreshed later, off the read path: after
@@ -74,9 +77,7 @@ import functools
 import itertools
 import logging
 import os
-import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -84,6 +85,7 @@ from typing import Any, Optional, Sequence, Union
 from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError, StorageHealth, validate_batch
 from fastdeploy_kvcache.storage.buffers import BufferRegistry
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
+from fastdeploy_kvcache.storage.file_index import ObjectIndex
 from fastdeploy_kvcache.storage.file_read import (CHECKSUM_PIECE, FORMAT_VERSION, HEADER, MAGIC, READABLE_VERSIONS, checksum,
                                                   hash_group, mem, read_object, views)
 from fastdeploy_kvcache.storage.log_limit import ThrottledLog
@@ -161,23 +163,18 @@ class FileBackend(StorageBackend):
         self.path.mkdir(parents=True, exist_ok=True)
         self._dir = str(self.path)
         self._dir_prefix = os.path.join(self._dir, "")  # "<dir>/": object paths by concatenation
-        self.capacity_bytes = int(capacity_bytes)
-        self.min_free_bytes = int(min_free_bytes)
         self.fsync = fsync
-        self._lock = threading.Lock()
-        self._lru: "OrderedDict[str, int]" = OrderedDict()  # key -> object bytes, oldest first
-        self._used = 0
+        self._stats = StorageStats()
+        self._index = ObjectIndex(capacity_bytes, min_free_bytes, remove=self._remove_evicted, lost=self._evicted)
+        self._lock = self._index.lock
         self._tmp_counter = itertools.count()
         self._buffers = BufferRegistry()
-        self._stats = StorageStats()
         self._closed = False
         self.io_threads = io_threads
         self._native = _native_reader()
         # Bytes per read of the native read that hashes as it reads (and can scatter each
         # payload over segments); 0 where the library lacks it (then the older readers hash).
         self._hashed_step = _HASHED_READ_STEP if self._native is not None and self._native.has_read_objects else 0
-        self._touched: set[str] = set()  # hits whose file atime is not refreshed yet
-        self._hits: list[str] = []  # hits not yet moved in the LRU (_apply_hits_locked)
         self._touch_flush_queued = False
         self._log = ThrottledLog(logger)
         self._blocked: set[str] = set()  # keys whose path holds a non-file (reported once)
@@ -232,121 +229,65 @@ class FileBackend(StorageBackend):
                 st = entry.stat(follow_symlinks=False)
                 entries.append((max(st.st_atime, st.st_mtime), key, st.st_size))
         entries.sort()
-        for _, key, size in entries:
-            self._lru[key] = size
-            self._used += size
-        evicted = self._evict_locked(0) if self.capacity_bytes else 0
+        evicted = self._index.seed((key, size) for _, key, size in entries)
         logger.info(
             "file storage %s: %d objects, %.3f GiB (cap %s), %d stale temp files removed, %d evicted to fit",
-            self._dir, len(self._lru), self._used / (1 << 30),
+            self._dir, len(self._index), self._index.used_bytes / (1 << 30),
             f"{self.capacity_bytes / (1 << 30):.3f} GiB" if self.capacity_bytes else "none", stale, evicted,
         )
 
     # ------------------------------------------------------------------ LRU and space
-    def _evict_locked(self, incoming: int) -> int:
-        """Evict LRU objects until ``incoming`` more bytes fit under the cap; returns count."""
-        count = 0
-        while self._lru and self._used + incoming > self.capacity_bytes:
-            self._drop_oldest_locked()
-            count += 1
-        return count
+    @property
+    def capacity_bytes(self) -> int:
+        """Cap on the objects' total size (0: none); settable (tests shrink a running store)."""
+        return self._index.capacity_bytes
 
-    def _drop_oldest_locked(self) -> None:
-        self._apply_hits_locked()
-        key, size = self._lru.popitem(last=False)
-        self._used -= size
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: int) -> None:
+        self._index.capacity_bytes = int(value)
+
+    @property
+    def min_free_bytes(self) -> int:
+        return self._index.min_free_bytes
+
+    def keep_new_objects(self, on: bool) -> None:
+        """While on, no put evicts an object put since it was turned on: a put that would
+        have to answers ``Status.FULL`` (the stop flush; see :mod:`.file_index`)."""
+        self._index.keep_new_objects(on)
+
+    def _remove_evicted(self, key: str) -> None:
+        """The index evicted ``key``: delete its file (called with the index's lock held)."""
         try:
             os.unlink(self.file_path(key))
         except FileNotFoundError:
             pass
         except OSError as exc:
             self._log.warning("evict", "file storage: could not evict %s: %s", key, exc)
-        self._stats.add("evicted")
-        self._report_lost([key])
+
+    def _evicted(self, keys: list[str]) -> None:
+        if keys:
+            self._stats.add("evicted", len(keys))
+            self._report_lost(keys)
 
     def _free_bytes(self) -> int:
         st = os.statvfs(self._dir)
         return st.f_bavail * st.f_frsize
 
     def _reserve(self, key: str, size: int) -> bool:
-        """Make room for an object of ``size`` bytes; False when it cannot fit at all."""
-        nbytes = size + HEADER.size
-        with self._lock:
-            self._apply_hits_locked()
-            if self.capacity_bytes and nbytes > self.capacity_bytes:
-                return False
-            old = self._lru.pop(key, None)
-            if old is not None:
-                self._used -= old
-            if self.capacity_bytes:
-                self._evict_locked(nbytes)
-            if self.min_free_bytes:
-                # NOTE: statvfs per put (a few µs) rather than a cached figure: other processes
-                # (and other stores) fill the same disk.  Puts in flight on other io threads
-                # are not yet visible in it, so the floor can be undershot by up to
-                # io_threads objects; keep the floor well above that.
-                if not self._evict_for_space_locked(nbytes, self._free_bytes() + (old or 0)):
-                    return False
-            # Count it now so concurrent puts see the space as taken.
-            self._lru[key] = nbytes
-            self._used += nbytes
-            return True
-
-    def _evict_for_space_locked(self, nbytes: int, free: int) -> bool:
-        """Evict LRU objects until ``nbytes`` fit above the floor; False when they cannot."""
-        self._apply_hits_locked()
-        while free - nbytes < self.min_free_bytes and self._lru:
-            oldest_size = next(iter(self._lru.values()))
-            self._drop_oldest_locked()
-            free += oldest_size
-        return free - nbytes >= self.min_free_bytes
-
-    def _make_room_after_enospc(self, nbytes: int) -> bool:
-        """The disk said ENOSPC: evict LRU objects down to the floor plus ``nbytes`` (at
-        least one, whatever statvfs says: it may count space that cannot be had); True when
-        anything was evicted, so one retry may succeed."""
-        with self._lock:
-            before = len(self._lru)
-            if self._lru:
-                self._drop_oldest_locked()
-            try:
-                free = self._free_bytes()
-            except OSError:
-                free = 0
-            self._evict_for_space_locked(nbytes, free)
-            return len(self._lru) < before
+        """Make room for an object of ``size`` bytes and hold it; False when it cannot fit."""
+        return self._index.reserve(key, size + HEADER.size, self._free_bytes if self.min_free_bytes else None)
 
     def _unreserve(self, key: str) -> None:
-        with self._lock:
-            size = self._lru.pop(key, None)
-            if size is not None:
-                self._used -= size
+        self._index.unreserve(key)
 
     def _touch(self, keys: Sequence[str]) -> None:
         """Hits: newest in the in-memory LRU now; their files' atimes later (:meth:`_flush_touches`)."""
-        with self._lock:
-            self._hits.extend(keys)
-
-    def _apply_hits_locked(self) -> None:
-        """Move the hits recorded by :meth:`_touch` to the newest end of the LRU, in order.
-
-        Called before anything reads or changes the order (a put's reservation, an
-        eviction, :meth:`lru_keys`, an atime flush), so the order is exactly what moving
-        each hit at once would give, while a read pays one list extend instead of a
-        ``move_to_end`` per key."""
-        if not self._hits:
-            return
-        lru, hits, self._hits = self._lru, self._hits, []
-        move = lru.move_to_end
-        for key in hits:
-            if key in lru:  # else forgotten meanwhile, or another process's object
-                move(key)
-                self._touched.add(key)
+        self._index.touch(keys)
 
     def _queue_touch_flush(self) -> None:
         """Refresh atimes on the writer thread once many hits wait (never blocks a read)."""
         with self._lock:
-            if (self._touch_flush_queued or len(self._touched) + len(self._hits) < _MAX_UNFLUSHED_TOUCHES
+            if (self._touch_flush_queued or self._index.pending_touches() < _MAX_UNFLUSHED_TOUCHES
                     or self._closed):
                 return
             self._touch_flush_queued = True
@@ -358,9 +299,8 @@ class FileBackend(StorageBackend):
 
     def _flush_touches(self) -> int:
         """Set atime = now on every file hit since the last flush (the LRU seed of a restart)."""
+        keys = self._index.take_touched()
         with self._lock:
-            self._apply_hits_locked()
-            keys, self._touched = self._touched, set()
             self._touch_flush_queued = False
         now = time.time_ns()
         for key in keys:
@@ -383,7 +323,7 @@ class FileBackend(StorageBackend):
         # NOTE: ENOSPC although our floor let the put through: the disk is fuller than
         # statvfs promised, or the floor is 0.  Evict down to the floor and retry once, so a
         # full disk keeps turning over instead of freezing the store's contents.
-        if self._make_room_after_enospc(size + HEADER.size):
+        if self._index.make_room_after_enospc(size + HEADER.size, self._free_bytes):
             try:
                 return self._put_once(key, ptr, size)
             except _DiskFull:
@@ -422,9 +362,7 @@ class FileBackend(StorageBackend):
                 pass
             self._unreserve(key)
             return self._os_status("put", key, exc)
-        with self._lock:
-            evicted_meanwhile = key not in self._lru
-        if evicted_meanwhile:
+        if key not in self._index:
             # NOTE: a tiny cap let concurrent puts evict this key's reservation while its
             # bytes were being written; an untracked file would escape the cap, so drop it.
             try:
@@ -776,9 +714,12 @@ class FileBackend(StorageBackend):
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         keys, ptrs, sizes = self._check("batch_put_from", keys, ptrs, sizes)
         start = time.perf_counter()
-        results = self._map(self._put_one, keys, ptrs, sizes)
+        try:
+            results = self._map(self._put_one, keys, ptrs, sizes)
+        finally:
+            self._index.release(keys)  # held while the batch ran: its own puts never evict them
         self._stats.record_writes(results, sizes, time.perf_counter() - start)
-        if self._touched or self._hits:
+        if self._index.pending_touches():
             self._flush_touches()  # puts are background work already (see the module doc)
         return results
 
@@ -795,9 +736,7 @@ class FileBackend(StorageBackend):
         for i, key in enumerate(keys):
             self._check_key("delete", i, key)
             with self._lock:
-                size = self._lru.pop(key, None)
-                if size is not None:
-                    self._used -= size
+                self._index.pop_locked(key)
                 try:
                     os.unlink(self.file_path(key))
                     removed += 1
@@ -810,16 +749,14 @@ class FileBackend(StorageBackend):
     # ------------------------------------------------------------------ state
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used_bytes
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._index)
 
     def lru_keys(self) -> list[str]:
         """Keys, least recently used first (tests and debugging)."""
-        with self._lock:
-            self._apply_hits_locked()
-            return list(self._lru)
+        return self._index.keys()
 
     def available(self) -> bool:
         """Open: no statvfs (health() reads the free space too).  A directory that vanished
@@ -835,14 +772,14 @@ class FileBackend(StorageBackend):
             free, ok, detail = 0, False, f"statvfs failed: {exc}"
         return StorageHealth(
             available=ok, backend=self.name, breaker="closed", detail=detail,
-            used_bytes=self._used, capacity_bytes=self.capacity_bytes or None,
-            extra={"free_bytes": free, "objects": len(self._lru)},
+            used_bytes=self._index.used_bytes, capacity_bytes=self.capacity_bytes or None,
+            extra={"free_bytes": free, "objects": len(self._index)},
         )
 
     def stats(self) -> dict[str, Any]:
         snap = self._stats.snapshot()
-        snap.update(backend=self.name, used_bytes=self._used, capacity_bytes=self.capacity_bytes,
-                    objects=len(self._lru), breaker_state="closed", pending_writes=self._writer.pending())
+        snap.update(backend=self.name, used_bytes=self._index.used_bytes, capacity_bytes=self.capacity_bytes,
+                    objects=len(self._index), breaker_state="closed", pending_writes=self._writer.pending())
         return snap
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ import ctypes
 import logging
 import numbers
 import threading
+import time
 from typing import Any, Optional, Union
 
 from fastdeploy_kvcache.config import GiB, CacheConfig
@@ -87,6 +88,12 @@ class CacheController:
         self.host_cache_kvs_map: dict[str, int] = {}
         self._host_nbytes: dict[str, int] = {}
         self._host_slab: Optional[int] = None  # the one host allocation the buffers share
+        # Background pinning of the host cache: blocks [0, _host_ready) have memory.  One
+        # writer (the grower thread, or initialize_host_cache); readers take the int as is.
+        self._host_ready = 0
+        self._host_grower: Optional[threading.Thread] = None
+        self._host_stop = threading.Event()
+        self._host_pin_seconds: Optional[float] = None
         self.num_gpu_blocks = 0
         self.num_host_blocks = 0
         self.numa_node: Optional[int] = None
@@ -193,8 +200,17 @@ class CacheController:
         return [self.cache_kvs_map[names[kind]] for kind in self._kinds()]
 
     # ------------------------------------------------------------------ host cache
-    def initialize_host_cache(self, num_host_blocks: Optional[int] = None) -> None:
+    def initialize_host_cache(self, num_host_blocks: Optional[int] = None, *, grow_chunk_bytes: int = 0,
+                              grow_pace_s: float = 0.0) -> None:
         """Allocate the pinned host cache (a buffer per device cache) for the host tier.
+
+        ``grow_chunk_bytes`` > 0: return at once and pin the cache in the background, about
+        that many bytes of blocks at a time, lowest block ids first (``grow_pace_s``: a pause
+        between pieces).  :attr:`host_blocks_ready` says how many blocks have memory; the
+        scheduler must use no other (``CacheManager.add_landed_host_blocks``).  Why: pinning
+        32 GiB takes many seconds, and the server need not wait for it.  The buffers keep one
+        base address each (the cache is reserved whole, then pinned block range by block
+        range), so nothing else changes.  0 (the default): pinned before returning.
 
         One allocation holds every buffer, back to back in the copy op's lane order: buffers
         of one size then sit at one pitch, and an all-layer copy moves a run of blocks as one
@@ -206,7 +222,18 @@ class CacheController:
         self.config.validate()
         blocks = self.config.host_block_count if num_host_blocks is None else num_host_blocks
         blocks = _check_block_count("initialize_host_cache", "num_host_blocks", blocks)
+        if not isinstance(grow_chunk_bytes, numbers.Integral) or isinstance(grow_chunk_bytes, bool) or grow_chunk_bytes < 0:
+            raise ValueError(f"initialize_host_cache: grow_chunk_bytes must be an int >= 0, got {_show(grow_chunk_bytes)}")
+        if not isinstance(grow_pace_s, numbers.Real) or not 0 <= grow_pace_s < float("inf"):
+            raise ValueError(f"initialize_host_cache: grow_pace_s must be a finite number >= 0, got {_show(grow_pace_s)}")
         self._check_cache_size("host cache", blocks, numa.physical_memory_bytes(), "swap_space / num_host_blocks")
+        if grow_chunk_bytes > 0 and self.backend.is_cuda:
+            # NOTE: on an H200, cudaMemcpy2DAsync over a host range pinned as several
+            # cudaHostRegister pieces failed with cudaErrorInvalidValue (bench_overlap
+            # --host-grow-chunk-mib 4): every all-layer copy spans pieces.  Until the copy path
+            # handles pieces (or the pieces are registered again as one), CUDA copies pin first.
+            raise ValueError("initialize_host_cache: pinning in the background (grow_chunk_bytes > 0, "
+                             "FDKV_HOST_GROW_CHUNK_MIB) works with CPU copies only; with CUDA copies set it to 0")
         with self._lock:
             self._check_open()
             if self.host_cache_kvs_map:
@@ -222,7 +249,9 @@ class CacheController:
                         for kind in self._kinds()
                     }
                     offsets, total = slab_offsets(sizes.values())
-                    self._host_slab = self.backend.host_alloc(total)
+                    t0 = time.perf_counter()
+                    grow = grow_chunk_bytes > 0
+                    self._host_slab = self.backend.host_reserve(total) if grow else self.backend.host_alloc(total)
                     for (name, nbytes), offset in zip(sizes.items(), offsets):
                         self.host_cache_kvs_map[name] = self._host_slab + offset
                         self._host_nbytes[name] = nbytes
@@ -230,12 +259,64 @@ class CacheController:
                     self._free_host()
                     raise
             self.num_host_blocks = blocks
-            logger.info(
-                "host KV cache: %d blocks, %.3f GiB pinned%s",
-                blocks, blocks * self.config.bytes_per_block / (1 << 30),
-                (f", NUMA node {node if node is not None else 'unknown'}" if self.backend.is_cuda else ""),
-            )
+            gib = blocks * self.config.bytes_per_block / (1 << 30)
+            where = f", NUMA node {node if node is not None else 'unknown'}" if self.backend.is_cuda else ""
             self._update_layout()
+            if not grow:
+                self._host_ready = blocks
+                self._host_pin_seconds = time.perf_counter() - t0
+                logger.info("host KV cache: %d blocks, %.3f GiB pinned in %.2f s%s", blocks, gib,
+                            self._host_pin_seconds, where)
+                return
+            # Byte ranges of blocks [a, b) in every buffer: (offset in the slab, bytes per block).
+            lanes = [(offset, self._block_bytes(kind))
+                     for offset, kind in zip(offsets, [k for _ in range(self.num_layers) for k in self._kinds()])]
+            chunk = max(1, grow_chunk_bytes // self.config.bytes_per_block)
+            self._host_ready = 0
+            self._host_stop.clear()
+            logger.info("host KV cache: %d blocks, %.3f GiB, pinned in the background, %d blocks at a time%s",
+                        blocks, gib, chunk, where)
+            self._host_grower = threading.Thread(
+                target=self._grow_host, args=(self._host_slab, lanes, blocks, chunk, float(grow_pace_s), node, t0),
+                name="fdkv-host-pin", daemon=True)
+            self._host_grower.start()
+
+    def _grow_host(self, slab: int, lanes: list[tuple[int, int]], blocks: int, chunk: int, pace_s: float,
+                   node: Optional[int], t0: float) -> None:
+        """Grower thread: pin blocks ``[ready, ready + chunk)`` of every buffer, publish, repeat.
+
+        Stops between pieces when ``_host_stop`` is set (free_cache / close: SIGTERM while
+        pinning); a failure leaves the tier at what landed (logged), never the process down.
+        """
+        done = 0
+        try:
+            with numa.PreferredNumaNode(node) if self.backend.is_cuda else contextlib.nullcontext():
+                while done < blocks and not self._host_stop.is_set():
+                    end = min(blocks, done + chunk)
+                    self.backend.host_pin(slab, [(off + done * bb, (end - done) * bb) for off, bb in lanes])
+                    done = end
+                    self._host_ready = end  # publish only after the piece is pinned
+                    if pace_s and done < blocks and self._host_stop.wait(pace_s):
+                        break
+        except Exception:  # noqa: BLE001 - the tier keeps serving from what landed
+            logger.error("host KV cache: pinning stopped at %d of %d blocks", done, blocks, exc_info=True)
+            return
+        if done == blocks:
+            self._host_pin_seconds = time.perf_counter() - t0
+            logger.info("host KV cache complete: %d blocks, %.3f GiB pinned in %.2f s", blocks,
+                        blocks * self.config.bytes_per_block / (1 << 30), self._host_pin_seconds)
+        else:
+            logger.info("host KV cache: pinning stopped at %d of %d blocks (cache freed)", done, blocks)
+
+    @property
+    def host_blocks_ready(self) -> int:
+        """Host blocks whose memory is pinned: all of them once the cache is complete."""
+        return self._host_ready
+
+    @property
+    def host_pin_seconds(self) -> Optional[float]:
+        """Seconds the whole host cache took to pin; None until it is complete."""
+        return self._host_pin_seconds
 
     def _check_cache_size(self, what: str, blocks: int, limit: Optional[int], knob: str) -> None:
         """ValueError, before anything is allocated, for a cache that cannot fit.
@@ -341,8 +422,10 @@ class CacheController:
             finished = self.transfer_manager.drain()
             for array in self.cache_kvs_map.values():
                 self.backend.fill_zero(array)
+            # Only the landed blocks: the rest are untouched zero pages the grower may be pinning.
+            ready = self._host_ready
             for name, ptr in self.host_cache_kvs_map.items():
-                ctypes.memset(ptr, 0, self._host_nbytes[name])
+                ctypes.memset(ptr, 0, self._host_nbytes[name] // self.num_host_blocks * ready)
             self.transfer_manager.reset_stats()
             self._layer_done_counter = None
             return finished
@@ -364,6 +447,14 @@ class CacheController:
             return finished
 
     def _free_host(self) -> None:
+        grower, self._host_grower = self._host_grower, None
+        if grower is not None:
+            # The piece being pinned finishes first (a second or so at most): unmapping
+            # under a cudaHostRegister would fail it, or worse.
+            self._host_stop.set()
+            grower.join()
+        self._host_ready = 0
+        self._host_pin_seconds = None
         slab, self._host_slab = self._host_slab, None
         if slab is not None:
             try:
@@ -410,6 +501,7 @@ class CacheController:
             num_layers=self.num_layers,
             num_gpu_blocks=self.num_gpu_blocks,
             num_host_blocks=self.num_host_blocks,
+            host_blocks_ready=self._host_ready,
             numa_node=self.numa_node,
         )
         return stats

@@ -69,7 +69,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, TypeVar
 
 from fastdeploy_kvcache import ops
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection
@@ -126,8 +126,8 @@ class _CheckedIds(NamedTuple):
     host: Any = None
 
 
-#: Test hook signature: (direction, layer or -1 for all layers, metadata) -> None; may raise.
-FaultInjector = Callable[[CopyDirection, int, CacheSwapMetadata], None]
+#: What :meth:`TransferManager.wrap_backend` returns: the wrapper it was given.
+WrappedBackend = TypeVar("WrappedBackend")
 
 
 def _check_metadata_arg(name: str, value: object) -> None:
@@ -365,7 +365,6 @@ class TransferManager:
         # A load's launch with the layout's arrays, stream and launcher bound (made at the
         # first load of a layout).
         self._load_stack: Any = None
-        self.fault_injector: Optional[FaultInjector] = None
         self._inflight: list[_Task] = []
         self._finished: list[CacheSwapMetadata] = []
         self._stats = {direction: _DirectionStats() for direction in CopyDirection}
@@ -400,6 +399,24 @@ class TransferManager:
             self.layout = layout
             self._tables = None if layout is None else _LayoutTables.of(layout, self.backend)
             self._load_stack = None
+
+    def wrap_backend(self, wrap: Callable[[Backend], WrappedBackend]) -> WrappedBackend:
+        """Put ``wrap(backend)`` between this manager and its backend, and return it.
+
+        For a wrapper that delegates to the backend it wraps (fault injection in tests:
+        ``worker.backends.faulty``): the streams, events and launchers made by the backend
+        stay in use, and every later copy goes through the wrapper on the normal launch
+        path.  Only with nothing in flight (RuntimeError otherwise): the layout's tables
+        are made again through the wrapper.
+        """
+        with self._lock:
+            self._reap()
+            if self._inflight:
+                raise RuntimeError("cannot wrap the backend with copies in flight; drain() first")
+            wrapped = wrap(self.backend)
+            self.backend = wrapped
+            self.set_layout(self.layout)
+            return wrapped
 
     # ------------------------------------------------------------------ submit
     def submit(
@@ -608,8 +625,6 @@ class TransferManager:
         self._inflight.append(task)
 
         def run() -> None:
-            if self.fault_injector is not None:
-                self.fault_injector(CopyDirection.DEVICE_TO_HOST, -1, meta)
             self.backend.swap_blocks(
                 arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, CopyDirection.DEVICE_TO_HOST, out,
                 path=self._d2h_path_code,
@@ -665,9 +680,8 @@ class TransferManager:
         # rule 2 (one still reading a device block we are about to overwrite).
         priors = self._conflicting_priors(task, {"device": 2, "host": 5})
         self._inflight.append(task)
-        if self.backend.has_layer_groups and tables.group_size and self.fault_injector is None:
-            # One native launch enqueues every layer and records its event (the test fault
-            # hook is per layer, so it keeps the loop below).
+        if self.backend.has_layer_groups and tables.group_size:
+            # One native launch enqueues every layer and records its event.
             self._launch_stack(task, compute_done, priors, dev_ids, host_ids)
             return task
         num_layers = layout.num_layers
@@ -692,8 +706,6 @@ class TransferManager:
                     def run(layer: int = layer, arrays: Sequence[Any] = arrays, ptrs: Sequence[int] = ptrs) -> None:
                         if task.error is not None:
                             return
-                        if self.fault_injector is not None:
-                            self.fault_injector(CopyDirection.HOST_TO_DEVICE, layer, meta)
                         self.backend.swap_blocks(
                             arrays, ptrs, layout.num_host_blocks, dev_ids, host_ids, CopyDirection.HOST_TO_DEVICE,
                             inp, path=ops.COPY_PATH_PROCESS,

@@ -135,3 +135,45 @@ def test_longest_run_allocation_prunes_emptied_buckets_from_the_heap():
     assert len(pool._heap) <= len(live_buckets)
     pool.free(out + taken)
     assert pool.num_free == 64 * 64
+
+
+def test_ids_not_landed_are_neither_free_nor_allocated():
+    """A pool with part of its ids ready (a host tier still pinning) hands out only those."""
+    pool = BlockPool(150, CacheLevel.HOST, num_ready=70)  # a bucket and a part of the next
+    assert (pool.num_free, pool.num_used, pool.num_ready) == (70, 0, 70)
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(71)
+    ids = pool.allocate(70, contiguous=True)
+    assert ids == list(range(70))
+    assert pool.num_free == 0 and pool.usage() == 1.0
+    with pytest.raises(BlockPoolError, match="not landed"):
+        pool.free([100])
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate_one()
+    # Landing: new ids join the free set, ascending; a smaller count is a no-op.
+    assert pool.extend_ready(130) == 60
+    assert pool.extend_ready(100) == 0 and pool.num_ready == 130
+    assert pool.free_ids() == list(range(70, 130))
+    assert pool.allocate(60, contiguous=True) == list(range(70, 130))
+    pool.free(ids)
+    assert pool.extend_ready(150) == 20
+    assert pool.num_free == 90 and pool.free_ids() == list(range(70)) + list(range(130, 150))
+    # Wholly landed buckets take part in run allocation again.
+    assert pool.allocate(64, contiguous=True) == list(range(64))
+    pool.reset()
+    assert pool.num_free == 150 and pool.free_ids() == list(range(150))
+    with pytest.raises(ValueError):
+        pool.extend_ready(151)
+    with pytest.raises(ValueError):
+        BlockPool(10, num_ready=11)
+
+
+def test_landing_in_single_ids_matches_a_fully_ready_pool():
+    """However the ids land, once all have, allocation behaves as a pool built ready."""
+    grown, ready = BlockPool(200, num_ready=0), BlockPool(200)
+    for n in range(1, 201, 7):
+        grown.extend_ready(n)
+    grown.extend_ready(200)
+    for n in (3, 70, 1, 64, 10):
+        assert grown.allocate(n, contiguous=True) == ready.allocate(n, contiguous=True)
+    assert grown.free_ids() == ready.free_ids()

@@ -664,3 +664,32 @@ def test_invariant_checks_survive_python_O():
     )
     out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("caught device: free 3")
+
+
+def test_host_blocks_are_used_only_once_landed():
+    """A host tier still being pinned: evictions go to landed host blocks only; with none
+    landed, an eviction drops the block (recompute later) instead of copying it.  (The state
+    machine covers every policy with partly landed host tiers.)"""
+    cfg = CacheConfig(block_size=BS, num_gpu_blocks=4, num_host_blocks=8, write_policy="write_back")
+    mgr = CacheManager(cfg, host_blocks_ready=0)
+    sh = ShadowMemory(4, 8, BS)
+    assert mgr.get_stats()["host_blocks_ready"] == 0 and mgr.get_stats()["host_blocks_total"] == 8
+    cache_prompt(mgr, sh, "a", list(range(13)))
+    cache_prompt(mgr, sh, "b", list(range(100, 115)))  # evicts a's blocks: no host block to take
+    assert mgr.check_invariants()["host_cached"] == 0
+    assert mgr.match_prefix(Request("x", list(range(13)) + [7])).num_matched_blocks == 0
+    assert mgr.add_landed_host_blocks(3) == 3
+    assert mgr.get_stats()["host_blocks_ready"] == 3
+    cache_prompt(mgr, sh, "c", list(range(200, 213)))  # evicts b's blocks to the landed ones
+    cache_prompt(mgr, sh, "d", list(range(300, 315)))  # evicts c's: b's host copies make room
+    used = {n.host_block_id for n in mgr.tree.iter_nodes() if n.host_block_id is not None}
+    assert used == {0, 1, 2}
+    counts = mgr.check_invariants()
+    assert counts["host_free"] + counts["host_owned"] + counts["host_cached"] == 3
+    mgr.add_landed_host_blocks(8)
+    e = Request("e", list(range(200, 200 + 4 * len(used))) + [7])
+    m = mgr.match_prefix(e)
+    assert m.num_host_blocks == len(used)
+    mgr.allocate_device_blocks(e, blocks_for(e))
+    step(mgr, sh, [e])
+    sh.check_request(e)  # the blocks that came back from the landed host blocks are c's

@@ -22,7 +22,7 @@ from fastdeploy_kvcache.core.request import Request
 CORE = Path(__file__).resolve().parents[2] / "fastdeploy_kvcache" / "core"
 # The facade, its parts, what they share, and the modules that read the manager.
 MANAGER_MODULES = ("cache_manager", "matching", "allocation", "lifecycle", "copies", "eviction", "manager_state",
-                   "invariants", "storage_tier")
+                   "invariants", "storage_tier", "tier_port")
 
 
 def _private_reads(path: Path) -> list[str]:
@@ -45,6 +45,52 @@ def test_no_module_of_the_manager_reads_private_names_of_another_object(module: 
     path = CORE / f"{module}.py"
     assert path.is_file(), f"{path} is gone: update MANAGER_MODULES"
     assert _private_reads(path) == [], f"{path.name} reads private names of other objects"
+
+
+# What only the manager's parts and the port may touch: the tree, its writes, the pools.
+_TIER_FORBIDDEN = {"manager", "tree", "root", "host_pool", "device_pool", "evictor", "pool", "add_child",
+                   "set_host", "clear_host", "set_device", "clear_device", "remove", "detach_subtree",
+                   "free", "free_one", "allocate", "allocate_one", "pin", "unpin"}
+
+
+def test_the_storage_tier_reaches_the_cache_only_through_its_port() -> None:
+    """storage_tier.py names no tree, pool or manager attribute, nor any of their writes, on
+    any object, and imports neither the manager nor its parts: everything it does to the cache
+    goes through ``StoragePort`` (the tree's writers are the manager's parts and the port)."""
+    path = CORE / "storage_tier.py"
+    tree = ast.parse(path.read_text(), str(path))
+    found = sorted(f"{n.lineno}: {ast.unparse(n)}" for n in ast.walk(tree)
+                   if isinstance(n, ast.Attribute) and n.attr in _TIER_FORBIDDEN)
+    assert found == [], f"storage_tier.py reaches past its port: {found}"
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    parts = {f"fastdeploy_kvcache.core.{m}" for m in ("cache_manager", "eviction", "allocation", "lifecycle",
+                                                        "copies", "matching", "radix_tree")}
+    assert not imported & parts, f"storage_tier.py imports the manager's parts: {imported & parts}"
+
+
+def test_the_evictor_knows_no_storage_tier() -> None:
+    """The evictor tells a listener of host evictions; it never names the storage tier, so calls
+    run manager -> tier through the listener and tier -> manager through the port."""
+    text = (CORE / "eviction.py").read_text()
+    assert "StorageTier" not in text and "storage_tier" not in text
+
+
+def test_a_bound_tier_holds_the_port_and_no_manager(tmp_path: Path) -> None:
+    from fastdeploy_kvcache.core.storage_tier import StorageTier
+    from fastdeploy_kvcache.core.tier_port import StoragePort
+    from fastdeploy_kvcache.storage import KeyNamespace
+    from fastdeploy_kvcache.storage.config import StorageConfig
+    from fastdeploy_kvcache.storage.file_backend import FileBackend
+
+    ns = KeyNamespace(model="m", weights_fingerprint="w", dtype="float32", block_size=4, layout="l")
+    tier = StorageTier(FileBackend(path=str(tmp_path), min_free_bytes=0), ns,
+                       StorageConfig(backend="file", path=str(tmp_path)))
+    mgr = CacheManager(CacheConfig(num_gpu_blocks=8, block_size=4, num_host_blocks=8), storage=tier)
+    assert isinstance(tier.port, StoragePort) and tier.port is mgr.storage_port
+    held = [v for v in vars(tier).values() if v is mgr or v is mgr.tree or v is mgr.host_pool or v is mgr.evictor]
+    assert held == [], "the tier holds the manager, its tree or a pool directly"
+    with pytest.raises(ValueError, match="already serves"):
+        tier.bind(mgr.storage_port)
 
 
 def _running_manager() -> tuple[CacheManager, Request]:

@@ -77,8 +77,11 @@ class CacheMachine(RuleBasedStateMachine):
         num_host=st.sampled_from([0, 6, 12, 24]),
         threshold=st.sampled_from([1, 1, 2, 3]),
         cache_output=st.booleans(),
+        # Host blocks whose memory has landed at the start (a host tier pinned in the
+        # background); None: all of them.  The rest land through land_host_blocks.
+        landed=st.sampled_from([None, None, 0, 3]),
     )
-    def setup(self, policy, num_dev, num_host, threshold, cache_output):
+    def setup(self, policy, num_dev, num_host, threshold, cache_output, landed=None):
         cfg = CacheConfig(
             block_size=BS,
             num_gpu_blocks=num_dev,
@@ -87,7 +90,8 @@ class CacheMachine(RuleBasedStateMachine):
             write_through_threshold=threshold,
             enable_output_caching=cache_output,
         )
-        self.mgr = CacheManager(cfg)
+        self.landed = num_host if landed is None else min(landed, num_host)
+        self.mgr = CacheManager(cfg, host_blocks_ready=self.landed)
         self.dev: list[object] = [None] * num_dev
         self.host: list[object] = [None] * num_host
         self.waiting: list[Request] = []
@@ -158,6 +162,11 @@ class CacheMachine(RuleBasedStateMachine):
     def _execute(self, meta: CacheSwapMetadata | None, ok: bool) -> None:
         if meta is None or meta.is_empty:
             return
+        host_ids = meta.dst_block_ids if meta.dst_type is CacheLevel.HOST else meta.src_block_ids
+        assert all(h < self.landed for h in host_ids), (
+            f"a copy uses host blocks {sorted(h for h in host_ids if h >= self.landed)} before their memory "
+            f"landed (ready: {self.landed})"
+        )
         self.poison.update(apply_copy(meta, self.dev, self.host, ok))
         backups = frozenset()
         if meta.src_type is CacheLevel.DEVICE:
@@ -449,7 +458,7 @@ class CacheMachine(RuleBasedStateMachine):
         lambda self: self.mgr is not None
         and self.mgr.write_policy == "write_through_selective"
         and self.mgr.write_through_threshold == 1
-        and len(self.host) >= 6
+        and self.landed >= 6
         and not self.probed
         and not self.running
         and self.mgr.num_copies_in_flight == 0
@@ -516,6 +525,17 @@ class CacheMachine(RuleBasedStateMachine):
         mgr.request_finish(req)  # computed nothing: every block goes back to the pool
         LIVENESS_CHECKS.append(total)
 
+    @precondition(lambda self: self.mgr is not None and self.landed < len(self.host))
+    @rule(k=st.integers(1, 8))
+    def land_host_blocks(self, k):
+        """More of a host tier pinned in the background lands: its blocks join the free list."""
+        before = self.mgr.host_pool.num_free
+        self.landed = min(len(self.host), self.landed + k)
+        added = self.mgr.add_landed_host_blocks(self.landed)
+        assert self.mgr.host_pool.num_free == before + added
+        assert self.mgr.host_pool.num_ready == self.landed
+        COVERAGE["host_blocks_landed"] = COVERAGE.get("host_blocks_landed", 0) + 1
+
     @precondition(lambda self: not self.running)
     @rule()
     def reset(self):
@@ -575,7 +595,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.mgr.num_copies_in_flight == 0
         assert counts["device_owned"] == 0 and counts["host_owned"] == 0
         self.mgr.reset_cache()
-        assert self.mgr.device_pool.num_free == len(self.dev) and self.mgr.host_pool.num_free == len(self.host)
+        assert self.mgr.device_pool.num_free == len(self.dev) and self.mgr.host_pool.num_free == self.landed
         STEP_COUNTS.append(self.steps)
         for key, value in self.mgr.get_stats().items():
             if isinstance(value, int):
@@ -612,7 +632,7 @@ def test_cache_manager_state_machine():
     # The traces must actually exercise every path the oracle is there for.
     for key in ("swap_in_blocks", "write_back_blocks", "backup_blocks", "failed_blocks", "device_evictions",
                 "host_evictions", "duplicate_blocks", "matched_tokens_host", "recompute_over_backup_source",
-                "shared_load_blocks", "committed_blocks"):
+                "shared_load_blocks", "committed_blocks", "host_blocks_landed"):
         assert COVERAGE.get(key, 0) > 0, (key, COVERAGE)
     assert len(LIVENESS_CHECKS) >= 50, f"the liveness rule ran {len(LIVENESS_CHECKS)} times"
 

@@ -206,12 +206,13 @@ def test_a_load_in_flight_is_shared(monkeypatch, tiny_model, recompute_tokens):
 
 
 def test_a_failed_shared_load_makes_every_reader_recompute(monkeypatch, tiny_model, recompute_tokens):
+    from fastdeploy_kvcache.worker.backends.faulty import FaultInjectingBackend
     from tests.reuse_workloads import FailLoads
 
     eng = _host_only_prefix(monkeypatch, tiny_model)
     try:
         inject = FailLoads(1)
-        eng.pool.controller.transfer_manager.fault_injector = inject
+        eng.pool.controller.transfer_manager.wrap_backend(FaultInjectingBackend).rule = inject
         col = Collector()
         for i in range(1, 4):
             eng.add_request(f"r{i}", _prompt(i), greedy(6), col)

@@ -19,6 +19,7 @@ from tests.reuse_workloads import doc as _doc  # noqa: F401
 from tests.reuse_workloads import run_waves as run_waves  # noqa: F401
 from tests.reuse_workloads import Collector, greedy
 from fastdeploy_kvcache.core.metadata import CopyDirection
+from fastdeploy_kvcache.worker.backends.faulty import CopyCall, FaultInjectingBackend
 
 
 class TestReuse(ReuseChecks):
@@ -38,12 +39,12 @@ def test_a_request_arriving_during_idle_backups_starts_without_waiting_for_them(
                          num_gpu_blocks=16, num_host_blocks=64, max_num_seqs=1)
     backup_started, release = threading.Event(), threading.Event()
 
-    def hold_backups(direction: CopyDirection, layer: int, meta: Any) -> None:
-        if direction is CopyDirection.DEVICE_TO_HOST:
+    def hold_backups(call: CopyCall) -> None:
+        if call.direction is CopyDirection.DEVICE_TO_HOST:
             backup_started.set()
             release.wait(60)
 
-    eng.pool.controller.transfer_manager.fault_injector = hold_backups
+    eng.pool.controller.transfer_manager.wrap_backend(FaultInjectingBackend).rule = hold_backups
     col = Collector()
     try:
         eng.add_request("first", _doc(0), greedy(2), col)

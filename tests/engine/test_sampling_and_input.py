@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache.engine.args import EngineArgs, add_engine_cli_args
+from fastdeploy_kvcache.engine.request_checks import RequestRejected
 from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams
 from fastdeploy_kvcache.engine.tokenizer import IncrementalDetokenizer, build_tiny_tokenizer
 from tests.engine.conftest import Collector, greedy
@@ -137,12 +138,24 @@ def test_bad_sampling_values_are_value_errors(engine_factory: Any, kwargs: dict,
 def test_bad_requests_are_value_errors(engine_factory: Any) -> None:
     eng = engine_factory(v1=True, max_model_len=64)
     cb = lambda o: None  # noqa: E731
-    with pytest.raises(ValueError, match="prompt: must be a non-empty"):
+    with pytest.raises(RequestRejected, match="prompt: the prompt is empty"):
         eng.add_request("a", [], greedy(), cb)
-    with pytest.raises(ValueError, match="longer than max_model_len=64"):
+    with pytest.raises(RequestRejected, match=r"prompt: the prompt has 67 tokens; .*\(--max-model-len\) is 64") as info:
         eng.add_request("b", list(range(3, 70)), greedy(), cb)
-    with pytest.raises(ValueError, match=r"prompt: token 1 .* is not an id"):
+    assert info.value.code == "context_length_exceeded"
+    vocab = eng.loaded.vocab_size
+    with pytest.raises(RequestRejected, match=rf"prompt: token id 1000000 at position 1 is out of range \[0, {vocab}\)"):
         eng.add_request("c", [5, 10**6], greedy(), cb)
+    # One definition of the vocabulary, one wording, for the prompt and stop_token_ids alike.
+    with pytest.raises(RequestRejected, match=rf"stop_token_ids: token id {vocab} at position 0 is out of range \[0, {vocab}\)"):
+        eng.add_request("c", [5], SamplingParams(stop_token_ids=[vocab]), cb)
+    with pytest.raises(RequestRejected, match="prompt: token id True at position 0 is not an integer"):
+        eng.add_request("c", [True], greedy(), cb)
+    # All or none: a bad request in a group leaves the good one unqueued too.
+    group = Collector()
+    with pytest.raises(RequestRejected, match="prompt: the prompt is empty"):
+        eng.add_requests([("g1", [5, 6], greedy(), group, None), ("g2", [], greedy(), group, None)])
+    assert eng.wait_idle(30) and group.outputs == {}  # g1 never ran
     with pytest.raises(ValueError, match="request_id"):
         eng.add_request("", [5], greedy(), cb)
     col = Collector()

@@ -41,6 +41,10 @@ def run_server_cmd(*args: str, timeout: float = 120) -> subprocess.CompletedProc
     (["--model", "tiny-llama-random", "--device", "gpu"], "--device"),
     (["--kv-cache-dtype", "uint8"], "--kv-cache-dtype"),
     (["--model", "tiny-llama-random", "--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--model", "tiny-llama-random", "--max-model-len", "4097"], "--max-model-len"),  # 4096 positions
+    (["--model", "llama3-8b-random", "--model-impl", "transformers", "--max-model-len", "32768"], "--max-model-len"),
+    (["--model", "llama3-8b-random"], "--model"),  # the transformers runner's only
+    (["--model", "tiny-llama-random", "--gpu-memory-utilization", "1.2"], "--gpu-memory-utilization"),
     (["--swap-space", "-1"], "--swap-space"),
     (["--model", str(ROOT / "docs")], "--model"),  # a directory that is not a checkpoint
     (["--model", "tiny-llama-random", "--kvcache-storage-backend", "file", "--kvcache-storage-path",
@@ -56,6 +60,17 @@ def test_configuration_error_is_one_line_naming_the_flag(args: list[str], flag: 
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and "error" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("name, value", [("ENABLE_V1_KVCACHE_MANAGER", "maybe"),
+                                         ("FDKV_LAYER_WAIT_TIMEOUT_S", "-3")])
+def test_bad_environment_variable_is_one_line_before_the_model_loads(name: str, value: str) -> None:
+    out = subprocess.run([*SERVER, "--port", str(free_port()), "--model", "tiny-llama-random"],
+                         capture_output=True, text=True, env=dict(ENV, **{name: value}), timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{name}={value!r}" in lines[0] and "error" in lines[0], out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -90,6 +105,35 @@ def test_help_shows_every_default_and_only_accepted_values() -> None:
     assert "uint8" not in text  # the engine rejects it
     assert "from free memory" not in text
     assert "--max-num-seqs sequences of --max-model-len tokens" in text
+
+
+def _help_entry(help_text: str, flag: str) -> str:
+    """The flag's entry of ``--help``, on one line."""
+    entry: list[str] = []
+    for line in help_text.split("options:", 1)[1].splitlines():
+        if re.match(r"^  -", line):
+            if entry:
+                break
+            if line.strip().startswith(flag + " "):
+                entry.append(line.strip())
+        elif entry and line.startswith("   "):
+            entry.append(line.strip())
+    return " ".join(entry)
+
+
+def test_help_says_what_build_sh_serve_passes_for_the_host_tier() -> None:
+    """`bash build.sh serve` and `serve-gpu` start with a host tier the flag's default does not
+    give: --help says both, with the values build.sh really passes."""
+    script = (ROOT / "build.sh").read_text()
+    serve = re.search(r"\n  serve\)(.*?);;", script, re.S).group(1)
+    serve_gpu = re.search(r"\n  serve-gpu\)(.*?);;", script, re.S).group(1)
+    passed = re.search(r"--swap-space (\d+(?:\.\d+)?) ", serve).group(1)
+    gpu_default = re.search(r'--swap-space "\$\{FDKV_SWAP_SPACE:-(\d+)\}"', serve_gpu).group(1)
+    out = run_server_cmd("--help", timeout=60)
+    entry = _help_entry(out.stdout, "--swap-space")
+    assert "default: 0" in entry, entry
+    assert f"`bash build.sh serve` gives {passed}" in entry, entry
+    assert "FDKV_SWAP_SPACE" in entry and f"{gpu_default} unless set" in entry, entry
 
 
 def _venv_python() -> Path:

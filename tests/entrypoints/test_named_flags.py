@@ -45,6 +45,7 @@ THIRD_PARTY: dict[str, str] = {
     "--implementation": "pip download",
     "--platform": "pip download",
     "--no-index": "pip install (docs/usage.md, build.sh's offline wheels)",
+    "--tokenizer": "SGLang's and vLLM's bench_serving (docs/usage.md, a tokenizer for clients)",
 }
 
 # Text that looks like a flag but is none: the arrows of docs/pd_disaggregation.md's
@@ -73,7 +74,8 @@ def _flags_defined_in(path: Path) -> set[str]:
 def _other_programs_flags() -> set[str]:
     """Flags of the repository's other command-line programs (benchmarks, router, launcher)."""
     paths = sorted((ROOT / "benchmarks").glob("*.py")) + [
-        PACKAGE / "entrypoints" / "router" / "cli.py", PACKAGE / "storage" / "mooncake_local.py"]
+        PACKAGE / "entrypoints" / "router" / "cli.py", PACKAGE / "storage" / "mooncake_local.py",
+        PACKAGE / "entrypoints" / "cli.py"]  # its tokenizer subcommand
     out: set[str] = set()
     for p in paths:
         out |= _flags_defined_in(p)

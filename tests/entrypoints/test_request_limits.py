@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from conftest import MAX_MODEL_LEN, MODEL
+from conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL
 from fastdeploy_kvcache.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES
 
 # A /health answer slower than this while a huge prompt is handled means the loop stalled.
@@ -115,7 +115,7 @@ def test_chat_messages_that_cannot_fit_are_400_before_templating(server: Any) ->
 
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"model": MODEL, "prompt": "ab\ud800cd", "max_tokens": 2}, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["fine", "x\udfff"], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["fine", "x\udfff"], "max_tokens": 2}, "prompt[1]"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi \ud83d"}]},
      "messages[0].content"),
 ], ids=["completion", "completion list", "chat"])
@@ -131,3 +131,105 @@ def test_lone_surrogate_is_400_without_a_traceback(server: Any, path: str, body:
     with open(server.log_path, "rb") as f:
         new_log = f.read()[log_before:].decode(errors="replace")
     assert "Traceback" not in new_log and "ERROR" not in new_log, new_log
+
+
+# ---------------------------------------------------------------------- malformed bodies
+def _error(resp: httpx.Response) -> dict[str, Any]:
+    assert resp.status_code == 400, resp.text[:500]
+    return resp.json()["error"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": "a\ud800"}, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["ok", "\udc00b"]}, "stop[1]"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": "\ud800"},
+     "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "user": "u\ud800"}, "user"),
+    ("/v1/completions", {"model": "x\ud800", "prompt": "hi"}, "model"),
+    ("/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     "messages[0].content[0].text"),
+], ids=["stop", "stop list", "chat stop", "user", "model", "content part"])
+def test_lone_surrogate_in_any_text_field_is_400(server: Any, path: str, body: Any, param: str) -> None:
+    """Every text field is held to the same rule as the prompt (raw HTTP: the `openai` client
+    cannot encode a lone surrogate)."""
+    err = _error(_post(server, path, json.dumps(body).encode()))
+    assert err["param"] == param and "lone UTF-16 surrogate" in err["message"], err
+
+
+@pytest.mark.parametrize("field,value", [
+    ("stream", "yes"), ("stream", 1), ("echo", "false"), ("ignore_eos", "true"),
+    ("max_tokens", True), ("max_tokens", 2.0), ("n", True), ("seed", "7"), ("top_k", False),
+    ("stop_token_ids", [True]), ("prompt", [1, True]), ("stream_options", {"include_usage": 1}),
+    ("temperature", True), ("temperature", "0.5"),
+])
+def test_booleans_and_integers_have_strict_types(server: Any, field: str, value: Any) -> None:
+    """A JSON string is not a boolean and a boolean is not an integer: 400 naming the field."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value}
+    err = _error(_post(server, "/v1/completions", json.dumps(body).encode()))
+    assert err["param"] is not None and err["param"].startswith(field) and field in err["message"], err
+
+
+def test_strict_types_through_the_openai_client(server: Any) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=True)  # type: ignore[arg-type]
+    assert info.value.body["param"] == "max_tokens", info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"ignore_eos": "yes"})
+    assert info.value.body["param"] == "ignore_eos", info.value.body
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2
+
+
+def test_prompt_plus_max_tokens_past_the_device_pool_is_context_length_exceeded(server: Any) -> None:
+    """Inside --max-model-len but more blocks than the device pool has: the same code as an
+    over-long prompt, so a client can tell "too long" from "malformed"."""
+    import openai
+
+
+    pool_tokens = 128 * BLOCK_SIZE  # conftest's NUM_GPU_BLOCKS
+    assert pool_tokens + 100 < MAX_MODEL_LEN
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=list(range(10, 110)), max_tokens=pool_tokens)
+    err = info.value.body
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
+    assert "device KV pool" in err["message"], err
+
+
+def test_invalid_utf8_body_is_400_naming_the_byte(server: Any) -> None:
+    body = b'{"model": "' + MODEL.encode() + b'", "prompt": "caf\xe9 au lait"}'
+    at = body.index(b"\xe9")
+    err = _error(_post(server, "/v1/completions", body))
+    assert f"invalid UTF-8 at byte {at}" in err["message"], err
+
+
+def test_deeply_nested_body_is_400_naming_the_limit(server: Any) -> None:
+    from fastdeploy_kvcache.entrypoints.openai.json_body import MAX_JSON_DEPTH
+
+    deep = b"[" * 200_000 + b"]" * 200_000  # past the parser's recursion limit
+    body = b'{"model": "' + MODEL.encode() + b'", "prompt": "hi", "extra": ' + deep + b"}"
+    err = _error(_post(server, "/v1/completions", body))
+    assert f"nesting deeper than {MAX_JSON_DEPTH} levels" in err["message"], err
+    # Brackets inside strings do not count, and nesting up to the limit is accepted.
+    ok = {"model": MODEL, "prompt": "[[[[" * 100, "max_tokens": 1,
+          "extra": json.loads("[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1))}
+    assert _post(server, "/v1/completions", json.dumps(ok).encode()).status_code == 200
+
+
+def test_token_ids_are_checked_against_one_vocabulary(server: Any) -> None:
+    """The prompt and stop_token_ids name the same range: the model's embedding rows (512 for
+    tiny-llama-random, whose tokenizer has 503 tokens), in the same words."""
+    messages = []
+    for body in ({"model": MODEL, "prompt": [5, 512], "max_tokens": 1},
+                 {"model": MODEL, "prompt": [5], "max_tokens": 1, "stop_token_ids": [512]}):
+        messages.append(_error(_post(server, "/v1/completions", json.dumps(body).encode()))["message"])
+    assert messages[0].startswith("prompt: token id 512 at position 1 is out of range [0, 512)"), messages
+    assert messages[1].startswith("stop_token_ids: token id 512 at position 0 is out of range [0, 512)"), messages
+    # An id the model has but the tokenizer lacks is a valid prompt token.
+    resp = _post(server, "/v1/completions", json.dumps({"model": MODEL, "prompt": [5, 505], "max_tokens": 1}).encode())
+    assert resp.status_code == 200, resp.text

@@ -9,10 +9,13 @@ shut the engine down so the storage tier writes what it owes, and exit 0.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import signal
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -134,6 +137,62 @@ def test_guard_undoes_paddles_reset_of_sigterm() -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal.restype = ctypes.c_void_p
+    return libc
+
+
+def _guard_log(replace: Callable[[], None], caplog: pytest.LogCaptureFixture) -> str:
+    """What the guard logs after ``replace`` swapped out the SIGTERM handler it installed."""
+    got: list[int] = []
+    guard = SignalGuard(lambda sig, frame: got.append(sig))
+    previous = guard.install()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="fastdeploy_kvcache.entrypoints.openai.shutdown"):
+            replace()
+            guard.check()
+        signal.raise_signal(signal.SIGTERM)  # ours again: recorded, not the replacement's action
+        assert got == [signal.SIGTERM]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    lines = [r.getMessage() for r in caplog.records if "SIGTERM's handler was replaced" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert "paddleformers" not in lines[0]  # nothing here imported it
+    return lines[0]
+
+
+def _a_python_handler(sig: int, frame: Any) -> None:
+    """Stands for a library's own handler."""
+
+
+@pytest.mark.parametrize("how, named", [
+    ("c-default", "the default action (SIG_DFL), set from C"),
+    ("c-ignore", "ignore (SIG_IGN), set from C"),
+    ("c-function", "a C handler in libc.so"),  # a function of libc's stands for a library's handler
+    ("python", f"Python's {__name__}._a_python_handler"),
+])
+def test_guard_names_what_replaced_the_handler(how: str, named: str, caplog: pytest.LogCaptureFixture) -> None:
+    def replace() -> None:
+        libc = _libc()
+        if how == "c-default":
+            libc.signal(signal.SIGTERM, 0)
+        elif how == "c-ignore":
+            libc.signal(signal.SIGTERM, 1)
+        elif how == "c-function":
+            # Never run: the guard puts its handler back before the signal is raised.
+            libc.signal(signal.SIGTERM, ctypes.cast(libc.abort, ctypes.c_void_p).value)
+        else:
+            signal.signal(signal.SIGTERM, _a_python_handler)
+
+    line = _guard_log(replace, caplog)
+    assert named in line, line
+    if how == "c-function":
+        assert "(abort)" in line, line
 
 
 @pytest.mark.parametrize("argv", [["--graceful-shutdown-timeout", "-1"], ["--graceful-shutdown-timeout", "inf"],

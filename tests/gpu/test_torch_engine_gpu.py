@@ -283,3 +283,38 @@ def test_server_on_gpu_answers_openai_with_cached_tokens(capi: Any, graphs: bool
     finally:
         code = server.stop()
     assert code in (0, None, -15), f"server exited with {code}:\n{server.log_tail()}"
+
+
+def test_gpu_memory_utilization_sizes_the_pool_within_its_share(engine_factory: Any) -> None:
+    """No pool flag on a GPU: the pool takes what the share leaves after the weights and a
+    profiled step, and the device's use once it is allocated stays within the share."""
+    from fastdeploy_kvcache.engine.kv_sizing import GiB
+
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    # Whatever else uses the device, give the pool about 2 GiB of the share beyond today's use.
+    share = min(1.0, (total - free + 2 * GiB) / total)
+    eng = engine_factory(gpu_memory_utilization=share, kv_cache_memory_gib=None)
+    cfg = eng.cache_config
+    pool_bytes = cfg.num_gpu_blocks * cfg.bytes_per_block
+    assert eng.args.kv_cache_memory_gib is None and eng.args.gpu_memory_utilization == share
+    assert 0.5 * GiB < pool_bytes <= 2 * GiB, pool_bytes / GiB
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_after, _ = torch.cuda.mem_get_info()
+    assert total - free_after <= share * total + 64 * (1 << 20), ((total - free_after) / GiB, share * total / GiB)
+
+
+def test_profiled_step_reports_its_peak(smollm2_fp32: Any) -> None:
+    from fastdeploy_kvcache.config import CacheConfig
+    from fastdeploy_kvcache.engine.gpu_memory import profile_device_memory
+    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+
+    lm = smollm2_fp32
+    runner = TorchModelRunner(lm, 16, "gpu")
+    cache = CacheConfig(block_size=16, num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
+                        dtype=lm.dtype)
+    small = profile_device_memory(runner, cache, 64, 4, graph_bytes=0)
+    large = profile_device_memory(runner, cache, 2048, 8, graph_bytes=123)
+    assert 0 < small.step_peak_bytes < large.step_peak_bytes
+    assert large.graph_bytes == 123 and 0 < large.free_bytes <= large.total_bytes

@@ -56,6 +56,7 @@ if _reason is not None:
 
 from fastdeploy_kvcache.worker import CacheController, LayerSwapError  # noqa: E402
 from fastdeploy_kvcache.worker.transfer_manager import _CheckedIds  # noqa: E402
+from fastdeploy_kvcache.worker.backends.faulty import CopyCall, FaultInjectingBackend  # noqa: E402
 
 SPIN_SRC = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -558,18 +559,22 @@ def test_injected_failure_is_reported_and_never_served(compute) -> None:
     ctrl.submit_swap_tasks(evict([0], [0], TransferKind.BACKUP), None)
     settle(ctrl)
 
-    def inject(direction: str, layer: int, meta: CacheSwapMetadata) -> None:
-        if direction.short == "h2d" and layer == 2:
+    def inject(call: CopyCall) -> None:
+        if call.direction.short == "h2d" and call.layer == 2:
             raise RuntimeError("injected: cudaErrorIllegalAddress")
 
-    ctrl.transfer_manager.fault_injector = inject
+    # The fault comes from below the transfer manager: the load still takes the native
+    # layer-stack launch, whose one call then fails (nothing of it is enqueued).
+    faults = ctrl.transfer_manager.wrap_backend(FaultInjectingBackend)
+    faults.rule = inject
+    assert faults.has_layer_groups, "the load would not take the native layer-stack launch"
     bad = swap_in([0], [3])
     counter = ctrl.submit_swap_tasks(None, bad)
     with pytest.raises(LayerSwapError, match="cudaErrorIllegalAddress"):
         for layer in range(ctrl.num_layers):  # layers before 2 may pass; 2 must raise
             counter.wait_for_layer(layer)
     assert ctrl.collect_finished(wait=True) == [bad] and bad.success is False
-    ctrl.transfer_manager.fault_injector = None
+    faults.rule = None
     good = swap_in([0], [4])
     ctrl.submit_swap_tasks(None, good).wait_all()
     assert ctrl.collect_finished(wait=True) == [good] and good.success

@@ -418,3 +418,73 @@ def test_concurrent_puts_gets_deletes_keep_the_books_straight(tmp_path: Path) ->
     assert backend.used_bytes == sum(files.values()) <= 5 * obj
     assert backend.stats()["errors"]["corrupt"] == 0
     backend.close()
+
+
+def test_a_put_batch_never_evicts_its_own_objects(tmp_path: Path, arena: HostArena) -> None:
+    """A batch larger than the cap stores its head and answers FULL for the rest, rather
+    than storing its tail by evicting its head (each eviction a loss to write again)."""
+    obj = arena.slot_bytes + HEADER.size
+    backend = make(tmp_path, arena, capacity_bytes=3 * obj)
+    for i in range(5):
+        arena.fill(i, seed=i)
+    assert put(backend, arena, [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]) == [Status.OK] * 3 + [Status.FULL] * 2
+    assert backend.lru_keys() == [key(0), key(1), key(2)]
+    assert backend.stats()["evicted"] == 0
+    assert put(backend, arena, [3], [3]) == [Status.OK]  # a later batch evicts the oldest as usual
+    assert backend.lru_keys() == [key(1), key(2), key(3)]
+    assert backend.stats()["evicted"] == 1
+    backend.close()
+
+
+def test_keep_new_objects_fills_the_store_once_and_then_answers_full(tmp_path: Path, arena: HostArena) -> None:
+    obj = arena.slot_bytes + HEADER.size
+    backend = make(tmp_path, arena, capacity_bytes=3 * obj)
+    lost: list[str] = []
+    backend.set_loss_listener(lost.extend)
+    for i in range(8):
+        arena.fill(i, seed=i)
+    assert put(backend, arena, [0, 1], [0, 1]) == [Status.OK] * 2
+    backend.keep_new_objects(True)
+    # Older objects make room; what was put since keep_new_objects is never evicted.
+    results = [put(backend, arena, [i], [i])[0] for i in range(2, 8)]
+    assert results == [Status.OK] * 3 + [Status.FULL] * 3
+    assert sorted(lost) == sorted([key(0), key(1)])
+    assert sorted(backend.lru_keys()) == sorted([key(2), key(3), key(4)])
+    backend.keep_new_objects(False)
+    assert put(backend, arena, [5], [5]) == [Status.OK]  # ordinary LRU again: 2 goes
+    assert backend.lru_keys() == [key(3), key(4), key(5)]
+    assert backend.used_bytes == 3 * obj
+    backend.close()
+
+
+def test_keep_new_objects_on_a_full_disk_answers_full_without_evicting_them(tiny_tmpfs: Path) -> None:
+    arena = HostArena(6, 300 << 10)  # 300 KiB objects: 1 MiB holds three
+    backend = FileBackend(path=str(tiny_tmpfs), min_free_bytes=0, io_threads=1)
+    backend.register_buffer(arena.ptr, arena.nbytes)
+    for i in range(6):
+        arena.fill(i, seed=i)
+    backend.keep_new_objects(True)
+    results = [put(backend, arena, [i], [i])[0] for i in range(6)]
+    ok = results.count(Status.OK)
+    assert 1 <= ok <= 3 and results == [Status.OK] * ok + [Status.FULL] * (6 - ok), results
+    assert backend.stats()["evicted"] == 0
+    assert get(backend, arena, list(range(ok)), list(range(ok))) == [arena.slot_bytes] * ok
+    assert not [p for p in os.listdir(tiny_tmpfs) if p.startswith(".tmp-")]
+    backend.close()
+
+
+def test_a_put_that_cannot_fit_beside_held_objects_evicts_nothing(tmp_path: Path, arena: HostArena) -> None:
+    """Small LRU objects beside held ones: a large put that could not fit even with them gone
+    must not evict them on the way to FULL."""
+    small = arena.slot_bytes // 4
+    backend = make(tmp_path, arena, capacity_bytes=2 * (arena.slot_bytes + HEADER.size))
+    for i in range(4):
+        arena.fill(i, seed=i)
+    assert backend.batch_put_from([key(9)], [arena.slot_ptr(3)], [small]) == [Status.OK]
+    backend.keep_new_objects(True)
+    assert put(backend, arena, [0], [0]) == [Status.OK]
+    assert backend.batch_put_from([key(1)], [arena.slot_ptr(1)], [arena.slot_bytes + small]) == [Status.FULL]
+    assert backend.stats()["evicted"] == 0 and backend.batch_exists([key(9)]) == 1
+    backend.keep_new_objects(False)
+    assert backend.lru_keys() == [key(9), key(0)]
+    backend.close()

@@ -78,6 +78,62 @@ def test_a_block_deleted_behind_our_back_is_stored_again_after_the_miss(rigs: An
     assert rig.tier.stats["prefetch_blocks_inserted"] == 2
 
 
+def test_a_run_deleted_behind_our_back_is_stored_again_whole_in_one_recompute(rigs: Any) -> None:
+    """The lookup probes a run's first and last block: a miss there must forget the whole
+    run, not the probed block alone, or each recompute heals one block."""
+    rig = rigs()
+    hashes = store_tokens(rig, TOKENS)
+    for h in hashes:
+        object_path(rig, h).unlink()
+    recompute(rig, "again", TOKENS)
+    assert [h for h in hashes if not object_path(rig, h).exists()] == [], "one recompute must store the run again"
+    assert rig.tier.stats["stored_forgotten"] == len(hashes)
+    recompute(rig, "third", TOKENS)
+    assert rig.tier.stats["prefetch_blocks_inserted"] == len(hashes)
+
+
+def test_the_tail_of_a_run_deleted_behind_our_back_is_stored_again(rigs: Any) -> None:
+    rig = rigs()
+    hashes = store_tokens(rig, TOKENS)
+    for h in hashes[1:]:
+        object_path(rig, h).unlink()
+    recompute(rig, "again", TOKENS)  # the probe finds the first and not the last: a full check
+    assert all(object_path(rig, h).exists() for h in hashes)
+    assert rig.tier.stats["prefetch_blocks_inserted"] == 1
+
+
+def test_a_hole_inside_a_run_is_stored_again_and_the_blocks_after_it_stay_known(rigs: Any) -> None:
+    """First and last there: the fetch finds the hole; it forgets the blocks it could not read
+    and keeps the ones it read (they are on storage)."""
+    rig = rigs()
+    hashes = store_tokens(rig, TOKENS)
+    for h in hashes[1:3]:
+        object_path(rig, h).unlink()
+    recompute(rig, "again", TOKENS)
+    assert all(object_path(rig, h).exists() for h in hashes)
+    assert all(rig.tier.is_stored(h) for h in hashes)
+    recompute(rig, "third", TOKENS)
+    assert rig.tier.stats["prefetch_blocks_inserted"] == 1 + 4
+
+
+def test_the_stop_flush_checks_the_blocks_it_counts_as_stored(rigs: Any) -> None:
+    """Objects deleted behind our back while their blocks are still cached: the flush asks
+    the store and writes them, where it used to trust the stored-set and write nothing."""
+    rig = rigs()
+    hashes = store_tokens(rig, TOKENS)
+    for h in hashes[::2]:
+        object_path(rig, h).unlink()
+    assert rig.tier.flush_candidates() == ([], [])
+    rig.tier.begin_flush()
+    host, device = rig.tier.flush_candidates()
+    assert sorted(n.hash_value for n in host + device) == sorted(hashes[::2])
+    assert rig.tier.queue_flush_puts(host) == len(host)
+    rig.submit()
+    rig.drain()
+    assert all(object_path(rig, h).exists() for h in hashes)
+    assert rig.tier.flush_candidates() == ([], [])
+
+
 def test_a_corrupt_object_is_deleted_and_stored_again(rigs: Any) -> None:
     rig = rigs()
     hashes = store_tokens(rig, TOKENS)
@@ -144,3 +200,20 @@ def test_a_restarted_mooncake_master_makes_the_tier_store_again(tmp_path: Path, 
         assert backend.batch_exists(rig.tier.ns.keys(hashes)) == 4
     finally:
         local.stop()
+
+
+def test_the_stop_flush_does_not_write_again_what_the_store_lost_after_the_flush_wrote_it(rigs: Any) -> None:
+    """A store that evicts on its own (Mooncake's master, another process) may take the flush's
+    own puts: writing them again would take the next ones, until the flush's time ran out."""
+    rig = rigs()
+    rig.backend.delete(rig.tier.ns.keys(store_tokens(rig, TOKENS)))
+    rig.tier.begin_flush()
+    host, _ = rig.tier.flush_candidates()
+    assert host and rig.tier.queue_flush_puts(host) == len(host)
+    rig.submit()
+    rig.drain()
+    hashes = [n.hash_value for n in host]
+    rig.backend.delete(rig.tier.ns.keys(hashes))  # reported lost to the tier
+    assert not any(rig.tier.is_stored(h) for h in hashes)
+    assert rig.tier.flush_candidates() == ([], [])
+    assert rig.tier.flush_lost_blocks == len(hashes)

@@ -75,3 +75,35 @@ def test_shutdown_flush_zero_writes_nothing_more(tmp_path: Path) -> None:
         log = graceful_stop(first)
     assert len(list(store.glob("*.kv"))) == stored
     assert "storage flush at stop: wrote 0 blocks" in log and "off (--kvcache-storage-shutdown-flush 0)" in log
+
+
+def test_a_stop_into_a_store_smaller_than_the_cache_fills_it_once_and_says_so(tmp_path: Path) -> None:
+    """A byte cap far below the cached blocks: the flush writes until the store is full, never
+    evicts what it wrote, stops at once and says so in one line (it used to evict its own
+    puts and write them again until --kvcache-storage-shutdown-flush ran out)."""
+    import time
+
+    store = tmp_path / "kv"
+    args = file_store_args(store, "--kvcache-storage-put-policy", "write_back", "--kvcache-storage-size", "256KiB")
+    server = start_server(args, extra=["--write-policy", "write_through"])
+    try:
+        for seed in range(40, 44):
+            complete(server, prompt_ids(seed, 300), max_tokens=2)
+        assert_no_leak(server)
+        blocks = server.engine_stats()["cache"]["num_cached_nodes"]
+        assert blocks > 40
+        assert storage_stats(server)["tier"]["put_blocks_issued"] == 0, "write_back stores nothing while running"
+    finally:
+        t0 = time.monotonic()
+        log = graceful_stop(server)
+        seconds = time.monotonic() - t0
+    flush = [line for line in log.splitlines() if "storage flush at stop" in line]
+    assert len(flush) == 1, log[-3000:]
+    assert "store full" in flush[0], flush[0]
+    assert len([line for line in log.splitlines() if "store full" in line]) == 1
+    written = int(flush[0].split("wrote ")[1].split()[0])
+    objects = list(store.glob("*.kv"))
+    assert 0 < written == len(objects), (written, len(objects), flush[0])
+    assert sum(p.stat().st_size for p in objects) <= 256 << 10
+    assert seconds < 10, f"the stop took {seconds:.1f} s"
+    assert written < blocks, "the store holds less than the cache: the flush must stop short"

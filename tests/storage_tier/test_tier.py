@@ -145,11 +145,11 @@ def test_a_host_block_being_stored_is_not_reallocated(rigs: Any) -> None:
     req = rig.serve("a", TOKENS)
     rig.run_backups()  # 4 blocks on host, their puts queued and pinned
     hashes = req.block_hashes(BS)[:4]
-    pinned = sorted(rig.tier.pool.pin_counts())
+    pinned = sorted(rig.manager.host_pool.pin_counts())
     assert len(pinned) == 4 and not any(rig.tier.is_stored(h) for h in hashes)
     rig.manager.reset_cache()  # the tree lets go of every host copy while the puts are queued
-    assert rig.tier.pool.num_free == 0, "a pinned host block went back to the free list"
-    assert sorted(rig.tier.pool.deferred) == pinned
+    assert rig.manager.host_pool.num_free == 0, "a pinned host block went back to the free list"
+    assert sorted(rig.manager.host_pool.deferred) == pinned
     rig.tier.check_invariants()
     # Another request's backups cannot get those blocks: there is nothing to allocate.
     rig.serve("b", list(range(900, 900 + 4 * BS + 1)))
@@ -158,8 +158,8 @@ def test_a_host_block_being_stored_is_not_reallocated(rigs: Any) -> None:
     rig.submit()
     rig.drain()
     assert all(rig.tier.is_stored(h) for h in hashes), "a put that returned OK marks its hash stored"
-    assert rig.tier.pool.num_pinned == 0 and not rig.tier.pool.deferred
-    assert rig.tier.pool.num_free == 4 - (len(meta.dst_block_ids) if meta else 0)
+    assert rig.manager.host_pool.num_pinned == 0 and not rig.manager.host_pool.deferred
+    assert rig.manager.host_pool.num_free == 4 - (len(meta.dst_block_ids) if meta else 0)
     out = np.zeros(rig.layout.object_bytes, dtype=np.uint8)
     rig.backend.register_buffer(int(out.ctypes.data), out.nbytes)
     for h in hashes:  # the bytes stored are the block's, not a later tenant's
@@ -229,7 +229,7 @@ def test_tier_off_drops_backups_without_pinning(rigs: Any) -> None:
     rig.serve("a", TOKENS)
     rig.run_backups()
     assert rig.tier.take_jobs() == []
-    assert rig.tier.pool.num_pinned == 0 and rig.tier.errors["unreachable"] == 4
+    assert rig.manager.host_pool.num_pinned == 0 and rig.tier.errors["unreachable"] == 4
     assert rig.tier.prefetch_state(Request("b", list(range(5000, 5000 + 4 * BS + 1)))) == PREFETCH_READY
     assert rig.tier.stats["unavailable_skips"] >= 1
 
@@ -239,19 +239,19 @@ def test_write_back_stores_blocks_when_the_host_tier_evicts_them(rigs: Any, tmp_
     rig.config.put_policy = "write_back"
     first = rig.serve("a", TOKENS)
     rig.run_backups()  # on host; write_back stores nothing yet
-    assert rig.tier.take_jobs() == [] and rig.tier.pool.num_pinned == 0
+    assert rig.tier.take_jobs() == [] and rig.manager.host_pool.num_pinned == 0
     hashes = first.block_hashes(BS)[:4]
     # Another prompt's backups need the host blocks: the LRU host leaves are evicted, and
     # each is stored first (pinned until its put returns).
     rig.serve("b", list(range(900, 900 + 4 * BS + 1)))
     rig.run_backups()
     rig.manager.check_invariants()
-    assert rig.tier.pool.num_pinned > 0
+    assert rig.manager.host_pool.num_pinned > 0
     rig.submit()
     rig.drain()
     stored = [h for h in hashes if rig.tier.is_stored(h)]
     assert stored, "evicted host blocks were not written back to storage"
-    assert rig.tier.pool.num_pinned == 0
+    assert rig.manager.host_pool.num_pinned == 0
     rig.manager.check_invariants()
     # A restarted scheduler finds them.
     second = rigs(host_blocks=4)

@@ -20,7 +20,8 @@ from typing import Any, Optional
 import numpy as np
 
 from fastdeploy_kvcache.config import CacheConfig
-from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, CopyDirection
+from fastdeploy_kvcache.core.metadata import CacheSwapMetadata
+from fastdeploy_kvcache.worker.backends.faulty import FaultInjectingBackend
 
 from trace_steps import ArrayIO, compute_layers, scheduler_step
 
@@ -48,13 +49,8 @@ class ShardModel:
         self.mla = mla
         if not mla:
             assert self.heads * tp_size == FULL_HEADS, (self.heads, tp_size)
-        self.failing: dict[int, int] = {}  # task id -> layer that fails on THIS rank (-1: d2h)
-
-        def inject(direction: CopyDirection, layer: int, meta: CacheSwapMetadata) -> None:
-            if self.failing.get(meta.task_id) == layer:
-                raise RuntimeError(f"injected failure of task {meta.task_id} at layer {layer} on rank {rank}")
-
-        ctrl.transfer_manager.fault_injector = inject
+        # Copies chosen to fail on THIS rank (the payload: task id -> layer, -1: d2h).
+        self.faults = ctrl.transfer_manager.wrap_backend(FaultInjectingBackend)
 
     # ------------------------------------------------------------------ patterns
     def shard(self, key: int, layer: int, kind: int, rank_shape: tuple[int, ...]) -> np.ndarray:
@@ -81,8 +77,9 @@ class ShardModel:
 
     # ------------------------------------------------------------------ hook API
     def prepare(self, batch: Any, payload: Optional[dict[int, int]]) -> None:
-        if payload:
-            self.failing.update(payload)
+        for meta in (batch.cache_evict_metadata, batch.cache_swap_metadata):
+            if payload and meta is not None and meta.task_id in payload:
+                self.faults.fail_task(meta, payload[meta.task_id])
 
     def forward(self, batch: Any, counter: Any, payload: Any) -> bool:
         """One step on this rank; False if a load failed here (nothing is written after it)."""

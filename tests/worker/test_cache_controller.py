@@ -14,6 +14,7 @@ import pytest
 
 from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, CopyDirection, TransferKind
 from fastdeploy_kvcache.worker import LayerSwapError
+from fastdeploy_kvcache.worker.backends.faulty import CopyCall, FaultInjectingBackend
 
 from worker_helpers import block_seed, device_block_bytes, fill_block, host_block_bytes
 
@@ -194,11 +195,12 @@ def test_injected_op_failure_on_a_load_layer(make_controller, backend: str) -> N
     ctrl.submit_swap_tasks(backup([0], [0]), None)
     ctrl.collect_finished(wait=True)
 
-    def inject(direction: str, layer: int, meta: CacheSwapMetadata) -> None:
-        if direction is CopyDirection.HOST_TO_DEVICE and layer == 1:
+    def inject(call: CopyCall) -> None:
+        if call.direction is CopyDirection.HOST_TO_DEVICE and call.layer == 1:
             raise RuntimeError("injected CUDA error: an illegal memory access was encountered")
 
-    ctrl.transfer_manager.fault_injector = inject
+    faults = ctrl.transfer_manager.wrap_backend(FaultInjectingBackend)
+    faults.rule = inject
     bad = swap_in([0], [4])
     counter = ctrl.submit_swap_tasks(None, bad)
     with pytest.raises(LayerSwapError, match="illegal memory access"):
@@ -206,7 +208,7 @@ def test_injected_op_failure_on_a_load_layer(make_controller, backend: str) -> N
     done = ctrl.collect_finished(wait=True)
     assert done == [bad] and not bad.success and "illegal memory access" in bad.error_message
     # Later tasks are unaffected.
-    ctrl.transfer_manager.fault_injector = None
+    faults.rule = None
     good = swap_in([0], [5])
     ctrl.submit_swap_tasks(None, good).wait_all()
     assert ctrl.collect_finished(wait=True) == [good] and good.success and block_seed(ctrl, 5) == 1
@@ -215,11 +217,11 @@ def test_injected_op_failure_on_a_load_layer(make_controller, backend: str) -> N
 def test_injected_op_failure_on_an_eviction(make_controller) -> None:
     ctrl = make_controller()
 
-    def inject(direction: str, layer: int, meta: CacheSwapMetadata) -> None:
-        if direction is CopyDirection.DEVICE_TO_HOST:
+    def inject(call: CopyCall) -> None:
+        if call.direction is CopyDirection.DEVICE_TO_HOST:
             raise MemoryError("injected")
 
-    ctrl.transfer_manager.fault_injector = inject
+    ctrl.transfer_manager.wrap_backend(FaultInjectingBackend).rule = inject
     meta = evict([1, 2], [3, 4])
     ctrl.submit_swap_tasks(meta, None)
     assert ctrl.collect_finished(wait=True) == [meta]
@@ -230,12 +232,12 @@ def test_a_failed_copy_is_reported_failed_even_if_the_op_ran_partly(make_control
     ctrl = make_controller()
     calls = []
 
-    def inject(direction: str, layer: int, meta: CacheSwapMetadata) -> None:
-        calls.append(layer)
-        if layer == 1:
+    def inject(call: CopyCall) -> None:
+        calls.append(call.layer)
+        if call.layer == 1:
             raise RuntimeError("second layer")
 
-    ctrl.transfer_manager.fault_injector = inject
+    ctrl.transfer_manager.wrap_backend(FaultInjectingBackend).rule = inject
     meta = swap_in([0], [1])
     ctrl.submit_swap_tasks(None, meta)
     ctrl.collect_finished(wait=True)

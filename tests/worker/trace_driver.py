@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from fastdeploy_kvcache.config import CacheConfig
-from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, CopyDirection
+from fastdeploy_kvcache.core.metadata import CacheSwapMetadata
+from fastdeploy_kvcache.worker.backends.faulty import FaultInjectingBackend
 
 from skip_helpers import env_switch
 from trace_steps import ArrayIO, compute_layers, scheduler_step
@@ -104,13 +105,7 @@ def run_trace(
     ctrl.initialize_kv_cache()
     ctrl.initialize_host_cache()
     model = Model(ctrl, backend)
-    failing: dict[int, int] = {}  # task id -> layer at which its copy fails (-1: eviction)
-
-    def inject(direction: CopyDirection, layer: int, meta: CacheSwapMetadata) -> None:
-        if failing.get(meta.task_id) == layer:
-            raise RuntimeError(f"injected failure of task {meta.task_id} at layer {layer}")
-
-    ctrl.transfer_manager.fault_injector = inject
+    faults = ctrl.transfer_manager.wrap_backend(FaultInjectingBackend)
     families = [[rng.randrange(1000) for _ in range(20)] for _ in range(2)]
     running: list[Any] = []
     counts = {"steps": 0, "swap_in_blocks": 0, "d2h_blocks": 0, "failed": 0, "redone": 0, "committed_blocks": 0,
@@ -130,7 +125,7 @@ def run_trace(
             evict, swap = batch.cache_evict_metadata, batch.cache_swap_metadata
             for meta, layers in ((evict, [-1]), (swap, list(range(ctrl.num_layers)))):
                 if meta is not None and rng.random() < fail_p:
-                    failing[meta.task_id] = rng.choice(layers)
+                    faults.fail_task(meta, rng.choice(layers))  # -1: the eviction's one call
             counts["swap_in_blocks"] += len(swap) if swap else 0
             counts["d2h_blocks"] += len(evict) if evict else 0
             # --- worker

@@ -133,19 +133,13 @@ class RequestGroup:
         self._on_abandoned_finish = on_abandoned_finish
 
     def submit(self) -> None:
-        """Add every sub-request to the engine (once, by :meth:`EngineClient.submit`); on an
-        error abort those already added and re-raise."""
-        added: list[str] = []
+        """Add every sub-request to the engine at once (by :meth:`EngineClient.submit`): the
+        engine checks them all before it queues any, so a bad one leaves nothing to abort."""
         try:
-            for sub in self._subs:
-                extra = {"kv_transfer": sub.kv_transfer} if sub.kv_transfer is not None else {}
-                self._engine.add_request(sub.request_id, sub.prompt_token_ids, sub.params,
-                                         self._make_callback(sub.index), **extra)
-                added.append(sub.request_id)
+            self._engine.add_requests([(sub.request_id, sub.prompt_token_ids, sub.params,
+                                        self._make_callback(sub.index), sub.kv_transfer) for sub in self._subs])
         except BaseException:
             self._abandoned = True
-            for rid in added:
-                self._engine.abort(rid)
             self._unfinished.clear()
             raise
 
@@ -275,6 +269,11 @@ class AsyncEngineClient:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block: the engine's cache config (``--block-size``)."""
+        return self.engine.cache_config.block_size
 
     @property
     def max_request_tokens(self) -> int:

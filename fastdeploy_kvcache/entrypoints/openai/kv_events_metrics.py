@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from fastdeploy_kvcache.entrypoints.openai.metrics import SectionCollector
+from fastdeploy_kvcache.entrypoints.openai.section_collector import SectionCollector
 
 logger = logging.getLogger(__name__)
 

@@ -29,6 +29,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from fastdeploy_kvcache.entrypoints.openai.kv_events_metrics import KVEventsStatsCollector
+from fastdeploy_kvcache.entrypoints.openai.pd_metrics import PDStatsCollector
+from fastdeploy_kvcache.entrypoints.openai.storage_metrics import StorageStatsCollector
+
 logger = logging.getLogger(__name__)
 
 TIERS = ("device", "host", "storage")
@@ -105,7 +109,8 @@ class EngineStatsCollector(Collector):
         blocks_owned = GaugeMetricFamily("fastdeploy_kvcache:blocks_owned",
                                          "Device KV blocks owned by running requests.", labels=["tier"])
         for tier in ("device", "host"):
-            total = lookup(flat, f"{tier}_blocks_total")
+            # A host tier still being pinned in the background has only its ready blocks.
+            total = lookup(flat, f"{tier}_blocks_ready", f"{tier}_blocks_total")
             free = lookup(flat, f"{tier}_blocks_free")
             if total is not None and free is not None:
                 blocks_used.add_metric([tier], total - free)
@@ -117,6 +122,12 @@ class EngineStatsCollector(Collector):
         if owned is not None:
             blocks_owned.add_metric(["device"], owned)
         out += [blocks_used, blocks_free, blocks_cached, blocks_owned]
+        gauge("fastdeploy_kvcache:host_blocks_ready",
+              "Host KV blocks whose memory is pinned (the tier is pinned in the background "
+              "while the server serves; equal to host_blocks_total once complete).",
+              lookup(flat, "host_blocks_pinned", "host_blocks_ready"))
+        gauge("fastdeploy_kvcache:host_blocks_total", "Host KV blocks of the host tier, pinned or not yet.",
+              lookup(flat, "host_blocks_total"))
 
         copied_bytes = CounterMetricFamily("fastdeploy_kvcache:swap_bytes",
                                            "Bytes copied between device and host, per direction.",
@@ -161,32 +172,6 @@ class EngineStatsCollector(Collector):
         return out
 
 
-class SectionCollector(Collector):
-    """Base of the collectors of one section of ``engine.get_stats()`` (``stats[section]``).
-
-    At every scrape: nothing when the section is absent or empty (the feature is off),
-    else :meth:`families` of it.  A failing ``get_stats`` is logged, never raised.
-    """
-
-    section = ""
-
-    def __init__(self, get_stats: Callable[[], dict[str, Any]]) -> None:
-        self._get_stats = get_stats
-
-    def collect(self) -> Iterable[Any]:
-        try:
-            stats = (self._get_stats() or {}).get(self.section)
-        except Exception:  # noqa: BLE001 - a scrape must not take the server down
-            logger.exception("engine.get_stats() failed during a /metrics scrape")
-            return []
-        if not isinstance(stats, dict) or not stats:
-            return []
-        return self.families(stats)
-
-    def families(self, stats: dict[str, Any]) -> list[Any]:
-        raise NotImplementedError
-
-
 class ServerMetrics:
     """The metrics of one server instance, in its own registry."""
 
@@ -222,14 +207,8 @@ class ServerMetrics:
             "fastdeploy:e2e_request_latency_seconds", "Seconds from arrival to the last token.",
             buckets=TTFT_BUCKETS, registry=r)
         r.register(EngineStatsCollector(get_stats))
-        from fastdeploy_kvcache.entrypoints.openai.storage_metrics import StorageStatsCollector
-
         r.register(StorageStatsCollector(get_stats))  # storage tier series (none when it is off)
-        from fastdeploy_kvcache.entrypoints.openai.pd_metrics import PDStatsCollector
-
         r.register(PDStatsCollector(get_stats))  # prefill/decode hand-off series (none when mixed)
-        from fastdeploy_kvcache.entrypoints.openai.kv_events_metrics import KVEventsStatsCollector
-
         r.register(KVEventsStatsCollector(get_stats))  # KV cache event series (none when off)
         self._lock = threading.Lock()
         self._prompt_total = 0

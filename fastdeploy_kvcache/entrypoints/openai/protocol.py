@@ -1,8 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic v2 models).
 
-The request models accept what the official ``openai`` client sends.  Type errors are
-pydantic's job (the server maps its 422 to an OpenAI-style 400); value checks that need
-the engine's limits live in :mod:`.serving`.  Fields that OpenAI defines but this engine
+The request models accept what the official ``openai`` client sends, with strict types
+(``"stream": "yes"`` and ``"max_tokens": true`` are errors, not ``true`` and 1).  Type errors
+are pydantic's job (the server maps its 422 to an OpenAI-style 400); text that is not valid
+Unicode is refused as the body is parsed (:mod:`.json_body`); value checks that need the
+engine's limits live in :mod:`.serving` and the engine.  Fields that OpenAI defines but this engine
 does not implement are accepted only at their neutral value, so that nothing a client
 asks for is silently ignored.
 
@@ -28,7 +30,9 @@ class OpenAIModel(BaseModel):
     # NOTE: unknown request fields are kept (extra="allow") and logged by the server
     # rather than rejected: newer clients add fields, and a 400 for each would break
     # them.  Known-but-unsupported fields are rejected unless neutral (see serving.py).
-    model_config = ConfigDict(extra="allow")
+    # strict: a boolean is true or false and an integer is a JSON integer; pydantic's lax
+    # mode would take "yes" as true and true as 1.  (A float field still takes an integer.)
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 # ---------------------------------------------------------------------- errors
@@ -222,6 +226,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "fastdeploy_kvcache"
     max_model_len: Optional[int] = None
+    # Extension: the server's --block-size, which the router hashes prompts with.
+    block_size: Optional[int] = None
 
 
 class ModelList(BaseModel):

@@ -1,9 +1,10 @@
 """What the two generation endpoints do: validate, fan out to the engine, stream or collect.
 
 Request bodies arrive already type-checked by pydantic (:mod:`.protocol`).  This module
-checks the values that need the engine (prompt length against ``--max-model-len``,
-sampling values), turns each request into one engine request per choice, and shapes the
-engine's ``RequestOutput`` stream into OpenAI responses or server-sent events.
+checks the sampling values and ``max_tokens`` against ``--max-model-len``, turns each request
+into one engine request per choice, and shapes the engine's ``RequestOutput`` stream into
+OpenAI responses or server-sent events.  The prompts are checked once, by the engine as they
+are submitted (``engine/request_checks.py``); its refusals become 400s naming the field.
 
 Every path that leaves before the engine request finishes (client disconnect, error,
 cancellation) aborts it, so the engine frees its blocks at its next step.
@@ -116,18 +117,19 @@ def build_sampling_params(
     prompt_param: str,
     max_request_tokens: Optional[int] = None,
 ) -> Any:
-    """Check the request's values against the engine's limits; return ``SamplingParams``.
+    """Check the request's sampling values; return ``SamplingParams``.
 
-    ``max_tokens`` that would run past ``max_model_len`` is a 400 (as in vLLM) rather
-    than a silent cut; without ``max_tokens`` chat may use the rest of the context (and
-    of the device pool, ``max_request_tokens``), and completions default to OpenAI's 16.
+    The prompt itself (empty, too long, ids outside the vocabulary, too big for the device
+    pool) is the engine's to check, once, when the request is submitted
+    (``engine/request_checks.py``).  Here: ``max_tokens`` that would run past
+    ``max_model_len`` after a prompt that fits is a 400 (as in vLLM) rather than a silent cut;
+    without ``max_tokens`` chat may use the rest of the context (and of the device pool,
+    ``max_request_tokens``), and completions default to OpenAI's 16.
     """
     from fastdeploy_kvcache.engine.sampling import SamplingParams  # engine side: lazy
 
     _reject_unsupported(req)
-    if prompt_len == 0:
-        raise RequestError(f"{prompt_param}: the prompt is empty", param=prompt_param)
-    check_prompt_fits(prompt_len, max_model_len, prompt_param)
+    prompt_fits = 0 < prompt_len < max_model_len  # else the engine refuses the prompt itself
     room = max_model_len - prompt_len
     max_tokens = req.max_tokens
     param = "max_tokens"
@@ -136,19 +138,15 @@ def build_sampling_params(
     if max_tokens is not None:
         if max_tokens <= 0:
             raise RequestError(f"{param}: must be >= 1, got {max_tokens}", param=param)
-        if max_tokens > room:
+        if prompt_fits and max_tokens > room:
             raise RequestError(
                 f"{param}: {prompt_len} prompt tokens + {max_tokens} = {prompt_len + max_tokens} exceeds this "
                 f"model's maximum context length (--max-model-len) of {max_model_len}",
                 param=param, code="context_length_exceeded")
     else:
         limit = max_model_len if max_request_tokens is None else min(max_model_len, max_request_tokens)
-        if limit - prompt_len <= 0:
-            raise RequestError(
-                f"{prompt_param}: the prompt has {prompt_len} tokens; the device KV pool holds at most "
-                f"{limit} tokens per request, which leaves no room to generate",
-                param=prompt_param, code="context_length_exceeded")
-        max_tokens = limit - prompt_len
+        # No room left (the prompt fills the context or the pool): 1, which the engine refuses.
+        max_tokens = max(1, limit - prompt_len)
     if req.n < 1:
         raise RequestError(f"n: must be >= 1, got {req.n}", param="n")
     if req.temperature is not None and req.temperature < 0:
@@ -176,21 +174,28 @@ def build_sampling_params(
     try:
         params.validate()
     except ValueError as exc:
-        field = str(exc).split(":", 1)[0].strip()
-        raise RequestError(str(exc), param=field if field.isidentifier() else None) from exc
+        raise _request_error(exc, prompt_param, param) from exc
     return params
 
 
-def check_prompt_fits(prompt_len: int, max_model_len: int, prompt_param: str, what: str = "") -> None:
-    """400 unless a prompt of ``prompt_len`` tokens leaves room to generate one.
+def check_text_fits(min_tokens: int, max_model_len: int, prompt_param: str, what: str) -> None:
+    """400 when a text prompt has at least ``min_tokens`` tokens (a bound from its bytes, found
+    before tokenizing it) and so cannot leave room to generate; worded as the engine's check."""
+    from fastdeploy_kvcache.engine.request_checks import prompt_too_long  # engine side: lazy
 
-    ``what`` says how the length was found when it is a lower bound (from the text's bytes).
-    """
-    if prompt_len >= max_model_len:
-        raise RequestError(
-            f"{prompt_param}: the prompt has {what}{prompt_len} tokens; this model's maximum context length "
-            f"(--max-model-len) is {max_model_len}, which leaves no room to generate",
-            param=prompt_param, code="context_length_exceeded")
+    if min_tokens >= max_model_len:
+        raise _request_error(prompt_too_long(min_tokens, max_model_len, what), prompt_param)
+
+
+def _request_error(exc: Exception, prompt_param: str, max_tokens_param: str = "max_tokens") -> RequestError:
+    """The engine's ValueError as a 400: ``RequestRejected`` keeps its field (named as this
+    request names it) and code; any other names its field in the message's first word."""
+    param = getattr(exc, "param", None)
+    if param is not None:
+        param = {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(param, param)
+        return RequestError(f"{param}: {exc.detail}", param=param, code=exc.code)  # type: ignore[attr-defined]
+    field = str(exc).split(":", 1)[0].strip()
+    return RequestError(str(exc), param=field if field.isidentifier() else None)
 
 
 def utf8_size(text: str, param: str) -> int:
@@ -295,23 +300,16 @@ class OpenAIServing:
                 f"model: {model!r} is not served here; available: {', '.join(self.served_model_names)}",
                 param="model", code="model_not_found")
 
-    def _check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = getattr(self.client.tokenizer, "vocab_size", None)
-        for i, t in enumerate(ids):
-            if t < 0 or (isinstance(vocab, int) and t >= vocab):
-                raise RequestError(f"{param}: token id {t} at position {i} is out of range [0, {vocab})",
-                                   param=param)
-
     def _encode(self, text: str, param: str) -> list[int]:
         """Token ids of a text prompt; refused first if its size alone shows it cannot fit."""
         size = utf8_size(text, param)
         if self.max_token_bytes:
-            check_prompt_fits(-(-size // self.max_token_bytes), self.client.max_model_len, param,
-                              what=f"{size} bytes of text, so at least ")
+            check_text_fits(-(-size // self.max_token_bytes), self.client.max_model_len, param,
+                            what=f"{size} bytes of text, so at least ")
         return self.client.tokenizer.encode(text)
 
     def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        """The prompts as token ids, length-checked before any range check (runs off the loop)."""
+        """The prompts as token ids (runs off the loop); the engine checks them when they are submitted."""
         p = req.prompt
         if isinstance(p, str):
             prompts = [self._encode(p, "prompt")]
@@ -323,10 +321,6 @@ class OpenAIServing:
             prompts = [self._encode(x, "prompt") for x in p]  # type: ignore[arg-type]
         else:
             prompts = [list(x) for x in p]  # type: ignore[union-attr]
-        for ids in prompts:
-            if ids:
-                check_prompt_fits(len(ids), self.client.max_model_len, "prompt")
-            self._check_token_ids(ids, "prompt")
         return prompts
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
@@ -335,8 +329,8 @@ class OpenAIServing:
         # Every template renders each message's content, so their bytes bound the prompt's.
         size = sum(utf8_size(m["content"], f"messages[{i}].content") for i, m in enumerate(messages))
         if self.max_token_bytes:
-            check_prompt_fits(-(-size // self.max_token_bytes), self.client.max_model_len, "messages",
-                              what=f"{size} bytes of message text, so at least ")
+            check_text_fits(-(-size // self.max_token_bytes), self.client.max_model_len, "messages",
+                            what=f"{size} bytes of message text, so at least ")
         try:
             return list(self.client.tokenizer.apply_chat_template(messages))
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
@@ -357,8 +351,10 @@ class OpenAIServing:
         _attach_kv_transfer(req, subs)  # PD decode (engine/pd.py)
         try:
             return self.client.submit(subs, on_abandoned_finish=lambda out: self.metrics.observe_finished(out, None))
-        except ValueError as exc:  # the engine's own validation (contract: a clear message)
-            raise RequestError(str(exc), param=prompt_param) from exc
+        except ValueError as exc:  # the engine's checks of the prompt and the parameters
+            max_tokens_param = ("max_completion_tokens" if isinstance(req, ChatCompletionRequest)
+                                and req.max_completion_tokens is not None else "max_tokens")
+            raise _request_error(exc, prompt_param, max_tokens_param) from exc
         except EngineDraining as exc:
             raise RequestError(str(exc), status=503, type_="server_error", code="shutting_down") from exc
 

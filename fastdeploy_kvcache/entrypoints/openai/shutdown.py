@@ -24,7 +24,9 @@ Why the handlers need guarding: ``import paddleformers`` calls
 after uvicorn installed its handler (the engine, hence paddleformers, is imported in the
 app's lifespan).  Python's ``signal.getsignal`` still reports the old handler then, so
 :class:`SignalGuard` reads the kernel's disposition (``sigaction``) and reinstalls the
-handler whenever something replaced it, logging once per signal.
+handler whenever something (that import, or any other library) replaced it, logging once per
+signal what the replacement was: a Python function, a disposition, or the shared library
+whose C function it is.
 """
 
 from __future__ import annotations
@@ -132,20 +134,72 @@ def _libc_sigaction() -> Optional[Any]:
     return fn
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _code_at(address: int) -> Optional[str]:
+    """``libfoo.so (symbol)``: the shared object (and symbol, when exported) holding
+    ``address``, from ``dladdr``; None where it cannot say."""
+    try:
+        dladdr = ctypes.CDLL(None).dladdr
+    except (OSError, AttributeError):
+        return None
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    dladdr.restype = ctypes.c_int
+    info = _DlInfo()
+    if not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    where = os.path.basename(info.dli_fname.decode(errors="replace")) or "the main program"
+    return f"{where} ({info.dli_sname.decode(errors='replace')})" if info.dli_sname else where
+
+
+def describe_kernel_handler(address: Optional[int]) -> str:
+    """What a disposition set outside Python is, for the log: the default action, ignore, or
+    the C function (and the library it is in) that now handles the signal."""
+    if address is None:
+        return "an unknown handler (sigaction cannot be read here)"
+    if address == int(signal.SIG_DFL):
+        return "the default action (SIG_DFL), set from C outside Python"
+    if address == int(signal.SIG_IGN):
+        return "ignore (SIG_IGN), set from C outside Python"
+    where = _code_at(address)
+    return f"a C handler in {where}" if where else f"a C handler at {address:#x} (in no loaded library)"
+
+
+def describe_python_handler(handler: Any) -> str:
+    """What ``signal.getsignal`` returned, for the log: a function by module and name, or a
+    disposition."""
+    if handler is None:
+        return "a handler installed outside Python"
+    if handler == signal.SIG_DFL:
+        return "the default action (SIG_DFL), set through Python's signal module"
+    if handler == signal.SIG_IGN:
+        return "ignore (SIG_IGN), set through Python's signal module"
+    func = getattr(handler, "__func__", handler)
+    module = getattr(func, "__module__", None) or "?"
+    name = getattr(func, "__qualname__", None) or repr(handler)
+    return f"Python's {module}.{name}"
+
+
 class SignalGuard:
     """Keeps ``handler`` installed for SIGINT and SIGTERM while the server runs.
 
     Reads the kernel's handler of each signal every ``GUARD_INTERVAL_S`` and reinstalls
-    ours when it changed (a C library can reset it without Python noticing).  Where
+    ours when it changed (a C library can reset it without Python noticing), logging what
+    had replaced it.  Where
     ``sigaction`` cannot be called, reinstalls unconditionally at the same rate.
     """
 
     def __init__(self, handler: Callable[[int, Any], None],
                  started: Callable[[], bool] = lambda: True) -> None:
         self.handler = handler
-        # NOTE: a reset while the server starts is the known one (the engine is built in the
-        # lifespan, and paddleformers' import resets SIGTERM): logged at DEBUG, so a clean
-        # start-up stays quiet. One after start-up is a surprise, and a WARNING.
+        # NOTE: a reset while the server starts is expected (the engine and its libraries are
+        # imported in the lifespan; paddleformers' import resets SIGTERM): logged at DEBUG, so a
+        # clean start-up stays quiet. One after start-up is a surprise, and a WARNING. Either
+        # names what replaced the handler (a Python function, a disposition, or the C library
+        # whose function it is), never a guess at who did it.
         self._started = started
         self._sigaction = _libc_sigaction()
         self._kernel_handler: dict[int, Optional[int]] = {}
@@ -170,9 +224,14 @@ class SignalGuard:
         for sig in HANDLED_SIGNALS:
             expected = self._kernel_handler.get(sig)
             current = self._kernel(sig)
-            replaced = signal.getsignal(sig) != self.handler or expected is None or current != expected
+            python_handler = signal.getsignal(sig)
+            replaced = python_handler != self.handler or expected is None or current != expected
             if not replaced:
                 continue
+            if python_handler != self.handler:
+                by = describe_python_handler(python_handler)
+            else:
+                by = describe_kernel_handler(current)
             signal.signal(sig, self.handler)
             self._kernel_handler[sig] = self._kernel(sig)
             if expected is not None and sig not in self._warned:
@@ -180,9 +239,8 @@ class SignalGuard:
                 if started:
                     self._warned.add(sig)
                 logger.log(logging.WARNING if started else logging.DEBUG,
-                           "%s's handler was replaced (by a dependency: paddleformers' import resets "
-                           "SIGTERM); the graceful-shutdown handler is installed again",
-                           signal.Signals(sig).name)
+                           "%s's handler was replaced by %s; the graceful-shutdown handler is installed again",
+                           signal.Signals(sig).name, by)
 
     async def run(self) -> None:
         while True:

@@ -1,7 +1,7 @@
 """The server's start-up checks: refuse a bad configuration in one line, bind before serving.
 
 A configuration error (an unknown ``--model``, ``--device gpu`` on a CPU build of Paddle,
-a value a flag does not take, a busy ``--port``) is found before the model loads, and ends
+a value a flag or an environment variable does not take, a busy ``--port``) is found before the model loads, and ends
 the process with one line naming the flag and exit status 2, as argparse does for its own
 errors; no traceback, no usage block.  The listening socket is bound before the engine
 starts, so the "serving on" line that ends start-up is true when it is logged.
@@ -52,31 +52,47 @@ def flag_message(exc: BaseException) -> str:
     return f"{flag}:{rest}" if flag else text
 
 
+def check_environment() -> None:
+    """Parse every environment variable the package reads (``envs.ENV_VARS``); ConfigError
+    naming the first bad one.  The engine reads them only once the model has loaded, where a
+    bad value would end start-up in a traceback."""
+    from fastdeploy_kvcache import envs
+
+    for name in envs.ENV_VARS:
+        try:
+            envs.get(name)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
 def check_config(args: argparse.Namespace) -> Any:
     """The server's EngineArgs, after every check that needs no model: raises ConfigError.
 
-    Checks the values (ranges, choices), that ``--model`` names something loadable, and that
-    ``--device`` is available.  Cheap next to loading the model, so a mistake costs seconds.
+    Checks the environment variables, the values (ranges, choices), that ``--model`` names
+    something loadable, that ``--max-model-len`` fits its positions, and that ``--device`` is
+    available.  Cheap next to loading the model, so a mistake costs seconds.
     """
-    from fastdeploy_kvcache.engine.args import EngineArgs
+    from fastdeploy_kvcache.engine.args import EngineArgs, check_max_model_len
     from fastdeploy_kvcache.engine.llm_engine import wants_gpu
-    from fastdeploy_kvcache.engine.model_loader import model_kind
+    from fastdeploy_kvcache.engine.model_loader import model_positions
+    from fastdeploy_kvcache.engine.torch_models import RANDOM_SHAPES
 
+    check_environment()
     engine_args = EngineArgs.from_cli_args(args)
     storage = engine_args.storage
     if storage is not None and storage.enabled and not engine_args.host_tier_enabled:
         raise ConfigError(f"--kvcache-storage-backend {storage.backend}: needs a host tier to stage blocks "
                           "through; give --swap-space (GiB)")
+    if engine_args.model_impl != "transformers" and engine_args.model in RANDOM_SHAPES:
+        raise ConfigError(f"--model {engine_args.model}: runs on --model-impl transformers only")
+    # model_positions also checks that --model names something loadable.
+    check_max_model_len(engine_args.max_model_len, model_positions(engine_args.model), engine_args.model)
     if engine_args.model_impl == "transformers":
         # torch's view of the GPU, not Paddle's: this path may run where Paddle is absent.
-        from fastdeploy_kvcache.engine.torch_models import LLAMA3_8B_RANDOM
         from fastdeploy_kvcache.engine.torch_runner import select_device
 
-        if engine_args.model != LLAMA3_8B_RANDOM:
-            model_kind(engine_args.model)
         select_device(engine_args.device)
     else:
-        model_kind(engine_args.model)
         wants_gpu(engine_args.device)
     return engine_args
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from fastdeploy_kvcache.entrypoints.openai.metrics import SectionCollector
+from fastdeploy_kvcache.entrypoints.openai.section_collector import SectionCollector
 
 from fastdeploy_kvcache.storage.base import ERROR_KINDS
 

@@ -54,8 +54,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--shared-storage", action=argparse.BooleanOptionalAction, default=True,
                    help="The workers share one store: a block one worker stored counts as a storage block for "
                         "every worker (default on).")
-    g.add_argument("--block-size", type=int, default=64,
-                   help="Block size assumed for a worker until its events announce its own (default 64).")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="The workers' --block-size. By default each worker's is read from its /v1/models; "
+                        "given, a worker that reports another one is refused (down, with one log line).")
     g.add_argument("--pending-ttl", type=float, default=10.0,
                    help="Seconds a routed request's blocks count as the worker's before its events confirm them.")
     g.add_argument("--health-interval", type=float, default=2.0, help="Seconds between health checks (default 2).")
@@ -122,7 +123,7 @@ def build_app_from_args(args: argparse.Namespace):  # -> FastAPI
         raise SystemExit("give --worker-urls (fleet mode) or --prefill-url and --decode-url (PD mode)")
     for url in args.worker_urls:
         _check_url("--worker-urls", url)
-    if args.block_size <= 0:
+    if args.block_size is not None and args.block_size <= 0:
         raise SystemExit(f"--block-size: must be > 0, got {args.block_size}")
     if args.health_failures < 1 or args.health_interval <= 0:
         raise SystemExit("--health-failures must be >= 1 and --health-interval > 0")

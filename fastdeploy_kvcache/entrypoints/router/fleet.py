@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.kv_events import event_block_hashes
 from fastdeploy_kvcache.entrypoints.router.events import EventSubscriber
 from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams,
@@ -76,13 +77,17 @@ class Worker:
     failures: int = 0
     in_flight: int = 0
     pending: dict[int, float] = field(default_factory=dict)
+    # Why the router refuses this worker for good (its block size is not the one configured).
+    refused: Optional[str] = None
 
 
 @dataclass
 class FleetConfig:
     policy: Policy
     tokenizer: Any
-    block_size: int = 64
+    # The workers' --block-size when the operator names it (a worker reporting another one is
+    # refused); None: each worker's own, from its /v1/models.
+    block_size: Optional[int] = None
     events_topic: str = ""
     shared_storage: bool = True
     health_interval_s: float = 2.0
@@ -179,11 +184,11 @@ class FleetRouter:
 
     # ------------------------------------------------------------------ health
     def _mark_down(self, w: Worker, why: str) -> None:
-        if not w.up_once:
+        if not w.up_once and w.refused is None:
             if not w.waiting_logged:  # still starting (loading its model): once, not every poll
                 logger.info("worker %s is not up yet (%s); waiting for it", w.url, why)
                 w.waiting_logged = True
-        elif w.healthy:
+        elif w.healthy and w.up_once:
             logger.warning("worker %s is down (%s); routing around it", w.url, why)
         w.healthy = False
         w.pending.clear()
@@ -202,6 +207,11 @@ class FleetRouter:
                 ok, why = r.status == 200, f"HTTP {r.status}"
         except UPSTREAM_ERRORS as exc:
             ok, why, refused = False, type(exc).__name__, isinstance(exc, aiohttp.ClientConnectorError)
+        if ok and w.view.block_size is None and w.refused is None:
+            ok, why = await self._learn_block_size(w)
+        if w.refused is not None:
+            self._mark_down(w, "its block size is not the router's")
+            return
         if ok:
             if not w.up_once:
                 logger.info("worker %s is up", w.url)
@@ -212,6 +222,28 @@ class FleetRouter:
         w.failures += 1
         if w.failures >= self.config.health_failures or refused or not w.up_once:
             self._mark_down(w, why)
+
+    async def _learn_block_size(self, w: Worker) -> tuple[bool, str]:
+        """Read the worker's block size from its ``/v1/models`` (the server's cache config);
+        refuse the worker for good when it is not the configured one."""
+        assert self.client is not None
+        try:
+            async with self.client.get(w.url + "/v1/models",
+                                       timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as r:
+                cards = (await r.json(content_type=None)).get("data") or [{}]
+        except (*UPSTREAM_ERRORS, ValueError, AttributeError) as exc:
+            return False, f"/v1/models: {type(exc).__name__}"
+        size = cards[0].get("block_size") if isinstance(cards[0], dict) else None
+        if not isinstance(size, int) or size <= 0:
+            return True, ""  # a server that does not say: its events will
+        expected = self.config.block_size
+        if expected is not None and size != expected:
+            w.refused = (f"it runs --block-size {size}, the router was started with --block-size {expected}; "
+                         f"restart the router without --block-size or with {size}")
+            logger.error("worker %s refused: %s", w.url, w.refused)
+            return False, w.refused
+        w.view.store((), None, size)
+        return True, ""
 
     async def _health_loop(self, first: Sequence["asyncio.Future[None]"] = ()) -> None:
         await asyncio.gather(*first, return_exceptions=True)
@@ -225,7 +257,8 @@ class FleetRouter:
 
     # ------------------------------------------------------------------ routing
     def _block_size_of(self, view: WorkerView) -> int:
-        return view.block_size or self.config.block_size
+        """The worker's own (from /v1/models or its events), else the configured or the servers' default."""
+        return view.block_size or self.config.block_size or CacheConfig.block_size
 
     def choose(self, prompt: _Prompt, exclude: set[int]) -> Optional[tuple[int, str, int]]:
         """(worker index, reason, predicted cached tokens), or None when no worker is healthy."""
@@ -412,7 +445,8 @@ class FleetRouter:
         out = []
         for w in self.workers:
             entry: dict[str, Any] = {
-                "url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "block_size": w.view.block_size,
+                "url": w.url, "healthy": w.healthy, "refused": w.refused, "in_flight": w.in_flight,
+                "block_size": w.view.block_size,
                 "blocks": {TIER_NAMES[b]: w.view.count(b) for b in (DEVICE, HOST, STORAGE)},
                 "events": None if w.events is None else {"endpoint": w.events.pub, "replay_endpoint": w.events.replay},
             }

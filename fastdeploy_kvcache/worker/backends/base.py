@@ -110,7 +110,19 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def host_free(self, ptr: int) -> None:
-        """Free memory from :meth:`host_alloc`."""
+        """Free memory from :meth:`host_alloc` or :meth:`host_reserve`."""
+
+    def host_reserve(self, nbytes: int) -> int:
+        """Address space for a host buffer that :meth:`host_pin` pins piece by piece, so the
+        host tier can serve from the pieces pinned so far while the rest is pinned.  Freed
+        by :meth:`host_free`.  This default pins the whole buffer now (:meth:`host_alloc`)."""
+        return self.host_alloc(nbytes)
+
+    def host_pin(self, base: int, ranges: Sequence[tuple[int, int]]) -> int:
+        """Make the ``(offset, length)`` byte ranges of a :meth:`host_reserve` buffer resident
+        and pinned (rounded out to pages; pages pinned before are left alone).  Returns the
+        bytes newly pinned.  The default has nothing to do: its reserve pinned everything."""
+        return 0
 
     # ------------------------------------------------------------------ streams and events
     @abc.abstractmethod
@@ -469,13 +481,6 @@ class CudaBackend(Backend):
         return True
 
 
-def zeroed_host_alloc(alloc: Callable[[int], int], nbytes: int) -> int:
-    """Allocate host memory and zero it, so a never-written host block reads as zeros."""
-    ptr = alloc(nbytes)
-    ctypes.memset(ptr, 0, nbytes)
-    return ptr
-
-
 class CapiCopies:
     """Copies through a ctypes C ABI library (``ops.load_capi``): the ``cpu`` and ``cupy`` backends.
 
@@ -494,7 +499,14 @@ class CapiCopies:
         raise NotImplementedError
 
     def host_alloc(self, nbytes: int) -> int:
-        return zeroed_host_alloc(self._capi.host_alloc, nbytes)
+        # The library's memory reads as zero (fresh anonymous pages): no memset of the tier.
+        return self._capi.host_alloc(nbytes)
+
+    def host_reserve(self, nbytes: int) -> int:
+        return self._capi.host_reserve(nbytes)
+
+    def host_pin(self, base: int, ranges: Sequence[tuple[int, int]]) -> int:
+        return self._capi.host_pin_ranges(base, ranges, device=self.device_id if self.is_cuda else -1)
 
     def host_free(self, ptr: int) -> None:
         self._capi.host_free(ptr)

@@ -16,7 +16,7 @@ import logging
 from typing import Any, Optional, Sequence
 
 from fastdeploy_kvcache.core.metadata import CopyDirection
-from fastdeploy_kvcache.worker.backends.base import CudaBackend, HostThreadBackend, storage_dtype, zeroed_host_alloc
+from fastdeploy_kvcache.worker.backends.base import CudaBackend, HostThreadBackend, storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,14 @@ class PaddleOpsCopies:
         return views
 
     def host_alloc(self, nbytes: int) -> int:
-        return zeroed_host_alloc(self._ops.cuda_host_alloc, nbytes)
+        # The library's memory reads as zero (fresh anonymous pages): no memset of the tier.
+        return self._ops.cuda_host_alloc(nbytes)
+
+    def host_reserve(self, nbytes: int) -> int:
+        return self._ops.cuda_host_reserve(nbytes)
+
+    def host_pin(self, base: int, ranges: Sequence[tuple[int, int]]) -> int:
+        return self._ops.cuda_host_pin_ranges(base, ranges, device=self.device_id if self.is_cuda else -1)
 
     def host_free(self, ptr: int) -> None:
         self._ops.cuda_host_free(ptr)

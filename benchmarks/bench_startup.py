@@ -1,0 +1,124 @@
+"""Time to "serving" with a host tier against the same server without one.
+
+Starts the OpenAI server (``ENABLE_V1_KVCACHE_MANAGER=1``) as a child process and times
+from the spawn to the first ``/health`` answer, for each configuration, interleaved over
+``--repeats`` rounds (the model load varies between runs; interleaving spreads that over
+all of them):
+
+* ``none``: no host tier (the baseline);
+* ``background``: ``--swap-space N``, pinned in the background (the default,
+  ``FDKV_HOST_GROW_CHUNK_MIB``); its row also gives the seconds until the whole tier is
+  pinned (``/metrics`` ``host_blocks_ready`` = ``host_blocks_total``), after "serving";
+* ``upfront``: ``--swap-space N`` pinned before serving (``FDKV_HOST_GROW_CHUNK_MIB=0``):
+  the faster pinning path alone.
+
+Prints the median per configuration and its ratio to ``none`` (target for ``background``:
+<= 1.2).  Any other server flags follow ``--``::
+
+    python benchmarks/bench_startup.py --swap-space 32 --repeats 3 -- --model llama3-8b-random --device gpu
+    python benchmarks/bench_startup.py --swap-space 1 --repeats 2      # CPU: tiny-llama-random
+
+Writes ``bench_startup.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastdeploy_kvcache.entrypoints.server_process import ServerProcess  # noqa: E402
+
+CPU_ARGS = ["--model", "tiny-llama-random", "--device", "cpu", "--num-gpu-blocks-override", "64"]
+
+
+def _metric(server: ServerProcess, name: str) -> Optional[float]:
+    for line in server.get_text("/metrics").splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def run_once(args: list[str], env: dict[str, str], timeout_s: float, host_tier: bool) -> dict[str, Any]:
+    server = ServerProcess(args, env=env, startup_timeout_s=timeout_s)
+    t0 = time.perf_counter()
+    server.start()
+    serving = time.perf_counter() - t0
+    complete: Optional[float] = None
+    try:
+        if host_tier:
+            deadline = time.perf_counter() + timeout_s
+            while time.perf_counter() < deadline:
+                ready = _metric(server, "fastdeploy_kvcache:host_blocks_ready")
+                total = _metric(server, "fastdeploy_kvcache:host_blocks_total")
+                if ready is not None and total and ready >= total:
+                    complete = time.perf_counter() - t0
+                    break
+                time.sleep(0.05)
+    finally:
+        server.stop()
+    return {"serving_s": serving, "host_complete_s": complete}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--swap-space", type=float, default=1.0, help="host tier in GiB (default 1)")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
+    p.add_argument("--configs", default="none,background,upfront", help="which rows to run")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a start-up may take")
+    p.add_argument("--out", default="benchmarks/results", help="directory for bench_startup.json")
+    a = p.parse_args(argv)
+    server_args = extra or CPU_ARGS
+    base_env = {"ENABLE_V1_KVCACHE_MANAGER": "1"}
+    configs = {
+        "none": (server_args, base_env, False),
+        "background": ([*server_args, "--swap-space", str(a.swap_space)], base_env, True),
+        "upfront": ([*server_args, "--swap-space", str(a.swap_space)],
+                    dict(base_env, FDKV_HOST_GROW_CHUNK_MIB="0"), True),
+    }
+    names = [c for c in a.configs.split(",") if c]
+    for c in names:
+        if c not in configs:
+            p.error(f"unknown config {c!r}; expected some of {sorted(configs)}")
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in names}
+    for r in range(a.repeats):
+        for c in names:
+            args, env, host = configs[c]
+            res = run_once(args, env, a.timeout, host)
+            runs[c].append(res)
+            print(f"round {r + 1} {c:10s} serving {res['serving_s']:.2f} s"
+                  + (f", host tier complete {res['host_complete_s']:.2f} s" if res["host_complete_s"] else ""),
+                  flush=True)
+    base = statistics.median(x["serving_s"] for x in runs["none"]) if "none" in runs else None
+    print(f"\nhost tier {a.swap_space:g} GiB; server flags: {' '.join(server_args)}")
+    print(f"{'config':10s} {'serving s':>10s} {'/ none':>8s} {'tier complete s':>16s}")
+    summary: dict[str, Any] = {}
+    for c in names:
+        med = statistics.median(x["serving_s"] for x in runs[c])
+        done = [x["host_complete_s"] for x in runs[c] if x["host_complete_s"] is not None]
+        ratio = med / base if base else None
+        summary[c] = {"serving_s": med, "ratio_to_none": ratio,
+                      "host_complete_s": statistics.median(done) if done else None, "runs": runs[c]}
+        print(f"{c:10s} {med:10.2f} {ratio if ratio is not None else float('nan'):8.3f} "
+              f"{summary[c]['host_complete_s'] if done else float('nan'):16.2f}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bench_startup.json"), "w") as f:
+        json.dump({"swap_space_gib": a.swap_space, "server_args": server_args, "repeats": a.repeats,
+                   "results": summary}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

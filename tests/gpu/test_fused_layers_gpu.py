@@ -1,0 +1,91 @@
+"""Fused decoder layers (engine/torch_fused.py, ``--fused-layers``) on the GPU.
+
+* A fused model's logits equal the unfused model's (float32, the same seeded weights) for a
+  step mixing a prompt chunk, a chunk after cached context and decodes; the kernels are the
+  compiled ones, and the merged weights are views (no second copy of q/k/v or gate/up).
+* The shared reuse checks with fused layers and decode graphs: greedy tokens with the cache
+  on equal recompute (float32) through device hits, host hits, failed loads and preemption.
+
+Needs a CUDA GPU with torch, Triton and build/libfdkv_capi.so (`bash build.sh gpu-test`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from tests.reuse_workloads import ReuseChecks
+from tests.torch_engines import TORCH_REASON, engine_factory_for
+
+torch = pytest.importorskip("torch", reason=TORCH_REASON)
+pytest.importorskip("transformers", reason=TORCH_REASON)
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU visible to torch (run `bash build.sh gpu-test` on a GPU machine)",
+                allow_module_level=True)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("needs Triton (bundled with CUDA builds of torch) for torch.compile's kernels",
+                allow_module_level=True)
+
+
+def _model() -> Any:
+    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+
+    return load_torch_model("tiny-llama-random", seed=0, device=torch.device("cuda", 0), dtype="float32")
+
+
+def test_fused_layers_compute_what_the_unfused_layers_compute(capi: Any) -> None:
+    from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
+    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+
+    plain, fused_model = _model(), _model()
+    bs = 16
+    shape = (64, plain.num_kv_heads, bs, plain.head_dim)
+    gen = torch.Generator("cuda").manual_seed(3)
+    caches = [[torch.randn(shape, device="cuda", generator=gen), torch.randn(shape, device="cuda", generator=gen)]
+              for _ in range(plain.num_layers)]
+    seqs = [ScheduledSeq([7 + i], 20 + i, [2 * i, 2 * i + 1], True) for i in range(5)]
+    seqs.append(ScheduledSeq(list(range(30, 67)), 0, [20, 21, 22], True))  # a prompt chunk, nothing cached
+    seqs.append(ScheduledSeq(list(range(90, 99)), 40, [30, 31, 32, 33], True))  # after cached context
+    want = TorchModelRunner(plain, bs, "gpu").forward(seqs, [[k.clone(), v.clone()] for k, v in caches], None)
+    runner = TorchModelRunner(fused_model, bs, "gpu", fused_layers=True)
+    assert runner.fused_layers == plain.num_layers
+    layer = fused_model.model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.data_ptr() == layer.fdkv_w_qkv.data_ptr()
+    assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == layer.fdkv_w_gate_up.untyped_storage().data_ptr()
+    got = runner.forward(seqs, [[k.clone(), v.clone()] for k, v in caches], None)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def fused_fp32(capi: Any) -> Any:
+    return _model()
+
+
+class TestFusedReuseCudaGraphs(ReuseChecks):
+    """Greedy tokens with the cache on equal recompute, fused layers and decode graphs on."""
+
+    policies = {
+        "test_device_hits_change_nothing": ("write_through",),
+        "test_host_hits_change_nothing": ("write_back",),
+        "test_failed_loads_recompute_and_change_nothing": ("write_through",),
+        "test_preemption_changes_nothing": ("write_back",),
+    }
+
+    @pytest.fixture
+    def engine_factory(self, monkeypatch: pytest.MonkeyPatch, fused_fp32: Any) -> Iterator[Any]:
+        engines = engine_factory_for(monkeypatch, fused_fp32, model="tiny-llama-random", device="gpu",
+                                     model_dtype="float32", use_cudagraph=True, fused_layers="on")
+        factory = next(engines)
+
+        def make(**kwargs: Any) -> Any:
+            eng = factory(**kwargs)
+            assert eng.runner.fused_layers == fused_fp32.num_layers
+            return eng
+
+        yield make
+        for _ in engines:
+            pass
