@@ -6,17 +6,18 @@ from the spawn to the first ``/health`` answer, for each configuration, interlea
 all of them):
 
 * ``none``: no host tier (the baseline);
-* ``background``: ``--swap-space N``, pinned in the background (the default,
-  ``FDKV_HOST_GROW_CHUNK_MIB``); its row also gives the seconds until the whole tier is
-  pinned (``/metrics`` ``host_blocks_ready`` = ``host_blocks_total``), after "serving";
-* ``upfront``: ``--swap-space N`` pinned before serving (``FDKV_HOST_GROW_CHUNK_MIB=0``):
-  the faster pinning path alone.
+* ``upfront``: ``--swap-space N`` pinned before serving (the default,
+  ``FDKV_HOST_GROW_CHUNK_MIB=0``): mmap, pages faulted in by threads, ``cudaHostRegister``;
+* ``background`` (only with ``--configs``; CPU copies only, a CUDA server refuses it):
+  ``--swap-space N`` pinned in the background (``FDKV_HOST_GROW_CHUNK_MIB``); its row also
+  gives the seconds until the whole tier is pinned (``/metrics`` ``host_blocks_ready`` =
+  ``host_blocks_total``), after "serving".
 
-Prints the median per configuration and its ratio to ``none`` (target for ``background``:
-<= 1.2).  Any other server flags follow ``--``::
+Prints the median per configuration and its ratio to ``none`` (target: <= 1.2).  Any other
+server flags follow ``--``::
 
     python benchmarks/bench_startup.py --swap-space 32 --repeats 3 -- --model llama3-8b-random --device gpu
-    python benchmarks/bench_startup.py --swap-space 1 --repeats 2      # CPU: tiny-llama-random
+    python benchmarks/bench_startup.py --swap-space 1 --repeats 2 --configs none,upfront,background  # CPU
 
 Writes ``bench_startup.json`` under ``--out``.
 """
@@ -76,7 +77,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--swap-space", type=float, default=1.0, help="host tier in GiB (default 1)")
     p.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
-    p.add_argument("--configs", default="none,background,upfront", help="which rows to run")
+    p.add_argument("--configs", default="none,upfront",
+                   help="which rows to run: none, upfront, background (background: CPU copies only)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a start-up may take")
     p.add_argument("--out", default="benchmarks/results", help="directory for bench_startup.json")
     a = p.parse_args(argv)
