@@ -16,8 +16,7 @@ a terminal sends SIGINT; both get the same treatment here:
 4. The process exits 0 (uvicorn would re-raise the signal and exit -15 or with a
    KeyboardInterrupt trace; a stop that was asked for and done is a success), through
    :func:`exit_process`: once everything is closed, the interpreter's teardown of the
-   native libraries (Paddle's allocator returning the KV pools, the model) only costs
-   time, most of an idle server's stop.
+   native libraries (the KV pools, the model) only costs time.
 
 Why the handlers need guarding: ``import paddleformers`` calls
 ``paddle.disable_signal_handler()``, which resets SIGTERM to the default action *in C*,
@@ -254,9 +253,9 @@ def exit_process(status: int) -> NoReturn:
 
     For the end of a server's or router's ``main``, once its stop closed everything it owns
     (engine, storage tier, sockets).  What it skips is the interpreter's final teardown:
-    garbage-collecting every module, which makes Paddle free the KV pools and the weights
-    one tensor at a time (0.7 s of a 1.0 s stop of an idle server on a 2-vCPU VM) and
-    unloads native libraries whose own threads may still run.
+    garbage-collecting every module, which frees the KV pools and the weights tensor by
+    tensor (with a host tier that Paddle pinned page by page this was most of an idle
+    server's stop) and unloads native libraries whose own threads may still run.
     """
     try:
         atexit._run_exitfuncs()
