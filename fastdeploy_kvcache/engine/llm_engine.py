@@ -431,8 +431,7 @@ class LLMEngine:
 
     def storage_health(self) -> Optional[dict[str, Any]]:
         """The storage tier's state right now (None without one); safe from any thread."""
-        health = getattr(self.pool, "storage_health", None)
-        return health() if health is not None else None
+        return self.pool.storage_health()
 
     def get_stats(self) -> dict[str, Any]:
         """A snapshot the engine thread refreshes (safe from any thread): at most every 50 ms while
@@ -575,8 +574,7 @@ class LLMEngine:
         (the other six fetches ran beside it); with only the first fetch read here, the
         second missed the first step and the whole burst ran a step late.
         """
-        arrive = getattr(self.pool, "prefetch_on_arrival", None)
-        if arrive is None:
+        if not self.pool.prefetches_on_arrival:
             return
         slots = self.args.max_num_seqs
         position = {id(er): i for i, er in enumerate(itertools.islice(self.waiting, 2 * slots))}
@@ -599,7 +597,7 @@ class LLMEngine:
             if not group:
                 continue
             try:
-                arrive(group, engine_idle=here)
+                self.pool.prefetch_on_arrival(group, engine_idle=here)
             except Exception:  # noqa: BLE001 - a prefetch never keeps a request out
                 logger.warning("prefetch on arrival of %s failed", [r.request_id for r in group], exc_info=True)
 
@@ -754,8 +752,7 @@ class LLMEngine:
                 del self.waiting[k]
                 continue
             r = er.req
-            prefetch_ready = getattr(self.pool, "prefetch_ready", None)
-            if prefetch_ready is not None and not prefetch_ready(r, engine_idle=not self.running and not out):
+            if not self.pool.prefetch_ready(r, engine_idle=not self.running and not out):
                 break  # the storage prefetch policy holds it until its blocks are on host
             try:
                 matched = self.pool.admit(r)
@@ -781,7 +778,7 @@ class LLMEngine:
             if not er.admitted:
                 er.admitted = True
                 er.admitted_time = time.monotonic()
-                er.fetch = getattr(plan, "storage_fetch", None)
+                er.fetch = plan.storage_fetch
                 er.cached_device = plan.num_device_hit_tokens
                 er.cached_host = plan.num_host_hit_tokens
                 er.cached_storage = plan.num_storage_hit_tokens
@@ -873,9 +870,7 @@ class LLMEngine:
                 self.pd.on_finish(er, reason)  # PD prefill: KV to the store, before release and emit
             if self.pool.is_running(r):
                 self.pool.finish(r)
-            forget = getattr(self.pool, "forget_request", None)
-            if forget is not None:
-                forget(r)  # a storage prefetch it waited for goes on for others
+            self.pool.forget_request(r)  # a storage prefetch it waited for goes on for others
         except Exception:  # noqa: BLE001 - never leave the loop because of one request
             logger.exception("releasing the blocks of %s failed", er.request_id)
         if reason in ("stop", "length"):
