@@ -114,6 +114,13 @@ class NullRunner:
         return sampling.sample_host(self.forward(seqs, kv_caches, layer_done))
 
 
+def num_running(engine: Any) -> int:
+    """The engine's running requests.  A ``--baseline-ref`` tree may predate the engine's
+    ``Scheduler`` and keep its queue on the engine (``engine.running``)."""
+    scheduler = getattr(engine, "scheduler", None)
+    return scheduler.num_running if scheduler is not None else len(engine.running)
+
+
 class GcMeter:
     """Seconds CPython's cyclic GC ran while installed in ``gc.callbacks``, and its passes per generation."""
 
@@ -295,10 +302,10 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
 
     def one_step() -> None:
         engine._drain_inbox()
-        if not engine.scheduler.num_running:
+        if not num_running(engine):
             flush()
         engine._step()
-        if not engine.scheduler.num_running:
+        if not num_running(engine):
             flush()
 
     st = engine.step_times
@@ -338,7 +345,7 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
             prof.disable()
         total = pc() - a
         after = st._all
-        if after["steps"] == before["steps"] or engine.scheduler.num_running < running:
+        if after["steps"] == before["steps"] or num_running(engine) < running:
             continue  # a step with fewer running (a preemption, or nothing scheduled)
         ph = {p: after[f"{p}_s"] - before[f"{p}_s"] for p in ("schedule", "submit", "launch", "gpu_wait",
                                                                "complete", "sample")}
