@@ -89,7 +89,7 @@ def main() -> int:
         return 0
     from transformers import DynamicCache
 
-    from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
+    from fastdeploy_kvcache.engine.runner import ScheduledSeq
     from fastdeploy_kvcache.engine.torch_models import LLAMA3_8B_RANDOM, load_torch_model
     from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
 

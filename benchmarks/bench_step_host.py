@@ -79,7 +79,7 @@ VOCAB_ROWS = 257  # distinct precomputed logits rows (a prime, so rows do not re
 
 
 class NullRunner:
-    """The model runner's interface (``forward``) at no cost: precomputed logits rows.
+    """The ``ModelRunner`` protocol (``engine/runner.py``) at no cost: precomputed logits rows.
 
     It still waits for the step's host->device loads (``wait_all``), as the real forward
     pass does layer by layer, so the copies complete as they would.
@@ -88,6 +88,7 @@ class NullRunner:
     last_layers_waited = 0
     last_gpu_wait_s = 0.0
     last_load_wait_gpu_s = 0.0
+    last_step_replayed = False
 
     def __init__(self, vocab: int, seed: int, gpu_step_s: float = 0.0) -> None:
         self.gpu_step_s = gpu_step_s
@@ -111,6 +112,13 @@ class NullRunner:
 
     def forward_sample(self, seqs: list[Any], kv_caches: Any, layer_done: Optional[Any], sampling: Any) -> np.ndarray:
         return sampling.sample_host(self.forward(seqs, kv_caches, layer_done))
+
+
+def num_running(engine: Any) -> int:
+    """The engine's running requests.  A ``--baseline-ref`` tree may predate the engine's
+    ``Scheduler`` and keep its queue on the engine (``engine.running``)."""
+    scheduler = getattr(engine, "scheduler", None)
+    return scheduler.num_running if scheduler is not None else len(engine.running)
 
 
 class GcMeter:
@@ -294,10 +302,10 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
 
     def one_step() -> None:
         engine._drain_inbox()
-        if not engine.running:
+        if not num_running(engine):
             flush()
         engine._step()
-        if not engine.running:
+        if not num_running(engine):
             flush()
 
     st = engine.step_times
@@ -337,7 +345,7 @@ def measure(running: int, steps: int, seed: int, profile: Optional[str] = None,
             prof.disable()
         total = pc() - a
         after = st._all
-        if after["steps"] == before["steps"] or len(engine.running) < running:
+        if after["steps"] == before["steps"] or num_running(engine) < running:
             continue  # a step with fewer running (a preemption, or nothing scheduled)
         ph = {p: after[f"{p}_s"] - before[f"{p}_s"] for p in ("schedule", "submit", "launch", "gpu_wait",
                                                                "complete", "sample")}

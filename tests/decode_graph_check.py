@@ -42,7 +42,7 @@ def padded_decode_results(device: str = "cpu", dtype: str = "float32", prompts: 
     """
     import torch
 
-    from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
+    from fastdeploy_kvcache.engine.runner import ScheduledSeq
     from fastdeploy_kvcache.engine.torch_models import load_torch_model
     from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
 

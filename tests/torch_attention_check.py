@@ -16,7 +16,7 @@ def paged_vs_sdpa_error(loaded: Any, prefix: int, chunk: int, decodes: int, bloc
                         attention: str = "auto") -> float:
     import torch
 
-    from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
+    from fastdeploy_kvcache.engine.runner import ScheduledSeq
     from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
 
     model = loaded.model

@@ -101,7 +101,7 @@ class EngineArgs:
     storage: Optional["StorageConfig"] = None
     # Prefill/decode disaggregation through the store (engine/pd.py): mixed, prefill or decode.
     splitwise_role: str = "mixed"
-    # Which model library runs the model: paddleformers (model_runner.py) or transformers on
+    # Which model library runs the model: paddleformers (paddle_runner.py) or transformers on
     # torch (torch_runner.py, the GPU path where no Paddle GPU runtime exists).
     model_impl: str = "paddleformers"
     # Model weights and activations on the transformers path ("auto": bfloat16 on a GPU,

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.engine.kv_sizing import DeviceMemory
-from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
+from fastdeploy_kvcache.engine.runner import ScheduledSeq
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,14 @@ queues it.  A batch the full queue dropped makes the next one a resynchronisatio
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from fastdeploy_kvcache.core.kv_event_recorder import KVEventRecorder, cache_contents
 from fastdeploy_kvcache.core.kv_events import EVENT_HASH_MASK, MEDIUM_DISK, MEDIUM_MOONCAKE
 from fastdeploy_kvcache.engine.kv_events_config import KVEventsConfig
+
+if TYPE_CHECKING:
+    from fastdeploy_kvcache.engine.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -22,9 +25,9 @@ __all__ = ["KVEventStream", "make_kv_event_stream", "storage_medium", "kv_cache_
 _STORAGE_MEDIUMS = {"file": MEDIUM_DISK, "mooncake": MEDIUM_MOONCAKE}
 
 
-def storage_medium(pool: Any) -> Optional[str]:
+def storage_medium(pool: "KVPool") -> Optional[str]:
     """The ``medium`` of the pool's storage tier (None without one)."""
-    if getattr(pool, "tier", None) is None:
+    if pool.tier is None or pool.storage_config is None:
         return None
     backend = pool.storage_config.backend
     return _STORAGE_MEDIUMS.get(backend, str(backend).upper())
@@ -51,7 +54,7 @@ class KVEventStream:
         self.publisher.shutdown()
 
 
-def make_kv_event_stream(config: Optional[KVEventsConfig], pool: Any) -> Optional[KVEventStream]:
+def make_kv_event_stream(config: Optional[KVEventsConfig], pool: "KVPool") -> Optional[KVEventStream]:
     """The stream for ``--kv-events-config``; None when events are off.
 
     Raises ValueError when events are asked for without the tiered cache manager (the
@@ -59,7 +62,7 @@ def make_kv_event_stream(config: Optional[KVEventsConfig], pool: Any) -> Optiona
     """
     if config is None or not config.active:
         return None
-    manager = getattr(pool, "manager", None)
+    manager = pool.manager
     if manager is None:
         raise ValueError(
             "--kv-events-config: KV cache events describe the tiered cache; set ENABLE_V1_KVCACHE_MANAGER=1"
@@ -69,18 +72,18 @@ def make_kv_event_stream(config: Optional[KVEventsConfig], pool: Any) -> Optiona
     recorder = KVEventRecorder(manager.block_size, storage_medium(pool))
     publisher = ZmqEventPublisher(config)
     manager.tree.events = recorder
-    if getattr(pool, "tier", None) is not None:
+    if pool.tier is not None:
         pool.tier.attach_events(recorder)
     return KVEventStream(recorder, publisher)
 
 
-def kv_cache_blocks(pool: Any) -> dict[str, list[int]]:
+def kv_cache_blocks(pool: "KVPool") -> dict[str, list[int]]:
     """Per medium, the block hashes (event form: low 64 bits) the pool's cache holds now.
 
     What a subscriber that applied every batch published so far must hold.  O(cache
     size); call it on the engine thread.
     """
-    manager = getattr(pool, "manager", None)
+    manager = pool.manager
     if manager is None:
         return {}
     contents = cache_contents(manager, storage_medium(pool))

@@ -7,18 +7,24 @@ between requests, the baseline FastDeploy users compare against.  Both own their
 through a ``CacheController`` so the attention code is identical; the plain pool never copies.
 
 The engine loop calls the same methods on either (admit, ensure_resident, finish, preempt,
-begin_step, complete_finished), so the switch changes nothing else.
+begin_step, complete_finished), so the switch changes nothing else.  Capabilities only some
+pools have (the tiered manager, the storage tier and its prefetches) are declared on
+:class:`KVPool` with a default that does nothing, so callers never probe for them.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError
 from fastdeploy_kvcache.core.metadata import CacheLevel, ResidencyPlan
 from fastdeploy_kvcache.core.request import BatchRequest, Request
+
+if TYPE_CHECKING:
+    from fastdeploy_kvcache.core.cache_manager import CacheManager
+    from fastdeploy_kvcache.core.storage_tier import StorageTier
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +35,14 @@ class KVPool:
     """Common part: the CacheController that owns the device (and host) caches."""
 
     managed = False
+    # The tiered manager (ManagedKVPool) and the storage tier with its configuration
+    # (StorageKVPool); None in pools without them.
+    manager: Optional["CacheManager"] = None
+    tier: Optional["StorageTier"] = None
+    storage_config: Optional[Any] = None
+    # Whether prefetch_on_arrival does anything: the engine skips choosing the arrivals to
+    # look up when it does not.
+    prefetches_on_arrival = False
 
     def __init__(self, config: CacheConfig, backend: str = "paddle") -> None:
         from fastdeploy_kvcache.worker.cache_controller import CacheController
@@ -79,6 +93,21 @@ class KVPool:
 
     def check_invariants(self) -> dict[str, int]:
         raise NotImplementedError
+
+    # Storage-tier capabilities (StorageKVPool); the defaults are those of a pool without one.
+    def storage_health(self) -> Optional[dict[str, Any]]:
+        """The storage tier's state now; None without a storage tier."""
+        return None
+
+    def prefetch_on_arrival(self, requests: list[Request], engine_idle: bool = False) -> None:
+        """Start the storage lookups of requests just queued (nothing without a storage tier)."""
+
+    def prefetch_ready(self, request: Request, engine_idle: bool = False) -> bool:
+        """False while a prefetch policy holds ``request`` for its storage hits (never here)."""
+        return True
+
+    def forget_request(self, request: Request) -> None:
+        """``request`` finished: drop what the pool kept for it beyond its blocks (nothing here)."""
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Free the caches; ``timeout_s`` bounds what a subclass still writes out first."""

@@ -5,13 +5,10 @@ One step of the loop:
 1. **Inbox.** New requests and aborts arrive through a queue (``add_request`` and ``abort``
    are thread-safe and never wait for a step); with a storage tier, a new request's storage
    prefetch starts as it is queued.
-2. **Schedule** under ``--max-num-batched-tokens``: running requests first (decodes, or the
-   next chunk of a prefill), then admissions while there is budget and fewer than
-   ``--max-num-seqs`` run.  Admission is ``match_prefix`` then ``ensure_resident``; a waiting
-   request whose next uncached block another running request is computing is held (in-batch
-   prefix sharing, ``core/prefix_sharing.py``) and the next one is tried.  When blocks run out,
-   the most recently admitted request is preempted (its computed blocks stay cached, so it
-   resumes cheaply) and requeued at the front.
+2. **Schedule** (``engine/scheduler.py``): the ``Scheduler`` owns the waiting and running
+   queues and picks the step's requests under ``--max-num-batched-tokens``: running requests
+   first, then admissions (``match_prefix`` then ``ensure_resident``) while fewer than
+   ``--max-num-seqs`` run, with in-batch prefix sharing and preemption when blocks run out.
 3. **Batch and copies.** ``BatchRequest`` of the scheduled requests plus the pending backups;
    ``submit_swap_tasks`` starts this step's device->host and host->device copies.
 4. **Forward.** All scheduled tokens as one flattened sequence; the paged attention waits
@@ -30,7 +27,6 @@ request finishes with ``finish_reason="error"``.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -44,26 +40,24 @@ import numpy as np
 
 from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.config import AUTO_DTYPE, CacheConfig
-from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
-from fastdeploy_kvcache.core.prefix_sharing import PrefixSharing
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.engine.args import EngineArgs
+from fastdeploy_kvcache.engine.engine_request import EngineRequest, OutputCallback
 from fastdeploy_kvcache.engine.kv_event_stream import kv_cache_blocks, make_kv_event_stream
 from fastdeploy_kvcache.engine.kv_pool import KVPool, ManagedKVPool, PlainKVPool
 from fastdeploy_kvcache.engine.model_loader import LoadedModel, load_model
-from fastdeploy_kvcache.engine.model_runner import ModelRunner, ScheduledSeq
+from fastdeploy_kvcache.engine.runner import ModelRunner, ScheduledSeq
 from fastdeploy_kvcache.engine.outputs import RequestOutput
 from fastdeploy_kvcache.engine.request_checks import RequestRejected, check_fits_device_pool, check_prompt
 from fastdeploy_kvcache.engine.request_timing import RecentTimings, request_timing
 from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams, StepSampling
+from fastdeploy_kvcache.engine.scheduler import Scheduler
 from fastdeploy_kvcache.engine.step_timing import StepTimes
 from fastdeploy_kvcache.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams", "EngineArgs"]
-
-OutputCallback = Callable[[RequestOutput], None]
 
 # While idle with copies or storage jobs in flight, the loop polls for them between these
 # bounds (doubling), so a new request is picked up at once and finished copies soon after.
@@ -73,42 +67,6 @@ _IDLE_POLL_MAX_S = 0.01
 # it is tens of microseconds, a share of a short GPU step.  An idle engine, a step by hand
 # (step()) and the step that runs the last request refresh it at once.
 _STATS_PERIOD_S = 0.05
-
-
-class _EngineRequest:
-    """A request as the engine tracks it: the cache fields (``req``) plus generation state."""
-
-    def __init__(
-        self, req: Request, params: SamplingParams, on_output: OutputCallback, sampler: RequestSampler,
-        detok: IncrementalDetokenizer, arrival_time: float,
-    ) -> None:
-        self.req = req
-        self.params = params
-        self.on_output = on_output
-        self.sampler = sampler
-        self.detok = detok
-        self.arrival_time = arrival_time
-        self.first_token_time: Optional[float] = None
-        self.cached_device = 0
-        self.cached_host = 0
-        self.cached_storage = 0  # host hits that this request's storage prefetch brought in
-        self.admitted = False  # got its first blocks at least once
-        self.admitted_time: Optional[float] = None  # time.monotonic() of that first admission
-        self.fetch: Optional[dict[str, Any]] = None  # the storage fetch it waited for (StorageTier.fetch_timing)
-        self.first_step: Optional[dict[str, Any]] = None  # the admitting step's phases (request_timing.py)
-        self.text_sent = 0  # chars of detok.text already emitted
-        self.stop_at: Optional[int] = None  # where a stop string starts in detok.text
-        self.finished = False
-        self.max_stop_len = max((len(s) for s in params.stop), default=0)
-        self.kv_transfer: Optional[Any] = None  # PD decode: engine/pd.py KVTransferParams
-
-    @property
-    def request_id(self) -> str:
-        return self.req.request_id
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return self.cached_device + self.cached_host + self.cached_storage
 
 
 def wants_gpu(device: str) -> bool:
@@ -159,12 +117,16 @@ class LLMEngine:
         self.use_v1 = envs.enable_v1_kvcache_manager()
         # The runner comes before the pool: on a GPU it runs the step that sizes the pool.
         self.cache_config = self._model_cache_config()
+        torch_model_runner = None  # the transformers runner: it captures decode graphs once the pool exists
         if args.model_impl == "transformers":
             fused = args.fused_layers == "on" or (args.fused_layers == "auto" and self.device == "gpu")
-            self.runner: Any = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size, self.device,
-                                                             fused_layers=fused)
+            torch_model_runner = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size,
+                                                               self.device, fused_layers=fused)
+            self.runner: ModelRunner = torch_model_runner
         else:
-            self.runner = ModelRunner(self.loaded, self.cache_config.block_size, self.device)
+            from fastdeploy_kvcache.engine.paddle_runner import PaddleModelRunner
+
+            self.runner = PaddleModelRunner(self.loaded, self.cache_config.block_size, self.device)
         self.cache_config.num_gpu_blocks = self._device_pool_blocks()
         storage = getattr(args, "storage", None)
         if self.use_v1 and storage is not None and storage.enabled:
@@ -184,9 +146,9 @@ class LLMEngine:
                 args.cache.swap_space, args.cache.write_policy, args.cache.write_through_threshold,
                 args.cache.enable_prefix_caching, args.cache.enable_output_caching,
             )
-        if args.model_impl == "transformers" and args.use_cudagraph:
+        if torch_model_runner is not None and args.use_cudagraph:
             # Once the pool exists (the graphs hold its caches' addresses), before serving.
-            self.runner.enable_decode_graphs(self.pool.layer_caches, args.max_num_seqs, self.max_model_len)
+            torch_model_runner.enable_decode_graphs(self.pool.layer_caches, args.max_num_seqs, self.max_model_len)
         # PD disaggregation (--splitwise-role prefill|decode): engine/pd.py; None when mixed.
         from fastdeploy_kvcache.engine.pd import make_pd_coordinator
 
@@ -202,18 +164,18 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(args.seed)
         # In-batch prefix sharing: only where blocks are reused at all.
         share = self.use_v1 and self.cache_config.enable_prefix_caching and self.pd is None
-        self.sharing = PrefixSharing(self.cache_config.block_size, args.max_prefix_hold_s if share else 0.0)
+        self.scheduler = Scheduler(
+            self.pool, block_size=self.cache_config.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs, prefix_hold_s=args.max_prefix_hold_s if share else 0.0,
+            fail=lambda er, error: self._finish(er, "error", error=error),
+            drain_copies=lambda: self._complete_copies(wait=True),
+            after_admit=self.pd.after_admit if self.pd is not None else None)
 
         self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _live_ids and the stats snapshot
         self._live_ids: set[str] = set()
-        self.waiting: collections.deque[_EngineRequest] = collections.deque()
-        # Arrivals whose storage lookup waits until the next two steps may admit them
-        # (_prefetch_arrivals).
-        self._later_arrivals: list[_EngineRequest] = []
-        self.running: list[_EngineRequest] = []
-        self._requests: dict[str, _EngineRequest] = {}
+        self._requests: dict[str, EngineRequest] = {}
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._closed = False
@@ -221,7 +183,7 @@ class LLMEngine:
         self._idle.set()
         self._step_count = itertools.count()
         self._output_flush_hooks: list[Callable[[], None]] = []
-        self._counters = {"num_steps": 0, "num_preemptions": 0, "num_failed_load_steps": 0,
+        self._counters = {"num_steps": 0, "num_failed_load_steps": 0,
                           "prompt_tokens_computed": 0, "output_tokens": 0, "num_finished": 0,
                           "steps_with_loads": 0, "layer_waits": 0, "cudagraph_replays": 0}
         self._stats_snapshot: dict[str, Any] = {}
@@ -330,7 +292,7 @@ class LLMEngine:
                 return
         self._thread = None
         self._drain_inbox()
-        for er in list(self.running) + list(self.waiting):
+        for er in self.scheduler.requests():
             self._finish(er, "abort")
         self._flush_outputs()
         try:
@@ -400,7 +362,7 @@ class LLMEngine:
         for request_id, prompt_token_ids, params, on_output, pd_params in ready:
             req = Request(request_id, [int(t) for t in prompt_token_ids])
             seed = int(self._seed_rng.integers(0, 2**63 - 1))
-            er = _EngineRequest(req, params, on_output, RequestSampler(params, seed),
+            er = EngineRequest(req, params, on_output, RequestSampler(params, seed),
                                 IncrementalDetokenizer(self.tokenizer), time.monotonic())
             er.kv_transfer = pd_params
             self._inbox.put(("add", er))
@@ -431,8 +393,7 @@ class LLMEngine:
 
     def storage_health(self) -> Optional[dict[str, Any]]:
         """The storage tier's state right now (None without one); safe from any thread."""
-        health = getattr(self.pool, "storage_health", None)
-        return health() if health is not None else None
+        return self.pool.storage_health()
 
     def get_stats(self) -> dict[str, Any]:
         """A snapshot the engine thread refreshes (safe from any thread): at most every 50 ms while
@@ -484,9 +445,9 @@ class LLMEngine:
         while not self._stop.is_set():
             try:
                 self._drain_inbox()
-                if not self.running:
+                if not self.scheduler.num_running:
                     self._flush_outputs()  # aborts, before any idle wait below; else the step flushes
-                if not self.running and not self.waiting:
+                if not self.scheduler.has_requests():
                     if self.pool.copies_in_flight:
                         # NOTE: poll, never drain, while idle: a request arriving now would
                         # otherwise wait for the last requests' backups (and storage puts)
@@ -512,11 +473,11 @@ class LLMEngine:
                         self._wake.clear()
                     continue
                 self._step()
-                if not self.running:
+                if not self.scheduler.num_running:
                     self._flush_outputs()  # the last outputs: no next step will flush them
             except Exception:  # noqa: BLE001 - the thread must survive anything
                 logger.exception("engine step failed; failing the requests of this step")
-                for er in list(self.running):
+                for er in self.scheduler.running_requests():
                     self._finish(er, "error", error="internal engine error (see the server log)")
                 self._flush_outputs()
                 try:
@@ -526,7 +487,7 @@ class LLMEngine:
         logger.info("engine thread stopped")
 
     def _drain_inbox(self) -> None:
-        arrived: list[_EngineRequest] = []
+        arrived: list[EngineRequest] = []
         try:
             while True:
                 try:
@@ -537,7 +498,7 @@ class LLMEngine:
                     self._requests[item.request_id] = item
                     if self.pd is not None and not self.pd.on_add(item):
                         continue  # PD decode: finished by the prefill's token (eos, max_tokens)
-                    self.waiting.append(item)
+                    self.scheduler.add(item)
                     if item.kv_transfer is None:
                         arrived.append(item)
                 elif kind == "abort":
@@ -552,61 +513,13 @@ class LLMEngine:
                         except Exception as exc:  # noqa: BLE001 - the caller gets it
                             future.set_exception(exc)
         finally:
-            self._prefetch_arrivals(arrived)
-
-    def _prefetch_arrivals(self, arrived: list[_EngineRequest]) -> None:
-        """Start the storage lookup and fetch of requests just queued, while they wait.
-
-        NOTE: after the inbox is empty, not per item: a lookup takes a millisecond or more,
-        and a burst whose requests keep arriving during their own lookups would otherwise
-        keep the engine in the inbox, its first request ready but not scheduled.  Requests
-        arriving meanwhile are looked up after the next step.
-
-        Only arrivals among the first ``2 * max_num_seqs`` waiting (those the next two steps
-        may admit) are looked up now; the others wait in ``_later_arrivals`` until they are,
-        since their lookups (a few tenths of a millisecond each, on this thread) would only
-        delay the next step, and their fetches would slow its forward pass on a small machine.
-        On an idle engine the fetches of those the next step admits are read here at once, on
-        this thread, as one batch; the fetches of the step after
-        run on the storage thread during the next step.
-        NOTE: measured on a burst of 8 storage hits with ``--max-num-seqs 2`` on 2 cores:
-        with every arrival looked up before the first step, that step started 22 ms after
-        the burst (a burst of host hits: 5 ms) and its forward took 30 ms instead of 17
-        (the other six fetches ran beside it); with only the first fetch read here, the
-        second missed the first step and the whole burst ran a step late.
-        """
-        arrive = getattr(self.pool, "prefetch_on_arrival", None)
-        if arrive is None:
-            return
-        slots = self.args.max_num_seqs
-        position = {id(er): i for i, er in enumerate(itertools.islice(self.waiting, 2 * slots))}
-        free = max(0, slots - len(self.running))
-        idle = not self.running
-        later, self._later_arrivals = self._later_arrivals, []
-        ahead: list[tuple[int, _EngineRequest]] = []
-        for er in later + arrived:
-            if er.finished or er.admitted:
-                continue  # admitted meanwhile: its lookup ran at admission
-            at = position.get(id(er))
-            if at is None:
-                self._later_arrivals.append(er)
-            else:
-                ahead.append((at, er))
-        ahead.sort(key=lambda item: item[0])
-        now = [er.req for at, er in ahead if idle and at < free]  # the next step's, on an idle engine
-        rest = [er.req for at, er in ahead if not (idle and at < free)]
-        for group, here in ((now, True), (rest, False)):
-            if not group:
-                continue
-            try:
-                arrive(group, engine_idle=here)
-            except Exception:  # noqa: BLE001 - a prefetch never keeps a request out
-                logger.warning("prefetch on arrival of %s failed", [r.request_id for r in group], exc_info=True)
+            self.scheduler.prefetch_arrivals(arrived)
 
     # ------------------------------------------------------------------ one step
     def _step(self) -> None:
+        """One step: schedule, submit the copies, forward and sample, complete, emit (module docstring)."""
         t0 = time.perf_counter()
-        scheduled = self._schedule()
+        scheduled = self.scheduler.schedule()
         t_sched = time.perf_counter()
         if not scheduled:
             # Nothing fits right now: copies in flight pin blocks; wait for them.
@@ -648,7 +561,7 @@ class LLMEngine:
         t_forward = time.perf_counter()
         if self.pd is not None:
             self.pd.count_recomputed(scheduled)
-        if getattr(self.runner, "last_step_replayed", False):
+        if self.runner.last_step_replayed:
             self._counters["cudagraph_replays"] += 1
         if counter is not None:
             self._counters["steps_with_loads"] += 1
@@ -661,7 +574,7 @@ class LLMEngine:
             if not er.req.output_token_ids:
                 self._counters["prompt_tokens_computed"] += n
         rewound = self._complete_copies(wait=False)
-        self._commit_prefill(scheduled)
+        self.scheduler.commit_prefill(scheduled)
         t_complete = time.perf_counter()
         token_list = token_ids.tolist()
         k = 0
@@ -678,132 +591,14 @@ class LLMEngine:
                 logger.exception("request %s failed", er.request_id)
                 self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
         # The runner splits its forward pass into host launch and the wait for the device.
-        wait_s = getattr(self.runner, "last_gpu_wait_s", 0.0)
+        wait_s = self.runner.last_gpu_wait_s
         self.step_times.add(
             {"schedule": t_sched - t0, "submit": t_submit - t_sched, "launch": t_forward - t_submit - wait_s,
              "gpu_wait": wait_s, "complete": t_complete - t_forward, "sample": time.perf_counter() - t_complete},
-            getattr(self.runner, "last_load_wait_gpu_s", 0.0), len(scheduled))
+            self.runner.last_load_wait_gpu_s, len(scheduled))
         self._flush_kv_events()
-        if not self.running or time.monotonic() - self._stats_time >= _STATS_PERIOD_S:
+        if not self.scheduler.num_running or time.monotonic() - self._stats_time >= _STATS_PERIOD_S:
             self._refresh_stats()
-
-    def _commit_prefill(self, scheduled: list[tuple[_EngineRequest, int]]) -> None:
-        """Make the prompt blocks this step completed reusable now (requests held for them
-        start as soon as they are in, chunked prefill included).  Off with the sharing: a
-        request's blocks are then reusable once it finishes, as before."""
-        if not self.sharing.enabled:
-            return
-        for er, _ in scheduled:
-            r = er.req
-            if er.finished or r.num_computed_tokens > r.num_prompt_tokens + 1:
-                continue  # decoding: its prompt blocks were committed already
-            try:
-                committed = self.pool.commit(r)
-            except Exception:  # noqa: BLE001 - a missed commit only loses reuse
-                logger.exception("committing the blocks of %s failed", er.request_id)
-                continue
-            self.sharing.leader_progress(er.request_id, committed)
-
-    def _schedule(self) -> list[tuple[_EngineRequest, int]]:
-        """Pick this step's requests and token counts; make their blocks resident."""
-        budget = self.args.max_num_batched_tokens
-        block_size = self.cache_config.block_size
-        out: list[tuple[_EngineRequest, int]] = []
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            er = self.running[i]
-            r = er.req
-            n = min(r.num_total_tokens - r.num_computed_tokens, budget)
-            if n <= 0:
-                i += 1
-                continue
-            if len(r.block_tables) * block_size >= r.num_computed_tokens + n:
-                # NOTE: most decode steps need no new block: skip the pool's call (it would
-                # only check the table and find nothing to do), the one per-request cost of
-                # scheduling a running request.  Copies the pool queued meanwhile still go
-                # with this step's batch (begin_step issues them).
-                out.append((er, n))
-                budget -= n
-                i += 1
-                continue
-            try:
-                self.pool.ensure_resident(r, r.num_computed_tokens + n)
-            except NoFreeBlocksError as exc:
-                if exc.retryable and self.pool.copies_in_flight:
-                    self._complete_copies(wait=True)
-                    continue
-                victim = self.running[-1]
-                if victim is er and len(self.running) == 1:
-                    self._finish(er, "error", error=f"not enough KV blocks: {exc}")
-                    continue
-                self._preempt(victim)
-                preempted = True
-                continue  # retry er (or, if er was the victim, the next one)
-            out.append((er, n))
-            budget -= n
-            i += 1
-        if preempted:
-            return out
-        sharing = self.sharing
-        sharing.begin_pass()
-        k = 0  # requests held for a prefix another one computes stay in place; the next go first
-        while k < len(self.waiting) and budget > 0 and len(self.running) < self.args.max_num_seqs:
-            er = self.waiting[k]
-            if er.finished:
-                del self.waiting[k]
-                continue
-            r = er.req
-            prefetch_ready = getattr(self.pool, "prefetch_ready", None)
-            if prefetch_ready is not None and not prefetch_ready(r, engine_idle=not self.running and not out):
-                break  # the storage prefetch policy holds it until its blocks are on host
-            try:
-                matched = self.pool.admit(r)
-                if sharing.should_hold(r, matched):
-                    k += 1
-                    continue
-                want = min(r.num_total_tokens, matched + budget)
-                plan = self.pool.ensure_resident(r, want)
-            except NoFreeBlocksError as exc:
-                if not self.running and not out:
-                    if exc.retryable or self.pool.copies_in_flight:
-                        self._complete_copies(wait=True)
-                    else:
-                        del self.waiting[k]
-                        self._finish(er, "error", error=f"not enough KV blocks: {exc}")
-                break
-            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-                logger.exception("admission of %s failed", er.request_id)
-                del self.waiting[k]
-                self._finish(er, "error", error=f"{type(exc).__name__}: {exc}")
-                continue
-            del self.waiting[k]
-            if not er.admitted:
-                er.admitted = True
-                er.admitted_time = time.monotonic()
-                er.fetch = getattr(plan, "storage_fetch", None)
-                er.cached_device = plan.num_device_hit_tokens
-                er.cached_host = plan.num_host_hit_tokens
-                er.cached_storage = plan.num_storage_hit_tokens
-            sharing.admitted(r, r.num_computed_tokens)
-            self.running.append(er)
-            if self.pd is not None:
-                self.pd.after_admit(er)  # PD decode: the partial block from the store
-            n = min(r.num_total_tokens - r.num_computed_tokens, budget, len(r.block_tables) * self.cache_config.block_size - r.num_computed_tokens)
-            if n <= 0:
-                continue
-            out.append((er, n))
-            budget -= n
-        sharing.end_pass()
-        return out
-
-    def _preempt(self, er: _EngineRequest) -> None:
-        self.running.remove(er)
-        self.sharing.leader_gone(er.request_id)
-        self.pool.preempt(er.req)
-        self.waiting.appendleft(er)
-        self._counters["num_preemptions"] += 1
-        logger.debug("preempted %s", er.request_id)
 
     def _complete_copies(self, wait: bool) -> set[str]:
         """Hand finished copies to the manager; adjust the reuse counts of rewound requests."""
@@ -820,7 +615,7 @@ class LLMEngine:
         return rewound
 
     # ------------------------------------------------------------------ tokens and finishing
-    def append_token(self, er: _EngineRequest, token: int) -> None:
+    def append_token(self, er: EngineRequest, token: int) -> None:
         """Give ``er`` its next output token: emit its text, or finish it (EOS, stop, length).
 
         The engine's own sampler calls it each step; a PD decode server (engine/pd.py) calls
@@ -857,25 +652,19 @@ class LLMEngine:
             return
         self._finish(er, reason, new_token_ids=[token])
 
-    def _finish(self, er: _EngineRequest, reason: str, new_token_ids: Optional[list[int]] = None,
+    def _finish(self, er: EngineRequest, reason: str, new_token_ids: Optional[list[int]] = None,
                 error: Optional[str] = None) -> None:
         if er.finished:
             return
         er.finished = True
         r = er.req
-        self.sharing.forget(er.request_id)
+        self.scheduler.remove(er)
         try:
-            if er in self.running:
-                self.running.remove(er)
-            if er in self.waiting:
-                self.waiting.remove(er)
             if self.pd is not None:
                 self.pd.on_finish(er, reason)  # PD prefill: KV to the store, before release and emit
             if self.pool.is_running(r):
                 self.pool.finish(r)
-            forget = getattr(self.pool, "forget_request", None)
-            if forget is not None:
-                forget(r)  # a storage prefetch it waited for goes on for others
+            self.pool.forget_request(r)  # a storage prefetch it waited for goes on for others
         except Exception:  # noqa: BLE001 - never leave the loop because of one request
             logger.exception("releasing the blocks of %s failed", er.request_id)
         if reason in ("stop", "length"):
@@ -894,7 +683,7 @@ class LLMEngine:
         with self._lock:
             self._live_ids.discard(er.request_id)
 
-    def _emit(self, er: _EngineRequest, new_token_ids: list[int], text: str, finished: bool = False,
+    def _emit(self, er: EngineRequest, new_token_ids: list[int], text: str, finished: bool = False,
               finish_reason: Optional[str] = None, error: Optional[str] = None) -> None:
         """Hand ``er``'s output of this step to its callback (built in one call: it runs per token)."""
         r = er.req
@@ -919,15 +708,15 @@ class LLMEngine:
             logger.debug("pool stats failed", exc_info=True)
             pool = {}
         snap: dict[str, Any] = {
-            "num_requests_running": len(self.running),
-            "num_requests_waiting": len(self.waiting),
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
             "v1_kvcache_manager": self.use_v1,
             "model": self.model_name,
             "device": self.device,
-            "engine": dict(self._counters),
+            "engine": {**self._counters, "num_preemptions": self.scheduler.num_preemptions},
             "step_times": self.step_times.snapshot(),
             "request_timings": self.request_timings.snapshot(),
-            "prefix_sharing": self.sharing.stats.as_dict(),
+            "prefix_sharing": self.scheduler.sharing_stats(),
             **pool,
         }
         if getattr(self, "pd", None) is not None:

@@ -388,8 +388,8 @@ class PDCoordinator:
         ok = sum(1 for x in results if x == 0)
         # Full blocks now stored (or already there): the storage tier's own backups skip them.
         stored = list(keys.full_hashes[:skip]) + [h for h, x in zip(keys.full_hashes[skip:], results) if x == 0]
-        tier = getattr(self.engine.pool, "tier", None)
-        if stored and tier is not None and hasattr(tier, "mark_stored"):
+        tier = self.engine.pool.tier
+        if stored and tier is not None:
             tier.mark_stored(stored)
         self._stats.prefill_write_blocks_ok += ok
         self._stats.prefill_write_blocks_failed += len(todo_keys) - ok

@@ -57,6 +57,9 @@ def model_fingerprint(model: str, seed: int) -> str:
 class StorageKVPool(ManagedKVPool):
     """ManagedKVPool + storage tier (see the module docstring)."""
 
+    prefetches_on_arrival = True
+    tier: StorageTier
+
     def __init__(self, config: CacheConfig, storage_config: Any, model_id: str, weights_fp: str,
                  backend: str = "paddle", *, arrival_prefetch_blocks: Optional[int] = None,
                  **backend_overrides: Any) -> None:

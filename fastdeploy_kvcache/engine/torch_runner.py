@@ -1,7 +1,8 @@
 """The transformers model runner (``--model-impl transformers``): one forward pass of a step.
 
-The same contract as the paddleformers runner (``engine/model_runner.py``): the engine hands
-it the step's :class:`~fastdeploy_kvcache.engine.model_runner.ScheduledSeq` list, the
+The ``ModelRunner`` protocol (``engine/runner.py``), as the paddleformers runner
+(``engine/paddle_runner.py``): the engine hands it the step's
+:class:`~fastdeploy_kvcache.engine.runner.ScheduledSeq` list, the
 controller's per-layer caches and the step's ``LayerDoneCounter``; it returns float32 logits
 for the seqs that sample.  The model is transformers' ``LlamaForCausalLM``, unmodified, with
 the paged attention of ``engine/torch_attention.py``.
@@ -32,7 +33,7 @@ import numpy as np
 
 from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.engine.model_loader import LoadedModel
-from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
+from fastdeploy_kvcache.engine.runner import ScheduledSeq
 from fastdeploy_kvcache.engine.attention import step_context
 from fastdeploy_kvcache.engine.decode_graphs import DecodeGraphs, GraphBucket
 from fastdeploy_kvcache.engine.sampling import StepSampling
@@ -106,6 +107,12 @@ def load_model_for(args: Any, device: str) -> LoadedModel:
 
 class TorchModelRunner:
     """Runs ``LlamaForCausalLM`` over the paged cache; see the module docstring."""
+
+    # The ModelRunner figures (engine/runner.py), set by each step.
+    last_layers_waited: int = 0
+    last_gpu_wait_s: float = 0.0
+    last_load_wait_gpu_s: float = 0.0
+    last_step_replayed: bool = False
 
     def __init__(self, loaded: LoadedModel, block_size: int, device: str, attention: str = "auto",
                  fused_layers: bool = False) -> None:

@@ -111,12 +111,12 @@ def test_a_leader_aborted_mid_prefill_leaves_its_chunks_to_the_next(monkeypatch,
             eng.add_request(f"r{i}", _prompt(i), greedy(6), col)
         for _ in range(6):
             eng.step()
-        assert [er.request_id for er in eng.running] == ["r0"] and eng.running[0].req.num_computed_tokens == 288
+        assert [er.request_id for er in eng.scheduler.running] == ["r0"] and eng.scheduler.running[0].req.num_computed_tokens == 288
         eng.abort("r0")
         eng.step()  # takes the abort; r1 leads now, r2 and r3 wait for it
         assert col.final("r0").finish_reason == "abort"
-        assert [er.request_id for er in eng.running] == ["r1"]
-        assert eng.sharing.stats.held_now == 2
+        assert [er.request_id for er in eng.scheduler.running] == ["r1"]
+        assert eng.scheduler.sharing.stats.held_now == 2
         eng.start()
         with pytest.raises(RuntimeError, match="thread is running"):
             eng.step()  # by hand only while the engine's own thread is not stepping
@@ -126,7 +126,7 @@ def test_a_leader_aborted_mid_prefill_leaves_its_chunks_to_the_next(monkeypatch,
         assert col.final("r1").num_cached_tokens == 288
         assert [col.final(f"r{i}").num_cached_tokens for i in (2, 3)] == [len(PREFIX)] * 2
         assert eng.get_stats()["prefix_sharing"]["held_requests"] == 2
-        assert eng.sharing.num_blocks_being_computed == 0
+        assert eng.scheduler.sharing.num_blocks_being_computed == 0
         _assert_whole(eng)
     finally:
         eng.shutdown()
@@ -149,7 +149,7 @@ def test_preemption_under_sharing_keeps_tokens_and_frees_everything(monkeypatch,
         stats = eng.get_stats()
         assert stats["engine"]["num_preemptions"] >= 1, stats["engine"]
         assert stats["prefix_sharing"]["held_requests"] >= 1
-        assert eng.sharing.num_blocks_being_computed == 0
+        assert eng.scheduler.sharing.num_blocks_being_computed == 0
         _assert_whole(eng)
     finally:
         eng.shutdown()
@@ -166,7 +166,7 @@ def _host_only_prefix(monkeypatch: pytest.MonkeyPatch, tiny_model: Any) -> LLMEn
     for rid, prompt in (("warm", _prompt(99)), ("filler", [7 + (j * 13) % 490 for j in range(70 * BS - 1)])):
         eng.add_request(rid, prompt, greedy(1), col)
         eng.step()
-        while eng.running or eng.waiting:
+        while eng.scheduler.running or eng.scheduler.waiting:
             eng.step()
         eng.pool.complete_finished(wait=True)  # the backups land
         col.final(rid)
@@ -222,7 +222,7 @@ def test_a_failed_shared_load_makes_every_reader_recompute(monkeypatch, tiny_mod
         assert stats["engine"]["num_failed_load_steps"] == 1
         assert stats["cache"]["shared_load_blocks"] == 2 * len(PREFIX) // BS
         assert stats["cache"]["failed_blocks"] == len(PREFIX) // BS
-        assert all(er.req.num_computed_tokens == 0 for er in eng.running), "a reader kept the failed blocks"
+        assert all(er.req.num_computed_tokens == 0 for er in eng.scheduler.running), "a reader kept the failed blocks"
         eng.start()
         assert eng.wait_idle(120)
         assert {f"r{i}": col.tokens(f"r{i}") for i in range(1, 4)} == {

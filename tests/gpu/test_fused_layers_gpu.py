@@ -37,7 +37,7 @@ def _model() -> Any:
 
 
 def test_fused_layers_compute_what_the_unfused_layers_compute(capi: Any) -> None:
-    from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
+    from fastdeploy_kvcache.engine.runner import ScheduledSeq
     from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
 
     plain, fused_model = _model(), _model()

@@ -51,7 +51,7 @@ def test_device_picks_what_the_host_picks(rows: int, vocab: int) -> None:
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cudagraph"])
 def test_runner_forward_sample_returns_the_ids_of_its_logits(capi: Any, graphs: bool) -> None:
-    from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
+    from fastdeploy_kvcache.engine.runner import ScheduledSeq
     from fastdeploy_kvcache.engine.torch_models import load_torch_model
     from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
 

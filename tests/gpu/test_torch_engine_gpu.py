@@ -218,7 +218,7 @@ def test_logits_come_back_through_pinned_memory_and_stay_the_callers(capi: Any) 
     later step never overwrites an array the caller still holds."""
     import numpy as np
 
-    from fastdeploy_kvcache.engine.model_runner import ScheduledSeq
+    from fastdeploy_kvcache.engine.runner import ScheduledSeq
     from fastdeploy_kvcache.engine.torch_models import load_torch_model
     from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
 

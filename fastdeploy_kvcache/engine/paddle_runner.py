@@ -1,4 +1,5 @@
-"""One forward pass of a step: flatten the scheduled tokens, run the model, return logits.
+"""``PaddleModelRunner``: one forward pass of a step on paddleformers (the ``ModelRunner``
+protocol, ``engine/runner.py``): flatten the scheduled tokens, run the model, return logits.
 
 The model is paddleformers' ``LlamaForCausalLM``, unmodified; attention goes through the
 registered paged attention (``engine/attention.py``).  The LM head runs only on the rows
@@ -9,7 +10,6 @@ every prefill token: on a 49k vocabulary that is most of a prefill's cost otherw
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -17,22 +17,22 @@ import numpy as np
 from fastdeploy_kvcache.engine.attention import SeqSlice, StepContext, register_paged_attention, step_context
 from fastdeploy_kvcache.engine.int64_staging import Int64Staging
 from fastdeploy_kvcache.engine.model_loader import LoadedModel
+from fastdeploy_kvcache.engine.runner import ScheduledSeq
 from fastdeploy_kvcache.engine.sampling import StepSampling
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ScheduledSeq:
-    """One request's share of a step."""
+class PaddleModelRunner:
+    """Runs paddleformers' ``LlamaForCausalLM`` over the paged cache (see the module docstring)."""
 
-    token_ids: Sequence[int]  # the tokens computed this step
-    context_len: int  # tokens already in the cache
-    block_ids: list[int]
-    wants_logits: bool  # sample a token after this step
+    # The ModelRunner figures: the logits are read back inside forward (no separate device
+    # wait to report), load waits are counted per layer, and there are no CUDA graphs.
+    last_layers_waited: int = 0
+    last_gpu_wait_s: float = 0.0
+    last_load_wait_gpu_s: float = 0.0
+    last_step_replayed: bool = False
 
-
-class ModelRunner:
     def __init__(self, loaded: LoadedModel, block_size: int, place: str) -> None:
         import paddle
 
