@@ -516,7 +516,7 @@ class StorageTier:
         assert planner is not None, "bind() builds the planner"
         plan = planner.plan(self.backend_name, start, num_blocks)
         st = self.stats
-        st["plan_" + (plan.reason if plan.reason in ("unknown",) else plan.kind)] += 1
+        st["plan_unknown" if plan.reason == "unknown" else "plan_" + plan.kind] += 1
         if plan.reason == "probe":
             st["plan_probes"] += 1
         st["plan_blocks_fetched"] += plan.fetch_blocks
