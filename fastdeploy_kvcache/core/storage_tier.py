@@ -11,7 +11,9 @@ Pure Python (no Paddle, no CuPy): it decides, the worker moves bytes.  It sits b
   *leading run* of blocks that arrived whole becomes host-only tree nodes under the
   request's matched prefix; the request then matches them as host hits and loads them to
   the device layer by layer, like any host hit.  Blocks after a hole are freed and
-  recomputed.  The policy decides how long the request waits: ``best_effort`` not at
+  recomputed.  How much of a hit is fetched at all is planned per request against the
+  recompute it replaces (:mod:`~fastdeploy_kvcache.core.fetch_plan`, :attr:`StorageTier.planner`):
+  a leading run is fetched, the rest recomputed after it.  The policy decides how long the request waits: ``best_effort`` not at
   all, ``wait_complete`` until the job is back, ``timeout`` at most
   ``StorageConfig.prefetch_timeout_s(tokens)``.  A prefetch the request stopped waiting
   for is *aborted* for that request, but it keeps its host blocks until the job is back
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from fastdeploy_kvcache.core.block_pool import PinnableBlockPool
+from fastdeploy_kvcache.core.fetch_plan import FetchCostModel, FetchPlan
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, TransferKind, next_task_id
 from fastdeploy_kvcache.core.storage_status import Status
 from fastdeploy_kvcache.core.tier_port import StoragePort
@@ -122,6 +125,7 @@ class _Prefetch:
     inserted: list[BlockNode] = field(default_factory=list)
     on_arrival: bool = False  # started when the request was queued (its deadline starts at admission)
     completed: float = 0.0  # clock() when the scheduler inserted what arrived
+    plan: Optional[FetchPlan] = None  # the fetch-or-recompute choice that sized the job
 
 
 class StorageTier:
@@ -154,6 +158,10 @@ class StorageTier:
     ) -> None:
         self.port: Optional[StoragePort] = None  # set by bind(), which the CacheManager calls
         self.block_size = 0
+        # Fetch or recompute, per request; built by bind() (it needs the block size).  The
+        # engine feeds it prefill timings (observe_prefill), the tier its fetch jobs.
+        self.planner: Optional[FetchCostModel] = None
+        self.backend_name = str(getattr(backend, "name", "store"))
         self.backend = backend
         self.ns = namespace
         self.config = config
@@ -198,7 +206,11 @@ class StorageTier:
                   "read_seconds", "write_bytes", "write_seconds", "unavailable_skips", "query_errors",
                   "prefetch_blocks_shared", "arrival_prefetch_jobs", "arrival_prefetch_blocks",
                   "arrival_prefetch_over_budget", "prefetch_jobs_inline",
-                  "stored_forgotten", "store_generation_changes"):
+                  "stored_forgotten", "store_generation_changes",
+                  # fetch or recompute: plans by outcome, blocks by choice, predicted and actual time
+                  "plan_fetch_all", "plan_recompute_all", "plan_partial", "plan_unknown", "plan_probes",
+                  "plan_blocks_fetched", "plan_blocks_recomputed", "plan_predicted_s",
+                  "plan_fetch_predicted_s", "plan_fetch_actual_s", "plan_recompute_predicted_s"):
             self.stats[k] = 0
         self.errors: dict[str, int] = collections.defaultdict(int)
 
@@ -215,6 +227,7 @@ class StorageTier:
             raise ValueError("the storage tier needs a host tier (--swap-space > 0, or CacheConfig.num_host_blocks > 0)")
         self.port = port
         self.block_size = port.block_size
+        self.planner = FetchCostModel(port.block_size, clock=self.clock)
         port.listen_host_evictions(self)
 
     @property
@@ -472,6 +485,10 @@ class StorageTier:
             want = want[: max(0, limit)]
         if not want:
             return None
+        plan = self._plan(start, len(want))
+        want = want[plan.fetch_first: plan.fetch_first + plan.fetch_blocks]
+        if not want:
+            return None
         # The matched prefix keeps its host copies: the fetched blocks hang below it.
         host = port.allocate_host_blocks(len(want), frozenset(nodes))
         if not host:
@@ -480,7 +497,7 @@ class StorageTier:
         job = StorageJob(TransferKind.STORAGE_LOAD, list(rest_keys[: len(want)]), list(host), list(want))
         now = self.clock()
         deadline = self._deadline(now, len(want) * bs)
-        pf = _Prefetch(request.request_id, start, list(hashes[: start + len(want)]), job, now, deadline)
+        pf = _Prefetch(request.request_id, start, list(hashes[: start + len(want)]), job, now, deadline, plan=plan)
         self._prefetch[request.request_id] = pf
         self._prefetch_blocks.update(host)
         self._jobs[job.task_id] = pf
@@ -488,6 +505,37 @@ class StorageTier:
         self.stats["prefetch_jobs"] += 1
         self.stats["prefetch_blocks_issued"] += len(want)
         return pf
+
+    def _plan(self, start: int, num_blocks: int) -> FetchPlan:
+        """Fetch or recompute for a stored run of ``num_blocks`` blocks at block ``start`` of
+        its request; counts the choice.  NOTE: a leading run is fetched and the rest recomputed
+        after it (``choose_leading``): fetched blocks hang below the matched prefix, as every
+        fetch does, so the tree needs nothing new.  Recomputing a head *while* the tail is
+        read (``choose_split``) needs the tail held by the request outside the tree."""
+        planner = self.planner
+        assert planner is not None, "bind() builds the planner"
+        plan = planner.plan(self.backend_name, start, num_blocks)
+        st = self.stats
+        st["plan_unknown" if plan.reason == "unknown" else "plan_" + plan.kind] += 1
+        if plan.reason == "probe":
+            st["plan_probes"] += 1
+        st["plan_blocks_fetched"] += plan.fetch_blocks
+        st["plan_blocks_recomputed"] += plan.recompute_blocks
+        st["plan_predicted_s"] += plan.predicted_s
+        st["plan_fetch_predicted_s"] += plan.fetch_s
+        st["plan_recompute_predicted_s"] += plan.recompute_s
+        if plan.reason != "unknown":
+            logger.debug("fetch plan for %d stored blocks at block %d: fetch %d, recompute %d (%s); "
+                         "predicted %.4f s (all fetched %.4f s, all recomputed %.4f s)", num_blocks, start,
+                         plan.fetch_blocks, plan.recompute_blocks, plan.reason, plan.predicted_s,
+                         plan.all_fetch_s, plan.all_recompute_s)
+        return plan
+
+    def observe_prefill(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
+        """One engine step's forward pass: (tokens, context before them) per request, and its
+        seconds; the planner's recompute rate comes from these."""
+        if self.planner is not None:
+            self.planner.observe_prefill(chunks, seconds)
 
     def storage_hit_tokens(self, request: Any) -> int:
         """Tokens of the request's applied match that its own prefetch brought in (usage)."""
@@ -738,6 +786,11 @@ class StorageTier:
         blocks = job.host_block_ids
         self._prefetch_blocks.difference_update(blocks)
         arrived = min(job.leading_ok(), len(blocks))
+        if arrived and job.nbytes > 0 and self.planner is not None:
+            read = sum(1 for r in job.results if r > 0)  # job.nbytes counts every block read
+            self.planner.observe_read(self.backend_name, job.nbytes, job.seconds, read)
+        if pf.plan is not None and pf.plan.reason != "unknown":
+            self.stats["plan_fetch_actual_s"] += job.seconds
         self.stats["prefetch_blocks_loaded"] += arrived
         self.stats["prefetch_blocks_failed"] += len(blocks) - arrived
         # A block that did not arrive (miss, corrupt, error) is not known to be stored.
@@ -794,6 +847,8 @@ class StorageTier:
         s["jobs_in_flight"] = self.num_jobs_in_flight
         s["put_policy"] = self.config.put_policy
         s["prefetch_policy"] = self.config.prefetch_policy
+        if self.planner is not None:
+            s["plan_rates"] = self.planner.rates(self.backend_name)
         return s
 
 

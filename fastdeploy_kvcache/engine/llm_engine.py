@@ -559,6 +559,8 @@ class LLMEngine:
                 return
             raise
         t_forward = time.perf_counter()
+        if hasattr(self.pool, "observe_forward"):  # the storage tier's fetch-or-recompute rates
+            self.pool.observe_forward(seqs, t_forward - t_submit)
         if self.pd is not None:
             self.pd.count_recomputed(scheduled)
         if self.runner.last_step_replayed:

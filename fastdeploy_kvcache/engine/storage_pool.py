@@ -189,6 +189,11 @@ class StorageKVPool(ManagedKVPool):
     def forget_request(self, request: Request) -> None:
         self.tier.forget_request(request.request_id)
 
+    def observe_forward(self, seqs: list[Any], seconds: float) -> None:
+        """A step's forward pass (``ScheduledSeq`` per request) took ``seconds``: the storage
+        tier's fetch-or-recompute planner learns the prefill rate from it."""
+        self.tier.observe_prefill([(len(s.token_ids), s.context_len) for s in seqs], seconds)
+
     # ------------------------------------------------------------------ steps
     def begin_step(self, requests: list[Request]) -> tuple[BatchRequest, Optional[Any]]:
         batch, counter = super().begin_step(requests)

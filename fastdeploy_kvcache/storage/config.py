@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass, fields
-from typing import Any, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional
 
 from fastdeploy_kvcache.cli_flags import add_flag
 from fastdeploy_kvcache.storage import BACKENDS, make_storage_backend
@@ -53,6 +53,10 @@ class StorageConfig:
     prefetch_min_blocks: int = 1
     # Longest a graceful stop spends writing the cached blocks the store lacks (0: skip).
     shutdown_flush_s: float = 20.0
+    # Tests and benchmarks only (no flag): wraps the backend make_backend builds, e.g.
+    # storage.throttle.ThrottledBackend.at(bytes_per_s) for a store of a given read rate.
+    backend_wrapper: Optional[Callable[[StorageBackend], StorageBackend]] = field(default=None, compare=False,
+                                                                                  repr=False)
 
     def __post_init__(self) -> None:
         if self.backend is not None and self.backend not in BACKENDS:
@@ -93,7 +97,8 @@ class StorageConfig:
         else:
             kwargs = {}
         kwargs.update(overrides)
-        return make_storage_backend(self.backend, **kwargs)
+        backend = make_storage_backend(self.backend, **kwargs)
+        return backend if self.backend_wrapper is None else self.backend_wrapper(backend)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "StorageConfig":

@@ -107,6 +107,14 @@ def test_restart_reuses_the_store_with_the_same_tokens_and_faults_recompute(tmp_
         assert metrics["fastdeploy:storage_breaker_state"] == 0
         assert metrics["fastdeploy:storage_available"] == 1
         assert metrics["fastdeploy:storage_write_block_num_total"] >= 8 + 5  # Q's and R's tails again
+        # Fetch or recompute: P was fetched whole before any rate was measured; Q and R were
+        # planned on the measured rates and fetched whole (the storage tokens above).
+        assert metrics['fastdeploy:storage_plan_requests_total{choice="unknown"}'] == 1
+        assert metrics['fastdeploy:storage_plan_requests_total{choice="fetch_all"}'] == 2
+        assert metrics['fastdeploy:storage_plan_blocks_total{action="fetched"}'] == 12 + 12 + 7  # R: first and last probed
+        assert metrics['fastdeploy:storage_plan_blocks_total{action="recomputed"}'] == 0
+        assert metrics['fastdeploy:storage_plan_rate{rate="read_bytes_per_s"}'] > 0
+        assert stats["tier"]["plan_rates"]["prefill_tokens_per_s"] > 0, stats["tier"]  # /health?verbose=1
     finally:
         second.stop()
     q_again = object_file(store, block_hashes(Q)[4])  # rewritten whole by the second server

@@ -11,7 +11,14 @@ Counters are cumulative since the server started (prometheus_client adds ``_tota
 * ``fastdeploy:storage_evicted_objects``, ``fastdeploy:storage_forgotten_blocks``,
   ``fastdeploy:storage_generation_changes`` -- how the store heals (docs/storage.md);
 
-and gauges: ``fastdeploy:storage_breaker_state`` (0 closed, 1 half open, 2 open),
+* ``fastdeploy:storage_plan_requests{choice}`` -- stored prefixes planned, by choice
+  (fetch_all, recompute_all, partial, unknown: rates not measured yet, so fetched whole);
+* ``fastdeploy:storage_plan_blocks{action}`` -- their blocks fetched or recomputed by choice;
+* ``fastdeploy:storage_plan_seconds{kind}`` -- predicted finish (``predicted``), predicted and
+  actual fetch time (``fetch_predicted``, ``fetch_actual``), predicted recompute time;
+
+and gauges: ``fastdeploy:storage_plan_rate{rate}`` (the planner's estimates: read and link
+bytes/s, prefill tokens/s; absent while unknown), ``fastdeploy:storage_breaker_state`` (0 closed, 1 half open, 2 open),
 ``fastdeploy:storage_available`` (1 when the tier is on).  Nothing is emitted when the tier is
 off, so a server without storage exports no storage series.
 """
@@ -68,6 +75,31 @@ class StorageStatsCollector(SectionCollector):
         counter("fastdeploy:storage_generation_changes",
                 "Times the store may have lost everything (a restarted Mooncake master).",
                 tier.get("store_generation_changes"))
+        choices = CounterMetricFamily("fastdeploy:storage_plan_requests",
+                                      "Stored prefixes planned (fetch or recompute), by choice.", labels=["choice"])
+        for choice in ("fetch_all", "recompute_all", "partial", "unknown"):
+            choices.add_metric([choice], float(tier.get(f"plan_{choice}", 0) or 0))
+        out.append(choices)
+        blocks = CounterMetricFamily("fastdeploy:storage_plan_blocks",
+                                     "Blocks of stored prefixes fetched or recomputed, by the plan's choice.",
+                                     labels=["action"])
+        blocks.add_metric(["fetched"], float(tier.get("plan_blocks_fetched", 0) or 0))
+        blocks.add_metric(["recomputed"], float(tier.get("plan_blocks_recomputed", 0) or 0))
+        out.append(blocks)
+        seconds = CounterMetricFamily("fastdeploy:storage_plan_seconds",
+                                      "Seconds of the plans: predicted finish, fetch predicted against actual, "
+                                      "recompute predicted.", labels=["kind"])
+        for kind, key in (("predicted", "plan_predicted_s"), ("fetch_predicted", "plan_fetch_predicted_s"),
+                          ("fetch_actual", "plan_fetch_actual_s"), ("recompute_predicted", "plan_recompute_predicted_s")):
+            seconds.add_metric([kind], float(tier.get(key, 0) or 0))
+        out.append(seconds)
+        rates = GaugeMetricFamily("fastdeploy:storage_plan_rate",
+                                  "The fetch planner's estimates: read_bytes_per_s, link_bytes_per_s, "
+                                  "prefill_tokens_per_s (absent while unknown).", labels=["rate"])
+        for name, value in (tier.get("plan_rates") or {}).items():
+            if name != "block_bytes" and value is not None:
+                rates.add_metric([name], float(value))
+        out.append(rates)
         errors = CounterMetricFamily("fastdeploy:storage_errors", "Storage failures per key, by kind.",
                                      labels=["kind"])
         by_kind = tier.get("errors", {}) or {}

@@ -1,0 +1,170 @@
+"""Fetch or recompute in the engine, on a real file store in a real directory.
+
+A writer engine computes the prompts and its graceful stop writes them to the store; reader
+engines (restarted servers) then serve them from the store, or recompute them, as the
+storage tier's planner decides.  Whatever the mix of fetched and recomputed blocks, the
+greedy tokens are those of recompute.  The slow store is a real one held to a read rate by
+``storage.throttle.ThrottledBackend``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+from prometheus_client.core import CounterMetricFamily
+
+from fastdeploy_kvcache.core.hashing import storage_key
+from fastdeploy_kvcache.core.request import Request
+from fastdeploy_kvcache.engine.llm_engine import LLMEngine
+from fastdeploy_kvcache.entrypoints.openai.storage_metrics import StorageStatsCollector
+from fastdeploy_kvcache.storage.config import StorageConfig
+from fastdeploy_kvcache.storage.throttle import ThrottledBackend
+from skip_helpers import needs_cpu_capi
+from tests.engine.conftest import Collector, greedy
+from tests.engine_args import engine_args
+
+pytestmark = needs_cpu_capi()
+
+BS = 16
+BLOCKS = 8
+PROMPTS = 4  # A..D
+
+
+def _prompt(i: int) -> list[int]:
+    return [3 + (i * 37 + j * 11) % 500 for j in range(BLOCKS * BS + 3)]
+
+
+def _engine(monkeypatch: pytest.MonkeyPatch, tiny_model: Any, store: Path,
+            wrapper: Optional[Any] = None) -> LLMEngine:
+    monkeypatch.setenv("ENABLE_V1_KVCACHE_MANAGER", "1")
+    storage = StorageConfig(backend="file", path=str(store), min_free=0, prefetch_policy="wait_complete",
+                            backend_wrapper=wrapper)
+    args = dict(model="tiny-llama-random", block_size=BS, max_model_len=512, max_num_batched_tokens=1024,
+                max_num_seqs=2, swap_space=0.05, storage=storage, arrival_prefetch_host_blocks=0)
+    return LLMEngine(engine_args(**args), loaded_model=tiny_model)
+
+
+def _run(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int], dict[str, Any]]:
+    """One request on its own (nothing else runs): its tokens and its timing record."""
+    col = Collector()
+    engine.add_request(rid, prompt, greedy(4), col)
+    assert engine.wait_idle(120), f"{rid} did not finish"
+    timings = {t["request_id"]: t for t in engine.get_stats()["request_timings"]}
+    return col.tokens(rid), timings[rid]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory, tiny_model: Any) -> tuple[Path, dict[int, list[int]], int]:
+    """A store holding prompts 0..PROMPTS-1, their recomputed tokens, and one block's bytes."""
+    mp = pytest.MonkeyPatch()
+    store = tmp_path_factory.mktemp("kv")
+    writer = _engine(mp, tiny_model, store)
+    try:
+        writer.start()
+        expected = {i: _run(writer, f"w{i}", _prompt(i))[0] for i in range(PROMPTS)}
+    finally:
+        writer.shutdown()  # its graceful stop writes the prompts' blocks
+        mp.undo()
+    block_bytes = max(f.stat().st_size for f in store.glob("*.kv"))
+    assert len(list(store.glob("*.kv"))) >= PROMPTS * BLOCKS and block_bytes > 0
+    return store, expected, block_bytes
+
+
+def _copy_store(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_a_slow_store_is_recomputed_and_a_mixed_prefix_gives_the_tokens_of_recompute(
+        monkeypatch: pytest.MonkeyPatch, tiny_model: Any, tmp_path: Path, written: Any) -> None:
+    src, expected, block_bytes = written
+    store = _copy_store(src, tmp_path / "kv")
+    # 16 blocks/s: a block takes ~60 ms to read, far longer than the tiny model recomputes it.
+    reader = _engine(monkeypatch, tiny_model, store, ThrottledBackend.at(16 * block_bytes))
+    try:
+        reader.start()
+        _run(reader, "miss", [7] * (BLOCKS * BS + 3))  # a miss: the prefill rate is measured
+        # Read rate unknown: the planner fetches all (the documented default) and measures it.
+        tokens, t = _run(reader, "a", _prompt(0))
+        assert tokens == expected[0] and t["cached_tokens"]["storage"] == BLOCKS * BS, t
+        tier = reader.get_stats()["storage"]["tier"]
+        assert tier["plan_unknown"] == 1 and tier["plan_rates"]["read_bytes_per_s"] < 20 * block_bytes, tier
+        # Now both rates are known: the slow store's prefix is recomputed whole.
+        tokens, t = _run(reader, "b", _prompt(1))
+        assert tokens == expected[1], "a recomputed stored prefix must give the tokens of recompute"
+        assert t["cached_tokens"]["storage"] == 0, t
+        tier = reader.get_stats()["storage"]["tier"]
+        assert tier["plan_recompute_all"] == 1 and tier["plan_blocks_recomputed"] == BLOCKS, tier
+        assert tier["plan_predicted_s"] > 0 and tier["plan_fetch_predicted_s"] == 0, tier
+        # A probe of the slow store: the first block fetched, the other seven recomputed.
+        reader.pool.tier.planner.probe_interval_s = 0.0
+        tokens, t = _run(reader, "c", _prompt(2))
+        assert tokens == expected[2], "fetched head + recomputed tail must give the tokens of recompute"
+        assert t["cached_tokens"]["storage"] == BS, t
+        stats = reader.get_stats()
+        tier = stats["storage"]["tier"]
+        assert tier["plan_probes"] == 1 and tier["plan_partial"] == 1, tier
+        # The probe's one block: predicted from the measured rate, and its job timed.
+        assert tier["plan_fetch_predicted_s"] > 0.03 and tier["plan_fetch_actual_s"] > 0.03, tier
+        assert tier["plan_blocks_fetched"] == BLOCKS + 1 and tier["plan_blocks_recomputed"] == 2 * BLOCKS - 1, tier
+        # The choices reach /metrics.
+        families = {f.name: f for f in StorageStatsCollector(lambda: stats).families(stats["storage"])}
+        requests = {s.labels["choice"]: s.value for s in families["fastdeploy:storage_plan_requests"].samples}
+        assert requests == {"fetch_all": 0.0, "recompute_all": 1.0, "partial": 1.0, "unknown": 1.0}
+        blocks = {s.labels["action"]: s.value for s in families["fastdeploy:storage_plan_blocks"].samples}
+        assert blocks == {"fetched": BLOCKS + 1.0, "recomputed": 2.0 * BLOCKS - 1}
+        assert isinstance(families["fastdeploy:storage_plan_seconds"], CounterMetricFamily)
+        rates = {s.labels["rate"] for s in families["fastdeploy:storage_plan_rate"].samples}
+        assert rates == {"read_bytes_per_s", "link_bytes_per_s", "prefill_tokens_per_s"}
+        counts = reader.pool.check_invariants()
+        assert counts["device_owned"] == 0 and counts["host_owned"] == 0, counts
+    finally:
+        reader.shutdown()
+
+
+def test_a_fast_store_is_fetched_whole(monkeypatch: pytest.MonkeyPatch, tiny_model: Any, tmp_path: Path,
+                                       written: Any) -> None:
+    src, expected, _ = written
+    store = _copy_store(src, tmp_path / "kv")
+    reader = _engine(monkeypatch, tiny_model, store)
+    try:
+        reader.start()
+        _run(reader, "miss", [7] * (BLOCKS * BS + 3))
+        for i in range(2):
+            tokens, t = _run(reader, f"r{i}", _prompt(i))
+            assert tokens == expected[i] and t["cached_tokens"]["storage"] == BLOCKS * BS, t
+        tier = reader.get_stats()["storage"]["tier"]
+        # The first was fetched on the default (read rate unknown); the second by the model.
+        assert tier["plan_unknown"] == 1 and tier["plan_fetch_all"] == 1, tier
+        assert tier["plan_blocks_recomputed"] == 0, tier
+    finally:
+        reader.shutdown()
+
+
+def test_a_fetch_failing_midway_recomputes_the_rest_with_the_same_tokens(
+        monkeypatch: pytest.MonkeyPatch, tiny_model: Any, tmp_path: Path, written: Any) -> None:
+    src, expected, _ = written
+    store = _copy_store(src, tmp_path / "kv")
+    # Block 5 of prompt 3 is corrupt (cut short): the fetch reads blocks 0-4, then fails.
+    h = Request("h", _prompt(3)).block_hashes(BS)[5]
+    found = list(store.glob(f"*={storage_key(h)}.kv"))
+    assert len(found) == 1, found
+    data = found[0].read_bytes()
+    found[0].write_bytes(data[: len(data) // 2])
+    reader = _engine(monkeypatch, tiny_model, store)
+    try:
+        reader.start()
+        tokens, t = _run(reader, "r", _prompt(3))
+        assert tokens == expected[3], "a fetch that failed midway must recompute the rest, same tokens"
+        assert t["cached_tokens"]["storage"] == 5 * BS, t
+        tier = reader.get_stats()["storage"]["tier"]
+        assert tier["prefetch_blocks_loaded"] == 5 and tier["prefetch_blocks_failed"] == BLOCKS - 5, tier
+        counts = reader.pool.check_invariants()
+        assert counts["device_owned"] == 0 and counts["host_owned"] == 0, counts
+    finally:
+        reader.shutdown()
