@@ -64,7 +64,7 @@ class FetchPlan:
     ``fetch_s``/``recompute_s``: its two parts; ``all_fetch_s``/``all_recompute_s``: the two
     pure choices, for comparison.  ``reason``: ``model`` (the cost curves chose), ``unknown``
     (a rate is not measured yet: fetch all), ``probe`` (a one-block fetch to re-measure a store
-    judged too slow).
+    judged too slow), ``off`` (planning is off: fetch all).
     """
 
     fetch_first: int

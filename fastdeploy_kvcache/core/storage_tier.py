@@ -514,6 +514,8 @@ class StorageTier:
         read (``choose_split``) needs the tail held by the request outside the tree."""
         planner = self.planner
         assert planner is not None, "bind() builds the planner"
+        if self.config.fetch_plan != "on":  # "off", or "auto" not resolved to on (the CPU): not counted
+            return FetchPlan(0, num_blocks, 0, 0.0, 0.0, 0.0, 0.0, 0.0, reason="off")
         plan = planner.plan(self.backend_name, start, num_blocks)
         st = self.stats
         st["plan_unknown" if plan.reason == "unknown" else "plan_" + plan.kind] += 1

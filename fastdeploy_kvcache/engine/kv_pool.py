@@ -109,6 +109,10 @@ class KVPool:
     def forget_request(self, request: Request) -> None:
         """``request`` finished: drop what the pool kept for it beyond its blocks (nothing here)."""
 
+    def observe_forward(self, seqs: list[Any], seconds: float) -> None:
+        """A step's forward pass (``ScheduledSeq`` per request) took ``seconds`` (nothing here;
+        the storage tier's fetch-or-recompute planner learns the prefill rate from it)."""
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Free the caches; ``timeout_s`` bounds what a subclass still writes out first."""
         self.layer_caches = []

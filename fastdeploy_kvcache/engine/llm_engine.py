@@ -129,6 +129,9 @@ class LLMEngine:
             self.runner = PaddleModelRunner(self.loaded, self.cache_config.block_size, self.device)
         self.cache_config.num_gpu_blocks = self._device_pool_blocks()
         storage = getattr(args, "storage", None)
+        if storage is not None and storage.fetch_plan == "auto":
+            # Planning pays where recomputing can beat the store: on a GPU.
+            storage = dataclasses.replace(storage, fetch_plan="on" if self.device == "gpu" else "off")
         if self.use_v1 and storage is not None and storage.enabled:
             from fastdeploy_kvcache.engine.storage_pool import StorageKVPool, model_fingerprint
 
@@ -559,8 +562,7 @@ class LLMEngine:
                 return
             raise
         t_forward = time.perf_counter()
-        if hasattr(self.pool, "observe_forward"):  # the storage tier's fetch-or-recompute rates
-            self.pool.observe_forward(seqs, t_forward - t_submit)
+        self.pool.observe_forward(seqs, t_forward - t_submit)  # the storage tier's fetch-or-recompute rates
         if self.pd is not None:
             self.pd.count_recomputed(scheduled)
         if self.runner.last_step_replayed:

@@ -23,6 +23,7 @@ __all__ = ["StorageConfig", "add_storage_cli_args", "PUT_POLICIES", "PREFETCH_PO
 
 PUT_POLICIES = ("write_through", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+FETCH_PLANS = ("auto", "on", "off")
 
 
 @dataclass
@@ -53,6 +54,10 @@ class StorageConfig:
     prefetch_min_blocks: int = 1
     # Longest a graceful stop spends writing the cached blocks the store lacks (0: skip).
     shutdown_flush_s: float = 20.0
+    # Fetch or recompute, planned per request (core/fetch_plan.py): "on", "off" (every stored
+    # block is fetched), or "auto": on when the model runs on a GPU (the engine resolves it),
+    # where recomputing can beat a slow store; off on the CPU, where it never does.
+    fetch_plan: str = "auto"
     # Tests and benchmarks only (no flag): wraps the backend make_backend builds, e.g.
     # storage.throttle.ThrottledBackend.at(bytes_per_s) for a store of a given read rate.
     backend_wrapper: Optional[Callable[[StorageBackend], StorageBackend]] = field(default=None, compare=False,
@@ -77,6 +82,8 @@ class StorageConfig:
             raise ValueError("prefetch timeouts must be >= 0")
         if not self.shutdown_flush_s >= 0:
             raise ValueError(f"--kvcache-storage-shutdown-flush must be >= 0 seconds, got {self.shutdown_flush_s!r}")
+        if self.fetch_plan not in FETCH_PLANS:
+            raise ValueError(f"--kvcache-storage-fetch-plan must be one of {FETCH_PLANS}, got {self.fetch_plan!r}")
         if self.prefetch_min_blocks < 1:
             raise ValueError(f"prefetch_min_blocks must be >= 1, got {self.prefetch_min_blocks}")
 
@@ -136,4 +143,9 @@ def add_storage_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
              help="On a graceful stop, spend at most S seconds (within --graceful-shutdown-timeout) writing every "
                   "cached block the store lacks (device-only blocks go through host first), so a restarted "
                   "server is warm (default 20; 0: write nothing more).")
+    add_flag(g, "--kvcache-storage-fetch-plan", dest="kvcache_storage_fetch_plan", choices=FETCH_PLANS,
+             default=None,
+             help="Fetch or recompute a storage hit, planned per request from measured read, link and prefill "
+                  "rates (docs/storage.md, 'Fetch or recompute'): on, off (fetch every stored block), or auto "
+                  "(the default: on when the model runs on a GPU, off on the CPU).")
     return parser

@@ -40,7 +40,7 @@ def _engine(monkeypatch: pytest.MonkeyPatch, tiny_model: Any, store: Path,
             wrapper: Optional[Any] = None) -> LLMEngine:
     monkeypatch.setenv("ENABLE_V1_KVCACHE_MANAGER", "1")
     storage = StorageConfig(backend="file", path=str(store), min_free=0, prefetch_policy="wait_complete",
-                            backend_wrapper=wrapper)
+                            fetch_plan="on", backend_wrapper=wrapper)
     args = dict(model="tiny-llama-random", block_size=BS, max_model_len=512, max_num_batched_tokens=1024,
                 max_num_seqs=2, swap_space=0.05, storage=storage, arrival_prefetch_host_blocks=0)
     return LLMEngine(engine_args(**args), loaded_model=tiny_model)
