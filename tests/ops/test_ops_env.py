@@ -25,7 +25,8 @@ FASTDEPLOYS_OWN = {"ENABLE_V1_KVCACHE_MANAGER", "FD_PD_TRANSFER_VIA_STORAGE"}
 
 def test_the_library_reads_a_few_user_facing_variables() -> None:
     ours = set(envs.ENV_VARS) - FASTDEPLOYS_OWN
-    assert ours == {"FDKV_OPS_LIB", "FDKV_LAYER_WAIT_TIMEOUT_S", "FDKV_MODEL_CACHE_DIR"}
+    assert ours == {"FDKV_OPS_LIB", "FDKV_LAYER_WAIT_TIMEOUT_S", "FDKV_MODEL_CACHE_DIR",
+                    "FDKV_HOST_GROW_CHUNK_MIB", "FDKV_HOST_GROW_PACE_S"}
     assert len(ours) <= 6
 
 
