@@ -403,7 +403,7 @@ def checksum_after_read_gbps(paths: list[str], size: int, buf: np.ndarray, piece
     """
     import xxhash
 
-    from fastdeploy_kvcache.storage.file_read import CHECKSUM_PIECE, HEADER
+    from fastdeploy_kvcache.storage.file_format import CHECKSUM_PIECE, HEADER
 
     piece = min(size, CHECKSUM_PIECE)  # what the backend's readers hash in one call
     slots = max(1, buf.nbytes // piece)

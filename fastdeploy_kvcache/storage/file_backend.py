@@ -1,15 +1,9 @@
 """The ``file`` storage backend: one object per file in one directory, LRU-capped.
 
-On-disk object (little-endian)::
-
-    offset 0   magic   b"FDKV"
-           4   u16     format version (2; version 1 objects are still read)
-           6   u16     header bytes (32)
-           8   u64     payload bytes
-          16   u64     checksum of the payload: xxh3-64 chained over 512 KiB pieces (the
-                       plain xxh3-64 for a payload of one piece, and in version 1)
-          24   u64     reserved (0)
-          32   payload
+The object format (header, checksum) and the verdict on an object as read are
+:mod:`.file_format`'s, key -> path is :mod:`.file_paths`'s, the index (LRU order, held
+objects, bytes) is :class:`~.file_index.ObjectIndex`'s; this module does the I/O and acts on
+the verdicts.
 
 * **Atomic writes.**  Header and payload go to ``.tmp-<key>-<pid>-<n>`` in the same
   directory with one ``writev``, then ``rename`` puts the object in place.  A crash or a
@@ -21,8 +15,7 @@ On-disk object (little-endian)::
 * **Capacity.**  ``capacity_bytes`` caps the files' total size; a put past it evicts the
   least recently used objects first, never an object of its own batch or, while
   :meth:`FileBackend.keep_new_objects` is on (the stop flush), one put since: then the put
-  answers ``Status.FULL``.  The index (LRU order, held objects, bytes) is
-  :class:`~.file_index.ObjectIndex`; this module does the I/O and the integrity checks.  The LRU order is seeded at start from the files
+  answers ``Status.FULL``.  The LRU order is seeded at start from the files
   already there (oldest ``max(atime, mtime)`` first).  A hit is recorded in a list and moved
   to the end of the in-memory order before anything reads or changes that order (a put, an
   eviction), which gives the same order as moving it at once; the files' atimes are refreshed later, off the read path: after
@@ -86,21 +79,17 @@ from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError
 from fastdeploy_kvcache.storage.buffers import BufferRegistry
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
 from fastdeploy_kvcache.storage.file_index import ObjectIndex
-from fastdeploy_kvcache.storage.file_read import (CHECKSUM_PIECE, FORMAT_VERSION, HEADER, MAGIC, READABLE_VERSIONS, checksum,
-                                                  hash_group, mem, read_object, views)
+from fastdeploy_kvcache.storage.file_format import (CHECKSUM_PIECE, FORMAT_VERSION, HEADER, encode_header,
+                                                    is_whole_and_good, verdict)
+from fastdeploy_kvcache.storage.file_paths import ObjectPaths, check_key, check_keys
+from fastdeploy_kvcache.storage.file_read import hash_group, mem, read_object, views
 from fastdeploy_kvcache.storage.log_limit import ThrottledLog
 from fastdeploy_kvcache.storage.stats import StorageStats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FileBackend", "HEADER", "MAGIC"]
+__all__ = ["FileBackend", "default_io_threads"]
 
-_SUFFIX = ".kv"
-_TMP_PREFIX = ".tmp-"
-# A key is a file name with ':' spelled '='; keys.KEY_RE keys never contain '=' or '/'.
-_ALLOWED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-:")
-_ALLOWED_BYTES = "".join(sorted(_ALLOWED)).encode()
-_MAX_KEY_LEN = 200
 # Fewer keys than this per thread cost more in hand-offs than the reads they spread.
 _MIN_KEYS_PER_THREAD = 16
 # Hits whose atime refresh may wait for a put batch or close before the writer does it.
@@ -162,7 +151,7 @@ class FileBackend(StorageBackend):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self._dir = str(self.path)
-        self._dir_prefix = os.path.join(self._dir, "")  # "<dir>/": object paths by concatenation
+        self._paths = ObjectPaths(self._dir)
         self.fsync = fsync
         self._stats = StorageStats()
         self._index = ObjectIndex(capacity_bytes, min_free_bytes, remove=self._remove_evicted, lost=self._evicted)
@@ -184,30 +173,9 @@ class FileBackend(StorageBackend):
         self._reader = BoundedExecutor("fdkv-file-reader", max_pending_writes)
 
     # ------------------------------------------------------------------ names
-    @staticmethod
-    def _check_key(op: str, index: int, key: str) -> None:
-        if len(key) > _MAX_KEY_LEN or not _ALLOWED.issuperset(key):
-            raise StorageError(
-                "invalid",
-                f"{op}: keys[{index}] = {key!r} must be at most {_MAX_KEY_LEN} characters of [A-Za-z0-9._-:]",
-            )
-
     def file_path(self, key: str) -> str:
         """The file that holds ``key`` (a benchmark reads it directly as its baseline)."""
-        return self._dir_prefix + key.replace(":", "=") + _SUFFIX
-
-    def _path_blob(self, keys: Sequence[str]) -> bytes:
-        """Every key's :meth:`file_path`, each ending in a NUL byte, as one bytes object (the
-        native calls' argument): a few string operations for the batch, none per key."""
-        pre = self._dir_prefix
-        joined = "\0".join(keys).replace(":", "=").replace("\0", _SUFFIX + "\0" + pre)
-        return os.fsencode(pre + joined + _SUFFIX + "\0")
-
-    @staticmethod
-    def _key_of(filename: str) -> Optional[str]:
-        if not filename.endswith(_SUFFIX) or filename.startswith("."):
-            return None
-        return filename[: -len(_SUFFIX)].replace("=", ":")
+        return self._paths.path(key)
 
     # ------------------------------------------------------------------ start-up
     def _seed(self) -> None:
@@ -216,14 +184,14 @@ class FileBackend(StorageBackend):
         stale = 0
         with os.scandir(self._dir) as it:
             for entry in it:
-                if entry.name.startswith(_TMP_PREFIX):
+                if ObjectPaths.is_temp(entry.name):
                     try:
                         os.unlink(entry.path)
                         stale += 1
                     except OSError:
                         pass
                     continue
-                key = self._key_of(entry.name)
+                key = ObjectPaths.key_of(entry.name)
                 if key is None or not entry.is_file(follow_symlinks=False):
                     continue
                 st = entry.stat(follow_symlinks=False)
@@ -335,8 +303,8 @@ class FileBackend(StorageBackend):
         if not self._reserve(key, size):
             return Status.FULL
         payload = mem(ptr, size)
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, HEADER.size, size, checksum(payload), 0)
-        tmp = os.path.join(self._dir, f"{_TMP_PREFIX}{key.replace(':', '=')}-{os.getpid()}-{next(self._tmp_counter)}")
+        header = encode_header(payload)
+        tmp = self._paths.temp_path(key, next(self._tmp_counter))
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as exc:
@@ -414,7 +382,7 @@ class FileBackend(StorageBackend):
         else:
             segs, lens, per, shared = list(itertools.chain.from_iterable(ptrs)), seg_bytes, len(seg_bytes), True
         headers, got, digests, states = self._native.read_objects(
-            self._path_blob(keys), len(keys), segs, lens, per, shared, hsize, CHECKSUM_PIECE, self._hashed_step,
+            self._paths.blob(keys), len(keys), segs, lens, per, shared, hsize, CHECKSUM_PIECE, self._hashed_step,
             FORMAT_VERSION, seg_bytes is not None)
         if states.count(2) == len(states):
             self._touch(keys)
@@ -448,7 +416,7 @@ class FileBackend(StorageBackend):
         ptr = ctypes.addressof(view)
         try:
             headers, got, digests, states = self._native.read_objects(
-                self._path_blob([key]), 1, [ptr], [size], 1, False, hsize, CHECKSUM_PIECE, self._hashed_step,
+                self._paths.blob([key]), 1, [ptr], [size], 1, False, hsize, CHECKSUM_PIECE, self._hashed_step,
                 FORMAT_VERSION)
             r = size if states[0] == 2 else self._check_read(key, ptr, size, headers, 0, got[0],
                                                              digests[0] if states[0] else None)
@@ -478,16 +446,11 @@ class FileBackend(StorageBackend):
             headers, got = self._native.read_files([os.fsencode(self.file_path(k)) for k in keys], ptrs, sizes, hsize)
             digests = hash_group(ptrs, sizes, got, hsize)
         out: list[int] = []
-        unpack = HEADER.unpack_from
         for i, (k, ptr, size, n, digest) in enumerate(zip(keys, ptrs, sizes, got, digests)):
             at = i * hsize
-            # Fast path: a whole object of the expected size whose checksum holds.
-            if n == hsize + size:
-                magic, version, header_size, payload_size, recorded, _ = unpack(headers, at)
-                if (magic == MAGIC and version == FORMAT_VERSION and header_size == hsize and payload_size == size
-                        and digest == recorded):
-                    out.append(size)
-                    continue
+            if is_whole_and_good(headers, at, n, size, digest):
+                out.append(size)
+                continue
             out.append(self._check_read(k, ptr, size, headers, at, n, digest))
         return self._touch_hits(keys, out)
 
@@ -504,29 +467,10 @@ class FileBackend(StorageBackend):
                 self._forget(key)
                 return Status.MISSING
             return self._os_status("get", key, OSError(err, os.strerror(err), path))
-        if got < HEADER.size:
-            return self._corrupt(key, path, f"{got}-byte file has no header")
-        magic, version, header_size, payload_size, recorded, _ = HEADER.unpack_from(headers, at)
-        if magic != MAGIC or version not in READABLE_VERSIONS or header_size != HEADER.size:
-            return self._corrupt(key, path, f"bad header (magic {magic!r}, version {version})")
-        if payload_size > size:
-            if got <= HEADER.size + size:
-                return self._corrupt(key, path, f"header claims {payload_size} payload bytes, file has {got - HEADER.size}")
-            # NOTE: a key's namespace fixes its object size, so a larger object is foreign or
-            # damaged: deleted (else it would fail every read and never be rewritten).
-            self._remove_bad(key, path, f"object has {payload_size} bytes, buffer {size}")
-            return Status.INVALID
-        if got != HEADER.size + payload_size:
-            return self._corrupt(key, path, f"file has {got - HEADER.size} payload bytes, header says {payload_size}")
-        if digest is None or version != FORMAT_VERSION:  # the readers hash the current version only
-            digest = checksum(_payload(ptr, payload_size, seg_bytes), version)
-        if digest != recorded:
-            return self._corrupt(key, path, "checksum mismatch")
-        return payload_size
-
-    def _corrupt(self, key: str, path: str, why: str) -> int:
-        self._remove_bad(key, path, why)
-        return Status.CORRUPT
+        result, why = verdict(headers, at, got, size, digest, lambda n: _payload(ptr, n, seg_bytes))
+        if why:
+            self._remove_bad(key, path, why)
+        return result
 
     def _remove_bad(self, key: str, path: str, why: str) -> None:
         self._log.warning("bad-object", "file storage: bad object %s (%s): deleted, counted as a miss", key, why)
@@ -604,16 +548,9 @@ class FileBackend(StorageBackend):
         if self._closed:
             raise StorageError("unreachable", f"{op}: the file backend is closed")
         keys, ptrs, sizes = validate_batch(op, keys, ptrs, sizes)
-        self._check_keys(op, keys)
+        check_keys(op, keys)
         self._buffers.check(op, ptrs, sizes)
         return keys, ptrs, sizes
-
-    def _check_keys(self, op: str, keys: Sequence[str]) -> None:
-        """:meth:`_check_key` for a batch: one pass over all keys' characters, and a loop
-        (naming the first bad key) only when that fails."""
-        if keys and (max(map(len, keys)) > _MAX_KEY_LEN or not _allowed_only("".join(keys))):
-            for i, key in enumerate(keys):
-                self._check_key(op, i, key)
 
     def _check_segments(self, op: str, keys: Sequence[str], seg_ptrs: Sequence[int],
                         seg_bytes: Sequence[int]) -> tuple[list[str], list[list[int]], list[int], list[int]]:
@@ -641,7 +578,7 @@ class FileBackend(StorageBackend):
             for i, ptr in enumerate(ptrs):
                 if type(ptr) is not int or ptr <= 0:
                     raise StorageError("invalid", f"{op}: seg_ptrs[{i}] must be a non-null address (int), got {ptr!r}")
-        self._check_keys(op, keys)
+        check_keys(op, keys)
         # Segment t of every object usually lies in one host-tier tensor: one span check each.
         if any(not self._buffers.spans_one_region(ptrs[t::per], lens[t]) for t in range(per)):
             self._buffers.check(op, ptrs, lens * len(keys), name="seg_ptrs")
@@ -660,14 +597,14 @@ class FileBackend(StorageBackend):
         Only regular files count: a directory at an object's path is a miss."""
         self._stats.add("exists_calls")
         if self._native is not None and self._native.has_files_exist:
-            self._check_keys("batch_exists", keys)
-            count = self._native.files_exist(self._path_blob(keys), len(keys)) if keys else 0
+            check_keys("batch_exists", keys)
+            count = self._native.files_exist(self._paths.blob(keys), len(keys)) if keys else 0
             if count < len(keys) and os.path.lexists(self.file_path(keys[count])):
                 self._not_a_file(keys[count])
             return count
         count = 0
         for i, key in enumerate(keys):
-            self._check_key("batch_exists", i, key)
+            check_key("batch_exists", i, key)
             if not os.path.isfile(self.file_path(key)):
                 if os.path.lexists(self.file_path(key)):
                     self._not_a_file(key)
@@ -734,7 +671,7 @@ class FileBackend(StorageBackend):
     def delete(self, keys: Sequence[str]) -> int:
         removed = 0
         for i, key in enumerate(keys):
-            self._check_key("delete", i, key)
+            check_key("delete", i, key)
             with self._lock:
                 self._index.pop_locked(key)
                 try:
@@ -810,12 +747,6 @@ def _native_reader() -> Optional[Any]:
             errors.append(str(exc))
     logger.info("file storage: native batch reads unavailable (%s); reading in Python", "; ".join(errors))
     return None
-
-
-def _allowed_only(text: str) -> bool:
-    """Whether every character of ``text`` is in ``_ALLOWED`` (a C-speed pass: deleting
-    the allowed bytes leaves nothing; a set test per character cost 0.2 us per key)."""
-    return text.isascii() and not text.encode().translate(None, _ALLOWED_BYTES)
 
 
 def _payload(ptr: Any, nbytes: int, seg_bytes: Optional[list[int]]) -> Any:

@@ -13,7 +13,7 @@ it lands, while it is hot:
 * :func:`hash_group` hashes objects that a batch read (the C ABI's ``read_files``) has just
   put in place, slicing one view of the group's memory instead of building a view per object.
 
-Both return the same ``(got, digest)`` pairs, so one verdict function serves every reader,
+Both return the same ``(got, digest)`` pairs, so one verdict (:func:`~.file_format.verdict`) serves every reader,
 and so does the C ABI's ``read_objects``, which the file backend prefers where built (it
 reads and hashes in C: see the backend's module doc).
 ``got`` counts the file's bytes read (header, payload and at most one byte past it: a longer
@@ -21,13 +21,7 @@ file shows up without an ``fstat``) or is ``-errno``; ``digest`` is the :func:`c
 the first ``min(claimed, buffer)`` payload bytes, or None where the file ended before them or
 the header is not of the current version (the verdict then hashes what the header claims).
 
-The checksum (format version 2) is xxh3-64 chained over ``CHECKSUM_PIECE`` pieces of the
-payload: each piece hashed in one call, seeded with the previous piece's hash.  For a payload
-of one piece (the usual 64 KiB to 512 KiB block) it is the plain xxh3-64 of version 1.
-NOTE: the chain, not one streaming xxh3 over the whole payload, because python-xxhash's
-streaming ``update`` ran at about 85 GB/s where a one-call hash of the same 512 KiB ran at
-about 130 GB/s: over a 17 GB/s page-cache copy that is the difference between a read at
-0.76 and at 0.85 of a plain read (CPU time, 1 to 8 MiB objects).
+The object format and :func:`~.file_format.checksum` are :mod:`.file_format`'s.
 """
 
 from __future__ import annotations
@@ -35,39 +29,20 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import struct
 from typing import Optional, Sequence
 
 import xxhash
 
-__all__ = ["CHECKSUM_PIECE", "FORMAT_VERSION", "HEADER", "MAGIC", "READABLE_VERSIONS", "checksum", "hash_group",
-           "mem", "read_object", "views"]
+from fastdeploy_kvcache.storage.file_format import CHECKSUM_PIECE, checksum, current_payload_size
 
-MAGIC = b"FDKV"
-FORMAT_VERSION = 2  # written; 1 (one xxh3-64 over the whole payload) is still read
-READABLE_VERSIONS = (1, 2)
-CHECKSUM_PIECE = 512 << 10
-# magic, version, header bytes, payload bytes, checksum of the payload, reserved.
-HEADER = struct.Struct("<4sHHQQQ")
-assert HEADER.size == 32
-_VERSION_FIELD, _PAYLOAD_FIELD = 1, 3  # indices in HEADER's fields
+__all__ = ["hash_group", "mem", "read_object", "views"]
+
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 
 def mem(ptr: int, size: int) -> memoryview:
     """A writable byte view over ``size`` bytes at ``ptr`` (no copy)."""
     return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
-
-
-def checksum(payload: memoryview, version: int = FORMAT_VERSION) -> int:
-    """The checksum of ``payload`` as an object of format ``version`` records it."""
-    digest = xxhash.xxh3_64_intdigest
-    if version == 1 or len(payload) <= CHECKSUM_PIECE:
-        return digest(payload)
-    seed = 0
-    for at in range(0, len(payload), CHECKSUM_PIECE):
-        seed = digest(payload[at:at + CHECKSUM_PIECE], seed)
-    return seed
 
 
 def read_object(path: str, header: memoryview, payload: memoryview, chunk: int) -> tuple[int, Optional[int]]:
@@ -111,9 +86,9 @@ def _read_fd(fd: int, header: memoryview, payload: memoryview, chunk: int) -> tu
         got += n
         done = min(max(0, got - hsize), size)
         if want == -1 and got >= hsize:
-            fields = HEADER.unpack_from(header)
+            claim = current_payload_size(header)
             # Not the current version: no digest here, the verdict hashes (or rejects) it.
-            want = min(fields[_PAYLOAD_FIELD], size) if fields[_VERSION_FIELD] == FORMAT_VERSION else -2
+            want = min(claim, size) if claim is not None else -2
         while hashed + CHECKSUM_PIECE <= min(done, want):
             seed = digest(payload[hashed:hashed + CHECKSUM_PIECE], seed)
             hashed += CHECKSUM_PIECE

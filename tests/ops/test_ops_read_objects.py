@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache import ops
-from fastdeploy_kvcache.storage.file_read import CHECKSUM_PIECE, FORMAT_VERSION, HEADER, MAGIC
+from fastdeploy_kvcache.storage.file_format import CHECKSUM_PIECE, FORMAT_VERSION, HEADER, MAGIC
 
 HSIZE = HEADER.size
 

@@ -16,7 +16,8 @@ import pytest
 from fastdeploy_kvcache.storage import Status, StorageError
 from fastdeploy_kvcache.storage import file_backend
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
-from fastdeploy_kvcache.storage.file_backend import HEADER, FileBackend
+from fastdeploy_kvcache.storage.file_backend import FileBackend
+from fastdeploy_kvcache.storage.file_format import HEADER
 
 from .conftest import READERS, HostArena, use_reader
 

@@ -14,8 +14,8 @@ import xxhash
 from fastdeploy_kvcache.storage import Status
 from fastdeploy_kvcache.storage import file_backend
 from fastdeploy_kvcache.storage.file_backend import FileBackend
-from fastdeploy_kvcache.storage.file_read import (CHECKSUM_PIECE, FORMAT_VERSION, HEADER, MAGIC, checksum, hash_group,
-                                                  mem, read_object)
+from fastdeploy_kvcache.storage.file_format import CHECKSUM_PIECE, FORMAT_VERSION, HEADER, MAGIC, checksum
+from fastdeploy_kvcache.storage.file_read import hash_group, mem, read_object
 
 from .conftest import HostArena, use_reader
 

@@ -13,7 +13,7 @@ import pytest
 from fastdeploy_kvcache.storage import Status, StorageError
 from fastdeploy_kvcache.storage import file_backend
 from fastdeploy_kvcache.storage.file_backend import FileBackend
-from fastdeploy_kvcache.storage.file_read import CHECKSUM_PIECE
+from fastdeploy_kvcache.storage.file_format import CHECKSUM_PIECE
 from fastdeploy_kvcache.storage.transfer import HostTierLayout, StorageTransfer
 from skip_helpers import needs_cpu_capi
 

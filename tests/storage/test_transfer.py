@@ -14,7 +14,8 @@ import pytest
 
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.storage import KeyNamespace, Status, StorageError
-from fastdeploy_kvcache.storage.file_backend import HEADER, FileBackend
+from fastdeploy_kvcache.storage.file_backend import FileBackend
+from fastdeploy_kvcache.storage.file_format import HEADER
 from fastdeploy_kvcache.storage.transfer import HostTierLayout, StorageTransfer
 from skip_helpers import needs_cpu_capi
 

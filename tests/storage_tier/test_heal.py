@@ -11,7 +11,7 @@ from typing import Any
 
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.core.storage_tier import PREFETCH_READY
-from fastdeploy_kvcache.storage.file_backend import HEADER
+from fastdeploy_kvcache.storage.file_format import HEADER
 from skip_helpers import needs_mooncake
 
 from .test_tier import BS, TOKENS, Rig, rigs, store_tokens  # noqa: F401 - rigs is a fixture
