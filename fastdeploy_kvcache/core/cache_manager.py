@@ -93,7 +93,6 @@ class CacheManager:
                 f"CacheConfig.num_gpu_blocks must be > 0 for the cache manager, got {config.num_gpu_blocks}"
             )
         self.config = config
-        self.block_size = config.block_size
         self.write_policy = config.write_policy
         self.write_through_threshold = config.write_through_threshold
         self.enable_prefix_caching = config.enable_prefix_caching
@@ -120,8 +119,7 @@ class CacheManager:
                                   evictor=self.evictor)
         self.allocator = Allocator(tree=tree, device_pool=dev, block_size=self.block_size, stats=stats,
                                    inflight=inflight, matcher=self.matcher, evictor=self.evictor, copies=self.copies)
-        self.lifecycle = RequestLifecycle(tree=tree, device_pool=dev, block_size=self.block_size,
-                                          enable_prefix_caching=self.enable_prefix_caching, config=config,
+        self.lifecycle = RequestLifecycle(tree=tree, device_pool=dev, enable_prefix_caching=self.enable_prefix_caching, config=config,
                                           policy=policy, stats=stats, inflight=inflight, allocator=self.allocator,
                                           evictor=self.evictor, copies=self.copies)
         # The storage tier reaches the tree and the host pool only through this port.
@@ -138,6 +136,12 @@ class CacheManager:
             self.block_size,
             self.write_policy,
         )
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block: the config's (one value; the parts given it at construction
+        keep what it was then, and the config is validated before any of them is built)."""
+        return self.config.block_size
 
     @property
     def share_loads(self) -> bool:

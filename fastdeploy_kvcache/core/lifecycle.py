@@ -41,15 +41,19 @@ class RequestLifecycle:
 
     tree: RadixTree
     device_pool: BlockPool
-    block_size: int
     enable_prefix_caching: bool
-    config: "CacheConfig"  # read when a request ends (enable_output_caching)
+    config: "CacheConfig"  # read when a request ends (enable_output_caching), and the block size
     policy: WritePolicy
     stats: CacheStats
     inflight: InFlightCopies
     allocator: Allocator
     evictor: Evictor
     copies: CopyTracker
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block, read from the config (not a copy of it)."""
+        return self.config.block_size
 
     def finish(self, request: Request) -> None:
         """``CacheManager.request_finish``: insert what it computed, drop its refs."""

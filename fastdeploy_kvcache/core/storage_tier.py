@@ -157,7 +157,6 @@ class StorageTier:
         stored_memory: int = 1 << 18,
     ) -> None:
         self.port: Optional[StoragePort] = None  # set by bind(), which the CacheManager calls
-        self.block_size = 0
         # Fetch or recompute, per request; built by bind() (it needs the block size).  The
         # engine feeds it prefill timings (observe_prefill), the tier its fetch jobs.
         self.planner: Optional[FetchCostModel] = None
@@ -214,6 +213,11 @@ class StorageTier:
             self.stats[k] = 0
         self.errors: dict[str, int] = collections.defaultdict(int)
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per block: the port's (the manager's), 0 until :meth:`bind`."""
+        return self.port.block_size if self.port is not None else 0
+
     def bind(self, port: StoragePort) -> None:
         """Serve the cache manager that owns ``port``; called once, by ``CacheManager``.
 
@@ -226,7 +230,6 @@ class StorageTier:
         if port.num_host_blocks == 0:
             raise ValueError("the storage tier needs a host tier (--swap-space > 0, or CacheConfig.num_host_blocks > 0)")
         self.port = port
-        self.block_size = port.block_size
         self.planner = FetchCostModel(port.block_size, clock=self.clock)
         port.listen_host_evictions(self)
 
