@@ -90,8 +90,8 @@ def main() -> int:
     from transformers import DynamicCache
 
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
-    from fastdeploy_kvcache.engine.torch_models import LLAMA3_8B_RANDOM, load_torch_model
-    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import LLAMA3_8B_RANDOM, load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
     dev = torch.device("cuda", 0)
     t0 = time.perf_counter()
@@ -172,7 +172,7 @@ def main() -> int:
     # ---- the decode attention alone (one layer's caches): K/V bytes read per second, against a
     # device-to-device copy's bandwidth measured here (bytes read + written per second).
     if runner.decode_kernel is not None:
-        from fastdeploy_kvcache.engine.torch_attention import decode_attention_torch, decode_mask
+        from fastdeploy_kvcache.engine.transformers_runner.torch_attention import decode_attention_torch, decode_mask
 
         lens = torch.full((a.batch,), a.context + 1, dtype=torch.int64, device=dev)
         table = torch.tensor([perm[i * nb_seq:(i + 1) * nb_seq] for i in range(a.batch)], device=dev)

@@ -250,7 +250,7 @@ def build_engine(running: int, seed: int, model_impl: str = "paddleformers", dev
 
         loaded = build_tiny_llama(seed=0)
     else:
-        from fastdeploy_kvcache.engine import torch_runner
+        from fastdeploy_kvcache.engine.transformers_runner import torch_runner
 
         probe = EngineArgs(model=model, model_impl=model_impl, device=device, seed=0)
         loaded = torch_runner.load_model_for(probe, torch_runner.select_device(device))

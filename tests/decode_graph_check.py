@@ -43,8 +43,8 @@ def padded_decode_results(device: str = "cpu", dtype: str = "float32", prompts: 
     import torch
 
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
-    from fastdeploy_kvcache.engine.torch_models import load_torch_model
-    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
     dev = torch.device("cuda", 0) if device == "gpu" else torch.device("cpu")
     loaded = load_torch_model("tiny-llama-random", seed=0, device=dev, dtype=dtype)
@@ -121,8 +121,8 @@ def engine_results() -> dict[str, Any]:
     import torch
 
     from fastdeploy_kvcache.engine.llm_engine import LLMEngine
-    from fastdeploy_kvcache.engine.torch_models import load_torch_model
-    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
     from tests.engine_args import ENGINE_DEFAULTS, engine_args
     from tests.reuse_workloads import check_host_hits, recompute_tokens
 

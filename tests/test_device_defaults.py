@@ -1,7 +1,7 @@
 """Device defaults and the device pool's size: ``EngineArgs.resolved`` and ``engine/kv_sizing.py``.
 
 Pure arithmetic on injected numbers (a GPU's measurements included), so it runs anywhere; the
-measurement itself (``engine/gpu_memory.py``) runs in tests/gpu.
+measurement itself (``engine/transformers_runner/gpu_memory.py``) runs in tests/gpu.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import pytest
 
 from fastdeploy_kvcache.engine.args import DEVICE_DEFAULTS, EngineArgs, add_engine_cli_args
-from fastdeploy_kvcache.engine.gpu_memory import profile_split
+from fastdeploy_kvcache.engine.transformers_runner.gpu_memory import profile_split
 from fastdeploy_kvcache.engine.kv_sizing import (
     CPU_KV_CACHE_MEMORY_GIB,
     DEFAULT_GPU_MEMORY_UTILIZATION,

@@ -195,3 +195,75 @@ def test_no_import_cycle_between_the_server_modules() -> None:
     graph = {m: {d for d in deps if d.startswith(prefix)} for m, deps in _module_edges().items()
              if m.startswith(prefix)}
     assert _cycle(graph) is None
+
+
+# Inside engine/ each runner package owns its libraries: Paddle's may be imported at module
+# level only under paddleformers_runner/, torch's only under transformers_runner/ (anywhere
+# else, inside the function that needs them), and neither runner package imports the other.
+RUNNER_LIBRARIES: dict[str, tuple[str, ...]] = {
+    f"{PACKAGE}.engine.paddleformers_runner": ("paddle", "paddleformers"),
+    f"{PACKAGE}.engine.transformers_runner": ("torch", "transformers", "triton"),
+}
+
+
+def _module_level_imports(tree: ast.AST) -> Iterator[tuple[str, int]]:
+    """(top-level name, line) of every absolute import that runs when the module is imported:
+    function bodies and ``if TYPE_CHECKING:`` blocks are left out."""
+    stack = list(ast.iter_child_nodes(tree))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name.split(".")[0], node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module.split(".")[0], node.lineno
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_model_libraries_are_imported_at_module_level_only_by_their_runner_package() -> None:
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = _module_name(path)
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for name, line in _module_level_imports(tree):
+            for owner, libraries in RUNNER_LIBRARIES.items():
+                if name in libraries and not _in_package(module, owner):
+                    wrong.append(f"{path.relative_to(ROOT.parent)}:{line}: imports {name} (owned by {owner})")
+    assert wrong == []
+
+
+def test_the_runner_packages_do_not_import_each_other() -> None:
+    crossing = []
+    for src, dst in [tuple(RUNNER_LIBRARIES), tuple(reversed(list(RUNNER_LIBRARIES)))]:
+        for module, deps in _module_edges().items():
+            if _in_package(module, src):
+                crossing += [f"{module} imports {d}" for d in deps if _in_package(d, dst)]
+    assert crossing == []
+
+
+def test_module_level_imports_leave_out_function_bodies_and_type_checking() -> None:
+    source = (
+        "import torch.nn\n"
+        "from paddle import nn\n"
+        "from . import sibling\n"
+        "try:\n"
+        "    import triton\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "if TYPE_CHECKING:\n"
+        "    import transformers\n"
+        "class A:\n"
+        "    import numpy\n"
+        "    def f(self):\n"
+        "        import paddleformers\n"
+    )
+    assert {name for name, _ in _module_level_imports(ast.parse(source))} == {"torch", "paddle", "triton", "numpy"}

@@ -13,7 +13,7 @@ import pytest
 
 from fastdeploy_kvcache.engine.args import check_max_model_len
 from fastdeploy_kvcache.engine.model_loader import model_positions
-from fastdeploy_kvcache.engine.torch_models import (
+from fastdeploy_kvcache.engine.transformers_runner.torch_models import (
     LLAMA3_8B_SHAPE,
     LLAMA3_ROPE_SCALING,
     LLAMA31_8B_RANDOM,
@@ -75,7 +75,7 @@ def test_transformers_rotary_uses_the_scaling() -> None:
     import torch
 
     from fastdeploy_kvcache.engine.tokenizer import build_synthetic_tokenizer
-    from fastdeploy_kvcache.engine.torch_models import _random_llama
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import _random_llama
 
     shape = dict(TINY_SHAPE, max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE_SCALING))
     lm = _random_llama(shape, build_synthetic_tokenizer(TINY_SHAPE["vocab_size"]), "tiny-llama3.1", seed=0,

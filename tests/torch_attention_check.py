@@ -17,7 +17,7 @@ def paged_vs_sdpa_error(loaded: Any, prefix: int, chunk: int, decodes: int, bloc
     import torch
 
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
-    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
     model = loaded.model
     dev = next(model.parameters()).device

@@ -83,8 +83,8 @@ def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     outside the output was written, or the caches after the write differ from the expected."""
     import torch
 
-    from fastdeploy_kvcache.engine.torch_attention import decode_attention_torch, decode_mask
-    from fastdeploy_kvcache.engine.triton_paged_attention import paged_decode_attention
+    from fastdeploy_kvcache.engine.transformers_runner.torch_attention import decode_attention_torch, decode_mask
+    from fastdeploy_kvcache.engine.transformers_runner.triton_paged_attention import paged_decode_attention
 
     heads, kv_heads, dim, bs, lens_t, width = CASES.get(name) or GPU_CASES[name]
     dt = getattr(torch, dtype)
@@ -165,7 +165,7 @@ def zero_length_errors(dtype: str, device: Any) -> dict[str, float]:
     length-0 row wrote somewhere: its position -1 truncates to slot 0 of its table's block)."""
     import torch
 
-    from fastdeploy_kvcache.engine.triton_paged_attention import paged_decode_attention
+    from fastdeploy_kvcache.engine.transformers_runner.triton_paged_attention import paged_decode_attention
 
     heads, kv_heads, dim, bs = 8, 2, 64, ZERO_LENGTH_BLOCK
     lens_t = ZERO_LENGTH_LENS
@@ -220,8 +220,8 @@ def prefill_case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     rows.  Slots past the chunk's end hold NaN: a kernel that read them would return NaN."""
     import torch
 
-    from fastdeploy_kvcache.engine.torch_attention import prefill_attention_torch
-    from fastdeploy_kvcache.engine.triton_paged_attention import paged_prefill_attention
+    from fastdeploy_kvcache.engine.transformers_runner.torch_attention import prefill_attention_torch
+    from fastdeploy_kvcache.engine.transformers_runner.triton_paged_attention import paged_prefill_attention
 
     heads, kv_heads, dim, bs, ctx, n = PREFILL_CASES[name]
     dt = getattr(torch, dtype)
@@ -281,7 +281,7 @@ def runner_error() -> float:
     (tiny-llama-random, float32, on the CPU): tests/torch_attention_check.py."""
     import torch
 
-    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
     from tests.torch_attention_check import paged_vs_sdpa_error
 
     loaded = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cpu"), dtype="float32")

@@ -29,9 +29,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DEVICES = ("auto", "cpu", "gpu")
 KV_CACHE_DTYPES = (AUTO_DTYPE, "bfloat16", "float16", "float32")  # the cache's, less uint8
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")  # engine/pd.py ROLES
-MODEL_IMPLS = ("paddleformers", "transformers")  # engine/torch_runner.py for the second
+MODEL_IMPLS = ("paddleformers", "transformers")  # engine/transformers_runner/torch_runner.py for the second
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
-FUSED_LAYERS = ("auto", "on", "off")  # engine/torch_fused.py
+FUSED_LAYERS = ("auto", "on", "off")  # engine/transformers_runner/torch_fused.py
 
 
 @dataclass(frozen=True)
@@ -101,16 +101,16 @@ class EngineArgs:
     storage: Optional["StorageConfig"] = None
     # Prefill/decode disaggregation through the store (engine/pd.py): mixed, prefill or decode.
     splitwise_role: str = "mixed"
-    # Which model library runs the model: paddleformers (paddle_runner.py) or transformers on
-    # torch (torch_runner.py, the GPU path where no Paddle GPU runtime exists).
+    # Which model library runs the model: paddleformers (paddleformers_runner/) or transformers
+    # on torch (transformers_runner/, the GPU path where no Paddle GPU runtime exists).
     model_impl: str = "paddleformers"
     # Model weights and activations on the transformers path ("auto": bfloat16 on a GPU,
     # float32 on a CPU); the paddleformers path picks the same by itself.
     model_dtype: str = "auto"
-    # CUDA graphs of decode-only steps on the transformers runner (engine/decode_graphs.py):
+    # CUDA graphs of decode-only steps on the transformers runner (engine/transformers_runner/decode_graphs.py):
     # captured at start; without a CUDA device, logged and every step runs eagerly.
     use_cudagraph: bool = False
-    # Fused decoder layers on the transformers runner (engine/torch_fused.py): "auto" is on with a
+    # Fused decoder layers on the transformers runner (engine/transformers_runner/torch_fused.py): "auto" is on with a
     # CUDA device, off on the CPU.
     fused_layers: str = "auto"
     # KV cache events (engine/kv_events_config.KVEventsConfig, --kv-events-config); None: off.

@@ -13,7 +13,7 @@ Three ways, in order of precedence:
    will take.  All of it goes to the pool (a larger pool caches more prefixes); fewer blocks
    than one ``--max-model-len`` sequence is an error that names the flags.
 
-The measurement (:class:`DeviceMemory`) is taken by the runner (``engine/gpu_memory.py``);
+The measurement (:class:`DeviceMemory`) is taken by the runner (``engine/transformers_runner/gpu_memory.py``);
 everything here is a function of plain numbers, so it is tested without a device.
 """
 

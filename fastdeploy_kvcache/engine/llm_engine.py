@@ -89,8 +89,8 @@ class LLMEngine:
         self.args = args
         worker_backend = "paddle"
         if args.model_impl == "transformers":
-            # torch only (engine/torch_runner.py): no Paddle import on this path.
-            from fastdeploy_kvcache.engine import torch_runner
+            # torch only (engine/transformers_runner/torch_runner.py): no Paddle import on this path.
+            from fastdeploy_kvcache.engine.transformers_runner import torch_runner
 
             self.device = torch_runner.select_device(args.device)
             worker_backend = "torch"
@@ -124,7 +124,7 @@ class LLMEngine:
                                                                self.device, fused_layers=fused)
             self.runner: ModelRunner = torch_model_runner
         else:
-            from fastdeploy_kvcache.engine.paddle_runner import PaddleModelRunner
+            from fastdeploy_kvcache.engine.paddleformers_runner.paddle_runner import PaddleModelRunner
 
             self.runner = PaddleModelRunner(self.loaded, self.cache_config.block_size, self.device)
         self.cache_config.num_gpu_blocks = self._device_pool_blocks()
@@ -228,8 +228,8 @@ class LLMEngine:
         if a.kv_cache_memory_gib is not None or self.device != "gpu" or a.model_impl != "transformers":
             gib = kv_sizing.CPU_KV_CACHE_MEMORY_GIB if a.kv_cache_memory_gib is None else a.kv_cache_memory_gib
             return kv_sizing.device_pool_blocks(kv_cache_memory_gib=gib, **sizes)
-        from fastdeploy_kvcache.engine.decode_graphs import graph_batch_sizes
-        from fastdeploy_kvcache.engine.gpu_memory import profile_device_memory
+        from fastdeploy_kvcache.engine.transformers_runner.decode_graphs import graph_batch_sizes
+        from fastdeploy_kvcache.engine.transformers_runner.gpu_memory import profile_device_memory
 
         graphs = (kv_sizing.graph_reserve_bytes(graph_batch_sizes(a.max_num_seqs), self.loaded.vocab_size)
                   if a.use_cudagraph else 0)

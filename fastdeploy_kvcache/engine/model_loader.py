@@ -84,7 +84,7 @@ def model_positions(model: str) -> int:
     name's, a checkpoint directory's ``config.json``, a GGUF's ``context_length``.  ValueError
     (naming ``model``) when it names nothing loadable.  Cheap, so a server can check
     ``--max-model-len`` before loading."""
-    from fastdeploy_kvcache.engine.torch_models import TORCH_SHAPES
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import TORCH_SHAPES
 
     if model in TORCH_SHAPES:
         return int(TORCH_SHAPES[model]["max_position_embeddings"])
@@ -106,7 +106,7 @@ def model_positions(model: str) -> int:
 def load_tokenizer(model: str) -> EngineTokenizer:
     """``model``'s tokenizer, exactly the one the engine serves it with, without its weights:
     a built-in name's, a GGUF's (from its metadata), a checkpoint directory's."""
-    from fastdeploy_kvcache.engine.torch_models import RANDOM_SHAPES, random_model_tokenizer
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import RANDOM_SHAPES, random_model_tokenizer
 
     if model in RANDOM_SHAPES:
         return random_model_tokenizer(model)
@@ -136,7 +136,7 @@ def load_dir_tokenizer(path: str) -> EngineTokenizer:
 def served_model_name(model: str) -> str:
     """The name the server gives ``model`` (and its published tokenizer's directory): a
     built-in name as it is, a GGUF file's or a directory's base name."""
-    from fastdeploy_kvcache.engine.torch_models import RANDOM_SHAPES
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import RANDOM_SHAPES
 
     if model in RANDOM_SHAPES or model in (DEFAULT_MODEL_NAME, TINY_MODEL_NAME):
         return model

@@ -1,7 +1,7 @@
 """What the engine hands a model runner each step, and what it reads back: :class:`ModelRunner`.
 
-Two runners satisfy it: ``PaddleModelRunner`` (paddleformers, ``engine/paddle_runner.py``) and
-``TorchModelRunner`` (transformers, ``engine/torch_runner.py``).  A step is the list of
+Two runners satisfy it: ``PaddleModelRunner`` (paddleformers, ``engine/paddleformers_runner/paddle_runner.py``) and
+``TorchModelRunner`` (transformers, ``engine/transformers_runner/torch_runner.py``).  A step is the list of
 :class:`ScheduledSeq` (one per scheduled request, in the engine's order), the pool's per-layer
 caches and the step's layer counter (the host->device loads each layer waits for, or None).
 After each step the engine reads the ``last_*`` figures into its step timings; every runner

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from fastdeploy_kvcache.engine import runner as runner_mod
-from fastdeploy_kvcache.engine.paddle_runner import PaddleModelRunner
+from fastdeploy_kvcache.engine.paddleformers_runner.paddle_runner import PaddleModelRunner
 from fastdeploy_kvcache.engine.runner import RUNNER_ATTRIBUTES, RUNNER_METHODS, ModelRunner
-from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = REPO / "fastdeploy_kvcache" / "engine"

@@ -9,7 +9,7 @@ import pytest
 
 paddle = pytest.importorskip("paddle", reason="needs paddlepaddle (installed by `bash build.sh`)")
 
-from fastdeploy_kvcache.engine.int64_staging import Int64Staging  # noqa: E402
+from fastdeploy_kvcache.engine.paddleformers_runner.int64_staging import Int64Staging  # noqa: E402
 from fastdeploy_kvcache.entrypoints.server_process import rss_bytes  # noqa: E402
 
 

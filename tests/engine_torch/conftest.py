@@ -28,7 +28,7 @@ def _needs_torch_and_capi() -> None:
 def tiny_torch_model() -> Any:
     import torch
 
-    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
 
     return load_torch_model("tiny-llama-random", seed=0, device=torch.device("cpu"), dtype="float32")
 

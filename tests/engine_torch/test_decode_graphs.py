@@ -1,4 +1,4 @@
-"""The CUDA-graph decode path (``--use-cudagraph``, engine/decode_graphs.py) on the CPU.
+"""The CUDA-graph decode path (``--use-cudagraph``, engine/transformers_runner/decode_graphs.py) on the CPU.
 
 Capture needs a GPU (tests/gpu/test_torch_engine_gpu.py); here the same static buffers,
 padding and read-back run with an eager forward pass in place of the replay
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.triton_interpreter import TRITON_REASON, run_in_interpreter
-from fastdeploy_kvcache.engine.decode_graphs import graph_batch_sizes
+from fastdeploy_kvcache.engine.transformers_runner.decode_graphs import graph_batch_sizes
 
 
 
@@ -73,7 +73,7 @@ def test_engine_on_the_cpu_logs_and_runs_eagerly(engine_factory: Any, caplog: py
     """--use-cudagraph without a CUDA device: a warning, then ordinary eager steps."""
     from tests.reuse_workloads import Collector, greedy
 
-    with caplog.at_level(logging.WARNING, logger="fastdeploy_kvcache.engine.torch_runner"):
+    with caplog.at_level(logging.WARNING, logger="fastdeploy_kvcache.engine.transformers_runner.torch_runner"):
         eng = engine_factory(use_cudagraph=True)
     assert any("--use-cudagraph: no CUDA device" in r.getMessage() for r in caplog.records), caplog.text
     assert eng.runner.decode_graphs is None

@@ -67,7 +67,7 @@ def test_decode_attention_choice_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> 
     interpreter, and an unknown choice is refused with the valid ones."""
     import torch
 
-    from fastdeploy_kvcache.engine.torch_runner import decode_kernel_for
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import decode_kernel_for
 
     cpu = torch.device("cpu")
     assert decode_kernel_for(cpu) is None

@@ -1,4 +1,4 @@
-"""Fused decoder layers (engine/torch_fused.py, ``--fused-layers``) on the GPU.
+"""Fused decoder layers (engine/transformers_runner/torch_fused.py, ``--fused-layers``) on the GPU.
 
 * A fused model's logits equal the unfused model's (float32, the same seeded weights) for a
   step mixing a prompt chunk, a chunk after cached context and decodes; the kernels are the
@@ -31,14 +31,14 @@ if importlib.util.find_spec("triton") is None:
 
 
 def _model() -> Any:
-    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
 
     return load_torch_model("tiny-llama-random", seed=0, device=torch.device("cuda", 0), dtype="float32")
 
 
 def test_fused_layers_compute_what_the_unfused_layers_compute(capi: Any) -> None:
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
-    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
     plain, fused_model = _model(), _model()
     bs = 16

@@ -1,4 +1,4 @@
-"""Sampling on the device (engine/torch_sampling.py) against the host reference.
+"""Sampling on the device (engine/transformers_runner/torch_sampling.py) against the host reference.
 
 * For a batch mixing greedy, temperature, top-k, top-p and top-k + top-p rows, over a small
   vocabulary and Llama-3's 128,256, the device picks the same ids as
@@ -34,7 +34,7 @@ def _params(rows: int) -> list[SamplingParams]:
 
 @pytest.mark.parametrize("rows,vocab", [(6, 97), (64, 128256), (3, 128256)])
 def test_device_picks_what_the_host_picks(rows: int, vocab: int) -> None:
-    from fastdeploy_kvcache.engine.torch_sampling import sample_on_device
+    from fastdeploy_kvcache.engine.transformers_runner.torch_sampling import sample_on_device
 
     samplers = [RequestSampler(p, 0) for p in _params(rows)]
     for step in range(8):
@@ -52,8 +52,8 @@ def test_device_picks_what_the_host_picks(rows: int, vocab: int) -> None:
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cudagraph"])
 def test_runner_forward_sample_returns_the_ids_of_its_logits(capi: Any, graphs: bool) -> None:
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
-    from fastdeploy_kvcache.engine.torch_models import load_torch_model
-    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
     loaded = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cuda", 0), dtype="float32")
     bs = 16

@@ -54,7 +54,7 @@ def need_triton() -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_fp32(capi: Any) -> Any:
-    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
 
     need_smollm2()
 
@@ -166,7 +166,7 @@ def test_cache_is_device_torch_memory_and_loads_wait_on_the_gpu(engine_factory: 
 @pytest.mark.parametrize("model,prefix", [(MODEL, 200), ("tiny-llama-random", 70)])
 def test_paged_attention_matches_transformers_sdpa(capi: Any, model: str, prefix: int, dtype: str, tol: float,
                                                    attention: str) -> None:
-    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
     from tests.torch_attention_check import paged_vs_sdpa_error
 
     if model == MODEL:
@@ -181,9 +181,9 @@ def test_paged_attention_matches_transformers_sdpa(capi: Any, model: str, prefix
 
 def test_runner_picks_the_triton_decode_kernel_on_cuda(capi: Any) -> None:
     """``auto`` on CUDA with Triton is the kernel; ``torch`` is the fallback."""
-    from fastdeploy_kvcache.engine.torch_models import load_torch_model
-    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
-    from fastdeploy_kvcache.engine.triton_paged_attention import paged_decode_attention
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
+    from fastdeploy_kvcache.engine.transformers_runner.triton_paged_attention import paged_decode_attention
 
     need_triton()
     loaded = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cuda", 0), dtype="bfloat16")
@@ -219,8 +219,8 @@ def test_logits_come_back_through_pinned_memory_and_stay_the_callers(capi: Any) 
     import numpy as np
 
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
-    from fastdeploy_kvcache.engine.torch_models import load_torch_model
-    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
     loaded = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cuda", 0), dtype="float32")
     runner = TorchModelRunner(loaded, 16, "gpu")
@@ -307,8 +307,8 @@ def test_gpu_memory_utilization_sizes_the_pool_within_its_share(engine_factory: 
 
 def test_profiled_step_reports_its_peak(smollm2_fp32: Any) -> None:
     from fastdeploy_kvcache.config import CacheConfig
-    from fastdeploy_kvcache.engine.gpu_memory import profile_device_memory
-    from fastdeploy_kvcache.engine.torch_runner import TorchModelRunner
+    from fastdeploy_kvcache.engine.transformers_runner.gpu_memory import profile_device_memory
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
     lm = smollm2_fp32
     runner = TorchModelRunner(lm, 16, "gpu")

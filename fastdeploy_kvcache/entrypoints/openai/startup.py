@@ -75,7 +75,7 @@ def check_config(args: argparse.Namespace) -> Any:
     from fastdeploy_kvcache.engine.args import EngineArgs, check_max_model_len
     from fastdeploy_kvcache.engine.llm_engine import wants_gpu
     from fastdeploy_kvcache.engine.model_loader import model_positions
-    from fastdeploy_kvcache.engine.torch_models import RANDOM_SHAPES
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import RANDOM_SHAPES
 
     check_environment()
     engine_args = EngineArgs.from_cli_args(args)
@@ -89,7 +89,7 @@ def check_config(args: argparse.Namespace) -> Any:
     check_max_model_len(engine_args.max_model_len, model_positions(engine_args.model), engine_args.model)
     if engine_args.model_impl == "transformers":
         # torch's view of the GPU, not Paddle's: this path may run where Paddle is absent.
-        from fastdeploy_kvcache.engine.torch_runner import select_device
+        from fastdeploy_kvcache.engine.transformers_runner.torch_runner import select_device
 
         select_device(engine_args.device)
     else:

@@ -1,6 +1,6 @@
 """Torch backends: the device caches are ``torch.Tensor``s, the copies the C ABI library.
 
-The transformers model runner (``engine/torch_runner.py``) attends over the very tensors the
+The transformers model runner (``engine/transformers_runner/torch_runner.py``) attends over the very tensors the
 controller allocates, so the cache is never copied or converted between the worker and the
 model.  Only the memory is torch's:
 

@@ -1,8 +1,9 @@
 """Paged attention for transformers models, over the CacheController's torch block caches.
 
-The same hook design as the paddleformers path (``engine/attention.py``): the function is
-registered with transformers' ``AttentionInterface`` and selected through
-``config._attn_implementation``, so ``LlamaForCausalLM`` itself runs unmodified.  Every
+The same hook design as the paddleformers path (``engine/paddleformers_runner/attention.py``;
+both share ``engine/attention.py``): the function is registered with transformers'
+``AttentionInterface`` and selected through ``config._attn_implementation``, so
+``LlamaForCausalLM`` itself runs unmodified.  Every
 attention layer calls it with q, k and v after rotary embedding.  A third-party name makes
 transformers build no causal mask: the masks here come from the :class:`TorchStep`, which
 the runner builds once per forward pass with every index already on the device (one
@@ -18,7 +19,7 @@ Per layer:
    writes those itself;
 3. attention:
    * the leading one-token seqs (decodes) as one batch.  On CUDA with Triton: the paged
-     decode kernel of ``engine/triton_paged_attention.py``, which reads each seq's blocks in
+     decode kernel of ``engine/transformers_runner/triton_paged_attention.py``, which reads each seq's blocks in
      place through its block table (online float32 softmax, GQA, the context split over
      several programs at small batches).  Elsewhere (the CPU, or no Triton) the torch
      fallback :func:`decode_attention_torch`: the blocks gathered (padded to the longest,

@@ -1,24 +1,24 @@
 """The transformers model runner (``--model-impl transformers``): one forward pass of a step.
 
 The ``ModelRunner`` protocol (``engine/runner.py``), as the paddleformers runner
-(``engine/paddle_runner.py``): the engine hands it the step's
+(``engine/paddleformers_runner/paddle_runner.py``): the engine hands it the step's
 :class:`~fastdeploy_kvcache.engine.runner.ScheduledSeq` list, the
 controller's per-layer caches and the step's ``LayerDoneCounter``; it returns float32 logits
 for the seqs that sample.  The model is transformers' ``LlamaForCausalLM``, unmodified, with
-the paged attention of ``engine/torch_attention.py``.
+the paged attention of ``engine/transformers_runner/torch_attention.py``.
 
 The caches are the torch tensors the worker allocated (``worker/backends/torch_backend.py``);
 they are never copied.  The step's indices (token ids, positions, K/V slots, block tables)
 go to the device in one copy from a reused pinned buffer.  The engine calls
 :meth:`TorchModelRunner.forward_sample`: the sampling rows' tokens are picked on the device
-(``engine/torch_sampling.py``), and the only host sync of a step reads back those int64 ids
-(a step that samples nothing has none).  :meth:`TorchModelRunner.forward` returns the float32
+(``engine/transformers_runner/torch_sampling.py``), and the only host sync of a step reads back
+those int64 ids (a step that samples nothing has none).  :meth:`TorchModelRunner.forward` returns the float32
 logits instead, for tests and benchmarks.
 
 With :meth:`TorchModelRunner.enable_decode_graphs` (``--use-cudagraph``) a step whose seqs
 all decode one token replays a CUDA graph captured at start for the next batch size up
-(``engine/decode_graphs.py``); every other step (any prompt chunk, more seqs than the
-largest graph, a table wider than ``max_model_len``) runs eagerly as before.
+(``engine/transformers_runner/decode_graphs.py``); every other step (any prompt chunk, more seqs
+than the largest graph, a table wider than ``max_model_len``) runs eagerly as before.
 
 Nothing here or in the modules it imports imports Paddle: this path runs where only torch is.
 """
@@ -35,10 +35,15 @@ from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.engine.model_loader import LoadedModel
 from fastdeploy_kvcache.engine.runner import ScheduledSeq
 from fastdeploy_kvcache.engine.attention import step_context
-from fastdeploy_kvcache.engine.decode_graphs import DecodeGraphs, GraphBucket
+from fastdeploy_kvcache.engine.transformers_runner.decode_graphs import DecodeGraphs, GraphBucket
 from fastdeploy_kvcache.engine.sampling import StepSampling
-from fastdeploy_kvcache.engine.torch_sampling import sample_on_device
-from fastdeploy_kvcache.engine.torch_attention import PrefillChunk, TorchStep, decode_mask, register_paged_attention
+from fastdeploy_kvcache.engine.transformers_runner.torch_sampling import sample_on_device
+from fastdeploy_kvcache.engine.transformers_runner.torch_attention import (
+    PrefillChunk,
+    TorchStep,
+    decode_mask,
+    register_paged_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +89,7 @@ def decode_kernel_for(device: Any, choice: str = "auto") -> Optional[Any]:
     if choice == "torch" or (choice == "auto" and device.type != "cuda"):
         return None
     try:
-        from fastdeploy_kvcache.engine.triton_paged_attention import paged_decode_attention
+        from fastdeploy_kvcache.engine.transformers_runner.triton_paged_attention import paged_decode_attention
     except ImportError as exc:
         if choice == "triton":
             raise ValueError(f"attention 'triton': Triton does not import ({exc})") from None
@@ -99,7 +104,7 @@ def decode_kernel_for(device: Any, choice: str = "auto") -> Optional[Any]:
 
 def load_model_for(args: Any, device: str) -> LoadedModel:
     """The engine's model on this path (``args``: EngineArgs)."""
-    from fastdeploy_kvcache.engine.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
 
     return load_torch_model(args.model, seed=args.seed, device=torch_device(device),
                             dtype=model_dtype(args.model_dtype, device))
@@ -119,7 +124,7 @@ class TorchModelRunner:
         """``attention``: the paged attention's kernels, ``auto`` / ``triton`` / ``torch``
         (:func:`decode_kernel_for`); with Triton, the decode batch and short chunks after
         cached context run Triton kernels that read the blocks in place.  ``fused_layers``:
-        fuse the model's decoder layers (``engine/torch_fused.py``; kernels compiled on a GPU).
+        fuse the model's decoder layers (``engine/transformers_runner/torch_fused.py``; kernels compiled on a GPU).
         The model is changed in place, for every runner over it."""
         import torch
 
@@ -133,7 +138,7 @@ class TorchModelRunner:
         self.prefill_kernel: Optional[Any] = None
         self.prefill_kernel_max_tokens = 0
         if self.decode_kernel is not None:
-            from fastdeploy_kvcache.engine.triton_paged_attention import (
+            from fastdeploy_kvcache.engine.transformers_runner.triton_paged_attention import (
                 PAGED_PREFILL_MAX_TOKENS,
                 paged_prefill_attention,
             )
@@ -154,7 +159,7 @@ class TorchModelRunner:
         register_paged_attention(self.model.config)
         self.fused_layers = 0
         if fused_layers:
-            from fastdeploy_kvcache.engine.torch_fused import fuse_decoder_layers
+            from fastdeploy_kvcache.engine.transformers_runner.torch_fused import fuse_decoder_layers
 
             self.fused_layers = fuse_decoder_layers(self.model, compile_kernels=self.on_gpu)
             logger.info("fused %d decoder layers (%s)", self.fused_layers,
@@ -163,7 +168,8 @@ class TorchModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
     def enable_decode_graphs(self, kv_caches: Sequence[Sequence[Any]], max_num_seqs: int, max_model_len: int,
                              capture: Optional[bool] = None) -> bool:
-        """Capture the decode-only step's CUDA graphs over ``kv_caches`` (``engine/decode_graphs.py``);
+        """Capture the decode-only step's CUDA graphs over ``kv_caches``
+        (``engine/transformers_runner/decode_graphs.py``);
         True when later decode-only steps go through them.
 
         ``capture``: None captures on CUDA and, elsewhere, logs that steps stay eager;

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from fastdeploy_kvcache.engine.attention import step_context
-from fastdeploy_kvcache.engine.torch_attention import TorchStep
+from fastdeploy_kvcache.engine.transformers_runner.torch_attention import TorchStep
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 protocol, ``engine/runner.py``): flatten the scheduled tokens, run the model, return logits.
 
 The model is paddleformers' ``LlamaForCausalLM``, unmodified; attention goes through the
-registered paged attention (``engine/attention.py``).  The LM head runs only on the rows
+registered paged attention (``engine/paddleformers_runner/attention.py``).  The LM head runs only on the rows
 that produce a token (a request's last scheduled token when its prompt is complete), not on
 every prefill token: on a 49k vocabulary that is most of a prefill's cost otherwise.
 """
@@ -14,9 +14,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from fastdeploy_kvcache.engine.attention import SeqSlice, StepContext, register_paged_attention, step_context
-from fastdeploy_kvcache.engine.int64_staging import Int64Staging
+from fastdeploy_kvcache.engine.attention import step_context
 from fastdeploy_kvcache.engine.model_loader import LoadedModel
+from fastdeploy_kvcache.engine.paddleformers_runner.attention import SeqSlice, StepContext, register_paged_attention
+from fastdeploy_kvcache.engine.paddleformers_runner.int64_staging import Int64Staging
 from fastdeploy_kvcache.engine.runner import ScheduledSeq
 from fastdeploy_kvcache.engine.sampling import StepSampling
 

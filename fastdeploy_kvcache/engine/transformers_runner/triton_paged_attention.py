@@ -1,6 +1,6 @@
 """Paged attention in Triton: queries over K/V blocks read in place through a block table.
 
-The transformers runner's attention (``engine/torch_attention.py``) on CUDA, two kernels
+The transformers runner's attention (``engine/transformers_runner/torch_attention.py``) on CUDA, two kernels
 over the cache tensors ``[num_blocks, kv_heads, block_size, head_dim]``: nothing is
 gathered or copied, and a block costs the same whichever tier it was loaded from.  Scores
 and the softmax run in float32 with a running maximum (online softmax); the result is
