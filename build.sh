@@ -99,11 +99,17 @@ setup_venv() { ensure_venv; ensure_pip_packages; ensure_editable_install; }
 # CPU wheel, which also ships mooncake_master and mooncake_client.  Best effort: without it
 # the file backend still works and the Mooncake tests skip saying to run this script.
 install_mooncake() {
-  if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+  # dpkg's record first: a container whose dynamic-linker cache is not refreshed after an
+  # install would otherwise look for the library, and install it, on every build.
+  # A failed install is remembered (build/.no-libibverbs) so later builds stay quiet.
+  if ! dpkg -s libibverbs1 >/dev/null 2>&1 \
+     && ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q 'libibverbs\.so\.1' \
+     && [ ! -f "$ROOT/build/.no-libibverbs" ]; then
     log "installing Debian package libibverbs1 (Mooncake needs it)"
     apt-get install -y -qq libibverbs1 >/dev/null 2>&1 \
-      || { apt-get update -qq && apt-get install -y -qq libibverbs1; } \
-      || log "could not install libibverbs1; the mooncake storage backend will be unavailable"
+      || { apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; } \
+      || { mkdir -p "$ROOT/build" && touch "$ROOT/build/.no-libibverbs"
+           log "could not install libibverbs1; the mooncake storage backend will be unavailable"; }
   fi
   if ! "$PY" -c "from mooncake.store import MooncakeDistributedStore" >/dev/null 2>&1; then
     log "installing mooncake-transfer-engine-non-cuda"
