@@ -21,7 +21,11 @@ on both sides as an engine must, both through pinned memory):
   ``--max-model-len``): ms per step, its ratio to the eager runner and to transformers' own,
   and its logits' difference from the eager runner's;
 * a ``--hit-chunk`` -token chunk after cached context (a prefix hit): the runner's Triton
-  prefill kernel / its torch fallback (gather + SDPA).
+  prefill kernel / its torch fallback (gather + SDPA);
+* a mixed step, ``--batch`` decodes beside a ``--mixed-chunk`` -token prompt chunk, with fused
+  layers: eager, and through the piecewise graphs captured for steps of up to
+  ``--max-num-batched-tokens`` tokens; ms per step and the share of the step the host spends
+  launching it (everything but its wait for the GPU; target <= 0.10 with the graphs).
 
     python benchmarks/bench_gpu_runner.py [--prefill 4096] [--batch 32] [--context 2048]
 
@@ -76,6 +80,9 @@ def main() -> int:
     ap.add_argument("--hit-chunk", type=int, default=64, help="tokens of the chunk after cached context")
     ap.add_argument("--max-model-len", type=int, default=8192,
                     help="the CUDA graphs' table width (blocks of this many tokens), as a server's flag")
+    ap.add_argument("--mixed-chunk", type=int, default=2048, help="prompt tokens of the mixed step")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="the piecewise graphs' largest step, as the server's flag (its GPU default)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
@@ -132,7 +139,8 @@ def main() -> int:
     # ---- the runner over a paged cache
     nb_prefill = -(-a.prefill // bs)
     nb_seq = -(-(a.context + 1) // bs)
-    num_blocks = max(nb_prefill, a.batch * nb_seq) + 8
+    nb_mixed = -(-a.mixed_chunk // bs)
+    num_blocks = max(nb_prefill, a.batch * nb_seq + nb_mixed) + 8
     shape = (num_blocks, lm.num_kv_heads, bs, lm.head_dim)
     caches = [[torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
               for _ in range(lm.num_layers)]
@@ -216,6 +224,36 @@ def main() -> int:
             with torch.inference_mode():
                 lf = torch.from_numpy(fused.forward(dec, caches, None))
             res["fused_logits_rel_diff"] = float((lf - la).norm() / la.norm())
+        # A step of decodes beside a prompt chunk (its blocks apart from theirs): eager, then
+        # through the piecewise graphs.  Launch share: the host's time in the step outside its
+        # wait for the GPU (building inputs and enqueueing kernels), over the step's time.
+        chunk_ids = torch.randint(0, 50000, (a.mixed_chunk,), device=dev, generator=gen).tolist()
+        mixed = dec + [ScheduledSeq(chunk_ids, 0, perm[a.batch * nb_seq:a.batch * nb_seq + nb_mixed], True)]
+
+        def launch_share(run: Any) -> tuple[float, float]:
+            steps, shares = [], []
+            for _ in range(2):
+                run.forward_sample(mixed, caches, None, greedy_mixed)
+            for _ in range(a.repeat * 2):
+                t0 = time.perf_counter()
+                run.forward_sample(mixed, caches, None, greedy_mixed)
+                dt = time.perf_counter() - t0
+                steps.append(dt)
+                shares.append(1.0 - run.last_gpu_wait_s / dt)
+            return statistics.median(steps), statistics.median(shares)
+
+        greedy_mixed = StepSampling.for_samplers([RequestSampler(SamplingParams(temperature=0.0), 0)] * len(mixed))
+        res["mixed_eager_s"], res["mixed_eager_launch_share"] = launch_share(fused)
+        if fused.enable_piecewise_graphs(a.max_num_batched_tokens):
+            res["piecewise_capture_s"] = fused.piecewise_graphs.capture_s
+            res["piecewise_pool_MiB"] = fused.piecewise_graphs.pool_bytes / (1 << 20)
+            res["piecewise_sizes"] = len(fused.piecewise_graphs.sizes)
+            res["mixed_piecewise_s"], res["mixed_piecewise_launch_share"] = launch_share(fused)
+            with torch.inference_mode():
+                lp = torch.from_numpy(fused.forward(mixed, caches, None))
+                fused.piecewise_graphs = None
+                le = torch.from_numpy(fused.forward(mixed, caches, None))
+            res["piecewise_logits_rel_diff"] = float((lp - le).norm() / le.norm())
 
     res["prefill_tok_s"] = {"baseline": a.prefill / res["baseline_prefill_s"], "runner": a.prefill / res["runner_prefill_s"]}
     res["prefill_ratio"] = res["baseline_prefill_s"] / res["runner_prefill_s"]
@@ -259,6 +297,15 @@ def main() -> int:
             print(f"  with fused decoder layers (--fused-layers): {res['fused_graph_sample_s'] * 1e3:.2f} ms "
                   f"({floor / res['fused_graph_sample_s']:.2f} of the floor, target >= 0.75); logits relative "
                   f"difference from the unfused eager runner {res['fused_logits_rel_diff']:.2e}")
+    if "mixed_eager_s" in res:
+        print(f"mixed step, {a.batch} decodes at {a.context} + a {a.mixed_chunk}-token chunk, fused layers: eager "
+              f"{res['mixed_eager_s'] * 1e3:.2f} ms, launch share {res['mixed_eager_launch_share']:.2f}")
+        if "mixed_piecewise_s" in res:
+            print(f"  through piecewise graphs ({res['piecewise_sizes']} sizes up to {a.max_num_batched_tokens} tokens, "
+                  f"captured in {res['piecewise_capture_s']:.1f} s, {res['piecewise_pool_MiB']:.0f} MiB): "
+                  f"{res['mixed_piecewise_s'] * 1e3:.2f} ms ({res['mixed_piecewise_s'] / res['mixed_eager_s']:.3f} of "
+                  f"eager), launch share {res['mixed_piecewise_launch_share']:.2f} (target <= 0.10); logits relative "
+                  f"difference from eager {res['piecewise_logits_rel_diff']:.2e}")
     if "attn_kernel_s" in res:
         print(f"decode attention alone, one layer, {a.batch} x {a.context + 1} tokens: Triton kernel "
               f"{res['attn_kernel_s'] * 1e6:.1f} us ({res['attn_kernel_GBps']:.0f} GB/s of K/V, "

@@ -119,9 +119,8 @@ class LLMEngine:
         self.cache_config = self._model_cache_config()
         torch_model_runner = None  # the transformers runner: it captures decode graphs once the pool exists
         if args.model_impl == "transformers":
-            fused = args.fused_layers == "on" or (args.fused_layers == "auto" and self.device == "gpu")
             torch_model_runner = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size,
-                                                               self.device, fused_layers=fused)
+                                                               self.device, fused_layers=self._fuse_layers())
             self.runner: ModelRunner = torch_model_runner
         else:
             from fastdeploy_kvcache.engine.paddleformers_runner.paddle_runner import PaddleModelRunner
@@ -152,6 +151,7 @@ class LLMEngine:
         if torch_model_runner is not None and args.use_cudagraph:
             # Once the pool exists (the graphs hold its caches' addresses), before serving.
             torch_model_runner.enable_decode_graphs(self.pool.layer_caches, args.max_num_seqs, self.max_model_len)
+            torch_model_runner.enable_piecewise_graphs(args.max_num_batched_tokens)
         # PD disaggregation (--splitwise-role prefill|decode): engine/pd.py; None when mixed.
         from fastdeploy_kvcache.engine.pd import make_pd_coordinator
 
@@ -231,8 +231,13 @@ class LLMEngine:
         from fastdeploy_kvcache.engine.transformers_runner.decode_graphs import graph_batch_sizes
         from fastdeploy_kvcache.engine.transformers_runner.gpu_memory import profile_device_memory
 
-        graphs = (kv_sizing.graph_reserve_bytes(graph_batch_sizes(a.max_num_seqs), self.loaded.vocab_size)
-                  if a.use_cudagraph else 0)
+        graphs = 0
+        if a.use_cudagraph:
+            from fastdeploy_kvcache.engine.transformers_runner.piecewise_graphs import piecewise_reserve_bytes
+
+            graphs = kv_sizing.graph_reserve_bytes(graph_batch_sizes(a.max_num_seqs), self.loaded.vocab_size)
+            if self._fuse_layers():
+                graphs += piecewise_reserve_bytes(a.max_num_batched_tokens, self.loaded.model.config)
         mem = profile_device_memory(self.runner, config, min(a.max_num_batched_tokens, self.max_model_len),
                                     a.max_num_seqs, graphs)
         budget = kv_sizing.kv_budget_bytes(mem, a.gpu_memory_utilization)
@@ -240,6 +245,11 @@ class LLMEngine:
         logger.info("--gpu-memory-utilization %g: %d device blocks (%.2f GiB of KV)", a.gpu_memory_utilization,
                     blocks, blocks * config.bytes_per_block / (1 << 30))
         return blocks
+
+    def _fuse_layers(self) -> bool:
+        """Whether the transformers runner fuses its decoder layers (``--fused-layers``)."""
+        choice = self.args.fused_layers
+        return choice == "on" or (choice == "auto" and self.device == "gpu")
 
     # ------------------------------------------------------------------ public API
     def _publish_tokenizer(self, cache_dir: str) -> None:

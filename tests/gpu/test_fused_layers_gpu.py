@@ -3,8 +3,11 @@
 * A fused model's logits equal the unfused model's (float32, the same seeded weights) for a
   step mixing a prompt chunk, a chunk after cached context and decodes; the kernels are the
   compiled ones, and the merged weights are views (no second copy of q/k/v or gate/up).
-* The shared reuse checks with fused layers and decode graphs: greedy tokens with the cache
-  on equal recompute (float32) through device hits, host hits, failed loads and preemption.
+* Piecewise graphs (engine/transformers_runner/piecewise_graphs.py): a mixed step replayed
+  through the captured pieces gives the eager fused step's logits and cache writes.
+* The shared reuse checks with fused layers, decode graphs and piecewise graphs: greedy
+  tokens with the cache on equal recompute (float32) through device hits, host hits, failed
+  loads and preemption, with prompt steps replayed through the pieces.
 
 Needs a CUDA GPU with torch, Triton and build/libfdkv_capi.so (`bash build.sh gpu-test`).
 """
@@ -60,6 +63,34 @@ def test_fused_layers_compute_what_the_unfused_layers_compute(capi: Any) -> None
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
+def test_a_mixed_step_replayed_in_pieces_computes_the_eager_step(capi: Any) -> None:
+    from fastdeploy_kvcache.engine.runner import ScheduledSeq
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
+
+    lm = _model()
+    bs = 16
+    shape = (64, lm.num_kv_heads, bs, lm.head_dim)
+    gen = torch.Generator("cuda").manual_seed(5)
+    caches = [[torch.randn(shape, device="cuda", generator=gen), torch.randn(shape, device="cuda", generator=gen)]
+              for _ in range(lm.num_layers)]
+    seqs = [ScheduledSeq([7 + i], 20 + i, [2 * i, 2 * i + 1], True) for i in range(5)]
+    seqs.append(ScheduledSeq(list(range(30, 67)), 0, [20, 21, 22], True))
+    seqs.append(ScheduledSeq(list(range(90, 99)), 40, [30, 31, 32, 33], False))
+    eager = TorchModelRunner(lm, bs, "gpu", fused_layers=True)
+    c1 = [[k.clone(), v.clone()] for k, v in caches]
+    want = eager.forward(seqs, c1, None)
+    runner = TorchModelRunner(lm, bs, "gpu", fused_layers=True)
+    assert runner.enable_piecewise_graphs(128)
+    assert all(len(b.graphs) == lm.num_layers + 1 for b in runner.piecewise_graphs.buckets.values())
+    c2 = [[k.clone(), v.clone()] for k, v in caches]
+    got = runner.forward(seqs, c2, None)
+    assert runner.piecewise_steps == 1 and runner.last_step_replayed
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    for (k1, v1), (k2, v2) in zip(c1, c2):
+        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def fused_fp32(capi: Any) -> Any:
     return _model()
@@ -84,6 +115,7 @@ class TestFusedReuseCudaGraphs(ReuseChecks):
         def make(**kwargs: Any) -> Any:
             eng = factory(**kwargs)
             assert eng.runner.fused_layers == fused_fp32.num_layers
+            assert eng.runner.piecewise_graphs is not None and eng.runner.piecewise_graphs.buckets
             return eng
 
         yield make

@@ -117,37 +117,58 @@ def fuse_decoder_layers(model: Any, compile_kernels: bool = True) -> int:
         with torch.no_grad():
             layer.fdkv_w_qkv = _merge(torch, [attn.q_proj, attn.k_proj, attn.v_proj])
             layer.fdkv_w_gate_up = _merge(torch, [mlp.gate_proj, mlp.up_proj])
-        layer.forward = types.MethodType(_make_forward(torch, kernels, ALL_ATTENTION_FUNCTIONS), layer)
+        layer.fdkv_kernels = kernels
+        layer.forward = types.MethodType(_make_forward(ALL_ATTENTION_FUNCTIONS), layer)
         fused += 1
     return fused
 
 
-def _make_forward(torch: Any, k: dict[str, Callable[..., Any]], attention_functions: Any) -> Callable[..., Any]:
-    F = torch.nn.functional
-    rms_norm, add_rms_norm, rope, silu_mul = k["rms_norm"], k["add_rms_norm"], k["rope"], k["silu_mul"]
+def pre_attention(layer: Any, hidden_states: Any, cos: Any, sin: Any) -> tuple[Any, Any, Any]:
+    """A fused layer's work before attention: input RMSNorm, the merged q/k/v GEMM and the
+    rotary embedding.  ``hidden_states`` ``[1, T, hidden]``; returns q ``[1, T, H, D]`` and
+    k, v ``[1, T, KVH, D]`` (v a view of the GEMM's output)."""
+    import torch.nn.functional as F
 
+    k = layer.fdkv_kernels
+    attn = layer.self_attn
+    d = attn.head_dim
+    nq = attn.q_proj.weight.shape[0]
+    nkv = attn.k_proj.weight.shape[0]
+    lead = hidden_states.shape[:-1]
+    h = k["rms_norm"](hidden_states, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+    qkv = F.linear(h, layer.fdkv_w_qkv)
+    q = qkv[..., :nq].view(*lead, -1, d)
+    key = qkv[..., nq:nq + nkv].view(*lead, -1, d)
+    value = qkv[..., nq + nkv:].view(*lead, -1, d)
+    q, key = k["rope"](q, key, cos, sin)
+    return q, key, value
+
+
+def post_attention(layer: Any, attn_out: Any, hidden_states: Any) -> Any:
+    """A fused layer's work after attention: the output projection, the residual add with the
+    post-attention RMSNorm, the merged gate/up GEMM, SiLU(gate) * up, the down projection and
+    the second residual add.  ``attn_out`` ``[1, T, H * D]``; returns the layer's output."""
+    import torch.nn.functional as F
+
+    k = layer.fdkv_kernels
+    out = F.linear(attn_out, layer.self_attn.o_proj.weight)
+    ln = layer.post_attention_layernorm
+    h, residual = k["add_rms_norm"](out, hidden_states, ln.weight, ln.variance_epsilon)
+    h = F.linear(k["silu_mul"](F.linear(h, layer.fdkv_w_gate_up)), layer.mlp.down_proj.weight)
+    return residual + h
+
+
+def _make_forward(attention_functions: Any) -> Callable[..., Any]:
     def forward(self: Any, hidden_states: Any, attention_mask: Any = None, position_ids: Any = None,
                 past_key_values: Any = None, use_cache: Any = False, cache_position: Any = None,
                 position_embeddings: Any = None, **kwargs: Any) -> Any:
-        attn, mlp = self.self_attn, self.mlp
-        d = attn.head_dim
-        nq = attn.q_proj.weight.shape[0]
-        nkv = attn.k_proj.weight.shape[0]
+        attn = self.self_attn
         lead = hidden_states.shape[:-1]
-        h = rms_norm(hidden_states, self.input_layernorm.weight, self.input_layernorm.variance_epsilon)
-        qkv = F.linear(h, self.fdkv_w_qkv)
-        q = qkv[..., :nq].view(*lead, -1, d)
-        key = qkv[..., nq:nq + nkv].view(*lead, -1, d)
-        value = qkv[..., nq + nkv:].view(*lead, -1, d)
         cos, sin = position_embeddings
-        q, key = rope(q, key, cos, sin)
+        q, key, value = pre_attention(self, hidden_states, cos, sin)
         fn = attention_functions.get_interface(attn.config._attn_implementation, None)
         out, _ = fn(attn, q.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask,
                     dropout=0.0, scaling=attn.scaling, **kwargs)
-        out = F.linear(out.reshape(*lead, -1), attn.o_proj.weight)
-        h, residual = add_rms_norm(out, hidden_states, self.post_attention_layernorm.weight,
-                                   self.post_attention_layernorm.variance_epsilon)
-        h = F.linear(silu_mul(F.linear(h, self.fdkv_w_gate_up)), mlp.down_proj.weight)
-        return residual + h
+        return post_attention(self, out.reshape(*lead, -1), hidden_states)
 
     return forward

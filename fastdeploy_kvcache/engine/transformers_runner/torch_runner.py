@@ -19,6 +19,10 @@ With :meth:`TorchModelRunner.enable_decode_graphs` (``--use-cudagraph``) a step 
 all decode one token replays a CUDA graph captured at start for the next batch size up
 (``engine/transformers_runner/decode_graphs.py``); every other step (any prompt chunk, more seqs
 than the largest graph, a table wider than ``max_model_len``) runs eagerly as before.
+With fused layers, :meth:`TorchModelRunner.enable_piecewise_graphs` (also ``--use-cudagraph``)
+takes those other steps: the model's pieces between attentions replay from graphs captured
+per token count, the attention runs eagerly between them
+(``engine/transformers_runner/piecewise_graphs.py``).
 
 Nothing here or in the modules it imports imports Paddle: this path runs where only torch is.
 """
@@ -36,12 +40,14 @@ from fastdeploy_kvcache.engine.model_loader import LoadedModel
 from fastdeploy_kvcache.engine.runner import ScheduledSeq
 from fastdeploy_kvcache.engine.attention import step_context
 from fastdeploy_kvcache.engine.transformers_runner.decode_graphs import DecodeGraphs, GraphBucket
+from fastdeploy_kvcache.engine.transformers_runner.piecewise_graphs import PiecewiseGraphs, TokenBucket
 from fastdeploy_kvcache.engine.sampling import StepSampling
 from fastdeploy_kvcache.engine.transformers_runner.torch_sampling import sample_on_device
 from fastdeploy_kvcache.engine.transformers_runner.torch_attention import (
     PrefillChunk,
     TorchStep,
     decode_mask,
+    paged_attention_forward,
     register_paged_attention,
 )
 
@@ -155,6 +161,8 @@ class TorchModelRunner:
         self._arange: Any = torch.arange(0, device=self.device)
         self.decode_graphs: Optional[DecodeGraphs] = None  # enable_decode_graphs
         self.graph_replays = 0  # steps run through decode_graphs (replayed, or padded eagerly without capture)
+        self.piecewise_graphs: Optional[PiecewiseGraphs] = None  # enable_piecewise_graphs
+        self.piecewise_steps = 0  # steps run through piecewise_graphs (replayed, or its pieces called without capture)
         self.last_step_replayed = False
         register_paged_attention(self.model.config)
         self.fused_layers = 0
@@ -208,6 +216,44 @@ class TorchModelRunner:
                         "%.1f MiB of device memory taken", ",".join(map(str, graphs.sizes)), graphs.capture_s,
                         graphs.width, graphs.pool_bytes / (1 << 20))
         self.decode_graphs = graphs
+        return True
+
+    def enable_piecewise_graphs(self, max_tokens: int, capture: Optional[bool] = None) -> bool:
+        """Capture the pieces between attentions for steps of up to ``max_tokens`` tokens
+        (``engine/transformers_runner/piecewise_graphs.py``); True when later steps the
+        decode graphs do not take go through them.
+
+        Needs fused layers (the pieces are the fused layers' halves); without them, a
+        warning and eager steps.  ``capture`` as for :meth:`enable_decode_graphs`.  A capture
+        that fails is logged once and those steps then run eagerly, for good.
+        """
+        if capture is None:
+            capture = self.on_gpu
+            if not capture:
+                return False
+        elif capture and not self.on_gpu:
+            raise ValueError("CUDA graphs need a CUDA device; the runner is on the CPU")
+        if not self.fused_layers or self.fused_layers != len(self.model.model.layers):
+            logger.warning("--use-cudagraph: steps with prompt chunks run eagerly (piecewise graphs need every "
+                           "decoder layer fused: --fused-layers on)")
+            return False
+        graphs = PiecewiseGraphs(self.model, max_tokens, self.device, capture)
+        if capture:
+            try:
+                graphs.capture_all()
+            except Exception as exc:  # noqa: BLE001 - any capture failure means eager, never a crash
+                graphs.release()
+                logger.warning("piecewise CUDA graph capture failed (%s: %s); steps with prompt chunks run eagerly",
+                               type(exc).__name__, exc)
+                try:
+                    self.torch.cuda.synchronize()
+                except Exception:  # noqa: BLE001
+                    logger.debug("synchronize after the failed capture raised", exc_info=True)
+                return False
+            logger.info("CUDA graphs: %d pieces for steps of up to %d tokens (%d sizes) captured in %.1f s; "
+                        "%.1f MiB of device memory taken", graphs.num_pieces, graphs.sizes[-1], len(graphs.sizes),
+                        graphs.capture_s, graphs.pool_bytes / (1 << 20))
+        self.piecewise_graphs = graphs
         return True
 
     # ------------------------------------------------------------------ indices
@@ -377,12 +423,19 @@ class TorchModelRunner:
         bucket = self._graph_bucket(seqs, kv_caches)
         if bucket is not None:
             return self._forward_graph(bucket, seqs, layer_done)
+        pieces = self._piecewise_bucket(seqs)
         with torch.inference_mode():
             step, input_ids, position_ids, rows, row_list = self._build(seqs, kv_caches, layer_done)
             with step_context(step):
                 try:
-                    out = self.model.model(input_ids=input_ids[None], position_ids=position_ids[None],
-                                           use_cache=False)
+                    if pieces is not None:
+                        assert self.piecewise_graphs is not None
+                        hidden = self.piecewise_graphs.run(pieces, input_ids, position_ids, _attend)
+                        self.piecewise_steps += 1
+                        self.last_step_replayed = bool(pieces.graphs)
+                    else:
+                        hidden = self.model.model(input_ids=input_ids[None], position_ids=position_ids[None],
+                                                  use_cache=False).last_hidden_state[0]
                 finally:
                     self.last_layers_waited = step.layers_waited
             if step.wait_events:
@@ -390,8 +443,14 @@ class TorchModelRunner:
                 self._pending_wait_events = step.wait_events
             if not row_list:
                 return None
-            hidden = out.last_hidden_state[0].index_select(0, rows)
-            return self.model.lm_head(hidden).float()
+            return self.model.lm_head(hidden.index_select(0, rows)).float()
+
+    def _piecewise_bucket(self, seqs: Sequence[ScheduledSeq]) -> Optional[TokenBucket]:
+        """The piecewise graphs' size for a step the decode graphs did not take (None: eager)."""
+        graphs = self.piecewise_graphs
+        if graphs is None or not seqs:
+            return None
+        return graphs.bucket_for(sum(len(s.token_ids) for s in seqs))
 
     # ------------------------------------------------------------------ graph path
     def _graph_bucket(self, seqs: Sequence[ScheduledSeq],
@@ -446,3 +505,9 @@ class TorchModelRunner:
             if not rows:
                 return None
             return logits[:n] if len(rows) == n else logits.index_select(0, dev[3 * b + n * width:])
+
+
+def _attend(module: Any, query: Any, key: Any, value: Any) -> Any:
+    """A layer's paged attention between two pieces (the step is the thread's current one)."""
+    out, _ = paged_attention_forward(module, query, key, value, None, scaling=module.scaling)
+    return out

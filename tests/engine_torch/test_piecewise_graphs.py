@@ -1,0 +1,153 @@
+"""Piecewise graphs (engine/transformers_runner/piecewise_graphs.py) on the CPU.
+
+Capture needs a GPU (tests/gpu/test_piecewise_graphs_gpu.py); here the same cut of the
+model at every attention, over the same static buffers with the same padding, runs as plain
+calls: a step through it gives the eager fused runner's logits, steps past the largest size
+run eagerly, and the engine's tokens through it equal recompute.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from fastdeploy_kvcache.engine.transformers_runner.piecewise_graphs import graph_token_sizes, piecewise_reserve_bytes
+
+
+@pytest.mark.parametrize("max_tokens,head,tail", [
+    (1, [1], [1]),
+    (40, [16, 32, 40], [16, 32, 40]),
+    (512, [16, 32, 64, 128, 256], [256, 384, 512]),
+    (8192, [16, 32, 64, 128, 256], [4096, 4608, 5120, 5632, 6144, 6656, 7168, 7680, 8192]),
+])
+def test_graph_token_sizes(max_tokens: int, head: list[int], tail: list[int]) -> None:
+    sizes = graph_token_sizes(max_tokens)
+    assert sizes[:len(head)] == head and sizes[-len(tail):] == tail
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_tokens
+    gaps = [b - a for a, b in zip(sizes, sizes[1:])]
+    assert max(gaps, default=0) <= 512
+
+
+def test_graph_token_sizes_rejects_nothing_to_capture() -> None:
+    with pytest.raises(ValueError, match="max_tokens: must be >= 1"):
+        graph_token_sizes(0)
+
+
+def _fused(seed: int = 0) -> Any:
+    import torch
+
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
+
+    return load_torch_model("tiny-llama-random", seed=seed, device=torch.device("cpu"), dtype="float32")
+
+
+def _mixed_step() -> tuple[list[Any], list[list[Any]], int]:
+    import torch
+
+    from fastdeploy_kvcache.engine.runner import ScheduledSeq
+
+    bs = 16
+    seqs = [ScheduledSeq([7 + i], 20 + i, [2 * i, 2 * i + 1], True) for i in range(3)]
+    seqs.append(ScheduledSeq(list(range(30, 67)), 0, [20, 21, 22], True))  # a prompt chunk, nothing cached
+    seqs.append(ScheduledSeq(list(range(90, 99)), 40, [30, 31, 32, 33], False))  # after cached context, no logits
+    seqs.append(ScheduledSeq(list(range(100, 104)), 16, [40, 41], True))
+    return seqs, [], bs
+
+
+def _caches(lm: Any, bs: int) -> list[list[Any]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    shape = (64, lm.num_kv_heads, bs, lm.head_dim)
+    return [[torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)] for _ in range(lm.num_layers)]
+
+
+def test_a_mixed_step_through_the_pieces_gives_the_eager_logits_and_cache() -> None:
+    """Decodes, a fresh chunk and chunks after cached context, padded to the next size: the
+    logits and every cache block equal the eager fused runner's."""
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
+
+    lm = _fused()
+    seqs, _, bs = _mixed_step()
+    caches = _caches(lm, bs)
+    eager = TorchModelRunner(lm, bs, "cpu", fused_layers=True)
+    c1 = [[k.clone(), v.clone()] for k, v in caches]
+    want = eager.forward(seqs, c1, None)
+    runner = TorchModelRunner(lm, bs, "cpu", fused_layers=True)
+    assert runner.enable_piecewise_graphs(128, capture=False)
+    tokens = sum(len(s.token_ids) for s in seqs)
+    assert runner.piecewise_graphs.bucket_for(tokens).size == 64 > tokens  # padded rows exist
+    c2 = [[k.clone(), v.clone()] for k, v in caches]
+    got = runner.forward(seqs, c2, None)
+    assert runner.piecewise_steps == 1 and not runner.last_step_replayed  # pieces called, nothing replayed
+    assert got.shape == want.shape == (5, lm.vocab_size)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for (k1, v1), (k2, v2) in zip(c1, c2):
+        assert bool((k1 == k2).all()) and bool((v1 == v2).all())
+    # A second, smaller step reuses the buffers: stale rows from the first change nothing.
+    again = runner.forward(seqs[:4], [[k.clone(), v.clone()] for k, v in caches], None)
+    np.testing.assert_allclose(again, eager.forward(seqs[:4], [[k.clone(), v.clone()] for k, v in caches], None),
+                               rtol=1e-5, atol=1e-5)
+    assert runner.piecewise_steps == 2
+
+
+def test_a_step_larger_than_every_size_runs_eagerly() -> None:
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
+
+    lm = _fused()
+    seqs, _, bs = _mixed_step()
+    runner = TorchModelRunner(lm, bs, "cpu", fused_layers=True)
+    assert runner.enable_piecewise_graphs(32, capture=False)
+    runner.forward(seqs, _caches(lm, bs), None)  # 53 tokens > 32
+    assert runner.piecewise_steps == 0
+
+
+def test_piecewise_graphs_need_fused_layers(caplog: pytest.LogCaptureFixture) -> None:
+    """Unfused layers: a warning naming the flag, and every such step eager."""
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
+
+    runner = TorchModelRunner(_fused(seed=1), 16, "cpu")
+    with caplog.at_level("WARNING"):
+        assert not runner.enable_piecewise_graphs(128, capture=False)
+    assert "--fused-layers on" in caplog.text and runner.piecewise_graphs is None
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        runner.enable_piecewise_graphs(128, capture=True)
+
+
+def test_reserve_grows_with_the_step() -> None:
+    cfg = _fused().model.config
+    assert piecewise_reserve_bytes(2048, cfg) == 2 * piecewise_reserve_bytes(1024, cfg) > 0
+
+
+@pytest.fixture
+def fused_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Engines over a model of their own (fusing changes the model in place)."""
+    from tests.torch_engines import engine_factory_for
+
+    engines = engine_factory_for(monkeypatch, _fused(seed=2), model="tiny-llama-random", device="cpu",
+                                 fused_layers="on")
+    yield next(engines)
+    for _ in engines:
+        pass
+
+
+def test_engine_tokens_through_the_pieces_equal_recompute(fused_engines: Any) -> None:
+    """The engine with the pieces in place of its eager prompt steps (fused layers, pieces
+    called): device and host hits through them give recompute's greedy tokens, and nothing
+    leaks."""
+    from tests.reuse_workloads import assert_no_leak, recompute_tokens, run_waves
+
+    def with_pieces(**kwargs: Any) -> Any:
+        eng = fused_engines(**kwargs)
+        assert eng.runner.fused_layers == eng.loaded.num_layers
+        assert eng.runner.enable_piecewise_graphs(eng.args.max_num_batched_tokens, capture=False)
+        return eng
+
+    want = recompute_tokens(with_pieces)
+    eng = with_pieces(write_policy="write_back")
+    got, _ = run_waves(eng)
+    assert eng.runner.piecewise_steps > 0
+    assert got == want
+    assert_no_leak(eng)
