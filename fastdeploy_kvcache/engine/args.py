@@ -302,8 +302,10 @@ def _engine_flags() -> tuple[tuple[str, dict[str, Any]], ...]:
         ("use_cudagraph", dict(action="store_true",
             help="--model-impl transformers on a CUDA device: capture each decode-only step size "
                  "(1, 2, 4, 8, 16, 24, 32, then every 16 up to --max-num-seqs) as a CUDA graph at start and "
-                 "replay it (docs/gpu_serving.md). Steps with a prompt chunk run eagerly; without a CUDA "
-                 "device, or if the capture fails, it logs a warning and every step runs eagerly. Default: off.")),
+                 "replay it; with fused layers (--fused-layers), also the model's pieces between attentions per "
+                 "step token count (16, 32, 64, every 128 to 4096, every 512 up to --max-num-batched-tokens), "
+                 "replayed around an eager attention for steps with prompt chunks (docs/gpu_serving.md). Without a "
+                 "CUDA device, or if a capture fails, it logs a warning and those steps run eagerly. Default: off.")),
         ("fused_layers", dict(choices=FUSED_LAYERS,
             help="--model-impl transformers: run each Llama decoder layer fused (q/k/v and gate/up as one GEMM "
                  "each; RMSNorm, residual add + norm, rotary embedding and SiLU*up as one generated kernel each, "
