@@ -8,8 +8,9 @@ all of them):
 * ``none``: no host tier (the baseline);
 * ``upfront``: ``--swap-space N`` pinned before serving (the default,
   ``FDKV_HOST_GROW_CHUNK_MIB=0``): mmap, pages faulted in by threads, ``cudaHostRegister``;
-* ``background`` (only with ``--configs``; CPU copies only, a CUDA server refuses it):
-  ``--swap-space N`` pinned in the background (``FDKV_HOST_GROW_CHUNK_MIB``); its row also
+* ``background`` (only with ``--configs``): ``--swap-space N`` pinned in the background
+  (``FDKV_HOST_GROW_CHUNK_MIB=--grow-chunk-mib``: in pieces with CPU copies, as one piece
+  with CUDA copies); its row also
   gives the seconds until the whole tier is pinned (``/metrics`` ``host_blocks_ready`` =
   ``host_blocks_total``), after "serving".
 
@@ -78,7 +79,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--swap-space", type=float, default=1.0, help="host tier in GiB (default 1)")
     p.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
     p.add_argument("--configs", default="none,upfront",
-                   help="which rows to run: none, upfront, background (background: CPU copies only)")
+                   help="which rows to run: none, upfront, background")
+    p.add_argument("--grow-chunk-mib", type=float, default=256.0,
+                   help="FDKV_HOST_GROW_CHUNK_MIB of the background row (default 256; CUDA copies pin one piece)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a start-up may take")
     p.add_argument("--out", default="benchmarks/results", help="directory for bench_startup.json")
     a = p.parse_args(argv)
@@ -86,7 +89,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     base_env = {"ENABLE_V1_KVCACHE_MANAGER": "1"}
     configs = {
         "none": (server_args, base_env, False),
-        "background": ([*server_args, "--swap-space", str(a.swap_space)], base_env, True),
+        "background": ([*server_args, "--swap-space", str(a.swap_space)],
+                       dict(base_env, FDKV_HOST_GROW_CHUNK_MIB=f"{a.grow_chunk_mib:g}"), True),
         "upfront": ([*server_args, "--swap-space", str(a.swap_space)],
                     dict(base_env, FDKV_HOST_GROW_CHUNK_MIB="0"), True),
     }

@@ -113,9 +113,10 @@ ENV_VARS: dict[str, EnvVar] = {
             "FDKV_HOST_GROW_CHUNK_MIB",
             "0",
             "0 (the default) pins the engine's host tier (--swap-space) before serving. N > 0 pins "
-            "it in the background, N MiB of blocks at a time, lowest block ids first, while the "
-            "server already serves from the blocks pinned so far; CPU copies only: with CUDA "
-            "copies it is refused (a 2D copy across separately registered pieces fails).",
+            "it in the background while the server already serves: with CPU copies N MiB of "
+            "blocks at a time, lowest block ids first, each piece usable once pinned; with CUDA "
+            "copies as one piece (a 2D copy across separately registered pieces fails), the "
+            "tier empty until the whole of it lands.",
             _non_negative,
         ),
         EnvVar(

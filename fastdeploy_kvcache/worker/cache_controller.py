@@ -201,7 +201,7 @@ class CacheController:
 
     # ------------------------------------------------------------------ host cache
     def initialize_host_cache(self, num_host_blocks: Optional[int] = None, *, grow_chunk_bytes: int = 0,
-                              grow_pace_s: float = 0.0) -> None:
+                              grow_pace_s: float = 0.0, grow_in_pieces: Optional[bool] = None) -> None:
         """Allocate the pinned host cache (a buffer per device cache) for the host tier.
 
         ``grow_chunk_bytes`` > 0: return at once and pin the cache in the background, about
@@ -211,6 +211,9 @@ class CacheController:
         32 GiB takes many seconds, and the server need not wait for it.  The buffers keep one
         base address each (the cache is reserved whole, then pinned block range by block
         range), so nothing else changes.  0 (the default): pinned before returning.
+        ``grow_in_pieces``: whether the background pinning goes piece by piece (None: yes,
+        unless the copies are CUDA's, which need the whole buffer as one registration; then
+        the whole cache lands at once, still without delaying the caller).
 
         One allocation holds every buffer, back to back in the copy op's lane order: buffers
         of one size then sit at one pitch, and an all-layer copy moves a run of blocks as one
@@ -227,13 +230,17 @@ class CacheController:
         if not isinstance(grow_pace_s, numbers.Real) or not 0 <= grow_pace_s < float("inf"):
             raise ValueError(f"initialize_host_cache: grow_pace_s must be a finite number >= 0, got {_show(grow_pace_s)}")
         self._check_cache_size("host cache", blocks, numa.physical_memory_bytes(), "swap_space / num_host_blocks")
-        if grow_chunk_bytes > 0 and self.backend.is_cuda:
-            # NOTE: on an H200, cudaMemcpy2DAsync over a host range pinned as several
-            # cudaHostRegister pieces failed with cudaErrorInvalidValue (bench_overlap
-            # --host-grow-chunk-mib 4): every all-layer copy spans pieces.  Until the copy path
-            # handles pieces (or the pieces are registered again as one), CUDA copies pin first.
-            raise ValueError("initialize_host_cache: pinning in the background (grow_chunk_bytes > 0, "
-                             "FDKV_HOST_GROW_CHUNK_MIB) works with CPU copies only; with CUDA copies set it to 0")
+        # NOTE: on an H200, cudaMemcpy2DAsync over a host range pinned as several
+        # cudaHostRegister pieces failed with cudaErrorInvalidValue (bench_overlap
+        # --host-grow-chunk-mib 4): every all-layer copy spans pieces.  So with CUDA copies the
+        # background pinning registers the whole allocation as one piece: the tier is empty
+        # until it lands, then complete.
+        if grow_in_pieces is None:
+            grow_in_pieces = not self.backend.is_cuda
+        elif grow_in_pieces and self.backend.is_cuda and grow_chunk_bytes > 0:
+            raise ValueError("initialize_host_cache: grow_in_pieces=True with CUDA copies: a copy across "
+                             "separately registered pieces fails; pin in one piece")
+        one_piece = grow_chunk_bytes > 0 and not grow_in_pieces
         with self._lock:
             self._check_open()
             if self.host_cache_kvs_map:
@@ -271,19 +278,24 @@ class CacheController:
             # Byte ranges of blocks [a, b) in every buffer: (offset in the slab, bytes per block).
             lanes = [(offset, self._block_bytes(kind))
                      for offset, kind in zip(offsets, [k for _ in range(self.num_layers) for k in self._kinds()])]
-            chunk = max(1, grow_chunk_bytes // self.config.bytes_per_block)
+            chunk = blocks if one_piece else max(1, grow_chunk_bytes // self.config.bytes_per_block)
+            if one_piece:
+                lanes = []  # the whole allocation, padding between buffers included (one range)
             self._host_ready = 0
             self._host_stop.clear()
-            logger.info("host KV cache: %d blocks, %.3f GiB, pinned in the background, %d blocks at a time%s",
-                        blocks, gib, chunk, where)
+            logger.info("host KV cache: %d blocks, %.3f GiB, pinned in the background, %s%s", blocks, gib,
+                        "as one piece (CUDA copies need one registration)" if one_piece
+                        else f"{chunk} blocks at a time", where)
             self._host_grower = threading.Thread(
-                target=self._grow_host, args=(self._host_slab, lanes, blocks, chunk, float(grow_pace_s), node, t0),
+                target=self._grow_host, args=(self._host_slab, lanes, blocks, chunk, float(grow_pace_s), node, t0, total),
                 name="fdkv-host-pin", daemon=True)
             self._host_grower.start()
 
     def _grow_host(self, slab: int, lanes: list[tuple[int, int]], blocks: int, chunk: int, pace_s: float,
-                   node: Optional[int], t0: float) -> None:
+                   node: Optional[int], t0: float, total: int) -> None:
         """Grower thread: pin blocks ``[ready, ready + chunk)`` of every buffer, publish, repeat.
+
+        No ``lanes``: the whole allocation of ``total`` bytes as one range (CUDA copies).
 
         Stops between pieces when ``_host_stop`` is set (free_cache / close: SIGTERM while
         pinning); a failure leaves the tier at what landed (logged), never the process down.
@@ -293,7 +305,8 @@ class CacheController:
             with numa.PreferredNumaNode(node) if self.backend.is_cuda else contextlib.nullcontext():
                 while done < blocks and not self._host_stop.is_set():
                     end = min(blocks, done + chunk)
-                    self.backend.host_pin(slab, [(off + done * bb, (end - done) * bb) for off, bb in lanes])
+                    ranges = [(off + done * bb, (end - done) * bb) for off, bb in lanes] if lanes else [(0, total)]
+                    self.backend.host_pin(slab, ranges)
                     done = end
                     self._host_ready = end  # publish only after the piece is pinned
                     if pace_s and done < blocks and self._host_stop.wait(pace_s):

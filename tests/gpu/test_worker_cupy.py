@@ -636,3 +636,37 @@ def test_compute_sanitizer_on_a_short_worker_run(tool: str) -> None:
         assert "ERROR SUMMARY: 0 errors" in out, out[-4000:]
     else:
         assert "RACECHECK SUMMARY: 0 hazards" in out or "hazard" not in out.lower(), out[-4000:]
+
+
+def test_host_cache_pinned_in_the_background_as_one_piece_serves_cuda_copies(compute) -> None:
+    """FDKV_HOST_GROW_CHUNK_MIB > 0 with CUDA copies: the whole host cache lands at once (one
+    registration), no partial count is published, and all-layer copies in both directions
+    through it keep the data (a copy across two registrations fails with
+    cudaErrorInvalidValue, so pieces are refused)."""
+    import time
+
+    config = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16",
+                         num_gpu_blocks=16, num_host_blocks=16)
+    ctrl = CacheController(config, backend="cupy")
+    try:
+        ctrl.initialize_kv_cache()
+        with pytest.raises(ValueError, match="grow_in_pieces=True with CUDA copies"):
+            ctrl.initialize_host_cache(grow_chunk_bytes=config.bytes_per_block, grow_in_pieces=True)
+        ctrl.initialize_host_cache(grow_chunk_bytes=config.bytes_per_block, grow_pace_s=30.0)
+        seen = set()
+        deadline = time.monotonic() + 30
+        while ctrl.host_blocks_ready < 16:
+            assert time.monotonic() < deadline, "the one piece never landed"
+            seen.add(ctrl.host_blocks_ready)
+            time.sleep(0.001)
+        assert seen <= {0}
+        for b in range(4):
+            fill(ctrl, b, seed=10 + b)
+        ctrl.submit_swap_tasks(evict(range(4), range(8, 12), TransferKind.BACKUP), None)
+        settle(ctrl)
+        assert [host_seed(ctrl, h) for h in range(8, 12)] == [10, 11, 12, 13]
+        ctrl.submit_swap_tasks(swap_in(range(8, 12), range(12, 16)), None)
+        settle(ctrl)
+        assert [device_seed(ctrl, d) for d in range(12, 16)] == [10, 11, 12, 13]
+    finally:
+        ctrl.close()

@@ -69,6 +69,32 @@ def test_close_during_growth_stops_the_pinning() -> None:
     assert ctrl.host_blocks_ready == 0 and ctrl.get_stats()["num_host_blocks"] == 0
 
 
+def test_one_piece_growth_lands_whole_and_keeps_addresses() -> None:
+    """In one piece (what CUDA copies need: one registration), the cache lands all at once in
+    the background: no partial count is ever published, and the data written after it
+    landed is read back at the same addresses."""
+    cfg = small_config(num_kv_heads=3, head_dim=5, num_host_blocks=60)
+    ctrl = CacheController(cfg, backend="cpu", threaded=False)
+    try:
+        ctrl.initialize_kv_cache()
+        ctrl.initialize_host_cache(grow_chunk_bytes=cfg.bytes_per_block, grow_pace_s=30.0, grow_in_pieces=False)
+        addresses = dict(ctrl.get_host_cache_kvs_map())
+        seen = set()
+        deadline = time.monotonic() + 30
+        while ctrl.host_blocks_ready < 60:
+            assert time.monotonic() < deadline, "the one piece never landed (a 30 s pace between pieces would show)"
+            seen.add(ctrl.host_blocks_ready)
+            time.sleep(0.001)
+        assert seen <= {0}, f"partial counts published: {sorted(seen)}"
+        assert ctrl.host_pin_seconds is not None and ctrl.get_host_cache_kvs_map() == addresses
+        names = list(addresses)
+        for b in (0, 31, 59):
+            _host_block(ctrl, names[-1], b)[:] = b + 1
+        assert all((_host_block(ctrl, names[-1], b) == b + 1).all() for b in (0, 31, 59))
+    finally:
+        ctrl.close()
+
+
 def test_synchronous_pinning_is_complete_at_once() -> None:
     ctrl = CacheController(small_config(), backend="cpu", threaded=False)
     try:
