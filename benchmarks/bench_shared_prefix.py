@@ -191,13 +191,13 @@ def summarize(rows: list[Row], wall: float) -> dict[str, Any]:
 def forward_only_prefill(server_flags: list[str], repeat: int, seed: int) -> dict[str, Any]:
     """In this process: an engine built from ``server_flags`` (switch off), and its runner's
     forward pass over one chunk of its ``max_num_batched_tokens`` with nothing cached."""
+    os.environ[SWITCH] = "0"  # the plain pool: the baseline holds no cache
     import bench_gpu_runner
 
     from fastdeploy_kvcache.engine.args import EngineArgs
     from fastdeploy_kvcache.engine.llm_engine import LLMEngine
     from fastdeploy_kvcache.entrypoints.openai.api_server import make_arg_parser
 
-    os.environ[SWITCH] = "0"
     flags = [f for f in server_flags if f != "--use-cudagraph"]  # graphs replay decodes only
     engine = LLMEngine(EngineArgs.from_cli_args(make_arg_parser().parse_args(flags)))
     chunk = min(engine.args.max_num_batched_tokens, engine.max_model_len)
@@ -212,16 +212,17 @@ def forward_only_prefill(server_flags: list[str], repeat: int, seed: int) -> dic
                                                 repeat)
     return {"chunk_tokens": chunk, "seconds": seconds, "prefill_tokens_per_s": chunk / seconds,
             "max_num_batched_tokens": engine.args.max_num_batched_tokens, "max_num_seqs": engine.args.max_num_seqs,
-            "max_model_len": engine.max_model_len, "block_size": bs, "repeat": repeat}
+            "max_model_len": engine.max_model_len, "block_size": bs, "repeat": repeat,
+            "pool": type(engine.pool).__name__, "runner": type(engine.runner).__name__}
 
 
 def forward_only_in_child(server_flags: list[str], repeat: int, seed: int, timeout_s: float = 1800) -> dict[str, Any]:
     """:func:`forward_only_prefill` in a child process (its device memory is gone when it exits)."""
     cmd = [sys.executable, __file__, "--forward-only-child", json.dumps({"flags": server_flags, "repeat": repeat,
                                                                          "seed": seed})]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                                                        os.environ.get("PYTHONPATH")]))))
+                          env=dict(os.environ, PYTHONPATH=path, **{SWITCH: "0"}))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"forward-only baseline failed (exit {proc.returncode}): {proc.stderr[-3000:]}")

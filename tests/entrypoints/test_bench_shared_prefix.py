@@ -31,6 +31,7 @@ def test_bench_shared_prefix_quick_reports_both_switches_against_the_forward_onl
     prompt_len = wl["system_tokens"] + wl["question_tokens"]
     base = report["forward_only"]
     assert base["chunk_tokens"] == 512 and base["prefill_tokens_per_s"] > 0  # the CPU's chunk default
+    assert (base["pool"], base["runner"]) == ("PlainKVPool", "PaddleModelRunner")  # the switch off, the served runner
     assert set(report["summaries"]) == {"switch off", "switch on"}
     for name, s in report["summaries"].items():
         rows = report["rows"][name]
