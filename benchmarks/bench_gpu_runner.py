@@ -45,20 +45,41 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def _sync() -> None:
+    """Wait for the GPU where torch has one (a runner on the CPU returns when done)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> float:
     """Median seconds of ``fn`` (synchronised before and after each run)."""
-    import torch
-
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def runner_prefill_s(runner: Any, caches: Any, block_ids: list[int], token_ids: list[int], repeat: int) -> float:
+    """Median seconds of ``runner``'s forward pass over one prompt chunk with nothing cached
+    before it (``token_ids`` into ``block_ids`` of ``caches``; logits read back, as a step does).
+
+    Any :class:`~fastdeploy_kvcache.engine.runner.ModelRunner` on the CPU or a GPU: the prefill
+    figure here and the forward-only baseline of ``bench_shared_prefix.py``.
+    """
+    from fastdeploy_kvcache.engine.runner import ScheduledSeq
+
+    seq = [ScheduledSeq(token_ids, 0, block_ids, True)]
+    return timed(lambda: runner.forward(seq, caches, None), repeat)
 
 
 def to_host(t: Any) -> Any:
@@ -148,8 +169,7 @@ def main() -> int:
     runner = TorchModelRunner(lm, bs, "gpu")
     res["runner_decode_attention"] = "triton" if runner.decode_kernel is not None else "torch (no Triton)"
     ids = prompt[0].tolist()
-    seq = [ScheduledSeq(ids, 0, perm[:nb_prefill], True)]
-    res["runner_prefill_s"] = timed(lambda: runner.forward(seq, caches, None), a.repeat)
+    res["runner_prefill_s"] = runner_prefill_s(runner, caches, perm[:nb_prefill], ids, a.repeat)
     toks = nxt[:, 0].tolist()
     dec = [ScheduledSeq([toks[i]], a.context, perm[i * nb_seq:(i + 1) * nb_seq], True) for i in range(a.batch)]
     res["runner_decode_s"] = timed(lambda: runner.forward(dec, caches, None), a.repeat * 4)

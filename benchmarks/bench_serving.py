@@ -51,9 +51,17 @@ description in ``benchmarks/serving_sharing.py``): a burst of simultaneous reque
 uncached prefix, with in-batch prefix sharing on against off, and more queued requests than
 ``--max-num-seqs`` whose documents are in storage only, storage hit against host hit.
 
+With ``--interleave``, round 1 is also measured **interleaved, in pairs**: a recompute server
+stays up while each other configuration's server is started beside it in turn (two servers at
+once, where the miss probe's all at once does not fit a GPU), and the miss probe's bursts of
+round-1 prompts go to the two servers alternately (``--miss-repeats`` bursts, 8 when 0, of
+``--miss-requests`` each, order shuffled per burst); the figure is the median of the bursts'
+TTFT p50 ratios (target: device+host <= 1.05x recompute; on the GPU it replaces the figure from
+the configurations run one after another).
+
 Reported: TTFT p50/p99 (all rounds, and rounds >= 2), TTFT per round (round 1 also as a
-ratio to recompute's, one configuration after the other: see the miss probe for the
-interleaved figure), throughput, the
+ratio to recompute's, one configuration after the other: see the miss probe and
+``--interleave`` for the interleaved figure), throughput, the
 fraction of prompt tokens served from each tier, the ratios to the recompute baseline
 and to device+host measured in the same run, the miss probe and the cold-server table.  Outputs: a JSON
 file, a PNG plot of TTFT per round per configuration, and a section of
@@ -825,6 +833,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--miss-repeats", type=int, default=8,
                     help="Repetitions of the miss probe (round-1 prompts sent to one server per configuration "
                          "in turn); 0 skips it.")
+    ap.add_argument("--interleave", action="store_true",
+                    help="Also measure round 1 interleaved with recompute, one configuration at a time beside a "
+                         "recompute server (--miss-repeats bursts, 8 when 0; see the module docstring).")
     ap.add_argument("--miss-requests", type=int, default=0,
                     help="Never-seen round-1 prompts per configuration and repetition (default: twice "
                          "--concurrency, at least 3, so later ones carry earlier ones' backups).")
@@ -965,6 +976,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         logger.info("H2D limit (one contiguous pinned 1 GiB copy): %.1f GB/s", h2d_gbps)
     sharing: dict[str, Any] = {}
     miss: dict[str, Any] = {}
+    round1: dict[str, Any] = {}
     run_start = time.perf_counter()
 
     def run_one(server: ServerProcess, name: str, wl: Workload) -> tuple[list[Turn], float]:
@@ -1040,6 +1052,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if configs and args.miss_repeats > 0:
             assert wl is not None
             miss = run_miss_phase(args, configs, common, wl, start_server, work)
+        if args.interleave and "recompute" in configs and len(configs) > 1:
+            assert wl is not None
+            round1 = run_round1_interleaved(args, configs, common, wl, start_server, work)
         if args.cold_server:
             backends, skipped = usable_backends(requested_backends)
             if wl is None:  # no workload configuration ran: calibrate on a server of its own
@@ -1065,6 +1080,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = build_report(args, results, probe, device_blocks, working_set_blocks, max_model_len,
                           tokens_per_word or 0.0, total_wall, cold, miss)
     report["host_blocks"] = int(host_blocks) if host_blocks is not None else None
+    add_round1_interleaved(report, round1)
     report["machine"]["gpu"] = serving_gpu.gpu_name()
     serving_gpu.gpu_ratios(report, h2d_gbps, fit)
     report["default_model_probe"] = default_probe
@@ -1117,6 +1133,62 @@ def run_miss_phase(args: argparse.Namespace, configs: list[str], common: list[st
                     f", {q[1]:.3f}x recompute (median over repetitions; p25-p75 {q[0]:.2f}-{q[2]:.2f})"
                     if q else "")
     return out
+
+
+def run_round1_interleaved(args: argparse.Namespace, configs: list[str], common: list[str], wl: Workload,
+                           start_server: Any, work: Path) -> dict[str, Any]:
+    """Round 1 of each configuration interleaved with recompute's, in pairs (``--interleave``).
+
+    One recompute server stays up; each other configuration's server starts beside it, both
+    get the workload's warm-up, then :func:`run_miss_probe` sends the same round-1 bursts to
+    the two alternately.  Two servers at a time: an 8B model's servers all at once do not fit
+    one GPU.
+    """
+    from openai import OpenAI
+    from tqdm import tqdm
+
+    requests = args.miss_requests or max(3, 2 * args.concurrency)
+    repeats = args.miss_repeats or 8  # --miss-repeats 0 skips the miss probe, not these pairs
+    out: dict[str, Any] = {"repeats": repeats, "requests_per_repeat": requests, "configs": {}}
+    rec_extra, rec_env = config_server("recompute", args, work / "store-round1")
+    rec = start_server(common + rec_extra, rec_env)
+    try:
+        for name in [c for c in configs if c != "recompute"]:
+            extra, env = config_server(name, args, work / f"store-round1-{name}")
+            server = start_server(common + extra, env)
+            try:
+                for srv in ([rec] if not out["configs"] else []) + [server]:  # the workload's warm-up, once each
+                    warm = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+                    for i in range(2):
+                        warm.completions.create(model=args.model, prompt=wl.document(90_000 + i), max_tokens=2,
+                                                temperature=0)
+                bar = tqdm(total=2 * repeats, desc=f"round 1: {name} | recompute", unit="burst", file=sys.stderr)
+                pair = run_miss_probe({"recompute": rec, name: server}, args.model, wl, repeats, requests, bar)
+                bar.close()
+            finally:
+                server.stop()
+            row = pair["configs"][name]
+            row["recompute_ttft_p50_s"] = pair["configs"]["recompute"]["ttft_p50_s"]
+            out["configs"][name] = row
+            logger.info("[round 1, interleaved] %s: %.3fx recompute (median over %d bursts; p25-p75 %.2f-%.2f)", name,
+                        row["over_recompute"], repeats, row["per_repeat_over_recompute_p25_p50_p75"][0],
+                        row["per_repeat_over_recompute_p25_p50_p75"][2])
+    finally:
+        rec.stop()
+    return out
+
+
+def add_round1_interleaved(report: dict[str, Any], round1: dict[str, Any]) -> None:
+    """The interleaved round-1 ratios (``--interleave``) and their target, into ``report``."""
+    report["round1_interleaved"] = round1
+    for name, row in (round1.get("configs") or {}).items():
+        # A request that reused anything was no round 1: then the figure says nothing.
+        key = f"round1_interleaved_over_recompute:{name}"
+        report["ratios"][key] = row["over_recompute"] if row["cached_tokens"] == 0 else float("nan")
+        if name == "device+host":
+            report["targets"][key] = 1.05
+    report["met"] = {k: (report["ratios"][k] <= v) for k, v in report["targets"].items()
+                     if k in report["ratios"] and not math.isnan(report["ratios"][k])}
 
 
 def probe_default_model(model: str, target_tokens: int, seed: int) -> dict[str, Any]:
@@ -1377,6 +1449,9 @@ def format_cold_table(report: dict[str, Any]) -> str:
 
 
 def _target_label(key: str, report: dict[str, Any]) -> str:
+    if key.startswith("round1_interleaved_over_recompute:"):
+        return (f"round 1, interleaved beside a recompute server, TTFT p50: {key.split(':', 1)[1]} / recompute "
+                "(median over bursts)")
     if key.startswith("miss_over_recompute:"):
         return (f"round 1 (miss probe, interleaved), TTFT p50: {key.split(':', 1)[1]} / recompute "
                 "(median over repetitions)")
