@@ -64,6 +64,8 @@ class StorageConfig:
     read_threads: int = 0
     # Tests and benchmarks only (no flag): wraps the backend make_backend builds, e.g.
     # storage.throttle.ThrottledBackend.at(bytes_per_s) for a store of a given read rate.
+    # Servers started as subprocesses get the throttle from FDKV_STORAGE_THROTTLE_BYTES_PER_S
+    # instead (make_backend applies it where no wrapper is given).
     backend_wrapper: Optional[Callable[[StorageBackend], StorageBackend]] = field(default=None, compare=False,
                                                                                   repr=False)
 
@@ -114,7 +116,22 @@ class StorageConfig:
             kwargs = {}
         kwargs.update(overrides)
         backend = make_storage_backend(self.backend, **kwargs)
-        return backend if self.backend_wrapper is None else self.backend_wrapper(backend)
+        wrapper = self.backend_wrapper
+        if wrapper is None:
+            from fastdeploy_kvcache import envs
+
+            try:
+                rate = envs.storage_throttle_bytes_per_s()
+            except ValueError:
+                backend.close()
+                raise
+            if rate > 0:
+                from fastdeploy_kvcache.storage.throttle import ThrottledBackend
+
+                logger.warning("storage reads held to %.3g bytes/s (FDKV_STORAGE_THROTTLE_BYTES_PER_S: a "
+                               "benchmark and test knob)", rate)
+                wrapper = ThrottledBackend.at(rate)
+        return backend if wrapper is None else wrapper(backend)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "StorageConfig":
