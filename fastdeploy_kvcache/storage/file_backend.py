@@ -129,7 +129,7 @@ def default_read_threads() -> int:
     """Half the usable CPUs, 1 to 16: a batch read from the page cache is CPU work (copy
     and checksum), and the engine's step loop and the server's event loop need the other
     half; a cold read gains from several reads in flight.  On a 2-core VM two threads made
-    warm reads slower than one (docs/storage.md, "Threads inside the native read"), which
+    warm reads slower than one (docs/storage.md, "Measurements"), which
     this gives (1); a 16-core GPU host gets 8."""
     return max(1, min(_DEFAULT_READ_THREADS_CAP, usable_cpus() // 2))
 
