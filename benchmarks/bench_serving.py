@@ -50,6 +50,10 @@ Two more scenarios (``--cold-burst``, ``--queued-storage``, on by default; the c
 description in ``benchmarks/serving_sharing.py``): a burst of simultaneous requests sharing an
 uncached prefix, with in-batch prefix sharing on against off, and more queued requests than
 ``--max-num-seqs`` whose documents are in storage only, storage hit against host hit.
+The **store-speed** scenario (``--store-speeds``, ``--store-cold``, ``--store-rate``; off by
+default; ``benchmarks/serving_store_speeds.py``): fetch-all, the online fetch-or-recompute
+plan and a sweep of forced splits (the offline oracle) against recompute-all, on a warm, a
+cold and rate-limited stores, with the server's read GB/s against a plain parallel read.
 
 With ``--interleave``, round 1 is also measured **interleaved, in pairs**: a recompute server
 stays up while each other configuration's server is started beside it in turn (two servers at
@@ -868,6 +872,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--queued-prefix-tokens", type=int, default=2048, help="Document length (queued-storage).")
     ap.add_argument("--queued-repeats", type=int, default=10,
                     help="Pairs of bursts side by side (storage hits, host hits) per server (queued-storage).")
+    ap.add_argument("--store-speeds", action=argparse.BooleanOptionalAction, default=False,
+                    help="Run the store-speed scenario (benchmarks/serving_store_speeds.py): fetch-all, the online "
+                         "plan and forced splits (the offline oracle) against recompute-all, at each store speed.")
+    ap.add_argument("--store-cold", action="store_true",
+                    help="Store speeds: add a cold store (fsync + POSIX_FADV_DONTNEED on its files before each "
+                         "server). Implies --store-speeds.")
+    ap.add_argument("--store-rate", default="", metavar="GBPS,...",
+                    help="Store speeds: add stores held to these read rates in GB/s (e.g. 0.5,1,2,4), through "
+                         "FDKV_STORAGE_THROTTLE_BYTES_PER_S in the servers' environment. Implies --store-speeds.")
+    ap.add_argument("--store-prefix-tokens", type=int, default=0,
+                    help="Store speeds: stored prefix per document (default: the largest cold-server prefix).")
+    ap.add_argument("--store-docs", type=int, default=4,
+                    help="Store speeds: documents stored; each server serves all, the first as a warm-up.")
+    ap.add_argument("--store-split-points", type=int, default=5,
+                    help="Store speeds: forced splits swept per speed, 0 to every block fetched (>= 2).")
+    ap.add_argument("--store-read-threads", type=int, default=0,
+                    help="Store speeds: --kvcache-storage-read-threads of every server and the threads of the plain "
+                         "parallel read (0: the backend's default for this machine).")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"),
@@ -914,9 +936,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     if bad:
         ap.error(f"--storage-backends: unknown {bad}; choose from {STORAGE_BACKENDS}")
     cold_prefixes = [int(x) for x in args.cold_prefix_tokens.split(",") if x] or [2 * args.doc_tokens]
-    if not configs and not args.cold_server and not args.fit_check and not args.cold_burst and not args.queued_storage:
-        ap.error("nothing to run: --configs is empty, --no-cold-server, --no-cold-burst, --no-queued-storage "
-                 "and no --fit-check")
+    try:
+        args.store_rates = [float(x) for x in args.store_rate.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--store-rate: expected GB/s numbers separated by commas, got {args.store_rate!r}")
+    if any(not (0 < r < float("inf")) for r in args.store_rates):
+        ap.error(f"--store-rate: every rate must be a finite number of GB/s > 0, got {args.store_rate!r}")
+    args.store_speeds = args.store_speeds or args.store_cold or bool(args.store_rates)
+    args.store_prefix_tokens = args.store_prefix_tokens or max(cold_prefixes)
+    if args.store_speeds and (args.store_prefix_tokens < args.block_size or args.store_docs < 2
+                              or args.store_split_points < 2 or not 0 <= args.store_read_threads <= 256):
+        ap.error("store speeds: --store-prefix-tokens must hold at least one block, --store-docs and "
+                 "--store-split-points must be >= 2, --store-read-threads 0 to 256")
+    if (not configs and not args.cold_server and not args.fit_check and not args.cold_burst and not args.queued_storage
+            and not args.store_speeds):
+        ap.error("nothing to run: --configs is empty, --no-cold-server, --no-cold-burst, --no-queued-storage, "
+                 "no --fit-check and no --store-speeds")
 
     from openai import OpenAI
     from tqdm import tqdm
@@ -967,6 +1002,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         args.concurrency, args.seed)
 
     import serving_sharing
+    import serving_store_speeds
+
+    store_speeds: dict[str, Any] = {}
 
     work = Path(tempfile.mkdtemp(prefix="fdkv-bench-serving-"))
     cold: dict[str, Any] = {}
@@ -1070,6 +1108,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             sharing["cold_burst"] = serving_sharing.run_cold_burst(args, start_server)
         if args.queued_storage:
             sharing["queued_storage"] = serving_sharing.run_queued_storage(args, start_server, work)
+        if args.store_speeds:
+            store_speeds = serving_store_speeds.run_store_speeds(args, start_server, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     default_probe: dict[str, Any] = {}
@@ -1086,8 +1126,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     report["default_model_probe"] = default_probe
     report["failed_server_starts"] = failed_starts
     report.update(sharing)
+    report["store_speeds"] = store_speeds
     report["loadavg_end"] = os.getloadavg()
     print(format_console(report))
+    if store_speeds:
+        print(serving_store_speeds.format_store_speeds(store_speeds))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{args.name}_{args.tag}_{report['date']}" + ("_quick" if args.quick else "")

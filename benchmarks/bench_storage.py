@@ -19,8 +19,8 @@ What it answers (every figure from the same run, medians of ``--repeats``):
    scatter).
 4. **Read sweep** (``--read-sweep``, or ``--only-read-sweep``): a batch read through the
    ``file`` backend against a plain read (open/readinto/close per file, in Python, best of 1
-   thread and as many threads as the backend reads on: its ``io_threads`` or the C library's
-   ``read_threads``, whichever is more) of the same files' bytes, at object sizes from
+   thread and as many threads as the backend reads on, its ``read_threads``) of the same
+   files' bytes, at object sizes from
    64 KiB to 8 MiB, warm (page cache) and cold (POSIX_FADV_DONTNEED on each file before each
    run: only our files leave the cache, not the other tenants' of a shared machine).
    The same objects are also read with ``batch_get_segments`` straight into a layer-major
@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from fastdeploy_kvcache import ops  # noqa: E402
-from fastdeploy_kvcache.storage.file_backend import FileBackend  # noqa: E402
+from fastdeploy_kvcache.storage.file_backend import FileBackend, default_read_threads  # noqa: E402
 from fastdeploy_kvcache.storage.transfer import HostTierLayout, StorageTransfer  # noqa: E402
 
 log = logging.getLogger("bench_storage")
@@ -226,8 +226,9 @@ def bench_config(name: str, spec: dict, args: argparse.Namespace, capi: Any, wor
                 list(pool.map(read_one, paths, range(batch)))
         return run
 
-    fb = FileBackend(workdir / f"file-{name}", capacity_bytes=0, min_free_bytes=0)
-    fbs = FileBackend(workdir / f"filesync-{name}", capacity_bytes=0, min_free_bytes=0, fsync=True)
+    fb = FileBackend(workdir / f"file-{name}", capacity_bytes=0, min_free_bytes=0, read_threads=args.read_threads)
+    fbs = FileBackend(workdir / f"filesync-{name}", capacity_bytes=0, min_free_bytes=0, fsync=True,
+                      read_threads=args.read_threads)
     for b in (fb, fbs):
         b.register_buffer(staging, total)
         b.register_buffer(int(read_buf.ctypes.data), total)
@@ -437,7 +438,7 @@ def read_sweep(args: argparse.Namespace, workdir: Path, mooncake: Any) -> list[d
         total = size * n
         src = np.random.default_rng(size).integers(0, 256, total, dtype=np.uint8)
         dst = np.ones(total, dtype=np.uint8)
-        fb = FileBackend(workdir / f"sweep-{size}", capacity_bytes=0, min_free_bytes=0)
+        fb = FileBackend(workdir / f"sweep-{size}", capacity_bytes=0, min_free_bytes=0, read_threads=args.read_threads)
         fb.register_buffer(int(src.ctypes.data), total)
         fb.register_buffer(int(dst.ctypes.data), total)
         keys = [f"bench-sweep:{size:016x}{i:016x}" for i in range(n)]
@@ -448,9 +449,8 @@ def read_sweep(args: argparse.Namespace, workdir: Path, mooncake: Any) -> list[d
         fsize = os.path.getsize(paths[0])  # header + payload: the bytes a plain read moves
         plain_buf = np.ones(fsize * n, dtype=np.uint8)
         pmv = memoryview(plain_buf)
-        # The plain read gets as many threads as the backend may read on: its Python threads
-        # (io_threads) or the C library's (read_threads), whichever is more.
-        threads = max(fb.io_threads, args.read_threads)
+        # The plain read gets as many threads as the backend reads on (read_threads).
+        threads = fb.read_threads
         pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
 
         def read_one(i: int) -> None:
@@ -701,7 +701,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     capi = ops.load_capi(variant="cpu")
     capi.set_options(args.option)  # the file backend reads through this library too
-    args.read_threads = capi.get_option("read_threads")
+    # The file backends are built with this (they set the option themselves): --option
+    # read_threads=N picks it, else the backend's default.
+    args.read_threads = capi.get_option("read_threads") if any(
+        o.startswith("read_threads=") for o in args.option) else default_read_threads()
     workdir = Path(tempfile.mkdtemp(prefix="fdkv-bench-storage-", dir=args.workdir))
     local = None
     mooncake = None

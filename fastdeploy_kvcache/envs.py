@@ -5,6 +5,9 @@ environment, and so that importing this module has no side effects.  These are t
 user-facing switches only: the copy ops' tuning knobs are options set through
 ``CApi.set_option`` (and the benchmarks' ``--option`` flags), the worker's through its
 constructor arguments (docs/ops.md, "Options"), and test-only switches live in the tests.
+The ``FDKV_STORAGE_THROTTLE_*`` and ``FDKV_STORAGE_FORCE_*`` variables are the exception:
+benchmark and test knobs that must reach servers started as subprocesses, where no Python
+object can be passed in; they are named as such in their help.
 
 One rule for every value:
 
@@ -71,6 +74,20 @@ def _non_negative(value: str) -> float:
     return number
 
 
+def _non_negative_int_or_unset(value: str) -> "int | None":
+    """An int >= 0, or ``None`` for an empty value (the knob is off)."""
+    stripped = value.strip()
+    if not stripped:
+        return None
+    try:
+        number = int(stripped)
+    except ValueError:
+        raise ValueError(f"expected an int >= 0 (or empty: off), got {value!r}") from None
+    if number < 0:
+        raise ValueError(f"expected an int >= 0 (or empty: off), got {value!r}")
+    return number
+
+
 def _existing_file(value: str) -> str:
     """A library path that must exist: a wrong path is an error, not a silent fallback to
     whatever library the search would find instead."""
@@ -134,6 +151,22 @@ ENV_VARS: dict[str, EnvVar] = {
             _directory,
         ),
         EnvVar(
+            "FDKV_STORAGE_THROTTLE_BYTES_PER_S",
+            "0",
+            "Benchmarks and tests only: > 0 holds the storage tier's reads to this many bytes/s "
+            "(storage/throttle.py's ThrottledBackend around the configured backend; writes are "
+            "untouched), a slow store on a fast disk. 0: off.",
+            _non_negative,
+        ),
+        EnvVar(
+            "FDKV_STORAGE_FORCE_FETCH_BLOCKS",
+            "",
+            "Benchmarks only (the offline sweep of the fetch-or-recompute split): with "
+            "--kvcache-storage-fetch-plan on, every plan fetches N blocks of a stored prefix "
+            "(all of it if shorter) and recomputes the rest, whatever the rates say. Empty: off.",
+            _non_negative_int_or_unset,
+        ),
+        EnvVar(
             "FD_PD_TRANSFER_VIA_STORAGE",
             "0",
             "1 lets a --splitwise-role prefill or decode server hand KV over through the "
@@ -164,6 +197,16 @@ def get(name: str) -> object:
 def enable_v1_kvcache_manager() -> bool:
     """True when an engine should route KV caching through this package."""
     return bool(get("ENABLE_V1_KVCACHE_MANAGER"))
+
+
+def storage_throttle_bytes_per_s() -> float:
+    """``FDKV_STORAGE_THROTTLE_BYTES_PER_S``: the read rate a benchmark holds the store to (0: off)."""
+    return float(get("FDKV_STORAGE_THROTTLE_BYTES_PER_S"))  # type: ignore[arg-type]
+
+
+def storage_force_fetch_blocks() -> "int | None":
+    """``FDKV_STORAGE_FORCE_FETCH_BLOCKS``: blocks every fetch plan fetches (None: the plan decides)."""
+    return get("FDKV_STORAGE_FORCE_FETCH_BLOCKS")  # type: ignore[return-value]
 
 
 def triton_interpreter() -> bool:

@@ -363,6 +363,13 @@ FDKV_API int fdkv_files_exist(const char* path_blob, int64_t blob_bytes, int64_t
   });
 }
 
+FDKV_API int fdkv_pointer_location(const void* ptr, int32_t* location) {
+  return Guard([&] {
+    if (location == nullptr) throw fdkv::InvalidArgument("pointer_location", "location", -1, " is a null pointer");
+    *location = fdkv::PointerLocation(ptr);
+  });
+}
+
 FDKV_API int fdkv_last_path(void) { return fdkv::LastPath(); }
 
 FDKV_API int fdkv_stream_synchronize(void* stream) {

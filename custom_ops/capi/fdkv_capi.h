@@ -183,6 +183,11 @@ FDKV_API int fdkv_read_objects(const char* path_blob, int64_t blob_bytes, int64_
 // regular files (stat, so a symlink to a file counts; a directory or a missing path ends
 // the count).  Holds no lock of the caller's.  Look it up by name.
 FDKV_API int fdkv_files_exist(const char* path_blob, int64_t blob_bytes, int64_t n, int64_t* count);
+// *location = where ptr points: 0 ordinary host memory (always, on the CPU build), 1 page-locked
+// host memory (cudaHostAlloc / cudaHostRegister), 2 device memory, 3 managed memory.  The
+// storage transfer checks its host tier with it before reading files straight into it (a
+// file read cannot target device memory).  Look it up by name.
+FDKV_API int fdkv_pointer_location(const void* ptr, int32_t* location);
 // Bit mask of the paths the calling thread's last swap used: 1 memcpy, 2 kernel, 4 DMA, 8 CPU,
 // 16 staged, 32 (with 4) DMA as 2D rows over tensors at one pitch.
 FDKV_API int fdkv_last_path(void);

@@ -1032,4 +1032,13 @@ void StreamSynchronize(void* stream) {
 #endif
 }
 
+int PointerLocation(const void* p) {
+#if FDKV_WITH_CUDA
+  return CudaPointerLocation(p);
+#else
+  (void)p;
+  return kPointerHost;
+#endif
+}
+
 }  // namespace fdkv

@@ -368,6 +368,12 @@ int64_t HostBytesFrom(const void* p);
 
 bool BuiltWithCuda();
 void StreamSynchronize(void* stream);
+// Where `p` points, so that a caller about to hand an address to a file read (which only
+// host memory can take) can check it: kPointerHost (ordinary host memory, or anything on a
+// CPU build), kPointerPinnedHost (page-locked: cudaHostAlloc / cudaHostRegister),
+// kPointerDevice, kPointerManaged.
+enum PointerLocationKind { kPointerHost = 0, kPointerPinnedHost = 1, kPointerDevice = 2, kPointerManaged = 3 };
+int PointerLocation(const void* p);
 
 // ---------------------------------------------------------------- internals, exposed
 // for the CUDA translation unit and unit-level reuse.
@@ -464,6 +470,9 @@ void CudaHostFree(void* ptr);
 void CudaHostRegister(void* ptr, size_t nbytes, unsigned flags);
 void CudaHostUnregister(void* ptr);
 void CudaStreamSynchronize(void* stream);
+// PointerLocation on a CUDA build (cudaPointerGetAttributes; an address CUDA does not know
+// is ordinary host memory).
+int CudaPointerLocation(const void* p);
 void CudaEventRecord(void* event, void* stream);
 // Whether the event's work has completed (cudaEventQuery); an error also reads as done, so a
 // caller polling it cannot spin forever (the copy that failed reports through its own path).

@@ -955,6 +955,20 @@ void CudaStreamSynchronize(void* stream) {
   FDKV_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
 }
 
+int CudaPointerLocation(const void* p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // an address CUDA does not know (older runtimes): plain host memory
+    return kPointerHost;
+  }
+  switch (attr.type) {
+    case cudaMemoryTypeHost: return kPointerPinnedHost;
+    case cudaMemoryTypeDevice: return kPointerDevice;
+    case cudaMemoryTypeManaged: return kPointerManaged;
+    default: return kPointerHost;
+  }
+}
+
 void CudaEventRecord(void* event, void* stream) {
   FDKV_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
 }

@@ -37,6 +37,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from fastdeploy_kvcache import envs
+
 __all__ = [
     "EWMA_WEIGHT",
     "LINK_PRIOR_BYTES_PER_S",
@@ -64,7 +66,8 @@ class FetchPlan:
     ``fetch_s``/``recompute_s``: its two parts; ``all_fetch_s``/``all_recompute_s``: the two
     pure choices, for comparison.  ``reason``: ``model`` (the cost curves chose), ``unknown``
     (a rate is not measured yet: fetch all), ``probe`` (a one-block fetch to re-measure a store
-    judged too slow), ``off`` (planning is off: fetch all).
+    judged too slow), ``off`` (planning is off: fetch all), ``forced`` (a benchmark's fixed split,
+    ``FDKV_STORAGE_FORCE_FETCH_BLOCKS``).
     """
 
     fetch_first: int
@@ -272,9 +275,21 @@ class FetchCostModel:
 
         ``concurrent``: the caller can recompute a head while fetching the tail
         (:func:`choose_split`); otherwise it fetches a leading run and recomputes after it
-        (:func:`choose_leading`).
+        (:func:`choose_leading`).  ``FDKV_STORAGE_FORCE_FETCH_BLOCKS`` (benchmarks only: the
+        offline sweep of the split) replaces the choice with that many fetched blocks
+        (``reason="forced"``; the tail with ``concurrent``, else the head).
         """
         curves = self.curves(backend, start_block, num_blocks)
+        forced = envs.storage_force_fetch_blocks()
+        if forced is not None:
+            n = min(forced, num_blocks)
+            k = num_blocks - n
+            f_s, r_s = curves if curves is not None else (lambda _n: 0.0, lambda _a, _b: 0.0)
+            f = f_s(n) if n else 0.0
+            r = (r_s(0, k) if concurrent else r_s(n, num_blocks)) if k else 0.0
+            return FetchPlan(k if concurrent else 0, n, k, max(f, r) if concurrent else f + r, f, r,
+                             f_s(num_blocks) if num_blocks else 0.0, r_s(0, num_blocks) if num_blocks else 0.0,
+                             reason="forced")
         if curves is None:
             return FetchPlan(0, num_blocks, 0, 0.0, 0.0, 0.0, 0.0, 0.0, reason="unknown")
         fetch_s, recompute_s = curves

@@ -202,7 +202,7 @@ def device_layout(controller: Any) -> Any:
 
     caches = controller.get_kv_caches()
     return HostTierLayout.of_caches(controller, lambda name: int(caches[name].data_ptr()),
-                                    int(controller.num_gpu_blocks))
+                                    int(controller.num_gpu_blocks), memory="device")
 
 
 class PDCoordinator:

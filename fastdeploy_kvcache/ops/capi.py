@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 _ABI_VERSION = 7  # fdkv_abi_version() of libraries with error fields, recorded host sizes, read_files,
 # layer groups (LayerStackCall.run), launched stacks (LayerStackCall.launch), piecewise pinning (host_reserve)
 
+# CApi.pointer_location: where an address points (fdkv_pointer_location).
+POINTER_HOST, POINTER_PINNED_HOST, POINTER_DEVICE, POINTER_MANAGED = 0, 1, 2, 3
+
 _BUILD_HINT = "run `bash build.sh` (CPU) or `bash build.sh gpu` (CUDA C ABI) from the repository root"
 
 # --------------------------------------------------------------------------- C ABI
@@ -406,6 +409,28 @@ class CApi:
                       vp(states.buffer_info()[0])))
         del hbuf  # release the export so the bytearray stays resizable for the caller
         return headers, got[:n].tolist(), digests[:n].tolist(), states[:n].tolist()
+
+    @property
+    def has_pointer_location(self) -> bool:
+        """Whether the library exports ``fdkv_pointer_location`` (looked up by name)."""
+        return hasattr(self.lib, "fdkv_pointer_location")
+
+    def pointer_location(self, ptr: int) -> int:
+        """Where ``ptr`` points: :data:`POINTER_HOST` (ordinary host memory; every address on
+        the CPU build), :data:`POINTER_PINNED_HOST` (cudaHostAlloc / cudaHostRegister),
+        :data:`POINTER_DEVICE` or :data:`POINTER_MANAGED` (cudaPointerGetAttributes).  Raises
+        :class:`SwapOpError` for a library without the function or a non-int address."""
+        fn = getattr(self.lib, "fdkv_pointer_location", None)
+        if fn is None:
+            raise SwapOpError(f"{self.path} has no fdkv_pointer_location; rebuild it: {_BUILD_HINT}",
+                              "pointer_location", "", None)
+        if not is_int(ptr) or not 0 <= int(ptr) < (1 << 64):
+            raise SwapOpError(f"pointer_location: ptr must be an address (int >= 0), got {ptr!r}",
+                              "pointer_location", "ptr", None)
+        fn.restype = ctypes.c_int32
+        out = ctypes.c_int32(-1)
+        self.check(fn(ctypes.c_void_p(int(ptr)), ctypes.byref(out)))
+        return int(out.value)
 
     @property
     def has_files_exist(self) -> bool:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 from fastdeploy_kvcache.cli_flags import add_flag
 from fastdeploy_kvcache.storage import BACKENDS, make_storage_backend
 from fastdeploy_kvcache.storage.base import StorageBackend
+from fastdeploy_kvcache.storage.file_backend import MAX_READ_THREADS
 from fastdeploy_kvcache.storage.mooncake_backend import parse_size
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,13 @@ class StorageConfig:
     # block is fetched), or "auto": on when the model runs on a GPU (the engine resolves it),
     # where recomputing can beat a slow store; off on the CPU, where it never does.
     fetch_plan: str = "auto"
+    # Most threads one batch read of the file backend runs on; 0: the machine's default
+    # (storage.file_backend.default_read_threads: half the usable CPUs, 1 to 16).
+    read_threads: int = 0
     # Tests and benchmarks only (no flag): wraps the backend make_backend builds, e.g.
     # storage.throttle.ThrottledBackend.at(bytes_per_s) for a store of a given read rate.
+    # Servers started as subprocesses get the throttle from FDKV_STORAGE_THROTTLE_BYTES_PER_S
+    # instead (make_backend applies it where no wrapper is given).
     backend_wrapper: Optional[Callable[[StorageBackend], StorageBackend]] = field(default=None, compare=False,
                                                                                   repr=False)
 
@@ -84,6 +90,10 @@ class StorageConfig:
             raise ValueError(f"--kvcache-storage-shutdown-flush must be >= 0 seconds, got {self.shutdown_flush_s!r}")
         if self.fetch_plan not in FETCH_PLANS:
             raise ValueError(f"--kvcache-storage-fetch-plan must be one of {FETCH_PLANS}, got {self.fetch_plan!r}")
+        if isinstance(self.read_threads, bool) or not isinstance(self.read_threads, int) or not (
+                0 <= self.read_threads <= MAX_READ_THREADS):
+            raise ValueError(f"--kvcache-storage-read-threads must be an int from 0 (the machine's default) to "
+                             f"{MAX_READ_THREADS}, got {self.read_threads!r}")
         if self.prefetch_min_blocks < 1:
             raise ValueError(f"prefetch_min_blocks must be >= 1, got {self.prefetch_min_blocks}")
 
@@ -100,12 +110,28 @@ class StorageConfig:
         if self.backend is None:
             raise ValueError("the storage tier is off (--kvcache-storage-backend not given)")
         if self.backend == "file":
-            kwargs: dict[str, Any] = dict(path=self.path, capacity_bytes=self.size, min_free_bytes=self.min_free)
+            kwargs: dict[str, Any] = dict(path=self.path, capacity_bytes=self.size, min_free_bytes=self.min_free,
+                                          read_threads=self.read_threads or None)
         else:
             kwargs = {}
         kwargs.update(overrides)
         backend = make_storage_backend(self.backend, **kwargs)
-        return backend if self.backend_wrapper is None else self.backend_wrapper(backend)
+        wrapper = self.backend_wrapper
+        if wrapper is None:
+            from fastdeploy_kvcache import envs
+
+            try:
+                rate = envs.storage_throttle_bytes_per_s()
+            except ValueError:
+                backend.close()
+                raise
+            if rate > 0:
+                from fastdeploy_kvcache.storage.throttle import ThrottledBackend
+
+                logger.warning("storage reads held to %.3g bytes/s (FDKV_STORAGE_THROTTLE_BYTES_PER_S: a "
+                               "benchmark and test knob)", rate)
+                wrapper = ThrottledBackend.at(rate)
+        return backend if wrapper is None else wrapper(backend)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "StorageConfig":
@@ -148,4 +174,8 @@ def add_storage_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
              help="Fetch or recompute a storage hit, planned per request from measured read, link and prefill "
                   "rates (docs/storage.md, 'Fetch or recompute'): on, off (fetch every stored block), or auto "
                   "(the default: on when the model runs on a GPU, off on the CPU).")
+    add_flag(g, "--kvcache-storage-read-threads", dest="kvcache_storage_read_threads", type=int, default=None,
+             metavar="N",
+             help="file: most threads one batch read runs on (1 to 256; default 0: half the usable CPUs, 1 to 16). "
+                  "Reads are spread over objects, so a cold or NVMe store has several in flight.")
     return parser

@@ -53,13 +53,16 @@ the verdicts.
   costs about a sixth of the page-cache copy on the development VM; a group of 256 KiB
   objects, hashed after its 1 MiB read, had partly left the cache (0.76 of a plain read in
   CPU time against 0.79 piecewise; 512 KiB objects 0.75 against 0.81).
-* **Threads.**  ``batch_get_into`` / ``batch_put_from`` split one batch into contiguous
-  slices of at least ``_MIN_KEYS_PER_THREAD`` keys, one per thread, over at most
-  ``io_threads`` threads (file I/O releases the GIL; an NVMe drive wants several requests in
-  flight).  A task per key would cost more in hand-offs than a page-cache read of 64 KiB;
-  measured on a 2-core VM, a 132-object batch read fastest on one thread (``io_threads``
-  defaults to half the cores, at most 4).  ``submit_put_from`` queues a batch on the writer
-  thread.
+* **Threads.**  Reads run on at most ``read_threads`` threads per batch (default
+  :func:`default_read_threads`, ``--kvcache-storage-read-threads``): where the native
+  read hashes as it reads, one call takes the whole batch and spreads its objects over that
+  many threads of its own (each free thread takes the next object, so mixed sizes balance;
+  the backend sets the C library's process-wide ``read_threads`` option to it); elsewhere
+  the batch is split into contiguous slices of at least ``_MIN_KEYS_PER_THREAD`` keys, one
+  per thread.  ``batch_put_from`` splits the same way over at most ``io_threads`` threads.
+  File I/O releases the GIL, and an NVMe drive or a cold page cache wants several reads in
+  flight; a task per key would cost more in hand-offs than a page-cache read of 64 KiB.
+  ``submit_put_from`` queues a batch on the writer thread.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ from fastdeploy_kvcache.storage.stats import StorageStats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FileBackend", "default_io_threads"]
+__all__ = ["FileBackend", "default_io_threads", "default_read_threads", "MAX_READ_THREADS", "check_read_threads"]
 
 # Fewer keys than this per thread cost more in hand-offs than the reads they spread.
 _MIN_KEYS_PER_THREAD = 16
@@ -107,6 +110,37 @@ _READ_GROUP_BYTES = 1 << 20
 _HASHED_READ_STEP = 256 << 10
 
 
+# The most reader threads a batch may use (the C library's read_threads option's bound).
+MAX_READ_THREADS = 256
+# The default's cap: more readers than this gained nothing a default should bet on.
+_DEFAULT_READ_THREADS_CAP = 16
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which a container's cpuset narrows;
+    ``os.cpu_count()`` where the platform has no mask)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def default_read_threads() -> int:
+    """Half the usable CPUs, 1 to 16: a batch read from the page cache is CPU work (copy
+    and checksum), and the engine's step loop and the server's event loop need the other
+    half; a cold read gains from several reads in flight.  On a 2-core VM two threads made
+    warm reads slower than one (docs/storage.md, "Measurements"), which
+    this gives (1); a 16-core GPU host gets 8."""
+    return max(1, min(_DEFAULT_READ_THREADS_CAP, usable_cpus() // 2))
+
+
+def check_read_threads(value: Any, name: str = "read_threads") -> int:
+    """``value`` as a reader-thread count (1 to :data:`MAX_READ_THREADS`), else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_READ_THREADS:
+        raise ValueError(f"{name} must be an int from 1 to {MAX_READ_THREADS}, got {value!r}")
+    return value
+
+
 def default_io_threads() -> int:
     """Half the cores, 1 to 4: the GIL-held part of each read (checksum, bookkeeping) makes
     more threads than cores slower on page-cache hits."""
@@ -122,8 +156,11 @@ class FileBackend(StorageBackend):
         capacity_bytes: cap on the objects' total size (``--kvcache-storage-size``); 0 means
             no cap besides ``min_free_bytes``.
         min_free_bytes: free space on the file system that puts never consume.
-        io_threads: most threads one batch's keys are spread over (default
+        io_threads: most threads one put batch's keys are spread over (default
             :func:`default_io_threads`).
+        read_threads: most threads one batch read runs on (default
+            :func:`default_read_threads`; 1 to :data:`MAX_READ_THREADS`).  With the native
+            hashed read this sets the C library's process-wide ``read_threads`` option.
         max_pending_writes: batches queued on the writer thread before ``submit_put_from``
             answers ``StorageError("busy")``.
         fsync: fsync each object before the rename (durable across power loss; slower).
@@ -139,6 +176,7 @@ class FileBackend(StorageBackend):
         io_threads: Optional[int] = None,
         max_pending_writes: int = 64,
         fsync: bool = False,
+        read_threads: Optional[int] = None,
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 (0: no cap), got {capacity_bytes}")
@@ -148,6 +186,7 @@ class FileBackend(StorageBackend):
             io_threads = default_io_threads()
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        read_threads = check_read_threads(default_read_threads() if read_threads is None else read_threads)
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self._dir = str(self.path)
@@ -164,11 +203,18 @@ class FileBackend(StorageBackend):
         # Bytes per read of the native read that hashes as it reads (and can scatter each
         # payload over segments); 0 where the library lacks it (then the older readers hash).
         self._hashed_step = _HASHED_READ_STEP if self._native is not None and self._native.has_read_objects else 0
+        self.read_threads = read_threads
+        if self._hashed_step:
+            # NOTE: process-wide (the C library keeps one value); a server builds one backend.
+            self._native.set_option("read_threads", read_threads)
         self._touch_flush_queued = False
         self._log = ThrottledLog(logger)
         self._blocked: set[str] = set()  # keys whose path holds a non-file (reported once)
         self._seed()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="fdkv-file-io") if io_threads > 1 else None
+        # Python-level read slices only where the native read does not thread itself.
+        self._read_pool = (ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="fdkv-file-read")
+                           if read_threads > 1 and not self._hashed_step else None)
         self._writer = BoundedExecutor("fdkv-file-writer", max_pending_writes)
         self._reader = BoundedExecutor("fdkv-file-reader", max_pending_writes)
 
@@ -529,15 +575,19 @@ class FileBackend(StorageBackend):
 
         return self._map_slices(run, keys, ptrs, sizes)
 
-    def _map_slices(self, fn: Any, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """``fn`` (a slice of the batch) over contiguous slices, one per thread (see the module doc)."""
+    def _map_slices(self, fn: Any, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
+                    reads: bool = False) -> list[int]:
+        """``fn`` (a slice of the batch) over contiguous slices, one per thread (see the module
+        doc): the put pool, or with ``reads`` the read pool (none where the native read threads
+        itself: the whole batch is one call)."""
         n = len(keys)
-        threads = min(self.io_threads, n // _MIN_KEYS_PER_THREAD) if self._pool is not None else 1
+        pool, most = (self._read_pool, self.read_threads) if reads else (self._pool, self.io_threads)
+        threads = min(most, n // _MIN_KEYS_PER_THREAD) if pool is not None else 1
         if threads <= 1:
             return fn(keys, ptrs, sizes)
         step = -(-n // threads)
         out: list[int] = []
-        for part in self._pool.map(lambda lo: fn(keys[lo:lo + step], ptrs[lo:lo + step], sizes[lo:lo + step]),
+        for part in pool.map(lambda lo: fn(keys[lo:lo + step], ptrs[lo:lo + step], sizes[lo:lo + step]),
                                    range(0, n, step)):
             out += part
         return out
@@ -615,7 +665,7 @@ class FileBackend(StorageBackend):
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         keys, ptrs, sizes = self._check("batch_get_into", keys, ptrs, sizes)
         start = time.perf_counter()
-        results = self._map_slices(self._get_slice, keys, ptrs, sizes)
+        results = self._map_slices(self._get_slice, keys, ptrs, sizes, reads=True)
         self._stats.record_reads(results, time.perf_counter() - start)
         self._queue_touch_flush()
         return results
@@ -642,7 +692,7 @@ class FileBackend(StorageBackend):
         """
         keys, ptrs, sizes, lens = self._check_segments("batch_get_segments", keys, seg_ptrs, seg_bytes)
         start = time.perf_counter()
-        results = self._map_slices(functools.partial(self._get_slice, seg_bytes=lens), keys, ptrs, sizes)
+        results = self._map_slices(functools.partial(self._get_slice, seg_bytes=lens), keys, ptrs, sizes, reads=True)
         self._stats.record_reads(results, time.perf_counter() - start)
         self._stats.add("segment_read_keys", len(keys))
         self._queue_touch_flush()
@@ -726,8 +776,9 @@ class FileBackend(StorageBackend):
         self._reader.close()
         self._closed = True
         self._flush_touches()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._read_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
 
 
 class _DiskFull(Exception):

@@ -14,11 +14,14 @@ every layer, K then V (then scales), contiguous::
   the CPU build of the C ABI, mode 0: plain memcpy, run with the GIL released), then one
   ``batch_put_from`` of the staged objects;
 * prefetch (storage -> host) where the backend reads into segments
-  (:attr:`StorageBackend.reads_segments`: the file backend with the native library) and the
-  segments are not tiny (``DIRECT_READ_MIN_SEGMENT_BYTES`` on average): one
-  ``batch_get_segments`` that reads each object's bytes straight into its host block's
-  per-layer segments, no staging and no scatter; the host tier's tensors are registered
-  with the backend for it;
+  (:attr:`StorageBackend.reads_segments`: the file backend with the native library), the
+  segments are not tiny (``DIRECT_READ_MIN_SEGMENT_BYTES`` on average) and the layout is host
+  memory (``HostTierLayout.memory``; with the CUDA build the C library confirms that no
+  tensor is device or managed memory): one ``batch_get_segments`` that reads each object's
+  bytes straight into its host block's per-layer segments, no staging and no scatter; the
+  host tier's tensors are registered with the backend for it.  The CUDA build's pinned host
+  tier (cudaHostAlloc, or mmap + cudaHostRegister) is ordinary page-locked host memory to a
+  ``preadv``, so a GPU server reads into it as a CPU one does;
 * prefetch otherwise (Mooncake, no library): one ``batch_get_into`` into staging, then one
   native scatter (mode 1) of the blocks that arrived whole.
 
@@ -73,6 +76,9 @@ class HostTierLayout:
     block_bytes: tuple[int, ...]
     num_blocks: int
     num_layers: int
+    # "host" (the host tier: files may be read straight into it) or "device" (the PD
+    # hand-off's device caches: only the C library's swaps may touch them).
+    memory: str = "host"
 
     def __post_init__(self) -> None:
         if len(self.ptrs) != len(self.block_bytes) or not self.ptrs:
@@ -84,6 +90,8 @@ class HostTierLayout:
                 f"HostTierLayout: num_blocks={self.num_blocks}, num_layers={self.num_layers}, "
                 f"{len(self.ptrs)} tensors (must be a positive multiple of num_layers)"
             )
+        if self.memory not in ("host", "device"):
+            raise ValueError(f"HostTierLayout: memory must be 'host' or 'device', got {self.memory!r}")
         for i, (p, b) in enumerate(zip(self.ptrs, self.block_bytes)):
             if p <= 0 or b <= 0:
                 raise ValueError(f"HostTierLayout: tensor {i} has ptr {p:#x} and block_bytes {b}")
@@ -108,7 +116,8 @@ class HostTierLayout:
         return cls.of_caches(controller, lambda name: int(host[name]), int(controller.num_host_blocks))
 
     @classmethod
-    def of_caches(cls, controller: Any, address_of: Callable[[str], int], num_blocks: int) -> "HostTierLayout":
+    def of_caches(cls, controller: Any, address_of: Callable[[str], int], num_blocks: int,
+                  memory: str = "host") -> "HostTierLayout":
         """The layout of one tier of a controller's caches, ``address_of(cache name)`` giving each base.
 
         The host tier and the device tier (PD transfer) list their caches in the same object
@@ -122,7 +131,7 @@ class HostTierLayout:
             for kind in kinds:
                 ptrs.append(address_of(names[kind]))
                 sizes.append(cfg.scale_bytes_per_layer_block if kind.endswith("scale") else cfg.bytes_per_layer_block)
-        return cls(tuple(ptrs), tuple(sizes), num_blocks, int(controller.num_layers))
+        return cls(tuple(ptrs), tuple(sizes), num_blocks, int(controller.num_layers), memory)
 
 
 class _Staging:
@@ -161,8 +170,10 @@ class StorageTransfer:
         staging_blocks: objects per staging buffer: the largest batch one native call and
             one backend call move (bigger batches are split).
         capi: the C ABI whose swap_layout does the gather; default the CPU build, which
-            copies host memory with memcpy wherever the caches live.  With the CUDA build
-            (the layout may be device memory) prefetches always go through staging.
+            copies host memory with memcpy wherever the caches live.  With the CUDA build a
+            ``memory="device"`` layout (the PD hand-off) always goes through staging, and a
+            host layout reads directly only where the library confirms every tensor is host
+            memory.
         max_pending: batches queued per direction before ``submit_*`` answers "busy".
         direct_read_min_segment_bytes: the average bytes per (layer, kind) block from which
             prefetches read straight into the host tier where the backend can (else staging).
@@ -202,15 +213,20 @@ class StorageTransfer:
             self._free(self._get.staging)
             raise
         # Where the backend reads into segments, prefetches land straight in the host tier,
-        # whose tensors are then registered with it too.  Not with the CUDA build's swaps:
-        # its layout may be device memory (the PD hand-off), which a file read cannot target.
+        # whose tensors are then registered with it too.  Never into device memory, which a
+        # file read cannot target (see _direct_read_blocker).
         self._host_registered: list[int] = []
         self._seg_base = np.asarray(layout.ptrs, dtype=np.uint64)
         self._seg_stride = np.asarray(layout.block_bytes, dtype=np.uint64)
-        segment_bytes = self.object_bytes / len(layout.block_bytes)
-        if (backend.reads_segments and not getattr(capi, "is_cuda", False)
-                and segment_bytes >= direct_read_min_segment_bytes):
+        self._direct_blocks = 0
+        self._staged_blocks = 0
+        self.direct_read_off_reason = self._direct_read_blocker(direct_read_min_segment_bytes)
+        if self.direct_read_off_reason is None:
             self._register_host_tier()
+            if not self._host_registered:
+                self.direct_read_off_reason = f"the {backend.name} backend refused to register the host tier"
+        if self.direct_read_off_reason is not None:
+            logger.debug("storage transfer: prefetches go through staging: %s", self.direct_read_off_reason)
         self._writer = BoundedExecutor("fdkv-storage-put", max_pending)
         self._reader = BoundedExecutor("fdkv-storage-get", max_pending)
         self._closed = False
@@ -219,6 +235,32 @@ class StorageTransfer:
     def from_controller(cls, controller: Any, backend: StorageBackend, **kwargs: Any) -> "StorageTransfer":
         """A transfer over a CacheController's host tier (after ``initialize_host_cache``)."""
         return cls(HostTierLayout.from_controller(controller), backend, **kwargs)
+
+    def _direct_read_blocker(self, min_segment_bytes: int) -> Optional[str]:
+        """Why prefetches cannot read straight into the layout (None: they can).
+
+        A device layout never can.  With the CUDA build, a layout that says "host" is
+        checked too: each tensor's address must be host memory (pinned or not) to the C
+        library (``CApi.pointer_location``); a device or managed address, or a library that
+        cannot tell, keeps the staging path."""
+        lay = self.layout
+        if not self.backend.reads_segments:
+            return f"the {self.backend.name} backend does not read into segments"
+        if lay.memory != "host":
+            return f"the layout is {lay.memory} memory"
+        segment_bytes = self.object_bytes / len(lay.block_bytes)
+        if segment_bytes < min_segment_bytes:
+            return f"segments of {segment_bytes:.0f} B on average (direct reads from {min_segment_bytes} B)"
+        if getattr(self._capi, "is_cuda", False):
+            from fastdeploy_kvcache.ops.capi import POINTER_HOST, POINTER_PINNED_HOST
+
+            if not getattr(self._capi, "has_pointer_location", False):
+                return "the CUDA C library cannot tell host from device memory (no fdkv_pointer_location)"
+            for i, ptr in enumerate(lay.ptrs):
+                where = self._capi.pointer_location(ptr)
+                if where not in (POINTER_HOST, POINTER_PINNED_HOST):
+                    return f"tensor {i} at {ptr:#x} is not host memory (location {where})"
+        return None
 
     # ------------------------------------------------------------------ staging buffers
     def _register(self, st: _Staging) -> None:
@@ -359,7 +401,12 @@ class StorageTransfer:
         """
         ids = self._check("get_blocks", keys, host_block_ids)
         if self.reads_direct:
-            return self._get_direct(keys, ids)
+            got = self._get_direct(keys, ids)
+            with self._state_lock:
+                self._direct_blocks += len(ids)
+            return got
+        with self._state_lock:
+            self._staged_blocks += len(ids)
         results: list[int] = []
         n = self.staging_blocks
         size = self.object_bytes
@@ -404,11 +451,15 @@ class StorageTransfer:
 
     # ------------------------------------------------------------------ lifecycle
     def stats(self) -> dict[str, int]:
-        """Staging buffers retired after timeouts (total, and still waiting for their call)."""
+        """Staging buffers retired after timeouts (total, and still waiting for their call), and
+        the blocks prefetches asked for by path: read straight into the host tier
+        (``direct_read_blocks``) or through the staging buffer (``staged_read_blocks``)."""
         with self._state_lock:
             return {
                 "retired_staging_buffers": self._put.retired + self._get.retired,
                 "retired_staging_buffers_live": self._put.retired_live + self._get.retired_live,
+                "direct_read_blocks": self._direct_blocks,
+                "staged_read_blocks": self._staged_blocks,
             }
 
     def close(self) -> None:

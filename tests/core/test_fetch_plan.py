@@ -132,3 +132,28 @@ def test_a_store_judged_too_slow_is_probed_after_the_interval() -> None:
     assert plan.reason == "probe" and plan.fetch_blocks == 1 and plan.fetch_first == 0
     m.observe_read("slow", 1 << 16, 1.0, 1)  # the probe's read: no probe for another interval
     assert m.plan("slow", 0, 10).reason == "model"
+
+
+def test_a_forced_split_replaces_the_choice_for_the_offline_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FDKV_STORAGE_FORCE_FETCH_BLOCKS (benchmarks' oracle sweep) fixes the fetched blocks:
+    the head with a leading plan, the tail with a concurrent one, whatever the rates; bad
+    values are refused by name."""
+    now = [0.0]
+    m = _model(now)
+    m.observe_prefill([(64, 0)], 64 / 1600)
+    m.observe_read("slow", 4 << 16, 4.0, 4)
+    assert m.plan("slow", 0, 10).kind == "recompute_all"  # the model's own choice
+    monkeypatch.setenv("FDKV_STORAGE_FORCE_FETCH_BLOCKS", "4")
+    lead = m.plan("slow", 0, 10)
+    assert (lead.reason, lead.fetch_first, lead.fetch_blocks, lead.recompute_blocks) == ("forced", 0, 4, 6)
+    assert lead.predicted_s == pytest.approx(lead.fetch_s + lead.recompute_s) and lead.fetch_s == pytest.approx(4.0, rel=1e-3)
+    tail = m.plan("slow", 0, 10, concurrent=True)
+    assert (tail.fetch_first, tail.fetch_blocks, tail.recompute_blocks) == (6, 4, 6)
+    assert tail.predicted_s == pytest.approx(max(tail.fetch_s, tail.recompute_s))
+    assert m.plan("unmeasured", 0, 3).fetch_blocks == 3  # more than the prefix: all of it, rates unknown
+    monkeypatch.setenv("FDKV_STORAGE_FORCE_FETCH_BLOCKS", "0")
+    assert m.plan("slow", 0, 10).kind == "recompute_all"
+    for bad in ("-1", "two", "1.5"):
+        monkeypatch.setenv("FDKV_STORAGE_FORCE_FETCH_BLOCKS", bad)
+        with pytest.raises(ValueError, match="FDKV_STORAGE_FORCE_FETCH_BLOCKS"):
+            m.plan("slow", 0, 10)

@@ -88,6 +88,45 @@ def test_storage_flags(tmp_path: Path) -> None:
         StorageConfig(prefetch_policy="sometimes")
 
 
+def test_read_threads_flag_default_and_bad_values(tmp_path: Path) -> None:
+    """--kvcache-storage-read-threads reaches the file backend (and the native read's thread
+    option where it is built); unset, the machine's default; bad values are refused by name."""
+    import os
+
+    from fastdeploy_kvcache.storage import file_backend
+
+    parser = add_storage_cli_args(argparse.ArgumentParser())
+    base = ["--kvcache-storage-backend", "file", "--kvcache-storage-path", str(tmp_path)]
+    cpus = len(os.sched_getaffinity(0))
+    assert file_backend.default_read_threads() == max(1, min(16, cpus // 2))
+    default = StorageConfig.from_cli_args(parser.parse_args(base))
+    assert default.read_threads == 0
+    backend = default.make_backend(min_free_bytes=0)
+    assert backend.read_threads == file_backend.default_read_threads()
+    backend.close()
+    cfg = StorageConfig.from_cli_args(parser.parse_args(base + ["--kvcache-storage-read-threads", "3"]))
+    native = file_backend._native_reader()
+    native = native if native is not None and native.has_read_objects else None
+    before = native.get_option("read_threads") if native is not None else None
+    backend = cfg.make_backend(min_free_bytes=0)
+    try:
+        assert backend.read_threads == 3
+        if native is not None:  # the native read threads itself: the process-wide option
+            assert native.get_option("read_threads") == 3
+    finally:
+        backend.close()
+        if native is not None:
+            native.set_option("read_threads", before)
+    for bad in (-1, 257, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="--kvcache-storage-read-threads must be an int from 0"):
+            StorageConfig(backend="file", path=str(tmp_path), read_threads=bad)
+    for bad in (0, 257, None.__class__):
+        with pytest.raises(ValueError, match="read_threads must be an int from 1 to 256"):
+            FileBackend(tmp_path, min_free_bytes=0, read_threads=bad)
+    with pytest.raises(SystemExit):
+        parser.parse_args(base + ["--kvcache-storage-read-threads", "many"])
+
+
 def test_breaker_opens_probes_and_backs_off() -> None:
     now = [0.0]
     br = CircuitBreaker("t", failure_threshold=2, reset_timeout_s=1.0, max_reset_timeout_s=4.0, clock=lambda: now[0])

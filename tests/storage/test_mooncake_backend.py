@@ -406,7 +406,8 @@ def test_transfer_retires_staging_while_a_timed_out_call_runs(store: LocalMoonca
             with pytest.raises(StorageError) as info:
                 transfer.get_blocks(keys, [4, 5])
             assert info.value.kind == "timeout"
-            assert transfer.stats() == {"retired_staging_buffers": 1, "retired_staging_buffers_live": 1}
+            assert {k: v for k, v in transfer.stats().items() if k.startswith("retired")} == {
+                "retired_staging_buffers": 1, "retired_staging_buffers_live": 1}
             assert transfer._get.staging.ptr != old_ptr
         finally:
             store.master.resume()

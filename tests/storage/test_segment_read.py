@@ -216,3 +216,67 @@ def test_tiny_segments_keep_the_staging_path(tmp_path: Path) -> None:
     assert backend.stats()["segment_read_keys"] == 3
     direct.close()
     backend.close()
+
+
+class _CudaBuildView:
+    """The real CPU C ABI, presented as the CUDA build's (``is_cuda``), optionally answering
+    ``pointer_location`` as a GPU host would for device memory: what the transfer sees on a
+    GPU server, where this machine has no GPU.  Every copy still runs in the real library."""
+
+    is_cuda = True
+
+    def __init__(self, capi: object, device_ptrs: frozenset = frozenset()) -> None:
+        self._capi = capi
+        self._device_ptrs = device_ptrs
+
+    def pointer_location(self, ptr: int) -> int:
+        from fastdeploy_kvcache.ops.capi import POINTER_DEVICE
+
+        return POINTER_DEVICE if ptr in self._device_ptrs else self._capi.pointer_location(ptr)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._capi, name)
+
+
+def test_the_cuda_build_reads_straight_into_a_host_tier_and_never_into_device_memory(tmp_path: Path) -> None:
+    """With the CUDA build's C ABI, prefetches into the (pinned) host tier take the direct
+    read, shown by the transfer's path counters and the backend's segment reads; a layout of
+    device memory, by its declared kind or by the library's answer for one tensor, stages."""
+    from fastdeploy_kvcache import ops
+    from fastdeploy_kvcache.ops.capi import POINTER_HOST
+
+    capi = ops.load_capi(variant="cpu")
+    backend = FileBackend(tmp_path, min_free_bytes=0)
+    need_segments(backend)
+    tier = HostTier(seed=4)
+    assert capi.has_pointer_location and capi.pointer_location(tier.layout.ptrs[0]) == POINTER_HOST
+    keys = [key(i) for i in range(3)]
+    writer = StorageTransfer(tier.layout, backend, staging_blocks=2)
+    assert writer.put_blocks(keys, [0, 1, 2]) == [Status.OK] * 3
+    writer.close()
+    size = sum(BLOCK_BYTES)
+
+    cuda = StorageTransfer(tier.layout, backend, staging_blocks=2, capi=_CudaBuildView(capi))
+    assert cuda.reads_direct and cuda.direct_read_off_reason is None
+    assert cuda.get_blocks(keys, [5, 6, 7]) == [size] * 3
+    assert [tier.block(b) for b in (5, 6, 7)] == [tier.block(b) for b in (0, 1, 2)]
+    st = cuda.stats()
+    assert (st["direct_read_blocks"], st["staged_read_blocks"]) == (3, 0)
+    assert backend.stats()["segment_read_keys"] == 3
+    cuda.close()
+
+    device_kind = HostTierLayout(tier.layout.ptrs, BLOCK_BYTES, NUM_BLOCKS, LAYERS, memory="device")
+    device_answer = _CudaBuildView(capi, frozenset({tier.layout.ptrs[4]}))
+    for layout, view, why in ((device_kind, _CudaBuildView(capi), "device memory"),
+                              (tier.layout, device_answer, "tensor 4")):
+        staged = StorageTransfer(layout, backend, staging_blocks=2, capi=view)
+        assert not staged.reads_direct and why in staged.direct_read_off_reason
+        assert staged.get_blocks(keys, [8, 9, 10]) == [size] * 3
+        assert [tier.block(b) for b in (8, 9, 10)] == [tier.block(b) for b in (0, 1, 2)]
+        st = staged.stats()
+        assert (st["direct_read_blocks"], st["staged_read_blocks"]) == (0, 3)
+        staged.close()
+    assert backend.stats()["segment_read_keys"] == 3  # only the direct transfer's
+    with pytest.raises(ValueError, match="memory"):
+        HostTierLayout(tier.layout.ptrs, BLOCK_BYTES, NUM_BLOCKS, LAYERS, memory="gpu")
+    backend.close()
