@@ -161,7 +161,21 @@ build_capi_cpu() { ensure_toolchain; quiet_when_current bash custom_ops/capi/bui
 # The GPU machine's paths: the storage tier's host-side transfers use the CPU library too.  No
 # package installs there (it may have no network): without xxHash's header the file reads
 # hash in Python.
-build_capi_cpu_with_what_is_here() { quiet_when_current bash custom_ops/capi/build_capi.sh cpu; }
+# The CPU library with the headers this machine has; on an offline machine without
+# /usr/include/xxhash.h, a libxxhash-dev .deb brought in the wheel directory is unpacked into
+# build/deb and put on the compiler's path (without it, file storage reads stage and hash in
+# Python).
+build_capi_cpu_with_what_is_here() {
+  local deb
+  if [ ! -f /usr/include/xxhash.h ]; then
+    deb=$(ls "${FDKV_WHEEL_DIR:-$ROOT/.whl}"/libxxhash-dev_*.deb 2>/dev/null | head -n 1 || true)
+    if [ -n "$deb" ]; then
+      [ -f "$ROOT/build/deb/usr/include/xxhash.h" ] || dpkg-deb -x "$deb" "$ROOT/build/deb"
+      export CPATH="$ROOT/build/deb/usr/include${CPATH:+:$CPATH}"
+    fi
+  fi
+  quiet_when_current bash custom_ops/capi/build_capi.sh cpu
+}
 build_capi_gpu() {
   have_nvcc || die "the CUDA C ABI library needs nvcc (the CUDA toolkit): none on PATH or in /usr/local/cuda/bin"
   quiet_when_current bash custom_ops/capi/build_capi.sh gpu
