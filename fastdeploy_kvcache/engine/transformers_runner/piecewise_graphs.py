@@ -202,17 +202,20 @@ class PiecewiseGraphs:
         return None
 
     def run(self, bucket: TokenBucket, input_ids: Any, positions: Any,
-            attention: Callable[[Any, Any, Any, Any, Any], Any]) -> Any:
+            attention: Callable[[Any, Any, Any, Any, Any], None]) -> Any:
         """One step of ``T = len(input_ids)`` tokens: the pieces of ``bucket`` replayed (or
-        called, without capture) around ``attention(module, q, k, v)`` per layer
-        (transformers' layouts: q ``[1, H, T, D]``, k/v ``[1, KVH, T, D]``; returns
-        ``[1, T, H, D]``).  Returns the final hidden states ``[T, hidden]`` (a view of the
-        static buffer, valid until the next step)."""
+        called, without capture) around ``attention(module, q, k, v, out)`` per layer
+        (transformers' layouts: q ``[1, H, T, D]``, k/v ``[1, KVH, T, D]``; it writes its
+        result into ``out``, ``[T, H, D]``, a view of the static buffer the next piece
+        reads).  Returns the final hidden states ``[T, hidden]`` (a view of the static
+        buffer, valid until the next step)."""
         t = int(input_ids.shape[0])
         self._ids[:t].copy_(input_ids)
         self._pos[:t].copy_(positions)
         size = bucket.size
         replay = bool(bucket.graphs)
+        heads = self._q.shape[2]
+        out = self._attn[0, :t].view(t, heads, -1)
         for i in range(self.num_pieces):
             if replay:
                 bucket.graphs[i].replay()
@@ -220,7 +223,6 @@ class PiecewiseGraphs:
                 self.piece(i, size)
             if i < len(self.layers):
                 layer = self.layers[i]
-                out = attention(layer.self_attn, self._q[:, :t].transpose(1, 2), self._k[:, :t].transpose(1, 2),
-                                self._v[:, :t].transpose(1, 2))
-                self._attn[:, :t].copy_(out.reshape(1, t, -1))
+                attention(layer.self_attn, self._q[:, :t].transpose(1, 2), self._k[:, :t].transpose(1, 2),
+                          self._v[:, :t].transpose(1, 2), out)
         return self._hidden[0, :t]

@@ -184,9 +184,13 @@ def paged_attention_forward(
     attention_mask: Any = None,
     dropout: float = 0.0,
     scaling: Optional[float] = None,
+    out: Any = None,
     **kwargs: Any,
 ) -> tuple[Any, None]:
-    """transformers attention interface: q [1, H, T, D], k/v [1, KVH, T, D] -> ([1, T, H, D], None)."""
+    """transformers attention interface: q [1, H, T, D], k/v [1, KVH, T, D] -> ([1, T, H, D], None).
+
+    ``out``: where to write the result, ``[T, H, D]`` (the piecewise graphs' static buffer,
+    saving a copy); None allocates it."""
     import torch
     import torch.nn.functional as F
 
@@ -222,7 +226,8 @@ def paged_attention_forward(
         blocks, offsets = (step.slot_blocks[w:], step.slot_offsets[w:]) if w else (step.slot_blocks, step.slot_offsets)
         k_cache[blocks, :, offsets] = k_new[w:]
         v_cache[blocks, :, offsets] = v_new[w:]
-    out = query.new_empty((num_tokens, num_heads, head_dim))
+    if out is None:
+        out = query.new_empty((num_tokens, num_heads, head_dim))
     if b:
         q = query[0, :, :b, :].transpose(0, 1)  # [B, H, D], a view
         if step.decode_kernel is not None:

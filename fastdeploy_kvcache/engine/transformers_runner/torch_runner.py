@@ -507,7 +507,7 @@ class TorchModelRunner:
             return logits[:n] if len(rows) == n else logits.index_select(0, dev[3 * b + n * width:])
 
 
-def _attend(module: Any, query: Any, key: Any, value: Any) -> Any:
-    """A layer's paged attention between two pieces (the step is the thread's current one)."""
-    out, _ = paged_attention_forward(module, query, key, value, None, scaling=module.scaling)
-    return out
+def _attend(module: Any, query: Any, key: Any, value: Any, out: Any) -> None:
+    """A layer's paged attention between two pieces, into ``out`` (the step is the thread's
+    current one)."""
+    paged_attention_forward(module, query, key, value, None, scaling=module.scaling, out=out)
