@@ -105,7 +105,7 @@ def test_a_slow_store_is_recomputed_and_a_mixed_prefix_gives_the_tokens_of_recom
         reader.pool.tier.planner.probe_interval_s = 0.0
         tokens, t = _run(reader, "c", _prompt(2))
         assert tokens == expected[2], "fetched head + recomputed tail must give the tokens of recompute"
-        assert t["cached_tokens"]["storage"] == BS, t
+        assert t["cached_tokens"]["storage"] == BS, repr((t["fetch"]["plan"], {k: v for k, v in reader.get_stats()["storage"]["tier"].items() if "plan" in k or "prefetch" in k}))
         stats = reader.get_stats()
         tier = stats["storage"]["tier"]
         assert tier["plan_probes"] == 1 and tier["plan_partial"] == 1, tier
