@@ -671,11 +671,11 @@ class StorageTier:
 
     def attach_split_tail(self, request_id: str) -> Optional[int]:
         """Hang the request's arrived tail below its head, now in the tree, as host-only nodes
-        (they are then host hits of the request: ``CacheManager.extend_match``).  Returns the
-        blocks hung (duplicates of nodes already there count: the request reads those), or
-        None when the head's last block may not have host-only children yet (a policy that
-        keeps the host tier prefix-closed: the head needs its host copy first).  The split
-        is over unless None is returned."""
+        (they are then host hits of the request: ``CacheManager.extend_match``; then call
+        :meth:`end_split` with what it loaded).  Returns the blocks hung (duplicates of nodes
+        already there count: the request reads those), or None when the head's last block
+        may not have host-only children yet (a policy that keeps the host tier prefix-closed:
+        the head needs its host copy first)."""
         pf = self._splits.get(request_id)
         if pf is None or not pf.done or not pf.arrived:
             return 0
@@ -687,25 +687,36 @@ class StorageTier:
             return 0
         if not port.can_hang_host_nodes(nodes[-1] if nodes else None):
             return None
-        del self._splits[request_id]
-        blocks = pf.job.host_block_ids[: pf.arrived]
+        n = pf.arrived
+        blocks = pf.job.host_block_ids[:n]
+        pf.arrived = 0  # no longer held: hung in the tree, or freed as duplicates
         self._held_blocks.difference_update(blocks)
-        inserted, used = port.insert_fetched_run(prefix, pf.job.hashes[: pf.arrived], blocks)
+        inserted, used = port.insert_fetched_run(prefix, pf.job.hashes[:n], blocks)
         for node in inserted:
             self._remember(node.hash_value)
         pf.inserted.extend(inserted)
+        self.stats["prefetch_blocks_inserted"] += len(inserted)
+        self.stats["prefetch_blocks_unused"] += len(blocks) - used
+        return used
+
+    def end_split(self, request_id: str, loaded: int) -> None:
+        """The request's tail was attached and ``loaded`` of its blocks are being loaded for it
+        (``CacheManager.extend_match``): the split is over; its storage hit and actual finish
+        (plan to now) are counted."""
+        pf = self._splits.pop(request_id, None)
+        if pf is None:
+            return
+        assert not pf.arrived, "end_split before attach_split_tail"
         st = self.stats
-        st["prefetch_blocks_inserted"] += len(inserted)
-        st["prefetch_blocks_unused"] += pf.arrived - used
         st["plan_tails_attached"] += 1
-        st["plan_tail_blocks_attached"] += used
+        st["plan_tail_blocks_attached"] += loaded
+        st["storage_hit_tokens"] += loaded * self.block_size
         actual = self.clock() - pf.started
         st["plan_actual_s"] += actual
         st["plan_actual_requests"] += 1
         if pf.record:
             pf.record["actual_s"] = actual
-            pf.record["attached"] = used
-        return used
+            pf.record["attached"] = loaded
 
     def drop_split(self, request_id: str, why: str) -> None:
         """End the request's split without attaching its tail (``late``, ``failed``: it

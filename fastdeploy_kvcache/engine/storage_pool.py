@@ -232,8 +232,7 @@ class StorageKVPool(ManagedKVPool):
             self.manager.back_up_committed(request)
             self._issue_backups = True
             return request.num_computed_tokens
-        if hung:
-            self.manager.extend_match(request)
+        tier.end_split(rid, self.manager.extend_match(request) if hung else 0)
         return None
 
     def observe_forward(self, seqs: list[Any], seconds: float) -> None:
