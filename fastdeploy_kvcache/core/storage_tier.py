@@ -553,10 +553,12 @@ class StorageTier:
 
     def _tail_deadline(self, pf: _Prefetch, now: float) -> float:
         """When a split's request stops waiting for its tail (see "Late tails" in the module
-        docstring): the plan's predicted finish, plus the predicted recompute of the tail."""
+        docstring): the plan's predicted finish, plus the longer of the tail's predicted
+        recompute and half its predicted fetch (a fetch up to 1.5x its prediction is noise
+        in a measured rate, not late)."""
         plan = pf.plan
         assert plan is not None
-        return now + plan.predicted_s + max(0.0, plan.all_recompute_s - plan.recompute_s)
+        return now + plan.predicted_s + max(plan.all_recompute_s - plan.recompute_s, 0.5 * plan.fetch_s, 0.0)
 
     def _plan(self, start: int, num_blocks: int) -> FetchPlan:
         """Fetch or recompute for a stored run of ``num_blocks`` blocks at block ``start`` of
