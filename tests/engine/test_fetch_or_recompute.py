@@ -9,6 +9,7 @@ greedy tokens are those of recompute.  The slow store is a real one held to a re
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,12 +38,12 @@ def _prompt(i: int) -> list[int]:
 
 
 def _engine(monkeypatch: pytest.MonkeyPatch, tiny_model: Any, store: Path,
-            wrapper: Optional[Any] = None) -> LLMEngine:
+            wrapper: Optional[Any] = None, arrival_blocks: int = 0) -> LLMEngine:
     monkeypatch.setenv("ENABLE_V1_KVCACHE_MANAGER", "1")
     storage = StorageConfig(backend="file", path=str(store), min_free=0, prefetch_policy="wait_complete",
                             fetch_plan="on", backend_wrapper=wrapper)
     args = dict(model="tiny-llama-random", block_size=BS, max_model_len=512, max_num_batched_tokens=1024,
-                max_num_seqs=2, swap_space=0.05, storage=storage, arrival_prefetch_host_blocks=0)
+                max_num_seqs=2, swap_space=0.05, storage=storage, arrival_prefetch_host_blocks=arrival_blocks)
     return LLMEngine(engine_args(**args), loaded_model=tiny_model)
 
 
@@ -195,11 +196,12 @@ def _settled(engine: LLMEngine) -> dict[str, Any]:
     return tier
 
 
+@pytest.mark.parametrize("arrival_blocks", [0, 64], ids=["at-admission", "on-arrival"])
 def test_a_split_recomputes_the_head_while_the_tail_is_read_and_gives_the_tokens_of_recompute(
-        monkeypatch: pytest.MonkeyPatch, tiny_model: Any, tmp_path: Path, written: Any) -> None:
+        monkeypatch: pytest.MonkeyPatch, tiny_model: Any, tmp_path: Path, written: Any, arrival_blocks: int) -> None:
     src, expected, block_bytes = written
     store = _copy_store(src, tmp_path / "kv")
-    reader = _engine(monkeypatch, tiny_model, store)
+    reader = _engine(monkeypatch, tiny_model, store, arrival_blocks=arrival_blocks)
     try:
         reader.start()
         _run(reader, "miss", [7] * (BLOCKS * BS + 3))
@@ -211,6 +213,7 @@ def test_a_split_recomputes_the_head_while_the_tail_is_read_and_gives_the_tokens
         assert plan["choice"] == "partial" and plan["head"] == BLOCKS // 2, plan
         assert plan["fetched"] == BLOCKS // 2 and plan["attached"] == BLOCKS // 2, plan
         assert 0 < plan["actual_s"] and plan["predicted_s"] > 0.3, plan
+        assert t["fetch"]["on_arrival"] == (arrival_blocks > 0), t["fetch"]
         assert t["cached_tokens"]["storage"] == BLOCKS // 2 * BS, t
         stats = reader.get_stats()
         tier = _settled(reader)
@@ -288,5 +291,38 @@ def test_a_slow_store_gets_a_split_from_the_measured_rates(
         assert t["cached_tokens"]["storage"] == plan.get("attached", 0) * BS, t
         tier = _settled(reader)
         assert tier["plan_splits"] == 1 and tier["plan_tails_attached"] + tier["plan_tails_late"] == 1, tier
+    finally:
+        reader.shutdown()
+
+
+def test_an_aborted_request_releases_its_split_tail(monkeypatch: pytest.MonkeyPatch, tiny_model: Any,
+                                                    tmp_path: Path, written: Any) -> None:
+    src, expected, block_bytes = written
+    store = _copy_store(src, tmp_path / "kv")
+    # 4 blocks/s: the four-block tail takes about a second; the head is recomputed in a few ms.
+    reader = _engine(monkeypatch, tiny_model, store, ThrottledBackend.at(4 * block_bytes))
+    try:
+        reader.start()
+        _run(reader, "miss", [7] * (BLOCKS * BS + 3))
+        reader.pool.tier.planner.block_bytes = block_bytes
+        _seed(reader, 0.1, 0.1)  # a 4 + 4 split whose tail the request waits for (until ~0.8 s)
+        col = Collector()
+        reader.add_request("x", _prompt(3), greedy(4), col)
+        deadline = time.monotonic() + 5
+        while reader.pool.tier.split_tail_status("x") is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the head is recomputed; the request waits for its tail
+        assert reader.pool.tier.split_tail_status("x") == "waiting"
+        reader.abort("x")
+        assert reader.wait_idle(30)
+        assert col.final("x").finish_reason == "abort"
+        tier = _settled(reader)  # the tail's host blocks went back when its job did
+        assert tier["prefetch_host_blocks"] == 0 and tier["plan_splits"] == 1, tier
+        assert tier["plan_tails_attached"] == 0 and tier["prefetch_blocks_unused"] >= BLOCKS // 2, tier
+        # The store is still served after it.
+        _seed(reader, 0.1, 0.1)
+        tokens, _ = _run(reader, "y", _prompt(3))
+        assert tokens == expected[3]
+        _settled(reader)
     finally:
         reader.shutdown()
