@@ -12,14 +12,28 @@ Pure Python (no Paddle, no CuPy): it decides, the worker moves bytes.  It sits b
   request's matched prefix; the request then matches them as host hits and loads them to
   the device layer by layer, like any host hit.  Blocks after a hole are freed and
   recomputed.  How much of a hit is fetched at all is planned per request against the
-  recompute it replaces (:mod:`~fastdeploy_kvcache.core.fetch_plan`, :attr:`StorageTier.planner`):
-  a leading run is fetched, the rest recomputed after it.  The policy decides how long the request waits: ``best_effort`` not at
+  recompute it replaces (:mod:`~fastdeploy_kvcache.core.fetch_plan`, :attr:`StorageTier.planner`),
+  see *Splits* below.  The policy decides how long the request waits: ``best_effort`` not at
   all, ``wait_complete`` until the job is back, ``timeout`` at most
   ``StorageConfig.prefetch_timeout_s(tokens)``.  A prefetch the request stopped waiting
   for is *aborted* for that request, but it keeps its host blocks until the job is back
   (a late get could still write them) and still inserts what arrived.  The engine starts a
   request's prefetch when it is queued (:meth:`StorageTier.prefetch_on_arrival`, within a
   host-block budget); the policy's wait is then counted from admission.
+* **Splits.**  The plan recomputes the head ``0..k-1`` of a stored run while it reads the
+  tail ``k..N-1`` (``choose_split``).  The tail's hashes chain from the head's, so it cannot
+  hang in the tree before the head is there: its host blocks stay the tier's (in flight,
+  then *held*) and the request is admitted at once.  The engine computes the head
+  (:meth:`split_head_end` caps its chunks), commits it, and asks :meth:`attach_split_tail`
+  to hang the tail below it (``None`` while a prefix-closed host tier needs the head's host
+  copy first); the manager's ``extend_match`` then loads it like host hits and
+  :meth:`end_split` counts it.  *Late tails:* a request whose head is done waits for its
+  tail until the plan's predicted finish plus the longer of the tail's predicted recompute
+  and half its predicted fetch (:meth:`split_tail_status` says ``late`` after that); a tail
+  that arrived waits for the head's host copy at most as long as recomputing it is
+  predicted to take (:meth:`wait_for_head_copy`).  A late or failed tail, and the tail of a
+  request that is gone, is dropped (:meth:`drop_split`): held blocks are freed at once,
+  blocks in flight when their job is back; the request recomputes.
 * **Backup.**  ``write_through``: a block is put when its device -> host copy succeeded
   (:meth:`on_host_copies`); ``write_back``: when the host tier evicts it
   (:meth:`on_host_evict`).  Hashes already stored, or being stored, are skipped.  A hash
