@@ -219,8 +219,10 @@ class StorageKVPool(ManagedKVPool):
         if status in ("late", "failed"):
             tier.drop_split(rid, status)
             return None
-        committed = self.manager.commit_computed_blocks(request) * self.block_size
-        if committed < head_end or request.num_computed_tokens != head_end:
+        if request.num_computed_tokens > head_end:
+            tier.drop_split(rid, "gone")  # admitted past the head: the tree had more by then
+            return None
+        if self.manager.commit_computed_blocks(request) * self.block_size < head_end:
             tier.drop_split(rid, "failed")  # the head is not the tree's (computed elsewhere too)
             return None
         hung = tier.attach_split_tail(rid)

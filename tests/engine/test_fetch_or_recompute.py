@@ -326,3 +326,44 @@ def test_an_aborted_request_releases_its_split_tail(monkeypatch: pytest.MonkeyPa
         _settled(reader)
     finally:
         reader.shutdown()
+
+
+@pytest.mark.parametrize("when", ["in-flight", "held"])
+def test_a_preempted_request_releases_its_split_tail(monkeypatch: pytest.MonkeyPatch, tiny_model: Any,
+                                                     tmp_path: Path, written: Any, when: str) -> None:
+    """The pool driven step by step (the engine's thread not started): a split request is
+    preempted while its tail is read, or once the tail is held for it."""
+    src, _, block_bytes = written
+    store = _copy_store(src, tmp_path / "kv")
+    reader = _engine(monkeypatch, tiny_model, store, ThrottledBackend.at(20 * block_bytes))
+    pool = reader.pool
+    try:
+        pool.tier.planner.block_bytes = block_bytes
+        _seed(reader, 0.1, 0.1)
+        req = Request("p", _prompt(0))
+        assert pool.prefetch_ready(req), "a split never holds admission"
+        head_end = pool.compute_limit(req)
+        assert head_end == BLOCKS // 2 * BS
+        pool.admit(req)
+        pool.ensure_resident(req, head_end)
+        req.num_computed_tokens = head_end  # as if the head was computed (no forward pass here)
+        if when == "held":
+            deadline = time.monotonic() + 10
+            while pool.tier.split_tail_status("p") == "waiting" and time.monotonic() < deadline:
+                pool.complete_finished(wait=True)
+            assert pool.tier.split_tail_status("p") == "ready"
+            assert pool.tier.get_stats()["held_tail_host_blocks"] == BLOCKS // 2
+        else:
+            assert pool.tier.split_tail_status("p") == "waiting"
+        pool.preempt(req)
+        assert pool.tier.split_head_end("p") is None
+        deadline = time.monotonic() + 10
+        while pool.copies_in_flight and time.monotonic() < deadline:
+            pool.complete_finished(wait=True)
+        counts = pool.check_invariants()
+        assert counts["device_owned"] == 0 and counts["host_owned"] == 0, counts
+        stats = pool.tier.get_stats()
+        assert stats["held_tail_host_blocks"] == 0 and stats["prefetch_host_blocks"] == 0, stats
+        assert stats["prefetch_blocks_unused"] == BLOCKS // 2, stats
+    finally:
+        reader.shutdown()
