@@ -22,7 +22,9 @@ from fastdeploy_kvcache.engine.llm_engine import LLMEngine
 from fastdeploy_kvcache.entrypoints.openai.storage_metrics import StorageStatsCollector
 from fastdeploy_kvcache.storage.config import StorageConfig
 from fastdeploy_kvcache.storage.throttle import ThrottledBackend
-from skip_helpers import needs_cpu_capi
+from fastdeploy_kvcache.storage.mooncake_local import LocalMooncake
+from shutdown_helpers import wait_until
+from skip_helpers import needs_cpu_capi, needs_mooncake
 from tests.engine.conftest import Collector, greedy
 from tests.engine_args import engine_args
 
@@ -37,11 +39,17 @@ def _prompt(i: int) -> list[int]:
     return [3 + (i * 37 + j * 11) % 500 for j in range(BLOCKS * BS + 3)]
 
 
-def _engine(monkeypatch: pytest.MonkeyPatch, tiny_model: Any, store: Path,
+def _engine(monkeypatch: pytest.MonkeyPatch, tiny_model: Any, store: Optional[Path],
             wrapper: Optional[Any] = None, arrival_blocks: int = 0) -> LLMEngine:
+    """A reader or writer engine over the file store at ``store`` (None: Mooncake, MOONCAKE_*
+    from the environment)."""
     monkeypatch.setenv("ENABLE_V1_KVCACHE_MANAGER", "1")
-    storage = StorageConfig(backend="file", path=str(store), min_free=0, prefetch_policy="wait_complete",
-                            fetch_plan="on", backend_wrapper=wrapper)
+    if store is None:
+        storage = StorageConfig(backend="mooncake", prefetch_policy="wait_complete", fetch_plan="on",
+                                backend_wrapper=wrapper)
+    else:
+        storage = StorageConfig(backend="file", path=str(store), min_free=0, prefetch_policy="wait_complete",
+                                fetch_plan="on", backend_wrapper=wrapper)
     args = dict(model="tiny-llama-random", block_size=BS, max_model_len=512, max_num_batched_tokens=1024,
                 max_num_seqs=2, swap_space=0.05, storage=storage, arrival_prefetch_host_blocks=arrival_blocks)
     return LLMEngine(engine_args(**args), loaded_model=tiny_model)
@@ -367,3 +375,38 @@ def test_a_preempted_request_releases_its_split_tail(monkeypatch: pytest.MonkeyP
         assert stats["prefetch_blocks_unused"] == BLOCKS // 2, stats
     finally:
         reader.shutdown()
+
+
+@needs_mooncake()
+def test_a_split_on_mooncake_gives_the_tokens_of_recompute(monkeypatch: pytest.MonkeyPatch, tiny_model: Any,
+                                                           tmp_path: Path, written: Any) -> None:
+    """The same split through a real mooncake_master and holder: nothing in it is file-only."""
+    _, expected, block_bytes = written
+    local = LocalMooncake(segment="256MB", log_dir=tmp_path / "logs").start()
+    try:
+        for k, v in local.env().items():
+            monkeypatch.setenv(k, v)
+        writer = _engine(monkeypatch, tiny_model, None)
+        try:
+            writer.start()
+            wait_until(lambda: writer.storage_health()["available"], 30, "mooncake set-up")
+            assert _run(writer, "w", _prompt(0))[0] == expected[0]
+        finally:
+            writer.shutdown()  # its graceful stop writes the prompt's blocks to the holder
+        reader = _engine(monkeypatch, tiny_model, None)
+        try:
+            reader.start()
+            wait_until(lambda: reader.storage_health()["available"], 30, "mooncake set-up")
+            _run(reader, "miss", [7] * (BLOCKS * BS + 3))
+            reader.pool.tier.planner.block_bytes = block_bytes
+            _seed(reader, 0.1, 0.1)
+            tokens, t = _run(reader, "s", _prompt(0))
+            assert tokens == expected[0], "a split on Mooncake must give the tokens of recompute"
+            plan = t["fetch"]["plan"]
+            assert plan["head"] == BLOCKS // 2 and plan["attached"] == BLOCKS // 2, plan
+            assert t["cached_tokens"]["storage"] == BLOCKS // 2 * BS, t
+            assert _settled(reader)["plan_tails_attached"] == 1
+        finally:
+            reader.shutdown()
+    finally:
+        local.stop()
