@@ -334,6 +334,13 @@ class CacheManager:
         check_request(request)
         return self.allocator.extend_match(request)
 
+    def loads_in_flight(self, request: Request) -> bool:
+        """Whether a host -> device load into one of the running request's blocks is not
+        confirmed yet (nothing computed on top of it is committed until it is)."""
+        check_request(request)
+        st = self.allocator.lookup(request)
+        return any(nd is not None and nd.pending is TransferKind.SWAP_IN for nd in st.nodes)
+
     def back_up_committed(self, request: Request) -> int:
         """Queue device -> host backups of a running request's committed blocks that lack a
         host copy, whatever the write policy (ancestors first, as every backup); returns how

@@ -30,8 +30,8 @@ Pure Python (no Paddle, no CuPy): it decides, the worker moves bytes.  It sits b
   :meth:`end_split` counts it.  *Late tails:* a request whose head is done waits for its
   tail until the plan's predicted finish plus the longer of the tail's predicted recompute
   and half its predicted fetch (:meth:`split_tail_status` says ``late`` after that); a tail
-  that arrived waits for the head's host copy at most as long as recomputing it is
-  predicted to take (:meth:`wait_for_head_copy`).  A late or failed tail, and the tail of a
+  that arrived waits for its head (a host copy, a load under it) at most as long as
+  recomputing it is predicted to take (:meth:`wait_for_head`).  A late or failed tail, and the tail of a
   request that is gone, is dropped (:meth:`drop_split`): held blocks are freed at once,
   blocks in flight when their job is back; the request recomputes.
 * **Backup.**  ``write_through``: a block is put when its device -> host copy succeeded
@@ -664,10 +664,11 @@ class StorageTier:
             return "waiting" if self.clock() < pf.tail_deadline else "late"
         return "ready" if pf.arrived else "failed"
 
-    def wait_for_head_copy(self, request_id: str) -> bool:
-        """The request's tail arrived but its head needs a host copy first: whether to wait
-        for it.  The wait is allowed for as long as recomputing the tail is predicted to
-        take, counted from the first call (then it is dropped as late)."""
+    def wait_for_head(self, request_id: str) -> bool:
+        """The request's tail arrived but its head cannot take it yet (the head needs a host
+        copy first, or a load under it is not confirmed): whether to wait.  The wait is
+        allowed for as long as recomputing the tail is predicted to take, counted from the
+        first call (then it is dropped as late)."""
         pf = self._splits.get(request_id)
         if pf is None:
             return False

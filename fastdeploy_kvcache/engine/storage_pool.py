@@ -223,12 +223,14 @@ class StorageKVPool(ManagedKVPool):
             tier.drop_split(rid, "gone")  # admitted past the head: the tree had more by then
             return None
         if self.manager.commit_computed_blocks(request) * self.block_size < head_end:
+            if self.manager.loads_in_flight(request) and tier.wait_for_head(rid):
+                return request.num_computed_tokens  # commits once the loads under it are confirmed
             tier.drop_split(rid, "failed")  # the head is not the tree's (computed elsewhere too)
             return None
         hung = tier.attach_split_tail(rid)
         if hung is None:
             # The head's last block needs a host copy first; its backup goes out now.
-            if not tier.wait_for_head_copy(rid):
+            if not tier.wait_for_head(rid):
                 tier.drop_split(rid, "late")
                 return None
             self.manager.back_up_committed(request)

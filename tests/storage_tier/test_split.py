@@ -67,7 +67,7 @@ def test_a_split_tail_is_held_then_hung_below_the_recomputed_head_and_loaded(rig
     assert rig.manager.commit_computed_blocks(req) == 2
     # write_through keeps the host tier prefix-closed: the head needs its host copy first.
     assert rig.tier.attach_split_tail("r") is None
-    assert rig.tier.wait_for_head_copy("r")
+    assert rig.tier.wait_for_head("r")
     rig.manager.back_up_committed(req)  # queued at commit already (write_through): nothing more
     rig.run_backups()
     check(rig)
