@@ -140,3 +140,46 @@ def test_a_late_tail_and_a_failed_tail_are_dropped(rigs: Any, tmp_path: Path) ->
     assert rig.tier.split_head_end("r2") is None, "a tail with nothing arrived is dropped"
     stats = rig.tier.get_stats()
     assert stats["plan_tails_failed"] == 1 and stats["prefetch_blocks_failed"] == 2
+
+
+def test_a_head_on_a_load_not_yet_confirmed_waits_for_it(rigs: Any) -> None:
+    hashes = store_tokens(rigs(), TOKENS)
+    rig = rigs()
+    # Block 0 reaches the tree as a host-only node (a plain fetch of a one-block prompt).
+    one = Request("one", TOKENS[: BS + 1])
+    rig.tier.prefetch_state(one)
+    rig.submit()
+    rig.drain()
+    rig.tier.forget_request("one")
+    seed_planner(rig, 1.0, 1.0)
+    req = Request("r", TOKENS)
+    assert rig.tier.prefetch_state(req) == PREFETCH_READY
+    # Block 0 is a host hit; of the three stored blocks after it, 1 and 2 are the head (ties go
+    # to fetching less: the link adds a little to each fetched block), 3 the tail.
+    assert rig.tier.split_head_end("r") == 3 * BS
+    rig.submit()
+    rig.drain()
+    assert rig.manager.match_prefix(req).num_matched_tokens == BS
+    rig.manager.ensure_resident(req, 3 * BS)
+    (load,) = req.cache_swap_metadata
+    req.num_computed_tokens = 3 * BS
+    # The head sits on block 0's load, not confirmed yet: nothing is committed on top of it.
+    assert rig.manager.commit_computed_blocks(req) == 1 and rig.manager.loads_in_flight(req)
+    assert rig.tier.wait_for_head("r")
+    req.cache_swap_metadata = []
+    load.mark_done(True)
+    rig.manager.complete_swap(load)
+    assert not rig.manager.loads_in_flight(req) and rig.manager.commit_computed_blocks(req) == 3
+    rig.run_backups()  # the head's host copy (write_through)
+    assert rig.tier.attach_split_tail("r") == 1
+    loaded = rig.manager.extend_match(req)
+    rig.tier.end_split("r", loaded)
+    assert loaded == 1 and req.cache_swap_metadata[0].hash_values == hashes[3:4]
+    check(rig)
+    (meta,) = req.cache_swap_metadata
+    req.cache_swap_metadata = []
+    meta.mark_done(True)
+    rig.manager.complete_swap(meta)
+    req.num_computed_tokens = len(TOKENS)
+    rig.manager.request_finish(req)
+    check(rig)

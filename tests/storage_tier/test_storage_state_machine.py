@@ -128,10 +128,18 @@ class StorageMachine(RuleBasedStateMachine):
                 else:
                     before = len(req.cache_swap_metadata)
                     rig.tier.end_split(rid, rig.manager.extend_match(req) if hung else 0)
+                    hashes = req.block_hashes(BS, len(tokens))
+                    pos = head_end // BS
                     for meta in req.cache_swap_metadata[before:]:
                         assert meta.src_type is CacheLevel.HOST
+                        n = len(meta.dst_block_ids)
+                        # Each load lands in the request's table at its block's position.
+                        assert list(meta.dst_block_ids) == req.block_tables[pos: pos + n]
+                        assert list(meta.hash_values) == hashes[pos: pos + n]
                         for b, h in zip(meta.src_block_ids, meta.hash_values):
                             assert rig.read_host(b) == rig.expected(h), "a loaded tail block holds other bytes"
+                        pos += n
+                    assert req.num_computed_tokens == pos * BS
             elif status is not None:
                 rig.tier.drop_split(rid, "late" if status in ("late", "waiting") else "failed")
         metas, req.cache_swap_metadata = req.cache_swap_metadata, []
