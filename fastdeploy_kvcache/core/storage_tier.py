@@ -31,9 +31,10 @@ Pure Python (no Paddle, no CuPy): it decides, the worker moves bytes.  It sits b
   tail until the plan's predicted finish plus the longer of the tail's predicted recompute
   and half its predicted fetch (:meth:`split_tail_status` says ``late`` after that); a tail
   that arrived waits for its head (a host copy, a load under it) at most as long as
-  recomputing it is predicted to take (:meth:`wait_for_head`).  A late or failed tail, and the tail of a
-  request that is gone, is dropped (:meth:`drop_split`): held blocks are freed at once,
-  blocks in flight when their job is back; the request recomputes.
+  recomputing it is predicted to take, or its read took (:meth:`wait_for_head`).  A late
+  or failed tail, and the tail of a request that is gone, is dropped (:meth:`drop_split`):
+  held blocks are freed at once, blocks in flight when their job is back; the request
+  recomputes.
 * **Backup.**  ``write_through``: a block is put when its device -> host copy succeeded
   (:meth:`on_host_copies`); ``write_back``: when the host tier evicts it
   (:meth:`on_host_evict`).  Hashes already stored, or being stored, are skipped.  A hash
@@ -569,9 +570,12 @@ class StorageTier:
         """When a split's request stops waiting for its tail (see "Late tails" in the module
         docstring): the plan's predicted finish, plus the longer of the tail's predicted
         recompute and half its predicted fetch (a fetch up to 1.5x its prediction is noise
-        in a measured rate, not late)."""
+        in a measured rate, not late).  A split with no prediction (a benchmark's forced split
+        before the rates are measured) waits for its tail."""
         plan = pf.plan
         assert plan is not None
+        if plan.predicted_s <= 0:
+            return math.inf
         return now + plan.predicted_s + max(plan.all_recompute_s - plan.recompute_s, 0.5 * plan.fetch_s, 0.0)
 
     def _plan(self, start: int, num_blocks: int) -> FetchPlan:
@@ -667,8 +671,8 @@ class StorageTier:
     def wait_for_head(self, request_id: str) -> bool:
         """The request's tail arrived but its head cannot take it yet (the head needs a host
         copy first, or a load under it is not confirmed): whether to wait.  The wait is
-        allowed for as long as recomputing the tail is predicted to take, counted from the
-        first call (then it is dropped as late)."""
+        allowed for as long as recomputing the tail is predicted to take, or as its read
+        took if longer, counted from the first call (then it is dropped as late)."""
         pf = self._splits.get(request_id)
         if pf is None:
             return False
@@ -677,7 +681,7 @@ class StorageTier:
             pf.record["head_copy_wait"] = True
             plan = pf.plan
             assert plan is not None
-            pf.tail_deadline = now + max(0.0, plan.all_recompute_s - plan.recompute_s)
+            pf.tail_deadline = now + max(plan.all_recompute_s - plan.recompute_s, pf.job.seconds, 0.0)
         return now < pf.tail_deadline
 
     def is_split_job(self, job: StorageJob) -> bool:
