@@ -148,6 +148,7 @@ class _Prefetch:
     head: int = 0
     arrived: int = 0  # split: leading tail blocks that arrived whole (held until attached)
     tail_deadline: float = math.inf  # split: the request stops waiting for its tail then
+    head_wait: bool = False  # split: the arrived tail waits for its head (wait_for_head)
     record: dict[str, Any] = field(default_factory=dict)  # the request's plan record (timings)
 
 
@@ -677,8 +678,8 @@ class StorageTier:
         if pf is None:
             return False
         now = self.clock()
-        if not pf.record.get("head_copy_wait"):
-            pf.record["head_copy_wait"] = True
+        if not pf.head_wait:
+            pf.head_wait = True
             plan = pf.plan
             assert plan is not None
             pf.tail_deadline = now + max(plan.all_recompute_s - plan.recompute_s, pf.job.seconds, 0.0)
