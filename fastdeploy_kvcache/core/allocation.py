@@ -130,6 +130,69 @@ class Allocator:
             n += sum(1 for nd in exclude if nd.pending is TransferKind.SWAP_IN)
         return self.evictor.can_reclaim(n, exclude)
 
+    def extend_match(self, request: Request) -> int:
+        """``CacheManager.extend_match``: host-only tree nodes right after a running request's
+        computed, committed prefix become loads into its table; returns the blocks loaded.
+
+        Only at a block boundary where everything computed is committed (the chain the nodes
+        hang from is the request's own), and never the block holding the last prompt token
+        (that one is computed, as by a match).  Destinations: the request's private blocks
+        there, not computed yet, then fresh ones.  Changes nothing when blocks are short.
+        """
+        st = self.lookup(request)
+        bs = self.block_size
+        c = st.committed
+        if request.num_computed_tokens != c * bs:
+            return 0
+        parent = st.nodes[c - 1] if c else self.tree.root
+        if parent is None or parent.detached:
+            return 0
+        limit = (request.num_total_tokens - 1) // bs
+        hashes = request.block_hashes(bs, limit * bs)
+        nodes: list[BlockNode] = []
+        x = parent
+        for j in range(c, limit):
+            child = x.children.get(hashes[j])
+            if (child is None or child.host_block_id is None or child.device_block_id is not None
+                    or child.pending is not None or child.detached):
+                break
+            nodes.append(child)
+            x = child
+        if not nodes or any(nd is not None for nd in st.nodes[c: c + len(nodes)]):
+            return 0
+        reuse = st.block_ids[c: c + len(nodes)]
+        need = len(nodes) - len(reuse)
+        for node in nodes:
+            self.evictor.ref(node)  # before making room: the nodes' host copies must stay
+        try:
+            self.evictor.reclaim(need)
+        except NoFreeBlocksError:
+            for node in nodes:
+                self.evictor.unref(node)
+            return 0
+        fresh = self.device_pool.allocate(need, contiguous=True) if need else []
+        st.block_ids.extend(fresh)
+        st.nodes.extend([None] * len(fresh))
+        request.block_tables.extend(fresh)
+        dst = list(reuse) + list(fresh)
+        src: list[int] = []
+        for j, (node, d) in enumerate(zip(nodes, dst), start=c):
+            node.hit_count += 1
+            self.tree.touch(node)
+            node.pending = TransferKind.SWAP_IN
+            self.tree.set_device(node, d)
+            assert node.host_block_id is not None
+            self.inflight.add(InFlight(node, TransferKind.SWAP_IN, node.host_block_id, d, request.request_id))
+            src.append(node.host_block_id)
+            st.nodes[j] = node
+        st.committed = c + len(nodes)
+        request.num_computed_tokens = st.committed * bs
+        request.cache_swap_metadata.append(
+            CacheSwapMetadata(src, dst, HOST, DEV, [nd.hash_value for nd in nodes], kind=TransferKind.SWAP_IN))
+        self.stats.matched_tokens_host += len(nodes) * bs
+        self.stats.swap_in_blocks_issued += len(nodes)
+        return len(nodes)
+
     def _append_blocks(self, st: RequestState, n: int) -> list[int]:
         """``n`` fresh private blocks at the end of a running request's table."""
         self.evictor.reclaim(n)

@@ -321,6 +321,36 @@ class CacheManager:
         """
         return self.lifecycle.commit(request)
 
+    def extend_match(self, request: Request) -> int:
+        """Load host-only blocks that now follow a running request's computed prefix in the
+        tree (a storage tail hung below the head the request recomputed); returns the blocks.
+
+        Like the host hits of a first allocation: each becomes a host -> device load into the
+        request's table (``request.cache_swap_metadata``, run with its next step) and
+        ``num_computed_tokens`` moves past them; a failed load makes it recompute from there
+        (``complete_swap``).  0 when nothing follows, the request is not at a committed block
+        boundary, or device blocks are short.
+        """
+        check_request(request)
+        return self.allocator.extend_match(request)
+
+    def loads_in_flight(self, request: Request) -> bool:
+        """Whether a host -> device load into one of the running request's blocks is not
+        confirmed yet (nothing computed on top of it is committed until it is)."""
+        check_request(request)
+        st = self.allocator.lookup(request)
+        return any(nd is not None and nd.pending is TransferKind.SWAP_IN for nd in st.nodes)
+
+    def back_up_committed(self, request: Request) -> int:
+        """Queue device -> host backups of a running request's committed blocks that lack a
+        host copy, whatever the write policy (ancestors first, as every backup); returns how
+        many were queued.  A storage tail may hang below a block only once it has a host copy
+        under the policies that keep the host tier prefix-closed."""
+        check_request(request)
+        st = self.allocator.lookup(request)
+        nodes = [nd for nd in st.nodes[: st.committed] if nd is not None]
+        return self.copies.queue_backups(nodes)
+
     def preempt_request(self, request: Request) -> None:
         """Take a running request off the device, keeping what it computed cached.
 

@@ -10,11 +10,11 @@ Two shapes of mix, each a pure function over two cost curves:
 
 * :func:`choose_split` -- *recompute the head, fetch the tail, both at once*: recompute
   blocks ``0..k-1`` on the device while blocks ``k..N-1`` are read; finish =
-  ``max(recompute(0, k), fetch(N - k))``.  The shape the engine needs for the best mix.
+  ``max(recompute(0, k), fetch(N - k))``.  What the storage tier applies (``concurrent=True``;
+  how the tail waits for its head: ``core/storage_tier.py``, *Splits*).
 * :func:`choose_leading` -- *fetch the head, then recompute the tail*: the request waits for
   blocks ``0..m-1`` and recomputes ``m..N-1`` after them; finish =
-  ``fetch(m) + recompute(m, N)``.  Needs nothing new from the tree (fetched blocks hang below
-  the matched prefix, as every fetch does), and is what the storage tier applies today.
+  ``fetch(m) + recompute(m, N)``.  For callers that cannot compute while they fetch.
 
 :class:`FetchCostModel` holds the online estimates the curves come from:
 

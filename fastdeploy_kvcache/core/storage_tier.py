@@ -12,14 +12,29 @@ Pure Python (no Paddle, no CuPy): it decides, the worker moves bytes.  It sits b
   request's matched prefix; the request then matches them as host hits and loads them to
   the device layer by layer, like any host hit.  Blocks after a hole are freed and
   recomputed.  How much of a hit is fetched at all is planned per request against the
-  recompute it replaces (:mod:`~fastdeploy_kvcache.core.fetch_plan`, :attr:`StorageTier.planner`):
-  a leading run is fetched, the rest recomputed after it.  The policy decides how long the request waits: ``best_effort`` not at
+  recompute it replaces (:mod:`~fastdeploy_kvcache.core.fetch_plan`, :attr:`StorageTier.planner`),
+  see *Splits* below.  The policy decides how long the request waits: ``best_effort`` not at
   all, ``wait_complete`` until the job is back, ``timeout`` at most
   ``StorageConfig.prefetch_timeout_s(tokens)``.  A prefetch the request stopped waiting
   for is *aborted* for that request, but it keeps its host blocks until the job is back
   (a late get could still write them) and still inserts what arrived.  The engine starts a
   request's prefetch when it is queued (:meth:`StorageTier.prefetch_on_arrival`, within a
   host-block budget); the policy's wait is then counted from admission.
+* **Splits.**  The plan recomputes the head ``0..k-1`` of a stored run while it reads the
+  tail ``k..N-1`` (``choose_split``).  The tail's hashes chain from the head's, so it cannot
+  hang in the tree before the head is there: its host blocks stay the tier's (in flight,
+  then *held*) and the request is admitted at once.  The engine computes the head
+  (:meth:`split_head_end` caps its chunks), commits it, and asks :meth:`attach_split_tail`
+  to hang the tail below it (``None`` while a prefix-closed host tier needs the head's host
+  copy first); the manager's ``extend_match`` then loads it like host hits and
+  :meth:`end_split` counts it.  *Late tails:* a request whose head is done waits for its
+  tail until the plan's predicted finish plus the longer of the tail's predicted recompute
+  and half its predicted fetch (:meth:`split_tail_status` says ``late`` after that); a tail
+  that arrived waits for its head (a host copy, a load under it) at most as long as
+  recomputing it is predicted to take, or its read took (:meth:`wait_for_head`).  A late
+  or failed tail, and the tail of a request that is gone, is dropped (:meth:`drop_split`):
+  held blocks are freed at once, blocks in flight when their job is back; the request
+  recomputes.
 * **Backup.**  ``write_through``: a block is put when its device -> host copy succeeded
   (:meth:`on_host_copies`); ``write_back``: when the host tier evicts it
   (:meth:`on_host_evict`).  Hashes already stored, or being stored, are skipped.  A hash
@@ -44,6 +59,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -126,6 +142,14 @@ class _Prefetch:
     on_arrival: bool = False  # started when the request was queued (its deadline starts at admission)
     completed: float = 0.0  # clock() when the scheduler inserted what arrived
     plan: Optional[FetchPlan] = None  # the fetch-or-recompute choice that sized the job
+    # A split (recompute the head while the tail is read): blocks ``start - head .. start - 1``
+    # of the request are recomputed by it; the fetched tail waits outside the tree (held by
+    # this record) until they are in the tree, then hangs below them.
+    head: int = 0
+    arrived: int = 0  # split: leading tail blocks that arrived whole (held until attached)
+    tail_deadline: float = math.inf  # split: the request stops waiting for its tail then
+    head_wait: bool = False  # split: the arrived tail waits for its head (wait_for_head)
+    record: dict[str, Any] = field(default_factory=dict)  # the request's plan record (timings)
 
 
 class StorageTier:
@@ -182,6 +206,10 @@ class StorageTier:
         self._putting: dict[int, int] = {}  # hash -> host block (queued or in flight)
         self._jobs: dict[int, Any] = {}  # task id -> _Prefetch or StorageJob (puts)
         self._prefetch: dict[str, _Prefetch] = {}
+        # Concurrent splits by request: the head is recomputed while the tail is fetched; the
+        # tail's host blocks are the tier's (in flight, then held) until attached or dropped.
+        self._splits: dict[str, _Prefetch] = {}
+        self._held_blocks: set[int] = set()  # arrived tail blocks waiting for their head
         self._no_prefetch: set[str] = set()  # requests checked, nothing to fetch (until admitted)
         # Requests waiting on another request's prefetch: id -> (that prefetch, own deadline).
         self._followers: dict[str, tuple[_Prefetch, float]] = {}
@@ -209,7 +237,12 @@ class StorageTier:
                   # fetch or recompute: plans by outcome, blocks by choice, predicted and actual time
                   "plan_fetch_all", "plan_recompute_all", "plan_partial", "plan_unknown", "plan_probes",
                   "plan_blocks_fetched", "plan_blocks_recomputed", "plan_predicted_s",
-                  "plan_fetch_predicted_s", "plan_fetch_actual_s", "plan_recompute_predicted_s"):
+                  "plan_fetch_predicted_s", "plan_fetch_actual_s", "plan_recompute_predicted_s",
+                  # per-request actual finish (plan to stored prefix ready), over the requests measured
+                  "plan_actual_s", "plan_actual_requests",
+                  # concurrent splits: tails attached, late (recomputed instead), failed (nothing arrived)
+                  "plan_splits", "plan_tails_attached", "plan_tails_late", "plan_tails_failed",
+                  "plan_tail_blocks_attached"):
             self.stats[k] = 0
         self.errors: dict[str, int] = collections.defaultdict(int)
 
@@ -379,6 +412,13 @@ class StorageTier:
         hits, allocates host blocks and queues a load job.
         """
         rid = request.request_id
+        split = self._splits.get(rid)
+        if split is not None:
+            # A split never holds admission: the request recomputes its head meanwhile.
+            if rid in self._arrived:
+                self._arrived.discard(rid)
+                split.tail_deadline = self._tail_deadline(split, self.clock())
+            return PREFETCH_READY
         pf = self._prefetch.get(rid)
         if rid in self._arrived:
             # Started on arrival: the policy's wait is counted from the first admission try.
@@ -393,6 +433,8 @@ class StorageTier:
                 return PREFETCH_READY  # asked already (admission was retried): no new round trip
             if rid not in self._followers:
                 pf = self._start_prefetch(request)
+                if pf is not None and pf.head:
+                    return PREFETCH_READY  # a split: admitted now, it recomputes its head
             if rid in self._followers:
                 # Its blocks are being fetched for another request: wait for that job.
                 leader, deadline = self._followers[rid]
@@ -418,9 +460,10 @@ class StorageTier:
         refuses anything: the request is queued whatever happens here.
         """
         rid = request.request_id
-        if rid in self._prefetch or rid in self._followers or rid in self._no_prefetch:
+        if rid in self._prefetch or rid in self._followers or rid in self._no_prefetch or rid in self._splits:
             return
-        held = sum(len(pf.job.host_block_ids) for pf in self._prefetch.values() if pf.on_arrival and not pf.done)
+        held = sum(len(pf.job.host_block_ids) for pf in (*self._prefetch.values(), *self._splits.values())
+                   if pf.on_arrival and not pf.done)
         room = budget_blocks - held
         pf = self._start_prefetch(request, limit=room)
         if pf is not None:
@@ -438,6 +481,7 @@ class StorageTier:
         """The earliest time a waiting request stops waiting (None if none waits)."""
         ds = [pf.deadline for pf in self._prefetch.values() if not pf.done and not pf.aborted]
         ds += [d for leader, d in self._followers.values() if not leader.done]
+        ds += [pf.tail_deadline for pf in self._splits.values() if not pf.done and not pf.aborted]
         return min(ds) if ds else None
 
     def _deadline(self, now: float, num_tokens: int) -> float:
@@ -489,19 +533,33 @@ class StorageTier:
         if not want:
             return None
         plan = self._plan(start, len(want))
-        want = want[plan.fetch_first: plan.fetch_first + plan.fetch_blocks]
+        head = plan.fetch_first  # > 0: a concurrent split (the request recomputes the head)
+        want = want[head: head + plan.fetch_blocks]
         if not want:
             return None
-        # The matched prefix keeps its host copies: the fetched blocks hang below it.
+        # The matched prefix keeps its host copies: the fetched blocks hang below it (a split's
+        # tail hangs below the head, once the request has recomputed it).
         host = port.allocate_host_blocks(len(want), frozenset(nodes))
         if not host:
             return None
         want = want[: len(host)]
-        job = StorageJob(TransferKind.STORAGE_LOAD, list(rest_keys[: len(want)]), list(host), list(want))
+        job = StorageJob(TransferKind.STORAGE_LOAD, list(rest_keys[head: head + len(want)]), list(host), list(want))
         now = self.clock()
-        deadline = self._deadline(now, len(want) * bs)
-        pf = _Prefetch(request.request_id, start, list(hashes[: start + len(want)]), job, now, deadline, plan=plan)
-        self._prefetch[request.request_id] = pf
+        first = start + head
+        record = {"choice": plan.kind, "reason": plan.reason, "fetched": plan.fetch_blocks,
+                  "recomputed": plan.recompute_blocks, "head": head, "predicted_s": plan.predicted_s,
+                  "actual_s": None} if plan.reason != "off" else {}
+        if head:
+            pf = _Prefetch(request.request_id, first, list(hashes[: first + len(want)]), job, now, now, plan=plan,
+                           head=head, record=record)
+            pf.tail_deadline = self._tail_deadline(pf, now)
+            self._splits[request.request_id] = pf
+            self.stats["plan_splits"] += 1
+        else:
+            deadline = self._deadline(now, len(want) * bs)
+            pf = _Prefetch(request.request_id, start, list(hashes[: start + len(want)]), job, now, deadline,
+                           plan=plan, record=record)
+            self._prefetch[request.request_id] = pf
         self._prefetch_blocks.update(host)
         self._jobs[job.task_id] = pf
         self._outbox.append(job)
@@ -509,17 +567,28 @@ class StorageTier:
         self.stats["prefetch_blocks_issued"] += len(want)
         return pf
 
+    def _tail_deadline(self, pf: _Prefetch, now: float) -> float:
+        """When a split's request stops waiting for its tail (see "Late tails" in the module
+        docstring): the plan's predicted finish, plus the longer of the tail's predicted
+        recompute and half its predicted fetch (a fetch up to 1.5x its prediction is noise
+        in a measured rate, not late).  A split with no prediction (a benchmark's forced split
+        before the rates are measured) waits for its tail."""
+        plan = pf.plan
+        assert plan is not None
+        if plan.predicted_s <= 0:
+            return math.inf
+        return now + plan.predicted_s + max(plan.all_recompute_s - plan.recompute_s, 0.5 * plan.fetch_s, 0.0)
+
     def _plan(self, start: int, num_blocks: int) -> FetchPlan:
         """Fetch or recompute for a stored run of ``num_blocks`` blocks at block ``start`` of
-        its request; counts the choice.  NOTE: a leading run is fetched and the rest recomputed
-        after it (``choose_leading``): fetched blocks hang below the matched prefix, as every
-        fetch does, so the tree needs nothing new.  Recomputing a head *while* the tail is
-        read (``choose_split``) needs the tail held by the request outside the tree."""
+        its request; counts the choice.  The head ``0..k-1`` is recomputed while the tail is
+        fetched (``choose_split``, ``concurrent=True``): the tail is held outside the tree
+        until the request's head is in it (:meth:`attach_split_tail`)."""
         planner = self.planner
         assert planner is not None, "bind() builds the planner"
         if self.config.fetch_plan != "on":  # "off", or "auto" not resolved to on (the CPU): not counted
             return FetchPlan(0, num_blocks, 0, 0.0, 0.0, 0.0, 0.0, 0.0, reason="off")
-        plan = planner.plan(self.backend_name, start, num_blocks)
+        plan = planner.plan(self.backend_name, start, num_blocks, concurrent=True)
         st = self.stats
         st["plan_unknown" if plan.reason == "unknown" else "plan_" + plan.kind] += 1
         if plan.reason == "probe":
@@ -563,19 +632,137 @@ class StorageTier:
         0 if not yet); ``shared`` says the job was another request's.
         """
         rid = request.request_id
-        pf = self._prefetch.get(rid)
+        pf = self._prefetch.get(rid) or self._splits.get(rid)
         shared = pf is None and rid in self._followers
         if shared:
             pf = self._followers[rid][0]
         if pf is None:
             return None
         job = pf.job
+        # "plan": the request's own choice (the same dict is completed when a split's tail
+        # is attached: its actual_s), absent for a followed job or with planning off.
         return {"shared": shared, "on_arrival": pf.on_arrival, "blocks": len(job.keys), "bytes": job.nbytes,
                 "started": pf.started, "landed": job.done_at, "completed": pf.completed,
-                "job_s": job.seconds if pf.done else 0.0}
+                "job_s": job.seconds if pf.done else 0.0, "plan": None if shared else (pf.record or None)}
 
     def forget_request(self, request_id: str) -> None:
-        """The request was admitted, finished or aborted: stop tracking its prefetch.
+        """The request finished, was aborted or preempted: stop tracking its prefetch, and
+        drop its split (a held tail's host blocks go back now; one in flight, when its job
+        is back)."""
+        self._forget_prefetch(request_id)
+        self.drop_split(request_id, "gone")
+
+    # ------------------------------------------------------------------ concurrent splits
+    def split_head_end(self, request_id: str) -> Optional[int]:
+        """Token where the request's recomputed head ends and its fetched tail starts (None:
+        no split).  The request must not compute past it while the split stands."""
+        pf = self._splits.get(request_id)
+        return None if pf is None else pf.start * self.block_size
+
+    def split_tail_status(self, request_id: str) -> Optional[str]:
+        """``waiting`` (its fetch is in flight and not late), ``ready`` (blocks arrived, held),
+        ``late`` (in flight past its deadline), ``failed`` (back, nothing arrived); None: no split."""
+        pf = self._splits.get(request_id)
+        if pf is None:
+            return None
+        if not pf.done:
+            return "waiting" if self.clock() < pf.tail_deadline else "late"
+        return "ready" if pf.arrived else "failed"
+
+    def wait_for_head(self, request_id: str) -> bool:
+        """The request's tail arrived but its head cannot take it yet (the head needs a host
+        copy first, or a load under it is not confirmed): whether to wait.  The wait is
+        allowed for as long as recomputing the tail is predicted to take, or as its read
+        took if longer, counted from the first call (then it is dropped as late)."""
+        pf = self._splits.get(request_id)
+        if pf is None:
+            return False
+        now = self.clock()
+        if not pf.head_wait:
+            pf.head_wait = True
+            plan = pf.plan
+            assert plan is not None
+            pf.tail_deadline = now + max(plan.all_recompute_s - plan.recompute_s, pf.job.seconds, 0.0)
+        return now < pf.tail_deadline
+
+    def is_split_job(self, job: StorageJob) -> bool:
+        """Whether ``job`` reads a split's tail (its request computes meanwhile: never run it
+        inline on the engine's thread)."""
+        entry = self._jobs.get(job.task_id)
+        return isinstance(entry, _Prefetch) and entry.head > 0
+
+    def attach_split_tail(self, request_id: str) -> Optional[int]:
+        """Hang the request's arrived tail below its head, now in the tree, as host-only nodes
+        (they are then host hits of the request: ``CacheManager.extend_match``; then call
+        :meth:`end_split` with what it loaded).  Returns the blocks hung (duplicates of nodes
+        already there count: the request reads those), or None when the head's last block
+        may not have host-only children yet (a policy that keeps the host tier prefix-closed:
+        the head needs its host copy first)."""
+        pf = self._splits.get(request_id)
+        if pf is None or not pf.done or not pf.arrived:
+            return 0
+        port = self._port
+        prefix = pf.hashes[: pf.start]
+        nodes = port.match(prefix, len(prefix))
+        if len(nodes) < len(prefix):
+            self.drop_split(request_id, "failed")  # the head did not make it into the tree
+            return 0
+        if not port.can_hang_host_nodes(nodes[-1] if nodes else None):
+            return None
+        n = pf.arrived
+        blocks = pf.job.host_block_ids[:n]
+        pf.arrived = 0  # no longer held: hung in the tree, or freed as duplicates
+        self._held_blocks.difference_update(blocks)
+        inserted, used = port.insert_fetched_run(prefix, pf.job.hashes[:n], blocks)
+        for node in inserted:
+            self._remember(node.hash_value)
+        pf.inserted.extend(inserted)
+        self.stats["prefetch_blocks_inserted"] += len(inserted)
+        self.stats["prefetch_blocks_unused"] += len(blocks) - used
+        return used
+
+    def end_split(self, request_id: str, loaded: int) -> None:
+        """The request's tail was attached and ``loaded`` of its blocks are being loaded for it
+        (``CacheManager.extend_match``): the split is over; its storage hit and actual finish
+        (plan to now) are counted."""
+        pf = self._splits.pop(request_id, None)
+        if pf is None:
+            return
+        assert not pf.arrived, "end_split before attach_split_tail"
+        st = self.stats
+        st["plan_tails_attached"] += 1
+        st["plan_tail_blocks_attached"] += loaded
+        st["storage_hit_tokens"] += loaded * self.block_size
+        actual = self.clock() - pf.started
+        st["plan_actual_s"] += actual
+        st["plan_actual_requests"] += 1
+        if pf.record:
+            pf.record["actual_s"] = actual
+            pf.record["attached"] = loaded
+
+    def drop_split(self, request_id: str, why: str) -> None:
+        """End the request's split without attaching its tail (``late``, ``failed``: it
+        recomputes the rest; ``gone``: finished, aborted or preempted).  Held blocks go back
+        to the host pool now; a job still in flight frees its blocks when it is back."""
+        pf = self._splits.pop(request_id, None)
+        if pf is None:
+            return
+        if why == "late":
+            self.stats["plan_tails_late"] += 1
+        elif why == "failed":
+            self.stats["plan_tails_failed"] += 1
+        if pf.record:
+            pf.record["dropped"] = why
+        if not pf.done:
+            pf.aborted = True  # _complete_prefetch frees its blocks
+            return
+        blocks = pf.job.host_block_ids[: pf.arrived]
+        self._held_blocks.difference_update(blocks)
+        self._port.free_host_blocks(blocks)
+        self.stats["prefetch_blocks_unused"] += len(blocks)
+
+    def _forget_prefetch(self, request_id: str) -> None:
+        """Stop tracking the request's prefetch (not its split: admission keeps that).
 
         A job still in flight keeps its host blocks and still inserts what arrives.
         """
@@ -595,7 +782,7 @@ class StorageTier:
         """Bookkeeping after the request's first ``ensure_resident``: its storage-hit tokens."""
         tokens = self.storage_hit_tokens(request)
         self.stats["storage_hit_tokens"] += tokens
-        self.forget_request(request.request_id)
+        self._forget_prefetch(request.request_id)
         return tokens
 
     # ------------------------------------------------------------------ backup
@@ -785,7 +972,9 @@ class StorageTier:
             self._port.unpin_host_blocks((b,))
 
     def _complete_prefetch(self, pf: _Prefetch, job: StorageJob) -> None:
-        """Insert the leading run that arrived as host-only nodes; free the rest."""
+        """Insert the leading run that arrived as host-only nodes; free the rest.  A split's
+        tail is held instead (its head is not in the tree yet), or freed when its request
+        is gone."""
         pf.done = True
         pf.completed = self.clock()
         blocks = job.host_block_ids
@@ -794,13 +983,29 @@ class StorageTier:
         if arrived and job.nbytes > 0 and self.planner is not None:
             read = sum(1 for r in job.results if r > 0)  # job.nbytes counts every block read
             self.planner.observe_read(self.backend_name, job.nbytes, job.seconds, read)
-        if pf.plan is not None and pf.plan.reason != "unknown":
+        if pf.plan is not None and pf.plan.reason not in ("unknown", "off"):
             self.stats["plan_fetch_actual_s"] += job.seconds
         self.stats["prefetch_blocks_loaded"] += arrived
         self.stats["prefetch_blocks_failed"] += len(blocks) - arrived
         # A block that did not arrive (miss, corrupt, error) is not known to be stored.
         if arrived < len(job.hashes):
             self._forget(h for i, h in enumerate(job.hashes) if not job.ok(i))
+        if pf.head:
+            # A split: the tail waits for its head outside the tree (or goes, if its request did).
+            if pf.aborted or self._splits.get(pf.request_id) is not pf:
+                self._port.free_host_blocks(blocks)
+                self.stats["prefetch_blocks_unused"] += len(blocks)
+                return
+            pf.arrived = arrived
+            self._held_blocks.update(blocks[:arrived])
+            self._port.free_host_blocks(blocks[arrived:])
+            if not arrived:
+                self.drop_split(pf.request_id, "failed")
+            return
+        if pf.record and pf.plan is not None and pf.plan.recompute_blocks == 0:
+            pf.record["actual_s"] = pf.completed - pf.started  # fetch-all: ready once in the tree
+            self.stats["plan_actual_s"] += pf.record["actual_s"]
+            self.stats["plan_actual_requests"] += 1
         # The port walks the request's chain to where the fetched blocks hang (it may have
         # changed), hangs the leading run there and frees every block it did not hang.
         inserted, used = self._port.insert_fetched_run(pf.hashes[: pf.start], job.hashes[:arrived], blocks)
@@ -816,6 +1021,7 @@ class StorageTier:
     def held_host_blocks(self) -> list[tuple[int, str]]:
         """Host blocks the tier owns outside the tree: gets in flight, frees deferred by a pin."""
         return [(b, "storage get") for b in sorted(self._prefetch_blocks)] + [
+            (b, "storage tail held for its head") for b in sorted(self._held_blocks)] + [
             (b, "storage put (freed, pinned)") for b in sorted(self._port.deferred_host_blocks())
         ]
 
@@ -825,6 +1031,11 @@ class StorageTier:
         held = port.host_pin_counts()
         for b in self._prefetch_blocks:
             assert not port.host_block_is_free(b), f"prefetch host block {b} is free"
+        assert not self._prefetch_blocks & self._held_blocks, "a host block both in flight and held"
+        held_tails = {b for pf in self._splits.values() if pf.done for b in pf.job.host_block_ids[: pf.arrived]}
+        assert held_tails == self._held_blocks, "held tail blocks differ from the splits' arrived blocks"
+        for b in self._held_blocks:
+            assert not port.host_block_is_free(b), f"held tail host block {b} is free"
         for h, b in self._putting.items():
             assert held.get(b, 0) > 0, f"put of {h:#x} reads host block {b}, which is not pinned"
         for b in port.deferred_host_blocks():
@@ -848,6 +1059,8 @@ class StorageTier:
         s["stored_blocks_known"] = len(self._stored)
         s["puts_pending"] = len(self._putting)
         s["prefetch_host_blocks"] = len(self._prefetch_blocks)
+        s["held_tail_host_blocks"] = len(self._held_blocks)
+        s["splits_pending"] = len(self._splits)
         s["pinned_host_blocks"] = self._port.num_pinned_host_blocks
         s["jobs_in_flight"] = self.num_jobs_in_flight
         s["put_policy"] = self.config.put_policy

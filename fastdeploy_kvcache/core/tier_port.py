@@ -45,8 +45,8 @@ class StoragePort:
     no tree node and no pool.
 
     Host blocks: the tier gets them from :meth:`allocate_host_blocks` (evicting host LRU
-    leaves, as a backup would), gives them back only through :meth:`insert_fetched_run`
-    (hung in the tree or freed), and pins the ones a put reads (:meth:`pin_host_blocks`), so
+    leaves, as a backup would), gives them back through :meth:`insert_fetched_run`
+    (hung in the tree or freed) or :meth:`free_host_blocks` (a split's tail it dropped), and pins the ones a put reads (:meth:`pin_host_blocks`), so
     a block the tree drops meanwhile is not handed out again until the put is back.
     """
 
@@ -138,6 +138,12 @@ class StoragePort:
         """Up to ``k`` host blocks for a fetch, evicting host LRU leaves (``keep``: host copies
         that must survive: the prefix the fetched blocks hang below)."""
         return self._evictor.allocate_host_blocks(k, keep)
+
+    def free_host_blocks(self, block_ids: Sequence[int]) -> None:
+        """Give back host blocks a fetch took and will not hang in the tree (a split's tail
+        that was dropped, or the blocks of it that did not arrive)."""
+        if block_ids:
+            self._host_pool.free(list(block_ids))
 
     def pin_host_blocks(self, block_ids: Sequence[int]) -> None:
         """A put reads these blocks: keep them from being handed out until unpinned."""

@@ -109,6 +109,12 @@ class KVPool:
     def forget_request(self, request: Request) -> None:
         """``request`` finished: drop what the pool kept for it beyond its blocks (nothing here)."""
 
+    def compute_limit(self, request: Request) -> Optional[int]:
+        """The token ``request`` may compute up to in this step (None: no limit).  A storage
+        split caps it at the end of the recomputed head, and at the current position while
+        the request waits for its fetched tail (never here)."""
+        return None
+
     def observe_forward(self, seqs: list[Any], seconds: float) -> None:
         """A step's forward pass (``ScheduledSeq`` per request) took ``seconds`` (nothing here;
         the storage tier's fetch-or-recompute planner learns the prefill rate from it)."""

@@ -9,7 +9,11 @@ was admitted as soon as the fetch landed), so the engine also keeps, per request
   since arrival: ``started_s`` (planned and handed to the worker), ``landed_s`` (the
   backend call and the copy into host blocks ended), ``in_tree_s`` (the engine thread took
   it back and its blocks became host hits), ``job_s``, ``bytes``, ``blocks``, ``shared``;
-  ``admit_after_fetch_s`` is the gap from ``in_tree_s`` to admission;
+  ``plan``: the request's fetch-or-recompute choice (``choice``, ``reason``, blocks
+  ``fetched`` and ``recomputed``, ``head``: blocks recomputed while the tail was read,
+  ``predicted_s`` against ``actual_s``: plan to stored prefix ready; ``attached`` or
+  ``dropped`` for a split's tail); ``admit_after_fetch_s`` is the gap from ``in_tree_s``
+  to admission;
 * ``first_step``: the step that admitted it (``schedule_s``, ``submit_s``: where the host ->
   device loads are issued, ``forward_s``, ``batch``: requests in it, ``tokens``: its own);
 * ``prefill_s``: admission to first token; ``ttft_s``: arrival to first token.
@@ -45,7 +49,8 @@ def request_timing(request_id: str, arrival: float, admitted: Optional[float], f
     if fetch is not None:
         out["fetch"] = {"started_s": since(fetch["started"]), "landed_s": since(fetch["landed"]),
                         "in_tree_s": since(fetch["completed"]), "job_s": fetch["job_s"], "bytes": fetch["bytes"],
-                        "blocks": fetch["blocks"], "shared": fetch["shared"], "on_arrival": fetch["on_arrival"]}
+                        "blocks": fetch["blocks"], "shared": fetch["shared"], "on_arrival": fetch["on_arrival"],
+                        "plan": dict(fetch["plan"]) if fetch.get("plan") else None}
         if fetch["completed"] and admitted:
             out["admit_after_fetch_s"] = admitted - fetch["completed"]
     return out

@@ -119,7 +119,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             er = self.running[i]
             r = er.req
+            before = r.num_computed_tokens
+            limit = pool.compute_limit(r)  # a storage split: its head's end, or a wait for its tail
+            if r.num_computed_tokens > before:
+                er.cached_storage += r.num_computed_tokens - before  # its fetched tail, loaded now
             n = min(r.num_total_tokens - r.num_computed_tokens, budget)
+            if limit is not None:
+                n = min(n, limit - r.num_computed_tokens)
             if n <= 0:
                 i += 1
                 continue
@@ -167,6 +173,9 @@ class Scheduler:
                     k += 1
                     continue
                 want = min(r.num_total_tokens, matched + budget)
+                limit = pool.compute_limit(r)  # a storage split: compute its head first
+                if limit is not None:
+                    want = max(matched, min(want, limit))
                 plan = pool.ensure_resident(r, want)
             except NoFreeBlocksError as exc:
                 if not self.running and not out:

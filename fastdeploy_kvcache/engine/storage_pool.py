@@ -72,6 +72,7 @@ class StorageKVPool(ManagedKVPool):
         self.arrival_prefetch_blocks = (config.host_block_count // 2 if arrival_prefetch_blocks is None
                                         else arrival_prefetch_blocks)
         self.storage_config = storage_config
+        self._issue_backups = False  # a split waits for its head's backups (compute_limit)
         self._model_id = model_id
         self._weights_fp = weights_fp
         self._backend_overrides = backend_overrides
@@ -189,6 +190,55 @@ class StorageKVPool(ManagedKVPool):
     def forget_request(self, request: Request) -> None:
         self.tier.forget_request(request.request_id)
 
+    def preempt(self, request: Request) -> None:
+        # A split's tail is dropped (its held blocks go back): the request is matched anew.
+        self.tier.forget_request(request.request_id)
+        super().preempt(request)
+
+    def compute_limit(self, request: Request) -> Optional[int]:
+        """Where a storage split stops the request (see ``KVPool.compute_limit``).
+
+        Before the end of the head: that end.  At it, the head is committed to the tree
+        and the tail, once it arrived, is hung below it and loaded like host hits
+        (``CacheManager.extend_match``); while the tail is still read, and not late, the
+        request waits (its position is the limit).  Under a policy that keeps the host tier
+        prefix-closed the head's blocks are backed up to host first (the tail hangs only
+        below a host copy).  A tail that failed or is late is dropped: the request
+        recomputes the rest.
+        """
+        tier = self.tier
+        rid = request.request_id
+        head_end = tier.split_head_end(rid)
+        if head_end is None:
+            return None
+        if not self.manager.is_running(rid) or request.num_computed_tokens < head_end:
+            return head_end
+        status = tier.split_tail_status(rid)
+        if status == "waiting":
+            return request.num_computed_tokens
+        if status in ("late", "failed"):
+            tier.drop_split(rid, status)
+            return None
+        if request.num_computed_tokens > head_end:
+            tier.drop_split(rid, "gone")  # admitted past the head: the tree had more by then
+            return None
+        if self.manager.commit_computed_blocks(request) * self.block_size < head_end:
+            if self.manager.loads_in_flight(request) and tier.wait_for_head(rid):
+                return request.num_computed_tokens  # commits once the loads under it are confirmed
+            tier.drop_split(rid, "failed")  # the head is not the tree's (computed elsewhere too)
+            return None
+        hung = tier.attach_split_tail(rid)
+        if hung is None:
+            # The head's last block needs a host copy first; its backup goes out now.
+            if not tier.wait_for_head(rid):
+                tier.drop_split(rid, "late")
+                return None
+            self.manager.back_up_committed(request)
+            self._issue_backups = True
+            return request.num_computed_tokens
+        tier.end_split(rid, self.manager.extend_match(request) if hung else 0)
+        return None
+
     def observe_forward(self, seqs: list[Any], seconds: float) -> None:
         """A step's forward pass (``ScheduledSeq`` per request) took ``seconds``: the storage
         tier's fetch-or-recompute planner learns the prefill rate from it."""
@@ -213,7 +263,7 @@ class StorageKVPool(ManagedKVPool):
         here: list[StorageJob] = []
         for job in jobs:
             if (inline and (inline_all or not here) and job.kind is TransferKind.STORAGE_LOAD
-                    and not self.storage_worker.loads_in_flight):
+                    and not self.storage_worker.loads_in_flight and not self.tier.is_split_job(job)):
                 here.append(job)
             else:
                 self.storage_worker.submit(job)
@@ -228,6 +278,13 @@ class StorageKVPool(ManagedKVPool):
         affected: set[str] = set()
         self._admit_landed_host_blocks()
         self._flush_idle_backups()
+        if self._issue_backups:
+            # A split waits for its head's host copies: issue them now (after the step's
+            # forward pass, or with no step at all), not with a step that may never come.
+            self._issue_backups = False
+            meta = self.manager.issue_pending_backup_to_batch_request()
+            if meta is not None:
+                self.controller.submit_swap_tasks(meta, None)
         copies = self.controller.collect_finished(wait=wait)
         for meta in copies:
             if meta.src_type == CacheLevel.DEVICE and meta.dst_type == CacheLevel.HOST and meta.hash_values:

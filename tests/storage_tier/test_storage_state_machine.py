@@ -21,9 +21,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from fastdeploy_kvcache.core.block_pool import NoFreeBlocksError
+from fastdeploy_kvcache.core.metadata import CacheLevel
 from fastdeploy_kvcache.core.request import Request
+from fastdeploy_kvcache.core.storage_tier import PREFETCH_READY
 from skip_helpers import needs_cpu_capi
 
+from .test_split import seed_planner
 from .test_tier import BS, Rig
 
 pytestmark = needs_cpu_capi()
@@ -63,6 +66,89 @@ class StorageMachine(RuleBasedStateMachine):
         except NoFreeBlocksError:
             pass
         self.rig.tier.forget_request(f"pf{p}")  # admitted (or given up): a later one asks again
+
+    @rule(p=st.integers(0, len(PROMPTS) - 1), stage=st.sampled_from(["attach", "abort_in_flight", "abort_held",
+                                                                     "late", "leave_in_flight"]),
+          fresh=st.booleans())
+    def split(self, p: int, stage: str, fresh: bool) -> None:
+        """A concurrent split: the head recomputed while the tail is read, then the tail
+        loaded (its bytes checked), or the request gone / the tail late at some stage.
+        ``fresh``: the prompt is stored first and the cache dropped, so all of it is a
+        storage hit."""
+        rig = self.rig
+        tokens = PROMPTS[p]
+        rid = f"s{p}"
+        if fresh:
+            try:
+                rig.serve(f"w{p}", tokens)
+            except NoFreeBlocksError:
+                return
+            self.settle()
+            rig.manager.reset_cache()
+        seed_planner(rig, 1.0, 1.0)
+        req = Request(rid, tokens)
+        if rig.tier.prefetch_state(req) != PREFETCH_READY or rig.tier.split_head_end(rid) is None:
+            rig.tier.forget_request(rid)
+            return
+        head_end = rig.tier.split_head_end(rid)
+        rig.submit()
+        if stage == "leave_in_flight":
+            rig.tier.forget_request(rid)  # its job comes back with a later drain
+            return
+        if stage in ("abort_in_flight", "late"):
+            if stage == "late":
+                rig.now += 1e6  # past the tail's deadline: the request recomputes it
+                assert rig.tier.split_tail_status(rid) == "late"
+                rig.tier.drop_split(rid, "late")
+            rig.tier.forget_request(rid)
+            rig.drain()
+            return
+        rig.drain()
+        if stage == "abort_held":
+            rig.tier.forget_request(rid)
+            return
+        try:
+            rig.manager.match_prefix(req)
+            rig.manager.ensure_resident(req, head_end)
+        except NoFreeBlocksError:
+            rig.tier.forget_request(rid)
+            return
+        if req.num_computed_tokens <= head_end:
+            req.num_computed_tokens = head_end  # the head, recomputed
+            rig.manager.commit_computed_blocks(req)
+            status = rig.tier.split_tail_status(rid)
+            if status == "ready":
+                hung = rig.tier.attach_split_tail(rid)
+                if hung is None:
+                    rig.manager.back_up_committed(req)
+                    self.backups(True)
+                    hung = rig.tier.attach_split_tail(rid)
+                if hung is None:
+                    rig.tier.drop_split(rid, "late")
+                else:
+                    before = len(req.cache_swap_metadata)
+                    rig.tier.end_split(rid, rig.manager.extend_match(req) if hung else 0)
+                    hashes = req.block_hashes(BS, len(tokens))
+                    pos = head_end // BS
+                    for meta in req.cache_swap_metadata[before:]:
+                        assert meta.src_type is CacheLevel.HOST
+                        n = len(meta.dst_block_ids)
+                        # Each load lands in the request's table at its block's position.
+                        assert list(meta.dst_block_ids) == req.block_tables[pos: pos + n]
+                        assert list(meta.hash_values) == hashes[pos: pos + n]
+                        for b, h in zip(meta.src_block_ids, meta.hash_values):
+                            assert rig.read_host(b) == rig.expected(h), "a loaded tail block holds other bytes"
+                        pos += n
+                    assert req.num_computed_tokens == pos * BS
+            elif status is not None:
+                rig.tier.drop_split(rid, "late" if status in ("late", "waiting") else "failed")
+        metas, req.cache_swap_metadata = req.cache_swap_metadata, []
+        for meta in metas:
+            meta.mark_done(True)
+            rig.manager.complete_swap(meta)
+        req.num_computed_tokens = len(tokens)
+        rig.manager.request_finish(req)
+        rig.tier.forget_request(rid)
 
     @rule(ok=st.booleans())
     def backups(self, ok: bool) -> None:

@@ -13,9 +13,14 @@ Counters are cumulative since the server started (prometheus_client adds ``_tota
 
 * ``fastdeploy:storage_plan_requests{choice}`` -- stored prefixes planned, by choice
   (fetch_all, recompute_all, partial, unknown: rates not measured yet, so fetched whole);
-* ``fastdeploy:storage_plan_blocks{action}`` -- their blocks fetched or recomputed by choice;
+* ``fastdeploy:storage_plan_blocks{action}`` -- their blocks fetched or recomputed by choice,
+  and the fetched tail blocks of concurrent splits that were loaded (``attached``);
 * ``fastdeploy:storage_plan_seconds{kind}`` -- predicted finish (``predicted``), predicted and
-  actual fetch time (``fetch_predicted``, ``fetch_actual``), predicted recompute time;
+  actual fetch time (``fetch_predicted``, ``fetch_actual``), predicted recompute time, and the
+  measured finish (``actual``: plan to stored prefix ready) of the requests it was measured for;
+* ``fastdeploy:storage_plan_actual_requests`` -- those requests (``actual``'s denominator);
+* ``fastdeploy:storage_plan_tails{outcome}`` -- concurrent splits' tails: ``attached``, ``late``
+  (recomputed instead), ``failed`` (nothing arrived, or the head did not reach the tree);
 
 and gauges: ``fastdeploy:storage_plan_rate{rate}`` (the planner's estimates: read and link
 bytes/s, prefill tokens/s; absent while unknown), ``fastdeploy:storage_breaker_state`` (0 closed, 1 half open, 2 open),
@@ -85,12 +90,23 @@ class StorageStatsCollector(SectionCollector):
                                      labels=["action"])
         blocks.add_metric(["fetched"], float(tier.get("plan_blocks_fetched", 0) or 0))
         blocks.add_metric(["recomputed"], float(tier.get("plan_blocks_recomputed", 0) or 0))
+        blocks.add_metric(["attached"], float(tier.get("plan_tail_blocks_attached", 0) or 0))
         out.append(blocks)
+        counter("fastdeploy:storage_plan_actual_requests",
+                "Planned requests whose actual finish was measured (storage_plan_seconds{kind=\"actual\"}).",
+                tier.get("plan_actual_requests"))
+        tails = CounterMetricFamily("fastdeploy:storage_plan_tails",
+                                    "Tails of concurrent splits (head recomputed while the tail is read), by outcome.",
+                                    labels=["outcome"])
+        for outcome in ("attached", "late", "failed"):
+            tails.add_metric([outcome], float(tier.get(f"plan_tails_{outcome}", 0) or 0))
+        out.append(tails)
         seconds = CounterMetricFamily("fastdeploy:storage_plan_seconds",
                                       "Seconds of the plans: predicted finish, fetch predicted against actual, "
                                       "recompute predicted.", labels=["kind"])
         for kind, key in (("predicted", "plan_predicted_s"), ("fetch_predicted", "plan_fetch_predicted_s"),
-                          ("fetch_actual", "plan_fetch_actual_s"), ("recompute_predicted", "plan_recompute_predicted_s")):
+                          ("fetch_actual", "plan_fetch_actual_s"), ("recompute_predicted", "plan_recompute_predicted_s"),
+                          ("actual", "plan_actual_s")):
             seconds.add_metric([kind], float(tier.get(key, 0) or 0))
         out.append(seconds)
         rates = GaugeMetricFamily("fastdeploy:storage_plan_rate",
