@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,18 +49,11 @@ ENV = {"ENABLE_V1_KVCACHE_MANAGER": "1", "PYTHONFAULTHANDLER": "1"}
 def drop_page_cache(directory: Path) -> int:
     """fsync then ``POSIX_FADV_DONTNEED`` every file under ``directory``: a cold store without
     root.  Returns the number of files dropped."""
-    n = 0
-    for path in sorted(directory.iterdir()):
-        if not path.is_file():
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        n += 1
-    return n
+    from bench_storage import drop_cache
+
+    files = [str(p) for p in sorted(directory.iterdir()) if p.is_file()]
+    drop_cache(files)
+    return len(files)
 
 
 def plain_parallel_read_gbps(directory: Path, threads: int) -> float:

@@ -201,16 +201,7 @@ class TorchModelRunner:
         graphs = DecodeGraphs(self.model, kv_caches, self.block_size, max_num_seqs, max_model_len,
                               self.decode_kernel, self.device, capture)
         if capture:
-            try:
-                graphs.capture_all()
-            except Exception as exc:  # noqa: BLE001 - any capture failure means eager, never a crash
-                graphs.release()
-                logger.warning("CUDA graph capture failed (%s: %s); every step runs eagerly",
-                               type(exc).__name__, exc)
-                try:
-                    self.torch.cuda.synchronize()
-                except Exception:  # noqa: BLE001
-                    logger.debug("synchronize after the failed capture raised", exc_info=True)
+            if not self._captured(graphs, "every step runs eagerly"):
                 return False
             logger.info("CUDA graphs: decode steps of %s seqs captured in %.1f s (tables of %d blocks); "
                         "%.1f MiB of device memory taken", ",".join(map(str, graphs.sizes)), graphs.capture_s,
@@ -239,22 +230,29 @@ class TorchModelRunner:
             return False
         graphs = PiecewiseGraphs(self.model, max_tokens, self.device, capture)
         if capture:
-            try:
-                graphs.capture_all()
-            except Exception as exc:  # noqa: BLE001 - any capture failure means eager, never a crash
-                graphs.release()
-                logger.warning("piecewise CUDA graph capture failed (%s: %s); steps with prompt chunks run eagerly",
-                               type(exc).__name__, exc)
-                try:
-                    self.torch.cuda.synchronize()
-                except Exception:  # noqa: BLE001
-                    logger.debug("synchronize after the failed capture raised", exc_info=True)
+            if not self._captured(graphs, "steps with prompt chunks run eagerly"):
                 return False
             logger.info("CUDA graphs: %d pieces for steps of up to %d tokens (%d sizes) captured in %.1f s; "
                         "%.1f MiB of device memory taken", graphs.num_pieces, graphs.sizes[-1], len(graphs.sizes),
                         graphs.capture_s, graphs.pool_bytes / (1 << 20))
         self.piecewise_graphs = graphs
         return True
+
+    def _captured(self, graphs: Any, otherwise: str) -> bool:
+        """``graphs.capture_all()``; a failure (a host sync in the forward pass, an op CUDA
+        cannot capture) releases them and logs once what runs eagerly instead: never a crash."""
+        try:
+            graphs.capture_all()
+            return True
+        except Exception as exc:  # noqa: BLE001 - any capture failure means eager, never a crash
+            graphs.release()
+            logger.warning("CUDA graph capture failed (%s, %s: %s); %s", type(graphs).__name__,
+                           type(exc).__name__, exc, otherwise)
+            try:
+                self.torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001
+                logger.debug("synchronize after the failed capture raised", exc_info=True)
+            return False
 
     # ------------------------------------------------------------------ indices
     def _upload(self, host: np.ndarray, use: str = "step") -> Any:
