@@ -34,6 +34,9 @@ class EnvVar:
     default: str
     help: str
     parse: Callable[[str], object] = str
+    # A knob for benchmarks and tests that must reach a server started as a subprocess, not
+    # a setting for users (its help says so).
+    benchmark_only: bool = False
 
 
 def _name(value: str) -> str:
@@ -157,6 +160,7 @@ ENV_VARS: dict[str, EnvVar] = {
             "(storage/throttle.py's ThrottledBackend around the configured backend; writes are "
             "untouched), a slow store on a fast disk. 0: off.",
             _non_negative,
+            benchmark_only=True,
         ),
         EnvVar(
             "FDKV_STORAGE_FORCE_FETCH_BLOCKS",
@@ -165,6 +169,7 @@ ENV_VARS: dict[str, EnvVar] = {
             "--kvcache-storage-fetch-plan on, every plan fetches N blocks of a stored prefix "
             "(all of it if shorter) and recomputes the rest, whatever the rates say. Empty: off.",
             _non_negative_int_or_unset,
+            benchmark_only=True,
         ),
         EnvVar(
             "FD_PD_TRANSFER_VIA_STORAGE",
