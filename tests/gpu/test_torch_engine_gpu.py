@@ -66,6 +66,20 @@ def engine_factory(monkeypatch: pytest.MonkeyPatch, smollm2_fp32: Any) -> Iterat
     yield from engine_factory_for(monkeypatch, smollm2_fp32, model=MODEL, device="gpu", model_dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def tiny_fp32(capi: Any) -> Any:
+    """A random tiny Llama on the GPU: what the sizing tests need, with no wheel to bring."""
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
+
+    return load_torch_model("tiny-llama-random", seed=0, device=torch.device("cuda", 0), dtype="float32")
+
+
+@pytest.fixture
+def tiny_engine_factory(monkeypatch: pytest.MonkeyPatch, tiny_fp32: Any) -> Iterator[Any]:
+    yield from engine_factory_for(monkeypatch, tiny_fp32, model="tiny-llama-random", device="gpu",
+                                  model_dtype="float32")
+
+
 class TestGpuReuse(ReuseChecks):
     """The shared reuse checks on the GPU with SmolLM2."""
 
@@ -285,7 +299,7 @@ def test_server_on_gpu_answers_openai_with_cached_tokens(capi: Any, graphs: bool
     assert code in (0, None, -15), f"server exited with {code}:\n{server.log_tail()}"
 
 
-def test_gpu_memory_utilization_sizes_the_pool_within_its_share(engine_factory: Any) -> None:
+def test_gpu_memory_utilization_sizes_the_pool_within_its_share(tiny_engine_factory: Any) -> None:
     """No pool flag on a GPU: the pool takes what the share leaves after the weights and a
     profiled step, and the device's use once it is allocated stays within the share."""
     from fastdeploy_kvcache.engine.kv_sizing import GiB
@@ -294,7 +308,7 @@ def test_gpu_memory_utilization_sizes_the_pool_within_its_share(engine_factory: 
     free, total = torch.cuda.mem_get_info()
     # Whatever else uses the device, give the pool about 2 GiB of the share beyond today's use.
     share = min(1.0, (total - free + 2 * GiB) / total)
-    eng = engine_factory(gpu_memory_utilization=share, kv_cache_memory_gib=None)
+    eng = tiny_engine_factory(gpu_memory_utilization=share, kv_cache_memory_gib=None)
     cfg = eng.cache_config
     pool_bytes = cfg.num_gpu_blocks * cfg.bytes_per_block
     assert eng.args.kv_cache_memory_gib is None and eng.args.gpu_memory_utilization == share
@@ -305,12 +319,12 @@ def test_gpu_memory_utilization_sizes_the_pool_within_its_share(engine_factory: 
     assert total - free_after <= share * total + 64 * (1 << 20), ((total - free_after) / GiB, share * total / GiB)
 
 
-def test_profiled_step_reports_its_peak(smollm2_fp32: Any) -> None:
+def test_profiled_step_reports_its_peak(tiny_fp32: Any) -> None:
     from fastdeploy_kvcache.config import CacheConfig
     from fastdeploy_kvcache.engine.transformers_runner.gpu_memory import profile_device_memory
     from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
-    lm = smollm2_fp32
+    lm = tiny_fp32
     runner = TorchModelRunner(lm, 16, "gpu")
     cache = CacheConfig(block_size=16, num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
                         dtype=lm.dtype)
