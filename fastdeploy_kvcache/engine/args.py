@@ -303,7 +303,7 @@ def _engine_flags() -> tuple[tuple[str, dict[str, Any]], ...]:
             help="--model-impl transformers on a CUDA device: capture each decode-only step size "
                  "(1, 2, 4, 8, 16, 24, 32, then every 16 up to --max-num-seqs) as a CUDA graph at start and "
                  "replay it; with fused layers (--fused-layers), also the model's pieces between attentions per "
-                 "step token count (16, 32, 64, every 128 to 4096, every 512 up to --max-num-batched-tokens), "
+                 "step token count (16, 32, 64, every 128 to 4096, every 512 up to --max-num-batched-tokens, at most 8192), "
                  "replayed around an eager attention for steps with prompt chunks (docs/gpu_serving.md). Without a "
                  "CUDA device, or if a capture fails, it logs a warning and those steps run eagerly. Default: off.")),
         ("fused_layers", dict(choices=FUSED_LAYERS,

@@ -21,11 +21,12 @@ from fastdeploy_kvcache.engine.transformers_runner.piecewise_graphs import graph
     (40, [16, 32, 40], [16, 32, 40]),
     (512, [16, 32, 64, 128, 256], [256, 384, 512]),
     (8192, [16, 32, 64, 128, 256], [4096, 4608, 5120, 5632, 6144, 6656, 7168, 7680, 8192]),
+    (65536, [16, 32, 64, 128, 256], [7168, 7680, 8192]),  # capped: larger steps run eagerly
 ])
 def test_graph_token_sizes(max_tokens: int, head: list[int], tail: list[int]) -> None:
     sizes = graph_token_sizes(max_tokens)
     assert sizes[:len(head)] == head and sizes[-len(tail):] == tail
-    assert sizes == sorted(set(sizes)) and sizes[-1] == max_tokens
+    assert sizes == sorted(set(sizes)) and sizes[-1] == min(max_tokens, 8192)
     gaps = [b - a for a, b in zip(sizes, sizes[1:])]
     assert max(gaps, default=0) <= 512
 
@@ -119,6 +120,7 @@ def test_piecewise_graphs_need_fused_layers(caplog: pytest.LogCaptureFixture) ->
 def test_reserve_grows_with_the_step() -> None:
     cfg = _fused().model.config
     assert piecewise_reserve_bytes(2048, cfg) == 2 * piecewise_reserve_bytes(1024, cfg) > 0
+    assert piecewise_reserve_bytes(65536, cfg) == piecewise_reserve_bytes(8192, cfg)
 
 
 @pytest.fixture

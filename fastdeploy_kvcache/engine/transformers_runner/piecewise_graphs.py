@@ -29,7 +29,7 @@ never writes or reads them, and the logits are taken from the real rows only
 One step's launches fall from about 2,000 to ``L + 1`` graph replays plus the attention's
 few kernels per layer.  The cost is padding: a step computes the pieces for up to
 :data:`FINE_STEP` - 1 extra rows (below :data:`FINE_LIMIT` tokens), :data:`COARSE_STEP` - 1
-above it.
+above it.  Steps of more than :data:`MAX_CAPTURED_TOKENS` tokens run eagerly.
 
 Capture, as for the decode graphs: once, when the KV pool exists (the attention is not in
 the graphs, so the caches' addresses are not), largest size first, into one memory pool;
@@ -54,14 +54,20 @@ logger = logging.getLogger(__name__)
 FINE_STEP = 128
 FINE_LIMIT = 4096
 COARSE_STEP = 512
+# The largest step captured, whatever --max-num-batched-tokens says: each size's warm-up is a
+# forward pass of that many tokens, so capturing to 64k tokens would add minutes to the start,
+# and a step that large is compute-bound (its launches are a few percent of it) anyway.
+MAX_CAPTURED_TOKENS = 8192
 
 
 def graph_token_sizes(max_tokens: int) -> list[int]:
     """The token counts captured for steps of up to ``max_tokens`` tokens, ascending: 16, 32,
     64, then every :data:`FINE_STEP` to :data:`FINE_LIMIT`, then every :data:`COARSE_STEP`,
-    all below ``max_tokens``, then ``max_tokens`` itself."""
+    all below ``max_tokens``, then ``max_tokens`` itself; ``max_tokens`` is first capped at
+    :data:`MAX_CAPTURED_TOKENS` (larger steps run eagerly)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+    max_tokens = min(max_tokens, MAX_CAPTURED_TOKENS)
     sizes = [t for t in (16, 32, 64) if t < max_tokens]
     t = FINE_STEP
     while t < max_tokens:
@@ -75,6 +81,7 @@ def piecewise_reserve_bytes(max_tokens: int, config: Any, dtype_bytes: int = 2) 
     """Device memory of the static buffers and the pool's largest piece, estimated before
     capture: per token, the residual stream twice, q, k, v and the attention's output, the
     merged q/k/v, and the MLP's gate/up and product (its widest piece)."""
+    max_tokens = min(int(max_tokens), MAX_CAPTURED_TOKENS)
     hidden = int(config.hidden_size)
     head_dim = int(getattr(config, "head_dim", None) or hidden // config.num_attention_heads)
     nq = int(config.num_attention_heads) * head_dim
