@@ -77,6 +77,11 @@ def _non_negative(value: str) -> float:
     return number
 
 
+def _non_negative_or_unset(value: str) -> "float | None":
+    """A finite number >= 0, or ``None`` for an empty value (the device's default)."""
+    return None if not value.strip() else _non_negative(value)
+
+
 def _non_negative_int_or_unset(value: str) -> "int | None":
     """An int >= 0, or ``None`` for an empty value (the knob is off)."""
     stripped = value.strip()
@@ -131,13 +136,14 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "FDKV_HOST_GROW_CHUNK_MIB",
-            "0",
-            "0 (the default) pins the engine's host tier (--swap-space) before serving. N > 0 pins "
-            "it in the background while the server already serves: with CPU copies N MiB of "
+            "",
+            "How the engine's host tier (--swap-space) is pinned. 0 pins it before serving. N > 0 "
+            "pins it in the background while the server already serves: with CPU copies N MiB of "
             "blocks at a time, lowest block ids first, each piece usable once pinned; with CUDA "
             "copies as one piece (a 2D copy across separately registered pieces fails), the "
-            "tier empty until the whole of it lands.",
-            _non_negative,
+            "tier empty until the whole of it lands. Empty (the default): in the background with "
+            "CUDA copies, before serving with CPU copies.",
+            _non_negative_or_unset,
         ),
         EnvVar(
             "FDKV_HOST_GROW_PACE_S",
@@ -202,6 +208,16 @@ def get(name: str) -> object:
 def enable_v1_kvcache_manager() -> bool:
     """True when an engine should route KV caching through this package."""
     return bool(get("ENABLE_V1_KVCACHE_MANAGER"))
+
+
+def host_grow_chunk_bytes(cuda_copies: bool) -> int:
+    """``FDKV_HOST_GROW_CHUNK_MIB`` in bytes for a controller with or without CUDA copies
+    (unset: 1 MiB with CUDA copies, which pin one piece in the background whatever the size;
+    0, before serving, with CPU copies)."""
+    mib = get("FDKV_HOST_GROW_CHUNK_MIB")
+    if mib is None:
+        mib = 1.0 if cuda_copies else 0.0
+    return int(float(mib) * (1 << 20))  # type: ignore[arg-type]
 
 
 def storage_throttle_bytes_per_s() -> float:

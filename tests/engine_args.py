@@ -32,6 +32,20 @@ ENGINE_DEFAULTS: dict[str, Any] = dict(block_size=16, max_model_len=512, max_num
                                        kv_cache_memory_gib=1.0)
 
 
+def wait_for_the_host_tier(engine: Any, timeout_s: float = 60.0) -> None:
+    """Until the engine's host tier is pinned whole: with CUDA copies it is pinned in the
+    background by default, and a workload that counts host hits must not start before it."""
+    import time
+
+    ctrl = getattr(engine.pool, "controller", None)
+    if ctrl is None or not ctrl.num_host_blocks:
+        return
+    deadline = time.monotonic() + timeout_s
+    while ctrl.host_blocks_ready < ctrl.num_host_blocks:
+        assert time.monotonic() < deadline, f"host tier stuck at {ctrl.host_blocks_ready} of {ctrl.num_host_blocks} blocks"
+        time.sleep(0.005)
+
+
 def started_engines(monkeypatch: pytest.MonkeyPatch, loaded: Any, **defaults: Any) -> Iterator[Callable[..., Any]]:
     """Yields ``factory(v1=True, **engine_args)``, which builds and starts an engine over the
     shared ``loaded`` model (a test naming another ``model=`` gets that one loaded), then
@@ -48,6 +62,7 @@ def started_engines(monkeypatch: pytest.MonkeyPatch, loaded: Any, **defaults: An
         eng = LLMEngine(engine_args(**args), loaded_model=model)
         eng.start()
         made.append(eng)
+        wait_for_the_host_tier(eng)
         return eng
 
     yield factory

@@ -17,7 +17,7 @@ from fastdeploy_kvcache.core.hashing import storage_key
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.engine.llm_engine import LLMEngine
 from fastdeploy_kvcache.storage.config import StorageConfig
-from tests.engine_args import engine_args
+from tests.engine_args import engine_args, wait_for_the_host_tier
 from tests.reuse_workloads import Collector, greedy
 
 BS = 16
@@ -65,6 +65,7 @@ def check_split_gives_the_tokens_of_recompute(monkeypatch: Any, loaded: Any, dev
     writer = _engine(loaded, device, store)
     try:
         writer.start()
+        wait_for_the_host_tier(writer)
         expected = {i: _run(writer, f"w{i}", _prompt(i))[0] for i in range(2)}
     finally:
         writer.shutdown()  # its graceful stop writes the prompts' blocks
@@ -75,6 +76,7 @@ def check_split_gives_the_tokens_of_recompute(monkeypatch: Any, loaded: Any, dev
     reader = _engine(loaded, device, store)
     try:
         reader.start()
+        wait_for_the_host_tier(reader)
         _run(reader, "miss", [7] * (BLOCKS * BS + 3))
         _equal_rates(reader, block_bytes)
         tokens, t = _run(reader, "s0", _prompt(0))

@@ -138,11 +138,12 @@ class ManagedKVPool(KVPool):
         super().__init__(config, backend)
         self.num_host_blocks = config.host_block_count
         if self.num_host_blocks > 0:
-            # Pinned in the background (FDKV_HOST_GROW_CHUNK_MIB): the manager starts with the
-            # blocks that landed, and each step hands it the ones landed since (below).
+            # Pinned in the background (FDKV_HOST_GROW_CHUNK_MIB; by default with CUDA copies):
+            # the manager starts with the blocks that landed, and each step hands it the ones
+            # landed since (below).
             self.controller.initialize_host_cache(
                 self.num_host_blocks,
-                grow_chunk_bytes=int(float(envs.get("FDKV_HOST_GROW_CHUNK_MIB")) * (1 << 20)),
+                grow_chunk_bytes=envs.host_grow_chunk_bytes(self.controller.backend.is_cuda),
                 grow_pace_s=float(envs.get("FDKV_HOST_GROW_PACE_S")))
         self._host_ready = self.controller.host_blocks_ready
         self.manager = CacheManager(config, storage=self._make_storage_tier(), host_blocks_ready=self._host_ready)

@@ -44,13 +44,17 @@ class ServerProcess:
         args: extra server flags (``--model``, ``--swap-space``, ...).
         env: environment overrides, e.g. ``{"ENABLE_V1_KVCACHE_MANAGER": "1"}``.
         startup_timeout_s: how long model loading may take before start() fails.
+        wait_for_host_tier: start() also waits until the host tier is pinned whole
+            (``/metrics``: ``host_blocks_ready`` = ``host_blocks_total``).  With CUDA copies
+            the server pins it in the background by default, so a workload started at
+            "serving" would meet an empty host tier; False for a caller that times "serving".
     """
 
     MODULE = "fastdeploy_kvcache.entrypoints.openai.api_server"
 
     def __init__(self, args: Sequence[str] = (), env: Optional[dict[str, str]] = None,
                  host: str = "127.0.0.1", port: Optional[int] = None, startup_timeout_s: float = 300.0,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, wait_for_host_tier: bool = True) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.args = list(args)
@@ -60,6 +64,7 @@ class ServerProcess:
         self.proc: Optional[subprocess.Popen[bytes]] = None
         self._log = tempfile.NamedTemporaryFile(prefix="fdkv-server-", suffix=".log", delete=False)
         self.up_when_unhealthy = False
+        self.wait_for_host_tier = wait_for_host_tier
 
     @property
     def base_url(self) -> str:
@@ -88,6 +93,8 @@ class ServerProcess:
                                    f"{self.log_tail()}")
             try:
                 self.get_json("/health", timeout=2.0)
+                if self.wait_for_host_tier:
+                    self._await_host_tier(deadline)
                 return self
             except urllib.error.HTTPError:
                 if self.up_when_unhealthy:
@@ -97,6 +104,29 @@ class ServerProcess:
                 time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"server not up after {self.startup_timeout_s} s:\n{self.log_tail()}")
+
+    def host_tier_progress(self) -> tuple[float, float]:
+        """``(host_blocks_ready, host_blocks_total)`` from ``/metrics`` (0, 0 without a host tier
+        or without the metrics)."""
+        found = {}
+        for line in self.get_text("/metrics", timeout=5.0).splitlines():
+            for name in ("host_blocks_ready", "host_blocks_total"):
+                if line.startswith(f"fastdeploy_kvcache:{name} "):
+                    found[name] = float(line.split()[1])
+        return found.get("host_blocks_ready", 0.0), found.get("host_blocks_total", 0.0)
+
+    def _await_host_tier(self, deadline: float) -> None:
+        while True:
+            try:
+                ready, total = self.host_tier_progress()
+            except urllib.error.HTTPError:
+                return  # no /metrics: nothing to wait for
+            if ready >= total:
+                return
+            if time.monotonic() >= deadline or (self.proc is not None and self.proc.poll() is not None):
+                raise TimeoutError(f"host tier {ready:.0f} of {total:.0f} blocks pinned when the start-up time ran "
+                                   f"out:\n{self.log_tail()}")
+            time.sleep(0.05)
 
     def get_json(self, path: str, timeout: float = 10.0) -> Any:
         with urllib.request.urlopen(self.base_url + path, timeout=timeout) as resp:
@@ -137,5 +167,6 @@ class RouterProcess(ServerProcess):
 
     def __init__(self, args: Sequence[str] = (), **kwargs: Any) -> None:
         kwargs.setdefault("startup_timeout_s", 120.0)
+        kwargs.setdefault("wait_for_host_tier", False)  # a router has no host tier
         super().__init__(args, **kwargs)
         self.up_when_unhealthy = True
