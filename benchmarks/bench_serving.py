@@ -228,8 +228,10 @@ class ConfigResult:
 
 
 # ---------------------------------------------------------------------- client
-async def stream_completion(client: Any, model: str, prompt: str, max_tokens: int) -> tuple[float, float, str, Any]:
-    """One streamed completion: (ttft_s, latency_s, text, usage)."""
+async def stream_completion(client: Any, model: str, prompt: "str | list[int]", max_tokens: int,
+                            arrivals: Optional[list[float]] = None) -> tuple[float, float, str, Any]:
+    """One streamed completion: (ttft_s, latency_s, text, usage).  ``arrivals``, if given,
+    gets the ``perf_counter`` time of every streamed chunk (for the gaps between tokens)."""
     start = time.perf_counter()
     ttft: Optional[float] = None
     parts: list[str] = []
@@ -239,8 +241,11 @@ async def stream_completion(client: Any, model: str, prompt: str, max_tokens: in
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     async for chunk in stream:
         if chunk.choices:
+            now = time.perf_counter()
             if ttft is None:
-                ttft = time.perf_counter() - start
+                ttft = now - start
+            if arrivals is not None:
+                arrivals.append(now)
             parts.append(chunk.choices[0].text)
         if chunk.usage is not None:
             usage = chunk.usage

@@ -61,7 +61,7 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from bench_serving import machine, percentile  # noqa: E402
+from bench_serving import machine, percentile, stream_completion  # noqa: E402
 
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess  # noqa: E402
 
@@ -129,23 +129,13 @@ class Row:
 
 
 async def stream_timed(client: Any, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float, list[float], Any]:
-    """One streamed completion: (TTFT, latency, the gaps between streamed chunks, usage)."""
-    start = time.perf_counter()
+    """One streamed completion (bench_serving's client): (TTFT, latency, the gaps between
+    streamed chunks, usage)."""
     arrivals: list[float] = []
-    usage = None
-    stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    async for chunk in stream:
-        if chunk.choices:
-            arrivals.append(time.perf_counter())
-        if chunk.usage is not None:
-            usage = chunk.usage
-    latency = time.perf_counter() - start
-    if usage is None or not arrivals:
-        raise RuntimeError("the server sent no token or no usage chunk (stream_options.include_usage)")
-    itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return arrivals[0] - start, latency, itl, usage
+    ttft, latency, _, usage = await stream_completion(client, model, prompt, max_tokens, arrivals=arrivals)
+    if not arrivals:
+        raise RuntimeError("the server streamed no token")
+    return ttft, latency, [b - a for a, b in zip(arrivals, arrivals[1:])], usage
 
 
 async def run_workload(base_url: str, model: str, wl: Workload, progress: Any) -> tuple[list[Row], float]:
