@@ -209,7 +209,6 @@ class StorageTier:
         # Concurrent splits by request: the head is recomputed while the tail is fetched; the
         # tail's host blocks are the tier's (in flight, then held) until attached or dropped.
         self._splits: dict[str, _Prefetch] = {}
-        self._held_blocks: set[int] = set()  # arrived tail blocks waiting for their head
         self._no_prefetch: set[str] = set()  # requests checked, nothing to fetch (until admitted)
         # Requests waiting on another request's prefetch: id -> (that prefetch, own deadline).
         self._followers: dict[str, tuple[_Prefetch, float]] = {}
@@ -712,7 +711,6 @@ class StorageTier:
         n = pf.arrived
         blocks = pf.job.host_block_ids[:n]
         pf.arrived = 0  # no longer held: hung in the tree, or freed as duplicates
-        self._held_blocks.difference_update(blocks)
         inserted, used = port.insert_fetched_run(prefix, pf.job.hashes[:n], blocks)
         for node in inserted:
             self._remember(node.hash_value)
@@ -757,7 +755,6 @@ class StorageTier:
             pf.aborted = True  # _complete_prefetch frees its blocks
             return
         blocks = pf.job.host_block_ids[: pf.arrived]
-        self._held_blocks.difference_update(blocks)
         self._port.free_host_blocks(blocks)
         self.stats["prefetch_blocks_unused"] += len(blocks)
 
@@ -996,8 +993,7 @@ class StorageTier:
                 self._port.free_host_blocks(blocks)
                 self.stats["prefetch_blocks_unused"] += len(blocks)
                 return
-            pf.arrived = arrived
-            self._held_blocks.update(blocks[:arrived])
+            pf.arrived = arrived  # blocks[:arrived] are held for the head (_held_tail_blocks)
             self._port.free_host_blocks(blocks[arrived:])
             if not arrived:
                 self.drop_split(pf.request_id, "failed")
@@ -1018,10 +1014,14 @@ class StorageTier:
             self._prefetch.pop(pf.request_id, None)
 
     # ------------------------------------------------------------------ checks / stats
+    def _held_tail_blocks(self) -> list[int]:
+        """Arrived tail blocks waiting for their head: each split's record says which."""
+        return [b for pf in self._splits.values() if pf.done for b in pf.job.host_block_ids[: pf.arrived]]
+
     def held_host_blocks(self) -> list[tuple[int, str]]:
         """Host blocks the tier owns outside the tree: gets in flight, frees deferred by a pin."""
         return [(b, "storage get") for b in sorted(self._prefetch_blocks)] + [
-            (b, "storage tail held for its head") for b in sorted(self._held_blocks)] + [
+            (b, "storage tail held for its head") for b in sorted(self._held_tail_blocks())] + [
             (b, "storage put (freed, pinned)") for b in sorted(self._port.deferred_host_blocks())
         ]
 
@@ -1031,10 +1031,10 @@ class StorageTier:
         held = port.host_pin_counts()
         for b in self._prefetch_blocks:
             assert not port.host_block_is_free(b), f"prefetch host block {b} is free"
-        assert not self._prefetch_blocks & self._held_blocks, "a host block both in flight and held"
-        held_tails = {b for pf in self._splits.values() if pf.done for b in pf.job.host_block_ids[: pf.arrived]}
-        assert held_tails == self._held_blocks, "held tail blocks differ from the splits' arrived blocks"
-        for b in self._held_blocks:
+        held_tails = self._held_tail_blocks()
+        assert len(set(held_tails)) == len(held_tails), "a host block held by two split tails"
+        assert not self._prefetch_blocks.intersection(held_tails), "a host block both in flight and held"
+        for b in held_tails:
             assert not port.host_block_is_free(b), f"held tail host block {b} is free"
         for h, b in self._putting.items():
             assert held.get(b, 0) > 0, f"put of {h:#x} reads host block {b}, which is not pinned"
@@ -1059,7 +1059,7 @@ class StorageTier:
         s["stored_blocks_known"] = len(self._stored)
         s["puts_pending"] = len(self._putting)
         s["prefetch_host_blocks"] = len(self._prefetch_blocks)
-        s["held_tail_host_blocks"] = len(self._held_blocks)
+        s["held_tail_host_blocks"] = len(self._held_tail_blocks())
         s["splits_pending"] = len(self._splits)
         s["pinned_host_blocks"] = self._port.num_pinned_host_blocks
         s["jobs_in_flight"] = self.num_jobs_in_flight
