@@ -210,14 +210,11 @@ def enable_v1_kvcache_manager() -> bool:
     return bool(get("ENABLE_V1_KVCACHE_MANAGER"))
 
 
-def host_grow_chunk_bytes(cuda_copies: bool) -> int:
-    """``FDKV_HOST_GROW_CHUNK_MIB`` in bytes for a controller with or without CUDA copies
-    (unset: 1 MiB with CUDA copies, which pin one piece in the background whatever the size;
-    0, before serving, with CPU copies)."""
+def host_grow_chunk_bytes() -> "int | None":
+    """``FDKV_HOST_GROW_CHUNK_MIB`` in bytes; None when unset (the controller's default:
+    ``CacheController.initialize_host_cache``)."""
     mib = get("FDKV_HOST_GROW_CHUNK_MIB")
-    if mib is None:
-        mib = 1.0 if cuda_copies else 0.0
-    return int(float(mib) * (1 << 20))  # type: ignore[arg-type]
+    return None if mib is None else int(float(mib) * (1 << 20))  # type: ignore[arg-type]
 
 
 def storage_throttle_bytes_per_s() -> float:

@@ -143,7 +143,7 @@ class ManagedKVPool(KVPool):
             # landed since (below).
             self.controller.initialize_host_cache(
                 self.num_host_blocks,
-                grow_chunk_bytes=envs.host_grow_chunk_bytes(self.controller.backend.is_cuda),
+                grow_chunk_bytes=envs.host_grow_chunk_bytes(),
                 grow_pace_s=float(envs.get("FDKV_HOST_GROW_PACE_S")))
         self._host_ready = self.controller.host_blocks_ready
         self.manager = CacheManager(config, storage=self._make_storage_tier(), host_blocks_ready=self._host_ready)

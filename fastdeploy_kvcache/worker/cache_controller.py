@@ -200,7 +200,7 @@ class CacheController:
         return [self.cache_kvs_map[names[kind]] for kind in self._kinds()]
 
     # ------------------------------------------------------------------ host cache
-    def initialize_host_cache(self, num_host_blocks: Optional[int] = None, *, grow_chunk_bytes: int = 0,
+    def initialize_host_cache(self, num_host_blocks: Optional[int] = None, *, grow_chunk_bytes: Optional[int] = 0,
                               grow_pace_s: float = 0.0, grow_in_pieces: Optional[bool] = None) -> None:
         """Allocate the pinned host cache (a buffer per device cache) for the host tier.
 
@@ -210,7 +210,9 @@ class CacheController:
         scheduler must use no other (``CacheManager.add_landed_host_blocks``).  Why: pinning
         32 GiB takes many seconds, and the server need not wait for it.  The buffers keep one
         base address each (the cache is reserved whole, then pinned block range by block
-        range), so nothing else changes.  0 (the default): pinned before returning.
+        range), so nothing else changes.  0 (the default): pinned before returning.  None:
+        this controller's default, in the background with CUDA copies (as one piece, below),
+        before returning with CPU copies.
         ``grow_in_pieces``: whether the background pinning goes piece by piece (None: yes,
         unless the copies are CUDA's, which need the whole buffer as one registration; then
         the whole cache lands at once, still without delaying the caller).
@@ -225,6 +227,9 @@ class CacheController:
         self.config.validate()
         blocks = self.config.host_block_count if num_host_blocks is None else num_host_blocks
         blocks = _check_block_count("initialize_host_cache", "num_host_blocks", blocks)
+        if grow_chunk_bytes is None:
+            # The size of a piece only matters to pieces; one piece is the whole cache.
+            grow_chunk_bytes = 1 if self.backend.is_cuda else 0
         if not isinstance(grow_chunk_bytes, numbers.Integral) or isinstance(grow_chunk_bytes, bool) or grow_chunk_bytes < 0:
             raise ValueError(f"initialize_host_cache: grow_chunk_bytes must be an int >= 0, got {_show(grow_chunk_bytes)}")
         if not isinstance(grow_pace_s, numbers.Real) or not 0 <= grow_pace_s < float("inf"):

@@ -639,7 +639,7 @@ def test_compute_sanitizer_on_a_short_worker_run(tool: str) -> None:
 
 
 def test_host_cache_pinned_in_the_background_as_one_piece_serves_cuda_copies(compute) -> None:
-    """FDKV_HOST_GROW_CHUNK_MIB > 0 with CUDA copies: the whole host cache lands at once (one
+    """The default with CUDA copies (FDKV_HOST_GROW_CHUNK_MIB unset): the whole host cache lands at once (one
     registration), no partial count is published, and all-layer copies in both directions
     through it keep the data (a copy across two registrations fails with
     cudaErrorInvalidValue, so pieces are refused)."""
@@ -652,7 +652,7 @@ def test_host_cache_pinned_in_the_background_as_one_piece_serves_cuda_copies(com
         ctrl.initialize_kv_cache()
         with pytest.raises(ValueError, match="grow_in_pieces=True with CUDA copies"):
             ctrl.initialize_host_cache(grow_chunk_bytes=config.bytes_per_block, grow_in_pieces=True)
-        ctrl.initialize_host_cache(grow_chunk_bytes=config.bytes_per_block, grow_pace_s=30.0)
+        ctrl.initialize_host_cache(grow_chunk_bytes=None, grow_pace_s=30.0)  # the default with CUDA copies
         seen = set()
         deadline = time.monotonic() + 30
         while ctrl.host_blocks_ready < 16:

@@ -124,22 +124,19 @@ def test_require_ops_turns_a_missing_build_skip_into_a_failure(monkeypatch) -> N
         env_switch("FDKV_REQUIRE_OPS")
 
 
-@pytest.mark.parametrize("value,cuda,want", [
-    (None, False, 0), (None, True, 1 << 20), ("", True, 1 << 20), ("0", True, 0), ("0", False, 0),
-    ("8", False, 8 << 20), ("0.5", True, 1 << 19),
-])
-def test_host_growth_defaults_to_the_background_with_cuda_copies(monkeypatch: pytest.MonkeyPatch,
-                                                                  value: Optional[str], cuda: bool, want: int) -> None:
-    """Unset: the host tier pins in the background with CUDA copies (as one piece, so the size
-    only has to be > 0) and before serving with CPU copies; a value set wins on both."""
+@pytest.mark.parametrize("value,want", [(None, None), ("", None), ("0", 0), ("8", 8 << 20), ("0.5", 1 << 19)])
+def test_host_growth_unset_leaves_the_choice_to_the_controller(monkeypatch: pytest.MonkeyPatch,
+                                                               value: Optional[str], want: Optional[int]) -> None:
+    """Unset: None, the controller's default (background with CUDA copies, before serving with
+    CPU copies: tests/worker/test_controller_host_growth.py); a value set is bytes."""
     if value is None:
         monkeypatch.delenv("FDKV_HOST_GROW_CHUNK_MIB", raising=False)
     else:
         monkeypatch.setenv("FDKV_HOST_GROW_CHUNK_MIB", value)
-    assert envs.host_grow_chunk_bytes(cuda) == want
+    assert envs.host_grow_chunk_bytes() == want
 
 
 def test_a_bad_host_growth_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FDKV_HOST_GROW_CHUNK_MIB", "-1")
     with pytest.raises(ValueError, match="FDKV_HOST_GROW_CHUNK_MIB"):
-        envs.host_grow_chunk_bytes(True)
+        envs.host_grow_chunk_bytes()

@@ -95,11 +95,13 @@ def test_one_piece_growth_lands_whole_and_keeps_addresses() -> None:
         ctrl.close()
 
 
-def test_synchronous_pinning_is_complete_at_once() -> None:
+@pytest.mark.parametrize("grow", [0, None], ids=["zero", "default"])
+def test_synchronous_pinning_is_complete_at_once(grow) -> None:
+    """0, and the default with CPU copies (None), pin before returning."""
     ctrl = CacheController(small_config(), backend="cpu", threaded=False)
     try:
         ctrl.initialize_kv_cache()
-        ctrl.initialize_host_cache()
+        ctrl.initialize_host_cache(grow_chunk_bytes=grow)
         assert ctrl.host_blocks_ready == 8 and ctrl.host_pin_seconds is not None
     finally:
         ctrl.close()
