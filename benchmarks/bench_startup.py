@@ -41,13 +41,6 @@ from fastdeploy_kvcache.entrypoints.server_process import ServerProcess  # noqa:
 CPU_ARGS = ["--model", "tiny-llama-random", "--device", "cpu", "--num-gpu-blocks-override", "64"]
 
 
-def _metric(server: ServerProcess, name: str) -> Optional[float]:
-    for line in server.get_text("/metrics").splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
-
-
 def run_once(args: list[str], env: dict[str, str], timeout_s: float, host_tier: bool) -> dict[str, Any]:
     server = ServerProcess(args, env=env, startup_timeout_s=timeout_s, wait_for_host_tier=False)
     t0 = time.perf_counter()
@@ -58,9 +51,8 @@ def run_once(args: list[str], env: dict[str, str], timeout_s: float, host_tier: 
         if host_tier:
             deadline = time.perf_counter() + timeout_s
             while time.perf_counter() < deadline:
-                ready = _metric(server, "fastdeploy_kvcache:host_blocks_ready")
-                total = _metric(server, "fastdeploy_kvcache:host_blocks_total")
-                if ready is not None and total and ready >= total:
+                ready, total = server.host_tier_progress()
+                if total and ready >= total:
                     complete = time.perf_counter() - t0
                     break
                 time.sleep(0.05)

@@ -86,13 +86,14 @@ def test_a_started_server_process_has_its_host_tier_whole() -> None:
     env = dict(GROW_ENV, FDKV_HOST_GROW_CHUNK_MIB="8", FDKV_HOST_GROW_PACE_S="0.5")  # ~7 pieces, ~3 s
     server = ServerProcess(BASE_ARGS, env=env).start()
     try:
-        ready, total = server.host_tier_progress()
+        ready, total = _host_blocks(server)
         assert total > 0 and ready == total, (ready, total)
+        assert server.host_tier_progress() == (ready, total)
     finally:
         server.stop()
     early = ServerProcess(BASE_ARGS, env=env, wait_for_host_tier=False).start()
     try:
-        ready, total = early.host_tier_progress()
+        ready, total = _host_blocks(early)
         assert total > 0 and ready < total, (ready, total)
     finally:
         early.stop()
