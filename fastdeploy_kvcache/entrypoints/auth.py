@@ -232,9 +232,10 @@ def tenant_of_scope(scope: Mapping[str, Any]) -> Optional[str]:
     return state.get(TENANT_STATE) if isinstance(state, dict) else None
 
 
-GUARDED_PREFIXES = ("/v1/", "/debug/")
-"""Paths that need a key: the API, and ``/debug/kv_cache_blocks`` (it lists cached blocks'
-hashes, from which a client could test whether a prompt is cached)."""
+GUARDED_PREFIXES = ("/v1/", "/debug/", "/router/")
+"""Paths that need a key: the API, the server's ``/debug/kv_cache_blocks`` and the router's
+``/router/state`` (both list cached blocks' hashes, from which a client could test whether a
+prompt is cached)."""
 
 
 class ApiKeyGuard:
