@@ -157,12 +157,13 @@ def tenant_cache_salt(tenant: Optional[str], cache_salt: Optional[str]) -> Optio
     ``tenant:<len>:<tenant>:`` followed by the request's own ``cache_salt`` (if any): the
     length prefix makes the pair recoverable from the result, so two different (tenant, salt)
     pairs never give one salt, and a tenant cannot name another tenant's salt with any
-    ``cache_salt`` of its own.  Deterministic (no secret), so servers that share a store, and
-    the router, derive the same salt.  A request without a tenant keeps its own salt.
+    ``cache_salt`` of its own.  A key without a tenant (``--api-key``'s) counts as the tenant
+    with the empty name, which no keys file can name: it cannot reach a tenant's blocks
+    either.  Deterministic (no secret), so servers that share a store, and the router,
+    derive the same salt.
     """
-    if tenant is None:
-        return cache_salt
-    return f"tenant:{len(tenant)}:{tenant}:{cache_salt or ''}"
+    name = tenant or ""
+    return f"tenant:{len(name)}:{name}:{cache_salt or ''}"
 
 
 def check_cache_salt(value: Any) -> Optional[str]:
