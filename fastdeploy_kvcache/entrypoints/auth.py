@@ -191,7 +191,7 @@ def add_auth_cli_args(parser: argparse.ArgumentParser) -> None:
              f"/metrics stay open (default: ${API_KEY_ENV}, else no key).")
     add("--api-keys-file", dest="api_keys_file", default=None, metavar="PATH",
         help="Keys and their tenants: JSON ({\"KEY\": \"TENANT\", ...}) or one 'KEY TENANT' per line; "
-             "accepted as --api-key's is. A bad file ends start-up with one line naming the entry.")
+             "accepted as --api-key's is. A bad file ends start-up with one line naming the entry (default: none).")
     add("--tenant-isolation", dest="tenant_isolation", default="none", choices=TENANT_ISOLATION_MODES,
         help="none: tenants share cached prefixes (a request's own cache_salt still separates it); salt: "
              "every request is salted by its key's tenant (with its cache_salt, if any), so no cached block "
