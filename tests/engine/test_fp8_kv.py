@@ -1,0 +1,109 @@
+"""block_wise_fp8 KV on the paddleformers runner: the quantization's bounds, and reuse of
+cached fp8 KV giving the greedy tokens of recomputing with fp8 KV.
+
+The reuse checks are the shared ones (``tests/reuse_workloads.py``) on an engine whose cache
+is ``--quantization '{"kv_cache_quant_type": "block_wise_fp8"}'``: recompute is the switch off
+(ENABLE_V1_KVCACHE_MANAGER=0) with the same fp8 cache, reuse is the switch on with device
+hits, host hits, write_back evictions, failed loads and preemption.  The storage tier's
+fp8 reuse is ``tests/storage_tier/test_fp8_store.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from fastdeploy_kvcache.config import BLOCK_WISE_FP8, FP8_E4M3_MAX
+from fastdeploy_kvcache.engine.model_loader import LoadedModel
+from tests.engine_args import started_engines
+from tests.reuse_workloads import ReuseChecks
+
+FP8 = dict(dtype="uint8", kv_cache_quant=BLOCK_WISE_FP8)
+
+
+@pytest.fixture
+def engine_factory(monkeypatch: pytest.MonkeyPatch, tiny_model: LoadedModel) -> Iterator[Any]:
+    """Engines over the tiny model with a block_wise_fp8 cache (a test may still name another)."""
+    yield from started_engines(monkeypatch, tiny_model, model="tiny-llama-random", **FP8)
+
+
+class TestFp8Reuse(ReuseChecks):
+    """The shared reuse checks with fp8 KV; one write policy each where the policy does not
+    change what is quantized (the policies' own logic is tested on the unquantized cache)."""
+
+    policies = {"test_device_hits_change_nothing": ("write_through_selective",),
+                "test_host_hits_change_nothing": ("write_through", "write_back"),
+                "test_failed_loads_recompute_and_change_nothing": ("write_through",),
+                "test_preemption_changes_nothing": ("write_back",)}
+
+
+def test_round_trip_bounds() -> None:
+    """Each value reads back within e4m3's rounding of it: relative 2**-4 for normal values,
+    half a subnormal step (2**-10 of the scale) below them; zeros stay zero, the amax is exact."""
+    import paddle
+
+    from fastdeploy_kvcache.engine.paddleformers_runner import fp8_kv
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 33, 64)).astype(np.float32) * np.logspace(-6, 4, 33, dtype=np.float32)[None, :, None]
+    x[1, 5] = 0.0  # an all-zero token vector
+    x[2, 7, 3] = 1e6  # one outlier: the rest of its vector loses precision, not other tokens'
+    q, scale = fp8_kv.quantize(paddle.to_tensor(x))
+    assert q.dtype == paddle.uint8 and list(q.shape) == [4, 33, 64] and list(scale.shape) == [4, 33]
+    s = scale.numpy()
+    np.testing.assert_allclose(s, np.abs(x).max(-1) / FP8_E4M3_MAX, rtol=1e-6)
+    back = fp8_kv.dequantize(q, scale).numpy()
+    err = np.abs(back - x)
+    bound = np.maximum(np.abs(x) * 2.0 ** -4, s[..., None] * 2.0 ** -10) * (1 + 1e-6)
+    assert (err <= bound).all(), float((err / bound).max())
+    assert (back[1, 5] == 0).all() and (q.numpy()[1, 5] == 0).all() and s[1, 5] == 0
+    amax_at = np.abs(x).argmax(-1)
+    np.testing.assert_allclose(np.take_along_axis(np.abs(back), amax_at[..., None], -1)[..., 0],
+                               np.abs(x).max(-1), rtol=1e-6)
+    # Other tokens of the outlier's head keep their own scale.
+    assert err[2, 8].max() <= np.abs(x[2, 8]).max() * 2.0 ** -4
+
+
+def _forward(eng: Any, tokens: list[int], context_len: int, blocks: list[int]) -> np.ndarray:
+    from fastdeploy_kvcache.engine.runner import ScheduledSeq
+
+    seq = ScheduledSeq(tokens[context_len:], context_len, blocks, True)
+    return eng.runner.forward([seq], eng.pool.layer_caches, None)[0]
+
+
+def test_fp8_cache_holds_each_tokens_kv_within_e4m3_rounding(engine_factory: Any) -> None:
+    """The engine's cache is uint8 with fp32 scale lanes; what it holds for a prompt reads back
+    within e4m3's rounding of the float32 cache's (layer 0's K depends on the tokens only; the
+    last layer's went through every fp8 attention before it), and the logits stay close."""
+    import paddle
+
+    from fastdeploy_kvcache.engine.paddleformers_runner import fp8_kv
+
+    fp8 = engine_factory(v1=True)
+    ref = engine_factory(v1=True, dtype="auto", kv_cache_quant=None)
+    lanes = fp8.pool.layer_caches[0]
+    assert [str(t.dtype).split(".")[-1] for t in lanes] == ["uint8", "uint8", "float32", "float32"]
+    cfg, ref_cfg = fp8.cache_config, ref.cache_config
+    assert cfg.kv_cache_quant == BLOCK_WISE_FP8 and ref_cfg.dtype == "float32"
+    # float32 KV of head_dim d: 4d bytes per (head, token); fp8: d + 4.
+    assert cfg.bytes_per_block * 4 * cfg.head_dim == ref_cfg.bytes_per_block * (cfg.head_dim + 4)
+    tokens = [3 + (j * 11) % 500 for j in range(40)]
+    blocks = [20, 21, 22]
+    got, want = _forward(fp8, tokens, 0, blocks), _forward(ref, tokens, 0, blocks)
+    for layer, tol in ((0, 2.0 ** -4), (cfg.num_layers - 1, 0.25)):
+        idx = paddle.to_tensor(blocks, dtype="int64")
+        lanes = fp8.pool.layer_caches[layer]
+        k = fp8_kv.gather_blocks(lanes[0], lanes[2], idx).numpy()
+        k_ref = ref.pool.layer_caches[layer][0].numpy()[blocks]
+        amax = np.abs(k_ref).max(-1, keepdims=True)
+        flat = lambda a: a.transpose(1, 0, 2, 3).reshape(a.shape[1], -1, a.shape[-1])[:, :40]  # noqa: E731
+        err = (np.abs(flat(k) - flat(k_ref)) / flat(amax)).max()
+        assert err <= tol, (layer, err)
+    cos = float(got @ want / np.linalg.norm(got) / np.linalg.norm(want))
+    assert cos >= 0.98, cos
+    # Chunking changes nothing: the last token decoded over the cached 39 gives the logits of
+    # prefilling all 40 at once (every token is attended from the quantized cache either way).
+    again = _forward(fp8, tokens, 39, blocks)
+    np.testing.assert_allclose(again, got, rtol=1e-5, atol=1e-5)
