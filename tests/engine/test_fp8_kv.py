@@ -107,3 +107,40 @@ def test_fp8_cache_holds_each_tokens_kv_within_e4m3_rounding(engine_factory: Any
     # prefilling all 40 at once (every token is attended from the quantized cache either way).
     again = _forward(fp8, tokens, 39, blocks)
     np.testing.assert_allclose(again, got, rtol=1e-5, atol=1e-5)
+
+
+def test_pools_follow_the_smaller_blocks() -> None:
+    """Llama-3-8B's shape (32 layers, 8 KV heads of 128, 64-token blocks): an fp8 block with
+    its scales is 132/256 of a bfloat16 one, so the same --swap-space and the same device
+    budget hold 1.94x the blocks."""
+    from fastdeploy_kvcache.config import CacheConfig
+    from fastdeploy_kvcache.engine import kv_sizing
+
+    shape = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=64, swap_space=4.0)
+    bf16 = CacheConfig(dtype="bfloat16", **shape)
+    fp8 = CacheConfig(dtype="block_wise_fp8", **shape)
+    assert (fp8.dtype, fp8.kv_cache_quant) == ("uint8", BLOCK_WISE_FP8)
+    assert fp8.bytes_per_block == 2 * 32 * (8 * 64 * 128 + 8 * 64 * 4)
+    assert fp8.host_block_count / bf16.host_block_count >= 1.9
+    sizes = dict(block_size=64, max_model_len=8192, max_num_seqs=64)
+    budget = 40 << 30
+    blocks = {c.dtype: kv_sizing.device_pool_blocks(bytes_per_block=c.bytes_per_block, kv_budget=budget, **sizes)
+              for c in (bf16, fp8)}
+    assert blocks["uint8"] / blocks["bfloat16"] >= 1.9
+
+
+def test_the_same_swap_space_holds_more_fp8_blocks(engine_factory: Any) -> None:
+    """The engine's host tier: the same GiB, blocks in the ratio of the block bytes (on the CPU,
+    float32 KV of head_dim d is 4d bytes per (head, token), fp8 d + 4)."""
+    fp8 = engine_factory(v1=True, swap_space=0.01, num_host_blocks=None)
+    ref = engine_factory(v1=True, swap_space=0.01, num_host_blocks=None, dtype="auto", kv_cache_quant=None)
+    a, b = fp8.pool.controller, ref.pool.controller
+    assert a.num_host_blocks == int(0.01 * (1 << 30)) // fp8.cache_config.bytes_per_block
+    d = fp8.cache_config.head_dim
+    assert a.num_host_blocks / b.num_host_blocks == pytest.approx(4 * d / (d + 4), rel=0.01)
+    # A host block is its K and V bytes and their scales, every layer: what storage stores.
+    from fastdeploy_kvcache.storage.transfer import HostTierLayout
+
+    layout = HostTierLayout.from_controller(a)
+    assert layout.object_bytes == fp8.cache_config.bytes_per_block
+    assert layout.describe() == HostTierLayout.describe_config(fp8.cache_config)
