@@ -40,11 +40,7 @@ def profile_device_memory(runner: Any, cache: CacheConfig, num_tokens: int, num_
 
     dtype = torch_dtype(cache.dtype)
     shape = (next_block, *cache.block_shape)
-    # The pool's lanes: K and V, and for a quantized cache their fp32 scales [blocks, heads, block_size].
-    scale_shape = shape[:-1]
     caches = [[torch.zeros(shape, dtype=dtype, device=runner.device) for _ in range(2)]
-              + ([torch.zeros(scale_shape, dtype=torch.float32, device=runner.device) for _ in range(2)]
-                 if cache.kv_cache_quant is not None else [])
               for _ in range(cache.num_layers)]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
