@@ -904,6 +904,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kv-repeats", type=int, default=5, help="Host hits per format (KV-format scenario).")
     ap.add_argument("--kv-docs", type=int, default=4,
                     help="Documents stored per format; all but the first are measured (KV-format scenario).")
+    ap.add_argument("--kv-baseline-dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                    help="The KV dtype block_wise_fp8 is set against in the KV-format scenario ('auto': the model's, "
+                         "bfloat16 on a GPU, float32 on the CPU).")
     ap.add_argument("--kv-store-rate", type=float, default=1.0, metavar="GBPS",
                     help="Read rate of the store in the KV-format scenario (FDKV_STORAGE_THROTTLE_BYTES_PER_S).")
     ap.add_argument("--seed", type=int, default=1)

@@ -1,7 +1,8 @@
 """The KV-format scenario of ``bench_serving`` (``--kv-formats``; run in its invocation).
 
-The same servers and workload with the model's KV dtype (the baseline: bfloat16 on a GPU,
-float32 on the CPU) and with ``--quantization '{"kv_cache_quant_type": "block_wise_fp8"}'``,
+The same servers and workload with the baseline KV dtype (``--kv-baseline-dtype``; ``auto``:
+the model's, bfloat16 on a GPU and float32 on the CPU) and with
+``--quantization '{"kv_cache_quant_type": "block_wise_fp8"}'``,
 each measured in the same run, and reported as fp8 over the baseline:
 
 * **host capacity**: host blocks per GiB of the same ``--swap-space`` (target >= 1.9x
@@ -15,7 +16,8 @@ each measured in the same run, and reported as fp8 over the baseline:
   a file store and stops; a server whose reads are held to ``--kv-store-rate`` GB/s
   (``FDKV_STORAGE_THROTTLE_BYTES_PER_S``) and that fetches every stored block
   (``--kvcache-storage-fetch-plan off``) serves each from storage after a warm-up (target:
-  TTFT <= 0.6x bfloat16's).
+  TTFT <= 0.6x bfloat16's); the engine's own TTFT (arrival to first token, no HTTP) and its
+  fetch (read and copy to host), from ``request_timings``, beside it.
 
 Each figure is a median over ``--kv-repeats`` documents (storage: ``--kv-docs`` - 1).
 """
@@ -32,7 +34,6 @@ logger = logging.getLogger("bench_serving")
 StartServer = Callable[[list[str], dict[str, str]], Any]
 ENV = {"ENABLE_V1_KVCACHE_MANAGER": "1", "PYTHONFAULTHANDLER": "1"}
 FP8 = ["--quantization", '{"kv_cache_quant_type": "block_wise_fp8"}']
-FORMATS: tuple[tuple[str, list[str]], ...] = (("baseline", []), ("block_wise_fp8", FP8))
 
 
 def _h2d(server: Any) -> tuple[float, int]:
@@ -68,10 +69,38 @@ async def _host_hits(server: Any, model: str, prefix: int, filler: int, repeats:
     return rows
 
 
+async def _storage_hits(server: Any, model: str, prefix: int, docs: int) -> list[dict[str, float]]:
+    """Warm-up, then each stored document once (all but the first measured): its TTFT, the
+    engine's fetch (``request_timings``: the read and copy into host memory) and its storage tokens."""
+    from openai import AsyncOpenAI
+
+    from bench_serving import finished_count, request_timings_after, stream_completion, tiers_of, wait_storage_quiet
+    from serving_store_speeds import _prompt
+
+    client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    rows = []
+    try:
+        for i in range(2):
+            await stream_completion(client, model, _prompt(90_000 + i, prefix), 1)  # type: ignore[arg-type]
+        for k in range(docs):
+            await asyncio.to_thread(wait_storage_quiet, server)
+            before = await asyncio.to_thread(finished_count, server)
+            r = await stream_completion(client, model, _prompt(k, prefix), 1)  # type: ignore[arg-type]
+            timing = await asyncio.to_thread(request_timings_after, server, before, 1)
+            fetch = (timing[0].get("fetch") or {}) if timing else {}
+            if k:
+                rows.append({"ttft_s": r[0], "storage_tokens": tiers_of(r[3])["storage"],
+                             "engine_ttft_s": float(timing[0].get("ttft_s") or float("nan")) if timing else float("nan"),
+                             "fetch_s": float(fetch.get("job_s") or float("nan"))})
+    finally:
+        await client.close()
+    return rows
+
+
 def run_kv_formats(args: Any, start_server: StartServer, work: Path) -> dict[str, Any]:
     """The scenario (module docstring); returns the figures per format and the ratios."""
     from bench_serving import cold_server_args, percentile, wait_storage_quiet
-    from serving_store_speeds import _serve_docs, _prompt
+    from serving_store_speeds import _prompt
 
     prefix, bs = args.kv_prefix_tokens, args.block_size
     common, device_blocks = cold_server_args(args, [prefix])
@@ -83,12 +112,16 @@ def run_kv_formats(args: Any, start_server: StartServer, work: Path) -> dict[str
     rate_env = {"FDKV_STORAGE_THROTTLE_BYTES_PER_S": str(args.kv_store_rate * 1e9)}
     out: dict[str, Any] = {"prefix_tokens": prefix, "swap_space_gib": args.swap_space,
                            "store_rate_gbps": args.kv_store_rate, "formats": {}}
-    for name, flags in FORMATS:
+    base_dtype = args.kv_baseline_dtype
+    base_flags = [] if base_dtype == "auto" else ["--kv-cache-dtype", base_dtype]
+    if base_dtype == "auto":
+        base_dtype = "bfloat16" if args.device == "gpu" else "float32"  # the model's, as the engine picks it
+    for name, flags in (("baseline", base_flags), ("block_wise_fp8", FP8)):
         res: dict[str, Any] = {}
         server = start_server(common + flags, dict(ENV))
         try:
             stats = server.engine_stats()
-            res["kv_dtype"] = "uint8/block_wise_fp8" if flags else ("bfloat16" if args.device == "gpu" else "float32")
+            res["kv_dtype"] = "uint8/block_wise_fp8" if flags == FP8 else base_dtype
             res["host_blocks"] = int(stats["cache"]["host_blocks_total"])
             res["host_blocks_per_gib"] = res["host_blocks"] / args.swap_space
             rows = asyncio.run(_host_hits(server, args.model, prefix, filler, args.kv_repeats))
@@ -117,13 +150,15 @@ def run_kv_formats(args: Any, start_server: StartServer, work: Path) -> dict[str
             writer.stop()
         reader = start_server(common + flags + storage + ["--kvcache-storage-fetch-plan", "off"], {**ENV, **rate_env})
         try:
-            served = asyncio.run(_serve_docs(reader, args.model, prefix, args.kv_docs))
+            served = asyncio.run(_storage_hits(reader, args.model, prefix, args.kv_docs))
             st = wait_storage_quiet(reader)["storage"]["store"]
         finally:
             reader.stop()
         res["storage_hit"] = {
-            "ttft_p50_s": percentile([r[0] for r in served], 50),
-            "storage_tokens_p50": percentile([r[1] for r in served], 50),
+            "ttft_p50_s": percentile([r["ttft_s"] for r in served], 50),
+            "fetch_p50_s": percentile([r["fetch_s"] for r in served], 50),
+            "engine_ttft_p50_s": percentile([r["engine_ttft_s"] for r in served], 50),
+            "storage_tokens_p50": percentile([r["storage_tokens"] for r in served], 50),
             "read_bytes": st.get("read_bytes"), "docs": len(served),
         }
         out["formats"][name] = res
@@ -142,6 +177,9 @@ def run_kv_formats(args: Any, start_server: StartServer, work: Path) -> dict[str
         "host_hit_load_bytes": ratio(fp8["host_hit"]["load_bytes_p50"], base["host_hit"]["load_bytes_p50"]),
         "host_hit_ttft": ratio(fp8["host_hit"]["ttft_p50_s"], base["host_hit"]["ttft_p50_s"]),
         "storage_hit_ttft": ratio(fp8["storage_hit"]["ttft_p50_s"], base["storage_hit"]["ttft_p50_s"]),
+        "storage_hit_fetch": ratio(fp8["storage_hit"]["fetch_p50_s"], base["storage_hit"]["fetch_p50_s"]),
+        "storage_hit_engine_ttft": ratio(fp8["storage_hit"]["engine_ttft_p50_s"],
+                                         base["storage_hit"]["engine_ttft_p50_s"]),
     }
     return out
 
@@ -162,8 +200,12 @@ def format_kv_formats(result: Optional[dict[str, Any]]) -> str:
          f"{1e3 * fp8['host_hit']['ttft_p50_s']:.1f}", r["host_hit_ttft"], ""),
         (f"storage-hit TTFT at {result['store_rate_gbps']:g} GB/s (ms)", f"{1e3 * base['storage_hit']['ttft_p50_s']:.1f}",
          f"{1e3 * fp8['storage_hit']['ttft_p50_s']:.1f}", r["storage_hit_ttft"], "<= 0.6 (vs bf16)"),
+        ("storage-hit TTFT, engine (ms)", f"{1e3 * base['storage_hit']['engine_ttft_p50_s']:.1f}",
+         f"{1e3 * fp8['storage_hit']['engine_ttft_p50_s']:.1f}", r["storage_hit_engine_ttft"], ""),
+        ("storage-hit fetch, engine (ms)", f"{1e3 * base['storage_hit']['fetch_p50_s']:.1f}",
+         f"{1e3 * fp8['storage_hit']['fetch_p50_s']:.1f}", r["storage_hit_fetch"], ""),
     ]
-    lines = ["", f"KV formats (same run): baseline = {base['kv_dtype']} KV (the model's), fp8 = block_wise_fp8",
+    lines = ["", f"KV formats (same run): baseline = {base['kv_dtype']} KV, fp8 = block_wise_fp8",
              f"{'figure':<44} {'baseline':>10} {'fp8':>10} {'fp8/base':>9}  target"]
     for label, b, f, x, target in rows:
         lines.append(f"{label:<44} {b:>10} {f:>10} {x:>9.3f}  {target}")
