@@ -55,6 +55,11 @@ default; ``benchmarks/serving_store_speeds.py``): fetch-all, the online fetch-or
 plan and a sweep of forced splits (the offline oracle) against recompute-all, on a warm, a
 cold and rate-limited stores, with the server's read GB/s against a plain parallel read.
 
+The **KV-format** scenario (``--kv-formats``, off by default; ``benchmarks/serving_kv_formats.py``):
+block_wise_fp8 against ``--kv-baseline-dtype`` (the model's by default) in the same run: host
+blocks per GiB, a host hit's load time and TTFT, and a storage hit's TTFT on a store held to
+``--kv-store-rate`` GB/s, each printed with the baseline's and the ratio.
+
 With ``--interleave``, round 1 is also measured **interleaved, in pairs**: a recompute server
 stays up while each other configuration's server is started beside it in turn (two servers at
 once, where the miss probe's all at once does not fit a GPU), and the miss probe's bursts of
