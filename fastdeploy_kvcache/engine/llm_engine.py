@@ -125,6 +125,10 @@ class LLMEngine:
         else:
             from fastdeploy_kvcache.engine.paddleformers_runner.paddle_runner import PaddleModelRunner
 
+            if self.cache_config.kv_cache_quant is not None:
+                from fastdeploy_kvcache.engine.paddleformers_runner.fp8_kv import gather_view_dtype
+
+                gather_view_dtype(self.cache_config.head_dim)  # ValueError now, not at the first step
             self.runner = PaddleModelRunner(self.loaded, self.cache_config.block_size, self.device)
         self.cache_config.num_gpu_blocks = self._device_pool_blocks()
         storage = getattr(args, "storage", None)

@@ -144,3 +144,13 @@ def test_the_same_swap_space_holds_more_fp8_blocks(engine_factory: Any) -> None:
     layout = HostTierLayout.from_controller(a)
     assert layout.object_bytes == fp8.cache_config.bytes_per_block
     assert layout.describe() == HostTierLayout.describe_config(fp8.cache_config)
+
+
+def test_an_odd_head_dim_is_refused_naming_the_flag() -> None:
+    """Paddle's CPU build gathers no uint8: the blocks go through an int32 (or bfloat16) view,
+    which an odd head_dim cannot have."""
+    from fastdeploy_kvcache.engine.paddleformers_runner import fp8_kv
+
+    assert fp8_kv.gather_view_dtype(128) == "int32" and fp8_kv.gather_view_dtype(66) == "bfloat16"
+    with pytest.raises(ValueError, match=r"^kv_cache_quant: .*even head_dim.*65"):
+        fp8_kv.gather_view_dtype(65)

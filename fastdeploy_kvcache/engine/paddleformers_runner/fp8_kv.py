@@ -20,8 +20,8 @@ error <= 2**-4 for normal values, against 2**-3).  A per-token scale costs 4 byt
 NOTE: Paddle 3.3's CPU build casts float32 <-> float8_e4m3fn (round to nearest even,
 saturating at 448) and views uint8 as float8_e4m3fn, but registers no ``index_select`` for
 uint8: the gather runs over an int32 (or bfloat16) view of the same bytes, which needs a
-head_dim that is a multiple of 4 (or 2).  Every Llama has one; an odd head_dim is refused
-when the first step runs (:func:`gather_view_dtype`).
+head_dim that is a multiple of 4 (or 2).  Every Llama has one; the engine refuses an odd
+head_dim when it starts (:func:`gather_view_dtype`).
 """
 
 from __future__ import annotations
