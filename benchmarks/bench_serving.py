@@ -905,7 +905,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "block_wise_fp8 in the same run: host blocks per GiB, a host hit's load time, and a storage "
                          "hit's TTFT on a rate-limited store; prints each baseline and the ratio.")
     ap.add_argument("--kv-prefix-tokens", type=int, default=0,
-                    help="Document length of the KV-format scenario (default: 8192 on a GPU, 1024 on the CPU).")
+                    help="Document length of the KV-format scenario (default: 8128 on a GPU, 1024 on the CPU; the "
+                         "host tier must hold six such documents, --swap-space).")
     ap.add_argument("--kv-repeats", type=int, default=5, help="Host hits per format (KV-format scenario).")
     ap.add_argument("--kv-docs", type=int, default=4,
                     help="Documents stored per format; all but the first are measured (KV-format scenario).")
@@ -972,7 +973,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                               or args.store_split_points < 2 or not 0 <= args.store_read_threads <= 256):
         ap.error("store speeds: --store-prefix-tokens must hold at least one block, --store-docs and "
                  "--store-split-points must be >= 2, --store-read-threads 0 to 256")
-    args.kv_prefix_tokens = args.kv_prefix_tokens or (8192 if args.device == "gpu" else 1024)
+    # 8128: 127 blocks of 64, so the prompt (a few tokens more) fits llama3-8b-random's 8192 positions.
+    args.kv_prefix_tokens = args.kv_prefix_tokens or (8128 if args.device == "gpu" else 1024)
     if args.kv_formats and (args.kv_prefix_tokens < args.block_size or args.kv_repeats < 1 or args.kv_docs < 2
                             or not 0 < args.kv_store_rate < float("inf")):
         ap.error("kv formats: --kv-prefix-tokens must hold at least one block, --kv-repeats >= 1, --kv-docs >= 2, "
