@@ -155,6 +155,8 @@ def test_block_wise_fp8_is_a_quantization_setting_or_a_kv_cache_dtype() -> None:
                                         '{"kv_cache_quant_type": "block_wise_fp8"}']))
     with pytest.raises(ValueError, match=r"^kv_cache_quant: kv_cache_quant_type must be one of"):
         CacheConfig.from_cli_args(argparse.Namespace(quantization={"kv_cache_quant_type": "int8"}))
+    with pytest.raises(ValueError, match=r"^kv_cache_quant: --quantization is not valid JSON"):
+        CacheConfig.from_cli_args(argparse.Namespace(quantization='{"kv_cache_quant_type": '))
 
 
 def test_cli_rejects_unknown_policy() -> None:
