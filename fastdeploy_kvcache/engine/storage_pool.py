@@ -103,11 +103,10 @@ class StorageKVPool(ManagedKVPool):
     def _make_storage_tier(self) -> StorageTier:
         """The backend, key namespace, transfer threads and the tier over the controller's host
         tier (the backend is closed again if any of it fails)."""
+        from fastdeploy_kvcache.storage.file_format import kv_format_code
         from fastdeploy_kvcache.storage.keys import KeyNamespace
         from fastdeploy_kvcache.storage.transfer import HostTierLayout, StorageTransfer
         from fastdeploy_kvcache.worker.storage_worker import StorageWorker
-
-        from fastdeploy_kvcache.storage.file_format import kv_format_code
 
         config = self.config
         overrides = dict(self._backend_overrides)

@@ -154,3 +154,53 @@ def test_an_odd_head_dim_is_refused_naming_the_flag() -> None:
     assert fp8_kv.gather_view_dtype(128) == "int32" and fp8_kv.gather_view_dtype(66) == "bfloat16"
     with pytest.raises(ValueError, match=r"^kv_cache_quant: .*even head_dim.*65"):
         fp8_kv.gather_view_dtype(65)
+
+
+def _e4m3_values() -> np.ndarray:
+    """Every e4m3fn byte's value (NaN for 0x7f and 0xff), from the format's definition."""
+    vals = np.zeros(256)
+    for b in range(256):
+        sign, e, m = (-1.0 if b & 0x80 else 1.0), (b >> 3) & 0xF, b & 7
+        vals[b] = np.nan if (e, m) == (15, 7) else sign * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return vals
+
+
+def _e4m3_round_to_nearest_even(x: np.ndarray) -> np.ndarray:
+    """The reference encoding: nearest value, ties to the even code, saturating at 448."""
+    table = _e4m3_values()
+    codes = np.array([b for b in range(127)])  # 0x00..0x7e: the finite non-negative values, increasing
+    values = table[codes]
+    out = np.empty(x.shape, np.uint8)
+    for i, v in np.ndenumerate(x):
+        a = min(abs(float(v)), 448.0)
+        j = int(np.searchsorted(values, a))
+        if values[min(j, 126)] == a:
+            code = codes[j]
+        else:
+            lo, hi = codes[j - 1], codes[j]
+            below, above = a - values[lo], values[hi] - a
+            code = lo if below < above else hi if above < below else (lo if lo % 2 == 0 else hi)
+        out[i] = code | (0x80 if np.signbit(v) else 0)
+    return out
+
+
+def test_bytes_are_e4m3_round_to_nearest_even() -> None:
+    """The bytes are the format's own rounding of x / scale (nearest, ties to even), which is
+    what torch's float8_e4m3fn cast writes too: an object written by either runner reads back
+    the same on the other.  A vector whose amax is 448 has scale 1, so the ties are exact."""
+    import paddle
+
+    from fastdeploy_kvcache.engine.paddleformers_runner import fp8_kv
+
+    ties = np.array([448.0, 1.0625, 1.1875, -1.3125, 0.001953125 * 1.5, 2.0 ** -10, 300.0, -0.0] + [0.0] * 8,
+                    dtype=np.float32)
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((4, 40, 16)) * np.logspace(-4, 3, 40)[None, :, None]).astype(np.float32)
+    for data in (ties.reshape(1, 1, 16), x):
+        q, s = fp8_kv.quantize(paddle.to_tensor(data))
+        s = s.numpy()
+        scaled = data / np.where(s > 0, s, 1)[..., None]
+        np.testing.assert_array_equal(q.numpy(), _e4m3_round_to_nearest_even(scaled))
+    q, _ = fp8_kv.quantize(paddle.to_tensor(ties.reshape(1, 1, 16)))
+    # 1.0625 lies halfway between 1.0 (0x38) and 1.125 (0x39): the even code; 1.1875: 1.25 (0x3a).
+    assert list(q.numpy()[0, 0, 1:3]) == [0x38, 0x3A]
