@@ -200,7 +200,8 @@ class LLMEngine:
         self._refresh_stats()
         logger.info(
             "LLMEngine: model %s on %s, %d layers, KV %s, %d device blocks of %d tokens, %d host blocks, v1 manager %s",
-            self.model_name, self.device, self.loaded.num_layers, self.cache_config.dtype,
+            self.model_name, self.device, self.loaded.num_layers,
+            self.cache_config.dtype + (f"/{self.cache_config.kv_cache_quant}" if self.cache_config.kv_cache_quant else ""),
             self.cache_config.num_gpu_blocks, self.cache_config.block_size,
             self.cache_config.host_block_count if self.use_v1 else 0, "on" if self.use_v1 else "off",
         )
