@@ -125,6 +125,10 @@ class LLMEngine:
         else:
             from fastdeploy_kvcache.engine.paddleformers_runner.paddle_runner import PaddleModelRunner
 
+            if self.cache_config.kv_cache_quant is not None:
+                from fastdeploy_kvcache.engine.paddleformers_runner.fp8_kv import gather_view_dtype
+
+                gather_view_dtype(self.cache_config.head_dim)  # ValueError now, not at the first step
             self.runner = PaddleModelRunner(self.loaded, self.cache_config.block_size, self.device)
         self.cache_config.num_gpu_blocks = self._device_pool_blocks()
         storage = getattr(args, "storage", None)
@@ -196,7 +200,8 @@ class LLMEngine:
         self._refresh_stats()
         logger.info(
             "LLMEngine: model %s on %s, %d layers, KV %s, %d device blocks of %d tokens, %d host blocks, v1 manager %s",
-            self.model_name, self.device, self.loaded.num_layers, self.cache_config.dtype,
+            self.model_name, self.device, self.loaded.num_layers,
+            self.cache_config.dtype + (f"/{self.cache_config.kv_cache_quant}" if self.cache_config.kv_cache_quant else ""),
             self.cache_config.num_gpu_blocks, self.cache_config.block_size,
             self.cache_config.host_block_count if self.use_v1 else 0, "on" if self.use_v1 else "off",
         )

@@ -46,9 +46,10 @@ from fastdeploy_kvcache.engine.transformers_runner.torch_sampling import sample_
 from fastdeploy_kvcache.engine.transformers_runner.torch_attention import (
     PrefillChunk,
     TorchStep,
+    attend_layer,
     decode_mask,
-    paged_attention_forward,
     register_paged_attention,
+    step_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -428,7 +429,7 @@ class TorchModelRunner:
                 try:
                     if pieces is not None:
                         assert self.piecewise_graphs is not None
-                        hidden = self.piecewise_graphs.run(pieces, input_ids, position_ids, _attend)
+                        hidden = self.piecewise_graphs.run(pieces, input_ids, position_ids, _binder(step))
                         self.piecewise_steps += 1
                         self.last_step_replayed = bool(pieces.graphs)
                     else:
@@ -505,7 +506,11 @@ class TorchModelRunner:
             return logits[:n] if len(rows) == n else logits.index_select(0, dev[3 * b + n * width:])
 
 
-def _attend(module: Any, query: Any, key: Any, value: Any, out: Any) -> None:
-    """A layer's paged attention between two pieces, into ``out`` (the step is the thread's
-    current one)."""
-    paged_attention_forward(module, query, key, value, None, scaling=module.scaling, out=out)
+def _binder(step: TorchStep) -> Any:
+    """The piecewise run's ``bind``: the step's row views built once, then each layer's
+    attention over them (``torch_attention.attend_layer``)."""
+    def bind(q: Any, k: Any, v: Any, out: Any) -> Any:
+        rows = step_rows(step, q, k, v, out)
+        return lambda layer_idx, scale: attend_layer(step, rows, layer_idx, scale)
+
+    return bind
