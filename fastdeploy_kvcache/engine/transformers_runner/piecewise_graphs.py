@@ -20,9 +20,12 @@ residual stream, q/k/v, the attention's output, the rotary cos/sin):
 
 A step of ``T`` tokens copies its ids and positions into the buffers, replays the pieces of
 the smallest size ``>= T`` and runs each layer's paged attention eagerly in between, over
-the step's real ``T`` rows (the same attention function and the same :class:`TorchStep` as
-the eager path, so per-layer load waits, the K/V writes and every chunk's context work as
-there).  Rows past ``T`` carry stale values through the row-wise pieces; the attention
+the step's real ``T`` rows (the same attention, ``torch_attention.attend_layer``, and the
+same :class:`TorchStep` as the eager path, so per-layer load waits, the K/V writes and every
+chunk's context work as there).  Every layer's q, k, v and output are the same buffers, so
+the views the attention reads are built once per step (the caller's ``bind``), and a layer
+dispatches only its own work between two replays: on a GPU each op there is host time,
+times the layers.  Rows past ``T`` carry stale values through the row-wise pieces; the attention
 never writes or reads them, and the logits are taken from the real rows only
 (``lm_head`` eagerly, on the sampled rows).
 
@@ -138,6 +141,7 @@ class PiecewiseGraphs:
         # Each layer's (layer_idx, scale) for its attention between the pieces.
         self._attention_args = [(int(layer.self_attn.layer_idx), float(layer.self_attn.scaling)) for layer in layers]
         self._rows_for = -1
+        self.last_pieces_s = 0.0  # the last run's host seconds in its pieces (replays, or calls)
         self._rows_views: tuple[Any, ...] = ()
 
     @property
@@ -241,14 +245,20 @@ class PiecewiseGraphs:
         attend = bind(q, k, v, out)
         size = bucket.size
         graphs = bucket.graphs
+        clock = time.perf_counter
+        pieces_s = 0.0
         for i, (layer_idx, scale) in enumerate(self._attention_args):
+            t0 = clock()
             if graphs:
                 graphs[i].replay()
             else:
                 self.piece(i, size)
+            pieces_s += clock() - t0
             attend(layer_idx, scale)
+        t0 = clock()
         if graphs:
             graphs[-1].replay()
         else:
             self.piece(len(self._attention_args), size)
+        self.last_pieces_s = pieces_s + clock() - t0
         return hidden

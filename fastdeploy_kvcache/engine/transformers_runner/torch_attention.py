@@ -32,6 +32,11 @@ Per layer:
      kernel, reading its blocks in place; otherwise (:func:`prefill_attention_torch`) its
      blocks gathered and SDPA with a lower-right causal bias (flash or memory-efficient).
 
+The views of the step's rows that these read (the rows to write, the decode batch's, each
+chunk's) are a :class:`StepRows` (:func:`step_rows`); the eager hook builds one per layer
+call, the piecewise graphs once per step (every layer's q, k, v and output are the same
+static buffers there), so a layer between two pieces dispatches only the work above.
+
 The cost of a read is the same whichever tier the blocks came from: by the time a layer
 attends, a host hit's blocks are device blocks like any other.
 """
@@ -77,6 +82,9 @@ class TorchStep:
     # kernel, the torch fallback reading decode_mask (float32 [B, W, 1, 1, bs]: 0 inside each
     # seq, -inf past its end).
     decode_kernel: Optional[Callable[..., Any]] = None
+    # The same kernel prepared once for every layer of the step (its checks, grid and strides):
+    # triton_paged_attention.paged_decode_launcher, or None (each layer calls decode_kernel).
+    decode_launcher: Optional[Callable[..., Any]] = None
     decode_lens: Any = None
     decode_mask: Any = None
     decode_workspace: dict = field(default_factory=dict)  # the kernel's partials, shared by all layers
@@ -186,7 +194,7 @@ class ChunkRows:
     v: Any
     q_rows: Any  # [n, H, D]: the kernel's layout
     out_rows: Any  # [n, H, D]
-    out4: Any  # [1, n, H, D]: where SDPA's [1, H, n, D] result goes, transposed
+    out4: Any  # [1, H, n, D]: out_rows in SDPA's layout (a view), where its result is copied
 
 
 @dataclass
@@ -205,18 +213,20 @@ class StepRows:
     k: Any  # [T, KVH, D]
     v: Any
     out: Any  # [T, H, D]
-    # The rows the attention writes into the caches itself (the decode kernel writes its own):
-    # their slots and, for the caches' dtype when it is the rows' (None: cast per layer).
+    # Rows from write_from on go into the caches with index_put_ (the decode kernel writes the
+    # rows before them): their slots, and the rows (None when they need a cast: per layer).
     write_from: int
     write_blocks: Any = None
     write_offsets: Any = None
     k_write: Any = None
     v_write: Any = None
     cast: Any = None  # the caches' dtype where it differs from the rows' (None: the same)
+    groups: int = 1  # query heads per KV head
     dec_q: Any = None  # [B, H, D]
     dec_k: Any = None  # [B, KVH, D] (None when cast: taken per layer)
     dec_v: Any = None
     dec_out: Any = None  # [B, H, D]
+    dec_launch: Optional[Callable[[Any, Any, float], None]] = None  # from step.decode_launcher
     chunks: list[ChunkRows] = field(default_factory=list)
 
 
@@ -238,16 +248,23 @@ def step_rows(step: TorchStep, q: Any, k: Any, v: Any, out: Any) -> StepRows:
             rows.k_write = k[w:] if w else k
             rows.v_write = v[w:] if w else v
     rows.cast = cast
+    rows.groups = int(q.shape[1]) // int(k.shape[1])
     if b:
         rows.dec_q = q[:b]
         rows.dec_out = out[:b]
         if cast is None:
             rows.dec_k, rows.dec_v = k[:b], v[:b]
+            if step.decode_launcher is not None:
+                first = step.kv_caches[0]  # every layer's caches have its shape and dtype
+                rows.dec_launch = step.decode_launcher(rows.dec_q, first[0], first[1], step.decode_table, step.decode_lens,
+                                                       rows.dec_out, workspace=step.decode_workspace,
+                                                       k_new=rows.dec_k, v_new=rows.dec_v)
     for p in step.prefills:
         a, n = p.start, p.num_new
         q_rows, out_rows = q[a:a + n], out[a:a + n]
         kv = (k[a:a + n].transpose(0, 1)[None], v[a:a + n].transpose(0, 1)[None]) if p.context_len == 0 else (None, None)
-        rows.chunks.append(ChunkRows(p, q_rows.transpose(0, 1)[None], kv[0], kv[1], q_rows, out_rows, out_rows[None]))
+        rows.chunks.append(ChunkRows(p, q_rows.transpose(0, 1)[None], kv[0], kv[1], q_rows, out_rows,
+                                     out_rows.transpose(0, 1)[None]))
     return rows
 
 
@@ -274,7 +291,8 @@ def attend_layer(step: TorchStep, rows: StepRows, layer: int, scale: float) -> N
 
     if step.layer_done is not None:
         _wait_for_layer(step, layer)
-    k_cache, v_cache = step.kv_caches[layer]
+    caches = step.kv_caches[layer]
+    k_cache, v_cache = caches[0], caches[1]
     k_write, v_write, dec_k, dec_v = rows.k_write, rows.v_write, rows.dec_k, rows.dec_v
     if rows.cast is not None:
         k_new, v_new = rows.k.to(rows.cast), rows.v.to(rows.cast)
@@ -286,13 +304,15 @@ def attend_layer(step: TorchStep, rows: StepRows, layer: int, scale: float) -> N
         k_cache[rows.write_blocks, :, rows.write_offsets] = k_write
         v_cache[rows.write_blocks, :, rows.write_offsets] = v_write
     if rows.dec_q is not None:
-        if step.decode_kernel is not None:
+        if rows.dec_launch is not None:
+            rows.dec_launch(k_cache, v_cache, scale)
+        elif step.decode_kernel is not None:
             step.decode_kernel(rows.dec_q, k_cache, v_cache, step.decode_table, step.decode_lens, rows.dec_out, scale,
                                workspace=step.decode_workspace, k_new=dec_k, v_new=dec_v)
         else:
             rows.dec_out.copy_(decode_attention_torch(rows.dec_q, k_cache, v_cache, step.decode_table,
                                                       step.decode_mask, scale))
-    groups = int(rows.q.shape[1]) // int(rows.k.shape[1])
+    groups = rows.groups
     for c in rows.chunks:
         p = c.chunk
         if p.context_len == 0:
@@ -303,7 +323,7 @@ def attend_layer(step: TorchStep, rows: StepRows, layer: int, scale: float) -> N
             continue
         else:
             o = prefill_attention_torch(c.q, k_cache, v_cache, p.table, p.context_len, scale)
-        c.out4.copy_(o.transpose(1, 2))
+        c.out4.copy_(o)
 
 
 def paged_attention_forward(

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import triton
 import triton.language as tl
@@ -276,6 +276,31 @@ def paged_decode_attention(
       kernel writes them to position ``seq_lens[b] - 1`` of each sequence's blocks before it
       reads them (None: they are in the cache already).
     """
+    paged_decode_launcher(query, k_cache, v_cache, block_table, seq_lens, out, num_splits=num_splits,
+                          workspace=workspace, k_new=k_new, v_new=v_new)(k_cache, v_cache, scale)
+    return out
+
+
+def paged_decode_launcher(
+    query: Any,
+    k_cache: Any,
+    v_cache: Any,
+    block_table: Any,
+    seq_lens: Any,
+    out: Any,
+    num_splits: Optional[int] = None,
+    workspace: Optional[dict] = None,
+    k_new: Any = None,
+    v_new: Any = None,
+) -> Callable[[Any, Any, float], None]:
+    """:func:`paged_decode_attention` prepared once for every layer of a step:
+    ``launch(k_cache, v_cache, scale)`` launches it over one layer's caches (the shape, dtype
+    and strides of ``k_cache``/``v_cache`` here) with everything else as given here.
+
+    Why: the checks, the grid, the split choice and the strides cost the host tens of
+    microseconds per call, the same for every layer of a step; a launch then costs only
+    Triton's own launch.
+    """
     import torch
 
     batch, num_heads, head_dim = query.shape
@@ -291,7 +316,7 @@ def paged_decode_attention(
                       or tuple(v_new.shape) != (batch, kv_heads, head_dim)):
         raise ValueError(f"paged_decode_attention: k_new / v_new must both be [{batch}, {kv_heads}, {head_dim}]")
     if batch == 0:
-        return out
+        return _no_launch
     groups = num_heads // kv_heads
     width = int(block_table.shape[1])
     splits = num_splits if num_splits is not None else choose_num_splits(batch, kv_heads, width, query.device)
@@ -311,24 +336,36 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused
     if not write_new:
         k_new = v_new = query  # unused
-    _decode_kernel[(batch, kv_heads, splits)](
-        query, k_cache, v_cache, block_table, seq_lens, out, part_out, part_lse, k_new, v_new,
-        float(scale), blocks_per_split,
-        *query.stride(), *k_new.stride(), *v_new.stride(),
-        *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(),
+    kernel = _decode_kernel[(batch, kv_heads, splits)]
+    lead = (query,)
+    mid = (block_table, seq_lens, out, part_out, part_lse, k_new, v_new)
+    new_strides = (*query.stride(), *k_new.stride(), *v_new.stride())
+    tail_strides = (*block_table.stride(), *out.stride())
+    consts = dict(
         GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_D=block_d,
         BLOCK_N=max(16, triton.next_power_of_2(block_size)), NUM_SPLITS=splits,
         DOT=2 if query.device.type != "cuda" else 1 if k_cache.dtype == torch.float32 else 0,
         WRITE_NEW=write_new, num_warps=4,
     )
+    combine = None
     if splits > 1:
-        _combine_kernel[(batch, num_heads)](
-            part_out, part_lse, out, *out.stride(),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
-        )
-    return out
+        combine = _combine_kernel[(batch, num_heads)]
+        combine_args = (part_out, part_lse, out, *out.stride())
+        combine_consts = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+                              BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+
+    def launch(k_cache: Any, v_cache: Any, scale: float) -> None:
+        kernel(*lead, k_cache, v_cache, *mid, float(scale), blocks_per_split, *new_strides,
+               *k_cache.stride(), *v_cache.stride(), *tail_strides, **consts)
+        if combine is not None:
+            combine(*combine_args, **combine_consts)
+
+    return launch
+
+
+def _no_launch(k_cache: Any, v_cache: Any, scale: float) -> None:
+    """An empty batch's launch: nothing."""
 
 
 # A chunk up to this many tokens after cached context goes through :func:`paged_prefill_attention`;
