@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from fastdeploy_kvcache.core.allocation import Allocator
 from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError
 from fastdeploy_kvcache.core.copies import CopyTracker
 from fastdeploy_kvcache.core.eviction import Evictor
+from fastdeploy_kvcache.core.k_anonymity import KAnonymityIndex
 from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, InFlightCopies, RequestState
 from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, TransferKind
 from fastdeploy_kvcache.core.radix_tree import RadixTree
@@ -49,6 +50,10 @@ class RequestLifecycle:
     allocator: Allocator
     evictor: Evictor
     copies: CopyTracker
+    # Who computed which block, under k-anonymity (None: off).  A request's computed blocks
+    # are recorded as its tenant's when they become cached (commit, finish, preempt),
+    # whether its copy enters the tree or is a duplicate of a copy already there.
+    k_anonymity: Optional[KAnonymityIndex] = None
 
     @property
     def block_size(self) -> int:
@@ -79,6 +84,8 @@ class RequestLifecycle:
         ):
             return i
         hashes = request.block_hashes(bs, num_full * bs)
+        if self.k_anonymity is not None:
+            self.k_anonymity.record_computed(request.tenant, hashes[i:num_full])
         tree = self.tree
         if tree.events is not None:
             tree.events.set_token_source(hashes, request)  # committed blocks carry their tokens too
@@ -156,6 +163,10 @@ class RequestLifecycle:
             num_full = min(req.num_computed_tokens, limit) // bs
             if num_full:
                 hashes = req.block_hashes(bs, num_full * bs)
+                if self.k_anonymity is not None:
+                    # Before the inserts: a copy that is a duplicate of another tenant's
+                    # private block still counts (this tenant computed it, as a miss).
+                    self.k_anonymity.record_computed(req.tenant, hashes[:num_full])
                 if self.tree.events is not None:
                     self.tree.events.set_token_source(hashes, req)  # device inserts carry tokens
         tree = self.tree

@@ -41,6 +41,8 @@ class Request:
         mm_items: Sequence[MMItem] = (),
         lora_id: Optional[Union[int, str]] = None,
         cache_salt: Optional[str] = None,
+        salt_from_token: int = 0,
+        tenant: Optional[str] = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -54,6 +56,16 @@ class Request:
         self.mm_items: tuple[MMItem, ...] = tuple(mm_items)
         self.lora_id = lora_id
         self.cache_salt = cache_salt
+        # The salt enters the block holding this token (0: the first block); the blocks
+        # wholly before it are shared with every salt (a per-range salt, hashing.py).
+        if not isinstance(salt_from_token, int) or isinstance(salt_from_token, bool) or salt_from_token < 0:
+            raise ValueError(f"request {request_id}: salt_from_token must be an int >= 0, got {salt_from_token!r}")
+        self.salt_from_token = salt_from_token
+        # Who sent it (the API key's tenant; None: the anonymous tenant).  Only the
+        # k-anonymity index reads it (core/k_anonymity.py): it is not a hash key.
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"request {request_id}: tenant must be a str or None, got {type(tenant).__name__}")
+        self.tenant = tenant
 
         self.block_tables: list[int] = []
         self.num_cached_tokens = 0
@@ -82,7 +94,8 @@ class Request:
     def _get_hasher(self, block_size: int) -> BlockHasher:
         hasher = self._hasher
         if hasher is None or hasher.block_size != block_size:
-            hasher = self._hasher = BlockHasher(block_size, self.mm_items, self.lora_id, self.cache_salt)
+            hasher = self._hasher = BlockHasher(block_size, self.mm_items, self.lora_id, self.cache_salt,
+                                                     self.salt_from_token)
         return hasher
 
     def block_hashes(self, block_size: int, num_tokens: Optional[int] = None) -> list[int]:
