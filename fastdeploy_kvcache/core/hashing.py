@@ -33,6 +33,7 @@ between mutually untrusting tenants should give each tenant its own ``cache_salt
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from array import array
@@ -219,8 +220,17 @@ class BlockHasher:
         if not nblocks:
             return self.hashes
         rows = packed[: nblocks * bs].reshape(nblocks, bs)
-        if not self.mm_items and self.lora_id is None and self.cache_salt is None:
+        if not self.mm_items and self.lora_id is None:
             contents = map(_xxh128_digest, rows)  # one C-level loop over the blocks
+            s = self.salt_from_token
+            if self.cache_salt is not None and start_tok <= s < start_tok + nblocks * bs:
+                # NOTE: only the block holding token ``salt_from_token`` carries the salt (the
+                # chain carries it on), so a salted prompt costs one extra block of Python,
+                # not one per block.
+                r = (s - start_tok) // bs
+                salted = _xxh128_digest(rows[r].tobytes() + encode_extra_keys(cache_salt=self.cache_salt))
+                contents = itertools.chain(map(_xxh128_digest, rows[:r]), (salted,),
+                                           map(_xxh128_digest, rows[r + 1:]))
         else:
             contents = (
                 _xxh128_digest(rows[k].tobytes() + self._extra_for_block(start_tok + k * bs, start_tok + (k + 1) * bs))

@@ -61,8 +61,9 @@ class Request:
         if not isinstance(salt_from_token, int) or isinstance(salt_from_token, bool) or salt_from_token < 0:
             raise ValueError(f"request {request_id}: salt_from_token must be an int >= 0, got {salt_from_token!r}")
         self.salt_from_token = salt_from_token
-        # Who sent it (the API key's tenant; None: the anonymous tenant).  Only the
-        # k-anonymity index reads it (core/k_anonymity.py): it is not a hash key.
+        # Who sent it (the API key's tenant; None without keys: the anonymous tenant).  Not
+        # a hash key: salts separate tenants; the k-anonymity index (core/k_anonymity.py)
+        # reads it to decide who may see which block.
         if tenant is not None and not isinstance(tenant, str):
             raise ValueError(f"request {request_id}: tenant must be a str or None, got {type(tenant).__name__}")
         self.tenant = tenant

@@ -28,6 +28,8 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from starlette.requests import Request as HTTPRequest
 
+from fastdeploy_kvcache.entrypoints.auth import (TENANT_SALTED_MODES, check_cache_salt, system_prefix_tokens,
+                                                 tenant_cache_salt, tenant_of_scope)
 from fastdeploy_kvcache.entrypoints.openai.engine_client import (
     AsyncEngineClient,
     EngineDraining,
@@ -278,8 +280,14 @@ def _choices_and_usage(results: dict[int, dict[str, Any]], n: int,
 class OpenAIServing:
     """The handlers of ``/v1/completions`` and ``/v1/chat/completions``."""
 
-    def __init__(self, client: AsyncEngineClient, metrics: ServerMetrics, served_model_names: list[str]) -> None:
+    def __init__(self, client: AsyncEngineClient, metrics: ServerMetrics, served_model_names: list[str],
+                 tenant_isolation: str = "none") -> None:
         self.client = client
+        # "salt" / "salt-after-system": every request is salted by its API key's tenant
+        # (entrypoints/auth.py); the second leaves a chat's leading system messages unsalted.
+        # "k-anonymity" salts nothing: the cache decides who sees what (core/k_anonymity.py).
+        self.salt_by_tenant = tenant_isolation in TENANT_SALTED_MODES
+        self.share_system = tenant_isolation == "salt-after-system"
         self.metrics = metrics
         self.served_model_names = served_model_names
         self.max_token_bytes = max_token_bytes(client.tokenizer)
@@ -323,8 +331,10 @@ class OpenAIServing:
             prompts = [list(x) for x in p]  # type: ignore[union-attr]
         return prompts
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """The messages rendered by the chat template, as token ids (runs off the loop)."""
+    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], int]:
+        """The messages rendered by the chat template, as token ids, and how many of them are
+        the leading system messages' (0 unless ``salt-after-system`` shares them; runs off the
+        loop)."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         # Every template renders each message's content, so their bytes bound the prompt's.
         size = sum(utf8_size(m["content"], f"messages[{i}].content") for i, m in enumerate(messages))
@@ -332,7 +342,18 @@ class OpenAIServing:
             check_text_fits(-(-size // self.max_token_bytes), self.client.max_model_len, "messages",
                             what=f"{size} bytes of message text, so at least ")
         try:
-            return list(self.client.tokenizer.apply_chat_template(messages))
+            ids = list(self.client.tokenizer.apply_chat_template(messages))
+            shared = 0
+            if self.share_system:
+                system = []
+                for m in messages:
+                    if m["role"] != "system":
+                        break
+                    system.append(m)
+                if system and len(system) < len(messages):
+                    only = self.client.tokenizer.apply_chat_template(system, add_generation_prompt=False)
+                    shared = system_prefix_tokens(ids, list(only))
+            return ids, shared
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
             raise RequestError(f"messages: the chat template failed: {exc}", param="messages") from exc
 
@@ -341,13 +362,36 @@ class OpenAIServing:
             raise RequestError(f"n: at most {MAX_CHOICES} choices per request (prompts x n), got "
                                f"{num_prompts * n}", param="n")
 
+    def _cache_keys(self, req: Union[CompletionRequest, ChatCompletionRequest],
+                    raw: HTTPRequest) -> tuple[Optional[str], Optional[str]]:
+        """``(cache_salt, tenant)`` the request's blocks are hashed with and it is counted under.
+
+        Without a salt (the common case) nothing is added to the hashing (core/hashing.py).
+        """
+        try:
+            salt = check_cache_salt(req.cache_salt)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="cache_salt") from exc
+        tenant = tenant_of_scope(raw.scope)
+        if self.salt_by_tenant:
+            salt = tenant_cache_salt(tenant, salt)
+        return salt, tenant
+
     def _submit(self, prompts: list[list[int]], req: Union[CompletionRequest, ChatCompletionRequest],
-                prompt_param: str) -> RequestGroup:
+                prompt_param: str, raw: HTTPRequest, shared_tokens: int = 0) -> RequestGroup:
+        """``shared_tokens``: the prompt's leading tokens hashed unsalted (a chat's system
+        messages under ``salt-after-system``); the salt starts in the block holding the next."""
         self._check_choices(len(prompts), req.n)
+        salt, tenant = self._cache_keys(req, raw)
         params_per_prompt = [build_sampling_params(req, len(ids), self.client.max_model_len, prompt_param,
                                                    self.client.max_request_tokens)
                              for ids in prompts]
         subs = _fan_out(list(zip(prompts, params_per_prompt)), req.n)
+        if salt is not None or tenant is not None:
+            for sub in subs:
+                sub.cache_salt, sub.tenant = salt, tenant
+                if salt is not None:
+                    sub.salt_from_token = shared_tokens
         _attach_kv_transfer(req, subs)  # PD decode (engine/pd.py)
         try:
             return self.client.submit(subs, on_abandoned_finish=lambda out: self.metrics.observe_finished(out, None))
@@ -424,7 +468,7 @@ class OpenAIServing:
         single = isinstance(p, str) or bool(p) and all(isinstance(x, int) for x in p)  # type: ignore[union-attr]
         self._check_choices(1 if single else len(p), req.n)  # before tokenizing every prompt
         prompts = await self._off_loop(self._completion_prompts, req)
-        group = self._submit(prompts, req, "prompt")
+        group = self._submit(prompts, req, "prompt", raw)
         if req.stream:
             return self._completion_stream(req, group, arrival)
         results = await self._collect(group, raw, arrival)
@@ -462,8 +506,8 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: HTTPRequest) -> Any:
         arrival = time.monotonic()
         self.check_model(req.model)
-        ids = await self._off_loop(self._chat_prompt, req)
-        group = self._submit([ids], req, "messages")
+        ids, shared = await self._off_loop(self._chat_prompt, req)
+        group = self._submit([ids], req, "messages", raw, shared)
         if req.stream:
             return self._chat_stream(req, group, arrival)
         results = await self._collect(group, raw, arrival)
