@@ -218,10 +218,6 @@ class EngineArgs:
         # The cache flags resolve through CacheConfig, which knows their dests and defaults;
         # the model's shape, and its dtype unless --kv-cache-dtype names one, are the engine's.
         kwargs: dict[str, Any] = dict(cache=CacheConfig.from_cli_args(ns, defaults={"dtype": AUTO_DTYPE}))
-        if "tenant_isolation" in values:  # a server's parser (entrypoints/auth.py's flags)
-            from fastdeploy_kvcache.entrypoints.auth import k_anonymity_k_of
-
-            kwargs["cache"].k_anonymity_k = k_anonymity_k_of(ns)
         for f in dataclasses.fields(cls):
             if f.name in kwargs or f.name == "storage":
                 continue

@@ -189,3 +189,16 @@ def test_a_bad_k_is_a_usage_error(tmp_path: Path, k: str) -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--k-anonymity-k" in proc.stderr and "expected an integer >= 2" in proc.stderr, proc.stderr
+
+
+def test_k_anonymity_with_a_pd_role_ends_start_up_with_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", ServerProcess.MODULE, *BASE_ARGS, "--api-keys-file",
+                           str(_keys_file(tmp_path)), "--tenant-isolation", "k-anonymity", "--splitwise-role",
+                           "prefill", *file_store_args(tmp_path / "kv")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not with --splitwise-role prefill/decode" in lines[0], proc.stderr
