@@ -210,8 +210,9 @@ def add_auth_cli_args(parser: argparse.ArgumentParser) -> None:
         add_flag(group, flag, **kwargs)
 
     add("--api-key", dest="api_key", default=None, metavar="KEY",
-        help=f"Every /v1 (and /debug) route then needs 'Authorization: Bearer KEY' and answers 401 without it; "
-             f"/health and /metrics stay open (default: ${API_KEY_ENV}, else no key).")
+        help=f"Every /v1 route, and the endpoints that list block hashes (/debug/kv_cache_blocks, "
+             f"/router/state), then need 'Authorization: Bearer KEY' and answer 401 without it; /health and "
+             f"/metrics stay open (default: ${API_KEY_ENV}, else no key).")
     add("--api-keys-file", dest="api_keys_file", default=None, metavar="PATH",
         help="Keys and their tenants: JSON ({\"KEY\": \"TENANT\", ...}) or one 'KEY TENANT' per line; "
              "accepted as --api-key's is. A bad file ends start-up with one line naming the entry.")

@@ -11,6 +11,10 @@ stats: used by tests and operators to check that no block leaked), ``GET /metric
 ``GET /debug/kv_cache_blocks`` (the cache's blocks per tier as KV cache events name them:
 docs/fleet.md).
 
+With ``--api-key`` or ``--api-keys-file`` the ``/v1`` routes and ``/debug`` need
+``Authorization: Bearer <key>`` (401 otherwise; ``entrypoints/auth.py``); ``/health`` and
+``/metrics`` stay open.
+
 Every error, FastAPI's own request validation included, is returned in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``; a malformed request is a 400, never a
 422, and never reaches the engine.
