@@ -137,7 +137,8 @@ class CacheManager:
         if storage is not None:
             assert isinstance(self.host_pool, PinnableBlockPool)
             self.storage_port = StoragePort(tree, self.host_pool, self.evictor, policy, self.block_size,
-                                            self.enable_prefix_caching, self.k_anonymity)
+                                            self.enable_prefix_caching, self.k_anonymity,
+                                            self.lifecycle.set_reveal_listener)
             storage.bind(self.storage_port)
         logger.info(
             "CacheManager: %d device blocks, %d host blocks, block_size=%d, policy=%s",

@@ -16,7 +16,8 @@ sent never changes another tenant's time to first token:
   preempt); the k-th distinct tenant's computation reveals the block;
 * the storage tier writes revealed blocks only (:meth:`is_revealed`), so a store shared
   by many servers, or read after a restart, only ever serves revealed blocks, and a block
-  it fetched is revealed here (:meth:`mark_revealed`);
+  it fetched is revealed here (:meth:`mark_revealed`); a block revealed while it has a host
+  copy is written then (the lifecycle tells the tier);
 * in-batch sharing (``core/prefix_sharing.py``) holds a request for another request's
   computation only when that tenant is its own or the block is revealed.
 
@@ -116,13 +117,13 @@ class KAnonymityIndex:
         return len(self._entries)
 
     # ------------------------------------------------------------------ writes
-    def record_computed(self, tenant: Optional[str], hashes: Iterable[int]) -> int:
+    def record_computed(self, tenant: Optional[str], hashes: Iterable[int]) -> list[int]:
         """``tenant`` computed (or holds) these blocks: it joins each one's set; a block
-        whose set reaches k distinct tenants is revealed.  Returns how many were revealed."""
+        whose set reaches k distinct tenants is revealed.  Returns the hashes revealed now."""
         t = self.tenant_key(tenant)
         entries = self._entries
         k = self.k
-        revealed = 0
+        revealed: list[int] = []
         for h in hashes:
             if h not in entries:
                 entries[h] = t
@@ -138,10 +139,10 @@ class KAnonymityIndex:
                 e.add(t)
             if len(e) >= k:
                 entries[h] = _REVEALED
-                revealed += 1
+                revealed.append(h)
         if revealed:
-            self.revealed_blocks += revealed
-            logger.debug("k-anonymity: %d blocks revealed (k=%d)", revealed, k)
+            self.revealed_blocks += len(revealed)
+            logger.debug("k-anonymity: %d blocks revealed (k=%d)", len(revealed), k)
         return revealed
 
     def mark_revealed(self, hashes: Iterable[int]) -> None:

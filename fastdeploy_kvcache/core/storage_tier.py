@@ -264,6 +264,7 @@ class StorageTier:
         self.port = port
         self.planner = FetchCostModel(port.block_size, clock=self.clock)
         port.listen_host_evictions(self)
+        port.listen_reveals(self)
 
     @property
     def _port(self) -> StoragePort:
@@ -796,6 +797,17 @@ class StorageTier:
         self._heal()
         for h, b in zip(hashes, host_block_ids):
             self._queue_put(h, b)
+
+    def on_revealed(self, nodes: list[BlockNode]) -> None:
+        """k-anonymity revealed these cached blocks after their host copies were made (their
+        puts were skipped as private then): write_through puts them now; write_back stores
+        them when the host tier evicts them, as any block."""
+        if self.write_back and not self._flushing:
+            return
+        self._heal()
+        for node in nodes:
+            if node.host_block_id is not None and node.pending is None and not node.detached:
+                self._queue_put(node.hash_value, node.host_block_id)
 
     def on_host_evict(self, node: BlockNode) -> None:
         """write_back: the host tier is evicting ``node``'s copy; store it first (pinned)."""

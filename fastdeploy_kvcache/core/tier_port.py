@@ -16,7 +16,7 @@ through the port, and neither module imports the other.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol, Sequence
 
 from fastdeploy_kvcache.core.block_pool import PinnableBlockPool
 from fastdeploy_kvcache.core.k_anonymity import KAnonymityIndex
@@ -27,13 +27,19 @@ from fastdeploy_kvcache.core.write_policy import WritePolicy
 if TYPE_CHECKING:  # pragma: no cover
     from fastdeploy_kvcache.core.eviction import Evictor
 
-__all__ = ["HostEvictionListener", "StoragePort"]
+__all__ = ["HostEvictionListener", "RevealListener", "StoragePort"]
 
 
 class HostEvictionListener(Protocol):
     """Told of each host copy the evictor is about to drop, while the node still holds it."""
 
     def on_host_evict(self, node: BlockNode) -> None: ...
+
+
+class RevealListener(Protocol):
+    """Told of cached blocks with a valid host copy that k-anonymity just revealed."""
+
+    def on_revealed(self, nodes: list[BlockNode]) -> None: ...
 
 
 class StoragePort:
@@ -52,9 +58,11 @@ class StoragePort:
     """
 
     def __init__(self, tree: RadixTree, host_pool: PinnableBlockPool, evictor: "Evictor", policy: WritePolicy,
-                 block_size: int, prefix_caching: bool, k_anonymity: Optional[KAnonymityIndex] = None) -> None:
+                 block_size: int, prefix_caching: bool, k_anonymity: Optional[KAnonymityIndex] = None,
+                 set_reveal_listener: Optional[Callable[[Optional[RevealListener]], None]] = None) -> None:
         self._tree = tree
         self._k_anonymity = k_anonymity
+        self._set_reveal_listener = set_reveal_listener
         self._host_pool = host_pool
         self._evictor = evictor
         self._policy = policy
@@ -65,6 +73,12 @@ class StoragePort:
     def listen_host_evictions(self, listener: HostEvictionListener) -> None:
         """Have the evictor tell ``listener`` of each host copy before it drops it."""
         self._evictor.set_host_evict_listener(listener)
+
+    def listen_reveals(self, listener: RevealListener) -> None:
+        """Have the manager tell ``listener`` of host copies of blocks k-anonymity revealed
+        (a no-op without k-anonymity)."""
+        if self._set_reveal_listener is not None:
+            self._set_reveal_listener(listener)
 
     # ------------------------------------------------------------------ tree: reads
     def match(self, hashes: Sequence[int], max_blocks: int, tenant: Optional[str] = None) -> list[BlockNode]:

@@ -230,6 +230,10 @@ def test_storage_writes_revealed_blocks_only(tmp_path: Path) -> None:
     run("a1", "a", private)
     assert backups() == [], "a private block was written under its shared key"
     assert tier.stats["put_skipped_private"] == 2
+    # b computes it too: revealed, with its host copy made already: put now.
+    run("b1", "b", private)
+    puts = [h for job in tier.take_jobs() if job.kind is TransferKind.STORAGE_SAVE for h in job.hashes]
+    assert puts == Request("x", private).block_hashes(BS)[:2]
     shared = list(range(50, 50 + 2 * BS + 1))
     run("a2", "a", shared)
     run("b2", "b", shared)  # revealed before its host copy is made
