@@ -330,8 +330,8 @@ class LLMEngine:
         hashed into the first block, so the request reuses only blocks computed with the same
         salt, on every tier; ``salt_from_token``: the salt enters the block holding that token
         instead (the blocks wholly before it are shared unsalted).  ``tenant``: who sent it (the
-        API key's tenant): the cache's k-anonymity counts tenants.  Errors about the prompt or its fit are :class:`RequestRejected`
-        (``param``, ``code``).
+        API key's tenant): the cache's k-anonymity counts tenants.  Errors about the prompt or
+        its fit are :class:`RequestRejected` (``param``, ``code``).
         """
         self.add_requests([(request_id, prompt_token_ids, params, on_output, kv_transfer, cache_salt, tenant,
                             salt_from_token)])
@@ -340,10 +340,10 @@ class LLMEngine:
         """Queue several requests, all or none: every one is checked before any is queued.
 
         Each item is ``(request_id, prompt_token_ids, params, on_output, kv_transfer)``,
-        optionally followed by ``cache_salt`` and ``tenant`` and then ``salt_from_token`` (see
-        :meth:`add_request`).  This is
-        the one place a prompt is checked (``engine/request_checks.py``); requests that share
-        one prompt list (the choices of ``n > 1``) have it checked once.
+        optionally followed by ``cache_salt`` and ``tenant``, and then ``salt_from_token`` (see
+        :meth:`add_request`).  This is the one place a prompt is checked
+        (``engine/request_checks.py``); requests that share one prompt list (the choices of
+        ``n > 1``) have it checked once.
         """
         if self._stop.is_set():
             raise RuntimeError("the engine is shut down")
