@@ -19,7 +19,7 @@ from fastdeploy_kvcache.core.copies import CopyTracker
 from fastdeploy_kvcache.core.eviction import Evictor
 from fastdeploy_kvcache.core.k_anonymity import KAnonymityIndex
 from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, InFlightCopies, RequestState
-from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
 from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.core.stats import CacheStats
@@ -63,9 +63,11 @@ class RequestLifecycle:
         self.reveal_listener = listener
 
     def _announce_revealed(self, hashes: list[int], revealed: list[int]) -> None:
-        """Hand the listener the tree nodes of ``revealed`` (hashes along the chain ``hashes``)
-        that hold a valid host copy."""
-        if not revealed or self.reveal_listener is None:
+        """The tree nodes of ``revealed`` (hashes along the chain ``hashes``) are shared now:
+        KV events announce their copies (they were withheld while private), and the listener
+        gets those with a valid host copy."""
+        events = self.tree.events
+        if not revealed or (self.reveal_listener is None and events is None):
             return
         want = set(revealed)
         node = self.tree.root
@@ -74,9 +76,16 @@ class RequestLifecycle:
             node = node.children.get(h)
             if node is None:
                 break
-            if h in want and node.host_block_id is not None and node.pending is None:
+            if h not in want:
+                continue
+            if events is not None:  # parents first, as the chain goes
+                if node.device_block_id is not None:
+                    events.node_stored(node, int(CacheLevel.DEVICE))
+                if node.host_block_id is not None:
+                    events.node_stored(node, int(CacheLevel.HOST))
+            if node.host_block_id is not None and node.pending is None:
                 out.append(node)
-        if out:
+        if out and self.reveal_listener is not None:
             self.reveal_listener.on_revealed(out)
 
     @property

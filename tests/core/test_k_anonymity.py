@@ -238,3 +238,36 @@ def test_storage_writes_revealed_blocks_only(tmp_path: Path) -> None:
     run("a2", "a", shared)
     run("b2", "b", shared)  # revealed before its host copy is made
     assert backups() == Request("x", shared).block_hashes(BS)[:2]
+
+
+def test_kv_events_announce_a_block_when_it_is_revealed_not_before() -> None:
+    from fastdeploy_kvcache.core.kv_event_recorder import KVEventRecorder, cache_contents
+    from fastdeploy_kvcache.core.kv_events import EVENT_HASH_MASK, BlockRemoved, BlockStored
+
+    mgr = _manager(2, write_policy="write_through")
+    rec = KVEventRecorder(BS)
+    assert mgr.k_anonymity is not None
+    rec.publishable = mgr.k_anonymity.is_revealed  # as engine/kv_event_stream.py sets it
+    mgr.tree.events = rec
+    r = Runner(mgr)
+    want = [h & EVENT_HASH_MASK for h in Request("x", PROMPT).block_hashes(BS)[:4]]
+
+    def announced() -> dict[str, list[int]]:
+        batch = rec.drain()
+        out: dict[str, list[int]] = {}
+        for ev in (batch.events if batch is not None else []):
+            assert not isinstance(ev, BlockRemoved) or not set(ev.block_hashes) & set(want), ev
+            if isinstance(ev, BlockStored):
+                out.setdefault(ev.medium, []).extend(ev.block_hashes)
+        return out
+
+    r.run("a")  # computed, backed up to host: private, so not announced on either medium
+    got = announced()
+    assert not any(set(hs) & set(want) for hs in got.values()), got
+    assert not set(want) & {h & EVENT_HASH_MASK for hs in cache_contents(mgr).values() for h in hs}
+    r.evict_device()  # a private block leaving the device announces no removal either
+    got = announced()
+    r.run("b")  # b's computation reveals it: its copies (device, host) are announced now
+    got = announced()
+    assert got.get("GPU", [])[:4] == want and set(want) <= set(got.get("CPU", [])), got
+    assert set(want) <= {h & EVENT_HASH_MASK for h in cache_contents(mgr)["GPU"]}

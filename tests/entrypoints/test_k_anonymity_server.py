@@ -15,10 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+import httpx
 import openai
 import pytest
 
 from fastdeploy_kvcache.core.hashing import storage_key
+from fastdeploy_kvcache.core.kv_events import event_block_hashes
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess
 from server_helpers import BASE_ARGS, BLOCK_SIZE, MODEL, file_store_args, prompt_ids, wait_storage_quiet
@@ -58,6 +60,17 @@ def complete(server: ServerProcess, tenant: str, prompt: list[int], max_tokens: 
     return out.choices[0].text, tiers
 
 
+def event_hashes(prompt: list[int]) -> set[int]:
+    return set(event_block_hashes(prompt, BLOCK_SIZE))
+
+
+def debug_blocks(server: ServerProcess, tenant: str) -> dict[str, set[int]]:
+    r = httpx.get(server.base_url + "/debug/kv_cache_blocks", headers={"Authorization": f"Bearer key-{tenant}"},
+                  timeout=30.0)
+    assert r.status_code == 200, r.text
+    return {m: set(h) for m, h in r.json()["mediums"].items()}
+
+
 def push_off_device(server: ServerProcess) -> None:
     """Fill the 64-block device pool with other prompts: cached blocks go to the host tier."""
     for seed in range(7):
@@ -84,6 +97,8 @@ def test_a_prefix_is_revealed_on_the_device_exactly_by_the_kth_tenant(server: Se
     q = prompt_ids(31, P_LEN)
     text, tiers = complete(server, "t0", q)
     assert tiers == NONE, tiers
+    # Private: the block list (what KV events announce) does not show it to anyone.
+    assert not event_hashes(q) & debug_blocks(server, "t3")["GPU"]
     again, tiers = complete(server, "t0", q)  # a tenant always sees what it computed
     assert again == text and tiers["device"] == FULL, tiers
     # t1 and t2 compute it as a miss: with t0 they are k distinct tenants only after t2.
@@ -92,6 +107,7 @@ def test_a_prefix_is_revealed_on_the_device_exactly_by_the_kth_tenant(server: Se
         assert again == text and tiers == NONE, (t, tiers)
     again, tiers = complete(server, "t3", q)
     assert again == text and tiers["device"] == FULL, tiers
+    assert event_hashes(q) <= debug_blocks(server, "t3")["GPU"]  # revealed: announced
     stats = server.engine_stats()["cache"]["k_anonymity"]
     assert stats["k"] == K and stats["revealed_blocks"] >= FULL // BLOCK_SIZE, stats
 

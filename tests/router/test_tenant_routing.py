@@ -192,3 +192,38 @@ def test_the_router_predicts_a_shared_system_prompt_under_salt_after_system(tmp_
             r.stop()
         for w in f.workers:
             w.stop()
+
+
+def test_under_k_anonymity_the_router_sees_a_prefix_only_once_revealed(tmp_path: Path) -> None:
+    """Workers and router with ``--tenant-isolation k-anonymity`` (k = 2): alice's private
+    prefix is not in the events, so the router predicts nothing for bob (no header tells him
+    it is cached anywhere); once bob computed it on the same worker it is revealed there,
+    announced, and the router predicts and finds it."""
+    f = TenantFleet(tmp_path, "k-anonymity")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda w: w.start(), f.workers))
+        router = f.router(*f.auth)
+        w1 = f.workers[1]
+        plain = set(event_block_hashes(DOC, BLOCK_SIZE))
+        r = post(w1.base_url, "key-alice-1", DOC)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        view = settled_view(router, f)["workers"][1]
+        assert not plain & {int(h, 16) for h in view["hashes"]["device"]}, "a private block was announced"
+        r = post(router.base_url, "key-bob", DOC + [8])
+        assert r.status_code == 200, r.text
+        assert int(r.headers["x-fdkv-predicted-cached-tokens"]) == 0
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert post(w1.base_url, "key-bob", DOC + [9]).status_code == 200  # bob on w1 too (if not yet)
+        view = settled_view(router, f)["workers"][1]
+        assert plain <= {int(h, 16) for h in view["hashes"]["device"]}, "the revealed prefix was not announced"
+        r = post(router.base_url, "key-alice-2", DOC + [10])
+        assert r.status_code == 200, r.text
+        assert r.headers["x-fdkv-worker"] == w1.base_url
+        assert int(r.headers["x-fdkv-predicted-cached-tokens"]) == FULL
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]["device"] == FULL
+    finally:
+        for r in f.routers:
+            r.stop()
+        for w in f.workers:
+            w.stop()
