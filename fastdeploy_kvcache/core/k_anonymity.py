@@ -19,7 +19,9 @@ sent never changes another tenant's time to first token:
   it fetched is revealed here (:meth:`mark_revealed`); a block revealed while it has a host
   copy is written then (the lifecycle tells the tier);
 * in-batch sharing (``core/prefix_sharing.py``) holds a request for another request's
-  computation only when that tenant is its own or the block is revealed.
+  computation only when that tenant is its own or the block is revealed;
+* KV events announce a block's copies only once it is revealed (``KVEventRecorder.publishable``),
+  so a router's view holds what every tenant may reuse.
 
 Because block hashes chain, a tenant that computed block i computed every block before
 it, so a block's set is a subset of its parent's and revealed blocks form a prefix-closed
