@@ -224,7 +224,7 @@ def add_auth_cli_args(parser: argparse.ArgumentParser) -> None:
              "every tier); salt-after-system: a chat's leading system messages are shared, the rest is "
              "salted by the tenant (completions: all of it). Every mode but none needs --api-keys-file "
              "(docs/security.md; default: none).")
-    add("--k-anonymity-k", dest="k_anonymity_k", type=_k_at_least_2, default=DEFAULT_K_ANONYMITY_K, metavar="K",
+    add("--k-anonymity-k", dest="k_anonymity_k", type=_k_at_least_2, default=None, metavar="K",
         help=f"Distinct tenants that must have computed a cached block before --tenant-isolation k-anonymity "
              f"shares it with the others (>= 2; default: {DEFAULT_K_ANONYMITY_K}).")
 
@@ -257,7 +257,10 @@ def api_keys_from_args(args: argparse.Namespace) -> Optional[ApiKeys]:
     if api_key is None:
         api_key = envs.api_key()
     keys = build_api_keys(api_key, getattr(args, "api_keys_file", None))
-    check_isolation(getattr(args, "tenant_isolation", "none"), keys)
+    mode = getattr(args, "tenant_isolation", "none")
+    check_isolation(mode, keys)
+    if getattr(args, "k_anonymity_k", None) is not None and mode != "k-anonymity":
+        raise ValueError(f"--k-anonymity-k: only with --tenant-isolation k-anonymity (got {mode})")
     return keys
 
 

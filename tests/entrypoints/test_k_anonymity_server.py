@@ -223,3 +223,16 @@ def test_k_anonymity_with_a_pd_role_ends_start_up_with_one_line(tmp_path: Path) 
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "not with --splitwise-role prefill/decode" in lines[0], proc.stderr
+
+
+def test_k_without_k_anonymity_ends_start_up_with_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", ServerProcess.MODULE, *BASE_ARGS, "--api-keys-file",
+                           str(_keys_file(tmp_path)), "--tenant-isolation", "salt", "--k-anonymity-k", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(
+        "--k-anonymity-k: only with --tenant-isolation k-anonymity (got salt)"), proc.stderr
