@@ -75,6 +75,10 @@ class CacheConfig:
     # uint8 caches are quantized; they carry per-(block, head, token) fp32 scales.
     kv_cache_quant: Optional[str] = None
     tensor_parallel_size: int = 1
+    # k-anonymous sharing across tenants (core/k_anonymity.py): a cached block is matched
+    # by other tenants only once this many distinct tenants computed it.  0: off (every
+    # block is shared at once, within its hash: salts still separate).
+    k_anonymity_k: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -95,6 +99,9 @@ class CacheConfig:
         self._check_int("write_through_threshold", minimum=1)
         if self.num_host_blocks is not None:
             self._check_int("num_host_blocks", minimum=0)
+        self._check_int("k_anonymity_k", minimum=0)
+        if self.k_anonymity_k == 1:
+            raise ValueError("CacheConfig.k_anonymity_k must be 0 (off) or >= 2 (1 would share every block at once)")
         swap = self.swap_space
         if not isinstance(swap, numbers.Real) or isinstance(swap, bool) or not math.isfinite(swap) or swap < 0:
             raise ValueError(f"CacheConfig.swap_space (GiB) must be a finite number >= 0, got {_show(swap)}")

@@ -151,10 +151,12 @@ class Allocator:
         hashes = request.block_hashes(bs, limit * bs)
         nodes: list[BlockNode] = []
         x = parent
+        visible = self.matcher.visible_filter(request)
         for j in range(c, limit):
             child = x.children.get(hashes[j])
             if (child is None or child.host_block_id is None or child.device_block_id is not None
-                    or child.pending is not None or child.detached):
+                    or child.pending is not None or child.detached
+                    or (visible is not None and not visible(hashes[j]))):
                 break
             nodes.append(child)
             x = child

@@ -46,6 +46,7 @@ from fastdeploy_kvcache.core.copies import CopyTracker
 from fastdeploy_kvcache.core.errors import CacheManagerError, InvariantViolation, UnknownRequestError
 from fastdeploy_kvcache.core.eviction import Evictor
 from fastdeploy_kvcache.core.invariants import check_invariants
+from fastdeploy_kvcache.core.k_anonymity import KAnonymityIndex
 from fastdeploy_kvcache.core.lifecycle import RequestLifecycle
 from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlightCopies, check_request
 from fastdeploy_kvcache.core.matching import PrefixMatcher
@@ -110,7 +111,15 @@ class CacheManager:
         self.tree = RadixTree()
         self.stats = CacheStats()
         self.inflight = InFlightCopies()
-        self.matcher = PrefixMatcher(self.tree, self.block_size, self.enable_prefix_caching, storage)
+        # k-anonymous sharing across tenants (core/k_anonymity.py); None: every block shared.
+        # It remembers a few times as many hashes as both tiers hold, so a block keeps its
+        # tenants for a while after it left the cache (a later computation still counts).
+        self.k_anonymity: Optional[KAnonymityIndex] = None
+        if config.k_anonymity_k:
+            capacity = max(1 << 16, 8 * (config.num_gpu_blocks + config.host_block_count))
+            self.k_anonymity = KAnonymityIndex(config.k_anonymity_k, capacity)
+        self.matcher = PrefixMatcher(self.tree, self.block_size, self.enable_prefix_caching, storage,
+                                     self.k_anonymity)
         tree, dev, host, policy, stats, inflight = (self.tree, self.device_pool, self.host_pool, self.policy,
                                                     self.stats, self.inflight)
         self.evictor = Evictor(tree=tree, device_pool=dev, host_pool=host, policy=policy, stats=stats,
@@ -121,13 +130,15 @@ class CacheManager:
                                    inflight=inflight, matcher=self.matcher, evictor=self.evictor, copies=self.copies)
         self.lifecycle = RequestLifecycle(tree=tree, device_pool=dev, enable_prefix_caching=self.enable_prefix_caching, config=config,
                                           policy=policy, stats=stats, inflight=inflight, allocator=self.allocator,
-                                          evictor=self.evictor, copies=self.copies)
+                                          evictor=self.evictor, copies=self.copies,
+                                          k_anonymity=self.k_anonymity)
         # The storage tier reaches the tree and the host pool only through this port.
         self.storage_port: Optional[StoragePort] = None
         if storage is not None:
             assert isinstance(self.host_pool, PinnableBlockPool)
             self.storage_port = StoragePort(tree, self.host_pool, self.evictor, policy, self.block_size,
-                                            self.enable_prefix_caching)
+                                            self.enable_prefix_caching, self.k_anonymity,
+                                            self.lifecycle.set_reveal_listener)
             storage.bind(self.storage_port)
         logger.info(
             "CacheManager: %d device blocks, %d host blocks, block_size=%d, policy=%s",
@@ -379,6 +390,8 @@ class CacheManager:
             node.children = {}
             self.evictor.release_detached(node)
         self.copies.reset()
+        if self.k_anonymity is not None:
+            self.k_anonymity.clear()  # new weights: nothing computed before counts
         self.stats.cached_device = 0
         logger.info("cache reset: %d nodes dropped, %d copies still in flight", len(nodes), len(self.inflight))
 
@@ -418,6 +431,8 @@ class CacheManager:
             num_copies_in_flight=len(self.inflight),
             write_policy=self.write_policy,
         )
+        if self.k_anonymity is not None:
+            s["k_anonymity"] = self.k_anonymity.stats()
         return s
 
     def is_running(self, request_id: str) -> bool:

@@ -2,7 +2,10 @@
 
 A block's hash covers its token ids, its parent block's hash and its "extra keys"
 (multimodal items overlapping the block, a LoRA/adapter id, a cache salt), so equal
-hashes mean equal prefixes and therefore equal KV.  Storage keys are built from these
+hashes mean equal prefixes and therefore equal KV.  The salt enters one block: the first
+by default, or the block holding token ``salt_from_token`` (a per-range salt: the blocks
+wholly before that token stay unsalted, so a shared system prompt matches across salts,
+and the chain carries the salt into every later block).  Storage keys are built from these
 hashes and are shared between processes and machines, so the function must be
 deterministic everywhere: no ``hash()``, no pickle, no per-process seed.
 
@@ -147,7 +150,7 @@ class BlockHasher:
     separate key form used for prefill/decode hand-off.
     """
 
-    __slots__ = ("block_size", "mm_items", "lora_id", "cache_salt", "hashes", "_mm_cursor")
+    __slots__ = ("block_size", "mm_items", "lora_id", "cache_salt", "salt_from_token", "hashes", "_mm_cursor")
 
     def __init__(
         self,
@@ -155,6 +158,7 @@ class BlockHasher:
         mm_items: Sequence[MMItem] = (),
         lora_id: Optional[Union[str, int]] = None,
         cache_salt: Optional[str] = None,
+        salt_from_token: int = 0,
     ) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -165,6 +169,11 @@ class BlockHasher:
                 raise ValueError(f"bad multimodal item {item!r}: offset must be >= 0 and length > 0")
         self.lora_id = lora_id
         self.cache_salt = cache_salt
+        if not isinstance(salt_from_token, int) or isinstance(salt_from_token, bool) or salt_from_token < 0:
+            raise ValueError(f"salt_from_token must be an int >= 0, got {salt_from_token!r}")
+        # The salt enters the block holding token ``salt_from_token``; the blocks wholly
+        # before it are unsalted (shared), every later one carries it through the chain.
+        self.salt_from_token = salt_from_token
         self.hashes: list[int] = []
         self._mm_cursor = 0  # first item that may still overlap a block not hashed yet
 
@@ -181,7 +190,10 @@ class BlockHasher:
                 if items[i].end > start:
                     mm.append(items[i].mm_hash)
                 i += 1
-        salt = self.cache_salt if start == 0 else None  # chained: the first block carries it
+        # Chained: the block holding token ``salt_from_token`` carries the salt, and every
+        # later hash through it (0: the first block, so the whole sequence is salted).
+        s = self.salt_from_token
+        salt = self.cache_salt if start <= s < end else None
         return encode_extra_keys(mm, self.lora_id, salt)
 
     def extend(self, token_ids: Sequence[int], num_tokens: Optional[int] = None) -> list[int]:
@@ -210,11 +222,15 @@ class BlockHasher:
         rows = packed[: nblocks * bs].reshape(nblocks, bs)
         if not self.mm_items and self.lora_id is None:
             contents = map(_xxh128_digest, rows)  # one C-level loop over the blocks
-            if self.cache_salt is not None and start_tok == 0:
-                # NOTE: only the first block carries the salt (the chain carries it on), so a
-                # salted prompt costs one extra block of Python, not one per block.
-                first = _xxh128_digest(rows[0].tobytes() + encode_extra_keys(cache_salt=self.cache_salt))
-                contents = itertools.chain((first,), map(_xxh128_digest, rows[1:]))
+            s = self.salt_from_token
+            if self.cache_salt is not None and start_tok <= s < start_tok + nblocks * bs:
+                # NOTE: only the block holding token ``salt_from_token`` carries the salt (the
+                # chain carries it on), so a salted prompt costs one extra block of Python,
+                # not one per block.
+                r = (s - start_tok) // bs
+                salted = _xxh128_digest(rows[r].tobytes() + encode_extra_keys(cache_salt=self.cache_salt))
+                contents = itertools.chain(map(_xxh128_digest, rows[:r]), (salted,),
+                                           map(_xxh128_digest, rows[r + 1:]))
         else:
             contents = (
                 _xxh128_digest(rows[k].tobytes() + self._extra_for_block(start_tok + k * bs, start_tok + (k + 1) * bs))
@@ -262,9 +278,10 @@ def compute_block_hashes(
     mm_items: Sequence[MMItem] = (),
     lora_id: Optional[Union[str, int]] = None,
     cache_salt: Optional[str] = None,
+    salt_from_token: int = 0,
 ) -> list[int]:
     """All full-block hashes of a token sequence (one-shot form of :class:`BlockHasher`)."""
-    return list(BlockHasher(block_size, mm_items, lora_id, cache_salt).extend(token_ids))
+    return list(BlockHasher(block_size, mm_items, lora_id, cache_salt, salt_from_token).extend(token_ids))
 
 
 def storage_key(hash_value: int) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from fastdeploy_kvcache.core.kv_events import (
     EVENT_HASH_MASK,
@@ -68,6 +68,9 @@ class KVEventRecorder:
         self._emptied: list[int] = []  # hashes whose last tier went since the last drain
         self._resync = False
         self.num_events = 0
+        # Which tree blocks may be announced (k-anonymity: revealed ones only; a private
+        # block's copies are announced when it is revealed).  None: every block.
+        self.publishable: Optional[Callable[[int], bool]] = None
 
     # ------------------------------------------------------------------ hooks
     def set_token_source(self, hashes: Sequence[int], request: Any) -> None:
@@ -80,7 +83,7 @@ class KVEventRecorder:
 
     def node_stored(self, node: Any, tier: int) -> None:
         """A tree node gained its copy on ``tier`` (``CacheLevel.DEVICE`` or ``HOST``)."""
-        if node.detached:
+        if node.detached or (self.publishable is not None and not self.publishable(node.hash_value)):
             return
         parent = node.parent
         self._stored(node.hash_value, tier, parent.hash_value if parent.depth >= 0 else None, node.depth)
@@ -294,11 +297,15 @@ def cache_contents(manager: Any, storage_medium: Optional[str] = None) -> dict[s
     """Per medium, the tree hashes a cache manager holds now: what the events must rebuild.
 
     ``GPU``: tree nodes with a device copy; ``CPU``: with a host copy (copies in flight
-    included, as the events announce them when issued); ``storage_medium``: the hashes
+    included, as the events announce them when issued; under k-anonymity revealed blocks
+    only); ``storage_medium``: the hashes
     the storage tier knows are stored.  O(cache size): for tests and the debug endpoint.
     """
     out: dict[str, set[int]] = {MEDIUM_GPU: set(), MEDIUM_CPU: set()}
+    kanon = getattr(manager, "k_anonymity", None)
     for node in manager.tree.iter_nodes():
+        if kanon is not None and not kanon.is_revealed(node.hash_value):
+            continue  # k-anonymity: private blocks are not announced (KVEventRecorder.publishable)
         if node.device_block_id is not None:
             out[MEDIUM_GPU].add(node.hash_value)
         if node.host_block_id is not None:

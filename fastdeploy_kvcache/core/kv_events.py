@@ -136,13 +136,16 @@ def event_block_hashes(
     *,
     lora_id: Optional[Union[str, int]] = None,
     cache_salt: Optional[str] = None,
+    salt_from_token: int = 0,
     mm_items: Sequence[MMItem] = (),
 ) -> list[int]:
     """The block hashes our events carry for a sequence of token ids (the reference).
 
     One hash per *full* block (``len(token_ids) // block_size`` of them); a trailing
-    partial block is never cached, so it has none.  ``lora_id``, ``cache_salt`` and
-    ``mm_items`` are the extra keys the server folded in (all None/empty for a plain
-    text request); ``block_size`` is the one the events carry.
+    partial block is never cached, so it has none.  ``lora_id``, ``cache_salt`` (from the
+    block holding token ``salt_from_token`` on) and ``mm_items`` are the extra keys the
+    server folded in (all None/empty for a plain text request); ``block_size`` is the one
+    the events carry.
     """
-    return [h & EVENT_HASH_MASK for h in compute_block_hashes(token_ids, block_size, mm_items, lora_id, cache_salt)]
+    hashes = compute_block_hashes(token_ids, block_size, mm_items, lora_id, cache_salt, salt_from_token)
+    return [h & EVENT_HASH_MASK for h in hashes]

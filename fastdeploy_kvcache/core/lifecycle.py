@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from fastdeploy_kvcache.core.allocation import Allocator
 from fastdeploy_kvcache.core.block_pool import BlockPool, NoFreeBlocksError
 from fastdeploy_kvcache.core.copies import CopyTracker
 from fastdeploy_kvcache.core.eviction import Evictor
+from fastdeploy_kvcache.core.k_anonymity import KAnonymityIndex
 from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, InFlightCopies, RequestState
-from fastdeploy_kvcache.core.metadata import CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
 from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.core.stats import CacheStats
@@ -26,6 +27,7 @@ from fastdeploy_kvcache.core.write_policy import WritePolicy
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastdeploy_kvcache.config import CacheConfig
+    from fastdeploy_kvcache.core.tier_port import RevealListener
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,42 @@ class RequestLifecycle:
     allocator: Allocator
     evictor: Evictor
     copies: CopyTracker
+    # Who computed which block, under k-anonymity (None: off).  A request's computed blocks
+    # are recorded as its tenant's when they become cached (commit, finish, preempt),
+    # whether its copy enters the tree or is a duplicate of a copy already there.
+    k_anonymity: Optional[KAnonymityIndex] = None
+    # Told of cached blocks with a host copy that a computation revealed (the storage tier
+    # writes them now: before, they were private and not written).  None: nobody listens.
+    reveal_listener: Optional["RevealListener"] = None
+
+    def set_reveal_listener(self, listener: Optional["RevealListener"]) -> None:
+        self.reveal_listener = listener
+
+    def _announce_revealed(self, hashes: list[int], revealed: list[int]) -> None:
+        """The tree nodes of ``revealed`` (hashes along the chain ``hashes``) are shared now:
+        KV events announce their copies (they were withheld while private), and the listener
+        gets those with a valid host copy."""
+        events = self.tree.events
+        if not revealed or (self.reveal_listener is None and events is None):
+            return
+        want = set(revealed)
+        node = self.tree.root
+        out = []
+        for h in hashes:
+            node = node.children.get(h)
+            if node is None:
+                break
+            if h not in want:
+                continue
+            if events is not None:  # parents first, as the chain goes
+                if node.device_block_id is not None:
+                    events.node_stored(node, int(CacheLevel.DEVICE))
+                if node.host_block_id is not None:
+                    events.node_stored(node, int(CacheLevel.HOST))
+            if node.host_block_id is not None and node.pending is None:
+                out.append(node)
+        if out and self.reveal_listener is not None:
+            self.reveal_listener.on_revealed(out)
 
     @property
     def block_size(self) -> int:
@@ -79,6 +117,8 @@ class RequestLifecycle:
         ):
             return i
         hashes = request.block_hashes(bs, num_full * bs)
+        revealed = self.k_anonymity.record_computed(request.tenant, hashes[i:num_full]) \
+            if self.k_anonymity is not None else []
         tree = self.tree
         if tree.events is not None:
             tree.events.set_token_source(hashes, request)  # committed blocks carry their tokens too
@@ -102,6 +142,7 @@ class RequestLifecycle:
                 self.copies.queue_backup(node)
             parent = node
             st.committed = i + 1
+        self._announce_revealed(hashes[:num_full], revealed)
         return st.committed
 
     def preempt(self, request: Request) -> None:
@@ -151,11 +192,16 @@ class RequestLifecycle:
 
         num_full = 0
         hashes: list[int] = []
+        revealed: list[int] = []
         if insert and self.enable_prefix_caching:
             limit = req.num_total_tokens if self.config.enable_output_caching else req.num_prompt_tokens
             num_full = min(req.num_computed_tokens, limit) // bs
             if num_full:
                 hashes = req.block_hashes(bs, num_full * bs)
+                if self.k_anonymity is not None:
+                    # Before the inserts: a copy that is a duplicate of another tenant's
+                    # private block still counts (this tenant computed it, as a miss).
+                    revealed = self.k_anonymity.record_computed(req.tenant, hashes[:num_full])
                 if self.tree.events is not None:
                     self.tree.events.set_token_source(hashes, req)  # device inserts carry tokens
         tree = self.tree
@@ -207,6 +253,7 @@ class RequestLifecycle:
                     parent = child
         if to_free:
             self.device_pool.free(to_free)
+        self._announce_revealed(hashes[:num_full], revealed)
 
     def _hand_over_load(self, inf: InFlight) -> None:
         """A request leaves before its load was handed to a batch, and others share the

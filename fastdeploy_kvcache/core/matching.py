@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from fastdeploy_kvcache.core.errors import CacheManagerError
+from fastdeploy_kvcache.core.k_anonymity import KAnonymityIndex
 from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, MatchResult
 from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.request import Request
@@ -30,8 +31,10 @@ class PrefixMatcher:
     """
 
     def __init__(self, tree: RadixTree, block_size: int, enable_prefix_caching: bool,
-                 storage: Optional["StorageTier"]) -> None:
+                 storage: Optional["StorageTier"], k_anonymity: Optional[KAnonymityIndex] = None) -> None:
         self.tree = tree
+        # Which tenants may see which blocks (None: every block is shared).
+        self.k_anonymity = k_anonymity
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.storage = storage
@@ -55,7 +58,7 @@ class PrefixMatcher:
         max_blocks = (num_tokens - 1) // bs
         hashes = request.block_hashes(bs, num_tokens)
         if self.enable_prefix_caching:
-            nodes, tiers = self.tree.match(hashes, max_blocks, self.share_loads)
+            nodes, tiers = self.tree.match(hashes, max_blocks, self.share_loads, self.visible_filter(request))
         else:
             nodes, tiers = [], []
         result = MatchResult(block_size=bs, nodes=nodes, tiers=tiers)
@@ -78,7 +81,16 @@ class PrefixMatcher:
             return [], []
         bs = self.block_size
         hashes = request.block_hashes(bs, request.num_total_tokens)
-        return self.tree.match(hashes, min(len(match.nodes), (request.num_total_tokens - 1) // bs), self.share_loads)
+        return self.tree.match(hashes, min(len(match.nodes), (request.num_total_tokens - 1) // bs), self.share_loads,
+                               self.visible_filter(request))
+
+    def visible_filter(self, request: Request) -> Optional[Callable[[int], bool]]:
+        """The blocks ``request``'s tenant may reuse, as a filter on hashes (None: all).
+
+        Under k-anonymity a block another tenant computed and k distinct tenants have not
+        is a miss for this request on every tier (``core/k_anonymity.py``)."""
+        kanon = self.k_anonymity
+        return None if kanon is None else kanon.visible_to(request.tenant)
 
     def forget(self, request: Request) -> None:
         """Drop ``request``'s match (it was applied)."""

@@ -11,6 +11,10 @@ leader's committed blocks cover the shared part, the request's match reaches pas
 the request is admitted (chunked prefill included: a follower starts as soon as the
 chunks that cover its prefix are in, not when the leader finishes).
 
+Under k-anonymity (``core/k_anonymity.py``) a request is held only for a block its own
+tenant computes, or one that is revealed: waiting for another tenant's private block would
+change its time to first token (and then miss anyway), which is what k-anonymity hides.
+
 The hold is bounded: a request held for ``max_hold_s`` seconds in total is never held
 again, and a leader that finishes, aborts or is preempted (:meth:`PrefixSharing.leader_gone`)
 releases its followers at once.  Pure Python, no I/O: the scheduler owns the clock.
@@ -21,8 +25,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
+from fastdeploy_kvcache.core.k_anonymity import KAnonymityIndex
 from fastdeploy_kvcache.core.request import Request
 
 logger = logging.getLogger(__name__)
@@ -48,6 +53,7 @@ class _Leader:
     hashes: list[int]
     start: int  # hashes[:start] are committed (matchable) already
     end: int
+    tenant: Optional[str] = None
 
 
 @dataclass
@@ -63,12 +69,16 @@ class PrefixSharing:
         block_size: tokens per block (hashes are the cache manager's chained block hashes).
         max_hold_s: the most seconds one request is held in total; 0 turns holding off.
         clock: monotonic seconds (tests pass their own).
+        k_anonymity: the cache manager's index under k-anonymity (None: any request may wait
+            for any other).
     """
 
-    def __init__(self, block_size: int, max_hold_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, block_size: int, max_hold_s: float, clock: Callable[[], float] = time.monotonic,
+                 k_anonymity: Optional[KAnonymityIndex] = None) -> None:
         if max_hold_s < 0:
             raise ValueError(f"max_hold_s: must be >= 0, got {max_hold_s!r}")
         self.block_size = block_size
+        self.k_anonymity = k_anonymity
         self.max_hold_s = float(max_hold_s)
         self.clock = clock
         self._owner: dict[int, str] = {}  # hash of a block being computed -> leader id
@@ -99,7 +109,7 @@ class PrefixSharing:
         rid = request.request_id
         for h in hashes[start:]:
             self._owner.setdefault(h, rid)
-        self._leaders[rid] = _Leader(hashes, start, len(hashes))
+        self._leaders[rid] = _Leader(hashes, start, len(hashes), request.tenant)
 
     def leader_progress(self, request_id: str, committed_blocks: int) -> None:
         """The leader's first ``committed_blocks`` blocks are matchable now."""
@@ -145,6 +155,11 @@ class PrefixSharing:
         owner = self._owner.get(hashes[k]) if k < len(hashes) else None
         if owner is None or owner == rid:
             return False
+        kanon = self.k_anonymity
+        if kanon is not None and not kanon.is_revealed(hashes[k]):
+            ld = self._leaders.get(owner)
+            if ld is None or kanon.tenant_key(ld.tenant) != kanon.tenant_key(request.tenant):
+                return False  # another tenant's private block: computed as a miss, no wait
         now = self.clock()
         if hold is None:
             hold = self._holds[rid] = _Hold(now)

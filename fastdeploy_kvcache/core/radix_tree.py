@@ -314,7 +314,8 @@ class RadixTree:
 
     # ------------------------------------------------------------------ lookup
     def match(
-        self, hashes: Sequence[int], max_blocks: int, loads_in_flight: bool = True
+        self, hashes: Sequence[int], max_blocks: int, loads_in_flight: bool = True,
+        visible: Optional[Callable[[int], bool]] = None,
     ) -> tuple[list[BlockNode], list[CacheLevel]]:
         """Walk ``hashes`` from the root; stop at the first block with no usable copy.
 
@@ -322,14 +323,16 @@ class RadixTree:
         is bringing in (the cache manager lets a request share a load in flight, with a
         standby block in case it fails; ``loads_in_flight=False`` leaves those out), and
         on host if its host copy is valid and not the destination of a copy in flight.
-        Nothing is changed.
+        ``visible``: a filter on block hashes (k-anonymity: the blocks this request's tenant
+        may see); a block it rejects ends the match as a missing one would.  Nothing is
+        changed.
         """
         nodes: list[BlockNode] = []
         tiers: list[CacheLevel] = []
         node = self.root
         for h in itertools.islice(hashes, max_blocks):
             node = node.children.get(h)  # type: ignore[assignment]
-            if node is None:
+            if node is None or (visible is not None and not visible(h)):
                 break
             if node.device_block_id is not None and (loads_in_flight or node.pending is not TransferKind.SWAP_IN):
                 tiers.append(CacheLevel.DEVICE)

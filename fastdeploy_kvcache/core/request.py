@@ -41,6 +41,7 @@ class Request:
         mm_items: Sequence[MMItem] = (),
         lora_id: Optional[Union[int, str]] = None,
         cache_salt: Optional[str] = None,
+        salt_from_token: int = 0,
         tenant: Optional[str] = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -55,9 +56,16 @@ class Request:
         self.mm_items: tuple[MMItem, ...] = tuple(mm_items)
         self.lora_id = lora_id
         self.cache_salt = cache_salt
-        # Who sent it (the API key's tenant; None without keys).  Not a hash key: isolation
-        # between tenants comes from their salts; this names the tenant for the cache's
-        # accounting.
+        # The salt enters the block holding this token (0: the first block); the blocks
+        # wholly before it are shared with every salt (a per-range salt, hashing.py).
+        if not isinstance(salt_from_token, int) or isinstance(salt_from_token, bool) or salt_from_token < 0:
+            raise ValueError(f"request {request_id}: salt_from_token must be an int >= 0, got {salt_from_token!r}")
+        self.salt_from_token = salt_from_token
+        # Who sent it (the API key's tenant; None without keys: the anonymous tenant).  Not
+        # a hash key: salts separate tenants; the k-anonymity index (core/k_anonymity.py)
+        # reads it to decide who may see which block.
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"request {request_id}: tenant must be a str or None, got {type(tenant).__name__}")
         self.tenant = tenant
 
         self.block_tables: list[int] = []
@@ -87,7 +95,8 @@ class Request:
     def _get_hasher(self, block_size: int) -> BlockHasher:
         hasher = self._hasher
         if hasher is None or hasher.block_size != block_size:
-            hasher = self._hasher = BlockHasher(block_size, self.mm_items, self.lora_id, self.cache_salt)
+            hasher = self._hasher = BlockHasher(block_size, self.mm_items, self.lora_id, self.cache_salt,
+                                                     self.salt_from_token)
         return hasher
 
     def block_hashes(self, block_size: int, num_tokens: Optional[int] = None) -> list[int]:

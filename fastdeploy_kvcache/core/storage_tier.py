@@ -233,7 +233,8 @@ class StorageTier:
         for k in ("exists_calls", "query_blocks", "hit_blocks", "prefetch_jobs", "prefetch_blocks_issued",
                   "prefetch_blocks_loaded", "prefetch_blocks_failed", "prefetch_blocks_inserted",
                   "prefetch_blocks_unused", "aborted_prefetches", "put_blocks_issued", "put_blocks_ok",
-                  "put_blocks_failed", "put_skipped_stored", "storage_hit_tokens", "read_bytes",
+                  "put_blocks_failed", "put_skipped_stored", "put_skipped_private", "storage_hit_tokens",
+                  "read_bytes",
                   "read_seconds", "write_bytes", "write_seconds", "unavailable_skips", "query_errors",
                   "prefetch_blocks_shared", "arrival_prefetch_jobs", "arrival_prefetch_blocks",
                   "arrival_prefetch_over_budget", "prefetch_jobs_inline",
@@ -269,6 +270,7 @@ class StorageTier:
         self.port = port
         self.planner = FetchCostModel(port.block_size, clock=self.clock)
         port.listen_host_evictions(self)
+        port.listen_reveals(self)
 
     @property
     def _port(self) -> StoragePort:
@@ -508,7 +510,9 @@ class StorageTier:
         if max_blocks <= 0 or not port.prefix_caching:
             return None
         hashes = request.block_hashes(bs, request.num_total_tokens)[:max_blocks]
-        nodes = port.match(hashes, max_blocks)
+        # Only what the request's tenant may see (k-anonymity): another tenant's private
+        # block reads as a miss here too, so it changes neither the lookup nor the fetch.
+        nodes = port.match(hashes, max_blocks, getattr(request, "tenant", None))
         start = len(nodes)
         rest = hashes[start:]
         if not rest:
@@ -805,6 +809,17 @@ class StorageTier:
         for h, b in zip(hashes, host_block_ids):
             self._queue_put(h, b)
 
+    def on_revealed(self, nodes: list[BlockNode]) -> None:
+        """k-anonymity revealed these cached blocks after their host copies were made (their
+        puts were skipped as private then): write_through puts them now; write_back stores
+        them when the host tier evicts them, as any block."""
+        if self.write_back and not self._flushing:
+            return
+        self._heal()
+        for node in nodes:
+            if node.host_block_id is not None and node.pending is None and not node.detached:
+                self._queue_put(node.hash_value, node.host_block_id)
+
     def on_host_evict(self, node: BlockNode) -> None:
         """write_back: the host tier is evicting ``node``'s copy; store it first (pinned)."""
         if self.write_back and node.host_block_id is not None and node.pending is None:
@@ -812,6 +827,9 @@ class StorageTier:
             self._queue_put(node.hash_value, node.host_block_id)
 
     def _queue_put(self, h: int, b: int) -> None:
+        if not self._port.may_store(h):
+            self.stats["put_skipped_private"] += 1  # k-anonymity: not revealed yet
+            return
         if h in self._stored:
             self._stored.move_to_end(h)
             self.stats["put_skipped_stored"] += 1

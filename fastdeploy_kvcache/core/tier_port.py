@@ -16,9 +16,10 @@ through the port, and neither module imports the other.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol, Sequence
 
 from fastdeploy_kvcache.core.block_pool import PinnableBlockPool
+from fastdeploy_kvcache.core.k_anonymity import KAnonymityIndex
 from fastdeploy_kvcache.core.metadata import BlockNode
 from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.write_policy import WritePolicy
@@ -26,13 +27,19 @@ from fastdeploy_kvcache.core.write_policy import WritePolicy
 if TYPE_CHECKING:  # pragma: no cover
     from fastdeploy_kvcache.core.eviction import Evictor
 
-__all__ = ["HostEvictionListener", "StoragePort"]
+__all__ = ["HostEvictionListener", "RevealListener", "StoragePort"]
 
 
 class HostEvictionListener(Protocol):
     """Told of each host copy the evictor is about to drop, while the node still holds it."""
 
     def on_host_evict(self, node: BlockNode) -> None: ...
+
+
+class RevealListener(Protocol):
+    """Told of cached blocks with a valid host copy that k-anonymity just revealed."""
+
+    def on_revealed(self, nodes: list[BlockNode]) -> None: ...
 
 
 class StoragePort:
@@ -51,8 +58,11 @@ class StoragePort:
     """
 
     def __init__(self, tree: RadixTree, host_pool: PinnableBlockPool, evictor: "Evictor", policy: WritePolicy,
-                 block_size: int, prefix_caching: bool) -> None:
+                 block_size: int, prefix_caching: bool, k_anonymity: Optional[KAnonymityIndex] = None,
+                 set_reveal_listener: Optional[Callable[[Optional[RevealListener]], None]] = None) -> None:
         self._tree = tree
+        self._k_anonymity = k_anonymity
+        self._set_reveal_listener = set_reveal_listener
         self._host_pool = host_pool
         self._evictor = evictor
         self._policy = policy
@@ -64,10 +74,25 @@ class StoragePort:
         """Have the evictor tell ``listener`` of each host copy before it drops it."""
         self._evictor.set_host_evict_listener(listener)
 
+    def listen_reveals(self, listener: RevealListener) -> None:
+        """Have the manager tell ``listener`` of host copies of blocks k-anonymity revealed
+        (a no-op without k-anonymity)."""
+        if self._set_reveal_listener is not None:
+            self._set_reveal_listener(listener)
+
     # ------------------------------------------------------------------ tree: reads
-    def match(self, hashes: Sequence[int], max_blocks: int) -> list[BlockNode]:
-        """The nodes of the longest cached prefix of ``hashes`` (any tier), at most ``max_blocks``."""
-        return self._tree.match(hashes, max_blocks)[0]
+    def match(self, hashes: Sequence[int], max_blocks: int, tenant: Optional[str] = None) -> list[BlockNode]:
+        """The nodes of the longest cached prefix of ``hashes`` (any tier), at most ``max_blocks``,
+        that ``tenant`` may see (under k-anonymity; otherwise every node)."""
+        kanon = self._k_anonymity
+        return self._tree.match(hashes, max_blocks, visible=None if kanon is None else kanon.visible_to(tenant))[0]
+
+    def may_store(self, block_hash: int) -> bool:
+        """Whether the block may be written to storage under its shared key: always, but
+        under k-anonymity only once revealed (a store is shared by servers and restarts,
+        which know nothing of the block's tenants)."""
+        kanon = self._k_anonymity
+        return kanon is None or kanon.is_revealed(block_hash)
 
     def can_hang_host_nodes(self, parent: Optional[BlockNode]) -> bool:
         """Whether host-only nodes may go below ``parent`` (None: the root); the host tier
@@ -109,6 +134,9 @@ class StoragePort:
             parent = child
         inserted: list[BlockNode] = []
         used = 0
+        if self._k_anonymity is not None and hashes:
+            # The store holds revealed blocks only (may_store), so what it served is revealed.
+            self._k_anonymity.mark_revealed(hashes)
         if linked:
             for h, b in zip(hashes, host_block_ids):
                 child = parent.children.get(h)

@@ -155,6 +155,11 @@ class EngineArgs:
             raise ValueError(f"device: must be one of {DEVICES}, got {self.device!r}")
         if self.splitwise_role not in SPLITWISE_ROLES:
             raise ValueError(f"splitwise_role: must be one of {SPLITWISE_ROLES}, got {self.splitwise_role!r}")
+        if self.splitwise_role != "mixed" and self.cache.k_anonymity_k:
+            # The hand-off writes a prefill's blocks to the shared store under their shared keys,
+            # revealed or not, and a decode server counts stored blocks as revealed.
+            raise ValueError("--tenant-isolation k-anonymity: not with --splitwise-role prefill/decode (the "
+                             "hand-off stores private blocks); use salt")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.model_dtype not in MODEL_DTYPES:

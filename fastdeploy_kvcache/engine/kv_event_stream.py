@@ -71,6 +71,10 @@ def make_kv_event_stream(config: Optional[KVEventsConfig], pool: "KVPool") -> Op
 
     recorder = KVEventRecorder(manager.block_size, storage_medium(pool))
     publisher = ZmqEventPublisher(config)
+    if manager.k_anonymity is not None:
+        # Private blocks are not announced: a router or any subscriber sees what every tenant
+        # may reuse, and nothing one tenant alone sent.
+        recorder.publishable = manager.k_anonymity.is_revealed
     manager.tree.events = recorder
     if pool.tier is not None:
         pool.tier.attach_events(recorder)

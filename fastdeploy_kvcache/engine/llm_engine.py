@@ -327,38 +327,45 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         on_output: OutputCallback, kv_transfer: Optional[Any] = None, *,
-        cache_salt: Optional[str] = None, tenant: Optional[str] = None,
+        cache_salt: Optional[str] = None, tenant: Optional[str] = None, salt_from_token: int = 0,
     ) -> None:
         """Queue a request; raises ValueError (nothing queued) for bad input or a duplicate id.
 
         ``kv_transfer``: a decode server's ``kv_transfer_params`` (engine/pd.py).  ``cache_salt``:
         hashed into the first block, so the request reuses only blocks computed with the same
-        salt, on every tier.  ``tenant``: who sent it (the API key's tenant), for the cache's
-        accounting.  Errors about the prompt or its fit are :class:`RequestRejected`
-        (``param``, ``code``).
+        salt, on every tier; ``salt_from_token``: the salt enters the block holding that token
+        instead (the blocks wholly before it are shared unsalted).  ``tenant``: who sent it (the
+        API key's tenant): the cache's k-anonymity counts tenants.  Errors about the prompt or
+        its fit are :class:`RequestRejected` (``param``, ``code``).
         """
-        self.add_requests([(request_id, prompt_token_ids, params, on_output, kv_transfer, cache_salt, tenant)])
+        self.add_requests([(request_id, prompt_token_ids, params, on_output, kv_transfer, cache_salt, tenant,
+                            salt_from_token)])
 
     def add_requests(self, requests: Sequence[tuple[Any, ...]]) -> None:
         """Queue several requests, all or none: every one is checked before any is queued.
 
         Each item is ``(request_id, prompt_token_ids, params, on_output, kv_transfer)``,
-        optionally followed by ``cache_salt`` and ``tenant`` (see :meth:`add_request`).  This is
-        the one place a prompt is checked (``engine/request_checks.py``); requests that share
-        one prompt list (the choices of ``n > 1``) have it checked once.
+        optionally followed by ``cache_salt`` and ``tenant``, and then ``salt_from_token`` (see
+        :meth:`add_request`).  This is the one place a prompt is checked
+        (``engine/request_checks.py``); requests that share one prompt list (the choices of
+        ``n > 1``) have it checked once.
         """
         if self._stop.is_set():
             raise RuntimeError("the engine is shut down")
         vocab = self.loaded.vocab_size
         checked_prompts: set[int] = set()
-        ready: list[tuple[str, list[int], SamplingParams, OutputCallback, Any, Optional[str], Optional[str]]] = []
+        ready: list[tuple[str, list[int], SamplingParams, OutputCallback, Any, Optional[str], Optional[str],
+                          int]] = []
         ids_seen: set[str] = set()
         for item in requests:
-            if len(item) not in (5, 7):
+            if len(item) not in (5, 7, 8):
                 raise ValueError(f"add_requests: an item is (request_id, prompt_token_ids, params, on_output, "
-                                 f"kv_transfer[, cache_salt, tenant]), got {len(item)} values")
+                                 f"kv_transfer[, cache_salt, tenant[, salt_from_token]]), got {len(item)} values")
             request_id, prompt_token_ids, params, on_output, kv_transfer = item[:5]
-            cache_salt, tenant = item[5:] if len(item) == 7 else (None, None)
+            cache_salt, tenant = item[5:7] if len(item) >= 7 else (None, None)
+            salt_from_token = item[7] if len(item) == 8 else 0
+            if not isinstance(salt_from_token, int) or isinstance(salt_from_token, bool) or salt_from_token < 0:
+                raise ValueError(f"salt_from_token: must be an int >= 0, got {salt_from_token!r}")
             if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
                 raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
             if tenant is not None and not isinstance(tenant, str):
@@ -383,15 +390,17 @@ class LLMEngine:
                 pd_params = self.pd.check_request(kv_transfer)
             check_fits_device_pool(len(prompt_token_ids), params.max_tokens, self.max_model_len,
                                    self.cache_config.block_size, self.cache_config.num_gpu_blocks)
-            ready.append((request_id, prompt_token_ids, params, on_output, pd_params, cache_salt, tenant))
+            ready.append((request_id, prompt_token_ids, params, on_output, pd_params, cache_salt, tenant,
+                          salt_from_token))
         with self._lock:
             in_use = [rid for rid, *_ in ready if rid in self._live_ids]
             if in_use:
                 raise ValueError(f"request_id: {in_use[0]!r} is already in use")
             self._live_ids.update(rid for rid, *_ in ready)
             self._idle.clear()
-        for request_id, prompt_token_ids, params, on_output, pd_params, cache_salt, tenant in ready:
-            req = Request(request_id, [int(t) for t in prompt_token_ids], cache_salt=cache_salt, tenant=tenant)
+        for request_id, prompt_token_ids, params, on_output, pd_params, cache_salt, tenant, salt_from in ready:
+            req = Request(request_id, [int(t) for t in prompt_token_ids], cache_salt=cache_salt, tenant=tenant,
+                          salt_from_token=salt_from)
             seed = int(self._seed_rng.integers(0, 2**63 - 1))
             er = EngineRequest(req, params, on_output, RequestSampler(params, seed),
                                 IncrementalDetokenizer(self.tokenizer), time.monotonic())

@@ -60,7 +60,9 @@ class Scheduler:
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.sharing = PrefixSharing(block_size, prefix_hold_s)
+        # Under k-anonymity a request waits only for its own tenant's (or revealed) blocks.
+        self.sharing = PrefixSharing(block_size, prefix_hold_s,
+                                     k_anonymity=getattr(pool.manager, "k_anonymity", None))
         self._fail = fail
         self._drain_copies = drain_copies
         self._after_admit = after_admit

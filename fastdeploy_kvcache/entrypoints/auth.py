@@ -26,9 +26,17 @@ from typing import Any, Awaitable, Callable, Mapping, Optional
 
 from fastdeploy_kvcache.cli_flags import add_flag
 
-TENANT_ISOLATION_MODES: tuple[str, ...] = ("none", "salt")
-"""``--tenant-isolation`` choices: ``none`` (tenants share cached prefixes; a request's own
-``cache_salt`` still separates it) and ``salt`` (every request is salted by its tenant)."""
+TENANT_ISOLATION_MODES: tuple[str, ...] = ("none", "salt", "k-anonymity", "salt-after-system")
+"""``--tenant-isolation`` choices (docs/security.md): ``none`` (tenants share cached prefixes; a
+request's own ``cache_salt`` still separates it), ``salt`` (every request is salted by its
+tenant), ``k-anonymity`` (a block is shared across tenants once ``--k-anonymity-k`` distinct
+tenants computed it: core/k_anonymity.py) and ``salt-after-system`` (a chat's leading system
+messages are shared unsalted, the rest is salted by the tenant)."""
+
+# The modes that salt by the tenant (from the first block, or after the system messages).
+TENANT_SALTED_MODES: frozenset[str] = frozenset({"salt", "salt-after-system"})
+
+DEFAULT_K_ANONYMITY_K = 2
 
 API_KEY_ENV = "FDKV_API_KEY"
 """The environment variable ``--api-key`` defaults to (``envs.py``)."""
@@ -166,6 +174,22 @@ def tenant_cache_salt(tenant: Optional[str], cache_salt: Optional[str]) -> Optio
     return f"tenant:{len(name)}:{name}:{cache_salt or ''}"
 
 
+def system_prefix_tokens(full: list[int], system_only: list[int]) -> int:
+    """Where the shared part of a chat prompt ends under ``--tenant-isolation
+    salt-after-system``: the tokens ``full`` (every message rendered) has in common with
+    ``system_only`` (the leading system messages rendered alone), from the start.
+
+    The common prefix rather than ``len(system_only)``: a template may render the last
+    system message differently when nothing follows it, and only tokens that are the same in
+    both are the system part of the full prompt.
+    """
+    n = min(len(full), len(system_only))
+    i = 0
+    while i < n and full[i] == system_only[i]:
+        i += 1
+    return i
+
+
 def check_cache_salt(value: Any) -> Optional[str]:
     """A request's ``cache_salt``: None, or a non-empty string; ValueError naming the field."""
     if value is None:
@@ -195,7 +219,33 @@ def add_auth_cli_args(parser: argparse.ArgumentParser) -> None:
     add("--tenant-isolation", dest="tenant_isolation", default="none", choices=TENANT_ISOLATION_MODES,
         help="none: tenants share cached prefixes (a request's own cache_salt still separates it); salt: "
              "every request is salted by its key's tenant (with its cache_salt, if any), so no cached block "
-             "is shared between tenants on any tier (needs --api-keys-file; default: none).")
+             "is shared between tenants on any tier; k-anonymity: a cached block is reused by other tenants "
+             "only once --k-anonymity-k distinct tenants computed it (until then it is a miss for them on "
+             "every tier); salt-after-system: a chat's leading system messages are shared, the rest is "
+             "salted by the tenant (completions: all of it). Every mode but none needs --api-keys-file "
+             "(docs/security.md; default: none).")
+    add("--k-anonymity-k", dest="k_anonymity_k", type=_k_at_least_2, default=None, metavar="K",
+        help=f"Distinct tenants that must have computed a cached block before --tenant-isolation k-anonymity "
+             f"shares it with the others (>= 2; default: {DEFAULT_K_ANONYMITY_K}).")
+
+
+def _k_at_least_2(text: str) -> int:
+    """argparse ``type=`` of ``--k-anonymity-k``: an integer >= 2 (1 would share everything)."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {text!r}")
+    return value
+
+
+def k_anonymity_k_of(args: argparse.Namespace) -> int:
+    """The cache's ``k_anonymity_k`` the flags ask for: ``--k-anonymity-k`` under
+    ``--tenant-isolation k-anonymity``, else 0 (off)."""
+    if getattr(args, "tenant_isolation", "none") != "k-anonymity":
+        return 0
+    return int(getattr(args, "k_anonymity_k", None) or DEFAULT_K_ANONYMITY_K)
 
 
 def api_keys_from_args(args: argparse.Namespace) -> Optional[ApiKeys]:
@@ -207,7 +257,10 @@ def api_keys_from_args(args: argparse.Namespace) -> Optional[ApiKeys]:
     if api_key is None:
         api_key = envs.api_key()
     keys = build_api_keys(api_key, getattr(args, "api_keys_file", None))
-    check_isolation(getattr(args, "tenant_isolation", "none"), keys)
+    mode = getattr(args, "tenant_isolation", "none")
+    check_isolation(mode, keys)
+    if getattr(args, "k_anonymity_k", None) is not None and mode != "k-anonymity":
+        raise ValueError(f"--k-anonymity-k: only with --tenant-isolation k-anonymity (got {mode})")
     return keys
 
 

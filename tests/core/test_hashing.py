@@ -57,6 +57,41 @@ def test_extra_keys_change_hash():
     assert edge[1] == hash_block_tokens(edge[0], toks[4:8])
 
 
+@pytest.mark.parametrize("start", [0, 3, 4, 7, 8, 13, 40])
+def test_a_salt_from_a_token_offset_salts_the_block_holding_it_and_every_later_one(start):
+    toks = list(range(16))
+    base = compute_block_hashes(toks, 4)
+    a = compute_block_hashes(toks, 4, cache_salt="tenant-a", salt_from_token=start)
+    b = compute_block_hashes(toks, 4, cache_salt="tenant-b", salt_from_token=start)
+    first = start // 4  # the block that holds token ``start``
+    assert a[:first] == base[:first] == b[:first], "blocks wholly before the offset must stay unsalted"
+    assert all(x != y != z for x, y, z in zip(a[first:], base[first:], b[first:])), "the chain carries the salt"
+    if first < len(a):
+        salted = hash_block_tokens(base[first - 1] if first else ROOT_HASH, toks[first * 4:first * 4 + 4],
+                                   cache_salt="tenant-a")
+        assert a[first] == salted
+    if start == 0:
+        assert a == compute_block_hashes(toks, 4, cache_salt="tenant-a")
+    # Incremental hashing agrees with one-shot hashing across the offset.
+    h = BlockHasher(4, cache_salt="tenant-a", salt_from_token=start)
+    for n in (3, 5, 9, 16):
+        h.extend(toks, n)
+    assert h.hashes == a
+
+
+def test_a_salt_offset_reaches_the_partial_block_key():
+    toks = list(range(10))
+    plain = BlockHasher(4).partial_key(toks)
+    assert BlockHasher(4, cache_salt="s", salt_from_token=9).partial_key(toks) != plain
+    assert BlockHasher(4, cache_salt="s", salt_from_token=12).partial_key(toks) == plain  # offset past it
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "3"])
+def test_a_bad_salt_offset_is_refused(bad):
+    with pytest.raises(ValueError, match="salt_from_token must be an int >= 0"):
+        BlockHasher(4, cache_salt="s", salt_from_token=bad)
+
+
 def test_partial_key_form():
     h = BlockHasher(4)
     toks = list(range(10))

@@ -135,3 +135,20 @@ def test_frees_device_blocks_follows_evictions_through_merges():
     batch.append_evict_metadata(evict)
     assert batch.cache_evict_metadata.frees_device_blocks
     assert pickle.loads(pickle.dumps(batch)).cache_evict_metadata.frees_device_blocks
+
+
+def test_a_per_range_salt_shares_the_blocks_before_its_offset():
+    shared = list(range(8))  # two blocks of 4
+    a = Request("a", shared + [1, 2, 3, 4, 5], cache_salt="tenant-a", salt_from_token=8)
+    b = Request("b", shared + [1, 2, 3, 4, 5], cache_salt="tenant-b", salt_from_token=8)
+    plain = Request("p", shared + [1, 2, 3, 4, 5])
+    assert a.block_hashes(4)[:2] == b.block_hashes(4)[:2] == plain.block_hashes(4)[:2]
+    assert a.block_hashes(4)[2] != b.block_hashes(4)[2] != plain.block_hashes(4)[2]
+
+
+@pytest.mark.parametrize("kw, what", [({"salt_from_token": -1}, "salt_from_token"),
+                                      ({"salt_from_token": True}, "salt_from_token"),
+                                      ({"tenant": 3}, "tenant must be a str")])
+def test_bad_salt_offset_or_tenant_is_refused(kw, what):
+    with pytest.raises(ValueError, match=what):
+        Request("r", [1, 2, 3], **kw)

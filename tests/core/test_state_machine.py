@@ -637,6 +637,78 @@ def test_cache_manager_state_machine():
     assert len(LIVENESS_CHECKS) >= 50, f"the liveness rule ran {len(LIVENESS_CHECKS)} times"
 
 
+class KAnonMachine(CacheMachine):
+    """The same traces under k-anonymity, requests from three tenants and anonymous ones.
+
+    A request's tenant follows from its id, so re-sent prompts and continued conversations
+    mostly come from another tenant than the first one: blocks are computed privately,
+    hidden from the others, and revealed.  On top of the oracle: a match never includes a
+    block fewer than k tenants computed unless its own tenant computed it (checked against
+    a model that counts a tenant when its request computes a block, earlier than the
+    manager does, so the model's sets are supersets of the manager's).
+
+    NOTE: everything k-anonymous lives here, not in ``CacheMachine``: hypothesis derives the
+    derandomized traces from that class's source, and the coverage gate above depends on them.
+    """
+
+    @initialize(
+        policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+        num_dev=st.integers(8, 20),
+        num_host=st.sampled_from([0, 6, 12, 24]),
+        threshold=st.sampled_from([1, 2]),
+        cache_output=st.booleans(),
+        kanon_k=st.sampled_from([2, 3]),
+    )
+    def setup(self, policy, num_dev, num_host, threshold, cache_output, landed=None, kanon_k=2):
+        super().setup(policy, num_dev, num_host, threshold, cache_output, landed)
+        cfg = self.mgr.config
+        cfg.k_anonymity_k = kanon_k
+        self.mgr = CacheManager(cfg, host_blocks_ready=self.landed)
+        self.kanon_k = kanon_k
+        self.computed_by: dict[int, set[str]] = {}  # hash -> tenants whose requests computed it
+
+    @staticmethod
+    def _tenant_of(rid: str) -> str | None:
+        digits = "".join(c for c in rid if c.isdigit())
+        return ("a", "b", "c", None)[int(digits or 0) % 4]
+
+    def _admit(self, req: Request) -> bool:
+        req.tenant = self._tenant_of(req.request_id)
+        m = self.mgr.match_prefix(req)  # pure: the base's _admit matches again
+        t = req.tenant or ""
+        for node in m.nodes:
+            who = self.computed_by.get(node.hash_value, set())
+            assert t in who or len(who) >= self.kanon_k, (
+                f"{req.request_id} (tenant {t!r}) matched a block computed only by {sorted(who)}")
+            if t not in who:
+                COVERAGE["kanon_shared_hits"] = COVERAGE.get("kanon_shared_hits", 0) + 1
+        nxt = len(m.nodes)
+        if nxt < (req.num_total_tokens - 1) // BS:
+            parent = m.nodes[-1] if m.nodes else self.mgr.tree.root
+            child = parent.children.get(req.block_hashes(BS)[nxt])
+            if child is not None and child.device_block_id is not None and child.pending is None:
+                # A cached device copy the tenant may not see: the match stopped there.
+                COVERAGE["kanon_hidden_blocks"] = COVERAGE.get("kanon_hidden_blocks", 0) + 1
+        return super()._admit(req)
+
+    def _compute(self, req: Request, target: int) -> None:
+        hashes = self._hashes(req, target)
+        for j in range(req.num_computed_tokens // BS, target // BS):
+            self.computed_by.setdefault(hashes[j], set()).add(req.tenant or "")
+        super()._compute(req, target)
+
+
+def test_cache_manager_state_machine_k_anonymity():
+    """k-anonymity: 30 examples; private blocks must be hidden and revealed ones shared."""
+    STEP_COUNTS.clear()
+    COVERAGE.clear()
+    LIVENESS_CHECKS.clear()
+    run_state_machine_as_test(KAnonMachine, settings=_settings(30, 100, derandomize=True), _min_steps=MIN_STEPS)
+    for key in ("kanon_shared_hits", "kanon_hidden_blocks", "duplicate_blocks", "swap_in_blocks",
+                "committed_blocks"):
+        assert COVERAGE.get(key, 0) > 0, (key, COVERAGE)
+
+
 @pytest.mark.soak
 @pytest.mark.skipif(not SOAK, reason="long soak: set FDKV_SOAK=1")
 def test_cache_manager_state_machine_soak():

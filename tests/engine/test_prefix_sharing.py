@@ -231,3 +231,29 @@ def test_a_failed_shared_load_makes_every_reader_recompute(monkeypatch, tiny_mod
         _assert_whole(eng)
     finally:
         eng.shutdown()
+
+
+def test_under_k_anonymity_a_request_waits_only_for_its_own_tenants_prefix(monkeypatch, tiny_model,
+                                                                           recompute_tokens):
+    """k = 2.  r0 (tenant a) computes the prefix; r1 (a) is held for it; r2 (b) and r3 (c) are
+    not held for a's private blocks: they compute the prefix at once, as if nothing were
+    in flight.  a and b computed it, so a fifth tenant then reuses it."""
+    eng = _engine(monkeypatch, tiny_model, k_anonymity_k=2)
+    try:
+        col = Collector()
+        for i, tenant in enumerate(("a", "a", "b", "c")):
+            eng.add_request(f"r{i}", _prompt(i), greedy(6), col, tenant=tenant)
+        eng.start()
+        assert eng.wait_idle(120), "the burst did not finish"
+        assert {f"r{i}": col.tokens(f"r{i}") for i in range(4)} == recompute_tokens
+        cached = [col.final(f"r{i}").num_cached_tokens for i in range(4)]
+        assert cached == [0, len(PREFIX), 0, 0], cached
+        stats = eng.get_stats()
+        assert stats["prefix_sharing"]["held_requests"] == 1, stats["prefix_sharing"]
+        assert stats["cache"]["k_anonymity"]["revealed_blocks"] == len(PREFIX) // BS
+        eng.add_request("r4", _prompt(4), greedy(6), col, tenant="d")
+        assert eng.wait_idle(120)
+        assert col.final("r4").num_cached_tokens == len(PREFIX)
+        _assert_whole(eng)
+    finally:
+        eng.shutdown()

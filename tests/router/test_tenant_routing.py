@@ -31,11 +31,11 @@ FULL = 12 * BLOCK_SIZE
 
 
 class TenantFleet:
-    def __init__(self, d: Path) -> None:
+    def __init__(self, d: Path, isolation: str = "salt") -> None:
         self.dir = d
         self.keys = d / "keys.json"
         self.keys.write_text(json.dumps(KEYS))
-        self.auth = ["--api-keys-file", str(self.keys), "--tenant-isolation", "salt"]
+        self.auth = ["--api-keys-file", str(self.keys), "--tenant-isolation", isolation]
         self.workers = [self._worker(i) for i in range(2)]
         self.routers: list[RouterProcess] = []
 
@@ -151,3 +151,79 @@ def _routed(router: RouterProcess) -> float:
     text = router.get_text("/metrics")
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("fdkv_router:requests_routed_total{"))
+
+
+SYSTEM = "You answer questions about the quarterly report of the accounts team. " * 10
+
+
+def _chat(url: str, key: str, user: str) -> httpx.Response:
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]}
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=_auth(key), timeout=120.0)
+
+
+def test_the_router_predicts_a_shared_system_prompt_under_salt_after_system(tmp_path: Path) -> None:
+    """Workers and router with ``--tenant-isolation salt-after-system``: bob's chat with alice's
+    system messages goes to the worker that computed them for alice, and the router predicts
+    exactly the system part the worker then reuses (not alice's user part)."""
+    f = TenantFleet(tmp_path, "salt-after-system")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda w: w.start(), f.workers))
+        router = f.router(*f.auth)
+        w1 = f.workers[1]
+        question = "What was the revenue in the third quarter, and why did it change? " * 3
+        r = _chat(w1.base_url, "key-alice-1", question)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, r.text
+        settled_view(router, f)
+        r = _chat(router.base_url, "key-bob", question)
+        assert r.status_code == 200, r.text
+        predicted = int(r.headers["x-fdkv-predicted-cached-tokens"])
+        found = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert r.headers["x-fdkv-worker"] == w1.base_url
+        assert predicted == found and BLOCK_SIZE <= found < r.json()["usage"]["prompt_tokens"] - BLOCK_SIZE, \
+            (predicted, found)
+        r = _chat(router.base_url, "key-alice-2", question)  # alice's own: the whole prompt
+        assert r.status_code == 200, r.text
+        assert int(r.headers["x-fdkv-predicted-cached-tokens"]) > found
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > found
+    finally:
+        for r in f.routers:
+            r.stop()
+        for w in f.workers:
+            w.stop()
+
+
+def test_under_k_anonymity_the_router_sees_a_prefix_only_once_revealed(tmp_path: Path) -> None:
+    """Workers and router with ``--tenant-isolation k-anonymity`` (k = 2): alice's private
+    prefix is not in the events, so the router predicts nothing for bob (no header tells him
+    it is cached anywhere); once bob computed it on the same worker it is revealed there,
+    announced, and the router predicts and finds it."""
+    f = TenantFleet(tmp_path, "k-anonymity")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda w: w.start(), f.workers))
+        router = f.router(*f.auth)
+        w1 = f.workers[1]
+        plain = set(event_block_hashes(DOC, BLOCK_SIZE))
+        r = post(w1.base_url, "key-alice-1", DOC)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        view = settled_view(router, f)["workers"][1]
+        assert not plain & {int(h, 16) for h in view["hashes"]["device"]}, "a private block was announced"
+        r = post(router.base_url, "key-bob", DOC + [8])
+        assert r.status_code == 200, r.text
+        assert int(r.headers["x-fdkv-predicted-cached-tokens"]) == 0
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert post(w1.base_url, "key-bob", DOC + [9]).status_code == 200  # bob on w1 too (if not yet)
+        view = settled_view(router, f)["workers"][1]
+        assert plain <= {int(h, 16) for h in view["hashes"]["device"]}, "the revealed prefix was not announced"
+        r = post(router.base_url, "key-alice-2", DOC + [10])
+        assert r.status_code == 200, r.text
+        assert r.headers["x-fdkv-worker"] == w1.base_url
+        assert int(r.headers["x-fdkv-predicted-cached-tokens"]) == FULL
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]["device"] == FULL
+    finally:
+        for r in f.routers:
+            r.stop()
+        for w in f.workers:
+            w.stop()

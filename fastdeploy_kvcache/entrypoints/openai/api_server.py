@@ -241,10 +241,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from fastdeploy_kvcache.engine.args import EngineArgs
         from fastdeploy_kvcache.engine.llm_engine import LLMEngine
+        from fastdeploy_kvcache.entrypoints.openai.startup import server_engine_args
 
-        engine_args = EngineArgs.from_cli_args(args)
+        engine_args = server_engine_args(args)
         # Model loading takes seconds; off the loop so uvicorn's own tasks keep running.
         engine = await asyncio.to_thread(LLMEngine, engine_args)
         client = AsyncEngineClient(engine)

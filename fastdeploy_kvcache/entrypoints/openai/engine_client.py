@@ -111,6 +111,7 @@ class SubRequest:
     kv_transfer: Optional[Any] = None  # PD decode: engine/pd.py KVTransferParams
     cache_salt: Optional[str] = None  # hashed into the first block (core/hashing.py)
     tenant: Optional[str] = None  # the API key's tenant (entrypoints/auth.py)
+    salt_from_token: int = 0  # the salt enters the block holding this token (core/hashing.py)
 
 
 class RequestGroup:
@@ -139,7 +140,8 @@ class RequestGroup:
         engine checks them all before it queues any, so a bad one leaves nothing to abort."""
         try:
             self._engine.add_requests([(sub.request_id, sub.prompt_token_ids, sub.params,
-                                        self._make_callback(sub.index), sub.kv_transfer, sub.cache_salt, sub.tenant)
+                                        self._make_callback(sub.index), sub.kv_transfer, sub.cache_salt, sub.tenant,
+                                        sub.salt_from_token)
                                        for sub in self._subs])
         except BaseException:
             self._abandoned = True

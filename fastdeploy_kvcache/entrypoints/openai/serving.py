@@ -28,7 +28,8 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from starlette.requests import Request as HTTPRequest
 
-from fastdeploy_kvcache.entrypoints.auth import check_cache_salt, tenant_cache_salt, tenant_of_scope
+from fastdeploy_kvcache.entrypoints.auth import (TENANT_SALTED_MODES, check_cache_salt, system_prefix_tokens,
+                                                 tenant_cache_salt, tenant_of_scope)
 from fastdeploy_kvcache.entrypoints.openai.engine_client import (
     AsyncEngineClient,
     EngineDraining,
@@ -282,8 +283,11 @@ class OpenAIServing:
     def __init__(self, client: AsyncEngineClient, metrics: ServerMetrics, served_model_names: list[str],
                  tenant_isolation: str = "none") -> None:
         self.client = client
-        # "salt": every request is salted by its API key's tenant (entrypoints/auth.py).
-        self.salt_by_tenant = tenant_isolation == "salt"
+        # "salt" / "salt-after-system": every request is salted by its API key's tenant
+        # (entrypoints/auth.py); the second leaves a chat's leading system messages unsalted.
+        # "k-anonymity" salts nothing: the cache decides who sees what (core/k_anonymity.py).
+        self.salt_by_tenant = tenant_isolation in TENANT_SALTED_MODES
+        self.share_system = tenant_isolation == "salt-after-system"
         self.metrics = metrics
         self.served_model_names = served_model_names
         self.max_token_bytes = max_token_bytes(client.tokenizer)
@@ -327,8 +331,10 @@ class OpenAIServing:
             prompts = [list(x) for x in p]  # type: ignore[union-attr]
         return prompts
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """The messages rendered by the chat template, as token ids (runs off the loop)."""
+    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], int]:
+        """The messages rendered by the chat template, as token ids, and how many of them are
+        the leading system messages' (0 unless ``salt-after-system`` shares them; runs off the
+        loop)."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         # Every template renders each message's content, so their bytes bound the prompt's.
         size = sum(utf8_size(m["content"], f"messages[{i}].content") for i, m in enumerate(messages))
@@ -336,7 +342,18 @@ class OpenAIServing:
             check_text_fits(-(-size // self.max_token_bytes), self.client.max_model_len, "messages",
                             what=f"{size} bytes of message text, so at least ")
         try:
-            return list(self.client.tokenizer.apply_chat_template(messages))
+            ids = list(self.client.tokenizer.apply_chat_template(messages))
+            shared = 0
+            if self.share_system:
+                system = []
+                for m in messages:
+                    if m["role"] != "system":
+                        break
+                    system.append(m)
+                if system and len(system) < len(messages):
+                    only = self.client.tokenizer.apply_chat_template(system, add_generation_prompt=False)
+                    shared = system_prefix_tokens(ids, list(only))
+            return ids, shared
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
             raise RequestError(f"messages: the chat template failed: {exc}", param="messages") from exc
 
@@ -361,7 +378,9 @@ class OpenAIServing:
         return salt, tenant
 
     def _submit(self, prompts: list[list[int]], req: Union[CompletionRequest, ChatCompletionRequest],
-                prompt_param: str, raw: HTTPRequest) -> RequestGroup:
+                prompt_param: str, raw: HTTPRequest, shared_tokens: int = 0) -> RequestGroup:
+        """``shared_tokens``: the prompt's leading tokens hashed unsalted (a chat's system
+        messages under ``salt-after-system``); the salt starts in the block holding the next."""
         self._check_choices(len(prompts), req.n)
         salt, tenant = self._cache_keys(req, raw)
         params_per_prompt = [build_sampling_params(req, len(ids), self.client.max_model_len, prompt_param,
@@ -371,6 +390,8 @@ class OpenAIServing:
         if salt is not None or tenant is not None:
             for sub in subs:
                 sub.cache_salt, sub.tenant = salt, tenant
+                if salt is not None:
+                    sub.salt_from_token = shared_tokens
         _attach_kv_transfer(req, subs)  # PD decode (engine/pd.py)
         try:
             return self.client.submit(subs, on_abandoned_finish=lambda out: self.metrics.observe_finished(out, None))
@@ -485,8 +506,8 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: HTTPRequest) -> Any:
         arrival = time.monotonic()
         self.check_model(req.model)
-        ids = await self._off_loop(self._chat_prompt, req)
-        group = self._submit([ids], req, "messages", raw)
+        ids, shared = await self._off_loop(self._chat_prompt, req)
+        group = self._submit([ids], req, "messages", raw, shared)
         if req.stream:
             return self._chat_stream(req, group, arrival)
         results = await self._collect(group, raw, arrival)

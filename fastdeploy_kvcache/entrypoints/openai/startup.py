@@ -14,7 +14,10 @@ import errno
 import logging
 import socket
 import sys
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fastdeploy_kvcache.engine.args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ def check_config(args: argparse.Namespace) -> Any:
     something loadable, that ``--max-model-len`` fits its positions, and that ``--device`` is
     available.  Cheap next to loading the model, so a mistake costs seconds.
     """
-    from fastdeploy_kvcache.engine.args import EngineArgs, check_max_model_len
+    from fastdeploy_kvcache.engine.args import check_max_model_len
     from fastdeploy_kvcache.engine.llm_engine import wants_gpu
     from fastdeploy_kvcache.engine.model_loader import model_positions
     from fastdeploy_kvcache.engine.transformers_runner.torch_models import RANDOM_SHAPES
@@ -81,7 +84,7 @@ def check_config(args: argparse.Namespace) -> Any:
     from fastdeploy_kvcache.entrypoints.auth import api_keys_from_args
 
     api_keys_from_args(args)  # a bad keys file: one line now, not a traceback in the lifespan
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = server_engine_args(args)
     storage = engine_args.storage
     if storage is not None and storage.enabled and not engine_args.host_tier_enabled:
         raise ConfigError(f"--kvcache-storage-backend {storage.backend}: needs a host tier to stage blocks "
@@ -133,3 +136,17 @@ def prepare(prog: str, args: argparse.Namespace) -> socket.socket:
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"{prog}: error: {flag_message(exc)}\n")
         sys.exit(CONFIG_ERROR_EXIT)
+
+
+def server_engine_args(args: argparse.Namespace) -> "EngineArgs":
+    """The engine's arguments from a server's flags: the engine's own, and the cache's
+    ``k_anonymity_k`` from ``--tenant-isolation k-anonymity --k-anonymity-k K`` (the server's
+    flags, ``entrypoints/auth.py``).  ValueError naming the first bad field."""
+    from fastdeploy_kvcache.engine.args import EngineArgs
+    from fastdeploy_kvcache.entrypoints.auth import k_anonymity_k_of
+
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.cache.k_anonymity_k = k_anonymity_k_of(args)
+    engine_args.cache.validate()
+    engine_args.validate()
+    return engine_args

@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.kv_events import event_block_hashes
-from fastdeploy_kvcache.entrypoints.auth import Caller, check_cache_salt, tenant_cache_salt
+from fastdeploy_kvcache.entrypoints.auth import TENANT_SALTED_MODES, Caller, check_cache_salt, tenant_cache_salt
 from fastdeploy_kvcache.entrypoints.router.events import EventSubscriber
 from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams,
                                                          RelayResponse, error_body, error_body_of, error_response,
@@ -46,7 +46,7 @@ from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPS
                                                          upstream_session)
 from fastdeploy_kvcache.entrypoints.router.metrics import RouterMetrics
 from fastdeploy_kvcache.entrypoints.router.policy import Candidate, Policy
-from fastdeploy_kvcache.entrypoints.router.prompt import prompt_token_ids
+from fastdeploy_kvcache.entrypoints.router.prompt import prompt_token_ids, system_prefix_length
 from fastdeploy_kvcache.entrypoints.router.view import DEVICE, HOST, STORAGE, TIER_NAMES, TierWeights, WorkerView
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,8 @@ class FleetConfig:
     health_failures: int = 2
     pending_ttl_s: float = 10.0
     timeout_s: float = 600.0
-    # The workers' --tenant-isolation: "salt" hashes each prompt with its tenant's salt.
+    # The workers' --tenant-isolation: "salt" hashes each prompt with its tenant's salt, and
+    # "salt-after-system" a chat's part after its system messages.
     tenant_isolation: str = "none"
     # A key for the router's own calls to the workers' /v1 routes (None: the workers take none).
     worker_api_key: Optional[str] = None
@@ -142,14 +143,17 @@ class _Prompt:
     """A request's token ids and, per block size asked for, its event block hashes (cached).
 
     ``cache_salt`` is the salt the worker will hash the prompt with (the request's own, and
-    its tenant's under ``--tenant-isolation salt``), so the hashes are the worker's events'.
+    its tenant's under ``--tenant-isolation salt``), from the block holding token
+    ``salt_from_token`` on (a chat's system part is unsalted under ``salt-after-system``), so
+    the hashes are the worker's events'.
     """
 
-    __slots__ = ("ids", "cache_salt", "_hashes")
+    __slots__ = ("ids", "cache_salt", "salt_from_token", "_hashes")
 
-    def __init__(self, ids: Optional[list[int]], cache_salt: Optional[str] = None) -> None:
+    def __init__(self, ids: Optional[list[int]], cache_salt: Optional[str] = None, salt_from_token: int = 0) -> None:
         self.ids = ids
         self.cache_salt = cache_salt
+        self.salt_from_token = salt_from_token
         self._hashes: dict[int, list[int]] = {}
 
     def hashes(self, block_size: int) -> Optional[list[int]]:
@@ -157,7 +161,8 @@ class _Prompt:
             return None
         got = self._hashes.get(block_size)
         if got is None:
-            got = self._hashes[block_size] = event_block_hashes(self.ids, block_size, cache_salt=self.cache_salt)
+            got = self._hashes[block_size] = event_block_hashes(self.ids, block_size, cache_salt=self.cache_salt,
+                                                                   salt_from_token=self.salt_from_token)
         return got
 
 
@@ -306,7 +311,7 @@ class FleetRouter:
             salt = check_cache_salt(body.get("cache_salt"))
         except ValueError:
             return False, None
-        if self.config.tenant_isolation == "salt":
+        if self.config.tenant_isolation in TENANT_SALTED_MODES:
             salt = tenant_cache_salt(caller.tenant, salt)
         return True, salt
 
@@ -324,7 +329,10 @@ class FleetRouter:
             valid, salt = self._salt_of(body, caller)
             if valid:
                 ids = prompt_token_ids(self.config.tokenizer, path, body)
-        prompt = _Prompt(ids, salt)
+        salt_from = 0
+        if ids is not None and salt is not None and self.config.tenant_isolation == "salt-after-system":
+            salt_from = system_prefix_length(self.config.tokenizer, path, body, ids)
+        prompt = _Prompt(ids, salt, salt_from)
         send_headers = forward_headers(caller, _JSON_HEADERS)
         stream = bool(body and body.get("stream"))
         wants_usage = bool(body and isinstance(body.get("stream_options"), dict)

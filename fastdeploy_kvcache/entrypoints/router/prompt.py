@@ -126,9 +126,10 @@ class SegmentEncoder:
             out.extend(ids)
         return out
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """The ids the server computes for ``messages`` (its chat template, generation prompt added)."""
-        text = self.tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.hf.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt)
         return self.encode(text)
 
 
@@ -173,3 +174,29 @@ def prompt_token_ids(tokenizer: SegmentEncoder, path: str, body: dict[str, Any])
     except Exception:  # noqa: BLE001 - the worker gives the real error
         logger.debug("could not tokenize a request; it is routed without a prediction", exc_info=True)
     return None
+
+
+def system_prefix_length(tokenizer: SegmentEncoder, path: str, body: dict[str, Any], ids: list[int]) -> int:
+    """How many leading tokens of a chat's ``ids`` its leading system messages make (the part
+    ``--tenant-isolation salt-after-system`` hashes unsalted, as the server does); 0 for
+    completions, a chat without system messages or one with nothing else."""
+    from fastdeploy_kvcache.entrypoints.auth import system_prefix_tokens
+
+    if not path.endswith("/chat/completions"):
+        return 0
+    system = []
+    messages = body.get("messages") or []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") != "system":
+            break
+        text = _message_text(m.get("content"))
+        if text is None:
+            return 0
+        system.append({"role": "system", "content": text})
+    if not system or len(system) == len(messages):
+        return 0
+    try:
+        return system_prefix_tokens(ids, tokenizer.apply_chat_template(system, add_generation_prompt=False))
+    except Exception:  # noqa: BLE001 - no prediction rather than a wrong one
+        logger.debug("could not render a chat's system messages", exc_info=True)
+        return 0
