@@ -34,6 +34,15 @@ Per layer:
 
 The cost of a read is the same whichever tier the blocks came from: by the time a layer
 attends, a host hit's blocks are device blocks like any other.
+
+With an FP8 cache (``TorchStep.fp8``: ``kv_cache_quant == "block_wise_fp8"``, each layer's
+caches ``[key, value, key_scale, value_scale]``, ``engine/transformers_runner/fp8_kv.py``) the
+step's K and V are quantized once per layer (one scale per token and KV head) before they
+are written; every read dequantizes in place: the per-token key scale multiplies the scores,
+the value scale the probabilities, and the products run over the E4M3 values converted
+(exactly) to the query's dtype.  A chunk with nothing cached before it attends over its own
+K/V as the cache holds them (quantized and back), so a recomputed prefix and a reused one
+feed the attention the same values.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from typing import Any, Callable, Optional, Sequence
 
 # The step travels to the attention function the same way on both paths (thread-local).
 from fastdeploy_kvcache.engine.attention import current_context, select_attention, step_context  # noqa: F401
+from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import dequantize_fp8, fp8_values, quantize_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +76,9 @@ class PrefillChunk:
 class TorchStep:
     """Everything the attention function needs for one forward pass (built by the runner)."""
 
-    kv_caches: Sequence[Sequence[Any]]  # per layer: [key_cache, value_cache], [blocks, kv_heads, bs, d]
+    # per layer: [key_cache, value_cache], [blocks, kv_heads, bs, d]; with fp8, uint8 caches
+    # followed by their float32 scales [key_scale, value_scale], [blocks, kv_heads, bs]
+    kv_caches: Sequence[Sequence[Any]]
     block_size: int
     slot_blocks: Any  # int64 [T]: the block each token's K/V goes to
     slot_offsets: Any  # int64 [T]: its position inside the block
@@ -86,6 +98,7 @@ class TorchStep:
     # CUDA timing events around each load wait that was not already satisfied (None: not
     # timed, e.g. on the CPU); the runner reads them once the step has finished.
     wait_events: Optional[list[tuple[Any, Any]]] = None
+    fp8: bool = False  # the caches are block_wise_fp8 (fp8_kv.py)
 
 
 def gather_blocks(cache: Any, table: Any) -> Any:
@@ -96,6 +109,13 @@ def gather_blocks(cache: Any, table: Any) -> Any:
     blocks = cache[table]  # [..., nb, kvh, bs, d]
     nb, kvh, bs, d = blocks.shape[-4:]
     return blocks.transpose(-4, -3).reshape(*blocks.shape[:-4], kvh, nb * bs, d)
+
+
+def gather_scales(scales: Any, table: Any) -> Any:
+    """A seq's per-token FP8 scales as one sequence: ``[nb]`` table -> ``[kv_heads, nb * bs]``."""
+    blocks = scales[table]  # [nb, kvh, bs]
+    nb, kvh, bs = blocks.shape
+    return blocks.transpose(0, 1).reshape(kvh, nb * bs)
 
 
 _bmm_out_dtype: Optional[bool] = None  # whether torch.bmm takes out_dtype here (CUDA, torch >= 2.8)
@@ -130,11 +150,13 @@ def decode_mask(lens: Any, width: int, block_size: int, positions: Any) -> Any:
     return torch.where(keep, zero, float("-inf")).view(lens.shape[0], width, 1, 1, block_size)
 
 
-def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask: Any, scale: float) -> Any:
+def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask: Any, scale: float,
+                           k_scale: Any = None, v_scale: Any = None) -> Any:
     """One query token per seq over its blocks, in torch ops: q ``[B, H, D]`` -> float32 ``[B, H, D]``.
 
     The fallback of the Triton kernel (CPU, or no Triton): ``table`` ``[B, W]`` padded with
-    any block, ``mask`` from :func:`decode_mask`.
+    any block, ``mask`` from :func:`decode_mask`.  ``k_scale``, ``v_scale``: the FP8 caches'
+    scales (uint8 ``k_cache`` / ``v_cache``); None for caches in a float dtype.
     """
     # NOTE: the gathered blocks stay in the cache layout ([B, W, kvh, bs, d], one copy) and
     # are never upcast: scores are per block (one small matmul per block and KV head,
@@ -148,20 +170,31 @@ def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask:
     rows = b * width * num_kv
     kb = k_cache[table].view(rows, bs, head_dim)
     vb = v_cache[table].view(rows, bs, head_dim)
+    if k_scale is not None:
+        # Per-token scales factor out of each score and each probability: the products run
+        # over the unscaled E4M3 values (exact in the query's dtype).
+        kb, vb = fp8_values(kb, q.dtype), fp8_values(vb, q.dtype)
     q = (q * scale).reshape(b, 1, num_kv, groups, head_dim).to(kb.dtype)
     q = q.expand(b, width, num_kv, groups, head_dim).reshape(rows, groups, head_dim)
-    scores = bmm_f32(q, kb.transpose(1, 2)).view(b, width, num_kv, groups, bs) + mask
+    scores = bmm_f32(q, kb.transpose(1, 2)).view(b, width, num_kv, groups, bs)
+    if k_scale is not None:
+        scores = scores * k_scale[table].view(b, width, num_kv, 1, bs)
+    scores = scores + mask
     scores = scores - scores.amax(dim=(1, 4), keepdim=True)
     probs = scores.exp_()
     probs = probs / probs.sum(dim=(1, 4), keepdim=True)
+    if v_scale is not None:
+        probs = probs * v_scale[table].view(b, width, num_kv, 1, bs)
     o = bmm_f32(probs.to(vb.dtype).view(rows, groups, bs), vb).view(b, width, num_kv, groups, head_dim).sum(dim=1)
     return o.reshape(b, num_heads, head_dim)
 
 
-def prefill_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, context_len: int, scale: float) -> Any:
+def prefill_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, context_len: int, scale: float,
+                            k_scale: Any = None, v_scale: Any = None) -> Any:
     """A chunk of ``n`` tokens after ``context_len`` cached ones: q ``[1, H, n, D]`` -> ``[1, H, n, D]``.
 
-    Its blocks gathered (a copy), then SDPA with a lower-right causal mask (flash or
+    Its blocks gathered (a copy; FP8 blocks dequantized with ``k_scale`` / ``v_scale`` into
+    the query's dtype), then SDPA with a lower-right causal mask (flash or
     memory-efficient); the fallback of the Triton kernel, and the path of long chunks.
     """
     import torch.nn.functional as F
@@ -170,8 +203,11 @@ def prefill_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, cont
     n = q.shape[2]
     total = context_len + n
     groups = q.shape[1] // k_cache.shape[1]
-    k = gather_blocks(k_cache, table)[None, :, :total, :].to(q.dtype)
-    v = gather_blocks(v_cache, table)[None, :, :total, :].to(q.dtype)
+    k, v = gather_blocks(k_cache, table)[:, :total], gather_blocks(v_cache, table)[:, :total]
+    if k_scale is not None:
+        k = dequantize_fp8(k, gather_scales(k_scale, table)[:, :total])
+        v = dequantize_fp8(v, gather_scales(v_scale, table)[:, :total])
+    k, v = k[None].to(q.dtype), v[None].to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, total), scale=scale,
                                           enable_gqa=groups > 1)
 
@@ -208,14 +244,19 @@ def paged_attention_forward(
         else:
             step.layer_done.wait_for_layer(layer)
         step.layers_waited += 1
-    k_cache, v_cache = step.kv_caches[layer][0], step.kv_caches[layer][1]
+    caches = step.kv_caches[layer]
+    k_cache, v_cache = caches[0], caches[1]
+    k_scale, v_scale = (caches[2], caches[3]) if step.fp8 else (None, None)
     _, num_heads, num_tokens, head_dim = query.shape
     num_kv = int(key.shape[1])
     groups = num_heads // num_kv
     scale = scaling if scaling is not None else head_dim ** -0.5
     k_new = key[0].transpose(0, 1)  # [T, kvh, d]
     v_new = value[0].transpose(0, 1)
-    if k_new.dtype != k_cache.dtype:
+    ks_new = vs_new = None
+    if step.fp8:
+        (k_new, ks_new), (v_new, vs_new) = quantize_fp8(k_new), quantize_fp8(v_new)
+    elif k_new.dtype != k_cache.dtype:
         k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
     b = step.num_decodes
     # The decode kernel writes the decode rows' K and V itself (one launch fewer per cache);
@@ -226,27 +267,39 @@ def paged_attention_forward(
         blocks, offsets = (step.slot_blocks[w:], step.slot_offsets[w:]) if w else (step.slot_blocks, step.slot_offsets)
         k_cache[blocks, :, offsets] = k_new[w:]
         v_cache[blocks, :, offsets] = v_new[w:]
+        if step.fp8:
+            k_scale[blocks, :, offsets] = ks_new[w:]
+            v_scale[blocks, :, offsets] = vs_new[w:]
     if out is None:
         out = query.new_empty((num_tokens, num_heads, head_dim))
     if b:
         q = query[0, :, :b, :].transpose(0, 1)  # [B, H, D], a view
         if step.decode_kernel is not None:
+            scales = {}
+            if step.fp8:
+                scales = dict(k_scale=k_scale, v_scale=v_scale, k_new_scale=ks_new[:b], v_new_scale=vs_new[:b])
             step.decode_kernel(q, k_cache, v_cache, step.decode_table, step.decode_lens, out[:b], scale,
-                               workspace=step.decode_workspace, k_new=k_new[:b], v_new=v_new[:b])
+                               workspace=step.decode_workspace, k_new=k_new[:b], v_new=v_new[:b], **scales)
         else:
             out[:b] = decode_attention_torch(q, k_cache, v_cache, step.decode_table, step.decode_mask,
-                                             scale).to(out.dtype)
+                                             scale, k_scale, v_scale).to(out.dtype)
+    fresh_k, fresh_v = key, value
+    if step.fp8 and any(p.context_len == 0 for p in step.prefills):
+        # The chunk's own K/V as the cache holds them (see the module docstring).
+        fresh_k = dequantize_fp8(k_new, ks_new, key.dtype).transpose(0, 1)[None]
+        fresh_v = dequantize_fp8(v_new, vs_new, value.dtype).transpose(0, 1)[None]
     for p in step.prefills:
         a, n = p.start, p.num_new
         q = query[:, :, a:a + n, :]
         if p.context_len == 0:
-            k, v = key[:, :, a:a + n, :], value[:, :, a:a + n, :]
+            k, v = fresh_k[:, :, a:a + n, :], fresh_v[:, :, a:a + n, :]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=n > 1, scale=scale, enable_gqa=groups > 1)
         elif p.kernel is not None:
-            p.kernel(q[0].transpose(0, 1), k_cache, v_cache, p.table, p.context_len, out[a:a + n], scale)
+            p.kernel(q[0].transpose(0, 1), k_cache, v_cache, p.table, p.context_len, out[a:a + n], scale,
+                     k_scale=k_scale, v_scale=v_scale)
             continue
         else:
-            o = prefill_attention_torch(q, k_cache, v_cache, p.table, p.context_len, scale)
+            o = prefill_attention_torch(q, k_cache, v_cache, p.table, p.context_len, scale, k_scale, v_scale)
         out[a:a + n] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
