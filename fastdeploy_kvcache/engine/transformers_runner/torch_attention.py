@@ -53,7 +53,7 @@ from typing import Any, Callable, Optional, Sequence
 
 # The step travels to the attention function the same way on both paths (thread-local).
 from fastdeploy_kvcache.engine.attention import current_context, select_attention, step_context  # noqa: F401
-from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import dequantize_fp8, fp8_values, quantize_fp8
+from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import dequantize_fp8, fp8_values, quantize_kv
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ def paged_attention_forward(
     v_new = value[0].transpose(0, 1)
     ks_new = vs_new = None
     if step.fp8:
-        (k_new, ks_new), (v_new, vs_new) = quantize_fp8(k_new), quantize_fp8(v_new)
+        k_new, ks_new, v_new, vs_new = quantize_kv(k_new, v_new)
     elif k_new.dtype != k_cache.dtype:
         k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
     b = step.num_decodes

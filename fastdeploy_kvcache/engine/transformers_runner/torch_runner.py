@@ -151,6 +151,16 @@ class TorchModelRunner:
         self.device = torch_device(device)
         self.on_gpu = self.device.type == "cuda"
         self.decode_kernel = decode_kernel_for(self.device, attention)
+        if self.fp8_kv and self.decode_kernel is not None and self.on_gpu \
+                and torch.cuda.get_device_capability(self.device) < (8, 9):
+            # Triton converts E4M3 only on compute capability 8.9 and later (Ada, Hopper).
+            cap = "%d.%d" % torch.cuda.get_device_capability(self.device)
+            if attention == "triton":
+                raise ValueError(f"attention 'triton' with an FP8 KV cache needs compute capability >= 8.9; "
+                                 f"this GPU has {cap}")
+            logger.warning("FP8 KV cache on a GPU of compute capability %s (< 8.9): the paged attention uses "
+                           "torch ops, not the Triton kernels", cap)
+            self.decode_kernel = None
         self.prefill_kernel: Optional[Any] = None
         self.prefill_kernel_max_tokens = 0
         if self.decode_kernel is not None:
