@@ -135,3 +135,22 @@ def test_fused_layers_and_piecewise_graphs_over_fp8_caches(capi: Any) -> None:
             # rounding edge; their dequantized values stay within that step.
             for (q1, s1), (q2, s2) in (((a[0], a[2]), (b[0], b[2])), ((a[1], a[3]), (b[1], b[3]))):
                 torch.testing.assert_close(dequantize_fp8(q2, s2), dequantize_fp8(q1, s1), rtol=2 ** -3, atol=1e-5)
+
+
+def test_compiled_quantizer_matches_the_eager_ops(capi: Any) -> None:
+    """The CUDA quantizer (one torch.compile kernel for K and V) against the eager ops the CPU
+    runs: scales to float32 rounding, bytes equal but for rare one-step differences where the
+    compiled division rounds the other way at an E4M3 rounding edge."""
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import quantize_fp8, quantize_kv
+
+    gen = torch.Generator("cuda").manual_seed(9)
+    for t in (1, 7, 300):  # a decode row, a few, a prompt chunk (T = 1 compiles apart)
+        # [t, 8, 128], strided as the runner's views of [1, heads, T, D]
+        k = torch.randn((8, t, 128), device="cuda", dtype=torch.bfloat16, generator=gen).transpose(0, 1)
+        v = torch.randn((8, t, 128), device="cuda", dtype=torch.bfloat16, generator=gen).transpose(0, 1)
+        kq, ks, vq, vs = quantize_kv(k, v)
+        for (q, s), x in (((kq, ks), k), ((vq, vs), v)):
+            eq, es = quantize_fp8(x)
+            torch.testing.assert_close(s, es, rtol=1e-6, atol=0)
+            steps = (q.to(torch.int16) - eq.to(torch.int16)).abs()
+            assert int(steps.max()) <= 1 and float((steps > 0).float().mean()) < 1e-3
