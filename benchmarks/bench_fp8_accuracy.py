@@ -10,9 +10,10 @@ cache differs; the weights and every activation stay bf16.
   (each step is fed the bf16 run's token, so both see the same sequence and the FP8 runner's
   K/V come from its own cache).  The figure is the share of steps whose FP8 argmax equals
   the bf16 greedy token (target >= 0.97), with the mean KL(bf16 || FP8) of the next-token
-  distributions and the agreement by position in the continuation.
+  distributions, the agreement by position in the continuation, and how close bf16's own
+  choice was where the two differ (its top-1 probability's lead over the second).
 * **Perplexity** of a fixed text (written for this benchmark, below) under each cache: its
-  paragraphs and the whole text as a batch of sequences, each one's first ``--prefix``
+  paragraphs (more of them below it) and the whole text as a batch of sequences, each one's first ``--prefix``
   tokens as a prompt chunk, then one token a step, each step's logits predicting the next
   token from attention over the cache (target: FP8 within 2% of bf16), over the paragraphs
   (short contexts) and over the whole text (its context grows to about 500 tokens).
@@ -57,6 +58,8 @@ REQUESTS = (
     "Write a short poem about {}.",
     "Give a one-paragraph summary of {} for a student.",
 )
+# A step whose bf16 top-1 probability leads the second by at least this is a clear choice.
+CLEAR_MARGIN = 0.1
 # The perplexity text: plain expository prose, written for this benchmark.
 TEXT = """\
 A lighthouse is a tower built to guide ships along dangerous coasts. For most of history its light came
@@ -85,6 +88,47 @@ Church bells once told a whole town the hour, and railway signals still use colo
 can read at speed. Fog horns sound a pattern of blasts so that a ship can tell which headland it is near
 when nothing can be seen at all. In each case the signal is valuable because it is plain, because it
 never changes without notice, and because it asks nothing of the person who receives it.
+"""
+# More paragraphs, scored on their own (short contexts) beside TEXT's.
+MORE_PARAGRAPHS = """Bread is made from flour, water, salt and something that makes it rise. In most loaves that is yeast, a
+tiny fungus that eats the sugars in the flour and gives off gas. The gas is trapped by a stretchy network
+of proteins called gluten, which forms when the dough is mixed and kneaded. Baking sets the network in
+place, and the bubbles become the holes you see when you cut a slice.
+
+A river begins as rain or melting snow high in the hills. Small streams join into larger ones, and each
+carries sand and stones downhill. Where the land is steep the water cuts deep valleys; where it is flat
+the river slows, winds from side to side and drops the mud it carried. Over thousands of years these
+loops move across the plain, leaving behind lakes shaped like the letter C.
+
+Most people sleep for about a third of their lives. During the night the brain passes through several
+stages, from light sleep to deep sleep and then to a lively stage in which most dreams happen. Each cycle
+takes roughly an hour and a half. Going without sleep for even one night makes it harder to pay attention,
+remember new facts and control one's mood the next day.
+
+The first bicycles had no pedals at all. Riders pushed along the ground with their feet, much as a child
+rides a balance bike today. Pedals were later fixed to the front wheel, which led to machines with a huge
+front wheel and a tiny rear one. The modern shape, with two wheels of equal size and a chain driving the
+back wheel, arrived near the end of the nineteenth century and has changed little since.
+
+Honey bees live in colonies of many thousands. A single queen lays the eggs, while worker bees build wax
+comb, care for the young, guard the entrance and gather food. A worker that finds a good patch of flowers
+returns to the hive and performs a dance whose direction and length tell the others where to fly. In a
+single summer a strong colony can store more honey than it will need for the winter.
+
+Glass is made by heating sand with soda and lime until the mixture melts into a thick liquid. As it
+cools it does not form crystals the way most solids do; its atoms stay jumbled, which is why light
+passes through it. Glassblowers gather a glowing lump on the end of a long tube and blow into it to shape
+bottles and bowls, turning the tube all the time so that the soft glass does not sag.
+
+Maps have always left things out. A map of a city's trains shows the lines as straight strokes and the
+stations as evenly spaced dots, although the real tracks curve and the gaps between stops differ a great
+deal. This is not a mistake. A traveller only needs to know the order of the stations and where to change,
+and a simpler picture makes that easier to see at a glance.
+
+Tea was first drunk in China, where for centuries it was pressed into bricks and boiled. Loose leaves
+steeped in hot water became common later, and traders carried the habit along the sea routes to the rest
+of Asia and to Europe. Green and black tea come from the same plant; the difference lies in whether the
+leaves are allowed to darken in the air before they are dried.
 """
 
 
@@ -129,6 +173,8 @@ def agreement(loaded: Any, device: str, prompt_ids: list[list[int]], gen: int, b
     runs = {name: Run(loaded, device, block_size, per_seq * batch, name == "fp8") for name in ("bf16", "fp8")}
     agree = torch.zeros(gen, dtype=torch.int64)
     kl_sum = torch.zeros(gen, dtype=torch.float64)
+    margins: list[float] = []  # bf16's top-1 minus top-2 probability, every step
+    flipped: list[float] = []  # the same, at the steps where FP8 picked another token
     count = 0
     for at in range(0, len(prompt_ids), batch):
         group = prompt_ids[at:at + batch]
@@ -138,18 +184,33 @@ def agreement(loaded: Any, device: str, prompt_ids: list[list[int]], gen: int, b
         for step in range(gen):
             logits = {name: run.forward(seqs) for name, run in runs.items()}
             tokens = logits["bf16"].argmax(dim=-1)
-            agree[step] += int((logits["fp8"].argmax(dim=-1) == tokens).sum())
+            same = logits["fp8"].argmax(dim=-1) == tokens
+            agree[step] += int(same.sum())
             logp = logits["bf16"].log_softmax(-1)
             logq = logits["fp8"].log_softmax(-1)
             kl_sum[step] += float((logp.exp() * (logp - logq)).sum())
+            top2 = logp.exp().topk(2, dim=-1).values
+            margin = top2[:, 0] - top2[:, 1]
+            margins += margin.tolist()
+            flipped += margin[~same].tolist()
             if step + 1 < gen:
                 # The token of step s sits at position len(prompt) + s.
                 seqs = [ScheduledSeq([int(tok)], c + step, t, True) for tok, c, t in zip(tokens, ctx, tables)]
         count += len(group)
     total = count * gen
-    quarters = [float(agree[i * gen // 4:(i + 1) * gen // 4].sum()) / (count * (gen // 4 or 1)) for i in range(4)]
+    cuts = [i * gen // 4 for i in range(5)]
+    quarters = [float(agree[a:b].sum()) / (count * (b - a)) for a, b in zip(cuts, cuts[1:]) if b > a]
+    m = torch.tensor(margins)
+    f = torch.tensor(flipped) if flipped else torch.zeros(0)
+    clear = int((m >= CLEAR_MARGIN).sum())
     return {"prompts": count, "gen_tokens": gen, "steps": total, "top1_agreement": float(agree.sum()) / total,
-            "mean_kl": float(kl_sum.sum()) / total, "agreement_by_quarter": quarters}
+            "mean_kl": float(kl_sum.sum()) / total, "agreement_by_quarter": quarters,
+            "bf16_margin_median": float(m.median()),
+            "flipped_margin_median": float(f.median()) if len(f) else None,
+            "flipped_margin_max": float(f.max()) if len(f) else None,
+            "flips_below_clear_margin": int((f < CLEAR_MARGIN).sum()), "flips": len(flipped),
+            "clear_steps": clear,
+            "clear_agreement": 1.0 - int((f >= CLEAR_MARGIN).sum()) / max(1, clear)}
 
 
 def perplexity(loaded: Any, device: str, docs: list[list[int]], prefix: int, block_size: int) -> dict[str, Any]:
@@ -248,12 +309,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_fp8_accuracy: SmolLM2 cannot be loaded here ({exc}); skipped")
         return 0
     prompt_ids = prompts(loaded.tokenizer, args.prompts)
-    # The paragraphs, then the whole text (the last doc).
-    docs = [loaded.tokenizer.encode(p.replace("\n", " ")) for p in TEXT.split("\n\n")]
+    # The paragraphs, then the whole of TEXT (the last doc).
+    paragraphs = (TEXT + "\n" + MORE_PARAGRAPHS).split("\n\n")
+    docs = [loaded.tokenizer.encode(p.replace("\n", " ")) for p in paragraphs]
     docs.append(loaded.tokenizer.encode(TEXT))
+    if not 0 < args.prefix < min(map(len, docs)) - 1:
+        ap.error(f"--prefix {args.prefix}: must be at least 1 and leave tokens to score in the shortest paragraph "
+                 f"({min(map(len, docs))} tokens)")
     print(f"SmolLM2-135M-Instruct bf16 on {device} ({torch.get_num_threads()} threads); {len(prompt_ids)} prompts "
           f"of {min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens x {args.gen_tokens} generated; "
-          f"text of {len(docs[-1])} tokens in {len(docs) - 1} paragraphs")
+          f"{len(docs) - 1} paragraphs of {sum(map(len, docs[:-1]))} tokens, the whole of the first 4 "
+          f"{len(docs[-1])} tokens")
     t1 = time.perf_counter()
     agr = agreement(loaded, device, prompt_ids, args.gen_tokens, args.batch, args.block_size)
     t2 = time.perf_counter()
@@ -262,10 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"top-1 agreement, FP8 KV vs bf16 KV (teacher-forced along the bf16 greedy continuation): "
           f"{agr['top1_agreement']:.4f} over {agr['steps']} steps (target >= 0.97); mean KL {agr['mean_kl']:.2e}; "
           f"by quarter of the continuation {', '.join(f'{a:.4f}' for a in agr['agreement_by_quarter'])}")
-    print(f"perplexity of the fixed text's paragraphs (each after its first {args.prefix} tokens): bf16 KV "
+    if agr["flips"]:
+        print(f"  where FP8 picked another token ({agr['flips']} steps), bf16's top-1 led its second by a median "
+              f"{agr['flipped_margin_median']:.3f} of probability (max {agr['flipped_margin_max']:.3f}; all steps: "
+              f"median {agr['bf16_margin_median']:.3f}); {agr['flips_below_clear_margin']} of the flips were under "
+              f"{CLEAR_MARGIN}; agreement on the {agr['clear_steps']} steps with a lead >= {CLEAR_MARGIN}: "
+              f"{agr['clear_agreement']:.4f}")
+    print(f"perplexity of the {len(docs) - 1} paragraphs (each after its first {args.prefix} tokens): bf16 KV "
           f"{ppl['ppl_bf16']:.4f} (baseline), FP8 KV {ppl['ppl_fp8']:.4f}, ratio {ppl['ppl_ratio']:.4f} "
           "(target <= 1.02)")
-    print(f"perplexity of the whole text ({len(docs[-1])} tokens): bf16 KV {ppl['ppl_whole_bf16']:.4f} (baseline), "
+    print(f"perplexity of the first 4 paragraphs as one text ({len(docs[-1])} tokens): bf16 KV {ppl['ppl_whole_bf16']:.4f} (baseline), "
           f"FP8 KV {ppl['ppl_whole_fp8']:.4f}, ratio {ppl['ppl_whole_ratio']:.4f} (target <= 1.02)")
     print("per layer: hidden-state rel. diff (FP8 vs bf16) | K, V round-trip rel. error | K, V share below "
           "2^-6 of their token max | K, V largest scale / median")
@@ -276,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"times: load {t1 - t0:.0f} s, agreement {t2 - t1:.0f} s, perplexity {t3 - t2:.0f} s")
     result = {"device": device, "threads": torch.get_num_threads(), "args": vars(args), "agreement": agr,
               "perplexity": ppl, "seconds": {"agreement": t2 - t1, "perplexity": t3 - t2}}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     out = Path(args.out) / "bench_fp8_accuracy.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
