@@ -25,7 +25,10 @@ on both sides as an engine must, both through pinned memory):
 * a mixed step, ``--batch`` decodes beside a ``--mixed-chunk`` -token prompt chunk, with fused
   layers: eager, and through the piecewise graphs captured for steps of up to
   ``--max-num-batched-tokens`` tokens; ms per step and the share of the step the host spends
-  launching it (everything but its wait for the GPU; target <= 0.10 with the graphs).
+  launching it (everything but its wait for the GPU; target <= 0.10 with the graphs), and
+  that host time split (the runner's ``last_host_times``): building the inputs, the piece
+  replays, the rest of the forward pass (between the pieces: each layer's attention; eager:
+  the whole model), ``lm_head``, the sampling's launch, and what is left (Python around them).
 
     python benchmarks/bench_gpu_runner.py [--prefill 4096] [--batch 32] [--context 2048]
 
@@ -90,6 +93,13 @@ def to_host(t: Any) -> Any:
     host.copy_(t, non_blocking=True)
     torch.cuda.current_stream().synchronize()
     return host
+
+
+def _host_split(ms: dict[str, float]) -> str:
+    """The host's time of a step before its sync, by part (medians, ms)."""
+    names = {"build": "build inputs", "pieces": "piece replays", "between": "between pieces (attention)",
+             "head": "lm_head", "sample": "sampling launch", "other": "other"}
+    return ", ".join(f"{names[k]} {v:.2f}" for k, v in ms.items())
 
 
 def main() -> int:
@@ -250,8 +260,9 @@ def main() -> int:
         chunk_ids = torch.randint(0, 50000, (a.mixed_chunk,), device=dev, generator=gen).tolist()
         mixed = dec + [ScheduledSeq(chunk_ids, 0, perm[a.batch * nb_seq:a.batch * nb_seq + nb_mixed], True)]
 
-        def launch_share(run: Any) -> tuple[float, float]:
-            steps, shares = [], []
+        def launch_share(run: Any) -> tuple[float, float, dict[str, float]]:
+            """Median step seconds, launch share, and the host's time split (median ms each)."""
+            steps, shares, splits = [], [], []
             for _ in range(2):
                 run.forward_sample(mixed, caches, None, greedy_mixed)
             for _ in range(a.repeat * 2):
@@ -260,15 +271,22 @@ def main() -> int:
                 dt = time.perf_counter() - t0
                 steps.append(dt)
                 shares.append(1.0 - run.last_gpu_wait_s / dt)
-            return statistics.median(steps), statistics.median(shares)
+                h = run.last_host_times
+                parts = {"build": h.build_s, "pieces": h.pieces_s, "between": h.between_s, "head": h.head_s,
+                         "sample": h.sample_s}
+                parts["other"] = dt - run.last_gpu_wait_s - sum(parts.values())
+                splits.append(parts)
+            split = {k: statistics.median(p[k] for p in splits) * 1e3 for k in splits[0]}
+            return statistics.median(steps), statistics.median(shares), split
 
         greedy_mixed = StepSampling.for_samplers([RequestSampler(SamplingParams(temperature=0.0), 0)] * len(mixed))
-        res["mixed_eager_s"], res["mixed_eager_launch_share"] = launch_share(fused)
+        res["mixed_eager_s"], res["mixed_eager_launch_share"], res["mixed_eager_host_ms"] = launch_share(fused)
         if fused.enable_piecewise_graphs(a.max_num_batched_tokens):
             res["piecewise_capture_s"] = fused.piecewise_graphs.capture_s
             res["piecewise_pool_MiB"] = fused.piecewise_graphs.pool_bytes / (1 << 20)
             res["piecewise_sizes"] = len(fused.piecewise_graphs.sizes)
-            res["mixed_piecewise_s"], res["mixed_piecewise_launch_share"] = launch_share(fused)
+            (res["mixed_piecewise_s"], res["mixed_piecewise_launch_share"],
+             res["mixed_piecewise_host_ms"]) = launch_share(fused)
             with torch.inference_mode():
                 lp = torch.from_numpy(fused.forward(mixed, caches, None))
                 fused.piecewise_graphs = None
@@ -320,12 +338,14 @@ def main() -> int:
     if "mixed_eager_s" in res:
         print(f"mixed step, {a.batch} decodes at {a.context} + a {a.mixed_chunk}-token chunk, fused layers: eager "
               f"{res['mixed_eager_s'] * 1e3:.2f} ms, launch share {res['mixed_eager_launch_share']:.2f}")
+        print(f"  eager host ms: {_host_split(res['mixed_eager_host_ms'])}")
         if "mixed_piecewise_s" in res:
             print(f"  through piecewise graphs ({res['piecewise_sizes']} sizes up to {a.max_num_batched_tokens} tokens, "
                   f"captured in {res['piecewise_capture_s']:.1f} s, {res['piecewise_pool_MiB']:.0f} MiB): "
                   f"{res['mixed_piecewise_s'] * 1e3:.2f} ms ({res['mixed_piecewise_s'] / res['mixed_eager_s']:.3f} of "
                   f"eager), launch share {res['mixed_piecewise_launch_share']:.2f} (target <= 0.10); logits relative "
                   f"difference from eager {res['piecewise_logits_rel_diff']:.2e}")
+            print(f"  piecewise host ms: {_host_split(res['mixed_piecewise_host_ms'])}")
     if "attn_kernel_s" in res:
         print(f"decode attention alone, one layer, {a.batch} x {a.context + 1} tokens: Triton kernel "
               f"{res['attn_kernel_s'] * 1e6:.1f} us ({res['attn_kernel_GBps']:.0f} GB/s of K/V, "

@@ -24,6 +24,15 @@ Usage (on the device tool, after ``bash build.sh gpu``)::
     python benchmarks/bench_overlap.py --layers 48 --json out.json
     python benchmarks/bench_overlap.py --layers 48 --heads 1 --blocks 512   # 16 KiB blocks
     python benchmarks/bench_overlap.py --sm-check   # copy kernel vs DMA next to GEMMs
+    python benchmarks/bench_overlap.py --kv-formats --layers 32 --heads 8 --head-dim 128 --blocks 127
+        # an 8k-prefix host hit's load, block_wise_fp8 against bfloat16 (llama3-8b's shape)
+
+``--kv-formats`` runs only that comparison (:func:`kv_formats_load`): two controllers, one per
+KV format, load the same ``--blocks`` host blocks (one run of host ids, scattered device ids)
+layer by layer, alternating, ``--reps`` times; printed are each median load (on the GPU, from
+the submit to the last layer's event on the compute stream; without one, on the CPU backend,
+host wall time), the bytes, the blocks one GiB of host tier holds, and fp8 over the baseline
+(targets: load <= 0.55x, blocks per GiB >= 1.9x).  It runs on the CPU too (no CuPy needed).
 
 ``--copy-paths`` sets the process-wide ``copy_path`` option, which the loads follow; the
 worker's device->host copies take their own per-call path (``--d2h-copy-path``, default
@@ -84,6 +93,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", help="set a C library option for this run (CApi.set_option), e.g. dma_rows_min_lanes=2; repeatable")
     p.add_argument("--staging-grid", type=int, default=0,
                    help="CTAs of the staged path's gather/scatter kernel for this run (0: the library's default)")
+    p.add_argument("--kv-formats", action="store_true",
+                   help="only compare a host hit's load with block_wise_fp8 KV against --kv-baseline-dtype KV "
+                        "(same shape, same blocks; runs on the CPU too)")
+    p.add_argument("--kv-baseline-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="--kv-formats: the KV dtype fp8 is set against")
     p.add_argument("--sm-check", action="store_true",
                    help="only run the SM-sharing check: cuBLAS GEMMs and elementwise kernels, alone and "
                         "while device->host copies run through the copy kernel or the DMA batch")
@@ -181,10 +195,95 @@ def sm_sharing_check(staging_grids: "list[int]", priority: str = "normal") -> in
     return 0
 
 
+def kv_formats_load(args: argparse.Namespace, gpu: bool) -> int:
+    """A host hit's load, block_wise_fp8 against the baseline dtype (the module docstring)."""
+    import numpy as np
+
+    from fastdeploy_kvcache.worker import CacheController
+
+    shape = dict(num_layers=args.layers, num_kv_heads=args.heads, block_size=args.block_size, head_dim=args.head_dim)
+    formats = {"baseline": CacheConfig(dtype=args.kv_baseline_dtype, **shape),
+               "block_wise_fp8": CacheConfig(dtype="uint8", kv_cache_quant="block_wise_fp8", **shape)}
+    n = args.blocks
+    total = 2 * n
+    rng = np.random.default_rng(0)
+    load_dev = rng.permutation(total)[:n].tolist()
+    load_host = list(range(n))
+    ctrls = {}
+    for name, cfg in formats.items():
+        ctrl = CacheController(cfg, backend="cupy" if gpu else "cpu")
+        ctrl.initialize_kv_cache(total)
+        ctrl.initialize_host_cache(total)
+        ctrls[name] = ctrl
+    if gpu:
+        import cupy as cp
+
+        compute = cp.cuda.Stream(non_blocking=True)
+
+    def load_once(ctrl: Any) -> float:
+        meta = CacheSwapMetadata(list(load_host), list(load_dev), CacheLevel.HOST, CacheLevel.DEVICE)
+        ctrl.collect_finished(wait=True)
+        if not gpu:
+            t0 = time.perf_counter()
+            counter = ctrl.submit_swap_tasks(None, meta)
+            for layer in range(args.layers):
+                counter.wait_for_layer(layer)
+            elapsed = time.perf_counter() - t0
+        else:
+            cp.cuda.runtime.deviceSynchronize()
+            with compute:
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                start.record(compute)
+                counter = ctrl.submit_swap_tasks(None, meta)
+                for layer in range(args.layers):
+                    counter.wait_for_layer(layer)
+                end.record(compute)
+            end.synchronize()
+            elapsed = cp.cuda.get_elapsed_time(start, end) / 1e3
+        ctrl.collect_finished(wait=True)
+        return elapsed
+
+    samples: dict[str, list[float]] = {name: [] for name in formats}
+    for rep in range(args.reps + WARMUP):
+        for name, ctrl in ctrls.items():  # alternating: drifts reach both alike
+            t = load_once(ctrl)
+            if rep >= WARMUP:
+                samples[name].append(t)
+    out: dict[str, Any] = {"device": "gpu" if gpu else "cpu", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "blocks": n, "tokens": n * args.block_size, "shape": shape, "formats": {}}
+    for name, cfg in formats.items():
+        out["formats"][name] = {
+            "dtype": cfg.dtype if cfg.kv_cache_quant is None else f"{cfg.dtype}/{cfg.kv_cache_quant}",
+            "load_s_median": statistics.median(samples[name]), "load_bytes": n * cfg.bytes_per_block,
+            "host_blocks_per_gib": (1 << 30) // cfg.bytes_per_block,
+        }
+    for ctrl in ctrls.values():
+        ctrl.close()
+    base, fp8 = out["formats"]["baseline"], out["formats"]["block_wise_fp8"]
+    out["ratios"] = {"load": fp8["load_s_median"] / base["load_s_median"],
+                     "load_bytes": fp8["load_bytes"] / base["load_bytes"],
+                     "host_blocks_per_gib": fp8["host_blocks_per_gib"] / base["host_blocks_per_gib"]}
+    print(f"host hit of {out['tokens']} tokens ({n} blocks, {args.layers} layers, {args.heads} KV heads of "
+          f"{args.head_dim}), median of {args.reps}, on the {out['device']}:")
+    print(f"{'':20} {'baseline':>20} {'fp8':>20} {'fp8/base':>9}  target")
+    print(f"{'KV':20} {base['dtype']:>20} {fp8['dtype']:>20}")
+    print(f"{'load (ms)':20} {1e3 * base['load_s_median']:20.3f} {1e3 * fp8['load_s_median']:20.3f} "
+          f"{out['ratios']['load']:9.3f}  <= 0.55")
+    print(f"{'load (MB)':20} {base['load_bytes'] / 1e6:20.1f} {fp8['load_bytes'] / 1e6:20.1f} "
+          f"{out['ratios']['load_bytes']:9.3f}")
+    print(f"{'host blocks per GiB':20} {base['host_blocks_per_gib']:20d} {fp8['host_blocks_per_gib']:20d} "
+          f"{out['ratios']['host_blocks_per_gib']:9.3f}  >= 1.9")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args()
     reason = _skip_reason()
+    if args.kv_formats:
+        return kv_formats_load(args, gpu=reason is None)
     if reason is not None:
         print(f"bench_overlap: skipped ({reason})")
         return 0

@@ -55,6 +55,11 @@ default; ``benchmarks/serving_store_speeds.py``): fetch-all, the online fetch-or
 plan and a sweep of forced splits (the offline oracle) against recompute-all, on a warm, a
 cold and rate-limited stores, with the server's read GB/s against a plain parallel read.
 
+The **KV-format** scenario (``--kv-formats``, off by default; ``benchmarks/serving_kv_formats.py``):
+block_wise_fp8 against ``--kv-baseline-dtype`` (the model's by default) in the same run: host
+blocks per GiB, a host hit's load time and TTFT, and a storage hit's TTFT on a store held to
+``--kv-store-rate`` GB/s, each printed with the baseline's and the ratio.
+
 With ``--interleave``, round 1 is also measured **interleaved, in pairs**: a recompute server
 stays up while each other configuration's server is started beside it in turn (two servers at
 once, where the miss probe's all at once does not fit a GPU), and the miss probe's bursts of
@@ -895,6 +900,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--store-read-threads", type=int, default=0,
                     help="Store speeds: --kvcache-storage-read-threads of every server and the threads of the plain "
                          "parallel read (0: the backend's default for this machine).")
+    ap.add_argument("--kv-formats", action=argparse.BooleanOptionalAction, default=False,
+                    help="Run the KV-format scenario (benchmarks/serving_kv_formats.py): the model's KV dtype against "
+                         "block_wise_fp8 in the same run: host blocks per GiB, a host hit's load time, and a storage "
+                         "hit's TTFT on a rate-limited store; prints each baseline and the ratio.")
+    ap.add_argument("--kv-prefix-tokens", type=int, default=0,
+                    help="Document length of the KV-format scenario (default: 8128 on a GPU, 1024 on the CPU; the "
+                         "host tier must hold six such documents, --swap-space).")
+    ap.add_argument("--kv-repeats", type=int, default=5, help="Host hits per format (KV-format scenario).")
+    ap.add_argument("--kv-docs", type=int, default=4,
+                    help="Documents stored per format; all but the first are measured (KV-format scenario).")
+    ap.add_argument("--kv-baseline-dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                    help="The KV dtype block_wise_fp8 is set against in the KV-format scenario ('auto': the model's, "
+                         "bfloat16 on a GPU, float32 on the CPU).")
+    ap.add_argument("--kv-store-rate", type=float, default=1.0, metavar="GBPS",
+                    help="Read rate of the store in the KV-format scenario (FDKV_STORAGE_THROTTLE_BYTES_PER_S).")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"),
@@ -953,10 +973,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                               or args.store_split_points < 2 or not 0 <= args.store_read_threads <= 256):
         ap.error("store speeds: --store-prefix-tokens must hold at least one block, --store-docs and "
                  "--store-split-points must be >= 2, --store-read-threads 0 to 256")
+    # 8128: 127 blocks of 64, so the prompt (a few tokens more) fits llama3-8b-random's 8192 positions.
+    args.kv_prefix_tokens = args.kv_prefix_tokens or (8128 if args.device == "gpu" else 1024)
+    if args.kv_formats and (args.kv_prefix_tokens < args.block_size or args.kv_repeats < 1 or args.kv_docs < 2
+                            or not 0 < args.kv_store_rate < float("inf")):
+        ap.error("kv formats: --kv-prefix-tokens must hold at least one block, --kv-repeats >= 1, --kv-docs >= 2, "
+                 "--kv-store-rate a finite number of GB/s > 0")
     if (not configs and not args.cold_server and not args.fit_check and not args.cold_burst and not args.queued_storage
-            and not args.store_speeds):
+            and not args.store_speeds and not args.kv_formats):
         ap.error("nothing to run: --configs is empty, --no-cold-server, --no-cold-burst, --no-queued-storage, "
-                 "no --fit-check and no --store-speeds")
+                 "no --fit-check, no --store-speeds and no --kv-formats")
 
     from openai import OpenAI
     from tqdm import tqdm
@@ -1006,10 +1032,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                         max(1, round(args.question_tokens / tokens_per_word)), args.output_tokens,
                         args.concurrency, args.seed)
 
+    import serving_kv_formats
     import serving_sharing
     import serving_store_speeds
 
     store_speeds: dict[str, Any] = {}
+    kv_formats: dict[str, Any] = {}
 
     work = Path(tempfile.mkdtemp(prefix="fdkv-bench-serving-"))
     cold: dict[str, Any] = {}
@@ -1115,6 +1143,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             sharing["queued_storage"] = serving_sharing.run_queued_storage(args, start_server, work)
         if args.store_speeds:
             store_speeds = serving_store_speeds.run_store_speeds(args, start_server, work)
+        if args.kv_formats:
+            kv_formats = serving_kv_formats.run_kv_formats(args, start_server, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     default_probe: dict[str, Any] = {}
@@ -1132,10 +1162,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     report["failed_server_starts"] = failed_starts
     report.update(sharing)
     report["store_speeds"] = store_speeds
+    report["kv_formats"] = kv_formats
     report["loadavg_end"] = os.getloadavg()
     print(format_console(report))
     if store_speeds:
         print(serving_store_speeds.format_store_speeds(store_speeds))
+    if kv_formats:
+        print(serving_kv_formats.format_kv_formats(kv_formats))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{args.name}_{args.tag}_{report['date']}" + ("_quick" if args.quick else "")

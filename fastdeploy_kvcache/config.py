@@ -27,8 +27,17 @@ DTYPE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
 # engine does, with dataclasses.replace); until then the sizes below are unknown.
 AUTO_DTYPE = "auto"
 
-# Quantized cache formats; None is an unquantized cache of ``dtype``.
-KV_CACHE_QUANTS = (None, "int8", "fp8")
+# Quantized cache formats; None is an unquantized cache of ``dtype``.  ``block_wise_fp8`` is
+# the one an engine serves with (FastDeploy's name): K and V as float8 e4m3 bytes with one
+# fp32 scale per (block, head, token), scale = amax over head_dim / FP8_E4M3_MAX.
+BLOCK_WISE_FP8 = "block_wise_fp8"
+KV_CACHE_QUANTS = (None, "int8", "fp8", BLOCK_WISE_FP8)
+# The quantized formats an engine can serve (the others are layouts the copy ops carry).
+SERVED_KV_CACHE_QUANTS = (BLOCK_WISE_FP8,)
+# Largest finite float8 e4m3fn value: a token's amax maps onto it.
+FP8_E4M3_MAX = 448.0
+# ``--kv-cache-dtype`` spelling of a quantized cache: dtype uint8 with this kv_cache_quant.
+QUANTIZED_KV_DTYPES = {BLOCK_WISE_FP8: "uint8"}
 
 GiB = 1 << 30
 
@@ -90,6 +99,9 @@ class CacheConfig:
         if not isinstance(swap, numbers.Real) or isinstance(swap, bool) or not math.isfinite(swap) or swap < 0:
             raise ValueError(f"CacheConfig.swap_space (GiB) must be a finite number >= 0, got {_show(swap)}")
         self.swap_space = float(swap)
+        if isinstance(self.dtype, str) and self.dtype in QUANTIZED_KV_DTYPES and self.kv_cache_quant in (None, self.dtype):
+            # dtype="block_wise_fp8" (the --kv-cache-dtype spelling): the bytes and the format.
+            self.dtype, self.kv_cache_quant = QUANTIZED_KV_DTYPES[self.dtype], self.dtype
         self._check_choice("dtype", (AUTO_DTYPE, *DTYPE_ITEMSIZE))
         self._check_choice("write_policy", WRITE_POLICIES)
         self._check_choice("kv_cache_quant", KV_CACHE_QUANTS)
@@ -98,7 +110,8 @@ class CacheConfig:
             if not isinstance(value, bool):
                 raise ValueError(f"CacheConfig.{name} must be True or False, got {_show(value)}")
         if self.kv_cache_quant is not None and self.dtype != "uint8":
-            raise ValueError("CacheConfig.kv_cache_quant needs dtype='uint8' (quantized bytes)")
+            raise ValueError(f"CacheConfig.kv_cache_quant {self.kv_cache_quant!r} needs dtype='uint8' "
+                             f"(quantized bytes), got {self.dtype!r}")
         if not isinstance(self.extra, dict):
             raise ValueError(f"CacheConfig.extra must be a dict, got {_show(self.extra)}")
 
@@ -180,6 +193,16 @@ class CacheConfig:
             value = values.get(dest)
             if value is None or (spec.field == "dtype" and value == AUTO_DTYPE):
                 continue
+            if spec.field == "kv_cache_quant":
+                value = kv_cache_quant_of(value)
+                if value is None:
+                    continue
+                dtype_flag = values.get(dests.get("dtype", "kv_cache_dtype"))
+                if dtype_flag not in (None, AUTO_DTYPE, value, QUANTIZED_KV_DTYPES[value]):
+                    raise ValueError(f"kv_cache_quant: kv_cache_quant_type {value} stores "
+                                     f"{QUANTIZED_KV_DTYPES[value]} KV, but --kv-cache-dtype says {dtype_flag}; "
+                                     "give one of the two")
+                kwargs["dtype"] = value  # CacheConfig spells it out: uint8 bytes of that format
             kwargs[spec.field] = value
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -218,6 +241,61 @@ def _finite_float_at_least(minimum: float) -> Callable[[str], float]:
     return parse
 
 
+def kv_cache_quant_of(value: Any) -> Optional[str]:
+    """The KV cache format a quantization setting names: its ``kv_cache_quant_type``.
+
+    ``value`` is what a ``--quantization`` flag left in its dest: a dict (this package's
+    parser, or a host server's that parsed the JSON itself), JSON text, or a plain string
+    (a host's weight-quantization name, which says nothing about the KV cache: None).
+    ValueError, naming the flag, for a KV format no engine serves.
+    """
+    if isinstance(value, str):
+        if not value.lstrip().startswith("{"):
+            return None
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"kv_cache_quant: --quantization is not valid JSON: {value!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_cache_quant: --quantization must be a JSON object, got {_show(value)}")
+    quant = value.get("kv_cache_quant_type")
+    if quant is None or quant == "none":
+        return None
+    if quant not in SERVED_KV_CACHE_QUANTS:
+        raise ValueError(f"kv_cache_quant: kv_cache_quant_type must be one of {list(SERVED_KV_CACHE_QUANTS)} "
+                         f"(or null), got {quant!r}")
+    return quant
+
+
+def parse_quantization(text: str) -> dict[str, Any]:
+    """argparse ``type=`` of ``--quantization``: a JSON object whose ``kv_cache_quant_type``
+    picks the KV cache format (``"block_wise_fp8"``; null for none).
+
+    NOTE: FastDeploy's flag of that name also selects weight quantization; this package
+    quantizes no weights, so any other key is a usage error rather than silently ignored.
+    """
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object such as \'{{"kv_cache_quant_type": "{BLOCK_WISE_FP8}"}}\', got {text!r}') from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    unknown = sorted(set(value) - {"kv_cache_quant_type"})
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"only kv_cache_quant_type is supported (this engine quantizes the KV cache, not weights), got {unknown}")
+    quant = value.get("kv_cache_quant_type")
+    if quant is not None and quant not in SERVED_KV_CACHE_QUANTS:
+        raise argparse.ArgumentTypeError(
+            f"kv_cache_quant_type must be one of {list(SERVED_KV_CACHE_QUANTS)} or null, got {quant!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class CliFlag:
     """One server flag: its FastDeploy spelling, the CacheConfig field it sets, argparse kwargs."""
@@ -245,8 +323,15 @@ CLI_FLAGS: tuple[CliFlag, ...] = (
         type=_int_at_least(1), default=None, metavar="N",
         help="Device KV blocks per worker; by default the engine sizes the device pool from free memory.")),
     CliFlag("--kv-cache-dtype", "dtype", dict(
-        choices=(AUTO_DTYPE, *DTYPE_ITEMSIZE), default=None,
-        help="KV cache element type; 'auto' (the default) uses the model's dtype.")),
+        choices=(AUTO_DTYPE, *DTYPE_ITEMSIZE, *QUANTIZED_KV_DTYPES), default=None,
+        help="KV cache element type; 'auto' (the default) uses the model's dtype; 'block_wise_fp8' is "
+             "the same as --quantization '{\"kv_cache_quant_type\": \"block_wise_fp8\"}'.")),
+    # After --kv-cache-dtype: from_cli_args checks the two agree.
+    CliFlag("--quantization", "kv_cache_quant", dict(
+        type=parse_quantization, default=None, metavar="JSON",
+        help="Quantization, as a JSON object; '{\"kv_cache_quant_type\": \"block_wise_fp8\"}' stores K and V "
+             "as float8 e4m3 bytes with one fp32 scale per (block, head, token): about half the bytes of a "
+             "bfloat16 cache on every tier (default: none).")),
     CliFlag("--swap-space", "swap_space", dict(
         type=_finite_float_at_least(0.0), default=None, metavar="GiB",
         help="Host (pinned CPU) KV cache size in GiB per worker; 0 (the default) disables the host tier.")),

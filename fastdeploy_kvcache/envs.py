@@ -105,6 +105,11 @@ def _existing_file(value: str) -> str:
     return path
 
 
+def _stripped(value: str) -> str:
+    """A secret or free-form text: taken as it is, less surrounding whitespace."""
+    return value.strip()
+
+
 def _directory(value: str) -> str:
     """A directory path (created on first use); empty: the default location."""
     return os.path.expanduser(value.strip())
@@ -118,6 +123,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "0",
             "1 turns on the tiered KV-cache manager in an engine.",
             _bool,
+        ),
+        EnvVar(
+            "FDKV_API_KEY",
+            "",
+            "The API key the server and the router require (the --api-key default): every /v1 "
+            "route then needs 'Authorization: Bearer <key>'. Empty: no key (unless "
+            "--api-keys-file is given).",
+            _stripped,
         ),
         EnvVar(
             "FDKV_OPS_LIB",
@@ -208,6 +221,11 @@ def get(name: str) -> object:
 def enable_v1_kvcache_manager() -> bool:
     """True when an engine should route KV caching through this package."""
     return bool(get("ENABLE_V1_KVCACHE_MANAGER"))
+
+
+def api_key() -> "str | None":
+    """``FDKV_API_KEY``: the key ``--api-key`` defaults to; None when unset or empty."""
+    return get("FDKV_API_KEY") or None  # type: ignore[return-value]
 
 
 def host_grow_chunk_bytes() -> "int | None":

@@ -127,6 +127,38 @@ def test_auto_dtype_stands_for_the_models_until_it_is_filled_in() -> None:
         CacheConfig(dtype="auto").bytes_per_block
 
 
+def test_block_wise_fp8_is_a_quantization_setting_or_a_kv_cache_dtype() -> None:
+    """Either spelling gives uint8 K/V with fp32 scale lanes; a host server's own --quantization
+    (a dict it parsed, or a weight-quantization name) is read for its kv_cache_quant_type only;
+    a dtype that contradicts it names both flags."""
+    want = CacheConfig(dtype="uint8", kv_cache_quant="block_wise_fp8", num_layers=2, head_dim=128, num_kv_heads=8)
+    shape = dict(num_layers=2, head_dim=128, num_kv_heads=8)
+    for argv in (["--quantization", '{"kv_cache_quant_type": "block_wise_fp8"}'],
+                 ["--kv-cache-dtype", "block_wise_fp8"],
+                 ["--kv-cache-dtype", "block_wise_fp8", "--quantization", '{"kv_cache_quant_type": "block_wise_fp8"}']):
+        assert CacheConfig.from_cli_args(_cli(argv), defaults={"dtype": "auto"}, **shape) == want, argv
+    assert CacheConfig.from_cli_args(_cli(["--quantization", '{"kv_cache_quant_type": null}'])) == CacheConfig()
+    # bfloat16 of head_dim 128: 256 bytes per (head, token); fp8: 128 + a 4-byte scale.
+    bf16 = CacheConfig(dtype="bfloat16", **shape)
+    assert bf16.bytes_per_block / want.bytes_per_block == 256 / 132
+    assert want.scale_bytes_per_layer_block == 8 * 64 * 4
+    host = argparse.ArgumentParser()
+    host.add_argument("--quantization", type=str, default=None)  # a host's flag: weights, or JSON
+    for value, quant in (('{"quantization": "wint8", "kv_cache_quant_type": "block_wise_fp8"}', "block_wise_fp8"),
+                         ("wint8", None)):
+        cfg = CacheConfig.from_cli_args(_cli(["--quantization", value], host), **shape)
+        assert cfg.kv_cache_quant == quant, value
+    ns = argparse.Namespace(quantization={"kv_cache_quant_type": "block_wise_fp8"})
+    assert CacheConfig.from_cli_args(ns).kv_cache_quant == "block_wise_fp8"
+    with pytest.raises(ValueError, match=r"^kv_cache_quant: .*--kv-cache-dtype says float16"):
+        CacheConfig.from_cli_args(_cli(["--kv-cache-dtype", "float16", "--quantization",
+                                        '{"kv_cache_quant_type": "block_wise_fp8"}']))
+    with pytest.raises(ValueError, match=r"^kv_cache_quant: kv_cache_quant_type must be one of"):
+        CacheConfig.from_cli_args(argparse.Namespace(quantization={"kv_cache_quant_type": "int8"}))
+    with pytest.raises(ValueError, match=r"^kv_cache_quant: --quantization is not valid JSON"):
+        CacheConfig.from_cli_args(argparse.Namespace(quantization='{"kv_cache_quant_type": '))
+
+
 def test_cli_rejects_unknown_policy() -> None:
     parser = add_cli_args(argparse.ArgumentParser())
     with pytest.raises(SystemExit) as info:
@@ -146,6 +178,10 @@ def test_cli_rejects_unknown_policy() -> None:
         (["--write-through-threshold", "0"], "--write-through-threshold"),
         (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override"),
         (["--kv-cache-dtype", "int4"], "--kv-cache-dtype"),
+        (["--quantization", "{"], "--quantization"),
+        (["--quantization", "[1]"], "--quantization"),
+        (["--quantization", '{"kv_cache_quant_type": "fp8"}'], "--quantization"),
+        (["--quantization", '{"kv_cache_quant_type": "block_wise_fp8", "moe_quant_type": "wint4"}'], "--quantization"),
     ],
 )
 def test_cli_range_errors_are_usage_errors(argv: list[str], flag: str, capsys: pytest.CaptureFixture) -> None:

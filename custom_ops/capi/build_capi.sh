@@ -24,7 +24,7 @@ if up_to_date; then echo "[build_capi] $out ($kind) is up to date" >&2; exit 0; 
 # extension (which exports the same ABI) was loaded first with RTLD_GLOBAL.
 case "$kind" in
   cpu)
-    ${CXX:-g++} -std=c++17 -O2 -fPIC -shared -fvisibility=hidden -Wall -Wextra \
+    ${CXX:-g++} -std=c++17 -O2 -D_FORTIFY_SOURCE=2 -fPIC -shared -fvisibility=hidden -Wall -Wextra \
       -DFDKV_WITH_CUDA=0 -Wl,-Bsymbolic -o "$out.tmp" custom_ops/capi/fdkv_capi.cc ;;
   gpu)
     NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}

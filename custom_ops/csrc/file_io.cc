@@ -29,6 +29,31 @@
 #ifndef FDKV_HAVE_XXHASH
 #define FDKV_HAVE_XXHASH 0
 #endif
+// Every system header comes before the target pragma below: a header first included inside
+// it compiles its always-inline wrappers (glibc's _FORTIFY_SOURCE versions of open, memcpy,
+// ...) for AVX-512, and then no ordinary function may call them ("target specific option
+// mismatch"; Ubuntu's gcc turns _FORTIFY_SOURCE on by default).
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "swap_core.h"
+
 #if FDKV_HAVE_XXHASH
 #if defined(__x86_64__)
 #include <immintrin.h>  // xxhash.h includes it only under -mavx2 / -mavx512f
@@ -43,22 +68,6 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 #endif
-#include <atomic>
-#include <cerrno>
-#include <cstdint>
-#include <cstring>
-#include <stdexcept>
-#include <string>
-#include <system_error>
-#include <thread>
-#include <vector>
-
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <sys/uio.h>
-#include <unistd.h>
-
-#include "swap_core.h"
 
 namespace fdkv {
 

@@ -30,6 +30,7 @@ between mutually untrusting tenants should give each tenant its own ``cache_salt
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from array import array
@@ -207,8 +208,13 @@ class BlockHasher:
         if not nblocks:
             return self.hashes
         rows = packed[: nblocks * bs].reshape(nblocks, bs)
-        if not self.mm_items and self.lora_id is None and self.cache_salt is None:
+        if not self.mm_items and self.lora_id is None:
             contents = map(_xxh128_digest, rows)  # one C-level loop over the blocks
+            if self.cache_salt is not None and start_tok == 0:
+                # NOTE: only the first block carries the salt (the chain carries it on), so a
+                # salted prompt costs one extra block of Python, not one per block.
+                first = _xxh128_digest(rows[0].tobytes() + encode_extra_keys(cache_salt=self.cache_salt))
+                contents = itertools.chain((first,), map(_xxh128_digest, rows[1:]))
         else:
             contents = (
                 _xxh128_digest(rows[k].tobytes() + self._extra_for_block(start_tok + k * bs, start_tok + (k + 1) * bs))

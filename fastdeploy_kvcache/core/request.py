@@ -41,6 +41,7 @@ class Request:
         mm_items: Sequence[MMItem] = (),
         lora_id: Optional[Union[int, str]] = None,
         cache_salt: Optional[str] = None,
+        tenant: Optional[str] = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -54,6 +55,10 @@ class Request:
         self.mm_items: tuple[MMItem, ...] = tuple(mm_items)
         self.lora_id = lora_id
         self.cache_salt = cache_salt
+        # Who sent it (the API key's tenant; None without keys).  Not a hash key: isolation
+        # between tenants comes from their salts; this names the tenant for the cache's
+        # accounting.
+        self.tenant = tenant
 
         self.block_tables: list[int] = []
         self.num_cached_tokens = 0

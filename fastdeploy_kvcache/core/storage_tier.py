@@ -169,6 +169,9 @@ class StorageTier:
         max_put_batch: blocks per put job.
         stored_memory: most hashes remembered as stored (about 130 bytes each); past it the
             least recently used are forgotten (merely put again if computed again).
+        on_miss: called with the hashes of a query whose first block the store lacks (the
+            engine looks there for the same blocks in another KV format, to say why they
+            miss); it must be cheap and never raise.
     """
 
     def __init__(
@@ -179,7 +182,9 @@ class StorageTier:
         clock: Callable[[], float] = time.monotonic,
         max_put_batch: int = 64,
         stored_memory: int = 1 << 18,
+        on_miss: Optional[Callable[[Sequence[int]], None]] = None,
     ) -> None:
+        self.on_miss = on_miss
         self.port: Optional[StoragePort] = None  # set by bind(), which the CacheManager calls
         # Fetch or recompute, per request; built by bind() (it needs the block size).  The
         # engine feeds it prefill timings (observe_prefill), the tier its fetch jobs.
@@ -392,6 +397,11 @@ class StorageTier:
             logger.debug("storage exists failed (%s): treating as a miss", exc)
             return 0
         n = max(0, min(n, len(hashes)))
+        if n == 0 and self.on_miss is not None:
+            try:
+                self.on_miss(hashes)
+            except Exception:  # noqa: BLE001 - a diagnostic must not fail the lookup
+                logger.debug("storage on_miss raised", exc_info=True)
         self.stats["hit_blocks"] += n
         if n < len(hashes):
             # NOTE: storage lacks block n, and the probe says nothing about the blocks after

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from fastdeploy_kvcache import envs
 from fastdeploy_kvcache.cli_flags import add_flag, parser_actions
-from fastdeploy_kvcache.config import AUTO_DTYPE, CacheConfig, add_cli_args
+from fastdeploy_kvcache.config import AUTO_DTYPE, QUANTIZED_KV_DTYPES, SERVED_KV_CACHE_QUANTS, CacheConfig, add_cli_args
 from fastdeploy_kvcache.engine.kv_sizing import CPU_KV_CACHE_MEMORY_GIB, DEFAULT_GPU_MEMORY_UTILIZATION
 
 if TYPE_CHECKING:
@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEVICES = ("auto", "cpu", "gpu")
 KV_CACHE_DTYPES = (AUTO_DTYPE, "bfloat16", "float16", "float32")  # the cache's, less uint8
+# --kv-cache-dtype's choices: the above, and the quantized formats by name (uint8 bytes of one).
+KV_CACHE_DTYPE_CHOICES = (*KV_CACHE_DTYPES, *QUANTIZED_KV_DTYPES)
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")  # engine/pd.py ROLES
 MODEL_IMPLS = ("paddleformers", "transformers")  # engine/transformers_runner/torch_runner.py for the second
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -142,9 +144,13 @@ class EngineArgs:
         if not isinstance(self.cache, CacheConfig):
             raise ValueError(f"cache: must be a CacheConfig, got {type(self.cache).__name__}")
         self.cache.validate()  # its fields may have been changed after construction
-        if self.cache.dtype not in KV_CACHE_DTYPES:
+        if self.cache.kv_cache_quant is not None and self.cache.kv_cache_quant not in SERVED_KV_CACHE_QUANTS:
+            # "kv_cache_quant: ..." is spelled --quantization in the server's one-line error.
+            raise ValueError(f"kv_cache_quant: kv_cache_quant_type must be one of {list(SERVED_KV_CACHE_QUANTS)}, "
+                             f"got {self.cache.kv_cache_quant!r}")
+        if self.cache.dtype not in KV_CACHE_DTYPES and self.cache.kv_cache_quant is None:
             # "dtype: ..." is spelled --kv-cache-dtype in the server's one-line error.
-            raise ValueError(f"dtype: must be one of {KV_CACHE_DTYPES}, got {self.cache.dtype!r}")
+            raise ValueError(f"dtype: must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.cache.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device: must be one of {DEVICES}, got {self.device!r}")
         if self.splitwise_role not in SPLITWISE_ROLES:
@@ -244,7 +250,8 @@ _ENGINE_FLAG_HELP = {
                     "`bash build.sh serve` gives 1, and `bash build.sh serve-gpu` gives $FDKV_SWAP_SPACE, 4 "
                     "unless set).",
     "--kv-cache-dtype": "KV cache element type; 'auto' (the default) uses the model's dtype "
-                        "(float32 on the CPU, bfloat16 on the GPU).",
+                        "(float32 on the CPU, bfloat16 on the GPU); 'block_wise_fp8' is the same as "
+                        "--quantization '{\"kv_cache_quant_type\": \"block_wise_fp8\"}'.",
 }
 
 
@@ -350,7 +357,7 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         if flag in _ENGINE_FLAG_HELP:
             action.help = _ENGINE_FLAG_HELP[flag]
         if flag == "--kv-cache-dtype":
-            action.choices = KV_CACHE_DTYPES  # the cache also knows uint8; this engine does not
+            action.choices = KV_CACHE_DTYPE_CHOICES  # the cache also knows bare uint8; this engine does not
     g = parser.add_argument_group("engine (fastdeploy_kvcache.engine)")
     fields = EngineArgs.__dataclass_fields__
     for name, kwargs in _engine_flags():

@@ -126,6 +126,10 @@ class LLMEngine:
         else:
             from fastdeploy_kvcache.engine.paddleformers_runner.paddle_runner import PaddleModelRunner
 
+            if self.cache_config.kv_cache_quant is not None:
+                from fastdeploy_kvcache.engine.paddleformers_runner.fp8_kv import gather_view_dtype
+
+                gather_view_dtype(self.cache_config.head_dim)  # ValueError now, not at the first step
             self.runner = PaddleModelRunner(self.loaded, self.cache_config.block_size, self.device)
         self.cache_config.num_gpu_blocks = self._device_pool_blocks()
         storage = getattr(args, "storage", None)
@@ -197,7 +201,8 @@ class LLMEngine:
         self._refresh_stats()
         logger.info(
             "LLMEngine: model %s on %s, %d layers, KV %s, %d device blocks of %d tokens, %d host blocks, v1 manager %s",
-            self.model_name, self.device, self.loaded.num_layers, self.cache_config.dtype,
+            self.model_name, self.device, self.loaded.num_layers,
+            self.cache_config.dtype + (f"/{self.cache_config.kv_cache_quant}" if self.cache_config.kv_cache_quant else ""),
             self.cache_config.num_gpu_blocks, self.cache_config.block_size,
             self.cache_config.host_block_count if self.use_v1 else 0, "on" if self.use_v1 else "off",
         )
@@ -322,20 +327,24 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        on_output: OutputCallback, kv_transfer: Optional[Any] = None,
+        on_output: OutputCallback, kv_transfer: Optional[Any] = None, *,
+        cache_salt: Optional[str] = None, tenant: Optional[str] = None,
     ) -> None:
         """Queue a request; raises ValueError (nothing queued) for bad input or a duplicate id.
 
-        ``kv_transfer``: a decode server's ``kv_transfer_params`` (engine/pd.py).  Errors about
-        the prompt or its fit are :class:`RequestRejected` (``param``, ``code``).
+        ``kv_transfer``: a decode server's ``kv_transfer_params`` (engine/pd.py).  ``cache_salt``:
+        hashed into the first block, so the request reuses only blocks computed with the same
+        salt, on every tier.  ``tenant``: who sent it (the API key's tenant), for the cache's
+        accounting.  Errors about the prompt or its fit are :class:`RequestRejected`
+        (``param``, ``code``).
         """
-        self.add_requests([(request_id, prompt_token_ids, params, on_output, kv_transfer)])
+        self.add_requests([(request_id, prompt_token_ids, params, on_output, kv_transfer, cache_salt, tenant)])
 
-    def add_requests(self, requests: Sequence[tuple[str, list[int], SamplingParams, OutputCallback,
-                                                    Optional[Any]]]) -> None:
+    def add_requests(self, requests: Sequence[tuple[Any, ...]]) -> None:
         """Queue several requests, all or none: every one is checked before any is queued.
 
-        Each item is ``(request_id, prompt_token_ids, params, on_output, kv_transfer)``.  This is
+        Each item is ``(request_id, prompt_token_ids, params, on_output, kv_transfer)``,
+        optionally followed by ``cache_salt`` and ``tenant`` (see :meth:`add_request`).  This is
         the one place a prompt is checked (``engine/request_checks.py``); requests that share
         one prompt list (the choices of ``n > 1``) have it checked once.
         """
@@ -343,9 +352,18 @@ class LLMEngine:
             raise RuntimeError("the engine is shut down")
         vocab = self.loaded.vocab_size
         checked_prompts: set[int] = set()
-        ready: list[tuple[str, list[int], SamplingParams, OutputCallback, Any]] = []
+        ready: list[tuple[str, list[int], SamplingParams, OutputCallback, Any, Optional[str], Optional[str]]] = []
         ids_seen: set[str] = set()
-        for request_id, prompt_token_ids, params, on_output, kv_transfer in requests:
+        for item in requests:
+            if len(item) not in (5, 7):
+                raise ValueError(f"add_requests: an item is (request_id, prompt_token_ids, params, on_output, "
+                                 f"kv_transfer[, cache_salt, tenant]), got {len(item)} values")
+            request_id, prompt_token_ids, params, on_output, kv_transfer = item[:5]
+            cache_salt, tenant = item[5:] if len(item) == 7 else (None, None)
+            if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+                raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
+            if tenant is not None and not isinstance(tenant, str):
+                raise ValueError(f"tenant: must be a string, got {type(tenant).__name__}")
             if not isinstance(request_id, str) or not request_id:
                 raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
             if request_id in ids_seen:
@@ -366,15 +384,15 @@ class LLMEngine:
                 pd_params = self.pd.check_request(kv_transfer)
             check_fits_device_pool(len(prompt_token_ids), params.max_tokens, self.max_model_len,
                                    self.cache_config.block_size, self.cache_config.num_gpu_blocks)
-            ready.append((request_id, prompt_token_ids, params, on_output, pd_params))
+            ready.append((request_id, prompt_token_ids, params, on_output, pd_params, cache_salt, tenant))
         with self._lock:
             in_use = [rid for rid, *_ in ready if rid in self._live_ids]
             if in_use:
                 raise ValueError(f"request_id: {in_use[0]!r} is already in use")
             self._live_ids.update(rid for rid, *_ in ready)
             self._idle.clear()
-        for request_id, prompt_token_ids, params, on_output, pd_params in ready:
-            req = Request(request_id, [int(t) for t in prompt_token_ids])
+        for request_id, prompt_token_ids, params, on_output, pd_params, cache_salt, tenant in ready:
+            req = Request(request_id, [int(t) for t in prompt_token_ids], cache_salt=cache_salt, tenant=tenant)
             seed = int(self._seed_rng.integers(0, 2**63 - 1))
             er = EngineRequest(req, params, on_output, RequestSampler(params, seed),
                                 IncrementalDetokenizer(self.tokenizer), time.monotonic())

@@ -16,22 +16,28 @@ policy may hold it while its storage hits arrive in host memory).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
 from typing import Any, Optional
 
-from fastdeploy_kvcache.config import CacheConfig
+from fastdeploy_kvcache.config import BLOCK_WISE_FP8, CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheLevel, ResidencyPlan, TransferKind
 from fastdeploy_kvcache.core.request import BatchRequest, Request
 from fastdeploy_kvcache.core.storage_tier import PREFETCH_READY, StorageJob, StorageTier
 from fastdeploy_kvcache.engine.kv_pool import ManagedKVPool
+from fastdeploy_kvcache.storage.log_limit import ThrottledLog
 
 logger = logging.getLogger(__name__)
 
 # Seconds after start-up at which a storage tier still off is reported (with what it tried).
 STORAGE_OFF_REPORT_S = 3.0
+# The KV formats an engine serves, as (dtype, kv_cache_quant): a miss is looked up under the
+# others' keys at most once per FOREIGN_PROBE_INTERVAL_S, to log why a store misses.
+OTHER_KV_FORMATS = (("bfloat16", None), ("float16", None), ("float32", None), ("uint8", BLOCK_WISE_FP8))
+FOREIGN_PROBE_INTERVAL_S = 1.0
 
 __all__ = ["StorageKVPool", "model_fingerprint"]
 
@@ -76,6 +82,9 @@ class StorageKVPool(ManagedKVPool):
         self._model_id = model_id
         self._weights_fp = weights_fp
         self._backend_overrides = backend_overrides
+        self._other_formats: list[Any] = []
+        self._next_format_probe = 0.0
+        self._format_log = ThrottledLog(logger)
         try:
             super().__init__(config, backend)  # builds the manager with _make_storage_tier()
         except BaseException:
@@ -94,28 +103,69 @@ class StorageKVPool(ManagedKVPool):
     def _make_storage_tier(self) -> StorageTier:
         """The backend, key namespace, transfer threads and the tier over the controller's host
         tier (the backend is closed again if any of it fails)."""
+        from fastdeploy_kvcache.storage.file_format import kv_format_code
         from fastdeploy_kvcache.storage.keys import KeyNamespace
         from fastdeploy_kvcache.storage.transfer import HostTierLayout, StorageTransfer
         from fastdeploy_kvcache.worker.storage_worker import StorageWorker
 
         config = self.config
-        self.store = self.storage_config.make_backend(**self._backend_overrides)
+        overrides = dict(self._backend_overrides)
+        if self.storage_config.backend == "file":
+            # Each object's header records the KV format, and an object of another is a miss.
+            overrides.setdefault("kv_format", kv_format_code(config.dtype, config.kv_cache_quant))
+        self.store = self.storage_config.make_backend(**overrides)
         try:
             layout = HostTierLayout.from_controller(self.controller)
             self.namespace = KeyNamespace(
                 model=self._model_id, weights_fingerprint=self._weights_fp, dtype=str(config.dtype),
-                block_size=config.block_size, layout=layout.describe(),
+                block_size=config.block_size, layout=layout.describe(), kv_cache_quant=config.kv_cache_quant,
             )
+            self._other_formats = self._other_format_namespaces()
             # NOTE: one backend call per staging buffer: small objects (tiny models) batch up
             # to 16 MiB per call instead of 32 objects, so a long prefix is one get, not many.
             staging = max(32, min(512, (16 << 20) // layout.object_bytes))
             self.transfer = StorageTransfer(layout, self.store, staging_blocks=staging)
             self.storage_worker = StorageWorker(self.transfer)
-            self.tier = StorageTier(self.store, self.namespace, self.storage_config)
+            self.tier = StorageTier(self.store, self.namespace, self.storage_config, on_miss=self._probe_other_formats)
         except BaseException:
             self.store.close()
             raise
         return self.tier
+
+    # ------------------------------------------------------------------ KV formats
+    def _other_format_namespaces(self) -> list[Any]:
+        """The key namespaces this model's blocks would have under the other KV formats an
+        engine serves: keys differ per format, so a store written in one is a miss in another."""
+        from fastdeploy_kvcache.storage.keys import KeyNamespace
+        from fastdeploy_kvcache.storage.transfer import HostTierLayout
+
+        out = []
+        for dtype, quant in OTHER_KV_FORMATS:
+            if (dtype, quant) == (self.config.dtype, self.config.kv_cache_quant):
+                continue
+            other = dataclasses.replace(self.config, dtype=dtype, kv_cache_quant=quant)
+            out.append(KeyNamespace(
+                model=self.namespace.model, weights_fingerprint=self.namespace.weights_fingerprint, dtype=dtype,
+                block_size=self.namespace.block_size, layout=HostTierLayout.describe_config(other),
+                tp_rank=self.namespace.tp_rank, tp_size=self.namespace.tp_size, kv_cache_quant=quant))
+        return out
+
+    def _probe_other_formats(self, hashes: Any) -> None:
+        """The tier's ``on_miss``: at most once per :data:`FOREIGN_PROBE_INTERVAL_S`, ask the
+        store whether the request's first block is there in another KV format, and say so
+        (one line per minute at most): such a store answers every request with a miss."""
+        now = time.monotonic()
+        if now < self._next_format_probe or not hashes:
+            return
+        self._next_format_probe = now + FOREIGN_PROBE_INTERVAL_S
+        for ns in self._other_formats:
+            if int(self.store.batch_exists([ns.key(hashes[0])])) > 0:
+                self._format_log.warning(
+                    "foreign-kv-format", "storage tier (%s): the store holds this prefix as %s KV (keys %s:*), this "
+                    "server's KV is %s (keys %s:*): a miss; a store written with one KV dtype is never read as "
+                    "another", self.storage_config.backend, ns.kv_format, ns.prefix, self.namespace.kv_format,
+                    self.namespace.prefix)
+                return
 
     def storage_health(self) -> dict[str, Any]:
         """The tier's state now (not the step snapshot): backend, available, breaker, detail."""

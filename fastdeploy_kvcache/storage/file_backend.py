@@ -82,8 +82,8 @@ from fastdeploy_kvcache.storage.base import Status, StorageBackend, StorageError
 from fastdeploy_kvcache.storage.buffers import BufferRegistry
 from fastdeploy_kvcache.storage.executor import BoundedExecutor
 from fastdeploy_kvcache.storage.file_index import ObjectIndex
-from fastdeploy_kvcache.storage.file_format import (CHECKSUM_PIECE, FORMAT_VERSION, HEADER, encode_header,
-                                                    is_whole_and_good, verdict)
+from fastdeploy_kvcache.storage.file_format import (CHECKSUM_PIECE, FORMAT_VERSION, HEADER, describe_kv_format,
+                                                    encode_header, foreign_kv_format, is_whole_and_good, verdict)
 from fastdeploy_kvcache.storage.file_paths import ObjectPaths, check_key, check_keys
 from fastdeploy_kvcache.storage.file_read import hash_group, mem, read_object, views
 from fastdeploy_kvcache.storage.log_limit import ThrottledLog
@@ -177,6 +177,7 @@ class FileBackend(StorageBackend):
         max_pending_writes: int = 64,
         fsync: bool = False,
         read_threads: Optional[int] = None,
+        kv_format: int = 0,
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 (0: no cap), got {capacity_bytes}")
@@ -209,6 +210,11 @@ class FileBackend(StorageBackend):
             self._native.set_option("read_threads", read_threads)
         self._touch_flush_queued = False
         self._log = ThrottledLog(logger)
+        # The KV format (file_format.kv_format_code) written into each object's header and
+        # required of each object read; 0: neither (a plain byte store).
+        if isinstance(kv_format, bool) or not isinstance(kv_format, int) or kv_format < 0:
+            raise ValueError(f"kv_format must be an int >= 0 (file_format.kv_format_code), got {kv_format!r}")
+        self.kv_format = kv_format
         self._blocked: set[str] = set()  # keys whose path holds a non-file (reported once)
         self._seed()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="fdkv-file-io") if io_threads > 1 else None
@@ -349,7 +355,7 @@ class FileBackend(StorageBackend):
         if not self._reserve(key, size):
             return Status.FULL
         payload = mem(ptr, size)
-        header = encode_header(payload)
+        header = encode_header(payload, self.kv_format)
         tmp = self._paths.temp_path(key, next(self._tmp_counter))
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -430,13 +436,13 @@ class FileBackend(StorageBackend):
         headers, got, digests, states = self._native.read_objects(
             self._paths.blob(keys), len(keys), segs, lens, per, shared, hsize, CHECKSUM_PIECE, self._hashed_step,
             FORMAT_VERSION, seg_bytes is not None)
-        if states.count(2) == len(states):
+        if states.count(2) == len(states) and not self.kv_format:
             self._touch(keys)
             return list(sizes)
         out: list[int] = []
         for i, (k, state) in enumerate(zip(keys, states)):
             if state == 2:
-                out.append(sizes[i])
+                out.append(self._own_format(k, headers, i * hsize, sizes[i]))
             elif state == 3:
                 out.append(self._verdict_via_scratch(k, ptrs[i], sizes[i], seg_bytes))
             else:
@@ -464,8 +470,8 @@ class FileBackend(StorageBackend):
             headers, got, digests, states = self._native.read_objects(
                 self._paths.blob([key]), 1, [ptr], [size], 1, False, hsize, CHECKSUM_PIECE, self._hashed_step,
                 FORMAT_VERSION)
-            r = size if states[0] == 2 else self._check_read(key, ptr, size, headers, 0, got[0],
-                                                             digests[0] if states[0] else None)
+            r = (self._own_format(key, headers, 0, size) if states[0] == 2 else
+                 self._check_read(key, ptr, size, headers, 0, got[0], digests[0] if states[0] else None))
             if r == size and seg_bytes is not None:
                 at = 0
                 for seg, n in zip(segs, seg_bytes):
@@ -495,7 +501,7 @@ class FileBackend(StorageBackend):
         for i, (k, ptr, size, n, digest) in enumerate(zip(keys, ptrs, sizes, got, digests)):
             at = i * hsize
             if is_whole_and_good(headers, at, n, size, digest):
-                out.append(size)
+                out.append(self._own_format(k, headers, at, size))
                 continue
             out.append(self._check_read(k, ptr, size, headers, at, n, digest))
         return self._touch_hits(keys, out)
@@ -516,7 +522,24 @@ class FileBackend(StorageBackend):
         result, why = verdict(headers, at, got, size, digest, lambda n: _payload(ptr, n, seg_bytes))
         if why:
             self._remove_bad(key, path, why)
-        return result
+            return result
+        return self._own_format(key, headers, at, result)
+
+    def _own_format(self, key: str, headers: Any, at: int, size: int) -> int:
+        """``size`` for a whole, good object of this backend's KV format (or unrecorded); an
+        object of another KV format is never read as this one: it is deleted and is a miss."""
+        other = foreign_kv_format(headers, at, self.kv_format)
+        if other is None:
+            return size
+        self._log.warning("foreign-kv-format", "file storage: object %s holds %s KV, this server's KV is %s: "
+                          "deleted, counted as a miss (a store is never read as another KV dtype)", key,
+                          describe_kv_format(other), describe_kv_format(self.kv_format))
+        try:
+            os.unlink(self.file_path(key))
+        except OSError:
+            pass
+        self._forget(key)
+        return Status.MISSING
 
     def _remove_bad(self, key: str, path: str, why: str) -> None:
         self._log.warning("bad-object", "file storage: bad object %s (%s): deleted, counted as a miss", key, why)

@@ -127,6 +127,11 @@ class KeyNamespace:
             raise ValueError(f"KeyNamespace.tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
 
     @property
+    def kv_format(self) -> str:
+        """The KV format its objects hold, for messages: ``bfloat16``, ``uint8/block_wise_fp8``."""
+        return self.dtype if self.kv_cache_quant is None else f"{self.dtype}/{self.kv_cache_quant}"
+
+    @property
     def digest(self) -> str:
         """xxh3-64 hex over every field (and the key format version)."""
         fields = asdict(self)

@@ -104,8 +104,16 @@ class HostTierLayout:
     def describe(self) -> str:
         """The layout part of the key namespace: changes whenever an object's bytes would."""
         per_layer = len(self.ptrs) // self.num_layers
-        sizes = "-".join(str(b) for b in self.block_bytes[:per_layer])
-        return f"blockmajor-L{self.num_layers}-t{per_layer}-{sizes}"
+        return _describe(self.num_layers, self.block_bytes[:per_layer])
+
+    @staticmethod
+    def describe_config(cfg: Any) -> str:
+        """:meth:`describe` of the host tier a controller of ``cfg`` (a CacheConfig) would
+        have, without one: the namespaces of other KV formats are formed from it."""
+        sizes = [cfg.bytes_per_layer_block] * 2
+        if cfg.kv_cache_quant is not None:
+            sizes += [cfg.scale_bytes_per_layer_block] * 2
+        return _describe(cfg.total_layers, sizes)
 
     @classmethod
     def from_controller(cls, controller: Any) -> "HostTierLayout":
@@ -132,6 +140,10 @@ class HostTierLayout:
                 ptrs.append(address_of(names[kind]))
                 sizes.append(cfg.scale_bytes_per_layer_block if kind.endswith("scale") else cfg.bytes_per_layer_block)
         return cls(tuple(ptrs), tuple(sizes), num_blocks, int(controller.num_layers), memory)
+
+
+def _describe(num_layers: int, lane_bytes: Sequence[int]) -> str:
+    return f"blockmajor-L{num_layers}-t{len(lane_bytes)}-{'-'.join(str(b) for b in lane_bytes)}"
 
 
 class _Staging:

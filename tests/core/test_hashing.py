@@ -1,5 +1,6 @@
 import hashlib
 import pickle
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,22 @@ def test_bad_inputs():
         BlockHasher(0)
     with pytest.raises(ValueError):
         BlockHasher(4, mm_items=[MMItem(-1, 3, "x")])
+
+
+def test_a_salted_chain_is_the_definition_block_by_block_and_incrementally() -> None:
+    """The salt enters block 0 only; the hasher's fast path for it (no other extra key) gives
+    the hashes of the definition, whole or extended piece by piece."""
+    from fastdeploy_kvcache.core.hashing import ROOT_HASH, BlockHasher, hash_block_tokens
+
+    rng = random.Random(5)
+    for n in (5, 16, 33, 100):
+        ids = [rng.randrange(1000) for _ in range(n)]
+        ref, parent = [], ROOT_HASH
+        for i in range(n // 16):
+            parent = hash_block_tokens(parent, ids[i * 16:(i + 1) * 16], cache_salt="s" if i == 0 else None)
+            ref.append(parent)
+        hasher = BlockHasher(16, cache_salt="s")
+        hasher.extend(ids[:20])
+        assert hasher.extend(ids) == ref == compute_block_hashes(ids, 16, cache_salt="s"), n
+        if ref:
+            assert ref[0] != compute_block_hashes(ids, 16)[0]

@@ -153,3 +153,77 @@ def test_engine_tokens_through_the_pieces_equal_recompute(fused_engines: Any) ->
     assert eng.runner.piecewise_steps > 0
     assert got == want
     assert_no_leak(eng)
+
+
+def _ops_between_pieces(runner: Any, seqs: list[Any], caches: list[list[Any]]) -> tuple[list[int], int]:
+    """The aten ops the host dispatches between consecutive pieces of one step (each layer's
+    attention, kernels aside), and those before the first piece and after the last."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    graphs = runner.piecewise_graphs
+    state = {"in_piece": False, "ops": 0}
+    marks: list[int] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if not state["in_piece"]:
+                state["ops"] += 1
+            return func(*args, **(kwargs or {}))
+
+    piece = graphs.piece
+
+    def counted_piece(index: int, size: int) -> None:
+        marks.append(state["ops"])
+        state["in_piece"] = True
+        try:
+            piece(index, size)
+        finally:
+            state["in_piece"] = False
+
+    graphs.piece = counted_piece
+    try:
+        with torch.inference_mode(), Count():
+            runner.forward(seqs, caches, None)
+    finally:
+        del graphs.piece
+    assert len(marks) == graphs.num_pieces
+    return [b - a for a, b in zip(marks, marks[1:])], marks[0] + state["ops"] - marks[-1]
+
+
+def test_each_layer_between_the_pieces_dispatches_only_its_attention_work() -> None:
+    """The host's work per layer between two pieces, as on a GPU (the Triton kernels in place,
+    each one launch): for decodes beside a fresh chunk, the chunk's K and V into the caches
+    (one index_put_ each), its SDPA and the copy of its result, and the decode kernel's
+    launch; a short chunk after cached context adds only the prefill
+    kernel's launch.  Every view these need is built once per step.  On a GPU each op is
+    microseconds of host time per layer, for every layer: a regression fails here."""
+    from fastdeploy_kvcache.engine.runner import ScheduledSeq
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
+
+    lm = _fused(seed=4)
+    bs = 16
+    runner = TorchModelRunner(lm, bs, "cpu", fused_layers=True)
+    launches: list[str] = []
+    # The decode kernel prepared once per step, launched once per layer.
+    runner.decode_kernel = lambda *args, **kwargs: pytest.fail("the decode kernel unprepared")
+    runner.decode_launcher = lambda *args, **kwargs: lambda k_cache, v_cache, scale: launches.append("decode")
+    runner.prefill_kernel = lambda *args, **kwargs: launches.append("prefill")
+    runner.prefill_kernel_max_tokens = 16
+    assert runner.enable_piecewise_graphs(128, capture=False)
+    caches = _caches(lm, bs)
+    decodes = [ScheduledSeq([7 + i], 20 + i, [2 * i, 2 * i + 1], True) for i in range(4)]
+    fresh = ScheduledSeq(list(range(30, 90)), 0, [20, 21, 22, 23], True)
+
+    per_layer, once = _ops_between_pieces(runner, decodes + [fresh], caches)
+    assert per_layer == [4] * lm.num_layers
+    assert launches == ["decode"] * lm.num_layers
+    # Once per step, whatever the layer count: the indices' upload, the views of the step's
+    # rows, the input copies and the logits (44 today on the CPU).
+    assert once <= 48
+
+    launches.clear()
+    after_context = ScheduledSeq(list(range(100, 104)), 16, [40, 41], True)  # the prefill kernel's
+    per_layer, _ = _ops_between_pieces(runner, decodes + [fresh, after_context], caches)
+    assert per_layer == [4] * lm.num_layers
+    assert launches == ["decode", "prefill"] * lm.num_layers

@@ -428,7 +428,7 @@ def test_help_lists_every_flag() -> None:
         for flag in ("--model", "--host", "--port", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                      "--block-size", "--num-gpu-blocks-override", "--kv-cache-dtype", "--swap-space",
                      "--write-policy", "--write-through-threshold", "--enable-prefix-caching",
-                     "--no-enable-prefix-caching", "--enable-output-caching"):
+                     "--no-enable-prefix-caching", "--enable-output-caching", "--quantization"):
             assert flag in out, f"{flag} missing from {' '.join(cmd[2:])} --help"
 
 

@@ -40,6 +40,11 @@ def run_server_cmd(*args: str, timeout: float = 120) -> subprocess.CompletedProc
     (["--model", "no-such-model"], "--model"),
     (["--model", "tiny-llama-random", "--device", "gpu"], "--device"),
     (["--kv-cache-dtype", "uint8"], "--kv-cache-dtype"),
+    (["--quantization", '{"kv_cache_quant_type": "int4"}'], "--quantization"),
+    (["--quantization", "wint8"], "--quantization"),  # weights: not this engine's
+    (["--quantization", '{"quantization": "wint8", "kv_cache_quant_type": "block_wise_fp8"}'], "--quantization"),
+    (["--model", "tiny-llama-random", "--kv-cache-dtype", "bfloat16", "--quantization",
+      '{"kv_cache_quant_type": "block_wise_fp8"}'], "--quantization"),
     (["--model", "tiny-llama-random", "--max-num-seqs", "0"], "--max-num-seqs"),
     (["--model", "tiny-llama-random", "--max-model-len", "4097"], "--max-model-len"),  # 4096 positions
     (["--model", "llama3-8b-random", "--model-impl", "transformers", "--max-model-len", "32768"], "--max-model-len"),

@@ -85,6 +85,9 @@ def test_a_mixed_step_replayed_in_pieces_computes_the_eager_step(capi: Any) -> N
     c2 = [[k.clone(), v.clone()] for k, v in caches]
     got = runner.forward(seqs, c2, None)
     assert runner.piecewise_steps == 1 and runner.last_step_replayed
+    # The host's time split (bench_gpu_runner prints it): each part of a replayed step timed.
+    times = runner.last_host_times
+    assert min(times.build_s, times.pieces_s, times.between_s, times.head_s) > 0
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     for (k1, v1), (k2, v2) in zip(c1, c2):
         torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-4)

@@ -665,7 +665,7 @@ def test_host_cache_pinned_in_the_background_as_one_piece_serves_cuda_copies(com
         ctrl.submit_swap_tasks(evict(range(4), range(8, 12), TransferKind.BACKUP), None)
         settle(ctrl)
         assert [host_seed(ctrl, h) for h in range(8, 12)] == [10, 11, 12, 13]
-        ctrl.submit_swap_tasks(swap_in(range(8, 12), range(12, 16)), None)
+        ctrl.submit_swap_tasks(None, swap_in(range(8, 12), range(12, 16)))
         settle(ctrl)
         assert [device_seed(ctrl, d) for d in range(12, 16)] == [10, 11, 12, 13]
     finally:

@@ -52,6 +52,18 @@ def test_keys_differ_with_the_prompt_and_the_namespace() -> None:
     assert not set(a.full) & set(c.full) and a.partial != c.partial
 
 
+@pytest.mark.parametrize("length", [5, 40])
+def test_keys_differ_across_salts_partial_block_included(length: int) -> None:
+    """A salted hand-off never reads another salt's blocks: every key differs, a prompt
+    shorter than one block (its partial block is the first block) too."""
+    prompt = prompt_ids(2, length)
+    keys = [handoff_keys(NS, Request(f"r{i}", prompt, cache_salt=salt)) for i, salt in enumerate((None, "a", "b"))]
+    for i, x in enumerate(keys):
+        for y in keys[i + 1:]:
+            assert not set(x.full) & set(y.full) and x.partial != y.partial
+    assert keys[1] == handoff_keys(NS, Request("again", prompt, [9], cache_salt="a"))
+
+
 def test_kv_transfer_params_validation_names_the_field() -> None:
     ok = parse_kv_transfer_params({"prefill_token_ids": [5], "request_key": "r", "num_prompt_tokens": 3})
     assert ok == KVTransferParams((5,), "r", 3)

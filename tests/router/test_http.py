@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
+from fastdeploy_kvcache.entrypoints.auth import Caller
 from fastdeploy_kvcache.entrypoints.router.http import FastPaths
 
 
@@ -44,10 +45,10 @@ class _App:
 
 
 def test_a_proxy_path_gets_the_whole_body_and_the_rest_goes_to_the_app() -> None:
-    got: list[tuple[bytes, float]] = []
+    got: list[tuple[bytes, float, Caller]] = []
 
-    async def handler(data: bytes, t0: float) -> Response:
-        got.append((data, t0))
+    async def handler(data: bytes, t0: float, caller: Caller) -> Response:
+        got.append((data, t0, caller))
         return Response(b"forwarded", status_code=200)
 
     app = _App()
@@ -55,6 +56,7 @@ def test_a_proxy_path_gets_the_whole_body_and_the_rest_goes_to_the_app() -> None
     sent = _call(asgi, "POST", "/v1/completions", [b'{"prompt":', b' "hi"}'])
     assert sent[0]["status"] == 200 and sent[1]["body"] == b"forwarded"
     assert got[0][0] == b'{"prompt": "hi"}' and got[0][1] > 0
+    assert got[0][2] == Caller(None, None)  # no Authorization header, no key checked
     assert app.paths == []
     for method, path in (("GET", "/v1/completions"), ("POST", "/v1/other"), ("GET", "/health")):
         assert _call(asgi, method, path, [b""])[0]["status"] == 418
@@ -64,7 +66,7 @@ def test_a_proxy_path_gets_the_whole_body_and_the_rest_goes_to_the_app() -> None
 def test_an_unexpected_error_is_an_openai_shaped_500_and_a_gone_client_gets_nothing() -> None:
     calls = []
 
-    async def broken(data: bytes, t0: float) -> Response:
+    async def broken(data: bytes, t0: float, caller: Caller) -> Response:
         calls.append(data)
         raise RuntimeError("boom")
 

@@ -17,6 +17,11 @@ Per layer and request the function
 
 NOTE: Paddle registers no paged or variable-length attention kernel for CPU, so the gather is
 explicit.  Its cost is proportional to the request's own context, never to the cache size.
+
+A block_wise_fp8 cache (uint8 K/V with fp32 scales, ``[key, value, key_scale, value_scale]``
+per layer) is written quantized and read dequantized (``fp8_kv.py``); the new tokens are
+attended from the cache like the cached ones, so a reused prefix reads exactly what
+recomputing it would have written.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from fastdeploy_kvcache.engine.attention import current_context, select_attention
+from fastdeploy_kvcache.engine.paddleformers_runner import fp8_kv
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +92,8 @@ class _DecodeBatch:
 
 
 def write_kv(cache: Any, new: Any, block_ids: Sequence[int], start_pos: int, block_size: int) -> None:
-    """Write ``new`` ([kv_heads, n, head_dim]) at positions ``start_pos..`` of a request's blocks."""
+    """Write ``new`` ([kv_heads, n, head_dim], or [kv_heads, n] into a scale cache) at positions
+    ``start_pos..`` of a request's blocks."""
     n = int(new.shape[1])
     pos, i = start_pos, 0
     while i < n:
@@ -94,16 +101,47 @@ def write_kv(cache: Any, new: Any, block_ids: Sequence[int], start_pos: int, blo
         off = pos % block_size
         m = min(block_size - off, n - i)
         # In place (set_value on a slice of one block): the rest of the cache is untouched.
-        cache[blk, :, off : off + m, :] = new[:, i : i + m, :]
+        cache[blk, :, off : off + m] = new[:, i : i + m]
         pos += m
         i += m
 
 
-def _gather(cache: Any, index: Any, total: int) -> Any:
-    """The first ``total`` positions of a request's blocks: [kv_heads, total, head_dim]."""
-    import paddle
+class _Lanes:
+    """One layer's cache of K (or V): the cache, and its fp32 scales when it is block_wise_fp8."""
 
-    blocks = paddle.index_select(cache, index, axis=0)  # [nb, kvh, bs, d]
+    def __init__(self, cache: Any, scales: Any = None) -> None:
+        self.cache = cache
+        self.scales = scales
+
+    def write(self, new: Any, block_ids: Sequence[int], start_pos: int, block_size: int) -> None:
+        """``new`` is [kv_heads, n, head_dim] in the cache's dtype, or (quantized) the pair
+        (bytes, scales) from :func:`fp8_kv.quantize`."""
+        if self.scales is None:
+            write_kv(self.cache, new, block_ids, start_pos, block_size)
+            return
+        q, scale = new
+        write_kv(self.cache, q, block_ids, start_pos, block_size)
+        write_kv(self.scales, scale, block_ids, start_pos, block_size)
+
+    def blocks(self, index: Any) -> Any:
+        """Blocks ``index`` as float32 [nb, kv_heads, block_size, head_dim]."""
+        import paddle
+
+        if self.scales is None:
+            return _as_float32(paddle.index_select(self.cache, index, axis=0))
+        return fp8_kv.gather_blocks(self.cache, self.scales, index)
+
+
+def _slice_new(new: Any, a: int, n: int) -> Any:
+    """Tokens ``[a, a + n)`` of a step's new K (or V): a tensor, or a quantized (bytes, scales) pair."""
+    if isinstance(new, tuple):
+        return new[0][:, a : a + n, :], new[1][:, a : a + n]
+    return new[:, a : a + n, :]
+
+
+def _gather(lanes: _Lanes, index: Any, total: int) -> Any:
+    """The first ``total`` positions of a request's blocks: float32 [kv_heads, total, head_dim]."""
+    blocks = lanes.blocks(index)  # [nb, kvh, bs, d]
     nb, kvh, bs, d = blocks.shape
     return blocks.transpose([1, 0, 2, 3]).reshape([kvh, nb * bs, d])[:, :total, :]
 
@@ -136,16 +174,22 @@ def paged_attention_forward(
         ctx.layer_done.wait_for_layer(layer)
         ctx.layers_waited.add(layer)
     caches = ctx.kv_caches[layer]
-    k_cache, v_cache = caches[0], caches[1]
     bs = ctx.block_size
     _, num_heads, _, head_dim = query.shape
     num_kv = int(key.shape[1])
     groups = num_heads // num_kv
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
     q_all, k_all, v_all = query[0], key[0], value[0]
-    if k_all.dtype != k_cache.dtype:
-        k_all = k_all.astype(k_cache.dtype)
-        v_all = v_all.astype(v_cache.dtype)
+    if caches[0].dtype == paddle.uint8:
+        # block_wise_fp8: [key, value, key_scale, value_scale]; the step's tokens are
+        # quantized once per layer and written as (bytes, scales).
+        k_cache, v_cache = _Lanes(caches[0], caches[2]), _Lanes(caches[1], caches[3])
+        k_all, v_all = fp8_kv.quantize(k_all), fp8_kv.quantize(v_all)
+    else:
+        k_cache, v_cache = _Lanes(caches[0]), _Lanes(caches[1])
+        if k_all.dtype != caches[0].dtype:
+            k_all = k_all.astype(caches[0].dtype)
+            v_all = v_all.astype(caches[1].dtype)
     outs = []
     seqs = ctx.seqs
     if ctx.decode_batch is None and ctx.num_leading_decodes >= 2:
@@ -155,14 +199,14 @@ def paged_attention_forward(
         # is only the two one-token writes.  Prefill chunks keep the per-seq path below.
         dec = ctx.decode_batch
         for s in seqs[: dec.count]:
-            write_kv(k_cache, k_all[:, s.start : s.start + 1, :], s.block_ids, s.context_len, bs)
-            write_kv(v_cache, v_all[:, s.start : s.start + 1, :], s.block_ids, s.context_len, bs)
+            k_cache.write(_slice_new(k_all, s.start, 1), s.block_ids, s.context_len, bs)
+            v_cache.write(_slice_new(v_all, s.start, 1), s.block_ids, s.context_len, bs)
         outs.append(_decode_attention(q_all[:, : dec.count, :], k_cache, v_cache, dec, num_kv, groups, scale))
         seqs = seqs[dec.count :]
     for s in seqs:
         a, n = s.start, s.num_new
-        write_kv(k_cache, k_all[:, a : a + n, :], s.block_ids, s.context_len, bs)
-        write_kv(v_cache, v_all[:, a : a + n, :], s.block_ids, s.context_len, bs)
+        k_cache.write(_slice_new(k_all, a, n), s.block_ids, s.context_len, bs)
+        v_cache.write(_slice_new(v_all, a, n), s.block_ids, s.context_len, bs)
         total = s.total_len
         if s.index is None:
             nb = -(-total // bs)
@@ -174,8 +218,8 @@ def paged_attention_forward(
                 # Additive mask, built once per step and shared by every layer.
                 s.mask = paddle.where(kpos > qpos, paddle.full([], float("-inf"), "float32"),
                                        paddle.zeros([], "float32"))
-        k = _as_float32(_gather(k_cache, s.index, total))  # [kvh, total, d]
-        v = _as_float32(_gather(v_cache, s.index, total))
+        k = _gather(k_cache, s.index, total)  # float32 [kvh, total, d]
+        v = _gather(v_cache, s.index, total)
         # GQA without repeating K/V: the `groups` query heads of one KV head are stacked
         # along the row axis, [kvh, groups * n, d], and share one matmul with that head.
         q = _as_float32(q_all[:, a : a + n, :]).reshape([num_kv, groups * n, head_dim])
@@ -208,7 +252,7 @@ def _build_decode_batch(seqs: Sequence[SeqSlice], bs: int, staging: Any) -> _Dec
     return _DecodeBatch(len(seqs), width, staging.tensor(idx), mask.reshape([len(seqs), width, 1, 1, bs]))
 
 
-def _decode_attention(q: Any, k_cache: Any, v_cache: Any, dec: _DecodeBatch, num_kv: int, groups: int,
+def _decode_attention(q: Any, k_cache: _Lanes, v_cache: _Lanes, dec: _DecodeBatch, num_kv: int, groups: int,
                       scale: float) -> Any:
     """q [H, B, D] of B one-token seqs -> [B, H*D], over each seq's gathered blocks.
 
@@ -223,10 +267,10 @@ def _decode_attention(q: Any, k_cache: Any, v_cache: Any, dec: _DecodeBatch, num
     out_dtype = q.dtype
     nb = dec.blocks_per_seq
 
-    def gather(cache: Any) -> Any:
-        blocks = paddle.index_select(cache, dec.index, axis=0)  # [B*nb, kvh, bs, d]
+    def gather(cache: _Lanes) -> Any:
+        blocks = cache.blocks(dec.index)  # float32 [B*nb, kvh, bs, d]
         _, kvh, bs, _ = blocks.shape
-        return _as_float32(blocks.reshape([b, nb, kvh, bs, d]))  # a view: no copy
+        return blocks.reshape([b, nb, kvh, bs, d])  # a view: no copy
 
     k, v = gather(k_cache), gather(v_cache)
     qb = (_as_float32(q).transpose([1, 0, 2]) * scale).reshape([b, 1, num_kv, groups, d])

@@ -20,9 +20,12 @@ residual stream, q/k/v, the attention's output, the rotary cos/sin):
 
 A step of ``T`` tokens copies its ids and positions into the buffers, replays the pieces of
 the smallest size ``>= T`` and runs each layer's paged attention eagerly in between, over
-the step's real ``T`` rows (the same attention function and the same :class:`TorchStep` as
-the eager path, so per-layer load waits, the K/V writes and every chunk's context work as
-there).  Rows past ``T`` carry stale values through the row-wise pieces; the attention
+the step's real ``T`` rows (the same attention, ``torch_attention.attend_layer``, and the
+same :class:`TorchStep` as the eager path, so per-layer load waits, the K/V writes and every
+chunk's context work as there).  Every layer's q, k, v and output are the same buffers, so
+the views the attention reads are built once per step (the caller's ``bind``), and a layer
+dispatches only its own work between two replays: on a GPU each op there is host time,
+times the layers.  Rows past ``T`` carry stale values through the row-wise pieces; the attention
 never writes or reads them, and the logits are taken from the real rows only
 (``lm_head`` eagerly, on the sampled rows).
 
@@ -135,6 +138,11 @@ class PiecewiseGraphs:
         self.buckets: dict[int, TokenBucket] = {t: TokenBucket(t) for t in self.sizes}
         self.pool_bytes = 0
         self.capture_s = 0.0
+        # Each layer's (layer_idx, scale) for its attention between the pieces.
+        self._attention_args = [(int(layer.self_attn.layer_idx), float(layer.self_attn.scaling)) for layer in layers]
+        self._rows_for = -1
+        self.last_pieces_s = 0.0  # the last run's host seconds in its pieces (replays, or calls)
+        self._rows_views: tuple[Any, ...] = ()
 
     @property
     def num_pieces(self) -> int:
@@ -208,28 +216,49 @@ class PiecewiseGraphs:
                 return self.buckets[t]
         return None
 
+    def _rows(self, t: int) -> tuple[Any, ...]:
+        """The first ``t`` rows of the static buffers: ids, positions, q ``[t, H, D]``, k and v
+        ``[t, KVH, D]``, the attention's output ``[t, H, D]`` and the final hidden states
+        (views, kept for the last ``t``: a run of steps of one size dispatches none)."""
+        if self._rows_for != t:
+            heads = self._q.shape[2]
+            self._rows_views = (self._ids[:t], self._pos[:t], self._q[0, :t], self._k[0, :t], self._v[0, :t],
+                                self._attn[0, :t].view(t, heads, -1), self._hidden[0, :t])
+            self._rows_for = t
+        return self._rows_views
+
     def run(self, bucket: TokenBucket, input_ids: Any, positions: Any,
-            attention: Callable[[Any, Any, Any, Any, Any], None]) -> Any:
+            bind: Callable[[Any, Any, Any, Any], Callable[[int, float], None]]) -> Any:
         """One step of ``T = len(input_ids)`` tokens: the pieces of ``bucket`` replayed (or
-        called, without capture) around ``attention(module, q, k, v, out)`` per layer
-        (transformers' layouts: q ``[1, H, T, D]``, k/v ``[1, KVH, T, D]``; it writes its
-        result into ``out``, ``[T, H, D]``, a view of the static buffer the next piece
-        reads).  Returns the final hidden states ``[T, hidden]`` (a view of the static
+        called, without capture) around each layer's attention.
+
+        ``bind(q, k, v, out)`` is called once per step with the step's rows of the static
+        buffers (q ``[T, H, D]``, k/v ``[T, KVH, D]``, ``out`` ``[T, H, D]``, the buffer the
+        next piece reads; the same for every layer) and returns ``attend(layer_idx, scale)``,
+        called between the pieces for each layer: it writes the layer's attention into
+        ``out``.  Returns the final hidden states ``[T, hidden]`` (a view of the static
         buffer, valid until the next step)."""
         t = int(input_ids.shape[0])
-        self._ids[:t].copy_(input_ids)
-        self._pos[:t].copy_(positions)
+        ids, pos, q, k, v, out, hidden = self._rows(t)
+        ids.copy_(input_ids)
+        pos.copy_(positions)
+        attend = bind(q, k, v, out)
         size = bucket.size
-        replay = bool(bucket.graphs)
-        heads = self._q.shape[2]
-        out = self._attn[0, :t].view(t, heads, -1)
-        for i in range(self.num_pieces):
-            if replay:
-                bucket.graphs[i].replay()
+        graphs = bucket.graphs
+        clock = time.perf_counter
+        pieces_s = 0.0
+        for i, (layer_idx, scale) in enumerate(self._attention_args):
+            t0 = clock()
+            if graphs:
+                graphs[i].replay()
             else:
                 self.piece(i, size)
-            if i < len(self.layers):
-                layer = self.layers[i]
-                attention(layer.self_attn, self._q[:, :t].transpose(1, 2), self._k[:, :t].transpose(1, 2),
-                          self._v[:, :t].transpose(1, 2), out)
-        return self._hidden[0, :t]
+            pieces_s += clock() - t0
+            attend(layer_idx, scale)
+        t0 = clock()
+        if graphs:
+            graphs[-1].replay()
+        else:
+            self.piece(len(self._attention_args), size)
+        self.last_pieces_s = pieces_s + clock() - t0
+        return hidden

@@ -32,6 +32,11 @@ Per layer:
      kernel, reading its blocks in place; otherwise (:func:`prefill_attention_torch`) its
      blocks gathered and SDPA with a lower-right causal bias (flash or memory-efficient).
 
+The views of the step's rows that these read (the rows to write, the decode batch's, each
+chunk's) are a :class:`StepRows` (:func:`step_rows`); the eager hook builds one per layer
+call, the piecewise graphs once per step (every layer's q, k, v and output are the same
+static buffers there), so a layer between two pieces dispatches only the work above.
+
 The cost of a read is the same whichever tier the blocks came from: by the time a layer
 attends, a host hit's blocks are device blocks like any other.
 
@@ -89,6 +94,9 @@ class TorchStep:
     # kernel, the torch fallback reading decode_mask (float32 [B, W, 1, 1, bs]: 0 inside each
     # seq, -inf past its end).
     decode_kernel: Optional[Callable[..., Any]] = None
+    # The same kernel prepared once for every layer of the step (its checks, grid and strides):
+    # triton_paged_attention.paged_decode_launcher, or None (each layer calls decode_kernel).
+    decode_launcher: Optional[Callable[..., Any]] = None
     decode_lens: Any = None
     decode_mask: Any = None
     decode_workspace: dict = field(default_factory=dict)  # the kernel's partials, shared by all layers
@@ -212,6 +220,171 @@ def prefill_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, cont
                                           enable_gqa=groups > 1)
 
 
+@dataclass
+class ChunkRows:
+    """One prompt chunk's views of the step's q/k/v/output rows (see :class:`StepRows`)."""
+
+    chunk: PrefillChunk
+    q: Any  # [1, H, n, D]: SDPA's layout
+    k: Any  # [1, KVH, n, D] (its own fresh K/V: context_len == 0)
+    v: Any
+    q_rows: Any  # [n, H, D]: the kernel's layout
+    out_rows: Any  # [n, H, D]
+    out4: Any  # [1, H, n, D]: out_rows in SDPA's layout (a view), where its result is copied
+
+
+@dataclass
+class StepRows:
+    """The views of one step's q, k, v and output rows that every layer's attention reads.
+
+    Why: each view is an op the host dispatches (Python, the dispatcher: microseconds on a
+    GPU), and a layer needs about thirty of them (the rows its cache write takes, the decode
+    batch's, each chunk's, in two layouts).  Through the piecewise graphs every layer's q, k,
+    v and output live in the same static buffers, so the views are built once per step
+    (:func:`step_rows`) and each layer dispatches only its real work (:func:`attend_layer`):
+    the cache writes, the kernels, a chunk's SDPA and the copy of its result.
+    """
+
+    q: Any  # [T, H, D]
+    k: Any  # [T, KVH, D]
+    v: Any
+    out: Any  # [T, H, D]
+    # Rows from write_from on go into the caches with index_put_ (the decode kernel writes the
+    # rows before them): their slots, and the rows (None when they need a cast: per layer).
+    write_from: int
+    write_blocks: Any = None
+    write_offsets: Any = None
+    k_write: Any = None
+    v_write: Any = None
+    cast: Any = None  # the caches' dtype where it differs from the rows' (None: the same)
+    fp8: bool = False  # FP8 caches: the rows are quantized per layer (no k_write / dec_k / dec_launch)
+    groups: int = 1  # query heads per KV head
+    dec_q: Any = None  # [B, H, D]
+    dec_k: Any = None  # [B, KVH, D] (None when cast: taken per layer)
+    dec_v: Any = None
+    dec_out: Any = None  # [B, H, D]
+    dec_launch: Optional[Callable[[Any, Any, float], None]] = None  # from step.decode_launcher
+    chunks: list[ChunkRows] = field(default_factory=list)
+
+
+def step_rows(step: TorchStep, q: Any, k: Any, v: Any, out: Any) -> StepRows:
+    """The views of ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` and ``out`` ``[T, H, D]``
+    that :func:`attend_layer` reads for ``step`` (any layer: built once per step)."""
+    num_tokens = int(q.shape[0])
+    cache_dtype = step.kv_caches[0][0].dtype
+    cast = cache_dtype if k.dtype != cache_dtype and not step.fp8 else None
+    direct = cast is None and not step.fp8  # the rows go into the caches as they are
+    b = step.num_decodes
+    # The decode kernel writes the decode rows' K and V itself (one launch fewer per cache);
+    # the other rows go to their slots with one index_put_ each per layer.
+    w = b if step.decode_kernel is not None else 0
+    rows = StepRows(q, k, v, out, w)
+    if w < num_tokens:
+        rows.write_blocks = step.slot_blocks[w:] if w else step.slot_blocks
+        rows.write_offsets = step.slot_offsets[w:] if w else step.slot_offsets
+        if direct:
+            rows.k_write = k[w:] if w else k
+            rows.v_write = v[w:] if w else v
+    rows.cast = cast
+    rows.fp8 = step.fp8
+    rows.groups = int(q.shape[1]) // int(k.shape[1])
+    if b:
+        rows.dec_q = q[:b]
+        rows.dec_out = out[:b]
+        if direct:
+            rows.dec_k, rows.dec_v = k[:b], v[:b]
+            if step.decode_launcher is not None:
+                first = step.kv_caches[0]  # every layer's caches have its shape and dtype
+                rows.dec_launch = step.decode_launcher(rows.dec_q, first[0], first[1], step.decode_table, step.decode_lens,
+                                                       rows.dec_out, workspace=step.decode_workspace,
+                                                       k_new=rows.dec_k, v_new=rows.dec_v)
+    for p in step.prefills:
+        a, n = p.start, p.num_new
+        q_rows, out_rows = q[a:a + n], out[a:a + n]
+        kv = (k[a:a + n].transpose(0, 1)[None], v[a:a + n].transpose(0, 1)[None]) if p.context_len == 0 else (None, None)
+        rows.chunks.append(ChunkRows(p, q_rows.transpose(0, 1)[None], kv[0], kv[1], q_rows, out_rows,
+                                     out_rows.transpose(0, 1)[None]))
+    return rows
+
+
+def _wait_for_layer(step: TorchStep, layer: int) -> None:
+    """Before ``layer``'s cache is read or written (a load may target the same blocks)."""
+    import torch
+
+    if step.wait_events is not None and not step.layer_done.is_layer_done(layer):
+        before = torch.cuda.Event(enable_timing=True)
+        before.record()
+        step.layer_done.wait_for_layer(layer)
+        after = torch.cuda.Event(enable_timing=True)
+        after.record()
+        step.wait_events.append((before, after))
+    else:
+        step.layer_done.wait_for_layer(layer)
+    step.layers_waited += 1
+
+
+def attend_layer(step: TorchStep, rows: StepRows, layer: int, scale: float) -> None:
+    """Layer ``layer``'s paged attention of the step into ``rows.out``: its load wait, its new
+    K/V into the cache, the decode batch and every chunk (see the module docstring)."""
+    import torch.nn.functional as F
+
+    if step.layer_done is not None:
+        _wait_for_layer(step, layer)
+    caches = step.kv_caches[layer]
+    k_cache, v_cache = caches[0], caches[1]
+    k_write, v_write, dec_k, dec_v = rows.k_write, rows.v_write, rows.dec_k, rows.dec_v
+    k_scale = v_scale = None
+    scales: dict[str, Any] = {}  # the decode kernel's FP8 keywords
+    fresh: Optional[tuple[Any, Any]] = None  # FP8: the rows' K/V as the cache holds them, [T, KVH, D]
+    if rows.fp8:
+        k_scale, v_scale = caches[2], caches[3]
+        k_new, ks_new, v_new, vs_new = quantize_kv(rows.k, rows.v)
+        w, b = rows.write_from, step.num_decodes
+        k_write, v_write = k_new[w:], v_new[w:]
+        dec_k, dec_v = k_new[:b], v_new[:b]
+        scales = dict(k_scale=k_scale, v_scale=v_scale, k_new_scale=ks_new[:b], v_new_scale=vs_new[:b])
+        if rows.write_blocks is not None:
+            k_scale[rows.write_blocks, :, rows.write_offsets] = ks_new[w:]
+            v_scale[rows.write_blocks, :, rows.write_offsets] = vs_new[w:]
+        if any(c.chunk.context_len == 0 for c in rows.chunks):
+            fresh = (dequantize_fp8(k_new, ks_new, rows.k.dtype), dequantize_fp8(v_new, vs_new, rows.v.dtype))
+    elif rows.cast is not None:
+        k_new, v_new = rows.k.to(rows.cast), rows.v.to(rows.cast)
+        w, b = rows.write_from, step.num_decodes
+        k_write, v_write = k_new[w:], v_new[w:]
+        dec_k, dec_v = k_new[:b], v_new[:b]
+    if rows.write_blocks is not None:
+        # k_cache[block[t], :, offset[t], :] = k_new[t], in place, one kernel each.
+        k_cache[rows.write_blocks, :, rows.write_offsets] = k_write
+        v_cache[rows.write_blocks, :, rows.write_offsets] = v_write
+    if rows.dec_q is not None:
+        if rows.dec_launch is not None:
+            rows.dec_launch(k_cache, v_cache, scale)
+        elif step.decode_kernel is not None:
+            step.decode_kernel(rows.dec_q, k_cache, v_cache, step.decode_table, step.decode_lens, rows.dec_out, scale,
+                               workspace=step.decode_workspace, k_new=dec_k, v_new=dec_v, **scales)
+        else:
+            rows.dec_out.copy_(decode_attention_torch(rows.dec_q, k_cache, v_cache, step.decode_table,
+                                                      step.decode_mask, scale, k_scale, v_scale))
+    groups = rows.groups
+    for c in rows.chunks:
+        p = c.chunk
+        if p.context_len == 0:
+            k, v = c.k, c.v
+            if fresh is not None:
+                a, n = p.start, p.num_new
+                k, v = fresh[0][a:a + n].transpose(0, 1)[None], fresh[1][a:a + n].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(c.q, k, v, is_causal=p.num_new > 1, scale=scale,
+                                               enable_gqa=groups > 1)
+        elif p.kernel is not None:
+            p.kernel(c.q_rows, k_cache, v_cache, p.table, p.context_len, c.out_rows, scale,
+                     k_scale=k_scale, v_scale=v_scale)
+            continue
+        else:
+            o = prefill_attention_torch(c.q, k_cache, v_cache, p.table, p.context_len, scale, k_scale, v_scale)
+        c.out4.copy_(o)
+
+
 def paged_attention_forward(
     module: Any,
     query: Any,
@@ -225,82 +398,14 @@ def paged_attention_forward(
 ) -> tuple[Any, None]:
     """transformers attention interface: q [1, H, T, D], k/v [1, KVH, T, D] -> ([1, T, H, D], None).
 
-    ``out``: where to write the result, ``[T, H, D]`` (the piecewise graphs' static buffer,
-    saving a copy); None allocates it."""
-    import torch
-    import torch.nn.functional as F
-
+    ``out``: where to write the result, ``[T, H, D]``; None allocates it."""
     step = current_context()
-    layer = int(module.layer_idx)
-    if step.layer_done is not None:
-        # Before this layer's cache is read or written (a load may target the same blocks).
-        if step.wait_events is not None and not step.layer_done.is_layer_done(layer):
-            before = torch.cuda.Event(enable_timing=True)
-            before.record()
-            step.layer_done.wait_for_layer(layer)
-            after = torch.cuda.Event(enable_timing=True)
-            after.record()
-            step.wait_events.append((before, after))
-        else:
-            step.layer_done.wait_for_layer(layer)
-        step.layers_waited += 1
-    caches = step.kv_caches[layer]
-    k_cache, v_cache = caches[0], caches[1]
-    k_scale, v_scale = (caches[2], caches[3]) if step.fp8 else (None, None)
     _, num_heads, num_tokens, head_dim = query.shape
-    num_kv = int(key.shape[1])
-    groups = num_heads // num_kv
     scale = scaling if scaling is not None else head_dim ** -0.5
-    k_new = key[0].transpose(0, 1)  # [T, kvh, d]
-    v_new = value[0].transpose(0, 1)
-    ks_new = vs_new = None
-    if step.fp8:
-        k_new, ks_new, v_new, vs_new = quantize_kv(k_new, v_new)
-    elif k_new.dtype != k_cache.dtype:
-        k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
-    b = step.num_decodes
-    # The decode kernel writes the decode rows' K and V itself (one launch fewer per cache);
-    # the other rows go to their slots here, in place, one kernel each:
-    # k_cache[block[t], :, offset[t], :] = k_new[t].
-    w = b if step.decode_kernel is not None else 0
-    if w < num_tokens:
-        blocks, offsets = (step.slot_blocks[w:], step.slot_offsets[w:]) if w else (step.slot_blocks, step.slot_offsets)
-        k_cache[blocks, :, offsets] = k_new[w:]
-        v_cache[blocks, :, offsets] = v_new[w:]
-        if step.fp8:
-            k_scale[blocks, :, offsets] = ks_new[w:]
-            v_scale[blocks, :, offsets] = vs_new[w:]
     if out is None:
         out = query.new_empty((num_tokens, num_heads, head_dim))
-    if b:
-        q = query[0, :, :b, :].transpose(0, 1)  # [B, H, D], a view
-        if step.decode_kernel is not None:
-            scales = {}
-            if step.fp8:
-                scales = dict(k_scale=k_scale, v_scale=v_scale, k_new_scale=ks_new[:b], v_new_scale=vs_new[:b])
-            step.decode_kernel(q, k_cache, v_cache, step.decode_table, step.decode_lens, out[:b], scale,
-                               workspace=step.decode_workspace, k_new=k_new[:b], v_new=v_new[:b], **scales)
-        else:
-            out[:b] = decode_attention_torch(q, k_cache, v_cache, step.decode_table, step.decode_mask,
-                                             scale, k_scale, v_scale).to(out.dtype)
-    fresh_k, fresh_v = key, value
-    if step.fp8 and any(p.context_len == 0 for p in step.prefills):
-        # The chunk's own K/V as the cache holds them (see the module docstring).
-        fresh_k = dequantize_fp8(k_new, ks_new, key.dtype).transpose(0, 1)[None]
-        fresh_v = dequantize_fp8(v_new, vs_new, value.dtype).transpose(0, 1)[None]
-    for p in step.prefills:
-        a, n = p.start, p.num_new
-        q = query[:, :, a:a + n, :]
-        if p.context_len == 0:
-            k, v = fresh_k[:, :, a:a + n, :], fresh_v[:, :, a:a + n, :]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=n > 1, scale=scale, enable_gqa=groups > 1)
-        elif p.kernel is not None:
-            p.kernel(q[0].transpose(0, 1), k_cache, v_cache, p.table, p.context_len, out[a:a + n], scale,
-                     k_scale=k_scale, v_scale=v_scale)
-            continue
-        else:
-            o = prefill_attention_torch(q, k_cache, v_cache, p.table, p.context_len, scale, k_scale, v_scale)
-        out[a:a + n] = o[0].transpose(0, 1)
+    rows = step_rows(step, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), out)
+    attend_layer(step, rows, int(module.layer_idx), scale)
     return out.unsqueeze(0), None
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -51,9 +52,10 @@ from fastdeploy_kvcache.engine.transformers_runner.torch_sampling import sample_
 from fastdeploy_kvcache.engine.transformers_runner.torch_attention import (
     PrefillChunk,
     TorchStep,
+    attend_layer,
     decode_mask,
-    paged_attention_forward,
     register_paged_attention,
+    step_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,20 @@ def load_model_for(args: Any, device: str) -> LoadedModel:
                             dtype=model_dtype(args.model_dtype, device))
 
 
+@dataclass
+class StepHostTimes:
+    """Where the host's time of the last step went before its sync (seconds; what a
+    benchmark prints to show what a step's launch costs).  A decode step replayed from its
+    graph fills none of them."""
+
+    build_s: float = 0.0  # the step's indices built on the host and uploaded
+    pieces_s: float = 0.0  # the piecewise graphs' replays (their pieces' calls without capture)
+    between_s: float = 0.0  # everything else of the forward pass: between the pieces (each layer's
+    # attention), or the whole eager forward pass
+    head_s: float = 0.0  # lm_head over the sampled rows
+    sample_s: float = 0.0  # the device sampling's launch (forward_sample on a GPU)
+
+
 class TorchModelRunner:
     """Runs ``LlamaForCausalLM`` over the paged cache; see the module docstring."""
 
@@ -161,14 +177,18 @@ class TorchModelRunner:
             logger.warning("FP8 KV cache on a GPU of compute capability %s (< 8.9): the paged attention uses "
                            "torch ops, not the Triton kernels", cap)
             self.decode_kernel = None
+        # The decode kernel prepared once per step for all its layers (the Triton kernel's).
+        self.decode_launcher: Optional[Any] = None
         self.prefill_kernel: Optional[Any] = None
         self.prefill_kernel_max_tokens = 0
         if self.decode_kernel is not None:
             from fastdeploy_kvcache.engine.transformers_runner.triton_paged_attention import (
                 PAGED_PREFILL_MAX_TOKENS,
+                paged_decode_launcher,
                 paged_prefill_attention,
             )
 
+            self.decode_launcher = paged_decode_launcher
             self.prefill_kernel = paged_prefill_attention
             self.prefill_kernel_max_tokens = PAGED_PREFILL_MAX_TOKENS
         self.last_layers_waited = 0
@@ -184,6 +204,7 @@ class TorchModelRunner:
         self.piecewise_graphs: Optional[PiecewiseGraphs] = None  # enable_piecewise_graphs
         self.piecewise_steps = 0  # steps run through piecewise_graphs (replayed, or its pieces called without capture)
         self.last_step_replayed = False
+        self.last_host_times = StepHostTimes()
         register_paged_attention(self.model.config)
         self.fused_layers = 0
         if fused_layers:
@@ -329,52 +350,60 @@ class TorchModelRunner:
         """The step's TorchStep, input ids, positions and sampled rows (device), and the row order."""
         self._check_caches(kv_caches)
         bs = self.block_size
-        # One-token seqs (decodes) first: the attention batches that leading run.
-        order = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
-        order += [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
-        num_dec = sum(1 for s in seqs if len(s.token_ids) == 1)
-        ids: list[int] = []
+        # One-token seqs (decodes) first: the attention batches that leading run.  The host
+        # arrays are built with numpy per group of seqs, not per token (a 2k-token chunk's
+        # ids one by one cost the step about a millisecond of host time).
+        dec = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        rest = [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
+        num_dec = len(dec)
+        ids: list[np.ndarray] = []
         pos: list[np.ndarray] = []
         slot_blk: list[np.ndarray] = []
-        chunks: list[tuple[int, int, int, list[int]]] = []
         picked: list[tuple[int, int]] = []  # (index in seqs, row)
-        for i in order:
+        width = 0
+        table = lens = None
+        if num_dec:
+            dseqs = [seqs[i] for i in dec]
+            ctx = np.fromiter((s.context_len for s in dseqs), dtype=np.int64, count=num_dec)
+            lens = ctx + 1
+            width = int(-(-int(lens.max()) // bs))
+            nbs = (-(-lens // bs)).tolist()
+            # Padding past each seq's blocks: its first block (read, then masked out).
+            table = np.array([list(s.block_ids[:nb]) + [s.block_ids[0]] * (width - nb) for s, nb in zip(dseqs, nbs)],
+                             dtype=np.int64).reshape(num_dec, width)
+            ids.append(np.fromiter((s.token_ids[0] for s in dseqs), dtype=np.int64, count=num_dec))
+            pos.append(ctx)
+            slot_blk.append(table[np.arange(num_dec), ctx // bs])
+            picked.extend((i, r) for r, i in enumerate(dec) if seqs[i].wants_logits)
+        chunks: list[tuple[int, int, int, Any]] = []
+        start = num_dec
+        for i in rest:
             s = seqs[i]
-            start, n, c = len(ids), len(s.token_ids), s.context_len
-            ids.extend(int(t) for t in s.token_ids)
+            n, c = len(s.token_ids), s.context_len
+            ids.append(np.fromiter(s.token_ids, dtype=np.int64, count=n))
             p = np.arange(c, c + n, dtype=np.int64)
             pos.append(p)
-            slot_blk.append(np.asarray(s.block_ids, dtype=np.int64)[p // bs])
-            chunks.append((start, n, c, s.block_ids))
+            blocks = np.asarray(s.block_ids, dtype=np.int64)
+            slot_blk.append(blocks[p // bs])
+            chunks.append((start, n, c, blocks))
             if s.wants_logits:
                 picked.append((i, start + n - 1))
+            start += n
         positions = np.concatenate(pos)
-        parts = [np.asarray(ids, dtype=np.int64), positions, np.concatenate(slot_blk), positions % bs]
-        width = 0
+        parts = [np.concatenate(ids), positions, np.concatenate(slot_blk), positions % bs]
         if num_dec:
-            lens = [c + 1 for _, _, c, _ in chunks[:num_dec]]
-            width = -(-max(lens) // bs)
-            table = np.empty((num_dec, width), dtype=np.int64)
-            for r, (_, _, c, blocks) in enumerate(chunks[:num_dec]):
-                nb = -(-(c + 1) // bs)
-                table[r, :nb] = blocks[:nb]
-                table[r, nb:] = blocks[0]  # padding: read, then masked out
-            parts += [table.ravel(), np.asarray(lens, dtype=np.int64)]
+            parts += [table.ravel(), lens]
         tables = []
-        for start, n, c, blocks in chunks[num_dec:]:
+        for _, n, c, blocks in chunks:
             if c > 0:
-                tables.append(np.asarray(blocks[: -(-(c + n) // bs)], dtype=np.int64))
+                tables.append(blocks[: -(-(c + n) // bs)])
                 parts.append(tables[-1])
             else:
                 tables.append(None)
         rows = [row for _, row in sorted(picked)]
         parts.append(np.asarray(rows, dtype=np.int64))
-        dev = self._upload(np.concatenate(parts))
-        t = len(ids)
-        views, off = [], 0
-        for a in parts:
-            views.append(dev[off:off + a.size])
-            off += a.size
+        # One upload, then every part a view of it (one split, not a slice per part).
+        views = self._upload(np.concatenate(parts)).split([a.size for a in parts])
         step = TorchStep(kv_caches, bs, views[2], views[3], num_dec, layer_done=layer_done,
                          wait_events=[] if layer_done is not None and self.on_gpu else None, fp8=self.fp8_kv)
         k = 4
@@ -382,18 +411,19 @@ class TorchModelRunner:
             step.decode_table = views[4].view(num_dec, width)
             step.decode_lens = views[5]
             step.decode_kernel = self.decode_kernel
+            step.decode_launcher = self.decode_launcher
             if self.decode_kernel is None:
                 step.decode_mask = decode_mask(step.decode_lens, width, bs, self._positions(width * bs))
             k = 6
-        for (start, n, c, _), tbl in zip(chunks[num_dec:], tables):
-            chunk = PrefillChunk(start, n, c)
+        for (a, n, c, _), tbl in zip(chunks, tables):
+            chunk = PrefillChunk(a, n, c)
             if tbl is not None:
                 chunk.table = views[k]
                 k += 1
                 if n <= self.prefill_kernel_max_tokens:
                     chunk.kernel = self.prefill_kernel
             step.prefills.append(chunk)
-        return step, views[0][:t], views[1], views[-1], rows
+        return step, views[0], views[1], views[-1], rows
 
     def _to_host(self, logits: Any) -> np.ndarray:
         """The step's logits as a numpy array: on a GPU through pinned memory, at link speed.
@@ -433,8 +463,12 @@ class TorchModelRunner:
             return np.zeros(0, dtype=np.int64)
         if not logits.is_cuda:
             return sampling.sample_host(logits.numpy())
-        packed = self._upload(sampling.packed(), "sampling")
-        return self._sync_to_host(sample_on_device(self.torch, logits, sampling, packed))
+        t0 = time.perf_counter()
+        # An all-greedy step uploads nothing: its rows take the argmax.
+        packed = None if sampling.all_greedy else self._upload(sampling.packed(), "sampling")
+        ids = sample_on_device(self.torch, logits, sampling, packed)
+        self.last_host_times.sample_s = time.perf_counter() - t0
+        return self._sync_to_host(ids)
 
     def _sync_to_host(self, out: Any) -> np.ndarray:
         """The step's one host sync: ``out`` read back, the wait timed, the load waits summed."""
@@ -460,26 +494,35 @@ class TorchModelRunner:
         if bucket is not None:
             return self._forward_graph(bucket, seqs, layer_done)
         pieces = self._piecewise_bucket(seqs)
+        times = self.last_host_times = StepHostTimes()
+        t0 = time.perf_counter()
         with torch.inference_mode():
             step, input_ids, position_ids, rows, row_list = self._build(seqs, kv_caches, layer_done)
+            t1 = time.perf_counter()
+            times.build_s = t1 - t0
             with step_context(step):
                 try:
                     if pieces is not None:
                         assert self.piecewise_graphs is not None
-                        hidden = self.piecewise_graphs.run(pieces, input_ids, position_ids, _attend)
+                        hidden = self.piecewise_graphs.run(pieces, input_ids, position_ids, _binder(step))
                         self.piecewise_steps += 1
                         self.last_step_replayed = bool(pieces.graphs)
+                        times.pieces_s = self.piecewise_graphs.last_pieces_s
                     else:
                         hidden = self.model.model(input_ids=input_ids[None], position_ids=position_ids[None],
                                                   use_cache=False).last_hidden_state[0]
                 finally:
                     self.last_layers_waited = step.layers_waited
+            t2 = time.perf_counter()
+            times.between_s = t2 - t1 - times.pieces_s
             if step.wait_events:
                 # Their times can be read only once the step's sync has passed them.
                 self._pending_wait_events = step.wait_events
             if not row_list:
                 return None
-            return self.model.lm_head(hidden.index_select(0, rows)).float()
+            logits = self.model.lm_head(hidden.index_select(0, rows)).float()
+            times.head_s = time.perf_counter() - t2
+            return logits
 
     def _piecewise_bucket(self, seqs: Sequence[ScheduledSeq]) -> Optional[TokenBucket]:
         """The piecewise graphs' size for a step the decode graphs did not take (None: eager)."""
@@ -543,7 +586,11 @@ class TorchModelRunner:
             return logits[:n] if len(rows) == n else logits.index_select(0, dev[3 * b + n * width:])
 
 
-def _attend(module: Any, query: Any, key: Any, value: Any, out: Any) -> None:
-    """A layer's paged attention between two pieces, into ``out`` (the step is the thread's
-    current one)."""
-    paged_attention_forward(module, query, key, value, None, scaling=module.scaling, out=out)
+def _binder(step: TorchStep) -> Any:
+    """The piecewise run's ``bind``: the step's row views built once, then each layer's
+    attention over them (``torch_attention.attend_layer``)."""
+    def bind(q: Any, k: Any, v: Any, out: Any) -> Any:
+        rows = step_rows(step, q, k, v, out)
+        return lambda layer_idx, scale: attend_layer(step, rows, layer_idx, scale)
+
+    return bind

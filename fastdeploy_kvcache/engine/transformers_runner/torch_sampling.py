@@ -24,7 +24,8 @@ from fastdeploy_kvcache.engine.sampling import StepSampling
 def sample_on_device(torch: Any, logits: Any, sampling: StepSampling, packed: Any) -> Any:
     """The int64 token id of each row of ``logits`` (a device tensor ``[R, vocab]``).
 
-    ``packed`` is ``sampling.packed()`` already on the logits' device (one upload).
+    ``packed`` is ``sampling.packed()`` already on the logits' device (one upload; None
+    when every row is greedy).
     Launches kernels only: nothing here waits for the device.
     """
     if logits.shape[0] != len(sampling):

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import triton
 import triton.language as tl
@@ -343,7 +343,36 @@ def paged_decode_attention(
       kernel writes them to position ``seq_lens[b] - 1`` of each sequence's blocks before it
       reads them (None: they are in the cache already); with FP8 caches, their uint8 bytes,
       and ``k_new_scale``, ``v_new_scale`` float32 ``[B, kv_heads]`` their scales
-      (``fp8_kv.quantize_fp8``).
+      (``fp8_kv.quantize_kv``).
+    """
+    paged_decode_launcher(query, k_cache, v_cache, block_table, seq_lens, out, num_splits=num_splits,
+                          workspace=workspace, k_new=k_new, v_new=v_new, k_new_scale=k_new_scale,
+                          v_new_scale=v_new_scale)(k_cache, v_cache, scale, k_scale, v_scale)
+    return out
+
+
+def paged_decode_launcher(
+    query: Any,
+    k_cache: Any,
+    v_cache: Any,
+    block_table: Any,
+    seq_lens: Any,
+    out: Any,
+    num_splits: Optional[int] = None,
+    workspace: Optional[dict] = None,
+    k_new: Any = None,
+    v_new: Any = None,
+    k_new_scale: Any = None,
+    v_new_scale: Any = None,
+) -> Callable[..., None]:
+    """:func:`paged_decode_attention` prepared once for every layer of a step:
+    ``launch(k_cache, v_cache, scale)`` launches it over one layer's caches (the shape, dtype
+    and strides of ``k_cache``/``v_cache`` here) with everything else as given here; FP8
+    caches (uint8) take ``launch(k_cache, v_cache, scale, k_scale, v_scale)``, checked per call.
+
+    Why: the checks, the grid, the split choice and the strides cost the host tens of
+    microseconds per call, the same for every layer of a step; a launch then costs only
+    Triton's own launch.
     """
     import torch
 
@@ -355,19 +384,12 @@ def paged_decode_attention(
     if block_table.shape[0] != batch or seq_lens.shape[0] != batch or tuple(out.shape) != tuple(query.shape):
         raise ValueError(f"paged_decode_attention: batch {batch} but table {tuple(block_table.shape)}, "
                          f"lens {tuple(seq_lens.shape)}, out {tuple(out.shape)}")
-    quant, ks, vs, scale_strides = _scale_args("paged_decode_attention", k_cache, v_cache, k_scale, v_scale)
     write_new = k_new is not None
     if write_new and (v_new is None or tuple(k_new.shape) != (batch, kv_heads, head_dim)
                       or tuple(v_new.shape) != (batch, kv_heads, head_dim)):
         raise ValueError(f"paged_decode_attention: k_new / v_new must both be [{batch}, {kv_heads}, {head_dim}]")
-    if write_new and quant and (k_new.dtype != torch.uint8 or v_new.dtype != torch.uint8
-                                or k_new_scale is None or v_new_scale is None
-                                or tuple(k_new_scale.shape) != (batch, kv_heads)
-                                or tuple(v_new_scale.shape) != (batch, kv_heads)):
-        raise ValueError("paged_decode_attention: with FP8 caches, k_new / v_new must be uint8 with "
-                         f"k_new_scale / v_new_scale [{batch}, {kv_heads}] (fp8_kv.quantize_fp8)")
     if batch == 0:
-        return out
+        return _no_launch
     groups = num_heads // kv_heads
     width = int(block_table.shape[1])
     splits = num_splits if num_splits is not None else choose_num_splits(batch, kv_heads, width, query.device)
@@ -385,33 +407,54 @@ def paged_decode_attention(
         part_out, part_lse = ws["out"], ws["lse"]
     else:
         part_out = part_lse = out  # unused
+    quant = k_cache.dtype == torch.uint8
+    if write_new and quant and (k_new.dtype != torch.uint8 or v_new.dtype != torch.uint8
+                                or k_new_scale is None or v_new_scale is None
+                                or tuple(k_new_scale.shape) != (batch, kv_heads)
+                                or tuple(v_new_scale.shape) != (batch, kv_heads)):
+        raise ValueError("paged_decode_attention: with FP8 caches, k_new / v_new must be uint8 with "
+                         f"k_new_scale / v_new_scale [{batch}, {kv_heads}] (fp8_kv.quantize_kv)")
     if not write_new:
         k_new = v_new = query  # unused
-    if not (write_new and quant):
-        k_new_scale = v_new_scale = ks  # unused
-        new_scale_strides: tuple = (0,) * 4
+    if write_new and quant:
+        new_scales = (k_new_scale, v_new_scale)
+        new_scale_strides: tuple = (*k_new_scale.stride(), *v_new_scale.stride())
     else:
-        new_scale_strides = (*k_new_scale.stride(), *v_new_scale.stride())
-    _decode_kernel[(batch, kv_heads, splits)](
-        query, k_cache, v_cache, block_table, seq_lens, out, part_out, part_lse, k_new, v_new,
-        ks, vs, k_new_scale, v_new_scale,
-        float(scale), blocks_per_split,
-        *query.stride(), *k_new.stride(), *v_new.stride(),
-        *k_cache.stride(), *v_cache.stride(), *scale_strides, *new_scale_strides,
-        *block_table.stride(), *out.stride(),
+        new_scales, new_scale_strides = (query, query), (0,) * 4  # unused
+    kernel = _decode_kernel[(batch, kv_heads, splits)]
+    lead = (query,)
+    mid = (block_table, seq_lens, out, part_out, part_lse, k_new, v_new)
+    new_strides = (*query.stride(), *k_new.stride(), *v_new.stride())
+    tail_strides = (*new_scale_strides, *block_table.stride(), *out.stride())
+    consts = dict(
         GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_D=block_d,
         BLOCK_N=max(16, triton.next_power_of_2(block_size)), NUM_SPLITS=splits,
         DOT=_dot_mode(query, query.dtype if quant else k_cache.dtype),
         WRITE_NEW=write_new, QUANT=quant, num_warps=4,
     )
+    no_scales = (query, query, (0,) * 6)  # float caches: unused
+    combine = None
     if splits > 1:
-        _combine_kernel[(batch, num_heads)](
-            part_out, part_lse, out, *out.stride(),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
-        )
-    return out
+        combine = _combine_kernel[(batch, num_heads)]
+        combine_args = (part_out, part_lse, out, *out.stride())
+        combine_consts = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+                              BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+
+    def launch(k_cache: Any, v_cache: Any, scale: float, k_scale: Any = None, v_scale: Any = None) -> None:
+        ks, vs, scale_strides = no_scales
+        if quant or k_scale is not None or v_scale is not None:
+            _, ks, vs, scale_strides = _scale_args("paged_decode_attention", k_cache, v_cache, k_scale, v_scale)
+        kernel(*lead, k_cache, v_cache, *mid, ks, vs, *new_scales, float(scale), blocks_per_split, *new_strides,
+               *k_cache.stride(), *v_cache.stride(), *scale_strides, *tail_strides, **consts)
+        if combine is not None:
+            combine(*combine_args, **combine_consts)
+
+    return launch
+
+
+def _no_launch(k_cache: Any, v_cache: Any, scale: float, k_scale: Any = None, v_scale: Any = None) -> None:
+    """An empty batch's launch: nothing."""
 
 
 # A chunk up to this many tokens after cached context goes through :func:`paged_prefill_attention`;

@@ -11,6 +11,10 @@ stats: used by tests and operators to check that no block leaked), ``GET /metric
 ``GET /debug/kv_cache_blocks`` (the cache's blocks per tier as KV cache events name them:
 docs/fleet.md).
 
+With ``--api-key`` or ``--api-keys-file`` the ``/v1`` routes and ``/debug`` need
+``Authorization: Bearer <key>`` (401 otherwise; ``entrypoints/auth.py``); ``/health`` and
+``/metrics`` stay open.
+
 Every error, FastAPI's own request validation included, is returned in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``; a malformed request is a 400, never a
 422, and never reaches the engine.
@@ -34,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdeploy_kvcache.cli_flags import add_flag
+from fastdeploy_kvcache.entrypoints.auth import ApiKeyGuard, add_auth_cli_args, api_keys_from_args
 from fastdeploy_kvcache.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, BodyTooLarge
 from fastdeploy_kvcache.entrypoints.openai.engine_client import AsyncEngineClient
 from fastdeploy_kvcache.entrypoints.openai.json_body import parse_json_body
@@ -112,6 +117,7 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="Larger request bodies get HTTP 413, before they are read when they declare their length, "
              "else as soon as they pass it; 0: no limit (default: "
              f"{DEFAULT_MAX_BODY_BYTES}, {DEFAULT_MAX_BODY_BYTES >> 20} MiB).")
+    add_auth_cli_args(parser)
     add_engine_cli_args(parser)
     return parser
 
@@ -245,7 +251,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         names = list(args.served_model_name or [engine.model_name])
         metrics = ServerMetrics(names[0], client.get_stats)
         state.update(client=client, metrics=metrics, names=names,
-                     serving=OpenAIServing(client, metrics, names))
+                     serving=OpenAIServing(client, metrics, names, tenant_isolation=isolation))
         plan.on_abort(client.end_inflight)
         client.start()
         logger.info("serving %s on http://%s:%s (max_model_len=%d)", ", ".join(names), args.host, args.port,
@@ -259,6 +265,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             if await run_bounded(client.shutdown, budget, "engine shutdown"):
                 logger.info("engine shut down")
 
+    keys = api_keys_from_args(args)
+    isolation = getattr(args, "tenant_isolation", "none")
     app = FastAPI(title="fastdeploy_kvcache OpenAI-compatible server", lifespan=lifespan)
     app.router.route_class = _CheckedJSONRoute
     app.state.shutdown_plan = plan
@@ -269,6 +277,11 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     app.add_middleware(BodySizeLimit, on_reject=reject_body,
                        max_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES))
+    if keys is not None:
+        # Added last, so it runs first: a request without a key is refused before its body is read.
+        app.add_middleware(ApiKeyGuard, keys=keys)
+        logger.info("API keys required on /v1 (%d key(s), %d tenant(s)); tenant isolation: %s",
+                    len(keys), len(keys.tenants), isolation)
 
     def serving() -> OpenAIServing:
         return state["serving"]

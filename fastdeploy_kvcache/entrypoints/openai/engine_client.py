@@ -109,6 +109,8 @@ class SubRequest:
     prompt_token_ids: list[int]
     params: "SamplingParams"
     kv_transfer: Optional[Any] = None  # PD decode: engine/pd.py KVTransferParams
+    cache_salt: Optional[str] = None  # hashed into the first block (core/hashing.py)
+    tenant: Optional[str] = None  # the API key's tenant (entrypoints/auth.py)
 
 
 class RequestGroup:
@@ -137,7 +139,8 @@ class RequestGroup:
         engine checks them all before it queues any, so a bad one leaves nothing to abort."""
         try:
             self._engine.add_requests([(sub.request_id, sub.prompt_token_ids, sub.params,
-                                        self._make_callback(sub.index), sub.kv_transfer) for sub in self._subs])
+                                        self._make_callback(sub.index), sub.kv_transfer, sub.cache_salt, sub.tenant)
+                                       for sub in self._subs])
         except BaseException:
             self._abandoned = True
             self._unfinished.clear()

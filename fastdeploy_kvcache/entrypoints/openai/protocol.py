@@ -9,7 +9,7 @@ does not implement are accepted only at their neutral value, so that nothing a c
 asks for is silently ignored.
 
 Extensions beyond OpenAI (vLLM spells them the same way): ``top_k``, ``stop_token_ids``,
-``ignore_eos``, and in the response ``usage.prompt_tokens_details.cached_tokens_by_tier``.
+``ignore_eos``, ``cache_salt``, and in the response ``usage.prompt_tokens_details.cached_tokens_by_tier``.
 """
 
 from __future__ import annotations
@@ -73,6 +73,9 @@ class _SamplingFields(OpenAIModel):
     top_k: Optional[int] = Field(default=None, description="Sample from the k most likely tokens; -1 = off.")
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
+    # vLLM's: mixed into the first block's hash, so the request reuses only prefixes computed
+    # with the same salt (a non-empty string; docs/usage.md, "API keys and cache isolation").
+    cache_salt: Optional[str] = None
     # Prefill/decode hand-off (vLLM's field name; contents: engine/pd.py KVTransferParams).
     kv_transfer_params: Optional[dict[str, Any]] = None
 

@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from starlette.requests import Request as HTTPRequest
 
+from fastdeploy_kvcache.entrypoints.auth import check_cache_salt, tenant_cache_salt, tenant_of_scope
 from fastdeploy_kvcache.entrypoints.openai.engine_client import (
     AsyncEngineClient,
     EngineDraining,
@@ -278,8 +279,11 @@ def _choices_and_usage(results: dict[int, dict[str, Any]], n: int,
 class OpenAIServing:
     """The handlers of ``/v1/completions`` and ``/v1/chat/completions``."""
 
-    def __init__(self, client: AsyncEngineClient, metrics: ServerMetrics, served_model_names: list[str]) -> None:
+    def __init__(self, client: AsyncEngineClient, metrics: ServerMetrics, served_model_names: list[str],
+                 tenant_isolation: str = "none") -> None:
         self.client = client
+        # "salt": every request is salted by its API key's tenant (entrypoints/auth.py).
+        self.salt_by_tenant = tenant_isolation == "salt"
         self.metrics = metrics
         self.served_model_names = served_model_names
         self.max_token_bytes = max_token_bytes(client.tokenizer)
@@ -341,13 +345,32 @@ class OpenAIServing:
             raise RequestError(f"n: at most {MAX_CHOICES} choices per request (prompts x n), got "
                                f"{num_prompts * n}", param="n")
 
+    def _cache_keys(self, req: Union[CompletionRequest, ChatCompletionRequest],
+                    raw: HTTPRequest) -> tuple[Optional[str], Optional[str]]:
+        """``(cache_salt, tenant)`` the request's blocks are hashed with and it is counted under.
+
+        Without a salt (the common case) nothing is added to the hashing (core/hashing.py).
+        """
+        try:
+            salt = check_cache_salt(req.cache_salt)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="cache_salt") from exc
+        tenant = tenant_of_scope(raw.scope)
+        if self.salt_by_tenant:
+            salt = tenant_cache_salt(tenant, salt)
+        return salt, tenant
+
     def _submit(self, prompts: list[list[int]], req: Union[CompletionRequest, ChatCompletionRequest],
-                prompt_param: str) -> RequestGroup:
+                prompt_param: str, raw: HTTPRequest) -> RequestGroup:
         self._check_choices(len(prompts), req.n)
+        salt, tenant = self._cache_keys(req, raw)
         params_per_prompt = [build_sampling_params(req, len(ids), self.client.max_model_len, prompt_param,
                                                    self.client.max_request_tokens)
                              for ids in prompts]
         subs = _fan_out(list(zip(prompts, params_per_prompt)), req.n)
+        if salt is not None or tenant is not None:
+            for sub in subs:
+                sub.cache_salt, sub.tenant = salt, tenant
         _attach_kv_transfer(req, subs)  # PD decode (engine/pd.py)
         try:
             return self.client.submit(subs, on_abandoned_finish=lambda out: self.metrics.observe_finished(out, None))
@@ -424,7 +447,7 @@ class OpenAIServing:
         single = isinstance(p, str) or bool(p) and all(isinstance(x, int) for x in p)  # type: ignore[union-attr]
         self._check_choices(1 if single else len(p), req.n)  # before tokenizing every prompt
         prompts = await self._off_loop(self._completion_prompts, req)
-        group = self._submit(prompts, req, "prompt")
+        group = self._submit(prompts, req, "prompt", raw)
         if req.stream:
             return self._completion_stream(req, group, arrival)
         results = await self._collect(group, raw, arrival)
@@ -463,7 +486,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         self.check_model(req.model)
         ids = await self._off_loop(self._chat_prompt, req)
-        group = self._submit([ids], req, "messages")
+        group = self._submit([ids], req, "messages", raw)
         if req.stream:
             return self._chat_stream(req, group, arrival)
         results = await self._collect(group, raw, arrival)

@@ -78,6 +78,9 @@ def check_config(args: argparse.Namespace) -> Any:
     from fastdeploy_kvcache.engine.transformers_runner.torch_models import RANDOM_SHAPES
 
     check_environment()
+    from fastdeploy_kvcache.entrypoints.auth import api_keys_from_args
+
+    api_keys_from_args(args)  # a bad keys file: one line now, not a traceback in the lifespan
     engine_args = EngineArgs.from_cli_args(args)
     storage = engine_args.storage
     if storage is not None and storage.enabled and not engine_args.host_tier_enabled:

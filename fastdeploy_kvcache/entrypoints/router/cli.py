@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 from urllib.parse import urlsplit
 
 from fastdeploy_kvcache.entrypoints.openai.shutdown import DEFAULT_GRACE_S
@@ -74,6 +74,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "of this; streams still running then end with an error event and [DONE] (a second signal "
                         f"ends them at once); the process exits 0 (default: {DEFAULT_GRACE_S:g}).")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    from fastdeploy_kvcache.entrypoints.auth import add_auth_cli_args
+
+    # The workers' own: given, the router checks keys itself (401 before any worker is asked)
+    # and hashes with the tenants' salts as the workers do.  The client's Authorization header
+    # is forwarded either way.
+    add_auth_cli_args(p)
     return p
 
 
@@ -106,6 +112,18 @@ def parse_worker_events(specs: Optional[Sequence[str]], worker_urls: Sequence[st
 
 
 def build_app_from_args(args: argparse.Namespace):  # -> FastAPI
+    from fastdeploy_kvcache.entrypoints.auth import api_keys_from_args
+
+    try:
+        keys = api_keys_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    app = _build_app(args, keys)
+    app.state.api_keys = keys
+    return app
+
+
+def _build_app(args: argparse.Namespace, keys: Any):  # -> FastAPI
     if not 0 <= args.graceful_shutdown_timeout < float("inf"):
         raise SystemExit(f"--graceful-shutdown-timeout: must be a finite number >= 0, got "
                          f"{args.graceful_shutdown_timeout}")
@@ -144,7 +162,9 @@ def build_app_from_args(args: argparse.Namespace):  # -> FastAPI
                          events_topic=args.events_topic, shared_storage=args.shared_storage,
                          health_interval_s=args.health_interval,
                          health_timeout_s=args.health_timeout, health_failures=args.health_failures,
-                         pending_ttl_s=args.pending_ttl, timeout_s=args.timeout)
+                         pending_ttl_s=args.pending_ttl, timeout_s=args.timeout,
+                         tenant_isolation=getattr(args, "tenant_isolation", "none"),
+                         worker_api_key=keys.any_key() if keys is not None else None)
     return build_fleet_app(FleetRouter(args.worker_urls, events, config))
 
 
@@ -176,6 +196,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from fastdeploy_kvcache.entrypoints.router.http import FastPaths
 
     asgi = FastPaths(app, app.state.fast_paths) if getattr(app.state, "fast_paths", None) else app
+    if app.state.api_keys is not None:
+        from fastdeploy_kvcache.entrypoints.auth import ApiKeyGuard
+
+        asgi = ApiKeyGuard(asgi, app.state.api_keys)
     config = uvicorn.Config(asgi, host=args.host, port=args.port, log_level="warning", access_log=False,
                             loop=_fastest("uvloop"), http=_fastest("httptools"))
     n = len(args.worker_urls or ())

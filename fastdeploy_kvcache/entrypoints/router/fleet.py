@@ -3,7 +3,10 @@
 Per ``POST /v1/completions`` or ``/v1/chat/completions``: the body is read once, the prompt
 turned into token ids and chained block hashes (:mod:`.prompt`, the same hashing as the
 workers' radix trees), a policy (:mod:`.policy`) picks a healthy worker, and the request is
-forwarded unchanged; the worker's answer (JSON or its SSE stream) goes back as it came.
+forwarded unchanged, with the client's ``Authorization`` header; the worker's answer (JSON or
+its SSE stream) goes back as it came.  The request's ``cache_salt`` (and, with
+``--tenant-isolation salt``, its tenant's salt: :mod:`..auth`) enters the prompt's hashes as
+it enters the worker's, so the router predicts salted prefixes exactly.
 
 * **Errors.**  A worker's own error (a 400 for a bad request, ...) reaches the client with
   its status and body.  No healthy worker: 503.  A worker that refuses the connection is
@@ -35,10 +38,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from fastdeploy_kvcache.config import CacheConfig
 from fastdeploy_kvcache.core.kv_events import event_block_hashes
+from fastdeploy_kvcache.entrypoints.auth import Caller, check_cache_salt, tenant_cache_salt
 from fastdeploy_kvcache.entrypoints.router.events import EventSubscriber
 from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams,
                                                          RelayResponse, error_body, error_body_of, error_response,
-                                                         relay_error, router_app, stream_end, upstream_session)
+                                                         forward_headers, relay_error, router_app, stream_end,
+                                                         upstream_session)
 from fastdeploy_kvcache.entrypoints.router.metrics import RouterMetrics
 from fastdeploy_kvcache.entrypoints.router.policy import Candidate, Policy
 from fastdeploy_kvcache.entrypoints.router.prompt import prompt_token_ids
@@ -95,6 +100,10 @@ class FleetConfig:
     health_failures: int = 2
     pending_ttl_s: float = 10.0
     timeout_s: float = 600.0
+    # The workers' --tenant-isolation: "salt" hashes each prompt with its tenant's salt.
+    tenant_isolation: str = "none"
+    # A key for the router's own calls to the workers' /v1 routes (None: the workers take none).
+    worker_api_key: Optional[str] = None
 
 
 _JSON_HEADERS = {"content-type": "application/json"}
@@ -130,12 +139,17 @@ def _with_usage(body: dict[str, Any], data: bytes) -> bytes:
 
 
 class _Prompt:
-    """A request's token ids and, per block size asked for, its event block hashes (cached)."""
+    """A request's token ids and, per block size asked for, its event block hashes (cached).
 
-    __slots__ = ("ids", "_hashes")
+    ``cache_salt`` is the salt the worker will hash the prompt with (the request's own, and
+    its tenant's under ``--tenant-isolation salt``), so the hashes are the worker's events'.
+    """
 
-    def __init__(self, ids: Optional[list[int]]) -> None:
+    __slots__ = ("ids", "cache_salt", "_hashes")
+
+    def __init__(self, ids: Optional[list[int]], cache_salt: Optional[str] = None) -> None:
         self.ids = ids
+        self.cache_salt = cache_salt
         self._hashes: dict[int, list[int]] = {}
 
     def hashes(self, block_size: int) -> Optional[list[int]]:
@@ -143,7 +157,7 @@ class _Prompt:
             return None
         got = self._hashes.get(block_size)
         if got is None:
-            got = self._hashes[block_size] = event_block_hashes(self.ids, block_size)
+            got = self._hashes[block_size] = event_block_hashes(self.ids, block_size, cache_salt=self.cache_salt)
         return got
 
 
@@ -227,8 +241,9 @@ class FleetRouter:
         """Read the worker's block size from its ``/v1/models`` (the server's cache config);
         refuse the worker for good when it is not the configured one."""
         assert self.client is not None
+        key = self.config.worker_api_key
         try:
-            async with self.client.get(w.url + "/v1/models",
+            async with self.client.get(w.url + "/v1/models", headers={"Authorization": f"Bearer {key}"} if key else None,
                                        timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as r:
                 cards = (await r.json(content_type=None)).get("data") or [{}]
         except (*UPSTREAM_ERRORS, ValueError, AttributeError) as exc:
@@ -284,16 +299,33 @@ class FleetRouter:
                 pending[h] = expiry
         return d.index, d.reason, predicted
 
-    async def route(self, path: str, data: bytes, t0: float) -> Response:
-        """Forward one request (its body ``data``, arrived at ``perf_counter()`` ``t0``) to a worker."""
+    def _salt_of(self, body: dict[str, Any], caller: Caller) -> tuple[bool, Optional[str]]:
+        """``(valid, salt)``: the salt the worker hashes this request with; not valid when its
+        ``cache_salt`` is bad (the worker answers with its 400)."""
+        try:
+            salt = check_cache_salt(body.get("cache_salt"))
+        except ValueError:
+            return False, None
+        if self.config.tenant_isolation == "salt":
+            salt = tenant_cache_salt(caller.tenant, salt)
+        return True, salt
+
+    async def route(self, path: str, data: bytes, t0: float, caller: Caller = Caller()) -> Response:
+        """Forward one request (its body ``data``, arrived at ``perf_counter()`` ``t0``, sent by
+        ``caller``, whose ``Authorization`` header goes along) to a worker."""
         try:
             body = json.loads(data)
         except ValueError:
             body = None
         if not isinstance(body, dict):
             body = None  # the worker answers with its own 400
-        ids = prompt_token_ids(self.config.tokenizer, path, body) if body is not None else None
-        prompt = _Prompt(ids)
+        ids, salt = None, None
+        if body is not None:
+            valid, salt = self._salt_of(body, caller)
+            if valid:
+                ids = prompt_token_ids(self.config.tokenizer, path, body)
+        prompt = _Prompt(ids, salt)
+        send_headers = forward_headers(caller, _JSON_HEADERS)
         stream = bool(body and body.get("stream"))
         wants_usage = bool(body and isinstance(body.get("stream_options"), dict)
                            and body["stream_options"].get("include_usage"))
@@ -315,9 +347,10 @@ class FleetRouter:
             w.in_flight += 1
             try:
                 if stream:
-                    resp = await self._forward_stream(w, path, data, headers, predicted, not wants_usage)
+                    resp = await self._forward_stream(w, path, data, headers, predicted, not wants_usage,
+                                                      send_headers)
                 else:
-                    resp = await self._forward_json(w, path, data, headers, predicted)
+                    resp = await self._forward_json(w, path, data, headers, predicted, send_headers)
             except aiohttp.ClientConnectorError as exc:
                 w.in_flight -= 1
                 self._mark_down(w, f"connection refused: {exc}")
@@ -338,8 +371,9 @@ class FleetRouter:
         if isinstance(usage.get("prompt_tokens"), int):
             self.metrics.prompt_tokens.labels(worker=w.url).inc(usage["prompt_tokens"])
 
-    async def _send(self, w: Worker, path: str, data: bytes,
-                    headers: dict[str, str]) -> tuple[Optional[aiohttp.ClientResponse], Optional[Response]]:
+    async def _send(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
+                    send_headers: Optional[dict[str, str]]) -> tuple[Optional[aiohttp.ClientResponse],
+                                                                    Optional[Response]]:
         """(the worker's response, None), or (None, a 502 for the client) when the call failed.
 
         A refused connection is raised as is (nothing was sent: route() tries another
@@ -347,7 +381,7 @@ class FleetRouter:
         """
         assert self.client is not None
         try:
-            return await self.client.post(w.url + path, data=data, headers=_JSON_HEADERS), None
+            return await self.client.post(w.url + path, data=data, headers=send_headers or _JSON_HEADERS), None
         except aiohttp.ClientConnectorError:
             raise
         except BaseException as exc:
@@ -360,8 +394,8 @@ class FleetRouter:
             return None, error_response(502, msg, code="upstream_unavailable", headers=headers)
 
     async def _forward_json(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
-                            predicted: int) -> Response:
-        resp, failed = await self._send(w, path, data, headers)
+                            predicted: int, send_headers: Optional[dict[str, str]] = None) -> Response:
+        resp, failed = await self._send(w, path, data, headers, send_headers)
         if resp is None:
             return failed  # type: ignore[return-value]
         try:
@@ -383,8 +417,9 @@ class FleetRouter:
         return Response(content, status_code=200, media_type="application/json", headers=headers)
 
     async def _forward_stream(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
-                              predicted: int, drop_usage: bool) -> Response:
-        resp, failed = await self._send(w, path, data, headers)
+                              predicted: int, drop_usage: bool,
+                              send_headers: Optional[dict[str, str]] = None) -> Response:
+        resp, failed = await self._send(w, path, data, headers, send_headers)
         if resp is None:
             return failed  # type: ignore[return-value]
         if resp.status != 200:
@@ -481,13 +516,14 @@ def build_fleet_app(router: FleetRouter) -> FastAPI:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(raw: Request) -> Response:
         assert router.client is not None
         for w in router.workers:
             if not w.healthy:
                 continue
             try:
-                async with router.client.get(w.url + "/v1/models") as resp:
+                async with router.client.get(w.url + "/v1/models",
+                                             headers=forward_headers(Caller.of_scope(raw.scope))) as resp:
                     return Response(await resp.read(), status_code=resp.status, media_type="application/json")
             except UPSTREAM_ERRORS:
                 continue
@@ -497,13 +533,13 @@ def build_fleet_app(router: FleetRouter) -> FastAPI:
     # FastAPI's request parsing would only add time.  ``cli.main`` serves them in front of
     # the app (http.FastPaths); the routes below answer when the app is used on its own.
     app.state.fast_paths = {
-        "/v1/completions": lambda data, t0: router.route("/v1/completions", data, t0),
-        "/v1/chat/completions": lambda data, t0: router.route("/v1/chat/completions", data, t0),
+        "/v1/completions": lambda data, t0, caller: router.route("/v1/completions", data, t0, caller),
+        "/v1/chat/completions": lambda data, t0, caller: router.route("/v1/chat/completions", data, t0, caller),
     }
     for path, handler in app.state.fast_paths.items():
         async def endpoint(raw: Request, handler: Any = handler) -> Response:
             t0 = time.perf_counter()
-            return await handler(await raw.body(), t0)
+            return await handler(await raw.body(), t0, Caller.of_scope(raw.scope))
 
         app.add_route(path, endpoint, methods=["POST"])
 

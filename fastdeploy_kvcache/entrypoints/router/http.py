@@ -13,6 +13,8 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from fastdeploy_kvcache.entrypoints.auth import Caller
+
 logger = logging.getLogger(__name__)
 
 # Keep-alive connections to a server are dropped after this many idle seconds: below
@@ -21,6 +23,13 @@ logger = logging.getLogger(__name__)
 KEEPALIVE_S = 4.0
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 """What a call to a server raises when it is unreachable, breaks or times out."""
+
+
+def forward_headers(caller: Caller, base: Optional[dict[str, str]] = None) -> Optional[dict[str, str]]:
+    """``base`` plus the caller's ``Authorization`` header, which the servers check too."""
+    if caller.authorization is None:
+        return base
+    return {**(base or {}), "Authorization": caller.authorization}
 
 
 def upstream_session(timeout_s: float, connect_s: float, limit: int) -> aiohttp.ClientSession:
@@ -103,8 +112,8 @@ def internal_error(exc: BaseException) -> JSONResponse:
     return error_response(500, f"router: internal error: {type(exc).__name__}: {exc}")
 
 
-ProxyHandler = Callable[[bytes, float], Awaitable[Response]]
-"""A proxy endpoint: (the request body, its arrival ``perf_counter()``) -> the response."""
+ProxyHandler = Callable[[bytes, float, Caller], Awaitable[Response]]
+"""A proxy endpoint: (the request body, its arrival ``perf_counter()``, who sent it) -> the response."""
 
 
 async def error_body_of(resp: aiohttp.ClientResponse) -> bytes:
@@ -188,7 +197,7 @@ class FastPaths:
             if not message.get("more_body"):
                 break
         try:
-            response = await handler(b"".join(chunks), t0)
+            response = await handler(b"".join(chunks), t0, Caller.of_scope(scope))
         except Exception as exc:  # noqa: BLE001 - one request never ends the process
             response = internal_error(exc)
         await response(scope, receive, send)

@@ -18,7 +18,9 @@ with its status; an unreachable or broken server becomes a 502 whose message nam
 server (``prefill`` or ``decode``) and what went wrong.  ``GET /health`` is 200 only when
 both servers answer their own ``/health``.
 
-Only ``n = 1`` is routed (a hand-off carries one prompt's first token).
+Only ``n = 1`` is routed (a hand-off carries one prompt's first token).  The client's
+``Authorization`` header goes to both servers; its ``cache_salt`` is in the body both get, so
+both hash (and key) the prompt's blocks the same way.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from fastdeploy_kvcache.entrypoints.auth import Caller
 from fastdeploy_kvcache.entrypoints.router.http import (SHUTTING_DOWN_EVENT, UPSTREAM_ERRORS, OpenStreams,
                                                          RelayResponse, error_body, error_body_of, error_response,
-                                                         relay_error, router_app, stream_end, upstream_session)
+                                                         forward_headers, relay_error, router_app, stream_end,
+                                                         upstream_session)
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +76,16 @@ class PDRouter:
         if self.client is not None:
             await self.client.close()
 
-    async def _post_json(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    async def _post_json(self, url: str, body: dict[str, Any],
+                         headers: Optional[dict[str, str]] = None) -> tuple[int, bytes]:
         """(status, body) of a non-streamed POST; ``UPSTREAM_ERRORS`` when the call fails."""
         assert self.client is not None
-        async with self.client.post(url, json=body) as resp:
+        async with self.client.post(url, json=body, headers=headers) as resp:
             return resp.status, await resp.read()
 
     # ------------------------------------------------------------------ the two calls
-    async def prefill(self, path: str, body: dict[str, Any]) -> tuple[Optional[dict[str, Any]], Optional[Response]]:
+    async def prefill(self, path: str, body: dict[str, Any],
+                      auth: Optional[dict[str, str]] = None) -> tuple[Optional[dict[str, Any]], Optional[Response]]:
         """(kv_transfer_params, None) on success, else (None, the error response for the client)."""
         assert self.client is not None
         pbody = dict(body)
@@ -88,7 +94,7 @@ class PDRouter:
         pbody["max_tokens"] = 1
         pbody["stream"] = False
         try:
-            status, content = await self._post_json(self.prefill_url + path, pbody)
+            status, content = await self._post_json(self.prefill_url + path, pbody, auth)
         except UPSTREAM_ERRORS as exc:
             raise UpstreamError("prefill", f"{self.prefill_url} unreachable ({type(exc).__name__}: {exc})") from exc
         if status != 200:
@@ -118,8 +124,9 @@ class PDRouter:
             return error_response(400, "kv_transfer_params: set by the router, not by clients",
                                   type_="invalid_request_error", param="kv_transfer_params")
         t0 = time.perf_counter()
+        auth = forward_headers(Caller.of_scope(raw.scope))  # both servers check the client's key
         try:
-            kv, err = await self.prefill(path, body)
+            kv, err = await self.prefill(path, body, auth)
         except UpstreamError as exc:
             logger.warning("%s", exc.message)
             return error_response(exc.status, exc.message, code="upstream_unavailable")
@@ -130,13 +137,14 @@ class PDRouter:
         dbody["kv_transfer_params"] = kv
         headers = {HEADER_PREFILL_S: f"{prefill_s:.6f}"}
         if body.get("stream"):
-            return await self._decode_stream(path, dbody, headers)
-        return await self._decode_json(path, dbody, headers)
+            return await self._decode_stream(path, dbody, headers, auth)
+        return await self._decode_json(path, dbody, headers, auth)
 
-    async def _decode_json(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+    async def _decode_json(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                           auth: Optional[dict[str, str]] = None) -> Response:
         assert self.client is not None
         try:
-            status, content = await self._post_json(self.decode_url + path, body)
+            status, content = await self._post_json(self.decode_url + path, body, auth)
         except UPSTREAM_ERRORS as exc:
             msg = f"decode server: {self.decode_url} unreachable ({type(exc).__name__}: {exc})"
             logger.warning("%s", msg)
@@ -145,10 +153,11 @@ class PDRouter:
             return relay_error("decode", status, content)
         return Response(content, status_code=200, media_type="application/json", headers=headers)
 
-    async def _decode_stream(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+    async def _decode_stream(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                             auth: Optional[dict[str, str]] = None) -> Response:
         assert self.client is not None
         try:
-            resp = await self.client.post(self.decode_url + path, json=body)
+            resp = await self.client.post(self.decode_url + path, json=body, headers=auth)
         except UPSTREAM_ERRORS as exc:
             msg = f"decode server: {self.decode_url} unreachable ({type(exc).__name__}: {exc})"
             logger.warning("%s", msg)
@@ -208,10 +217,11 @@ def build_pd_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) ->
         return await router.health()
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(raw: Request) -> Response:
         assert router.client is not None
         try:
-            async with router.client.get(router.decode_url + "/v1/models") as resp:
+            async with router.client.get(router.decode_url + "/v1/models",
+                                         headers=forward_headers(Caller.of_scope(raw.scope))) as resp:
                 return Response(await resp.read(), status_code=resp.status, media_type="application/json")
         except UPSTREAM_ERRORS as exc:
             return error_response(502, f"decode server: {router.decode_url} unreachable ({type(exc).__name__})",

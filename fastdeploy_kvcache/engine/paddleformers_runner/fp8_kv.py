@@ -1,0 +1,68 @@
+"""block_wise_fp8 KV on Paddle: quantize K/V as they are written, dequantize the blocks read.
+
+The format (``CacheConfig.kv_cache_quant == "block_wise_fp8"``): the key and value caches are
+uint8 ``[blocks, kv_heads, block_size, head_dim]`` holding float8 e4m3fn bytes, and each has
+an fp32 scale cache ``[blocks, kv_heads, block_size]``: one scale per (block, head, token),
+
+    scale = amax(|x| over head_dim) / 448        (448: the largest finite e4m3fn value)
+    byte  = e4m3fn(x / scale)                    (x / 448 * amax: |byte value| <= 448)
+    x'    = float(byte) * scale
+
+An all-zero vector has scale 0 and zero bytes (the division uses 1 there), so it reads back
+as zeros.  The transformers runner writes the same bytes and scales, so host blocks, storage
+objects and PD hand-offs written by either runner read back on the other.
+
+NOTE: e4m3 rather than e5m2: K and V of a token vary by far less than e4m3's range once
+divided by their own amax, and e4m3's extra mantissa bit halves the rounding error (relative
+error <= 2**-4 for normal values, against 2**-3).  A per-token scale costs 4 bytes per
+(head, token): 3% of a 128-wide head's bytes, 6% of a 64-wide one's.
+
+NOTE: Paddle 3.3's CPU build casts float32 <-> float8_e4m3fn (round to nearest even,
+saturating at 448) and views uint8 as float8_e4m3fn, but registers no ``index_select`` for
+uint8: the gather runs over an int32 (or bfloat16) view of the same bytes, which needs a
+head_dim that is a multiple of 4 (or 2).  Every Llama has one; the engine refuses an odd
+head_dim when it starts (:func:`gather_view_dtype`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastdeploy_kvcache.config import FP8_E4M3_MAX
+
+
+def gather_view_dtype(head_dim: int) -> str:
+    """The dtype a uint8 cache is viewed as for ``index_select`` (no uint8 kernel on CPU)."""
+    if head_dim % 4 == 0:
+        return "int32"
+    if head_dim % 2 == 0:
+        return "bfloat16"  # a bit copy: index_select does no arithmetic on the values
+    raise ValueError(f"kv_cache_quant: block_wise_fp8 on the paddleformers runner needs an even head_dim "
+                     f"(Paddle has no uint8 gather on the CPU), the model has {head_dim}")
+
+
+def quantize(x: Any) -> tuple[Any, Any]:
+    """``x`` [..., head_dim] (any float dtype) -> (uint8 e4m3 bytes [..., head_dim], fp32 scales [...])."""
+    import paddle
+
+    x = x if x.dtype == paddle.float32 else x.astype("float32")
+    scale = paddle.max(paddle.abs(x), axis=-1) / FP8_E4M3_MAX
+    divisor = paddle.where(scale > 0, scale, paddle.ones_like(scale))
+    q = (x / divisor.unsqueeze(-1)).astype(paddle.float8_e4m3fn)
+    return q.view(paddle.uint8), scale
+
+
+def dequantize(q: Any, scale: Any) -> Any:
+    """uint8 e4m3 bytes [..., head_dim] and fp32 scales [...] -> float32 [..., head_dim]."""
+    import paddle
+
+    return q.view(paddle.float8_e4m3fn).astype("float32") * scale.unsqueeze(-1)
+
+
+def gather_blocks(cache: Any, scales: Any, index: Any) -> Any:
+    """Blocks ``index`` of a quantized cache, dequantized: float32 [len(index), kv_heads, block_size, head_dim]."""
+    import paddle
+
+    view = gather_view_dtype(int(cache.shape[-1]))
+    raw = paddle.index_select(cache.view(view), index, axis=0).view(paddle.uint8)
+    return dequantize(raw, paddle.index_select(scales, index, axis=0))
