@@ -38,8 +38,6 @@ logger = logging.getLogger(__name__)
 FP8_KV_QUANT = "block_wise_fp8"
 # Largest finite E4M3 (torch.float8_e4m3fn: no infinities, 0x7f/0xff are NaN).
 FP8_MAX = 448.0
-# A vector of zeros gets scale 0; dividing by this floor keeps its bytes 0 (not NaN).
-_SCALE_FLOOR = 1e-30
 
 
 def check_kv_cache_quant(kv_cache_quant: Optional[str]) -> bool:
@@ -78,7 +76,9 @@ def quantize_fp8(x: Any) -> tuple[Any, Any]:
 
     xf = x.float()
     scale = xf.abs().amax(dim=-1) / FP8_MAX
-    q = (xf / scale.clamp_min(_SCALE_FLOOR).unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+    # A zero vector (scale 0) divides by 1: zero bytes, not NaN (the Paddle runner's rule too).
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (xf / divisor.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
     return q.to(torch.float8_e4m3fn).view(torch.uint8), scale
 
 
