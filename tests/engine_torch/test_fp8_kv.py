@@ -193,3 +193,49 @@ def test_engine_device_and_host_hits_change_nothing(fp8_engine_factory: Any, pol
     ref = recompute_tokens(fp8_engine_factory)
     check_device_hits(fp8_engine_factory, ref, policy)
     check_host_hits(fp8_engine_factory, ref, policy)
+
+
+def test_fused_layers_and_piecewise_path_over_fp8_caches(tiny_torch_model: Any) -> None:
+    """A step mixing decodes, a fresh chunk and chunks after cached context, over FP8 caches:
+    fused layers eagerly and through the piecewise graphs' pieces (run as plain calls on the
+    CPU) give the unfused runner's logits and write the same bytes and scales."""
+    import numpy as np
+    import torch
+
+    from fastdeploy_kvcache.engine.runner import ScheduledSeq
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import FP8_KV_QUANT, quantize_fp8
+    from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
+    from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
+
+    gen = torch.Generator().manual_seed(4)
+    m = tiny_torch_model
+    shape = (48, m.num_kv_heads, 16, m.head_dim)
+    base = []
+    for _ in range(m.num_layers):
+        (k, ks), (v, vs) = quantize_fp8(torch.randn(shape, generator=gen)), quantize_fp8(torch.randn(shape, generator=gen))
+        base.append([k, v, ks, vs])
+    seqs = [ScheduledSeq([7 + i], 20 + i, [2 * i, 2 * i + 1], True) for i in range(3)]
+    seqs.append(ScheduledSeq(list(range(30, 67)), 0, [20, 21, 22], True))  # nothing cached before it
+    seqs.append(ScheduledSeq(list(range(90, 99)), 40, [30, 31, 32, 33], True))  # after cached context
+    copies = [[[t.clone() for t in layer] for layer in base] for _ in range(3)]
+    want = TorchModelRunner(m, 16, "cpu", kv_cache_quant=FP8_KV_QUANT).forward(seqs, copies[0], None)
+    fused_model = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cpu"), dtype="float32")
+    eager = TorchModelRunner(fused_model, 16, "cpu", fused_layers=True, kv_cache_quant=FP8_KV_QUANT)
+    got = eager.forward(seqs, copies[1], None)
+    pieces = TorchModelRunner(fused_model, 16, "cpu", fused_layers=True, kv_cache_quant=FP8_KV_QUANT)
+    assert pieces.enable_piecewise_graphs(64, capture=False)
+    through = pieces.forward(seqs, copies[2], None)
+    assert pieces.piecewise_steps == 1
+    for out in (got, through):
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+        assert (out.argmax(-1) == want.argmax(-1)).all()
+    for i in (1, 2):
+        for a, b in zip(copies[0], copies[i]):
+            for x, y in zip(a, b):
+                # The same bytes but where float32 rounding moved a value across an E4M3
+                # rounding edge (one step, rare).
+                if x.dtype == torch.uint8:
+                    steps = (x.to(torch.int16) - y.to(torch.int16)).abs()
+                    assert int(steps.max()) <= 1 and float((steps > 0).float().mean()) < 1e-3
+                else:
+                    torch.testing.assert_close(x, y, rtol=1e-5, atol=0)
