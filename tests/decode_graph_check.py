@@ -29,7 +29,8 @@ GPU_DECODE_STEPS = ((0,), (0, 1, 2), tuple(range(32)), (0, 1, 2))
 
 
 def padded_decode_results(device: str = "cpu", dtype: str = "float32", prompts: tuple[int, ...] = PROMPTS,
-                          steps: tuple[tuple[int, ...], ...] = DECODE_STEPS, max_num_seqs: int = 4) -> dict[str, Any]:
+                          steps: tuple[tuple[int, ...], ...] = DECODE_STEPS, max_num_seqs: int = 4,
+                          fp8: bool = False) -> dict[str, Any]:
     """``logits_err``: the largest relative error of the graph path's logits against the eager
     path's; ``tokens_equal``: the greedy tokens of every step agree; ``untouched_changed``:
     1.0 when a cache block no seq owns changed (block 0, which the padded rows' tables point
@@ -39,6 +40,8 @@ def padded_decode_results(device: str = "cpu", dtype: str = "float32", prompts: 
     ``other_caches_bucket``: whether a step over caches other than the captured ones did.
 
     ``device`` ``"cpu"``: the static path without capture; ``"gpu"``: captured graphs.
+    ``fp8``: block_wise_fp8 caches (uint8 K/V and their scale caches, all four checked for
+    untouched blocks).
     """
     import torch
 
@@ -55,13 +58,22 @@ def padded_decode_results(device: str = "cpu", dtype: str = "float32", prompts: 
     shape = (num_blocks, loaded.num_kv_heads, BLOCK, loaded.head_dim)
     dt = getattr(torch, dtype)
     # Random contents everywhere: a write into a block nobody owns shows.
-    base = [[torch.randn(shape, generator=gen).to(dev, dt), torch.randn(shape, generator=gen).to(dev, dt)]
-            for _ in range(loaded.num_layers)]
+    if fp8:
+        from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import quantize_fp8
+
+        base = [[t.to(dev) for pair in (quantize_fp8(torch.randn(shape, generator=gen)),
+                                         quantize_fp8(torch.randn(shape, generator=gen))) for t in pair]
+                for _ in range(loaded.num_layers)]
+        base = [[k, v, ks, vs] for k, ks, v, vs in base]  # the controller's order
+    else:
+        base = [[torch.randn(shape, generator=gen).to(dev, dt), torch.randn(shape, generator=gen).to(dev, dt)]
+                for _ in range(loaded.num_layers)]
     caches = {"eager": [[t.clone() for t in layer] for layer in base],
               "graph": [[t.clone() for t in layer] for layer in base]}
     attention = "triton" if device == "cpu" else "auto"
-    runners = {"eager": TorchModelRunner(loaded, BLOCK, device, attention),
-               "graph": TorchModelRunner(loaded, BLOCK, device, attention)}
+    quant = "block_wise_fp8" if fp8 else None
+    runners = {"eager": TorchModelRunner(loaded, BLOCK, device, attention, kv_cache_quant=quant),
+               "graph": TorchModelRunner(loaded, BLOCK, device, attention, kv_cache_quant=quant)}
     # capture: None captures on CUDA; False runs the static path eagerly (the CPU).
     assert runners["graph"].enable_decode_graphs(caches["graph"], max_num_seqs, MAX_MODEL_LEN,
                                                  capture=None if device == "gpu" else False)

@@ -50,9 +50,59 @@ PREFILL_CASES: dict[str, tuple[int, int, int, int, int, int]] = {
     "llama3_bs64_ctx300_n64": (32, 8, 128, 64, 300, 64),
 }
 DTYPES = ("float32", "float16", "bfloat16")
+# FP8 caches (uint8 E4M3 bytes with float32 per-token scales, fp8_kv.py) under queries of the
+# named dtype: the reference is float64 over the dequantized values, so the bound is the
+# query dtype's (the dequantization itself is exact up to the scale multiply).
+FP8_DTYPES = ("fp8-float32", "fp8-bfloat16")
 # Each dtype's bound on the kernel's error (inputs are exact in it; the probabilities and the
 # output round to it, as in a flash kernel).
-TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
+TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2, "fp8-float32": 2e-5, "fp8-bfloat16": 2e-2}
+
+
+def _query_dtype(dtype: str) -> Any:
+    """The torch dtype of the queries (and of float caches) of case dtype ``dtype``."""
+    import torch
+
+    return getattr(torch, dtype.removeprefix("fp8-"))
+
+
+class _Caches:
+    """A case's K/V caches ``[num_blocks, kv_heads, bs, d]``: float ones in the case's dtype, or
+    FP8 ones (uint8 bytes plus float32 scales); ``k_ref`` / ``v_ref`` the values a read sees."""
+
+    def __init__(self, gen: Any, shape: tuple[int, ...], dtype: str) -> None:
+        import torch
+
+        from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import dequantize_fp8, quantize_fp8
+
+        self.fp8 = dtype.startswith("fp8-")
+        k = torch.randn(shape, generator=gen)
+        v = torch.randn(shape, generator=gen)
+        if self.fp8:
+            # Uneven magnitudes per token (the scales must be per token, not per block).
+            k = k * torch.rand(shape[:3], generator=gen)[..., None].mul(4).add(0.25)
+            v = v * torch.rand(shape[:3], generator=gen)[..., None].mul(4).add(0.25)
+            (self.k, self.ks), (self.v, self.vs) = quantize_fp8(k), quantize_fp8(v)
+            self.k_ref, self.v_ref = dequantize_fp8(self.k, self.ks), dequantize_fp8(self.v, self.vs)
+        else:
+            dt = _query_dtype(dtype)
+            self.k, self.v, self.ks, self.vs = k.to(dt), v.to(dt), None, None
+            self.k_ref, self.v_ref = self.k, self.v
+
+    def clone(self) -> "_Caches":
+        c = object.__new__(_Caches)
+        c.__dict__.update({name: (t.clone() if hasattr(t, "clone") else t) for name, t in self.__dict__.items()})
+        return c
+
+    def to(self, device: Any) -> dict[str, Any]:
+        """The kernel's keywords for the caches on ``device``: k_cache, v_cache (and scales)."""
+        out = {"k_cache": self.k.to(device), "v_cache": self.v.to(device)}
+        if self.fp8:
+            out.update(k_scale=self.ks.to(device), v_scale=self.vs.to(device))
+        return out
+
+    def scales(self) -> dict[str, Any]:
+        return {"k_scale": self.ks, "v_scale": self.vs} if self.fp8 else {}
 SPLITS = (None, 1, 3)  # None: the kernel's own choice
 
 
@@ -87,7 +137,7 @@ def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     from fastdeploy_kvcache.engine.transformers_runner.triton_paged_attention import paged_decode_attention
 
     heads, kv_heads, dim, bs, lens_t, width = CASES.get(name) or GPU_CASES[name]
-    dt = getattr(torch, dtype)
+    dt = _query_dtype(dtype)
     gen = torch.Generator().manual_seed(len(name))
     b = len(lens_t)
     need = [-(-n // bs) for n in lens_t]
@@ -100,21 +150,22 @@ def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
         table[i, :n] = ids[at:at + n]
         table[i, n:] = ids[at]  # padding: a valid block (the torch fallback reads it, masked)
         at += n
-    k_cache = torch.randn((num_blocks, kv_heads, bs, dim), generator=gen).to(dt)
-    v_cache = torch.randn((num_blocks, kv_heads, bs, dim), generator=gen).to(dt)
+    caches = _Caches(gen, (num_blocks, kv_heads, bs, dim), dtype)
     # The runner's query is a [B, H, D] view of [H, T, D]; its output rows a slice of [T, H, D].
     q = torch.randn((heads, b + 2, dim), generator=gen).to(dt)[:, :b].transpose(0, 1)
     lens = torch.tensor(lens_t, dtype=torch.int64)
     scale = dim ** -0.5
-    ref = _reference(q, k_cache, v_cache, table, lens, scale)
+    ref = _reference(q, caches.k_ref, caches.v_ref, table, lens, scale)
     norm = float(ref.abs().max())
+    on_dev = caches.to(device)
 
     def on(x: Any) -> Any:
         return x.to(device)
 
     def run(tbl: Any, splits: Any) -> Any:
         full = torch.full((b + 2, heads, dim), 7.0, dtype=dt, device=device)
-        paged_decode_attention(on(q), on(k_cache), on(v_cache), on(tbl), on(lens), full[:b], scale, num_splits=splits)
+        paged_decode_attention(on(q), block_table=on(tbl), seq_lens=on(lens), out=full[:b], scale=scale,
+                               num_splits=splits, **on_dev)
         return full.cpu()
 
     res: dict[str, float] = {}
@@ -131,22 +182,27 @@ def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     res["padding_changed"] = float(not torch.equal(run(garbage, 3), got))
     # The new token's K/V handed to the kernel (slots zeroed first): it must write them, then
     # attend over them, as if they had been in the cache.
-    k_in, v_in = k_cache.clone(), v_cache.clone()
+    blank = caches.clone()
     rows = torch.arange(b)
     last_blocks = table[rows, (lens - 1) // bs]
     at = (lens - 1) % bs
-    k_new = k_cache[last_blocks, :, at].clone()  # [B, kvh, D]
-    v_new = v_cache[last_blocks, :, at].clone()
-    k_in[last_blocks, :, at] = 0
-    v_in[last_blocks, :, at] = 0
-    k_dev, v_dev = on(k_in), on(v_in)
+    new = {"k_new": caches.k[last_blocks, :, at].clone(), "v_new": caches.v[last_blocks, :, at].clone()}  # [B, kvh, D]
+    blank.k[last_blocks, :, at] = 0
+    blank.v[last_blocks, :, at] = 0
+    if caches.fp8:
+        new.update(k_new_scale=caches.ks[last_blocks, :, at].clone(), v_new_scale=caches.vs[last_blocks, :, at].clone())
+        blank.ks[last_blocks, :, at] = 0
+        blank.vs[last_blocks, :, at] = 0
+    dev = blank.to(device)
     full = torch.full((b + 2, heads, dim), 7.0, dtype=dt, device=device)
-    paged_decode_attention(on(q), k_dev, v_dev, on(table), on(lens), full[:b], scale, num_splits=3,
-                           k_new=on(k_new), v_new=on(v_new))
+    paged_decode_attention(on(q), block_table=on(table), seq_lens=on(lens), out=full[:b], scale=scale, num_splits=3,
+                           **dev, **{k: on(t) for k, t in new.items()})
     res["write_new_f64"] = float((full[:b].cpu().double() - ref).abs().max()) / norm
-    res["write_new_cache_wrong"] = float(not (torch.equal(k_dev.cpu(), k_cache) and torch.equal(v_dev.cpu(), v_cache)))
+    want = caches.to("cpu")
+    res["write_new_cache_wrong"] = float(not all(torch.equal(dev[k].cpu(), want[k]) for k in want))
     mask = decode_mask(on(lens), width, bs, torch.arange(width * bs, device=device))
-    fallback = decode_attention_torch(on(q), on(k_cache), on(v_cache), on(table), mask, scale).cpu()
+    fallback = decode_attention_torch(on(q), on_dev["k_cache"], on_dev["v_cache"], on(table), mask, scale,
+                                      on_dev.get("k_scale"), on_dev.get("v_scale")).cpu()
     res["torch"] = float((got[:b].double() - fallback.double()).abs().max()) / norm
     res["torch_vs_f64"] = float((fallback.double() - ref).abs().max()) / norm
     return res
@@ -169,40 +225,46 @@ def zero_length_errors(dtype: str, device: Any) -> dict[str, float]:
 
     heads, kv_heads, dim, bs = 8, 2, 64, ZERO_LENGTH_BLOCK
     lens_t = ZERO_LENGTH_LENS
-    dt = getattr(torch, dtype)
+    dt = _query_dtype(dtype)
     gen = torch.Generator().manual_seed(7)
     b = len(lens_t)
     width = max(-(-n // bs) for n in lens_t)
     num_blocks = b * width + 2
     # Every row's table is real blocks (a padded row's stale table from an earlier step).
     table = torch.randperm(num_blocks, generator=gen)[: b * width].view(b, width).clone()
-    k_cache = torch.randn((num_blocks, kv_heads, bs, dim), generator=gen).to(dt)
-    v_cache = torch.randn((num_blocks, kv_heads, bs, dim), generator=gen).to(dt)
+    caches = _Caches(gen, (num_blocks, kv_heads, bs, dim), dtype)
     q = torch.randn((b, heads, dim), generator=gen).to(dt)
-    k_new = torch.randn((b, kv_heads, dim), generator=gen).to(dt)
-    v_new = torch.randn((b, kv_heads, dim), generator=gen).to(dt)
+    fresh = _Caches(gen, (b, kv_heads, 1, dim), dtype)  # the new tokens' K/V, one "block" per row
+    new = {"k_new": fresh.k[:, :, 0], "v_new": fresh.v[:, :, 0]}
+    if fresh.fp8:
+        new.update(k_new_scale=fresh.ks[:, :, 0], v_new_scale=fresh.vs[:, :, 0])
     lens = torch.tensor(lens_t, dtype=torch.int64)
     real = [i for i, n in enumerate(lens_t) if n > 0]
-    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = caches.clone()
     for i in real:
         blk, at = int(table[i, (lens_t[i] - 1) // bs]), (lens_t[i] - 1) % bs
-        want_k[blk, :, at] = k_new[i]
-        want_v[blk, :, at] = v_new[i]
+        want.k[blk, :, at] = fresh.k[i, :, 0]
+        want.v[blk, :, at] = fresh.v[i, :, 0]
+        want.k_ref[blk, :, at] = fresh.k_ref[i, :, 0]
+        want.v_ref[blk, :, at] = fresh.v_ref[i, :, 0]
+        if want.fp8:
+            want.ks[blk, :, at] = fresh.ks[i, :, 0]
+            want.vs[blk, :, at] = fresh.vs[i, :, 0]
     scale = dim ** -0.5
-    ref = _reference(q[real], want_k, want_v, table[real], lens[real], scale)
+    ref = _reference(q[real], want.k_ref, want.v_ref, table[real], lens[real], scale)
     norm = float(ref.abs().max())
+    want_t = want.to("cpu")
     res: dict[str, float] = {}
     for splits in SPLITS:
-        k_dev, v_dev = k_cache.to(device), v_cache.to(device)
+        dev = caches.to(device)
         out = torch.full((b, heads, dim), 7.0, dtype=dt, device=device)
-        paged_decode_attention(q.to(device), k_dev, v_dev, table.to(device), lens.to(device), out, scale,
-                               num_splits=splits, k_new=k_new.to(device), v_new=v_new.to(device))
+        paged_decode_attention(q.to(device), block_table=table.to(device), seq_lens=lens.to(device), out=out,
+                               scale=scale, num_splits=splits, **dev, **{k: t.to(device) for k, t in new.items()})
         out = out.cpu()
         res[f"f64_splits_{splits}"] = float((out[real].double() - ref).abs().max()) / norm
         zeros = [i for i in range(b) if i not in real]
         res[f"zero_rows_not_zero_splits_{splits}"] = float(not bool((out[zeros] == 0).all()))
-        res[f"cache_wrong_splits_{splits}"] = float(not (torch.equal(k_dev.cpu(), want_k)
-                                                         and torch.equal(v_dev.cpu(), want_v)))
+        res[f"cache_wrong_splits_{splits}"] = float(not all(torch.equal(dev[k].cpu(), want_t[k]) for k in want_t))
     return res
 
 
@@ -224,21 +286,26 @@ def prefill_case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     from fastdeploy_kvcache.engine.transformers_runner.triton_paged_attention import paged_prefill_attention
 
     heads, kv_heads, dim, bs, ctx, n = PREFILL_CASES[name]
-    dt = getattr(torch, dtype)
+    dt = _query_dtype(dtype)
     gen = torch.Generator().manual_seed(len(name))
     total = ctx + n
     nb = -(-total // bs)
     num_blocks = nb + 3
     table = torch.randperm(num_blocks, generator=gen)[:nb]
-    k_cache = torch.randn((num_blocks, kv_heads, bs, dim), generator=gen).to(dt)
-    v_cache = torch.randn((num_blocks, kv_heads, bs, dim), generator=gen).to(dt)
+    caches = _Caches(gen, (num_blocks, kv_heads, bs, dim), dtype)
     last, at = int(table[-1]), (total - 1) % bs + 1
-    k_cache[last, :, at:] = float("nan")
-    v_cache[last, :, at:] = float("nan")
+    if caches.fp8:
+        caches.k[last, :, at:] = 0x7F  # E4M3 NaN
+        caches.v[last, :, at:] = 0x7F
+        caches.ks[last, :, at:] = float("nan")
+        caches.vs[last, :, at:] = float("nan")
+    else:
+        caches.k[last, :, at:] = float("nan")
+        caches.v[last, :, at:] = float("nan")
     q = torch.randn((heads, n + 2, dim), generator=gen).to(dt)[:, 1:n + 1].transpose(0, 1)  # [n, H, D], strided
     scale = dim ** -0.5
-    seq_k = torch.cat([k_cache[int(x)] for x in table], dim=1)[:, :total].double()  # [kvh, total, D]
-    seq_v = torch.cat([v_cache[int(x)] for x in table], dim=1)[:, :total].double()
+    seq_k = torch.cat([caches.k_ref[int(x)] for x in table], dim=1)[:, :total].double()  # [kvh, total, D]
+    seq_v = torch.cat([caches.v_ref[int(x)] for x in table], dim=1)[:, :total].double()
     ref = torch.empty((n, heads, dim), dtype=torch.float64)
     for h in range(heads):
         kv = h // (heads // kv_heads)
@@ -247,11 +314,13 @@ def prefill_case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
         ref[:, h] = torch.softmax(s, dim=1) @ seq_v[kv]
     norm = float(ref.abs().max())
     full = torch.full((n + 2, heads, dim), 7.0, dtype=dt, device=device)
-    paged_prefill_attention(q.to(device), k_cache.to(device), v_cache.to(device), table.to(device), ctx,
-                            full[1:n + 1], scale)
+    dev = caches.to(device)
+    paged_prefill_attention(q.to(device), table=table.to(device), context_len=ctx, out=full[1:n + 1], scale=scale,
+                            **dev)
     full = full.cpu()
-    fallback = prefill_attention_torch(q.transpose(0, 1)[None].to(device), k_cache.to(device), v_cache.to(device),
-                                       table.to(device), ctx, scale)[0].transpose(0, 1).cpu()
+    fallback = prefill_attention_torch(q.transpose(0, 1)[None].to(device), dev["k_cache"], dev["v_cache"],
+                                       table.to(device), ctx, scale, dev.get("k_scale"),
+                                       dev.get("v_scale"))[0].transpose(0, 1).cpu()
     return {"f64": float((full[1:n + 1].double() - ref).abs().max()) / norm,
             "torch": float((full[1:n + 1].double() - fallback.double()).abs().max()) / norm,
             "outside_changed": float(bool((full[0] != 7.0).any() or (full[n + 1] != 7.0).any()))}

@@ -120,7 +120,8 @@ class LLMEngine:
         torch_model_runner = None  # the transformers runner: it captures decode graphs once the pool exists
         if args.model_impl == "transformers":
             torch_model_runner = torch_runner.TorchModelRunner(self.loaded, self.cache_config.block_size,
-                                                               self.device, fused_layers=self._fuse_layers())
+                                                               self.device, fused_layers=self._fuse_layers(),
+                                                               kv_cache_quant=self.cache_config.kv_cache_quant)
             self.runner: ModelRunner = torch_model_runner
         else:
             from fastdeploy_kvcache.engine.paddleformers_runner.paddle_runner import PaddleModelRunner

@@ -218,24 +218,24 @@ def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> EngineTokenizer:
 
     ``fields`` maps metadata keys to values (lists for tokens, merges and token types).
     """
-    from tokenizers import AddedToken, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     import_transformers()  # without its "PyTorch was not found" advice
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.ggml import convert_gguf_tokenizer
 
     model = fields.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
     tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
-    tok_dict = {
-        "tokens": tokens,
-        "merges": list(fields["tokenizer.ggml.merges"]),
-        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
-        "unk_token_id": fields.get("tokenizer.ggml.unknown_token_id"),
-        "add_prefix_space": bool(fields.get("tokenizer.ggml.add_space_prefix", False)),
-    }
-    backend, _ = convert_gguf_tokenizer("gpt2", tok_dict)
+    # The GPT-2 byte-level BPE built with tokenizers directly (transformers moved and changed
+    # its GGUF converter between releases): the file's vocabulary and merges, bytes mapped to
+    # printable characters before the merges and back when decoding.
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, dropout=None,
+                                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(
+        add_prefix_space=bool(fields.get("tokenizer.ggml.add_space_prefix", False)))
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
     if fields.get("tokenizer.ggml.pre") == "smollm":
         # llama.cpp's "smollm" pre-tokenizer splits every digit on its own before the GPT-2
         # regex (as the original tokenizer.json does); without it numbers tokenize differently.

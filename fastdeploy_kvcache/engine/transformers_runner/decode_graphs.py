@@ -19,6 +19,9 @@ next replay).  Each batch size is first run eagerly on a side stream (Triton com
 kernels there; CUDA forbids that inside a capture), with every length 0, so that nothing in
 the cache changes.
 
+With an FP8 cache the step's K/V quantization (torch ops) is captured with the rest, and the
+per-layer scale caches' addresses are baked in beside the K/V caches'.
+
 Everything about the step is fixed at capture: the decode kernel's context-split count
 (``choose_num_splits`` of the batch size and ``W_max``), its partials workspace (kept alive
 with the bucket's :class:`TorchStep`), and the step object the attention function reads from
@@ -78,7 +81,7 @@ class DecodeGraphs:
     """Static buffers and (on CUDA) one captured graph per batch size; see the module docstring."""
 
     def __init__(self, model: Any, kv_caches: Any, block_size: int, max_num_seqs: int, max_model_len: int,
-                 decode_kernel: Callable[..., Any], device: Any, capture: bool) -> None:
+                 decode_kernel: Callable[..., Any], device: Any, capture: bool, fp8: bool = False) -> None:
         import torch
 
         self.torch = torch
@@ -96,7 +99,7 @@ class DecodeGraphs:
         self._slots = torch.zeros(top, dtype=torch.int64, device=device)
         self.buckets: dict[int, GraphBucket] = {}
         for b in self.sizes:
-            step = TorchStep(kv_caches, block_size, self._slots[:b], self._slots[:b], b)
+            step = TorchStep(kv_caches, block_size, self._slots[:b], self._slots[:b], b, fp8=fp8)
             step.decode_table = self._table[:b]
             step.decode_lens = self._ints[2, :b]
             step.decode_kernel = decode_kernel

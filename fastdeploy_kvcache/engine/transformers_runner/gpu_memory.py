@@ -36,12 +36,11 @@ def profile_device_memory(runner: Any, cache: CacheConfig, num_tokens: int, num_
         seqs.append(ScheduledSeq(token_ids=[0] * n, context_len=0, block_ids=list(range(next_block, next_block + blocks)),
                                  wants_logits=True))
         next_block += blocks
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import make_layer_caches
     from fastdeploy_kvcache.worker.backends.torch_backend import torch_dtype
 
-    dtype = torch_dtype(cache.dtype)
-    shape = (next_block, *cache.block_shape)
-    caches = [[torch.zeros(shape, dtype=dtype, device=runner.device) for _ in range(2)]
-              for _ in range(cache.num_layers)]
+    caches = make_layer_caches(cache.num_layers, next_block, *cache.block_shape, torch_dtype(cache.dtype),
+                               runner.device, fp8=runner.fp8_kv)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()

@@ -39,6 +39,15 @@ static buffers there), so a layer between two pieces dispatches only the work ab
 
 The cost of a read is the same whichever tier the blocks came from: by the time a layer
 attends, a host hit's blocks are device blocks like any other.
+
+With an FP8 cache (``TorchStep.fp8``: ``kv_cache_quant == "block_wise_fp8"``, each layer's
+caches ``[key, value, key_scale, value_scale]``, ``engine/transformers_runner/fp8_kv.py``) the
+step's K and V are quantized once per layer (one scale per token and KV head) before they
+are written; every read dequantizes in place: the per-token key scale multiplies the scores,
+the value scale the probabilities, and the products run over the E4M3 values converted
+(exactly) to the query's dtype.  A chunk with nothing cached before it attends over its own
+K/V as the cache holds them (quantized and back), so a recomputed prefix and a reused one
+feed the attention the same values.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from typing import Any, Callable, Optional, Sequence
 
 # The step travels to the attention function the same way on both paths (thread-local).
 from fastdeploy_kvcache.engine.attention import current_context, select_attention, step_context  # noqa: F401
+from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import dequantize_fp8, fp8_values, quantize_kv
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +81,9 @@ class PrefillChunk:
 class TorchStep:
     """Everything the attention function needs for one forward pass (built by the runner)."""
 
-    kv_caches: Sequence[Sequence[Any]]  # per layer: [key_cache, value_cache], [blocks, kv_heads, bs, d]
+    # per layer: [key_cache, value_cache], [blocks, kv_heads, bs, d]; with fp8, uint8 caches
+    # followed by their float32 scales [key_scale, value_scale], [blocks, kv_heads, bs]
+    kv_caches: Sequence[Sequence[Any]]
     block_size: int
     slot_blocks: Any  # int64 [T]: the block each token's K/V goes to
     slot_offsets: Any  # int64 [T]: its position inside the block
@@ -94,6 +106,7 @@ class TorchStep:
     # CUDA timing events around each load wait that was not already satisfied (None: not
     # timed, e.g. on the CPU); the runner reads them once the step has finished.
     wait_events: Optional[list[tuple[Any, Any]]] = None
+    fp8: bool = False  # the caches are block_wise_fp8 (fp8_kv.py)
 
 
 def gather_blocks(cache: Any, table: Any) -> Any:
@@ -104,6 +117,13 @@ def gather_blocks(cache: Any, table: Any) -> Any:
     blocks = cache[table]  # [..., nb, kvh, bs, d]
     nb, kvh, bs, d = blocks.shape[-4:]
     return blocks.transpose(-4, -3).reshape(*blocks.shape[:-4], kvh, nb * bs, d)
+
+
+def gather_scales(scales: Any, table: Any) -> Any:
+    """A seq's per-token FP8 scales as one sequence: ``[nb]`` table -> ``[kv_heads, nb * bs]``."""
+    blocks = scales[table]  # [nb, kvh, bs]
+    nb, kvh, bs = blocks.shape
+    return blocks.transpose(0, 1).reshape(kvh, nb * bs)
 
 
 _bmm_out_dtype: Optional[bool] = None  # whether torch.bmm takes out_dtype here (CUDA, torch >= 2.8)
@@ -138,11 +158,13 @@ def decode_mask(lens: Any, width: int, block_size: int, positions: Any) -> Any:
     return torch.where(keep, zero, float("-inf")).view(lens.shape[0], width, 1, 1, block_size)
 
 
-def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask: Any, scale: float) -> Any:
+def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask: Any, scale: float,
+                           k_scale: Any = None, v_scale: Any = None) -> Any:
     """One query token per seq over its blocks, in torch ops: q ``[B, H, D]`` -> float32 ``[B, H, D]``.
 
     The fallback of the Triton kernel (CPU, or no Triton): ``table`` ``[B, W]`` padded with
-    any block, ``mask`` from :func:`decode_mask`.
+    any block, ``mask`` from :func:`decode_mask`.  ``k_scale``, ``v_scale``: the FP8 caches'
+    scales (uint8 ``k_cache`` / ``v_cache``); None for caches in a float dtype.
     """
     # NOTE: the gathered blocks stay in the cache layout ([B, W, kvh, bs, d], one copy) and
     # are never upcast: scores are per block (one small matmul per block and KV head,
@@ -156,20 +178,31 @@ def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask:
     rows = b * width * num_kv
     kb = k_cache[table].view(rows, bs, head_dim)
     vb = v_cache[table].view(rows, bs, head_dim)
+    if k_scale is not None:
+        # Per-token scales factor out of each score and each probability: the products run
+        # over the unscaled E4M3 values (exact in the query's dtype).
+        kb, vb = fp8_values(kb, q.dtype), fp8_values(vb, q.dtype)
     q = (q * scale).reshape(b, 1, num_kv, groups, head_dim).to(kb.dtype)
     q = q.expand(b, width, num_kv, groups, head_dim).reshape(rows, groups, head_dim)
-    scores = bmm_f32(q, kb.transpose(1, 2)).view(b, width, num_kv, groups, bs) + mask
+    scores = bmm_f32(q, kb.transpose(1, 2)).view(b, width, num_kv, groups, bs)
+    if k_scale is not None:
+        scores = scores * k_scale[table].view(b, width, num_kv, 1, bs)
+    scores = scores + mask
     scores = scores - scores.amax(dim=(1, 4), keepdim=True)
     probs = scores.exp_()
     probs = probs / probs.sum(dim=(1, 4), keepdim=True)
+    if v_scale is not None:
+        probs = probs * v_scale[table].view(b, width, num_kv, 1, bs)
     o = bmm_f32(probs.to(vb.dtype).view(rows, groups, bs), vb).view(b, width, num_kv, groups, head_dim).sum(dim=1)
     return o.reshape(b, num_heads, head_dim)
 
 
-def prefill_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, context_len: int, scale: float) -> Any:
+def prefill_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, context_len: int, scale: float,
+                            k_scale: Any = None, v_scale: Any = None) -> Any:
     """A chunk of ``n`` tokens after ``context_len`` cached ones: q ``[1, H, n, D]`` -> ``[1, H, n, D]``.
 
-    Its blocks gathered (a copy), then SDPA with a lower-right causal mask (flash or
+    Its blocks gathered (a copy; FP8 blocks dequantized with ``k_scale`` / ``v_scale`` into
+    the query's dtype), then SDPA with a lower-right causal mask (flash or
     memory-efficient); the fallback of the Triton kernel, and the path of long chunks.
     """
     import torch.nn.functional as F
@@ -178,8 +211,11 @@ def prefill_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, cont
     n = q.shape[2]
     total = context_len + n
     groups = q.shape[1] // k_cache.shape[1]
-    k = gather_blocks(k_cache, table)[None, :, :total, :].to(q.dtype)
-    v = gather_blocks(v_cache, table)[None, :, :total, :].to(q.dtype)
+    k, v = gather_blocks(k_cache, table)[:, :total], gather_blocks(v_cache, table)[:, :total]
+    if k_scale is not None:
+        k = dequantize_fp8(k, gather_scales(k_scale, table)[:, :total])
+        v = dequantize_fp8(v, gather_scales(v_scale, table)[:, :total])
+    k, v = k[None].to(q.dtype), v[None].to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, total), scale=scale,
                                           enable_gqa=groups > 1)
 
@@ -221,6 +257,7 @@ class StepRows:
     k_write: Any = None
     v_write: Any = None
     cast: Any = None  # the caches' dtype where it differs from the rows' (None: the same)
+    fp8: bool = False  # FP8 caches: the rows are quantized per layer (no k_write / dec_k / dec_launch)
     groups: int = 1  # query heads per KV head
     dec_q: Any = None  # [B, H, D]
     dec_k: Any = None  # [B, KVH, D] (None when cast: taken per layer)
@@ -235,7 +272,8 @@ def step_rows(step: TorchStep, q: Any, k: Any, v: Any, out: Any) -> StepRows:
     that :func:`attend_layer` reads for ``step`` (any layer: built once per step)."""
     num_tokens = int(q.shape[0])
     cache_dtype = step.kv_caches[0][0].dtype
-    cast = cache_dtype if k.dtype != cache_dtype else None
+    cast = cache_dtype if k.dtype != cache_dtype and not step.fp8 else None
+    direct = cast is None and not step.fp8  # the rows go into the caches as they are
     b = step.num_decodes
     # The decode kernel writes the decode rows' K and V itself (one launch fewer per cache);
     # the other rows go to their slots with one index_put_ each per layer.
@@ -244,15 +282,16 @@ def step_rows(step: TorchStep, q: Any, k: Any, v: Any, out: Any) -> StepRows:
     if w < num_tokens:
         rows.write_blocks = step.slot_blocks[w:] if w else step.slot_blocks
         rows.write_offsets = step.slot_offsets[w:] if w else step.slot_offsets
-        if cast is None:
+        if direct:
             rows.k_write = k[w:] if w else k
             rows.v_write = v[w:] if w else v
     rows.cast = cast
+    rows.fp8 = step.fp8
     rows.groups = int(q.shape[1]) // int(k.shape[1])
     if b:
         rows.dec_q = q[:b]
         rows.dec_out = out[:b]
-        if cast is None:
+        if direct:
             rows.dec_k, rows.dec_v = k[:b], v[:b]
             if step.decode_launcher is not None:
                 first = step.kv_caches[0]  # every layer's caches have its shape and dtype
@@ -294,7 +333,22 @@ def attend_layer(step: TorchStep, rows: StepRows, layer: int, scale: float) -> N
     caches = step.kv_caches[layer]
     k_cache, v_cache = caches[0], caches[1]
     k_write, v_write, dec_k, dec_v = rows.k_write, rows.v_write, rows.dec_k, rows.dec_v
-    if rows.cast is not None:
+    k_scale = v_scale = None
+    scales: dict[str, Any] = {}  # the decode kernel's FP8 keywords
+    fresh: Optional[tuple[Any, Any]] = None  # FP8: the rows' K/V as the cache holds them, [T, KVH, D]
+    if rows.fp8:
+        k_scale, v_scale = caches[2], caches[3]
+        k_new, ks_new, v_new, vs_new = quantize_kv(rows.k, rows.v)
+        w, b = rows.write_from, step.num_decodes
+        k_write, v_write = k_new[w:], v_new[w:]
+        dec_k, dec_v = k_new[:b], v_new[:b]
+        scales = dict(k_scale=k_scale, v_scale=v_scale, k_new_scale=ks_new[:b], v_new_scale=vs_new[:b])
+        if rows.write_blocks is not None:
+            k_scale[rows.write_blocks, :, rows.write_offsets] = ks_new[w:]
+            v_scale[rows.write_blocks, :, rows.write_offsets] = vs_new[w:]
+        if any(c.chunk.context_len == 0 for c in rows.chunks):
+            fresh = (dequantize_fp8(k_new, ks_new, rows.k.dtype), dequantize_fp8(v_new, vs_new, rows.v.dtype))
+    elif rows.cast is not None:
         k_new, v_new = rows.k.to(rows.cast), rows.v.to(rows.cast)
         w, b = rows.write_from, step.num_decodes
         k_write, v_write = k_new[w:], v_new[w:]
@@ -308,21 +362,26 @@ def attend_layer(step: TorchStep, rows: StepRows, layer: int, scale: float) -> N
             rows.dec_launch(k_cache, v_cache, scale)
         elif step.decode_kernel is not None:
             step.decode_kernel(rows.dec_q, k_cache, v_cache, step.decode_table, step.decode_lens, rows.dec_out, scale,
-                               workspace=step.decode_workspace, k_new=dec_k, v_new=dec_v)
+                               workspace=step.decode_workspace, k_new=dec_k, v_new=dec_v, **scales)
         else:
             rows.dec_out.copy_(decode_attention_torch(rows.dec_q, k_cache, v_cache, step.decode_table,
-                                                      step.decode_mask, scale))
+                                                      step.decode_mask, scale, k_scale, v_scale))
     groups = rows.groups
     for c in rows.chunks:
         p = c.chunk
         if p.context_len == 0:
-            o = F.scaled_dot_product_attention(c.q, c.k, c.v, is_causal=p.num_new > 1, scale=scale,
+            k, v = c.k, c.v
+            if fresh is not None:
+                a, n = p.start, p.num_new
+                k, v = fresh[0][a:a + n].transpose(0, 1)[None], fresh[1][a:a + n].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(c.q, k, v, is_causal=p.num_new > 1, scale=scale,
                                                enable_gqa=groups > 1)
         elif p.kernel is not None:
-            p.kernel(c.q_rows, k_cache, v_cache, p.table, p.context_len, c.out_rows, scale)
+            p.kernel(c.q_rows, k_cache, v_cache, p.table, p.context_len, c.out_rows, scale,
+                     k_scale=k_scale, v_scale=v_scale)
             continue
         else:
-            o = prefill_attention_torch(c.q, k_cache, v_cache, p.table, p.context_len, scale)
+            o = prefill_attention_torch(c.q, k_cache, v_cache, p.table, p.context_len, scale, k_scale, v_scale)
         c.out4.copy_(o)
 
 

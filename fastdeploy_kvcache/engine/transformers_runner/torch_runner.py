@@ -24,6 +24,10 @@ takes those other steps: the model's pieces between attentions replay from graph
 per token count, the attention runs eagerly between them
 (``engine/transformers_runner/piecewise_graphs.py``).
 
+With ``kv_cache_quant="block_wise_fp8"`` the caches are 8-bit (uint8 E4M3 K/V with float32
+scales per block, head and token: ``engine/transformers_runner/fp8_kv.py``); every attention
+path quantizes what it writes and dequantizes what it reads, the graphs included.
+
 Nothing here or in the modules it imports imports Paddle: this path runs where only torch is.
 """
 
@@ -41,6 +45,7 @@ from fastdeploy_kvcache.engine.model_loader import LoadedModel
 from fastdeploy_kvcache.engine.runner import ScheduledSeq
 from fastdeploy_kvcache.engine.attention import step_context
 from fastdeploy_kvcache.engine.transformers_runner.decode_graphs import DecodeGraphs, GraphBucket
+from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import check_fp8_layer_caches, check_kv_cache_quant
 from fastdeploy_kvcache.engine.transformers_runner.piecewise_graphs import PiecewiseGraphs, TokenBucket
 from fastdeploy_kvcache.engine.sampling import StepSampling
 from fastdeploy_kvcache.engine.transformers_runner.torch_sampling import sample_on_device
@@ -142,13 +147,18 @@ class TorchModelRunner:
     last_step_replayed: bool = False
 
     def __init__(self, loaded: LoadedModel, block_size: int, device: str, attention: str = "auto",
-                 fused_layers: bool = False) -> None:
+                 fused_layers: bool = False, kv_cache_quant: Optional[str] = None) -> None:
         """``attention``: the paged attention's kernels, ``auto`` / ``triton`` / ``torch``
         (:func:`decode_kernel_for`); with Triton, the decode batch and short chunks after
         cached context run Triton kernels that read the blocks in place.  ``fused_layers``:
         fuse the model's decoder layers (``engine/transformers_runner/torch_fused.py``; kernels compiled on a GPU).
-        The model is changed in place, for every runner over it."""
+        The model is changed in place, for every runner over it.  ``kv_cache_quant``: the
+        cache's format (``CacheConfig.kv_cache_quant``): None (the caches hold K/V in a float
+        dtype) or ``block_wise_fp8`` (``fp8_kv.py``); ValueError for any other."""
         import torch
+
+        self.fp8_kv = check_kv_cache_quant(kv_cache_quant)
+        self._checked_caches: Optional[int] = None  # data_ptr of the last layer-0 key cache checked
 
         self.torch = torch
         self.loaded = loaded
@@ -157,6 +167,16 @@ class TorchModelRunner:
         self.device = torch_device(device)
         self.on_gpu = self.device.type == "cuda"
         self.decode_kernel = decode_kernel_for(self.device, attention)
+        if self.fp8_kv and self.decode_kernel is not None and self.on_gpu \
+                and torch.cuda.get_device_capability(self.device) < (8, 9):
+            # Triton converts E4M3 only on compute capability 8.9 and later (Ada, Hopper).
+            cap = "%d.%d" % torch.cuda.get_device_capability(self.device)
+            if attention == "triton":
+                raise ValueError(f"attention 'triton' with an FP8 KV cache needs compute capability >= 8.9; "
+                                 f"this GPU has {cap}")
+            logger.warning("FP8 KV cache on a GPU of compute capability %s (< 8.9): the paged attention uses "
+                           "torch ops, not the Triton kernels", cap)
+            self.decode_kernel = None
         # The decode kernel prepared once per step for all its layers (the Triton kernel's).
         self.decode_launcher: Optional[Any] = None
         self.prefill_kernel: Optional[Any] = None
@@ -219,8 +239,9 @@ class TorchModelRunner:
             logger.warning("--use-cudagraph: the decode attention is not the Triton kernel (Triton missing, or "
                            "attention 'torch'); every step runs eagerly")
             return False
+        self._check_caches(kv_caches)
         graphs = DecodeGraphs(self.model, kv_caches, self.block_size, max_num_seqs, max_model_len,
-                              self.decode_kernel, self.device, capture)
+                              self.decode_kernel, self.device, capture, fp8=self.fp8_kv)
         if capture:
             if not self._captured(graphs, "every step runs eagerly"):
                 return False
@@ -303,6 +324,22 @@ class TorchModelRunner:
         self._staging[use] = (buf, done)
         return out
 
+    def _check_caches(self, kv_caches: Sequence[Sequence[Any]]) -> None:
+        """ValueError when the caches are not of the runner's format (FP8 lanes with
+        ``kv_cache_quant``, float K/V without); checked once per set of caches."""
+        if not kv_caches:
+            raise ValueError("kv_caches: no layers")
+        ptr = int(kv_caches[0][0].data_ptr())
+        if ptr == self._checked_caches:
+            return
+        for layer, caches in enumerate(kv_caches):
+            if self.fp8_kv:
+                check_fp8_layer_caches(caches, layer)
+            elif caches[0].dtype == self.torch.uint8:
+                raise ValueError(f"layer {layer}: uint8 caches without kv_cache_quant; the runner was built for "
+                                 "K/V in a float dtype (kv_cache_quant 'block_wise_fp8' serves uint8 caches)")
+        self._checked_caches = ptr
+
     def _positions(self, length: int) -> Any:
         if self._arange.numel() < length:
             self._arange = self.torch.arange(max(length, 2 * self._arange.numel()), device=self.device)
@@ -311,6 +348,7 @@ class TorchModelRunner:
     def _build(self, seqs: Sequence[ScheduledSeq], kv_caches: Sequence[Sequence[Any]],
                layer_done: Optional[Any]) -> tuple[TorchStep, Any, Any, Any, list[int]]:
         """The step's TorchStep, input ids, positions and sampled rows (device), and the row order."""
+        self._check_caches(kv_caches)
         bs = self.block_size
         # One-token seqs (decodes) first: the attention batches that leading run.  The host
         # arrays are built with numpy per group of seqs, not per token (a 2k-token chunk's
@@ -367,7 +405,7 @@ class TorchModelRunner:
         # One upload, then every part a view of it (one split, not a slice per part).
         views = self._upload(np.concatenate(parts)).split([a.size for a in parts])
         step = TorchStep(kv_caches, bs, views[2], views[3], num_dec, layer_done=layer_done,
-                         wait_events=[] if layer_done is not None and self.on_gpu else None)
+                         wait_events=[] if layer_done is not None and self.on_gpu else None, fp8=self.fp8_kv)
         k = 4
         if num_dec:
             step.decode_table = views[4].view(num_dec, width)

@@ -18,6 +18,13 @@ written in the query's dtype straight into the caller's output rows.
   tokens): each program takes 16 or 64 of the chunk's tokens and one query head, with a
   lower-right causal mask.
 
+FP8 caches (``block_wise_fp8``, ``engine/transformers_runner/fp8_kv.py``): uint8 K/V blocks
+with a float32 scale per (block, head, token).  Both kernels read the bytes in place,
+reinterpret them as E4M3 (``fp8e4nv``) and convert them to the query's dtype (exact); each
+key's scale multiplies its scores and each value's scale its probabilities, so the dot
+products run over unscaled values at the query's precision (tensor cores for bf16).  The
+decode kernel's write of the new token stores bytes and a scale quantized by the caller.
+
 Triton compiles these for GPUs only.  With ``TRITON_INTERPRET=1`` in the environment
 before Triton is first imported, the same kernels run on CPU tensors in Triton's
 interpreter (slow): that is how the tests check their logic on a machine without a GPU.
@@ -49,40 +56,55 @@ def _dot(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, block, kv_head, n, d, load_ok, see, scale,
+def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, block, kv_head, n, d, load_ok, see, scale,
                   stride_kn, stride_kh, stride_kt, stride_kd, stride_vn, stride_vh, stride_vt, stride_vd,
-                  HEAD_DIM: tl.constexpr, DOT: tl.constexpr):
+                  stride_ksn, stride_ksh, stride_kst, stride_vsn, stride_vsh, stride_vst,
+                  HEAD_DIM: tl.constexpr, DOT: tl.constexpr, QUANT: tl.constexpr):
     """One cache block's step of the online softmax: rows ``q`` against the block's K and V
-    (positions ``n`` of ``block`` loaded where ``load_ok``, scores kept where ``see``)."""
+    (positions ``n`` of ``block`` loaded where ``load_ok``, scores kept where ``see``).
+    QUANT: the blocks are E4M3 bytes with per-position scales at ``ks_ptr`` / ``vs_ptr``."""
     kv_mask = load_ok[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + block * stride_kn + kv_head * stride_kh + n[:, None] * stride_kt + d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)
+                mask=kv_mask, other=0)
     v = tl.load(v_ptr + block * stride_vn + kv_head * stride_vh + n[:, None] * stride_vt + d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)
-    s = tl.where(see, _dot(q, tl.trans(k), DOT) * scale, float("-inf"))
+                mask=kv_mask, other=0)
+    if QUANT:
+        k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        k_sc = tl.load(ks_ptr + block * stride_ksn + kv_head * stride_ksh + n * stride_kst, mask=load_ok, other=0.0)
+        v_sc = tl.load(vs_ptr + block * stride_vsn + kv_head * stride_vsh + n * stride_vst, mask=load_ok, other=0.0)
+        s = tl.where(see, _dot(q, tl.trans(k), DOT) * (k_sc * scale)[None, :], float("-inf"))
+    else:
+        s = tl.where(see, _dot(q, tl.trans(k), DOT) * scale, float("-inf"))
     # The callers visit only blocks where every row sees a position, or has seen one in an
     # earlier block: m_new is finite.
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+    if QUANT:
+        acc = acc * alpha[:, None] + _dot((p * v_sc[None, :]).to(v.dtype), v, DOT)
+    else:
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_new_ptr, v_new_ptr,
+    ks_ptr, vs_ptr, ks_new_ptr, vs_new_ptr,
     scale, blocks_per_split,
     stride_qb, stride_qh, stride_qd,
     stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
     stride_kn, stride_kh, stride_kt, stride_kd,
     stride_vn, stride_vh, stride_vt, stride_vd,
+    stride_ksn, stride_ksh, stride_kst, stride_vsn, stride_vsh, stride_vst,
+    stride_ksnb, stride_ksnh, stride_vsnb, stride_vsnh,
     stride_tb, stride_tw,
     stride_ob, stride_oh, stride_od,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT: tl.constexpr, WRITE_NEW: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT: tl.constexpr, WRITE_NEW: tl.constexpr, QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,7 +122,8 @@ def _decode_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if not QUANT:
+        q = q.to(k_ptr.dtype.element_ty)
 
     if WRITE_NEW:
         # The new token's K and V go to their slot (position seq_len - 1) first, written by the
@@ -119,6 +142,11 @@ def _decode_kernel(
                      k_new.to(k_ptr.dtype.element_ty), mask=d_ok)
             tl.store(v_ptr + slot * stride_vn + kv_head * stride_vh + at * stride_vt + d * stride_vd,
                      v_new.to(v_ptr.dtype.element_ty), mask=d_ok)
+            if QUANT:
+                tl.store(ks_ptr + slot * stride_ksn + kv_head * stride_ksh + at * stride_kst,
+                         tl.load(ks_new_ptr + seq * stride_ksnb + kv_head * stride_ksnh))
+                tl.store(vs_ptr + slot * stride_vsn + kv_head * stride_vsh + at * stride_vst,
+                         tl.load(vs_new_ptr + seq * stride_vsnb + kv_head * stride_vsnh))
         tl.debug_barrier()
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -128,9 +156,11 @@ def _decode_kernel(
         block = tl.load(table_ptr + seq * stride_tb + j * stride_tw)
         # Every block visited holds at least one valid position.
         tok_ok = (n < BLOCK_SIZE) & (j * BLOCK_SIZE + n < seq_len)
-        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, block, kv_head, n, d, tok_ok, tok_ok[None, :],
-                                      scale, stride_kn, stride_kh, stride_kt, stride_kd,
-                                      stride_vn, stride_vh, stride_vt, stride_vd, HEAD_DIM, DOT)
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, block, kv_head, n, d, tok_ok,
+                                      tok_ok[None, :], scale, stride_kn, stride_kh, stride_kt, stride_kd,
+                                      stride_vn, stride_vh, stride_vt, stride_vd,
+                                      stride_ksn, stride_ksh, stride_kst, stride_vsn, stride_vsh, stride_vst,
+                                      HEAD_DIM, DOT, QUANT)
 
     o_mask = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
@@ -175,15 +205,16 @@ def _combine_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, out_ptr,
     context_len, num_new, scale,
     stride_qt, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kt, stride_kd,
     stride_vn, stride_vh, stride_vt, stride_vd,
+    stride_ksn, stride_ksh, stride_kst, stride_vsn, stride_vsh, stride_vst,
     stride_tw,
     stride_ot, stride_oh, stride_od,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -195,7 +226,8 @@ def _prefill_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + m[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if not QUANT:
+        q = q.to(k_ptr.dtype.element_ty)
     # The tile's last query sits at context_len + its last row: no key past it is read (slots
     # past the chunk's end may hold anything, NaN included).
     last_pos = context_len + tl.minimum(tile * BLOCK_M + BLOCK_M, num_new) - 1
@@ -211,9 +243,11 @@ def _prefill_kernel(
         # Lower-right causal: row i (position context_len + i) sees keys up to its own
         # position.  Block 0 holds position 0, seen by every row.
         see = load_ok[None, :] & (pos[None, :] <= context_len + m[:, None])
-        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, block, kv_head, n, d, load_ok, see,
-                                      scale, stride_kn, stride_kh, stride_kt, stride_kd,
-                                      stride_vn, stride_vh, stride_vt, stride_vd, HEAD_DIM, DOT)
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, block, kv_head, n, d, load_ok,
+                                      see, scale, stride_kn, stride_kh, stride_kt, stride_kd,
+                                      stride_vn, stride_vh, stride_vt, stride_vd,
+                                      stride_ksn, stride_ksh, stride_kst, stride_vsn, stride_vsh, stride_vst,
+                                      HEAD_DIM, DOT, QUANT)
     o = acc / l_i[:, None]
     tl.store(out_ptr + m[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -245,6 +279,34 @@ def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, device: Any) -
     return max(1, min(-(-sms // programs), max_blocks // 16))
 
 
+def _scale_args(who: str, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any) -> tuple[bool, Any, Any, tuple]:
+    """(quantized, key scales, value scales, their six strides) for a kernel call; ValueError
+    when the caches and scales do not make one layout (uint8 caches need both scale caches,
+    ``[num_blocks, kv_heads, block_size]`` float32; float caches take none)."""
+    import torch
+
+    quant = k_cache.dtype == torch.uint8
+    if not quant:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{who}: scales given for {k_cache.dtype} caches (only uint8 FP8 caches take them)")
+        return False, k_cache, v_cache, (0,) * 6
+    want = tuple(k_cache.shape[:3])
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is None or sc.dtype != torch.float32 or tuple(sc.shape) != want:
+            raise ValueError(f"{who}: uint8 (FP8) caches need {name} float32 {list(want)}, got "
+                             f"{None if sc is None else (sc.dtype, tuple(sc.shape))}")
+    if v_cache.dtype != torch.uint8:
+        raise ValueError(f"{who}: key cache uint8 but value cache {v_cache.dtype}")
+    return True, k_scale, v_scale, (*k_scale.stride(), *v_scale.stride())
+
+
+def _dot_mode(query: Any, cache_dtype: Any) -> int:
+    """``_dot``'s DOT for a call: 2 in the CPU interpreter, 1 for float32 operands, else 0."""
+    import torch
+
+    return 2 if query.device.type != "cuda" else 1 if cache_dtype == torch.float32 else 0
+
+
 def paged_decode_attention(
     query: Any,
     k_cache: Any,
@@ -257,13 +319,18 @@ def paged_decode_attention(
     workspace: Optional[dict] = None,
     k_new: Any = None,
     v_new: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    k_new_scale: Any = None,
+    v_new_scale: Any = None,
 ) -> Any:
     """Attention of one query token per sequence over its paged K/V; writes and returns ``out``.
 
     * ``query``: ``[B, H, D]`` (any strides), H a multiple of the cache's KV heads (GQA:
       query head ``h`` reads KV head ``h // (H // kv_heads)``, as transformers' ``repeat_kv``);
     * ``k_cache``, ``v_cache``: ``[num_blocks, kv_heads, block_size, D]``, float32, float16
-      or bfloat16;
+      or bfloat16; or uint8 E4M3 bytes with ``k_scale``, ``v_scale`` float32
+      ``[num_blocks, kv_heads, block_size]`` (``fp8_kv.py``);
     * ``block_table``: int ``[B, W]``, each row covering its sequence's ``seq_lens[b]``
       positions (entries past them are never read: pad with any block id);
     * ``seq_lens``: int ``[B]``, the new token's K/V included; a row of length 0 (a CUDA
@@ -274,10 +341,13 @@ def paged_decode_attention(
       shapes), holding the float32 partials of a split run instead of allocating per call;
     * ``k_new``, ``v_new``: ``[B, kv_heads, D]`` (any strides), the new token's K and V: the
       kernel writes them to position ``seq_lens[b] - 1`` of each sequence's blocks before it
-      reads them (None: they are in the cache already).
+      reads them (None: they are in the cache already); with FP8 caches, their uint8 bytes,
+      and ``k_new_scale``, ``v_new_scale`` float32 ``[B, kv_heads]`` their scales
+      (``fp8_kv.quantize_kv``).
     """
     paged_decode_launcher(query, k_cache, v_cache, block_table, seq_lens, out, num_splits=num_splits,
-                          workspace=workspace, k_new=k_new, v_new=v_new)(k_cache, v_cache, scale)
+                          workspace=workspace, k_new=k_new, v_new=v_new, k_new_scale=k_new_scale,
+                          v_new_scale=v_new_scale)(k_cache, v_cache, scale, k_scale, v_scale)
     return out
 
 
@@ -292,10 +362,13 @@ def paged_decode_launcher(
     workspace: Optional[dict] = None,
     k_new: Any = None,
     v_new: Any = None,
-) -> Callable[[Any, Any, float], None]:
+    k_new_scale: Any = None,
+    v_new_scale: Any = None,
+) -> Callable[..., None]:
     """:func:`paged_decode_attention` prepared once for every layer of a step:
     ``launch(k_cache, v_cache, scale)`` launches it over one layer's caches (the shape, dtype
-    and strides of ``k_cache``/``v_cache`` here) with everything else as given here.
+    and strides of ``k_cache``/``v_cache`` here) with everything else as given here; FP8
+    caches (uint8) take ``launch(k_cache, v_cache, scale, k_scale, v_scale)``, checked per call.
 
     Why: the checks, the grid, the split choice and the strides cost the host tens of
     microseconds per call, the same for every layer of a step; a launch then costs only
@@ -334,20 +407,33 @@ def paged_decode_launcher(
         part_out, part_lse = ws["out"], ws["lse"]
     else:
         part_out = part_lse = out  # unused
+    quant = k_cache.dtype == torch.uint8
+    if write_new and quant and (k_new.dtype != torch.uint8 or v_new.dtype != torch.uint8
+                                or k_new_scale is None or v_new_scale is None
+                                or tuple(k_new_scale.shape) != (batch, kv_heads)
+                                or tuple(v_new_scale.shape) != (batch, kv_heads)):
+        raise ValueError("paged_decode_attention: with FP8 caches, k_new / v_new must be uint8 with "
+                         f"k_new_scale / v_new_scale [{batch}, {kv_heads}] (fp8_kv.quantize_kv)")
     if not write_new:
         k_new = v_new = query  # unused
+    if write_new and quant:
+        new_scales = (k_new_scale, v_new_scale)
+        new_scale_strides: tuple = (*k_new_scale.stride(), *v_new_scale.stride())
+    else:
+        new_scales, new_scale_strides = (query, query), (0,) * 4  # unused
     kernel = _decode_kernel[(batch, kv_heads, splits)]
     lead = (query,)
     mid = (block_table, seq_lens, out, part_out, part_lse, k_new, v_new)
     new_strides = (*query.stride(), *k_new.stride(), *v_new.stride())
-    tail_strides = (*block_table.stride(), *out.stride())
+    tail_strides = (*new_scale_strides, *block_table.stride(), *out.stride())
     consts = dict(
         GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_D=block_d,
         BLOCK_N=max(16, triton.next_power_of_2(block_size)), NUM_SPLITS=splits,
-        DOT=2 if query.device.type != "cuda" else 1 if k_cache.dtype == torch.float32 else 0,
-        WRITE_NEW=write_new, num_warps=4,
+        DOT=_dot_mode(query, query.dtype if quant else k_cache.dtype),
+        WRITE_NEW=write_new, QUANT=quant, num_warps=4,
     )
+    no_scales = (query, query, (0,) * 6)  # float caches: unused
     combine = None
     if splits > 1:
         combine = _combine_kernel[(batch, num_heads)]
@@ -355,16 +441,19 @@ def paged_decode_launcher(
         combine_consts = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
                               BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
 
-    def launch(k_cache: Any, v_cache: Any, scale: float) -> None:
-        kernel(*lead, k_cache, v_cache, *mid, float(scale), blocks_per_split, *new_strides,
-               *k_cache.stride(), *v_cache.stride(), *tail_strides, **consts)
+    def launch(k_cache: Any, v_cache: Any, scale: float, k_scale: Any = None, v_scale: Any = None) -> None:
+        ks, vs, scale_strides = no_scales
+        if quant or k_scale is not None or v_scale is not None:
+            _, ks, vs, scale_strides = _scale_args("paged_decode_attention", k_cache, v_cache, k_scale, v_scale)
+        kernel(*lead, k_cache, v_cache, *mid, ks, vs, *new_scales, float(scale), blocks_per_split, *new_strides,
+               *k_cache.stride(), *v_cache.stride(), *scale_strides, *tail_strides, **consts)
         if combine is not None:
             combine(*combine_args, **combine_consts)
 
     return launch
 
 
-def _no_launch(k_cache: Any, v_cache: Any, scale: float) -> None:
+def _no_launch(k_cache: Any, v_cache: Any, scale: float, k_scale: Any = None, v_scale: Any = None) -> None:
     """An empty batch's launch: nothing."""
 
 
@@ -374,19 +463,18 @@ PAGED_PREFILL_MAX_TOKENS = 128
 
 
 def paged_prefill_attention(query: Any, k_cache: Any, v_cache: Any, table: Any, context_len: int, out: Any,
-                            scale: float) -> Any:
+                            scale: float, k_scale: Any = None, v_scale: Any = None) -> Any:
     """Causal attention of a chunk of ``n`` new tokens after ``context_len`` cached ones, over
     its blocks read in place; writes and returns ``out``.
 
     * ``query``: ``[n, H, D]`` (any strides); query row ``i`` is position ``context_len + i``
       and sees positions ``0 .. context_len + i`` (a lower-right causal mask);
     * ``k_cache``, ``v_cache``: ``[num_blocks, kv_heads, block_size, D]``, the chunk's own K/V
-      already in their slots;
+      already in their slots (uint8 FP8 caches with ``k_scale``, ``v_scale`` as for
+      :func:`paged_decode_attention`);
     * ``table``: int ``[nb]``, the sequence's blocks covering ``context_len + n`` positions;
     * ``out``: ``[n, H, D]`` in the query's dtype (any strides).
     """
-    import torch
-
     num_new, num_heads, head_dim = query.shape
     _, kv_heads, block_size, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_heads % kv_heads or v_cache.shape != k_cache.shape:
@@ -395,14 +483,15 @@ def paged_prefill_attention(query: Any, k_cache: Any, v_cache: Any, table: Any, 
     if tuple(out.shape) != tuple(query.shape) or table.shape[0] * block_size < context_len + num_new:
         raise ValueError(f"paged_prefill_attention: out {tuple(out.shape)} or table of {table.shape[0]} blocks "
                          f"does not fit {num_new} tokens after {context_len}")
+    quant, ks, vs, scale_strides = _scale_args("paged_prefill_attention", k_cache, v_cache, k_scale, v_scale)
     if num_new == 0:
         return out
     block_m = 16 if num_new <= 16 else 64
     _prefill_kernel[(triton.cdiv(num_new, block_m), num_heads)](
-        query, k_cache, v_cache, table, out, int(context_len), num_new, float(scale),
-        *query.stride(), *k_cache.stride(), *v_cache.stride(), table.stride(0), *out.stride(),
+        query, k_cache, v_cache, ks, vs, table, out, int(context_len), num_new, float(scale),
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides, table.stride(0), *out.stride(),
         GROUPS=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=max(16, triton.next_power_of_2(block_size)),
-        DOT=2 if query.device.type != "cuda" else 1 if k_cache.dtype == torch.float32 else 0, num_warps=4,
+        DOT=_dot_mode(query, query.dtype if quant else k_cache.dtype), QUANT=quant, num_warps=4,
     )
     return out
