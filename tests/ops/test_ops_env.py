@@ -27,7 +27,7 @@ def test_the_library_reads_a_few_user_facing_variables() -> None:
     knobs = {name for name, var in envs.ENV_VARS.items() if var.benchmark_only}
     ours = set(envs.ENV_VARS) - FASTDEPLOYS_OWN - knobs
     assert ours == {"FDKV_OPS_LIB", "FDKV_LAYER_WAIT_TIMEOUT_S", "FDKV_MODEL_CACHE_DIR",
-                    "FDKV_HOST_GROW_CHUNK_MIB", "FDKV_HOST_GROW_PACE_S"}
+                    "FDKV_HOST_GROW_CHUNK_MIB", "FDKV_HOST_GROW_PACE_S", "FDKV_API_KEY"}
     assert len(ours) <= 6
     # The benchmark knobs say what they are, and stay few.
     assert knobs == {"FDKV_STORAGE_THROTTLE_BYTES_PER_S", "FDKV_STORAGE_FORCE_FETCH_BLOCKS"}
