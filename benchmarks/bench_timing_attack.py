@@ -85,7 +85,7 @@ DEVICE_FLAGS = {
 DEFAULTS = {
     "gpu": dict(trials=60, secret_tokens=2048, gsp_tenants=16, gsp_groups=4, gsp_questions=2,
                 gsp_system_tokens=2048, gsp_question_tokens=128, output_tokens=16, concurrency=16,
-                cost_requests=64, cost_reps=3),
+                cost_requests=32, cost_reps=3),
     "cpu": dict(trials=40, secret_tokens=512, gsp_tenants=16, gsp_groups=2, gsp_questions=2,
                 gsp_system_tokens=512, gsp_question_tokens=32, output_tokens=4, concurrency=4,
                 cost_requests=24, cost_reps=5),
@@ -298,6 +298,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         await ttft_of(srv, "key-g0", model, [rng.randrange(10, 500) for _ in range(a.secret_tokens)])
                 with tqdm(total=4 * a.trials, desc="attack", unit="trial", file=sys.stderr) as bar:
                     report["attack"] = await attack(servers, model, a.trials, a.secret_tokens, a.seed, bar)
+                print("\n".join(attack_lines(report)), flush=True)  # each phase's figures as it ends
                 gsp = gsp_requests(a, a.seed + 1)
                 report["sharing"] = {}
                 with tqdm(total=len(MODES) * len(gsp), desc="gsp sharing", unit="req", file=sys.stderr) as bar:
@@ -305,6 +306,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         reused, prompt, wall = await run_requests(servers[mode], model, gsp, a.output_tokens,
                                                                   a.concurrency, bar)
                         report["sharing"][mode] = {"reused_tokens": reused, "prompt_tokens": prompt, "wall_s": wall}
+                base_reuse = report["sharing"]["none"]["reused_tokens"]
+                for s in report["sharing"].values():
+                    s["ratio_to_none"] = s["reused_tokens"] / base_reuse if base_reuse else float("nan")
+                print("\n".join(sharing_lines(report)), flush=True)
                 cost = cost_requests(a, a.seed + 2)
                 rates: dict[str, list[float]] = {m: [] for m in MODES}
                 reuse: dict[str, int] = {}
@@ -334,11 +339,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             for srv in servers.values():
                 srv.stop()
 
-    base_reuse = report["sharing"]["none"]["reused_tokens"]
-    for mode in MODES:
-        s = report["sharing"][mode]
-        s["ratio_to_none"] = s["reused_tokens"] / base_reuse if base_reuse else float("nan")
-
     print(format_console(report))
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -349,23 +349,34 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def format_console(r: dict[str, Any]) -> str:
-    lines = [f"{NAME}: {r['model']} ({r['model_impl']}) on {r['device']}, k = {r['k']}, {r['date']}"]
+def attack_lines(r: dict[str, Any]) -> list[str]:
+    """The attack phase's figures (printed as soon as it ends, so a run cut short keeps them)."""
     none = r["attack"]["none"]
-    lines.append(f"baseline (none): secret TTFT cached {none['ttft_cached_median_s'] * 1e3:.1f} ms, "
-                 f"uncached {none['ttft_uncached_median_s'] * 1e3:.1f} ms")
-    lines.append("attack ROC AUC (attacker's TTFT; target none >= %.2f, isolated <= %.2f):"
-                 % (TARGET_ATTACK_AUC, TARGET_ISOLATED_AUC))
+    lines = [f"baseline (none): secret TTFT cached {none['ttft_cached_median_s'] * 1e3:.1f} ms, "
+             f"uncached {none['ttft_uncached_median_s'] * 1e3:.1f} ms",
+             "attack ROC AUC (attacker's TTFT; target none >= %.2f, isolated <= %.2f):"
+             % (TARGET_ATTACK_AUC, TARGET_ISOLATED_AUC)]
     for name, res in r["attack"].items():
         more = f", two colluding keys {res['auc_two_colluding_keys']:.3f} (outside the model)" \
             if "auc_two_colluding_keys" in res else ""
         lines.append(f"  {name:12s} AUC {res['auc']:.3f}  (n={res['trials']}; attacker hits when cached "
                      f"{res['attacker_hits_when_cached']}, when not {res['attacker_hits_when_not']}){more}")
-    lines.append(f"GSP sharing ({r['workload']['gsp_tenants']} tenants): reused tokens, ratio to none "
-                 f"(target k-anonymity >= {TARGET_SHARING}):")
+    return lines
+
+
+def sharing_lines(r: dict[str, Any]) -> list[str]:
+    """The GSP sharing phase's figures."""
+    lines = [f"GSP sharing ({r['workload']['gsp_tenants']} tenants): reused tokens, ratio to none "
+             f"(target k-anonymity >= {TARGET_SHARING}):"]
     for mode, s in r["sharing"].items():
         lines.append(f"  {mode:12s} {s['reused_tokens']:8d} of {s['prompt_tokens']} prompt tokens  "
                      f"ratio {s['ratio_to_none']:.3f}")
+    return lines
+
+
+def format_console(r: dict[str, Any]) -> str:
+    lines = [f"{NAME}: {r['model']} ({r['model_impl']}) on {r['device']}, k = {r['k']}, {r['date']}"]
+    lines += attack_lines(r) + sharing_lines(r)
     lines.append(f"cost (nothing shared across tenants): req/s median, median of paired ratios to none "
                  f"(target >= {TARGET_COST}):")
     for mode, c in r["cost"].items():
