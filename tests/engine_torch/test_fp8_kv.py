@@ -157,19 +157,8 @@ def test_padded_static_decode_over_fp8_caches(interpreted: dict[str, Any]) -> No
 
 
 # ---------------------------------------------------------------------- the engine
-def _fp8_config_or_skip() -> None:
-    from fastdeploy_kvcache.config import CacheConfig
-
-    try:
-        CacheConfig(dtype="uint8", kv_cache_quant="block_wise_fp8").validate()
-    except ValueError as exc:
-        pytest.skip(f"needs CacheConfig to accept kv_cache_quant='block_wise_fp8' (the engine's FP8 setting): {exc}")
-
-
 @pytest.fixture
 def fp8_engine_factory(engine_factory: Any) -> Iterator[Any]:
-    _fp8_config_or_skip()
-
     def make(**kwargs: Any) -> Any:
         return engine_factory(**{"dtype": "uint8", "kv_cache_quant": "block_wise_fp8", **kwargs})
 

@@ -16,22 +16,15 @@ Needs a CUDA GPU with torch, Triton and build/libfdkv_capi.so (`bash build.sh gp
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.torch_engines import TORCH_REASON
+from tests.torch_engines import cuda_torch_or_skip
 from tests.triton_decode_cases import CASES, FP8_DTYPES, GPU_CASES, PREFILL_CASES
 
-torch = pytest.importorskip("torch", reason=TORCH_REASON)
-pytest.importorskip("transformers", reason=TORCH_REASON)
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU visible to torch (run `bash build.sh gpu-test` on a GPU machine)",
-                allow_module_level=True)
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("needs Triton (bundled with CUDA builds of torch; pip install triton)", allow_module_level=True)
+torch = cuda_torch_or_skip(triton=True)
 
 CUDA = torch.device("cuda", 0)
 

@@ -15,13 +15,9 @@ from typing import Iterator
 
 import pytest
 
-from tests.torch_engines import TORCH_REASON
+from tests.torch_engines import cuda_torch_or_skip
 
-torch = pytest.importorskip("torch", reason=TORCH_REASON)
-pytest.importorskip("transformers", reason=TORCH_REASON)
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU visible to torch (run `bash build.sh gpu-test` on a GPU machine)",
-                allow_module_level=True)
+torch = cuda_torch_or_skip()
 for _mod in ("fastapi", "uvicorn", "openai"):
     if importlib.util.find_spec(_mod) is None:
         pytest.skip(f"needs {_mod} (bring its wheel: docs/usage.md, 'On a GPU machine')", allow_module_level=True)

@@ -17,12 +17,9 @@ import numpy as np
 import pytest
 
 from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams, StepSampling
-from tests.torch_engines import TORCH_REASON
+from tests.torch_engines import cuda_torch_or_skip
 
-torch = pytest.importorskip("torch", reason=TORCH_REASON)
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU visible to torch (run `bash build.sh gpu-test` on a GPU machine)",
-                allow_module_level=True)
+torch = cuda_torch_or_skip(transformers=False)
 
 
 def _params(rows: int) -> list[SamplingParams]:

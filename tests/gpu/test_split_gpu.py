@@ -14,13 +14,9 @@ from typing import Any
 import pytest
 
 from tests.split_check import check_split_gives_the_tokens_of_recompute
-from tests.torch_engines import TORCH_REASON
+from tests.torch_engines import cuda_torch_or_skip
 
-torch = pytest.importorskip("torch", reason=TORCH_REASON)
-pytest.importorskip("transformers", reason=TORCH_REASON)
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU visible to torch (run `bash build.sh gpu-test` on a GPU machine)",
-                allow_module_level=True)
+torch = cuda_torch_or_skip()
 
 
 def test_split_on_the_gpu_gives_the_tokens_of_recompute(capi: Any, monkeypatch: pytest.MonkeyPatch,

@@ -28,14 +28,10 @@ from typing import Any, Iterator
 import pytest
 
 from tests.reuse_workloads import ReuseChecks
-from tests.torch_engines import TORCH_REASON, engine_factory_for
+from tests.torch_engines import cuda_torch_or_skip, engine_factory_for
 from tests.triton_decode_cases import CASES, DTYPES, GPU_CASES, PREFILL_CASES
 
-torch = pytest.importorskip("torch", reason=TORCH_REASON)
-pytest.importorskip("transformers", reason=TORCH_REASON)
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU visible to torch (run `bash build.sh gpu-test` on a GPU machine)",
-                allow_module_level=True)
+torch = cuda_torch_or_skip()
 MODEL = "smollm2-135m-instruct"
 
 
