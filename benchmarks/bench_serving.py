@@ -791,6 +791,16 @@ def calibrate_tokens_per_word(server: ServerProcess, model: str, wl: Workload) -
     return usage.prompt_tokens / 60.0
 
 
+def split_server_args(argv: Optional[list[str]]) -> tuple[list[str], list[str]]:
+    """``argv`` (``sys.argv[1:]`` when None) split at its first ``--``: the benchmark's own
+    arguments, then the flags passed through to every server it starts."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
 def machine() -> dict[str, Any]:
     cpu = platform.processor() or ""
     try:

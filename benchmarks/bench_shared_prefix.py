@@ -61,7 +61,7 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from bench_serving import machine, percentile, stream_completion  # noqa: E402
+from bench_serving import machine, percentile, split_server_args, stream_completion  # noqa: E402
 
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess  # noqa: E402
 
@@ -279,10 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         logging.basicConfig(level=logging.WARNING)
         print(json.dumps(forward_only_prefill(spec["flags"], spec["repeat"], spec["seed"])), flush=True)
         os._exit(0)  # the engine's threads need no orderly stop: the process is done
-    extra: list[str] = []
-    if "--" in argv:
-        extra = argv[argv.index("--") + 1:]
-        argv = argv[:argv.index("--")]
+    argv, extra = split_server_args(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Server flags after -- go to both servers and the baseline's engine.")
     ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"),

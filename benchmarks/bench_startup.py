@@ -36,6 +36,8 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_serving import split_server_args  # noqa: E402
+
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess  # noqa: E402
 
 CPU_ARGS = ["--model", "tiny-llama-random", "--device", "cpu", "--num-gpu-blocks-override", "64"]
@@ -62,11 +64,7 @@ def run_once(args: list[str], env: dict[str, str], timeout_s: float, host_tier: 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_server_args(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--swap-space", type=float, default=1.0, help="host tier in GiB (default 1)")
     p.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")

@@ -62,7 +62,7 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from bench_serving import machine, stream_completion  # noqa: E402
+from bench_serving import machine, split_server_args, stream_completion  # noqa: E402
 
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess  # noqa: E402
 
@@ -251,11 +251,7 @@ def cost_requests(a: argparse.Namespace, seed: int) -> list[tuple[str, list[int]
 
 # ---------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_server_args(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     ap.add_argument("--model-impl", default=None, choices=("paddleformers", "transformers"),
