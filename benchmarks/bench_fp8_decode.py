@@ -12,7 +12,9 @@ does), each as FP8 / bf16 (target for the served step: <= 1.0):
   ``--use-cudagraph`` serves it; again with fused decoder layers (``--fused-layers``);
 * the eager decode step;
 * the paged decode attention alone on one layer's caches, with the K/V bytes it reads per
-  second;
+  second: first a sweep of the kernel's tile (positions per loop iteration, warps, and for
+  FP8 float16 dots; ``--no-sweep`` skips it), whose fastest tile per cache kind then serves
+  the steps below (each step's tile is printed);
 * the logits' relative difference between the two caches (the quantization's effect).
 
     python benchmarks/bench_fp8_decode.py [--batch 32] [--context 2048] [--block-size 64]
@@ -40,6 +42,9 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=8192, help="the CUDA graphs' table width, as the server's flag")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
+                    help="Sweep the decode kernel's tile first and serve the steps with each kind's fastest "
+                         "(default: on; off: the kernel's default tiles).")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     try:
@@ -52,6 +57,7 @@ def main() -> int:
         return 0
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
     from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams, StepSampling
+    from fastdeploy_kvcache.engine.transformers_runner import triton_paged_attention as tpa
     from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import FP8_KV_QUANT, quantize_fp8
     from fastdeploy_kvcache.engine.transformers_runner.torch_models import LLAMA3_8B_RANDOM, load_torch_model
     from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
@@ -80,6 +86,46 @@ def main() -> int:
     def runner(name: str, fused: bool = False) -> Any:
         return TorchModelRunner(lm, bs, "gpu", fused_layers=fused, kv_cache_quant=FP8_KV_QUANT if name == "fp8" else None)
 
+    q = torch.randn((a.batch, lm.num_heads, lm.head_dim), device=dev, dtype=torch.bfloat16, generator=gen)
+    o = torch.empty_like(q)
+    lens = torch.full((a.batch,), a.context + 1, dtype=torch.int64, device=dev)
+    table = torch.tensor([perm[i * nb_seq:(i + 1) * nb_seq] for i in range(a.batch)], device=dev)
+    calls = 20
+
+    def kv_bytes(name: str) -> int:
+        n = 2 * a.batch * (a.context + 1) * lm.num_kv_heads * lm.head_dim * caches[name][0][0].element_size()
+        return n + (2 * a.batch * (a.context + 1) * lm.num_kv_heads * 4 if name == "fp8" else 0)  # the scales
+
+    def attention_s(name: str, tuning: Any = None) -> float:
+        layer = caches[name][0]
+        scales = dict(k_scale=layer[2], v_scale=layer[3]) if name == "fp8" else {}
+
+        def attend() -> None:
+            for _ in range(calls):
+                tpa.paged_decode_attention(q, layer[0], layer[1], table, lens, o, lm.head_dim ** -0.5,
+                                           tuning=tuning, **scales)
+
+        return timed(attend, a.repeat) / calls
+
+    res["tiles"] = {}
+    if a.sweep:
+        grid = {"bf16": [(p, w, False) for p in (64, 128) for w in (4, 8)],
+                "fp8": [(p, w, f) for p in (128, 256, 512) for w in (4, 8) for f in (False, True)]}
+        for name, plans in grid.items():
+            rows = []
+            for positions, warps, f16 in plans:
+                per_tile = max(1, positions // bs)
+                tuning = tpa.DecodeTuning(1 << (per_tile.bit_length() - 1), warps, f16)
+                t = attention_s(name, tuning)
+                rows.append({"positions": positions, "num_warps": warps, "float16_dots": f16, "s": t,
+                             "GBps": kv_bytes(name) / t / 1e9})
+                print(f"tile sweep {name}: {positions} positions, {warps} warps, float16 dots {f16}: "
+                      f"{t * 1e3:.4f} ms, {rows[-1]['GBps']:.0f} GB/s", flush=True)
+            best = min(rows, key=lambda r: r["s"])
+            res["tiles"][name] = {"sweep": rows, "best": best}
+            tpa.DEFAULT_TILES[name == "fp8"] = (best["positions"], best["num_warps"], best["float16_dots"])
+    res["tiles_used"] = {name: tpa.DEFAULT_TILES[name == "fp8"] for name in ("bf16", "fp8")}
+
     logits = {}
     for name in ("bf16", "fp8"):
         eager = runner(name)
@@ -89,25 +135,9 @@ def main() -> int:
         graphed = runner(name)
         if graphed.enable_decode_graphs(caches[name], a.batch, width):
             res[f"graph_{name}_s"] = timed(lambda: graphed.forward_sample(dec, caches[name], None, greedy), a.repeat)
-        q = torch.randn((a.batch, lm.num_heads, lm.head_dim), device=dev, dtype=torch.bfloat16, generator=gen)
-        o = torch.empty_like(q)
-        lens = torch.full((a.batch,), a.context + 1, dtype=torch.int64, device=dev)
-        table = torch.tensor([perm[i * nb_seq:(i + 1) * nb_seq] for i in range(a.batch)], device=dev)
-        layer = caches[name][0]
-        scales = dict(k_scale=layer[2], v_scale=layer[3]) if name == "fp8" else {}
-        calls = 20
-
-        def attend() -> None:
-            for _ in range(calls):
-                eager.decode_kernel(q, layer[0], layer[1], table, lens, o, lm.head_dim ** -0.5, **scales)
-
         if eager.decode_kernel is not None:
-            res[f"attn_{name}_s"] = timed(attend, a.repeat) / calls
-            item = layer[0].element_size()
-            kv_bytes = 2 * a.batch * (a.context + 1) * lm.num_kv_heads * lm.head_dim * item
-            if name == "fp8":
-                kv_bytes += 2 * a.batch * (a.context + 1) * lm.num_kv_heads * 4  # the scales
-            res[f"attn_{name}_GBps"] = kv_bytes / res[f"attn_{name}_s"] / 1e9
+            res[f"attn_{name}_s"] = attention_s(name)
+            res[f"attn_{name}_GBps"] = kv_bytes(name) / res[f"attn_{name}_s"] / 1e9
     res["logits_rel_diff"] = float((logits["fp8"] - logits["bf16"]).norm() / logits["bf16"].norm())
     res["top1_agree"] = float((logits["fp8"].argmax(-1) == logits["bf16"].argmax(-1)).float().mean())
     # Fused layers change the model in place: measured last, both caches.
@@ -119,6 +149,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_fp8_decode.json").write_text(json.dumps(res, indent=1))
     print(f"{res['device']}: {LLAMA3_8B_RANDOM}, decode of {a.batch} seqs at {a.context} tokens, blocks of {bs}")
+    for name, (positions, warps, f16) in res["tiles_used"].items():
+        print(f"decode kernel tile, {name}: {positions} positions, {warps} warps, float16 dots {f16}"
+              + (" (fastest of the sweep)" if a.sweep else " (default)"))
     for label, key in (("graph-replayed step + sampling", "graph"), ("  with fused layers", "fused_graph"),
                        ("eager step", "eager"), ("decode attention, one layer", "attn")):
         if f"{key}_bf16_s" in res and f"{key}_fp8_s" in res:

@@ -83,7 +83,11 @@ DEVICE_FLAGS = {
             "--max-model-len", "2048", "--block-size", "16"],
 }
 DEFAULTS = {
-    "gpu": dict(trials=60, secret_tokens=2048, gsp_tenants=16, gsp_groups=4, gsp_questions=2,
+    # GPU: eager servers take ~50 ms for any cached probe, so a 2048-token secret left only
+    # 16 ms between cached and not (AUC 0.90 with no isolation); 4096 tokens double the
+    # compute a hit saves.  100 trials a configuration: an isolated AUC's spread (about
+    # 1 / sqrt(3 n)) is then 0.058.
+    "gpu": dict(trials=100, secret_tokens=4096, gsp_tenants=16, gsp_groups=4, gsp_questions=2,
                 gsp_system_tokens=2048, gsp_question_tokens=128, output_tokens=16, concurrency=16,
                 cost_requests=32, cost_reps=3),
     "cpu": dict(trials=40, secret_tokens=512, gsp_tenants=16, gsp_groups=2, gsp_questions=2,
@@ -116,6 +120,24 @@ def roc_auc(scores: list[float], labels: list[bool]) -> float:
         i = j + 1
     u = ranks[y].sum() - n_pos * (n_pos + 1) / 2.0
     return float(u / (n_pos * n_neg))
+
+
+def auc_interval(scores: list[float], labels: list[bool], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of :func:`roc_auc` (trials resampled with replacement, each
+    class kept at its size): how far the AUC of this many trials moves by chance alone."""
+    rng = np.random.default_rng(seed)
+    s = np.asarray(scores, dtype=np.float64)
+    y = np.asarray(labels, dtype=bool)
+    pos, neg = s[y], s[~y]
+    if len(pos) == 0 or len(neg) == 0:
+        return float("nan"), float("nan")
+    vals = []
+    for _ in range(draws):
+        p = rng.choice(pos, len(pos))
+        n = rng.choice(neg, len(neg))
+        vals.append(roc_auc(list(p) + list(n), [True] * len(p) + [False] * len(n)))
+    lo, hi = np.percentile(vals, [2.5, 97.5])
+    return float(lo), float(hi)
 
 
 # ---------------------------------------------------------------------- servers
@@ -196,7 +218,8 @@ async def attack(servers: dict[str, ServerProcess], model: str, trials: int, sec
                 colluding.append((await ttft_of(srv, "key-attacker-2", model, secret))[0])
             progress.update(1)
         scores = [-t for t in ttfts]
-        res = {"auc": roc_auc(scores, order), "trials": len(order),
+        res = {"auc": roc_auc(scores, order), "auc_95": auc_interval(scores, order), "trials": len(order),
+               "ttft_ms": [round(t * 1e3, 2) for t in ttfts], "cached": order,
                "ttft_cached_median_s": statistics.median(t for t, c in zip(ttfts, order) if c),
                "ttft_uncached_median_s": statistics.median(t for t, c in zip(ttfts, order) if not c),
                "attacker_hits_when_cached": hits[True], "attacker_hits_when_not": hits[False]}
@@ -355,7 +378,9 @@ def attack_lines(r: dict[str, Any]) -> list[str]:
     for name, res in r["attack"].items():
         more = f", two colluding keys {res['auc_two_colluding_keys']:.3f} (outside the model)" \
             if "auc_two_colluding_keys" in res else ""
-        lines.append(f"  {name:12s} AUC {res['auc']:.3f}  (n={res['trials']}; attacker hits when cached "
+        ci = res.get("auc_95")
+        ci_s = f" [95% {ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""
+        lines.append(f"  {name:12s} AUC {res['auc']:.3f}{ci_s}  (n={res['trials']}; attacker hits when cached "
                      f"{res['attacker_hits_when_cached']}, when not {res['attacker_hits_when_not']}){more}")
     return lines
 

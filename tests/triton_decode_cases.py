@@ -125,6 +125,16 @@ def _reference(q: Any, k_cache: Any, v_cache: Any, table: Any, lens: Any, scale:
     return out
 
 
+def tuning_variants() -> list[tuple[str, Any]]:
+    """Kernel tunings checked besides the default: one block a tile, several (a tile over
+    2 to 8 cache blocks, each row's block from its own table entry), and float16 dots (FP8
+    caches under 16-bit queries; ignored otherwise)."""
+    from fastdeploy_kvcache.engine.transformers_runner.triton_paged_attention import DecodeTuning
+
+    return [("one_block", DecodeTuning(1)), ("two_blocks", DecodeTuning(2, num_warps=8)),
+            ("eight_blocks_f16", DecodeTuning(8, float16_dots=True))]
+
+
 def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     """The kernel's errors on case ``name``: against float64 (``f64``, per split choice), against
     the torch fallback (``torch``), and against float64 when the kernel writes the new token's
@@ -162,10 +172,10 @@ def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     def on(x: Any) -> Any:
         return x.to(device)
 
-    def run(tbl: Any, splits: Any) -> Any:
+    def run(tbl: Any, splits: Any, tuning: Any = None) -> Any:
         full = torch.full((b + 2, heads, dim), 7.0, dtype=dt, device=device)
         paged_decode_attention(on(q), block_table=on(tbl), seq_lens=on(lens), out=full[:b], scale=scale,
-                               num_splits=splits, **on_dev)
+                               num_splits=splits, tuning=tuning, **on_dev)
         return full.cpu()
 
     res: dict[str, float] = {}
@@ -174,6 +184,11 @@ def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
         full = run(table, s)
         outside = max(outside, float((full[b:] != 7.0).any()))
         res[f"f64_splits_{s}"] = float((full[:b].double() - ref).abs().max()) / norm
+    for tname, tuning in tuning_variants():
+        for s in (1, 3):
+            full = run(table, s, tuning)
+            outside = max(outside, float((full[b:] != 7.0).any()))
+            res[f"f64_tuning_{tname}_splits_{s}"] = float((full[:b].double() - ref).abs().max()) / norm
     res["outside_changed"] = outside
     got = run(table, 3)
     garbage = table.clone()
@@ -338,6 +353,10 @@ def assert_case_ok(r: dict[str, float], dtype: str) -> None:
     tol = TOLERANCE[dtype]
     for s in SPLITS:
         assert r[f"f64_splits_{s}"] < tol, (s, r)
+    tuned = [k for k in r if k.startswith("f64_tuning_")]
+    assert len(tuned) == 6, r  # three tunings x two split choices
+    for k in tuned:
+        assert r[k] < tol, (k, r)
     assert r["torch"] < tol, r
     assert r["outside_changed"] == 0.0, "the kernel wrote outside its output rows"
     assert r["padding_changed"] == 0.0, "the kernel read table entries past a seq's length"

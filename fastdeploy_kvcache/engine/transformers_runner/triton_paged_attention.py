@@ -32,6 +32,7 @@ interpreter (slow): that is how the tests check their logic on a machine without
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable, Optional
@@ -56,28 +57,28 @@ def _dot(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, block, kv_head, n, d, load_ok, see, scale,
-                  stride_kn, stride_kh, stride_kt, stride_kd, stride_vn, stride_vh, stride_vt, stride_vd,
-                  stride_ksn, stride_ksh, stride_kst, stride_vsn, stride_vsh, stride_vst,
-                  HEAD_DIM: tl.constexpr, DOT: tl.constexpr, QUANT: tl.constexpr):
-    """One cache block's step of the online softmax: rows ``q`` against the block's K and V
-    (positions ``n`` of ``block`` loaded where ``load_ok``, scores kept where ``see``).
-    QUANT: the blocks are E4M3 bytes with per-position scales at ``ks_ptr`` / ``vs_ptr``."""
+def _attend_rows(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, k_row, v_row, ks_row, vs_row, kv_head, d,
+                 load_ok, see, scale, stride_kh, stride_kd, stride_vh, stride_vd, stride_ksh, stride_vsh,
+                 HEAD_DIM: tl.constexpr, DOT: tl.constexpr, QUANT: tl.constexpr):
+    """One step of the online softmax: rows ``q`` against a tile of cache positions, each
+    given by its offsets into the caches (``k_row`` ... ``vs_row``: block and slot already
+    applied, so a tile may span several cache blocks), loaded where ``load_ok``, scores kept
+    where ``see``.  QUANT: the positions are E4M3 bytes with per-position scales at
+    ``ks_ptr`` / ``vs_ptr``, converted (exactly) to ``q``'s dtype: bfloat16, or float16,
+    to which E4M3 converts in one instruction."""
     kv_mask = load_ok[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + block * stride_kn + kv_head * stride_kh + n[:, None] * stride_kt + d[None, :] * stride_kd,
-                mask=kv_mask, other=0)
-    v = tl.load(v_ptr + block * stride_vn + kv_head * stride_vh + n[:, None] * stride_vt + d[None, :] * stride_vd,
-                mask=kv_mask, other=0)
+    k = tl.load(k_ptr + kv_head * stride_kh + k_row[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0)
+    v = tl.load(v_ptr + kv_head * stride_vh + v_row[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0)
     if QUANT:
         k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
         v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-        k_sc = tl.load(ks_ptr + block * stride_ksn + kv_head * stride_ksh + n * stride_kst, mask=load_ok, other=0.0)
-        v_sc = tl.load(vs_ptr + block * stride_vsn + kv_head * stride_vsh + n * stride_vst, mask=load_ok, other=0.0)
+        k_sc = tl.load(ks_ptr + kv_head * stride_ksh + ks_row, mask=load_ok, other=0.0)
+        v_sc = tl.load(vs_ptr + kv_head * stride_vsh + vs_row, mask=load_ok, other=0.0)
         s = tl.where(see, _dot(q, tl.trans(k), DOT) * (k_sc * scale)[None, :], float("-inf"))
     else:
         s = tl.where(see, _dot(q, tl.trans(k), DOT) * scale, float("-inf"))
-    # The callers visit only blocks where every row sees a position, or has seen one in an
-    # earlier block: m_new is finite.
+    # The callers visit only tiles where every row sees a position, or has seen one in an
+    # earlier tile: m_new is finite.
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
@@ -87,6 +88,19 @@ def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, block, kv_head
     else:
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, block, kv_head, n, d, load_ok, see, scale,
+                  stride_kn, stride_kh, stride_kt, stride_kd, stride_vn, stride_vh, stride_vt, stride_vd,
+                  stride_ksn, stride_ksh, stride_kst, stride_vsn, stride_vsh, stride_vst,
+                  HEAD_DIM: tl.constexpr, DOT: tl.constexpr, QUANT: tl.constexpr):
+    """:func:`_attend_rows` over positions ``n`` of one cache block ``block``."""
+    return _attend_rows(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                        block * stride_kn + n * stride_kt, block * stride_vn + n * stride_vt,
+                        block * stride_ksn + n * stride_kst, block * stride_vsn + n * stride_vst,
+                        kv_head, d, load_ok, see, scale, stride_kh, stride_kd, stride_vh, stride_vd,
+                        stride_ksh, stride_vsh, HEAD_DIM, DOT, QUANT)
 
 
 @triton.jit
@@ -105,6 +119,7 @@ def _decode_kernel(
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT: tl.constexpr, WRITE_NEW: tl.constexpr, QUANT: tl.constexpr,
+    PER_TILE: tl.constexpr, F16: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -124,6 +139,8 @@ def _decode_kernel(
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     if not QUANT:
         q = q.to(k_ptr.dtype.element_ty)
+    elif F16:
+        q = q.to(tl.float16)
 
     if WRITE_NEW:
         # The new token's K and V go to their slot (position seq_len - 1) first, written by the
@@ -152,15 +169,33 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for j in range(first, last):
-        block = tl.load(table_ptr + seq * stride_tb + j * stride_tw)
-        # Every block visited holds at least one valid position.
-        tok_ok = (n < BLOCK_SIZE) & (j * BLOCK_SIZE + n < seq_len)
-        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, block, kv_head, n, d, tok_ok,
-                                      tok_ok[None, :], scale, stride_kn, stride_kh, stride_kt, stride_kd,
-                                      stride_vn, stride_vh, stride_vt, stride_vd,
-                                      stride_ksn, stride_ksh, stride_kst, stride_vsn, stride_vsh, stride_vst,
-                                      HEAD_DIM, DOT, QUANT)
+    if PER_TILE == 1:
+        for j in range(first, last):
+            block = tl.load(table_ptr + seq * stride_tb + j * stride_tw)
+            # Every block visited holds at least one valid position.
+            tok_ok = (n < BLOCK_SIZE) & (j * BLOCK_SIZE + n < seq_len)
+            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, block, kv_head, n, d, tok_ok,
+                                          tok_ok[None, :], scale, stride_kn, stride_kh, stride_kt, stride_kd,
+                                          stride_vn, stride_vh, stride_vt, stride_vd,
+                                          stride_ksn, stride_ksh, stride_kst, stride_vsn, stride_vsh, stride_vst,
+                                          HEAD_DIM, DOT, QUANT)
+    else:
+        # PER_TILE cache blocks a tile (BLOCK_N = PER_TILE * BLOCK_SIZE positions): each row's
+        # block comes from its own table entry.  Fewer, larger tiles keep more bytes in flight
+        # per iteration, which the small FP8 blocks need to reach the device's bandwidth.
+        sub = n // BLOCK_SIZE
+        off = n % BLOCK_SIZE
+        for j0 in range(first, last, PER_TILE):
+            j = j0 + sub
+            row_ok = j < last
+            block = tl.load(table_ptr + seq * stride_tb + j * stride_tw, mask=row_ok, other=0).to(tl.int64)
+            # The tile's first block is valid (j0 < last), so every tile holds a valid position.
+            tok_ok = row_ok & (j * BLOCK_SIZE + off < seq_len)
+            m_i, l_i, acc = _attend_rows(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                                         block * stride_kn + off * stride_kt, block * stride_vn + off * stride_vt,
+                                         block * stride_ksn + off * stride_kst, block * stride_vsn + off * stride_vst,
+                                         kv_head, d, tok_ok, tok_ok[None, :], scale, stride_kh, stride_kd,
+                                         stride_vh, stride_vd, stride_ksh, stride_vsh, HEAD_DIM, DOT, QUANT)
 
     o_mask = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
@@ -279,6 +314,45 @@ def choose_num_splits(batch: int, kv_heads: int, max_blocks: int, device: Any) -
     return max(1, min(-(-sms // programs), max_blocks // 16))
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+    """How :func:`paged_decode_attention` walks a sequence's blocks.
+
+    * ``blocks_per_tile``: cache blocks per loop iteration (power-of-two block sizes only;
+      others take one).  A tile of few bytes leaves the loop bound by each iteration's
+      latency rather than by bandwidth: FP8 halves a block's bytes, so it needs twice the
+      positions per tile to keep as many bytes in flight.
+    * ``num_warps``: warps per program.
+    * ``float16_dots``: with FP8 caches, convert E4M3 to float16 (one instruction per pair)
+      and run the dots in float16 instead of bfloat16 (the query and the scaled
+      probabilities are rounded to float16 for them).
+    """
+
+    blocks_per_tile: int = 1
+    num_warps: int = 4
+    float16_dots: bool = False
+
+    def __post_init__(self) -> None:
+        if self.blocks_per_tile < 1 or self.blocks_per_tile & (self.blocks_per_tile - 1):
+            raise ValueError(f"DecodeTuning: blocks_per_tile must be a power of two >= 1, got {self.blocks_per_tile}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"DecodeTuning: num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+
+
+# The default tile of each cache kind (False: bf16/fp16/fp32, True: FP8): positions per tile,
+# warps, float16 dots.  bf16 blocks of 64 positions already move 32 KiB of K/V per iteration
+# (about 2.9 TB/s on an H200 at 32 x 2k); FP8 tiles take twice the positions.
+DEFAULT_TILES: dict[bool, tuple[int, int, bool]] = {False: (64, 4, False), True: (128, 4, False)}
+
+
+def decode_tuning(quant: bool, block_size: int) -> DecodeTuning:
+    """The default :class:`DecodeTuning` for a cache kind (``quant``: FP8) and block size:
+    :data:`DEFAULT_TILES` with its positions rounded down to whole blocks (a power of two)."""
+    positions, warps, f16 = DEFAULT_TILES[quant]
+    per_tile = max(1, positions // max(1, block_size))
+    return DecodeTuning(blocks_per_tile=1 << (per_tile.bit_length() - 1), num_warps=warps, float16_dots=f16)
+
+
 def _scale_args(who: str, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any) -> tuple[bool, Any, Any, tuple]:
     """(quantized, key scales, value scales, their six strides) for a kernel call; ValueError
     when the caches and scales do not make one layout (uint8 caches need both scale caches,
@@ -323,6 +397,7 @@ def paged_decode_attention(
     v_scale: Any = None,
     k_new_scale: Any = None,
     v_new_scale: Any = None,
+    tuning: Optional["DecodeTuning"] = None,
 ) -> Any:
     """Attention of one query token per sequence over its paged K/V; writes and returns ``out``.
 
@@ -343,11 +418,12 @@ def paged_decode_attention(
       kernel writes them to position ``seq_lens[b] - 1`` of each sequence's blocks before it
       reads them (None: they are in the cache already); with FP8 caches, their uint8 bytes,
       and ``k_new_scale``, ``v_new_scale`` float32 ``[B, kv_heads]`` their scales
-      (``fp8_kv.quantize_kv``).
+      (``fp8_kv.quantize_kv``);
+    * ``tuning``: the kernel's tile and warps (None: :func:`decode_tuning`).
     """
     paged_decode_launcher(query, k_cache, v_cache, block_table, seq_lens, out, num_splits=num_splits,
                           workspace=workspace, k_new=k_new, v_new=v_new, k_new_scale=k_new_scale,
-                          v_new_scale=v_new_scale)(k_cache, v_cache, scale, k_scale, v_scale)
+                          v_new_scale=v_new_scale, tuning=tuning)(k_cache, v_cache, scale, k_scale, v_scale)
     return out
 
 
@@ -364,6 +440,7 @@ def paged_decode_launcher(
     v_new: Any = None,
     k_new_scale: Any = None,
     v_new_scale: Any = None,
+    tuning: Optional["DecodeTuning"] = None,
 ) -> Callable[..., None]:
     """:func:`paged_decode_attention` prepared once for every layer of a step:
     ``launch(k_cache, v_cache, scale)`` launches it over one layer's caches (the shape, dtype
@@ -421,6 +498,10 @@ def paged_decode_launcher(
         new_scale_strides: tuple = (*k_new_scale.stride(), *v_new_scale.stride())
     else:
         new_scales, new_scale_strides = (query, query), (0,) * 4  # unused
+    tune = tuning if tuning is not None else decode_tuning(quant, block_size)
+    per_tile = tune.blocks_per_tile if block_size & (block_size - 1) == 0 else 1
+    if per_tile > 1:
+        per_tile = max(per_tile, -(-16 // block_size))  # a tile holds at least Triton's 16 rows
     kernel = _decode_kernel[(batch, kv_heads, splits)]
     lead = (query,)
     mid = (block_table, seq_lens, out, part_out, part_lse, k_new, v_new)
@@ -429,9 +510,11 @@ def paged_decode_launcher(
     consts = dict(
         GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_D=block_d,
-        BLOCK_N=max(16, triton.next_power_of_2(block_size)), NUM_SPLITS=splits,
+        BLOCK_N=max(16, per_tile * triton.next_power_of_2(block_size)), NUM_SPLITS=splits,
         DOT=_dot_mode(query, query.dtype if quant else k_cache.dtype),
-        WRITE_NEW=write_new, QUANT=quant, num_warps=4,
+        WRITE_NEW=write_new, QUANT=quant, PER_TILE=per_tile,
+        F16=quant and tune.float16_dots and query.dtype != torch.float32,
+        num_warps=tune.num_warps,
     )
     no_scales = (query, query, (0,) * 6)  # float caches: unused
     combine = None
