@@ -113,17 +113,25 @@ def main() -> int:
                 "fp8": [(p, w, f) for p in (128, 256, 512) for w in (4, 8) for f in (False, True)]}
         for name, plans in grid.items():
             rows = []
-            for positions, warps, f16 in plans:
+
+            def measure(positions: int, warps: int, f16: bool, stages: Any) -> None:
                 per_tile = max(1, positions // bs)
-                tuning = tpa.DecodeTuning(1 << (per_tile.bit_length() - 1), warps, f16)
+                tuning = tpa.DecodeTuning(1 << (per_tile.bit_length() - 1), warps, f16, stages)
                 t = attention_s(name, tuning)
-                rows.append({"positions": positions, "num_warps": warps, "float16_dots": f16, "s": t,
-                             "GBps": kv_bytes(name) / t / 1e9})
-                print(f"tile sweep {name}: {positions} positions, {warps} warps, float16 dots {f16}: "
-                      f"{t * 1e3:.4f} ms, {rows[-1]['GBps']:.0f} GB/s", flush=True)
+                rows.append({"positions": positions, "num_warps": warps, "float16_dots": f16, "num_stages": stages,
+                             "s": t, "GBps": kv_bytes(name) / t / 1e9})
+                print(f"tile sweep {name}: {positions} positions, {warps} warps, float16 dots {f16}, stages "
+                      f"{stages or 'default'}: {t * 1e3:.4f} ms, {rows[-1]['GBps']:.0f} GB/s", flush=True)
+
+            for positions, warps, f16 in plans:
+                measure(positions, warps, f16, None)
+            best = min(rows, key=lambda r: r["s"])
+            for stages in (2, 3, 4):  # then the pipelining depth of the fastest
+                measure(best["positions"], best["num_warps"], best["float16_dots"], stages)
             best = min(rows, key=lambda r: r["s"])
             res["tiles"][name] = {"sweep": rows, "best": best}
-            tpa.DEFAULT_TILES[name == "fp8"] = (best["positions"], best["num_warps"], best["float16_dots"])
+            tpa.DEFAULT_TILES[name == "fp8"] = (best["positions"], best["num_warps"], best["float16_dots"],
+                                                best["num_stages"])
     res["tiles_used"] = {name: tpa.DEFAULT_TILES[name == "fp8"] for name in ("bf16", "fp8")}
 
     logits = {}
@@ -149,8 +157,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_fp8_decode.json").write_text(json.dumps(res, indent=1))
     print(f"{res['device']}: {LLAMA3_8B_RANDOM}, decode of {a.batch} seqs at {a.context} tokens, blocks of {bs}")
-    for name, (positions, warps, f16) in res["tiles_used"].items():
-        print(f"decode kernel tile, {name}: {positions} positions, {warps} warps, float16 dots {f16}"
+    for name, (positions, warps, f16, stages) in res["tiles_used"].items():
+        print(f"decode kernel tile, {name}: {positions} positions, {warps} warps, float16 dots {f16}, "
+              f"stages {stages or 'default'}"
               + (" (fastest of the sweep)" if a.sweep else " (default)"))
     for label, key in (("graph-replayed step + sampling", "graph"), ("  with fused layers", "fused_graph"),
                        ("eager step", "eager"), ("decode attention, one layer", "attn")):

@@ -326,31 +326,37 @@ class DecodeTuning:
     * ``float16_dots``: with FP8 caches, convert E4M3 to float16 (one instruction per pair)
       and run the dots in float16 instead of bfloat16 (the query and the scaled
       probabilities are rounded to float16 for them).
+    * ``num_stages``: Triton's software-pipelining depth of the loop (None: Triton's default).
     """
 
     blocks_per_tile: int = 1
     num_warps: int = 4
     float16_dots: bool = False
+    num_stages: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.blocks_per_tile < 1 or self.blocks_per_tile & (self.blocks_per_tile - 1):
             raise ValueError(f"DecodeTuning: blocks_per_tile must be a power of two >= 1, got {self.blocks_per_tile}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"DecodeTuning: num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages is not None and not 1 <= self.num_stages <= 8:
+            raise ValueError(f"DecodeTuning: num_stages must be 1 to 8 or None, got {self.num_stages}")
 
 
 # The default tile of each cache kind (False: bf16/fp16/fp32, True: FP8): positions per tile,
-# warps, float16 dots.  bf16 blocks of 64 positions already move 32 KiB of K/V per iteration
+# warps, float16 dots, pipelining stages (None: Triton's).  bf16 blocks of 64 positions already move 32 KiB of K/V per iteration
 # (about 2.9 TB/s on an H200 at 32 x 2k); FP8 tiles take twice the positions.
-DEFAULT_TILES: dict[bool, tuple[int, int, bool]] = {False: (64, 4, False), True: (128, 4, False)}
+DEFAULT_TILES: dict[bool, tuple[int, int, bool, Optional[int]]] = {False: (64, 4, False, None),
+                                                                   True: (128, 4, False, None)}
 
 
 def decode_tuning(quant: bool, block_size: int) -> DecodeTuning:
     """The default :class:`DecodeTuning` for a cache kind (``quant``: FP8) and block size:
     :data:`DEFAULT_TILES` with its positions rounded down to whole blocks (a power of two)."""
-    positions, warps, f16 = DEFAULT_TILES[quant]
+    positions, warps, f16, stages = DEFAULT_TILES[quant]
     per_tile = max(1, positions // max(1, block_size))
-    return DecodeTuning(blocks_per_tile=1 << (per_tile.bit_length() - 1), num_warps=warps, float16_dots=f16)
+    return DecodeTuning(blocks_per_tile=1 << (per_tile.bit_length() - 1), num_warps=warps, float16_dots=f16,
+                        num_stages=stages)
 
 
 def _scale_args(who: str, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any) -> tuple[bool, Any, Any, tuple]:
@@ -514,7 +520,7 @@ def paged_decode_launcher(
         DOT=_dot_mode(query, query.dtype if quant else k_cache.dtype),
         WRITE_NEW=write_new, QUANT=quant, PER_TILE=per_tile,
         F16=quant and tune.float16_dots and query.dtype != torch.float32,
-        num_warps=tune.num_warps,
+        num_warps=tune.num_warps, **({} if tune.num_stages is None else {"num_stages": tune.num_stages}),
     )
     no_scales = (query, query, (0,) * 6)  # float caches: unused
     combine = None
