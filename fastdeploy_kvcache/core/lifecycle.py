@@ -19,7 +19,7 @@ from fastdeploy_kvcache.core.copies import CopyTracker
 from fastdeploy_kvcache.core.eviction import Evictor
 from fastdeploy_kvcache.core.k_anonymity import KAnonymityIndex
 from fastdeploy_kvcache.core.manager_state import DEV, HOST, InFlight, InFlightCopies, RequestState
-from fastdeploy_kvcache.core.metadata import CacheLevel, CacheSwapMetadata, TransferKind
+from fastdeploy_kvcache.core.metadata import BlockNode, CacheLevel, CacheSwapMetadata, TransferKind
 from fastdeploy_kvcache.core.radix_tree import RadixTree
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.core.stats import CacheStats
@@ -61,6 +61,22 @@ class RequestLifecycle:
 
     def set_reveal_listener(self, listener: Optional["RevealListener"]) -> None:
         self.reveal_listener = listener
+
+    def _backup_inserted(self, node: BlockNode, st: Optional[RequestState] = None) -> None:
+        """The write policy's backup of a block just inserted by ``st``'s request.
+
+        Under k-anonymity a running request's blocks are backed up when it leaves, not as
+        its chunks commit: a tenant's block is a fresh node (backed up) or a duplicate of
+        another tenant's private one (freed, no copy), and copies made while the request
+        still computes would slow it in the first case only, so its own time to first token
+        would tell its tenant whether another tenant had sent the prompt.  Nothing is lost:
+        the request holds the blocks until then, so none can be evicted unbacked."""
+        if not self.policy.backup_on_insert:
+            return
+        if st is not None and self.k_anonymity is not None:
+            st.backup_pending.append(node)
+            return
+        self.copies.queue_backup(node)
 
     def _announce_revealed(self, hashes: list[int], revealed: list[int]) -> None:
         """The tree nodes of ``revealed`` (hashes along the chain ``hashes``) are shared now:
@@ -138,11 +154,13 @@ class RequestLifecycle:
             st.nodes[i] = node
             self.stats.inserted_blocks += 1
             self.stats.committed_blocks += 1
-            if self.policy.backup_on_insert:
-                self.copies.queue_backup(node)
+            self._backup_inserted(node, st)
             parent = node
             st.committed = i + 1
-        self._announce_revealed(hashes[:num_full], revealed)
+        # Announced (events, host backups, storage puts) when the request leaves: a reveal's
+        # side effects must not slow the revealing request itself, or its own timing would
+        # tell its tenant that another tenant had computed the block.
+        st.revealed_pending.extend(revealed)
         return st.committed
 
     def preempt(self, request: Request) -> None:
@@ -233,8 +251,7 @@ class RequestLifecycle:
                 tree.set_device(child, blk)
                 self.stats.cached_device += 1
                 self.stats.inserted_blocks += 1
-                if self.policy.backup_on_insert:
-                    self.copies.queue_backup(child)
+                self._backup_inserted(child)
                 parent = child
             elif child.device_block_id is None and child.pending is None and child.ref_count == 0:
                 # Host-only (or failed-load) node: this request's copy becomes its device copy.
@@ -253,6 +270,15 @@ class RequestLifecycle:
                     parent = child
         if to_free:
             self.device_pool.free(to_free)
+        for node in st.backup_pending:  # k-anonymity: the backups its commits left for now
+            self.copies.queue_backup(node)
+        st.backup_pending = []
+        if st.revealed_pending:
+            revealed = st.revealed_pending + revealed
+            st.revealed_pending = []
+            if len(hashes) < st.committed:  # released without inserting: the committed chain
+                hashes = req.block_hashes(bs, st.committed * bs)
+                num_full = st.committed
         self._announce_revealed(hashes[:num_full], revealed)
 
     def _hand_over_load(self, inf: InFlight) -> None:

@@ -50,6 +50,10 @@ class RequestState:
     # Loads in flight that this request shares with the request that issued them: block
     # index -> a standby device block it recomputes into if that load fails.
     standby: dict[int, int] = field(default_factory=dict)
+    # k-anonymity: block hashes this request's commits revealed, and the nodes they inserted
+    # whose write-policy backups wait, both until it leaves (core/lifecycle.py).
+    revealed_pending: list[int] = field(default_factory=list)
+    backup_pending: list[BlockNode] = field(default_factory=list)
 
 
 @dataclass

@@ -344,10 +344,13 @@ class DecodeTuning:
 
 
 # The default tile of each cache kind (False: bf16/fp16/fp32, True: FP8): positions per tile,
-# warps, float16 dots, pipelining stages (None: Triton's).  bf16 blocks of 64 positions already move 32 KiB of K/V per iteration
-# (about 2.9 TB/s on an H200 at 32 x 2k); FP8 tiles take twice the positions.
-DEFAULT_TILES: dict[bool, tuple[int, int, bool, Optional[int]]] = {False: (64, 4, False, None),
-                                                                   True: (128, 4, False, None)}
+# warps, float16 dots, pipelining stages (None: Triton's).  Measured on an H200
+# (bench_fp8_decode's sweep, Llama-3-8B heads, 32 x 2k, blocks of 64): bf16 one block a tile
+# with Triton's stages read 2,881 GB/s, 128 positions with 2 stages 3,716 GB/s; FP8 one block
+# a tile 1,200 GB/s, 128 positions with float16 dots and 2 stages 2,046 GB/s (bytes of K/V
+# and scales: 0.93x bf16's time).  Wider tiles, 8 warps and deeper pipelines were slower.
+DEFAULT_TILES: dict[bool, tuple[int, int, bool, Optional[int]]] = {False: (128, 4, False, 2),
+                                                                   True: (128, 4, True, 2)}
 
 
 def decode_tuning(quant: bool, block_size: int) -> DecodeTuning:
@@ -506,6 +509,15 @@ def paged_decode_launcher(
         new_scales, new_scale_strides = (query, query), (0,) * 4  # unused
     tune = tuning if tuning is not None else decode_tuning(quant, block_size)
     per_tile = tune.blocks_per_tile if block_size & (block_size - 1) == 0 else 1
+    dot_mode = _dot_mode(query, query.dtype if quant else k_cache.dtype)
+    f16 = quant and tune.float16_dots and query.dtype != torch.float32
+    # A tile's K and V operands stay within 64 KiB per pipelining stage (the H200's fastest
+    # tiles are 128 positions of 128 bf16 values): 512 positions of float32 dots would need
+    # 656 KiB of shared memory, past any GPU's.
+    dot_bytes = 2 if f16 or (dot_mode == 0 and (quant or k_cache.element_size() == 2)) else 4
+    max_positions = max(16, (64 << 10) // (2 * block_d * dot_bytes))
+    while per_tile > 1 and per_tile * block_size > max_positions:
+        per_tile //= 2
     if per_tile > 1:
         per_tile = max(per_tile, -(-16 // block_size))  # a tile holds at least Triton's 16 rows
     kernel = _decode_kernel[(batch, kv_heads, splits)]
@@ -517,9 +529,7 @@ def paged_decode_launcher(
         GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_D=block_d,
         BLOCK_N=max(16, per_tile * triton.next_power_of_2(block_size)), NUM_SPLITS=splits,
-        DOT=_dot_mode(query, query.dtype if quant else k_cache.dtype),
-        WRITE_NEW=write_new, QUANT=quant, PER_TILE=per_tile,
-        F16=quant and tune.float16_dots and query.dtype != torch.float32,
+        DOT=dot_mode, WRITE_NEW=write_new, QUANT=quant, PER_TILE=per_tile, F16=f16,
         num_warps=tune.num_warps, **({} if tune.num_stages is None else {"num_stages": tune.num_stages}),
     )
     no_scales = (query, query, (0,) * 6)  # float caches: unused
