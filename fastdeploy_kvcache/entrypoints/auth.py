@@ -158,7 +158,9 @@ def build_api_keys(api_key: Optional[str], keys_file: Optional[str]) -> Optional
     keys: dict[str, Optional[str]] = {}
     if keys_file:
         keys.update(load_keys_file(keys_file))
-    if api_key:
+    if api_key is not None:
+        # An empty --api-key is refused, not taken as "no key": the server would otherwise
+        # start open while its operator believes it checks keys.
         _check_name("key", api_key, "--api-key")
         if api_key in keys:
             raise ValueError(f"--api-key: the key is also in --api-keys-file {keys_file} (give it once)")
@@ -230,7 +232,8 @@ def add_auth_cli_args(parser: argparse.ArgumentParser) -> None:
     add("--api-key", dest="api_key", default=None, metavar="KEY",
         help=f"Every /v1 route, and the endpoints that list block hashes (/debug/kv_cache_blocks, "
              f"/router/state), then need 'Authorization: Bearer KEY' and answer 401 without it; /health and "
-             f"/metrics stay open (default: ${API_KEY_ENV}, else no key).")
+             f"/metrics stay open. An empty KEY is an error (default: ${API_KEY_ENV} if set and not "
+             f"empty, else no key).")
     add("--api-keys-file", dest="api_keys_file", default=None, metavar="PATH",
         help="Keys and their tenants: JSON ({\"KEY\": \"TENANT\", ...}) or one 'KEY TENANT' per line; "
              "accepted as --api-key's is. A bad file ends start-up with one line naming the entry (default: none).")

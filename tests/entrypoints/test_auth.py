@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fastdeploy_kvcache.entrypoints.auth import (MAX_CACHE_SALT_CHARS, ApiKeys, add_auth_cli_args, api_keys_from_args, build_api_keys,
-                                                 check_cache_salt, load_keys_file, tenant_cache_salt)
+from fastdeploy_kvcache.entrypoints.auth import (MAX_CACHE_SALT_CHARS, ApiKeys, add_auth_cli_args,
+                                                 api_keys_from_args, build_api_keys, check_cache_salt,
+                                                 load_keys_file, tenant_cache_salt)
 
 
 @pytest.mark.parametrize("content,keys", [
@@ -81,6 +82,11 @@ def test_flags_environment_and_isolation_are_checked_together(tmp_path: Path,
         build_api_keys("k1", str(path))
     with pytest.raises(ValueError, match="--tenant-isolation salt: needs --api-keys-file"):
         api_keys_from_args(parser.parse_args(["--tenant-isolation", "salt"]))
+    # An empty --api-key is an error, not an open server; an empty variable means unset.
+    with pytest.raises(ValueError, match="^--api-key: the key must be a non-empty string, got ''$"):
+        api_keys_from_args(parser.parse_args(["--api-key", ""]))
+    monkeypatch.setenv("FDKV_API_KEY", "")
+    assert api_keys_from_args(parser.parse_args([])) is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--tenant-isolation", "maybe"])
 
