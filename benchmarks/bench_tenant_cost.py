@@ -23,7 +23,8 @@ keeps >= 0.98 of the throughput with isolation off) rests on both:
    resolution, time spent waiting for a core excluded).  Each isolated configuration is
    paired with ``off`` in the same round; printed: the median of the paired ratios (isolated
    / off for requests/s, off / isolated for CPU per request: 1 - cost either way), its 95%
-   bootstrap confidence interval (resampling rounds), and whether the interval lies at or
+   confidence interval (a moving-block bootstrap over runs of consecutive rounds, one
+   rotation long: neighbouring rounds share the machine's load), and whether it lies at or
    above 0.98 (the cost shown to be <= 2%), wholly below it (shown to be more), or straddles
    it (this run cannot tell; no verdict from fewer than 10 rounds).
 2. **In process, deterministic.**  What isolation adds to a request, timed directly over
@@ -129,7 +130,7 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
                    help="Wall-clock budget of the whole run, start-up included (0: none; gpu 150).")
     p.add_argument("--micro-requests", type=int, default=200, help="Requests per in-process timing.")
     p.add_argument("--micro-repeats", type=int, default=21)
-    p.add_argument("--bootstrap", type=int, default=5000, help="Bootstrap resamples of the rounds.")
+    p.add_argument("--bootstrap", type=int, default=5000, help="Bootstrap resamples.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="A smoke run: 4 short rounds; not for tables.")
     p.add_argument("--tag", default="", help="File name tag (default: the device).")
@@ -152,11 +153,17 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
 
 
 # ---------------------------------------------------------------------- statistics
-def bootstrap_median_ci(values: list[float], resamples: int, seed: int) -> tuple[float, float, float]:
-    """(median, low, high): the median of ``values`` and its 95% percentile-bootstrap interval."""
+def bootstrap_median_ci(values: list[float], block: int, resamples: int, seed: int) -> tuple[float, float, float]:
+    """(median, low, high): the median of ``values`` (in round order) and its 95% interval by a
+    moving-block bootstrap: resamples are runs of ``block`` consecutive rounds (one rotation of
+    the order), so a burst of load that spans neighbouring rounds widens the interval, as it
+    should, instead of counting as independent evidence."""
     x = np.asarray(values, dtype=np.float64)
+    n = len(x)
+    block = max(1, min(block, n))
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(x), size=(resamples, len(x)))
+    starts = rng.integers(0, n - block + 1, size=(resamples, -(-n // block)))
+    idx = (starts[:, :, None] + np.arange(block)).reshape(resamples, -1)[:, :n]
     medians = np.median(x[idx], axis=1)
     return float(np.median(x)), float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
 
@@ -274,12 +281,13 @@ def measure_servers(a: argparse.Namespace, extra: list[str], t_start: float) -> 
             # one round of the timed shape (the first timed round ran slow on every server).
             for c in a.configs:
                 send(c, batch(-1) + batch(-2))
+            t0 = time.monotonic()
             for c in a.configs:
                 send(c, batch(-3))
-            round_s = 0.0
+            round_s = time.monotonic() - t0  # what the next round may take (the longest timed one)
             for rnd in range(a.rounds):
                 elapsed = time.monotonic() - t_start
-                if a.budget_s and rnd >= 1 and elapsed + 1.5 * round_s + STOP_RESERVE_S > a.budget_s:
+                if a.budget_s and elapsed + 1.5 * round_s + STOP_RESERVE_S > a.budget_s:
                     break
                 t0 = time.monotonic()
                 bodies = batch(rnd)
@@ -287,7 +295,8 @@ def measure_servers(a: argparse.Namespace, extra: list[str], t_start: float) -> 
                 got = {c: send(c, bodies) for c in order}
                 got["order"] = list(order)
                 rounds.append(got)
-                round_s = max(round_s, time.monotonic() - t0) if rnd else time.monotonic() - t0
+                took = time.monotonic() - t0
+                round_s = took if rnd == 0 else max(round_s, took)  # the untimed round's only until then
                 off = got["off"]
                 line = "  ".join(f"{c} {got[c]['requests_per_s'] / off['requests_per_s']:.3f}" for c in a.configs[1:])
                 print(f"round {rnd}: off {off['requests_per_s']:.2f} req/s; req/s ratio to off: {line}", flush=True)
@@ -308,12 +317,12 @@ def measure_servers(a: argparse.Namespace, extra: list[str], t_start: float) -> 
     for i, c in enumerate(a.configs[1:]):
         rps = [r[c]["requests_per_s"] / r["off"]["requests_per_s"] for r in rounds]
         res: dict[str, Any] = {"cached_tokens": sum(r[c]["cached_tokens"] for r in rounds)}
-        res["rps_ratio"], lo, hi = bootstrap_median_ci(rps, a.bootstrap, a.seed + i)
+        res["rps_ratio"], lo, hi = bootstrap_median_ci(rps, len(a.configs), a.bootstrap, a.seed + i)
         res["rps_ci95"] = [lo, hi]
         res["rps_verdict"] = verdict(lo, hi, len(rounds))
         if None not in off_cpu and all(r[c]["cpu_s_per_request"] for r in rounds):
             cpu = [r["off"]["cpu_s_per_request"] / r[c]["cpu_s_per_request"] for r in rounds]
-            res["cpu_ratio"], lo, hi = bootstrap_median_ci(cpu, a.bootstrap, a.seed + 100 + i)
+            res["cpu_ratio"], lo, hi = bootstrap_median_ci(cpu, len(a.configs), a.bootstrap, a.seed + 100 + i)
             res["cpu_ci95"] = [lo, hi]
             res["cpu_verdict"] = verdict(lo, hi, len(rounds))
         out["configs"][c] = res
