@@ -252,3 +252,16 @@ def test_a_bad_keys_file_ends_start_up_with_one_line(tmp_path: Path, content: Op
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].endswith(f"error: --api-keys-file {path}: {says}"), proc.stderr
+
+
+def test_an_empty_api_key_ends_start_up_with_one_line() -> None:
+    """``--api-key ''`` is refused, not read as "no key": the server would start open."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", ServerProcess.MODULE, *BASE_ARGS, "--api-key", ""],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("error: --api-key: the key must be a non-empty string, got ''"), \
+        proc.stderr
