@@ -30,9 +30,8 @@ keeps >= 0.98 of the throughput with isolation off) rests on both:
 2. **In process, deterministic.**  What isolation adds to a request, timed directly over
    many requests (best of ``--micro-repeats``, on this thread's CPU clock): the ASGI key
    guard (``ApiKeyGuard`` over an app that does nothing, against that app alone), the
-   request's salt
-   (``check_cache_salt`` + ``tenant_cache_salt``), and the cache manager's part of a
-   request's life with the same prompts (``match_prefix``, ``allocate_device_blocks``,
+   request's salt (``check_cache_salt`` + ``tenant_cache_salt``), and the cache manager's
+   part of a request's life with the same prompts (``match_prefix``, ``allocate_device_blocks``,
    ``commit_computed_blocks``, ``request_finish``: the salted hash under ``salt``, the
    k-anonymity index's checks and records under ``k-anonymity``) against the same with
    isolation off.  The sum, per request, is set beside the time a request takes the
@@ -43,7 +42,7 @@ keeps >= 0.98 of the throughput with isolation off) rests on both:
 Usage:
     python benchmarks/bench_tenant_cost.py                 # CPU, tiny-llama-random: ~3 min on a shared 2-core VM
     python benchmarks/bench_tenant_cost.py --quick         # smoke run; not for tables
-    python benchmarks/bench_tenant_cost.py --device gpu    # H200: llama3-8b-random, transformers runner, <= 150 s
+    python benchmarks/bench_tenant_cost.py --device gpu --tag h200   # llama3-8b-random, transformers, <= 150 s
 
 ``--device gpu`` sets ``--model llama3-8b-random --model-impl transformers --block-size 64
 --doc-tokens 1024 --suffix-tokens 64 --max-tokens 16 --requests 16 --concurrency 16
@@ -478,7 +477,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cpu_txt = f", {per_req_cpu_us / 1e3:.2f} ms server CPU per request" if per_req_cpu_us else ""
     print(f"baseline (off): {off['requests_per_s_median']:.2f} req/s (median of rounds){cpu_txt}; "
           f"cached tokens {off['cached_tokens']}")
-    print(f"servers, median of per-round paired ratios [95% bootstrap CI] (target >= {TARGET_RATIO}):")
+    print(f"servers, median of per-round paired ratios [95% block-bootstrap CI] (target >= {TARGET_RATIO}):")
     for c, res in srv["configs"].items():
         line = (f"  {c:12s} req/s {res['rps_ratio']:.3f} [{res['rps_ci95'][0]:.3f}, {res['rps_ci95'][1]:.3f}]: "
                 f"{res['rps_verdict']}")
