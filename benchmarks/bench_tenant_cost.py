@@ -135,7 +135,9 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     p.add_argument("--tag", default="", help="File name tag (default: the device).")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args(argv)
-    defaults = DEVICE["quick" if a.quick else a.device]
+    defaults = dict(DEVICE["quick" if a.quick and a.device == "cpu" else a.device])
+    if a.quick and a.device == "gpu":  # the GPU's model and shapes, fewer and shorter rounds
+        defaults.update(rounds=4, requests=8, max_tokens=4)
     a.model = a.model or defaults["model"]
     a.model_impl = a.model_impl or defaults["impl"]
     for name in ("block_size", "doc_tokens", "suffix_tokens", "max_tokens", "requests", "concurrency", "rounds",
