@@ -42,6 +42,10 @@ API_KEY_ENV = "FDKV_API_KEY"
 """The environment variable ``--api-key`` defaults to (``envs.py``)."""
 
 MAX_NAME_CHARS = 256
+MAX_CACHE_SALT_CHARS = 1024
+"""Longest ``cache_salt`` accepted.  A salt names a namespace (a random token, a project id);
+a longer one is a mistake or an attempt to make every server and the router hold and hash
+megabytes per request, so it is a 400 rather than silently accepted."""
 _BEARER = "bearer "
 
 
@@ -56,6 +60,17 @@ def _check_name(what: str, value: Any, where: str) -> str:
     return value
 
 
+def _no_repeated_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' object hook: a name given twice in one object is an error (json keeps the
+    last one silently, which would drop a key, or change its tenant, without a word)."""
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in out:
+            raise ValueError(f"the name {name!r} appears twice in one object")
+        out[name] = value
+    return out
+
+
 def load_keys_file(path: str) -> dict[str, str]:
     """``{key: tenant}`` from a keys file; ValueError (one line naming the file and the entry)."""
     flag = f"--api-keys-file {path}"
@@ -67,7 +82,7 @@ def load_keys_file(path: str) -> dict[str, str]:
     pairs: list[tuple[str, Any, str]] = []
     if text.lstrip()[:1] in ("{", "["):
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_no_repeated_names)
         except ValueError as exc:
             raise ValueError(f"{flag}: not valid JSON ({exc})") from None
         if isinstance(data, dict):
@@ -143,7 +158,9 @@ def build_api_keys(api_key: Optional[str], keys_file: Optional[str]) -> Optional
     keys: dict[str, Optional[str]] = {}
     if keys_file:
         keys.update(load_keys_file(keys_file))
-    if api_key:
+    if api_key is not None:
+        # An empty --api-key is refused, not taken as "no key": the server would otherwise
+        # start open while its operator believes it checks keys.
         _check_name("key", api_key, "--api-key")
         if api_key in keys:
             raise ValueError(f"--api-key: the key is also in --api-keys-file {keys_file} (give it once)")
@@ -191,13 +208,16 @@ def system_prefix_tokens(full: list[int], system_only: list[int]) -> int:
 
 
 def check_cache_salt(value: Any) -> Optional[str]:
-    """A request's ``cache_salt``: None, or a non-empty string; ValueError naming the field."""
+    """A request's ``cache_salt``: None, or a non-empty string of at most
+    :data:`MAX_CACHE_SALT_CHARS` characters; ValueError naming the field."""
     if value is None:
         return None
     if not isinstance(value, str):
         raise ValueError(f"cache_salt: must be a non-empty string, got {type(value).__name__}")
     if not value:
         raise ValueError("cache_salt: must be a non-empty string, got an empty one")
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(value)}")
     return value
 
 
@@ -212,7 +232,8 @@ def add_auth_cli_args(parser: argparse.ArgumentParser) -> None:
     add("--api-key", dest="api_key", default=None, metavar="KEY",
         help=f"Every /v1 route, and the endpoints that list block hashes (/debug/kv_cache_blocks, "
              f"/router/state), then need 'Authorization: Bearer KEY' and answer 401 without it; /health and "
-             f"/metrics stay open (default: ${API_KEY_ENV}, else no key).")
+             f"/metrics stay open. An empty KEY is an error (default: ${API_KEY_ENV} if set and not "
+             f"empty, else no key).")
     add("--api-keys-file", dest="api_keys_file", default=None, metavar="PATH",
         help="Keys and their tenants: JSON ({\"KEY\": \"TENANT\", ...}) or one 'KEY TENANT' per line; "
              "accepted as --api-key's is. A bad file ends start-up with one line naming the entry (default: none).")

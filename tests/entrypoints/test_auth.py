@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fastdeploy_kvcache.entrypoints.auth import (ApiKeys, add_auth_cli_args, api_keys_from_args, build_api_keys,
-                                                 check_cache_salt, load_keys_file, tenant_cache_salt)
+from fastdeploy_kvcache.entrypoints.auth import (MAX_CACHE_SALT_CHARS, ApiKeys, add_auth_cli_args,
+                                                 api_keys_from_args, build_api_keys, check_cache_salt,
+                                                 load_keys_file, tenant_cache_salt)
 
 
 @pytest.mark.parametrize("content,keys", [
@@ -37,6 +38,10 @@ def test_a_keys_file_is_json_or_key_tenant_lines(tmp_path: Path, content: str, k
     ('[{"key": "k1"}]', 'entry 0: must be an object with exactly "key" and "tenant"'),
     ('[{"key": "k1", "tenant": "a", "x": 1}]', 'entry 0: must be an object with exactly "key" and "tenant"'),
     ('{"k1": "alice"', "not valid JSON"),
+    ('{"k1": "alice", "k1": "bob"}', "not valid JSON (the name 'k1' appears twice in one object"),
+    ('[{"key": "k1", "tenant": "a", "key": "k2"}]', "not valid JSON (the name 'key' appears twice"),
+    ('[{"key": "k1", "tenant": "a"}, {"key": "k1", "tenant": "b"}]', "entry 1: a key appears twice"),
+    ('[1]', 'entry 0: must be an object with exactly "key" and "tenant"'),
     ("# nothing\n", "holds no key"),
     ("", "holds no key"),
 ])
@@ -77,6 +82,11 @@ def test_flags_environment_and_isolation_are_checked_together(tmp_path: Path,
         build_api_keys("k1", str(path))
     with pytest.raises(ValueError, match="--tenant-isolation salt: needs --api-keys-file"):
         api_keys_from_args(parser.parse_args(["--tenant-isolation", "salt"]))
+    # An empty --api-key is an error, not an open server; an empty variable means unset.
+    with pytest.raises(ValueError, match="^--api-key: the key must be a non-empty string, got ''$"):
+        api_keys_from_args(parser.parse_args(["--api-key", ""]))
+    monkeypatch.setenv("FDKV_API_KEY", "")
+    assert api_keys_from_args(parser.parse_args([])) is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--tenant-isolation", "maybe"])
 
@@ -90,3 +100,7 @@ def test_tenant_salts_never_coincide_and_a_cache_salt_is_a_non_empty_string() ->
     for bad in ("", 1, b"s", ["s"]):
         with pytest.raises(ValueError, match="^cache_salt: must be a non-empty string"):
             check_cache_salt(bad)
+    assert check_cache_salt("s" * MAX_CACHE_SALT_CHARS) == "s" * MAX_CACHE_SALT_CHARS
+    with pytest.raises(ValueError, match=f"^cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got "
+                                         f"{MAX_CACHE_SALT_CHARS + 1}$"):
+        check_cache_salt("s" * (MAX_CACHE_SALT_CHARS + 1))

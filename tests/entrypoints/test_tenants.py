@@ -21,7 +21,7 @@ import pytest
 from fastdeploy_kvcache.core.kv_events import event_block_hashes
 from fastdeploy_kvcache.core.request import Request
 from fastdeploy_kvcache.core.hashing import storage_key
-from fastdeploy_kvcache.entrypoints.auth import tenant_cache_salt
+from fastdeploy_kvcache.entrypoints.auth import MAX_CACHE_SALT_CHARS, tenant_cache_salt
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess
 from server_helpers import BASE_ARGS, BLOCK_SIZE, MODEL, file_store_args, prompt_ids, wait_storage_quiet
 
@@ -128,7 +128,9 @@ def _finished(server: ServerProcess) -> float:
 
 
 @pytest.mark.parametrize("salt,why", [("", "an empty one"), (5, "valid string"), (["a"], "valid string"),
-                                      (True, "valid string")])
+                                      (True, "valid string"),
+                                      ("s" * (MAX_CACHE_SALT_CHARS + 1),
+                                       f"at most {MAX_CACHE_SALT_CHARS} characters, got {MAX_CACHE_SALT_CHARS + 1}")])
 def test_a_bad_cache_salt_is_a_400_naming_the_field(server: ServerProcess, salt: Any, why: str) -> None:
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=ROOT_KEY, max_retries=0, timeout=60.0)
     with pytest.raises(openai.BadRequestError) as exc:
@@ -138,6 +140,18 @@ def test_a_bad_cache_salt_is_a_400_naming_the_field(server: ServerProcess, salt:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        extra_body={"cache_salt": salt})
     assert exc.value.body["param"] == "cache_salt" and why in exc.value.body["message"]
+
+
+def test_the_longest_cache_salt_is_a_namespace_of_its_own(server: ServerProcess) -> None:
+    longest = "s" * MAX_CACHE_SALT_CHARS
+    q = prompt_ids(14, 200)
+    text, tiers = complete(server, ROOT_KEY, q, longest)
+    assert sum(tiers.values()) == 0, tiers
+    assert salted(q, tenant_cache_salt(None, longest)) <= blocks(server)["GPU"]
+    again, tiers = complete(server, ROOT_KEY, q, longest)
+    assert again == text and tiers["device"] == FULL, tiers
+    again, tiers = complete(server, ROOT_KEY, q, longest[:-1])  # one character less: another salt
+    assert again == text and sum(tiers.values()) == 0, tiers
 
 
 # ---------------------------------------------------------------------- salts, device and host
@@ -220,15 +234,34 @@ def test_a_shared_file_store_serves_a_salt_only_to_that_salt_across_a_restart(tm
 
 
 # ---------------------------------------------------------------------- start-up
-def test_a_bad_keys_file_ends_start_up_with_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("content,says", [
+    ("k1 alice\nk2\n", "line 2: expected '<key> <tenant>', got 1 field(s)"),
+    ('{"k1": "alice", "k1": "bob"}', "not valid JSON (the name 'k1' appears twice in one object)"),
+    ('{"k1": "alice"', "not valid JSON (Expecting ',' delimiter: line 1 column 15 (char 14))"),
+    (None, "cannot read it (No such file or directory)"),
+])
+def test_a_bad_keys_file_ends_start_up_with_one_line(tmp_path: Path, content: Optional[str], says: str) -> None:
     import subprocess
     import sys
 
     path = tmp_path / "keys"
-    path.write_text("k1 alice\nk2\n")
+    if content is not None:
+        path.write_text(content)
     proc = subprocess.run([sys.executable, "-m", ServerProcess.MODULE, *BASE_ARGS, "--api-keys-file", str(path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].endswith(
-        f"error: --api-keys-file {path}: line 2: expected '<key> <tenant>', got 1 field(s)"), proc.stderr
+    assert len(lines) == 1 and lines[0].endswith(f"error: --api-keys-file {path}: {says}"), proc.stderr
+
+
+def test_an_empty_api_key_ends_start_up_with_one_line() -> None:
+    """``--api-key ''`` is refused, not read as "no key": the server would start open."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", ServerProcess.MODULE, *BASE_ARGS, "--api-key", ""],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("error: --api-key: the key must be a non-empty string, got ''"), \
+        proc.stderr

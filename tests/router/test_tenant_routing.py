@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from fastdeploy_kvcache.core.kv_events import event_block_hashes
-from fastdeploy_kvcache.entrypoints.auth import tenant_cache_salt
+from fastdeploy_kvcache.entrypoints.auth import MAX_CACHE_SALT_CHARS, tenant_cache_salt
 from fastdeploy_kvcache.entrypoints.server_process import RouterProcess, ServerProcess
 
 from .conftest import BLOCK_SIZE, MODEL, ROUTER_ARGS, WORKER_ARGS
@@ -145,6 +145,19 @@ def test_the_router_checks_keys_itself_and_a_router_without_keys_forwards_them(f
     assert r.status_code == 200, r.text
     r = post(plain.base_url, None, [5, 6, 7])
     assert r.status_code == 401 and r.json()["error"]["message"].startswith("worker server: "), r.text
+
+
+def test_a_bad_cache_salt_through_the_router_is_the_workers_400_naming_it(fleet: TenantFleet) -> None:
+    router = fleet.routers[0]
+    for salt, says in (("", "an empty one"), (5, "valid string"),
+                       ("s" * (MAX_CACHE_SALT_CHARS + 1), f"at most {MAX_CACHE_SALT_CHARS} characters")):
+        r = post(router.base_url, "key-bob", [5, 6, 7], salt)  # type: ignore[arg-type]
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "cache_salt" and err["message"].startswith("worker server: cache_salt: ") \
+            and says in err["message"], err
+    r = post(router.base_url, "key-bob", [5, 6, 7], "s" * MAX_CACHE_SALT_CHARS)  # the longest: accepted
+    assert r.status_code == 200, r.text
 
 
 def _routed(router: RouterProcess) -> float:
