@@ -52,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -155,7 +156,9 @@ def start_servers(flags: list[str], keys_file: Path, k: int) -> dict[str, Server
             if mode == "k-anonymity":
                 more += ["--k-anonymity-k", str(k)]
             servers[mode] = ServerProcess([*flags, *more], env={"ENABLE_V1_KVCACHE_MANAGER": "1"},
-                                          startup_timeout_s=1800).start()
+                                          startup_timeout_s=1800)
+        with ThreadPoolExecutor(len(servers)) as pool:  # start-ups overlap (each waits for its port)
+            list(pool.map(lambda s: s.start(), servers.values()))
     except BaseException:
         for srv in servers.values():
             srv.stop()
