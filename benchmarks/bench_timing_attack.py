@@ -307,6 +307,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                               "machine": machine(), "device": a.device, "model": model, "model_impl": impl,
                               "k": a.k_anonymity_k, "flags": flags,
                               "workload": {n: getattr(a, n) for n in defaults}}
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = a.tag or a.device
+    path = out_dir / f"{NAME}_{tag}_{dt.date.today().isoformat()}{'_quick' if a.quick else ''}.json"
+
+    def save(phases_done: str) -> None:
+        """(Re)write the JSON after each phase: a run stopped by a time limit keeps what ended."""
+        report["phases_done"] = phases_done
+        path.write_text(json.dumps(report, indent=2))
+
     with tempfile.TemporaryDirectory() as tmp:
         keys_file = Path(tmp) / "keys.json"
         keys_file.write_text(json.dumps(keys_for(a.gsp_tenants)))
@@ -321,6 +331,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 with tqdm(total=4 * a.trials, desc="attack", unit="trial", file=sys.stderr) as bar:
                     report["attack"] = await attack(servers, model, a.trials, a.secret_tokens, a.seed, bar)
                 print("\n".join(attack_lines(report)), flush=True)  # each phase's figures as it ends
+                save("attack")
                 gsp = gsp_requests(a, a.seed + 1)
                 report["sharing"] = {}
                 with tqdm(total=len(MODES) * len(gsp), desc="gsp sharing", unit="req", file=sys.stderr) as bar:
@@ -332,6 +343,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for s in report["sharing"].values():
                     s["ratio_to_none"] = s["reused_tokens"] / base_reuse if base_reuse else float("nan")
                 print("\n".join(sharing_lines(report)), flush=True)
+                save("attack, sharing")
                 cost = cost_requests(a, a.seed + 2)
                 rates: dict[str, list[float]] = {m: [] for m in MODES}
                 reuse: dict[str, int] = {}
@@ -362,11 +374,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 srv.stop()
 
     print(format_console(report))
-    out_dir = Path(a.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tag = a.tag or a.device
-    path = out_dir / f"{NAME}_{tag}_{dt.date.today().isoformat()}{'_quick' if a.quick else ''}.json"
-    path.write_text(json.dumps(report, indent=2))
+    save("attack, sharing, cost")
     print(f"wrote {path}")
     return 0
 
