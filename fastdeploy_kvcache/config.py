@@ -31,7 +31,7 @@ AUTO_DTYPE = "auto"
 # both uint8 K/V bytes with one fp32 scale per (block, head, token):
 # * ``block_wise_fp8`` (FastDeploy's name): float8 e4m3 bytes, scale = amax over head_dim / FP8_E4M3_MAX;
 # * ``block_wise_int8``: int8 bytes (two's complement), scale = amax over head_dim / INT8_MAX,
-#   the value rounded to the nearest integer: about 3x less error than e4m3 on K and V.
+#   the value rounded to the nearest integer: 2-3x less error than e4m3 on K and V.
 BLOCK_WISE_FP8 = "block_wise_fp8"
 BLOCK_WISE_INT8 = "block_wise_int8"
 KV_CACHE_QUANTS = (None, "int8", "fp8", BLOCK_WISE_FP8, BLOCK_WISE_INT8)

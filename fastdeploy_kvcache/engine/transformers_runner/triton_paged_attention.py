@@ -73,8 +73,9 @@ def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, block, kv_head
                 mask=kv_mask, other=0)
     if QUANT:
         if QUANT == 2:
-            k = k.to(tl.int8, bitcast=True).to(q.dtype)
-            v = v.to(tl.int8, bitcast=True).to(q.dtype)
+            # Through float32 (exact): Triton's CPU interpreter turns int8 -> bfloat16 into NaN.
+            k = k.to(tl.int8, bitcast=True).to(tl.float32).to(q.dtype)
+            v = v.to(tl.int8, bitcast=True).to(tl.float32).to(q.dtype)
         else:
             k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
             v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
