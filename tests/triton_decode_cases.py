@@ -50,20 +50,22 @@ PREFILL_CASES: dict[str, tuple[int, int, int, int, int, int]] = {
     "llama3_bs64_ctx300_n64": (32, 8, 128, 64, 300, 64),
 }
 DTYPES = ("float32", "float16", "bfloat16")
-# FP8 caches (uint8 E4M3 bytes with float32 per-token scales, fp8_kv.py) under queries of the
-# named dtype: the reference is float64 over the dequantized values, so the bound is the
-# query dtype's (the dequantization itself is exact up to the scale multiply).
-FP8_DTYPES = ("fp8-float32", "fp8-bfloat16")
+# 8-bit caches (uint8 bytes with float32 per-token scales, fp8_kv.py: E4M3 for "fp8-", int8
+# for "int8-") under queries of the named dtype: the reference is float64 over the
+# dequantized values, so the bound is the query dtype's (the dequantization itself is exact
+# up to the scale multiply).
+FP8_DTYPES = ("fp8-float32", "fp8-bfloat16", "int8-float32", "int8-bfloat16")
 # Each dtype's bound on the kernel's error (inputs are exact in it; the probabilities and the
 # output round to it, as in a flash kernel).
-TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2, "fp8-float32": 2e-5, "fp8-bfloat16": 2e-2}
+TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2, "fp8-float32": 2e-5, "fp8-bfloat16": 2e-2,
+             "int8-float32": 2e-5, "int8-bfloat16": 2e-2}
 
 
 def _query_dtype(dtype: str) -> Any:
     """The torch dtype of the queries (and of float caches) of case dtype ``dtype``."""
     import torch
 
-    return getattr(torch, dtype.removeprefix("fp8-"))
+    return getattr(torch, dtype.split("-")[-1])
 
 
 class _Caches:
@@ -73,17 +75,20 @@ class _Caches:
     def __init__(self, gen: Any, shape: tuple[int, ...], dtype: str) -> None:
         import torch
 
-        from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import dequantize_fp8, quantize_fp8
+        from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import (FP8_KV_QUANT, INT8_KV_QUANT, dequantize_8bit,
+                                                                          quantize_8bit)
 
-        self.fp8 = dtype.startswith("fp8-")
+        self.fp8 = dtype.startswith(("fp8-", "int8-"))  # 8-bit, either encoding
+        self.kv_quant = INT8_KV_QUANT if dtype.startswith("int8-") else FP8_KV_QUANT
         k = torch.randn(shape, generator=gen)
         v = torch.randn(shape, generator=gen)
         if self.fp8:
             # Uneven magnitudes per token (the scales must be per token, not per block).
             k = k * torch.rand(shape[:3], generator=gen)[..., None].mul(4).add(0.25)
             v = v * torch.rand(shape[:3], generator=gen)[..., None].mul(4).add(0.25)
-            (self.k, self.ks), (self.v, self.vs) = quantize_fp8(k), quantize_fp8(v)
-            self.k_ref, self.v_ref = dequantize_fp8(self.k, self.ks), dequantize_fp8(self.v, self.vs)
+            (self.k, self.ks), (self.v, self.vs) = quantize_8bit(k, self.kv_quant), quantize_8bit(v, self.kv_quant)
+            self.k_ref = dequantize_8bit(self.k, self.ks, self.kv_quant)
+            self.v_ref = dequantize_8bit(self.v, self.vs, self.kv_quant)
         else:
             dt = _query_dtype(dtype)
             self.k, self.v, self.ks, self.vs = k.to(dt), v.to(dt), None, None
@@ -103,6 +108,12 @@ class _Caches:
 
     def scales(self) -> dict[str, Any]:
         return {"k_scale": self.ks, "v_scale": self.vs} if self.fp8 else {}
+
+    def flags(self) -> dict[str, Any]:
+        """The kernels' keyword for int8 bytes (E4M3 and float caches: none)."""
+        from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import INT8_KV_QUANT
+
+        return {"int8": True} if self.fp8 and self.kv_quant == INT8_KV_QUANT else {}
 SPLITS = (None, 1, 3)  # None: the kernel's own choice
 
 
@@ -175,7 +186,7 @@ def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     def run(tbl: Any, splits: Any, tuning: Any = None) -> Any:
         full = torch.full((b + 2, heads, dim), 7.0, dtype=dt, device=device)
         paged_decode_attention(on(q), block_table=on(tbl), seq_lens=on(lens), out=full[:b], scale=scale,
-                               num_splits=splits, tuning=tuning, **on_dev)
+                               num_splits=splits, tuning=tuning, **on_dev, **caches.flags())
         return full.cpu()
 
     res: dict[str, float] = {}
@@ -211,13 +222,13 @@ def case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     dev = blank.to(device)
     full = torch.full((b + 2, heads, dim), 7.0, dtype=dt, device=device)
     paged_decode_attention(on(q), block_table=on(table), seq_lens=on(lens), out=full[:b], scale=scale, num_splits=3,
-                           **dev, **{k: on(t) for k, t in new.items()})
+                           **dev, **caches.flags(), **{k: on(t) for k, t in new.items()})
     res["write_new_f64"] = float((full[:b].cpu().double() - ref).abs().max()) / norm
     want = caches.to("cpu")
     res["write_new_cache_wrong"] = float(not all(torch.equal(dev[k].cpu(), want[k]) for k in want))
     mask = decode_mask(on(lens), width, bs, torch.arange(width * bs, device=device))
     fallback = decode_attention_torch(on(q), on_dev["k_cache"], on_dev["v_cache"], on(table), mask, scale,
-                                      on_dev.get("k_scale"), on_dev.get("v_scale")).cpu()
+                                      on_dev.get("k_scale"), on_dev.get("v_scale"), caches.kv_quant).cpu()
     res["torch"] = float((got[:b].double() - fallback.double()).abs().max()) / norm
     res["torch_vs_f64"] = float((fallback.double() - ref).abs().max()) / norm
     return res
@@ -274,7 +285,8 @@ def zero_length_errors(dtype: str, device: Any) -> dict[str, float]:
         dev = caches.to(device)
         out = torch.full((b, heads, dim), 7.0, dtype=dt, device=device)
         paged_decode_attention(q.to(device), block_table=table.to(device), seq_lens=lens.to(device), out=out,
-                               scale=scale, num_splits=splits, **dev, **{k: t.to(device) for k, t in new.items()})
+                               scale=scale, num_splits=splits, **dev, **caches.flags(),
+                               **{k: t.to(device) for k, t in new.items()})
         out = out.cpu()
         res[f"f64_splits_{splits}"] = float((out[real].double() - ref).abs().max()) / norm
         zeros = [i for i in range(b) if i not in real]
@@ -310,7 +322,7 @@ def prefill_case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     caches = _Caches(gen, (num_blocks, kv_heads, bs, dim), dtype)
     last, at = int(table[-1]), (total - 1) % bs + 1
     if caches.fp8:
-        caches.k[last, :, at:] = 0x7F  # E4M3 NaN
+        caches.k[last, :, at:] = 0x7F  # E4M3 NaN (int8: 127, far off the real values' scale)
         caches.v[last, :, at:] = 0x7F
         caches.ks[last, :, at:] = float("nan")
         caches.vs[last, :, at:] = float("nan")
@@ -331,11 +343,11 @@ def prefill_case_errors(name: str, dtype: str, device: Any) -> dict[str, float]:
     full = torch.full((n + 2, heads, dim), 7.0, dtype=dt, device=device)
     dev = caches.to(device)
     paged_prefill_attention(q.to(device), table=table.to(device), context_len=ctx, out=full[1:n + 1], scale=scale,
-                            **dev)
+                            **dev, **caches.flags())
     full = full.cpu()
     fallback = prefill_attention_torch(q.transpose(0, 1)[None].to(device), dev["k_cache"], dev["v_cache"],
                                        table.to(device), ctx, scale, dev.get("k_scale"),
-                                       dev.get("v_scale"))[0].transpose(0, 1).cpu()
+                                       dev.get("v_scale"), caches.kv_quant)[0].transpose(0, 1).cpu()
     return {"f64": float((full[1:n + 1].double() - ref).abs().max()) / norm,
             "torch": float((full[1:n + 1].double() - fallback.double()).abs().max()) / norm,
             "outside_changed": float(bool((full[0] != 7.0).any() or (full[n + 1] != 7.0).any()))}

@@ -255,8 +255,9 @@ _ENGINE_FLAG_HELP = {
                     "`bash build.sh serve` gives 1, and `bash build.sh serve-gpu` gives $FDKV_SWAP_SPACE, 4 "
                     "unless set).",
     "--kv-cache-dtype": "KV cache element type; 'auto' (the default) uses the model's dtype "
-                        "(float32 on the CPU, bfloat16 on the GPU); 'block_wise_fp8' is the same as "
-                        "--quantization '{\"kv_cache_quant_type\": \"block_wise_fp8\"}'.",
+                        "(float32 on the CPU, bfloat16 on the GPU); 'block_wise_fp8' (or 'block_wise_int8') "
+                        "is the same as --quantization '{\"kv_cache_quant_type\": \"block_wise_fp8\"}' "
+                        "(or \"block_wise_int8\").",
 }
 
 

@@ -130,7 +130,8 @@ class LLMEngine:
                 from fastdeploy_kvcache.engine.paddleformers_runner.fp8_kv import gather_view_dtype
 
                 gather_view_dtype(self.cache_config.head_dim)  # ValueError now, not at the first step
-            self.runner = PaddleModelRunner(self.loaded, self.cache_config.block_size, self.device)
+            self.runner = PaddleModelRunner(self.loaded, self.cache_config.block_size, self.device,
+                                            kv_cache_quant=self.cache_config.kv_cache_quant)
         self.cache_config.num_gpu_blocks = self._device_pool_blocks()
         storage = getattr(args, "storage", None)
         if storage is not None and storage.fetch_plan == "auto":

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from fastdeploy_kvcache.config import BLOCK_WISE_FP8, CacheConfig
+from fastdeploy_kvcache.config import BLOCK_WISE_FP8, BLOCK_WISE_INT8, CacheConfig
 from fastdeploy_kvcache.core.metadata import CacheLevel, ResidencyPlan, TransferKind
 from fastdeploy_kvcache.core.request import BatchRequest, Request
 from fastdeploy_kvcache.core.storage_tier import PREFETCH_READY, StorageJob, StorageTier
@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 STORAGE_OFF_REPORT_S = 3.0
 # The KV formats an engine serves, as (dtype, kv_cache_quant): a miss is looked up under the
 # others' keys at most once per FOREIGN_PROBE_INTERVAL_S, to log why a store misses.
-OTHER_KV_FORMATS = (("bfloat16", None), ("float16", None), ("float32", None), ("uint8", BLOCK_WISE_FP8))
+OTHER_KV_FORMATS = (("bfloat16", None), ("float16", None), ("float32", None), ("uint8", BLOCK_WISE_FP8),
+                    ("uint8", BLOCK_WISE_INT8))
 FOREIGN_PROBE_INTERVAL_S = 1.0
 
 __all__ = ["StorageKVPool", "model_fingerprint"]

@@ -59,7 +59,7 @@ _KV_FORMAT_AT = 24
 # one byte each.  The numbers are part of the on-disk format: append, never renumber.
 _KV_TAG = 0x4B56
 _KV_DTYPES = {"bfloat16": 1, "float16": 2, "float32": 3, "uint8": 4}
-_KV_QUANTS = {None: 0, "int8": 1, "fp8": 2, "block_wise_fp8": 3}
+_KV_QUANTS = {None: 0, "int8": 1, "fp8": 2, "block_wise_fp8": 3, "block_wise_int8": 4}
 # Scale layout: 0 none; 1 fp32 [heads, block_size] after each layer's K and V bytes (key
 # scale, then value scale), the layout every quantized CacheConfig has.
 _KV_SCALES = {0: "no scales", 1: "fp32 scales per (head, token) after each layer's K and V"}

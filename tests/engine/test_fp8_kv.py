@@ -1,5 +1,5 @@
-"""block_wise_fp8 KV on the paddleformers runner: the quantization's bounds, and reuse of
-cached fp8 KV giving the greedy tokens of recomputing with fp8 KV.
+"""block_wise_fp8 (and block_wise_int8) KV on the paddleformers runner: the quantization's
+bounds, and reuse of cached 8-bit KV giving the greedy tokens of recomputing with it.
 
 The reuse checks are the shared ones (``tests/reuse_workloads.py``) on an engine whose cache
 is ``--quantization '{"kv_cache_quant_type": "block_wise_fp8"}'``: recompute is the switch off
@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from fastdeploy_kvcache.config import BLOCK_WISE_FP8, FP8_E4M3_MAX
+from fastdeploy_kvcache.config import BLOCK_WISE_FP8, BLOCK_WISE_INT8, FP8_E4M3_MAX, INT8_MAX
 from fastdeploy_kvcache.engine.model_loader import LoadedModel
 from tests.engine_args import started_engines
 from tests.reuse_workloads import ReuseChecks
@@ -37,6 +37,52 @@ class TestFp8Reuse(ReuseChecks):
                 "test_host_hits_change_nothing": ("write_through", "write_back"),
                 "test_failed_loads_recompute_and_change_nothing": ("write_through",),
                 "test_preemption_changes_nothing": ("write_back",)}
+
+
+def test_int8_device_and_host_hits_change_nothing(engine_factory: Any) -> None:
+    """block_wise_int8 (the same write and read paths as fp8, another encoding of the bytes):
+    recompute (prefix caching off) against device hits and host hits."""
+    from tests.reuse_workloads import check_device_hits, check_host_hits, recompute_tokens
+
+    def int8(**kwargs: Any) -> Any:
+        return engine_factory(**{"kv_cache_quant": BLOCK_WISE_INT8, **kwargs})
+
+    ref = recompute_tokens(int8)
+    check_device_hits(int8, ref, "write_through")
+    check_host_hits(int8, ref, "write_through")
+
+
+def test_int8_round_trip_bounds_and_bytes() -> None:
+    """block_wise_int8: each value reads back within half a step (scale / 2, scale = amax /
+    127) of itself, the amax is exact, zeros stay zero; the bytes are numpy's round-half-even
+    of x / scale as int8 (torch.round's rule too: either runner's objects read on the other)."""
+    import paddle
+
+    from fastdeploy_kvcache.engine.paddleformers_runner import fp8_kv
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 33, 64)).astype(np.float32) * np.logspace(-6, 4, 33, dtype=np.float32)[None, :, None]
+    x[1, 5] = 0.0
+    x[0, 0, :4] = [2.0, -1.0, 0.5, -2.0]  # with the rest zero below: ties at -63.5 go to -64
+    x[0, 0, 4:] = 0.0
+    q, scale = fp8_kv.quantize(paddle.to_tensor(x), BLOCK_WISE_INT8)
+    s = scale.numpy()
+    np.testing.assert_allclose(s, np.abs(x).max(-1) / INT8_MAX, rtol=1e-6)
+    want = np.clip(np.rint(x / np.where(s > 0, s, 1)[..., None]), -127, 127).astype(np.int8).view(np.uint8)
+    np.testing.assert_array_equal(q.numpy(), want)
+    assert list(q.numpy()[0, 0, :4]) == [0x7F, 0xC0, 0x20, 0x81]
+    back = fp8_kv.dequantize(q, scale, BLOCK_WISE_INT8).numpy()
+    err = np.abs(back - x)
+    assert (err <= s[..., None] * 0.5 * (1 + 1e-5) + 1e-30).all()
+    assert (back[1, 5] == 0).all() and s[1, 5] == 0
+    amax_at = np.abs(x).argmax(-1)
+    np.testing.assert_allclose(np.take_along_axis(np.abs(back), amax_at[..., None], -1)[..., 0],
+                               np.abs(x).max(-1), rtol=1e-6)
+    # Read through the engine's gather (an int32 view of the bytes) it is the same.
+    cache = paddle.to_tensor(q.numpy()[None].reshape(4, 1, 33, 64))
+    got = fp8_kv.gather_blocks(cache, paddle.to_tensor(s.reshape(4, 1, 33)), paddle.to_tensor([2, 0]),
+                               BLOCK_WISE_INT8).numpy()
+    np.testing.assert_array_equal(got[:, 0], back[[2, 0]])
 
 
 def test_round_trip_bounds() -> None:

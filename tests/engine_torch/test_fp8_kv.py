@@ -1,6 +1,7 @@
-"""The FP8 KV cache (``kv_cache_quant="block_wise_fp8"``) of the transformers runner on the CPU.
+"""The 8-bit KV caches (``kv_cache_quant`` ``"block_wise_fp8"``, ``"block_wise_int8"``) of the
+transformers runner on the CPU.
 
-* the E4M3 round trip stays within its bound, per element;
+* the E4M3 and int8 round trips stay within their bounds, per element;
 * the runner refuses caches that are not of its format, and formats it does not serve;
 * the Triton kernels (in Triton's interpreter) over FP8 caches against float64 over the
   dequantized values and against the torch fallbacks, the decode kernel's own write of the
@@ -68,6 +69,52 @@ def test_round_trip_within_the_e4m3_bound() -> None:
         assert int(q[5].sum()) == 0 and float(scale[5]) == 0.0 and float(back[5].abs().sum()) == 0.0
 
 
+INT8_HALF_STEP = 0.5  # absolute, in units of the scale (amax / 127): round to nearest
+
+
+def test_round_trip_within_the_int8_bound() -> None:
+    """Every element comes back within half a step (scale / 2 = amax / 254) of itself, the
+    vector's largest is exact, -128 is never written, and a zero vector stays zero with scale
+    0; int8's error on Gaussian-like vectors is well under E4M3's."""
+    import torch
+
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import (INT8_KV_QUANT, INT8_MAX, dequantize_8bit,
+                                                                      dequantize_fp8, quantize_8bit, quantize_fp8)
+
+    for dtype, top in ((torch.float32, 6), (torch.bfloat16, 6), (torch.float16, 2)):
+        x = _vectors(torch, top).to(dtype).float()
+        q, scale = quantize_8bit(x.to(dtype), INT8_KV_QUANT)
+        assert q.dtype == torch.uint8 and scale.dtype == torch.float32 and q.shape == x.shape
+        assert int((q == 0x80).sum()) == 0  # -128
+        back = dequantize_8bit(q, scale, INT8_KV_QUANT)
+        err = (back - x).abs()
+        bound = INT8_HALF_STEP * scale[:, None]
+        assert bool((err <= bound * (1 + 1e-5) + 1e-30).all()), float((err - bound).max())
+        assert float((err / bound.clamp_min(1e-30)).max()) > 0.9  # not slack
+        amax = x.abs().amax(-1)
+        rows = torch.arange(x.shape[0])
+        assert torch.allclose(back[rows, x.abs().argmax(-1)].abs(), amax, rtol=1e-6)
+        assert torch.allclose(scale, amax / INT8_MAX)
+        assert int(q[5].sum()) == 0 and float(scale[5]) == 0.0 and float(back[5].abs().sum()) == 0.0
+    g = torch.randn((256, 64), generator=torch.Generator().manual_seed(3))
+    rel = {}
+    for name, (qq, ss) in (("int8", quantize_8bit(g, INT8_KV_QUANT)), ("fp8", quantize_fp8(g))):
+        back = dequantize_8bit(qq, ss, INT8_KV_QUANT) if name == "int8" else dequantize_fp8(qq, ss)
+        rel[name] = float((back - g).norm() / g.norm())
+    assert rel["int8"] < rel["fp8"] / 2, rel
+
+
+def test_bytes_are_int8() -> None:
+    """block_wise_int8's bytes are two's complement int8: a vector's largest is 127 (0x7f)."""
+    import torch
+
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import INT8_KV_QUANT, quantize_8bit
+
+    q, scale = quantize_8bit(torch.tensor([[2.0, -1.0, 0.5, 0.0, -2.0]]), INT8_KV_QUANT)
+    assert q.tolist() == [[0x7F, 0xC0, 0x20, 0x00, 0x81]]  # 127, -64 (-63.5 to even), 32 (31.75), 0, -127
+    assert float(scale[0]) == pytest.approx(2.0 / 127)
+
+
 def test_bytes_are_e4m3() -> None:
     """The stored bytes are torch.float8_e4m3fn's encoding: 448 (0x7e) is a vector's largest."""
     import torch
@@ -104,12 +151,13 @@ def test_runner_refuses_other_formats_and_mismatched_caches(tiny_torch_model: An
     assert all(int(t.count_nonzero()) == 0 for layer in fp8 for t in layer)
 
 
-def test_reuse_equals_recompute_on_the_torch_path(tiny_torch_model: Any) -> None:
-    """The torch fallbacks (the CPU's default): reusing FP8 blocks written by a prefill and by
+@pytest.mark.parametrize("kv_quant", ["block_wise_fp8", "block_wise_int8"])
+def test_reuse_equals_recompute_on_the_torch_path(tiny_torch_model: Any, kv_quant: str) -> None:
+    """The torch fallbacks (the CPU's default): reusing 8-bit blocks written by a prefill and by
     decode steps gives the recomputed tokens, and those of the first request's own decode."""
     from tests.fp8_kv_check import reuse_tokens
 
-    r = reuse_tokens(tiny_torch_model, "torch")
+    r = reuse_tokens(tiny_torch_model, "torch", kv_quant=kv_quant)
     assert r["reused"] == r["recomputed"] == r["chunked"] == r["expected"], r
 
 
@@ -147,6 +195,14 @@ def test_reuse_equals_recompute_on_the_triton_kernels(interpreted: dict[str, Any
     assert interpreted["reuse_paths_logits_err"] < 1e-4, interpreted["reuse_paths_logits_err"]
 
 
+def test_reuse_equals_recompute_on_the_triton_kernels_over_int8(interpreted: dict[str, Any]) -> None:
+    """The same with block_wise_int8 caches (the kernels' int8 reads and the decode kernel's writes)."""
+    r = interpreted["reuse_int8"]["triton"]
+    assert r["reused"] == r["recomputed"] == r["chunked"] == r["expected"], r
+    assert r == interpreted["reuse_int8"]["torch"]
+    assert interpreted["reuse_int8_paths_logits_err"] < 1e-4, interpreted["reuse_int8_paths_logits_err"]
+
+
 def test_padded_static_decode_over_fp8_caches(interpreted: dict[str, Any]) -> None:
     """The CUDA-graph decode path's static buffers (run eagerly) over FP8 caches: the eager
     path's tokens and logits; no block (nor scale) outside the seqs' changed."""
@@ -157,10 +213,10 @@ def test_padded_static_decode_over_fp8_caches(interpreted: dict[str, Any]) -> No
 
 
 # ---------------------------------------------------------------------- the engine
-@pytest.fixture
-def fp8_engine_factory(engine_factory: Any) -> Iterator[Any]:
+@pytest.fixture(params=["block_wise_fp8", "block_wise_int8"])
+def fp8_engine_factory(engine_factory: Any, request: Any) -> Iterator[Any]:
     def make(**kwargs: Any) -> Any:
-        return engine_factory(**{"dtype": "uint8", "kv_cache_quant": "block_wise_fp8", **kwargs})
+        return engine_factory(**{"dtype": "uint8", "kv_cache_quant": request.param, **kwargs})
 
     yield make
 

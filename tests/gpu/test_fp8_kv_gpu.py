@@ -58,11 +58,12 @@ def test_fp8_length_zero_rows_compiled(capi: Any, dtype: str) -> None:
     assert_zero_length_ok(zero_length_errors(dtype, CUDA), dtype)
 
 
-def test_reuse_equals_recompute_with_fp8_kv(capi: Any) -> None:
+@pytest.mark.parametrize("kv_quant", ["block_wise_fp8", "block_wise_int8"])
+def test_reuse_equals_recompute_with_fp8_kv(capi: Any, kv_quant: str) -> None:
     """float32 tiny-llama-random: no greedy choice flips on float noise between paths."""
     from tests.fp8_kv_check import reuse_tokens
 
-    r = reuse_tokens(_tiny(), "triton", device="gpu")
+    r = reuse_tokens(_tiny(), "triton", device="gpu", kv_quant=kv_quant)
     assert r["reused"] == r["recomputed"] == r["chunked"] == r["expected"], r
 
 
@@ -130,20 +131,23 @@ def test_fused_layers_and_piecewise_graphs_over_fp8_caches(capi: Any) -> None:
                 torch.testing.assert_close(dequantize_fp8(q2, s2), dequantize_fp8(q1, s1), rtol=2 ** -3, atol=1e-5)
 
 
-def test_compiled_quantizer_matches_the_eager_ops(capi: Any) -> None:
+@pytest.mark.parametrize("kv_quant", ["block_wise_fp8", "block_wise_int8"])
+def test_compiled_quantizer_matches_the_eager_ops(capi: Any, kv_quant: str) -> None:
     """The CUDA quantizer (one torch.compile kernel for K and V) against the eager ops the CPU
     runs: scales to float32 rounding, bytes equal but for rare one-step differences where the
-    compiled division rounds the other way at an E4M3 rounding edge."""
-    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import quantize_fp8, quantize_kv
+    compiled division rounds the other way at a rounding edge (E4M3's, or int8's halves)."""
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import quantize_8bit, quantize_kv
 
     gen = torch.Generator("cuda").manual_seed(9)
     for t in (1, 7, 300):  # a decode row, a few, a prompt chunk (T = 1 compiles apart)
         # [t, 8, 128], strided as the runner's views of [1, heads, T, D]
         k = torch.randn((8, t, 128), device="cuda", dtype=torch.bfloat16, generator=gen).transpose(0, 1)
         v = torch.randn((8, t, 128), device="cuda", dtype=torch.bfloat16, generator=gen).transpose(0, 1)
-        kq, ks, vq, vs = quantize_kv(k, v)
+        kq, ks, vq, vs = quantize_kv(k, v, kv_quant)
         for (q, s), x in (((kq, ks), k), ((vq, vs), v)):
-            eq, es = quantize_fp8(x)
+            eq, es = quantize_8bit(x, kv_quant)
             torch.testing.assert_close(s, es, rtol=1e-6, atol=0)
-            steps = (q.to(torch.int16) - eq.to(torch.int16)).abs()
+            # int8 steps are its values' (E4M3's byte codes are ordered within a sign).
+            view = torch.int8 if kv_quant == "block_wise_int8" else torch.uint8
+            steps = (q.view(view).to(torch.int16) - eq.view(view).to(torch.int16)).abs()
             assert int(steps.max()) <= 1 and float((steps > 0).float().mean()) < 1e-3

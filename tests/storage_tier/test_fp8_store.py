@@ -13,6 +13,8 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import pytest
+
 from fastdeploy_kvcache.entrypoints.server_process import ServerProcess
 from fastdeploy_kvcache.storage.file_format import HEADER, kv_format_code
 from server_helpers import BASE_ARGS, mooncake_store_args
@@ -79,16 +81,21 @@ def test_fp8_objects_reused_from_a_directory_give_the_tokens_of_fp8_recompute(tm
         other.stop()
 
 
-def test_an_object_of_another_kv_format_under_ones_own_key_is_a_miss(tmp_path: Path) -> None:
+@pytest.mark.parametrize("written,wanted", [("bfloat16", "uint8/block_wise_fp8"),
+                                            ("uint8/block_wise_int8", "uint8/block_wise_fp8"),
+                                            ("uint8/block_wise_fp8", "uint8/block_wise_int8")])
+def test_an_object_of_another_kv_format_under_ones_own_key_is_a_miss(tmp_path: Path, written: str,
+                                                                     wanted: str) -> None:
     """The header check behind the namespaces: bytes of the right size under the right key,
-    written as another KV format, are deleted and missed, never read."""
+    written as another KV format, are deleted and missed, never read.  The two 8-bit
+    encodings have the same layout and sizes: only the recorded format tells them apart."""
     import ctypes
     import logging
 
     from fastdeploy_kvcache.storage import Status
     from fastdeploy_kvcache.storage.file_backend import FileBackend
 
-    fp8, bf16 = kv_format_code("uint8", "block_wise_fp8"), kv_format_code("bfloat16")
+    fp8, bf16 = kv_format_code(*wanted.split("/")), kv_format_code(*written.split("/"))
     key = "fdkv1-m-0123456789abcdef-tp0of1:" + "ab" * 16
     data = (ctypes.c_char * 4096).from_buffer(bytearray(b"\x11" * 4096))
     out = (ctypes.c_char * 4096).from_buffer(bytearray(4096))
@@ -114,7 +121,7 @@ def test_an_object_of_another_kv_format_under_ones_own_key_is_a_miss(tmp_path: P
     finally:
         logging.getLogger("fastdeploy_kvcache.storage.file_backend").removeHandler(handler)
     lines = [r.getMessage() for r in records if "KV" in r.getMessage()]
-    assert len(lines) == 1 and "holds bfloat16 KV" in lines[0] and "uint8/block_wise_fp8" in lines[0], lines
+    assert len(lines) == 1 and f"holds {written}" in lines[0] and f"is {wanted}" in lines[0], lines
 
 
 @needs_mooncake()

@@ -18,8 +18,9 @@ Per layer and request the function
 NOTE: Paddle registers no paged or variable-length attention kernel for CPU, so the gather is
 explicit.  Its cost is proportional to the request's own context, never to the cache size.
 
-A block_wise_fp8 cache (uint8 K/V with fp32 scales, ``[key, value, key_scale, value_scale]``
-per layer) is written quantized and read dequantized (``fp8_kv.py``); the new tokens are
+A block_wise_fp8 or block_wise_int8 cache (uint8 K/V with fp32 scales, ``[key, value,
+key_scale, value_scale]`` per layer; ``StepContext.kv_quant`` says which) is written quantized
+and read dequantized (``fp8_kv.py``); the new tokens are
 attended from the cache like the cached ones, so a reused prefix reads exactly what
 recomputing it would have written.
 """
@@ -31,6 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from fastdeploy_kvcache.config import BLOCK_WISE_FP8
 from fastdeploy_kvcache.engine.attention import current_context, select_attention
 from fastdeploy_kvcache.engine.paddleformers_runner import fp8_kv
 
@@ -69,6 +71,8 @@ class StepContext:
     # Built on the first layer, reused by the others: the leading run of one-token (decode)
     # seqs, attended as one batch.
     decode_batch: Optional["_DecodeBatch"] = None
+    # What a uint8 cache's bytes are (block_wise_fp8: e4m3; block_wise_int8: int8).
+    kv_quant: str = BLOCK_WISE_FP8
 
     @property
     def num_leading_decodes(self) -> int:
@@ -107,11 +111,12 @@ def write_kv(cache: Any, new: Any, block_ids: Sequence[int], start_pos: int, blo
 
 
 class _Lanes:
-    """One layer's cache of K (or V): the cache, and its fp32 scales when it is block_wise_fp8."""
+    """One layer's cache of K (or V): the cache, and its fp32 scales when it is 8-bit (``kv_quant``)."""
 
-    def __init__(self, cache: Any, scales: Any = None) -> None:
+    def __init__(self, cache: Any, scales: Any = None, kv_quant: str = BLOCK_WISE_FP8) -> None:
         self.cache = cache
         self.scales = scales
+        self.kv_quant = kv_quant
 
     def write(self, new: Any, block_ids: Sequence[int], start_pos: int, block_size: int) -> None:
         """``new`` is [kv_heads, n, head_dim] in the cache's dtype, or (quantized) the pair
@@ -129,7 +134,7 @@ class _Lanes:
 
         if self.scales is None:
             return _as_float32(paddle.index_select(self.cache, index, axis=0))
-        return fp8_kv.gather_blocks(self.cache, self.scales, index)
+        return fp8_kv.gather_blocks(self.cache, self.scales, index, self.kv_quant)
 
 
 def _slice_new(new: Any, a: int, n: int) -> Any:
@@ -181,10 +186,11 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
     q_all, k_all, v_all = query[0], key[0], value[0]
     if caches[0].dtype == paddle.uint8:
-        # block_wise_fp8: [key, value, key_scale, value_scale]; the step's tokens are
-        # quantized once per layer and written as (bytes, scales).
-        k_cache, v_cache = _Lanes(caches[0], caches[2]), _Lanes(caches[1], caches[3])
-        k_all, v_all = fp8_kv.quantize(k_all), fp8_kv.quantize(v_all)
+        # 8-bit: [key, value, key_scale, value_scale]; the step's tokens are quantized once
+        # per layer and written as (bytes, scales).
+        quant = ctx.kv_quant
+        k_cache, v_cache = _Lanes(caches[0], caches[2], quant), _Lanes(caches[1], caches[3], quant)
+        k_all, v_all = fp8_kv.quantize(k_all, quant), fp8_kv.quantize(v_all, quant)
     else:
         k_cache, v_cache = _Lanes(caches[0]), _Lanes(caches[1])
         if k_all.dtype != caches[0].dtype:

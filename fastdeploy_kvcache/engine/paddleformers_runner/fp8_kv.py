@@ -1,12 +1,18 @@
-"""block_wise_fp8 KV on Paddle: quantize K/V as they are written, dequantize the blocks read.
+"""8-bit KV on Paddle (block_wise_fp8, block_wise_int8): quantize K/V as they are written,
+dequantize the blocks read.
 
-The format (``CacheConfig.kv_cache_quant == "block_wise_fp8"``): the key and value caches are
-uint8 ``[blocks, kv_heads, block_size, head_dim]`` holding float8 e4m3fn bytes, and each has
-an fp32 scale cache ``[blocks, kv_heads, block_size]``: one scale per (block, head, token),
+The formats (``CacheConfig.kv_cache_quant``): the key and value caches are uint8
+``[blocks, kv_heads, block_size, head_dim]``, and each has an fp32 scale cache
+``[blocks, kv_heads, block_size]``: one scale per (block, head, token).  ``block_wise_fp8``
+holds float8 e4m3fn bytes,
 
     scale = amax(|x| over head_dim) / 448        (448: the largest finite e4m3fn value)
     byte  = e4m3fn(x / scale)                    (x / 448 * amax: |byte value| <= 448)
     x'    = float(byte) * scale
+
+``block_wise_int8`` int8 bytes (two's complement), ``scale = amax / 127``,
+``byte = round_half_even(x / scale)``, ``x' = int8(byte) * scale``: about a third of e4m3's
+error (the transformers runner's ``fp8_kv.py`` says why and what it measured).
 
 An all-zero vector has scale 0 and zero bytes (the division uses 1 there), so it reads back
 as zeros.  The transformers runner writes the same bytes and scales, so host blocks, storage
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastdeploy_kvcache.config import FP8_E4M3_MAX
+from fastdeploy_kvcache.config import BLOCK_WISE_FP8, BLOCK_WISE_INT8, FP8_E4M3_MAX, INT8_MAX
 
 
 def gather_view_dtype(head_dim: int) -> str:
@@ -41,28 +47,42 @@ def gather_view_dtype(head_dim: int) -> str:
                      f"(Paddle has no uint8 gather on the CPU), the model has {head_dim}")
 
 
-def quantize(x: Any) -> tuple[Any, Any]:
-    """``x`` [..., head_dim] (any float dtype) -> (uint8 e4m3 bytes [..., head_dim], fp32 scales [...])."""
+def check_kv_quant(kv_quant: str) -> str:
+    """``kv_quant`` when Paddle serves it (block_wise_fp8, block_wise_int8); ValueError otherwise."""
+    if kv_quant not in (BLOCK_WISE_FP8, BLOCK_WISE_INT8):
+        raise ValueError(f"kv_cache_quant {kv_quant!r}: the paddleformers runner serves None, "
+                         f"{BLOCK_WISE_FP8!r} or {BLOCK_WISE_INT8!r}")
+    return kv_quant
+
+
+def quantize(x: Any, kv_quant: str = BLOCK_WISE_FP8) -> tuple[Any, Any]:
+    """``x`` [..., head_dim] (any float dtype) -> (uint8 bytes [..., head_dim] of ``kv_quant``, fp32 scales [...])."""
     import paddle
 
     x = x if x.dtype == paddle.float32 else x.astype("float32")
-    scale = paddle.max(paddle.abs(x), axis=-1) / FP8_E4M3_MAX
+    int8 = kv_quant == BLOCK_WISE_INT8
+    scale = paddle.max(paddle.abs(x), axis=-1) / (INT8_MAX if int8 else FP8_E4M3_MAX)
     divisor = paddle.where(scale > 0, scale, paddle.ones_like(scale))
-    q = (x / divisor.unsqueeze(-1)).astype(paddle.float8_e4m3fn)
+    if int8:
+        # paddle.round rounds half to even, as torch.round: both runners write the same bytes.
+        q = paddle.clip(paddle.round(x / divisor.unsqueeze(-1)), -INT8_MAX, INT8_MAX).astype(paddle.int8)
+    else:
+        q = (x / divisor.unsqueeze(-1)).astype(paddle.float8_e4m3fn)
     return q.view(paddle.uint8), scale
 
 
-def dequantize(q: Any, scale: Any) -> Any:
-    """uint8 e4m3 bytes [..., head_dim] and fp32 scales [...] -> float32 [..., head_dim]."""
+def dequantize(q: Any, scale: Any, kv_quant: str = BLOCK_WISE_FP8) -> Any:
+    """uint8 bytes [..., head_dim] of ``kv_quant`` and fp32 scales [...] -> float32 [..., head_dim]."""
     import paddle
 
-    return q.view(paddle.float8_e4m3fn).astype("float32") * scale.unsqueeze(-1)
+    values = q.view(paddle.int8 if kv_quant == BLOCK_WISE_INT8 else paddle.float8_e4m3fn)
+    return values.astype("float32") * scale.unsqueeze(-1)
 
 
-def gather_blocks(cache: Any, scales: Any, index: Any) -> Any:
+def gather_blocks(cache: Any, scales: Any, index: Any, kv_quant: str = BLOCK_WISE_FP8) -> Any:
     """Blocks ``index`` of a quantized cache, dequantized: float32 [len(index), kv_heads, block_size, head_dim]."""
     import paddle
 
     view = gather_view_dtype(int(cache.shape[-1]))
     raw = paddle.index_select(cache.view(view), index, axis=0).view(paddle.uint8)
-    return dequantize(raw, paddle.index_select(scales, index, axis=0))
+    return dequantize(raw, paddle.index_select(scales, index, axis=0), kv_quant)

@@ -14,8 +14,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from fastdeploy_kvcache.config import BLOCK_WISE_FP8
 from fastdeploy_kvcache.engine.attention import step_context
 from fastdeploy_kvcache.engine.model_loader import LoadedModel
+from fastdeploy_kvcache.engine.paddleformers_runner import fp8_kv
 from fastdeploy_kvcache.engine.paddleformers_runner.attention import SeqSlice, StepContext, register_paged_attention
 from fastdeploy_kvcache.engine.paddleformers_runner.int64_staging import Int64Staging
 from fastdeploy_kvcache.engine.runner import ScheduledSeq
@@ -34,8 +36,12 @@ class PaddleModelRunner:
     last_load_wait_gpu_s: float = 0.0
     last_step_replayed: bool = False
 
-    def __init__(self, loaded: LoadedModel, block_size: int, place: str) -> None:
+    def __init__(self, loaded: LoadedModel, block_size: int, place: str, kv_cache_quant: Optional[str] = None) -> None:
+        """``kv_cache_quant``: the cache's format (None, block_wise_fp8 or block_wise_int8):
+        what a uint8 cache's bytes mean; ValueError for another."""
         import paddle
+
+        self.kv_quant = fp8_kv.check_kv_quant(kv_cache_quant) if kv_cache_quant is not None else BLOCK_WISE_FP8
 
         self.paddle = paddle
         self.loaded = loaded
@@ -69,7 +75,7 @@ class PaddleModelRunner:
             if s.wants_logits:
                 picked_rows.append((i, start + n - 1))
         rows = [row for _, row in sorted(picked_rows)]
-        ctx = StepContext(slices, kv_caches, self.block_size, self.staging, layer_done)
+        ctx = StepContext(slices, kv_caches, self.block_size, self.staging, layer_done, kv_quant=self.kv_quant)
         # NOTE: only the count is kept: a kept StepContext would hold the cache tensors
         # (and the step's index tensors) alive past the engine's shutdown.
         self.last_layers_waited = 0

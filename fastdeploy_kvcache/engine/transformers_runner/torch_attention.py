@@ -40,12 +40,13 @@ static buffers there), so a layer between two pieces dispatches only the work ab
 The cost of a read is the same whichever tier the blocks came from: by the time a layer
 attends, a host hit's blocks are device blocks like any other.
 
-With an FP8 cache (``TorchStep.fp8``: ``kv_cache_quant == "block_wise_fp8"``, each layer's
-caches ``[key, value, key_scale, value_scale]``, ``engine/transformers_runner/fp8_kv.py``) the
+With an 8-bit cache (``TorchStep.fp8``: ``kv_cache_quant`` ``block_wise_fp8`` or
+``block_wise_int8``, ``TorchStep.kv_quant``; each layer's caches ``[key, value, key_scale,
+value_scale]``, ``engine/transformers_runner/fp8_kv.py``) the
 step's K and V are quantized once per layer (one scale per token and KV head) before they
 are written; every read dequantizes in place: the per-token key scale multiplies the scores,
-the value scale the probabilities, and the products run over the E4M3 values converted
-(exactly) to the query's dtype.  A chunk with nothing cached before it attends over its own
+the value scale the probabilities, and the products run over the E4M3 (or int8) values
+converted (exactly) to the query's dtype.  A chunk with nothing cached before it attends over its own
 K/V as the cache holds them (quantized and back), so a recomputed prefix and a reused one
 feed the attention the same values.
 """
@@ -58,7 +59,8 @@ from typing import Any, Callable, Optional, Sequence
 
 # The step travels to the attention function the same way on both paths (thread-local).
 from fastdeploy_kvcache.engine.attention import current_context, select_attention, step_context  # noqa: F401
-from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import dequantize_fp8, fp8_values, quantize_kv
+from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import (FP8_KV_QUANT, INT8_KV_QUANT, dequantize_8bit, quantize_kv,
+                                                                  values_8bit)
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +108,8 @@ class TorchStep:
     # CUDA timing events around each load wait that was not already satisfied (None: not
     # timed, e.g. on the CPU); the runner reads them once the step has finished.
     wait_events: Optional[list[tuple[Any, Any]]] = None
-    fp8: bool = False  # the caches are block_wise_fp8 (fp8_kv.py)
+    fp8: bool = False  # the caches are 8-bit (uint8 bytes + float32 scales, fp8_kv.py)
+    kv_quant: str = FP8_KV_QUANT  # with fp8: what the bytes are (block_wise_fp8 E4M3, block_wise_int8)
 
 
 def gather_blocks(cache: Any, table: Any) -> Any:
@@ -159,12 +162,12 @@ def decode_mask(lens: Any, width: int, block_size: int, positions: Any) -> Any:
 
 
 def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask: Any, scale: float,
-                           k_scale: Any = None, v_scale: Any = None) -> Any:
+                           k_scale: Any = None, v_scale: Any = None, kv_quant: str = FP8_KV_QUANT) -> Any:
     """One query token per seq over its blocks, in torch ops: q ``[B, H, D]`` -> float32 ``[B, H, D]``.
 
     The fallback of the Triton kernel (CPU, or no Triton): ``table`` ``[B, W]`` padded with
-    any block, ``mask`` from :func:`decode_mask`.  ``k_scale``, ``v_scale``: the FP8 caches'
-    scales (uint8 ``k_cache`` / ``v_cache``); None for caches in a float dtype.
+    any block, ``mask`` from :func:`decode_mask`.  ``k_scale``, ``v_scale``: the 8-bit caches'
+    scales (uint8 ``k_cache`` / ``v_cache`` of ``kv_quant``); None for caches in a float dtype.
     """
     # NOTE: the gathered blocks stay in the cache layout ([B, W, kvh, bs, d], one copy) and
     # are never upcast: scores are per block (one small matmul per block and KV head,
@@ -180,8 +183,8 @@ def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask:
     vb = v_cache[table].view(rows, bs, head_dim)
     if k_scale is not None:
         # Per-token scales factor out of each score and each probability: the products run
-        # over the unscaled E4M3 values (exact in the query's dtype).
-        kb, vb = fp8_values(kb, q.dtype), fp8_values(vb, q.dtype)
+        # over the unscaled E4M3 / int8 values (exact in the query's dtype).
+        kb, vb = values_8bit(kb, q.dtype, kv_quant), values_8bit(vb, q.dtype, kv_quant)
     q = (q * scale).reshape(b, 1, num_kv, groups, head_dim).to(kb.dtype)
     q = q.expand(b, width, num_kv, groups, head_dim).reshape(rows, groups, head_dim)
     scores = bmm_f32(q, kb.transpose(1, 2)).view(b, width, num_kv, groups, bs)
@@ -198,10 +201,10 @@ def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask:
 
 
 def prefill_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, context_len: int, scale: float,
-                            k_scale: Any = None, v_scale: Any = None) -> Any:
+                            k_scale: Any = None, v_scale: Any = None, kv_quant: str = FP8_KV_QUANT) -> Any:
     """A chunk of ``n`` tokens after ``context_len`` cached ones: q ``[1, H, n, D]`` -> ``[1, H, n, D]``.
 
-    Its blocks gathered (a copy; FP8 blocks dequantized with ``k_scale`` / ``v_scale`` into
+    Its blocks gathered (a copy; 8-bit blocks of ``kv_quant`` dequantized with ``k_scale`` / ``v_scale`` into
     the query's dtype), then SDPA with a lower-right causal mask (flash or
     memory-efficient); the fallback of the Triton kernel, and the path of long chunks.
     """
@@ -213,8 +216,8 @@ def prefill_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, cont
     groups = q.shape[1] // k_cache.shape[1]
     k, v = gather_blocks(k_cache, table)[:, :total], gather_blocks(v_cache, table)[:, :total]
     if k_scale is not None:
-        k = dequantize_fp8(k, gather_scales(k_scale, table)[:, :total])
-        v = dequantize_fp8(v, gather_scales(v_scale, table)[:, :total])
+        k = dequantize_8bit(k, gather_scales(k_scale, table)[:, :total], kv_quant)
+        v = dequantize_8bit(v, gather_scales(v_scale, table)[:, :total], kv_quant)
     k, v = k[None].to(q.dtype), v[None].to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, total), scale=scale,
                                           enable_gqa=groups > 1)
@@ -257,7 +260,8 @@ class StepRows:
     k_write: Any = None
     v_write: Any = None
     cast: Any = None  # the caches' dtype where it differs from the rows' (None: the same)
-    fp8: bool = False  # FP8 caches: the rows are quantized per layer (no k_write / dec_k / dec_launch)
+    fp8: bool = False  # 8-bit caches: the rows are quantized per layer (no k_write / dec_k / dec_launch)
+    kv_quant: str = FP8_KV_QUANT  # with fp8: the bytes' encoding
     groups: int = 1  # query heads per KV head
     dec_q: Any = None  # [B, H, D]
     dec_k: Any = None  # [B, KVH, D] (None when cast: taken per layer)
@@ -287,6 +291,7 @@ def step_rows(step: TorchStep, q: Any, k: Any, v: Any, out: Any) -> StepRows:
             rows.v_write = v[w:] if w else v
     rows.cast = cast
     rows.fp8 = step.fp8
+    rows.kv_quant = step.kv_quant
     rows.groups = int(q.shape[1]) // int(k.shape[1])
     if b:
         rows.dec_q = q[:b]
@@ -338,16 +343,18 @@ def attend_layer(step: TorchStep, rows: StepRows, layer: int, scale: float) -> N
     fresh: Optional[tuple[Any, Any]] = None  # FP8: the rows' K/V as the cache holds them, [T, KVH, D]
     if rows.fp8:
         k_scale, v_scale = caches[2], caches[3]
-        k_new, ks_new, v_new, vs_new = quantize_kv(rows.k, rows.v)
+        k_new, ks_new, v_new, vs_new = quantize_kv(rows.k, rows.v, rows.kv_quant)
         w, b = rows.write_from, step.num_decodes
         k_write, v_write = k_new[w:], v_new[w:]
         dec_k, dec_v = k_new[:b], v_new[:b]
-        scales = dict(k_scale=k_scale, v_scale=v_scale, k_new_scale=ks_new[:b], v_new_scale=vs_new[:b])
+        scales = dict(k_scale=k_scale, v_scale=v_scale, k_new_scale=ks_new[:b], v_new_scale=vs_new[:b],
+                      int8=rows.kv_quant == INT8_KV_QUANT)
         if rows.write_blocks is not None:
             k_scale[rows.write_blocks, :, rows.write_offsets] = ks_new[w:]
             v_scale[rows.write_blocks, :, rows.write_offsets] = vs_new[w:]
         if any(c.chunk.context_len == 0 for c in rows.chunks):
-            fresh = (dequantize_fp8(k_new, ks_new, rows.k.dtype), dequantize_fp8(v_new, vs_new, rows.v.dtype))
+            fresh = (dequantize_8bit(k_new, ks_new, rows.kv_quant, rows.k.dtype),
+                     dequantize_8bit(v_new, vs_new, rows.kv_quant, rows.v.dtype))
     elif rows.cast is not None:
         k_new, v_new = rows.k.to(rows.cast), rows.v.to(rows.cast)
         w, b = rows.write_from, step.num_decodes
@@ -365,7 +372,7 @@ def attend_layer(step: TorchStep, rows: StepRows, layer: int, scale: float) -> N
                                workspace=step.decode_workspace, k_new=dec_k, v_new=dec_v, **scales)
         else:
             rows.dec_out.copy_(decode_attention_torch(rows.dec_q, k_cache, v_cache, step.decode_table,
-                                                      step.decode_mask, scale, k_scale, v_scale))
+                                                      step.decode_mask, scale, k_scale, v_scale, rows.kv_quant))
     groups = rows.groups
     for c in rows.chunks:
         p = c.chunk
@@ -378,10 +385,11 @@ def attend_layer(step: TorchStep, rows: StepRows, layer: int, scale: float) -> N
                                                enable_gqa=groups > 1)
         elif p.kernel is not None:
             p.kernel(c.q_rows, k_cache, v_cache, p.table, p.context_len, c.out_rows, scale,
-                     k_scale=k_scale, v_scale=v_scale)
+                     k_scale=k_scale, v_scale=v_scale, int8=rows.kv_quant == INT8_KV_QUANT)
             continue
         else:
-            o = prefill_attention_torch(c.q, k_cache, v_cache, p.table, p.context_len, scale, k_scale, v_scale)
+            o = prefill_attention_torch(c.q, k_cache, v_cache, p.table, p.context_len, scale, k_scale, v_scale,
+                                        rows.kv_quant)
         c.out4.copy_(o)
 
 

@@ -24,8 +24,9 @@ takes those other steps: the model's pieces between attentions replay from graph
 per token count, the attention runs eagerly between them
 (``engine/transformers_runner/piecewise_graphs.py``).
 
-With ``kv_cache_quant="block_wise_fp8"`` the caches are 8-bit (uint8 E4M3 K/V with float32
-scales per block, head and token: ``engine/transformers_runner/fp8_kv.py``); every attention
+With ``kv_cache_quant="block_wise_fp8"`` (or ``"block_wise_int8"``) the caches are 8-bit
+(uint8 E4M3, or int8, K/V with float32 scales per block, head and token:
+``engine/transformers_runner/fp8_kv.py``); every attention
 path quantizes what it writes and dequantizes what it reads, the graphs included.
 
 Nothing here or in the modules it imports imports Paddle: this path runs where only torch is.
@@ -45,7 +46,8 @@ from fastdeploy_kvcache.engine.model_loader import LoadedModel
 from fastdeploy_kvcache.engine.runner import ScheduledSeq
 from fastdeploy_kvcache.engine.attention import step_context
 from fastdeploy_kvcache.engine.transformers_runner.decode_graphs import DecodeGraphs, GraphBucket
-from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import check_fp8_layer_caches, check_kv_cache_quant
+from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import (FP8_KV_QUANT, check_fp8_layer_caches,
+                                                                  check_kv_cache_quant)
 from fastdeploy_kvcache.engine.transformers_runner.piecewise_graphs import PiecewiseGraphs, TokenBucket
 from fastdeploy_kvcache.engine.sampling import StepSampling
 from fastdeploy_kvcache.engine.transformers_runner.torch_sampling import sample_on_device
@@ -154,10 +156,11 @@ class TorchModelRunner:
         fuse the model's decoder layers (``engine/transformers_runner/torch_fused.py``; kernels compiled on a GPU).
         The model is changed in place, for every runner over it.  ``kv_cache_quant``: the
         cache's format (``CacheConfig.kv_cache_quant``): None (the caches hold K/V in a float
-        dtype) or ``block_wise_fp8`` (``fp8_kv.py``); ValueError for any other."""
+        dtype), ``block_wise_fp8`` or ``block_wise_int8`` (``fp8_kv.py``); ValueError for any other."""
         import torch
 
-        self.fp8_kv = check_kv_cache_quant(kv_cache_quant)
+        self.fp8_kv = check_kv_cache_quant(kv_cache_quant)  # an 8-bit cache (either encoding)
+        self.kv_quant = kv_cache_quant if self.fp8_kv else FP8_KV_QUANT
         self._checked_caches: Optional[int] = None  # data_ptr of the last layer-0 key cache checked
 
         self.torch = torch
@@ -167,7 +170,7 @@ class TorchModelRunner:
         self.device = torch_device(device)
         self.on_gpu = self.device.type == "cuda"
         self.decode_kernel = decode_kernel_for(self.device, attention)
-        if self.fp8_kv and self.decode_kernel is not None and self.on_gpu \
+        if self.kv_quant == FP8_KV_QUANT and self.fp8_kv and self.decode_kernel is not None and self.on_gpu \
                 and torch.cuda.get_device_capability(self.device) < (8, 9):
             # Triton converts E4M3 only on compute capability 8.9 and later (Ada, Hopper).
             cap = "%d.%d" % torch.cuda.get_device_capability(self.device)
@@ -241,7 +244,7 @@ class TorchModelRunner:
             return False
         self._check_caches(kv_caches)
         graphs = DecodeGraphs(self.model, kv_caches, self.block_size, max_num_seqs, max_model_len,
-                              self.decode_kernel, self.device, capture, fp8=self.fp8_kv)
+                              self.decode_kernel, self.device, capture, fp8=self.fp8_kv, kv_quant=self.kv_quant)
         if capture:
             if not self._captured(graphs, "every step runs eagerly"):
                 return False
@@ -405,7 +408,8 @@ class TorchModelRunner:
         # One upload, then every part a view of it (one split, not a slice per part).
         views = self._upload(np.concatenate(parts)).split([a.size for a in parts])
         step = TorchStep(kv_caches, bs, views[2], views[3], num_dec, layer_done=layer_done,
-                         wait_events=[] if layer_done is not None and self.on_gpu else None, fp8=self.fp8_kv)
+                         wait_events=[] if layer_done is not None and self.on_gpu else None, fp8=self.fp8_kv,
+                         kv_quant=self.kv_quant)
         k = 4
         if num_dec:
             step.decode_table = views[4].view(num_dec, width)

@@ -18,9 +18,11 @@ written in the query's dtype straight into the caller's output rows.
   tokens): each program takes 16 or 64 of the chunk's tokens and one query head, with a
   lower-right causal mask.
 
-FP8 caches (``block_wise_fp8``, ``engine/transformers_runner/fp8_kv.py``): uint8 K/V blocks
-with a float32 scale per (block, head, token).  Both kernels read the bytes in place,
-reinterpret them as E4M3 (``fp8e4nv``) and convert them to the query's dtype (exact); each
+8-bit caches (``block_wise_fp8`` / ``block_wise_int8``, ``engine/transformers_runner/fp8_kv.py``):
+uint8 K/V blocks with a float32 scale per (block, head, token).  Both kernels read the bytes
+in place, reinterpret them as E4M3 (``fp8e4nv``) or int8 (``QUANT`` 1 or 2, a compile-time
+constant: the int8 kernel is the same instruction count, one conversion per element) and
+convert them to the query's dtype (exact); each
 key's scale multiplies its scores and each value's scale its probabilities, so the dot
 products run over unscaled values at the query's precision (tensor cores for bf16).  The
 decode kernel's write of the new token stores bytes and a scale quantized by the caller.
@@ -63,15 +65,20 @@ def _attend_rows(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, k_row, v_row, k
     """One step of the online softmax: rows ``q`` against a tile of cache positions, each
     given by its offsets into the caches (``k_row`` ... ``vs_row``: block and slot already
     applied, so a tile may span several cache blocks), loaded where ``load_ok``, scores kept
-    where ``see``.  QUANT: the positions are E4M3 bytes with per-position scales at
-    ``ks_ptr`` / ``vs_ptr``, converted (exactly) to ``q``'s dtype: bfloat16, or float16,
-    to which E4M3 converts in one instruction."""
+    where ``see``.  QUANT: 0 float blocks; 1 E4M3 bytes, 2 int8 bytes, with per-position
+    scales at ``ks_ptr`` / ``vs_ptr``, converted (exactly) to ``q``'s dtype: bfloat16, or
+    float16, to which E4M3 converts in one instruction."""
     kv_mask = load_ok[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + kv_head * stride_kh + k_row[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0)
     v = tl.load(v_ptr + kv_head * stride_vh + v_row[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0)
     if QUANT:
-        k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-        v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        if QUANT == 2:
+            # Through float32 (exact): Triton's CPU interpreter turns int8 -> bfloat16 into NaN.
+            k = k.to(tl.int8, bitcast=True).to(tl.float32).to(q.dtype)
+            v = v.to(tl.int8, bitcast=True).to(tl.float32).to(q.dtype)
+        else:
+            k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+            v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
         k_sc = tl.load(ks_ptr + kv_head * stride_ksh + ks_row, mask=load_ok, other=0.0)
         v_sc = tl.load(vs_ptr + kv_head * stride_vsh + vs_row, mask=load_ok, other=0.0)
         s = tl.where(see, _dot(q, tl.trans(k), DOT) * (k_sc * scale)[None, :], float("-inf"))
@@ -323,7 +330,7 @@ class DecodeTuning:
       latency rather than by bandwidth: FP8 halves a block's bytes, so it needs twice the
       positions per tile to keep as many bytes in flight.
     * ``num_warps``: warps per program.
-    * ``float16_dots``: with FP8 caches, convert E4M3 to float16 (one instruction per pair)
+    * ``float16_dots``: with 8-bit caches, convert their bytes to float16 (E4M3: one instruction per pair)
       and run the dots in float16 instead of bfloat16 (the query and the scaled
       probabilities are rounded to float16 for them).
     * ``num_stages``: Triton's software-pipelining depth of the loop (None: Triton's default).
@@ -407,14 +414,15 @@ def paged_decode_attention(
     k_new_scale: Any = None,
     v_new_scale: Any = None,
     tuning: Optional["DecodeTuning"] = None,
+    int8: bool = False,
 ) -> Any:
     """Attention of one query token per sequence over its paged K/V; writes and returns ``out``.
 
     * ``query``: ``[B, H, D]`` (any strides), H a multiple of the cache's KV heads (GQA:
       query head ``h`` reads KV head ``h // (H // kv_heads)``, as transformers' ``repeat_kv``);
     * ``k_cache``, ``v_cache``: ``[num_blocks, kv_heads, block_size, D]``, float32, float16
-      or bfloat16; or uint8 E4M3 bytes with ``k_scale``, ``v_scale`` float32
-      ``[num_blocks, kv_heads, block_size]`` (``fp8_kv.py``);
+      or bfloat16; or uint8 bytes (E4M3, or int8 with ``int8``) with ``k_scale``, ``v_scale``
+      float32 ``[num_blocks, kv_heads, block_size]`` (``fp8_kv.py``);
     * ``block_table``: int ``[B, W]``, each row covering its sequence's ``seq_lens[b]``
       positions (entries past them are never read: pad with any block id);
     * ``seq_lens``: int ``[B]``, the new token's K/V included; a row of length 0 (a CUDA
@@ -432,7 +440,8 @@ def paged_decode_attention(
     """
     paged_decode_launcher(query, k_cache, v_cache, block_table, seq_lens, out, num_splits=num_splits,
                           workspace=workspace, k_new=k_new, v_new=v_new, k_new_scale=k_new_scale,
-                          v_new_scale=v_new_scale, tuning=tuning)(k_cache, v_cache, scale, k_scale, v_scale)
+                          v_new_scale=v_new_scale, tuning=tuning, int8=int8)(k_cache, v_cache, scale, k_scale,
+                                                                             v_scale)
     return out
 
 
@@ -450,11 +459,13 @@ def paged_decode_launcher(
     k_new_scale: Any = None,
     v_new_scale: Any = None,
     tuning: Optional["DecodeTuning"] = None,
+    int8: bool = False,
 ) -> Callable[..., None]:
     """:func:`paged_decode_attention` prepared once for every layer of a step:
     ``launch(k_cache, v_cache, scale)`` launches it over one layer's caches (the shape, dtype
-    and strides of ``k_cache``/``v_cache`` here) with everything else as given here; FP8
-    caches (uint8) take ``launch(k_cache, v_cache, scale, k_scale, v_scale)``, checked per call.
+    and strides of ``k_cache``/``v_cache`` here) with everything else as given here; 8-bit
+    caches (uint8: E4M3 bytes, or int8 with ``int8``) take ``launch(k_cache, v_cache, scale,
+    k_scale, v_scale)``, checked per call.
 
     Why: the checks, the grid, the split choice and the strides cost the host tens of
     microseconds per call, the same for every layer of a step; a launch then costs only
@@ -529,7 +540,7 @@ def paged_decode_launcher(
         GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_D=block_d,
         BLOCK_N=max(16, per_tile * triton.next_power_of_2(block_size)), NUM_SPLITS=splits,
-        DOT=dot_mode, WRITE_NEW=write_new, QUANT=quant, PER_TILE=per_tile, F16=f16,
+        DOT=dot_mode, WRITE_NEW=write_new, QUANT=(2 if int8 else 1) if quant else 0, PER_TILE=per_tile, F16=f16,
         num_warps=tune.num_warps, **({} if tune.num_stages is None else {"num_stages": tune.num_stages}),
     )
     no_scales = (query, query, (0,) * 6)  # float caches: unused
@@ -562,14 +573,14 @@ PAGED_PREFILL_MAX_TOKENS = 128
 
 
 def paged_prefill_attention(query: Any, k_cache: Any, v_cache: Any, table: Any, context_len: int, out: Any,
-                            scale: float, k_scale: Any = None, v_scale: Any = None) -> Any:
+                            scale: float, k_scale: Any = None, v_scale: Any = None, int8: bool = False) -> Any:
     """Causal attention of a chunk of ``n`` new tokens after ``context_len`` cached ones, over
     its blocks read in place; writes and returns ``out``.
 
     * ``query``: ``[n, H, D]`` (any strides); query row ``i`` is position ``context_len + i``
       and sees positions ``0 .. context_len + i`` (a lower-right causal mask);
     * ``k_cache``, ``v_cache``: ``[num_blocks, kv_heads, block_size, D]``, the chunk's own K/V
-      already in their slots (uint8 FP8 caches with ``k_scale``, ``v_scale`` as for
+      already in their slots (uint8 caches with ``k_scale``, ``v_scale`` and ``int8`` as for
       :func:`paged_decode_attention`);
     * ``table``: int ``[nb]``, the sequence's blocks covering ``context_len + n`` positions;
     * ``out``: ``[n, H, D]`` in the query's dtype (any strides).
@@ -591,6 +602,7 @@ def paged_prefill_attention(query: Any, k_cache: Any, v_cache: Any, table: Any, 
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides, table.stride(0), *out.stride(),
         GROUPS=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=max(16, triton.next_power_of_2(block_size)),
-        DOT=_dot_mode(query, query.dtype if quant else k_cache.dtype), QUANT=quant, num_warps=4,
+        DOT=_dot_mode(query, query.dtype if quant else k_cache.dtype), QUANT=(2 if int8 else 1) if quant else 0,
+        num_warps=4,
     )
     return out
