@@ -157,7 +157,7 @@ class RequestLifecycle:
             self._backup_inserted(node, st)
             parent = node
             st.committed = i + 1
-        # Announced (events, host backups, storage puts) when the request leaves: a reveal's
+        # Announced (KV events, storage puts) when the request leaves: a reveal's
         # side effects must not slow the revealing request itself, or its own timing would
         # tell its tenant that another tenant had computed the block.
         st.revealed_pending.extend(revealed)
