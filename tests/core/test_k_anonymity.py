@@ -271,3 +271,49 @@ def test_kv_events_announce_a_block_when_it_is_revealed_not_before() -> None:
     got = announced()
     assert got.get("GPU", [])[:4] == want and set(want) <= set(got.get("CPU", [])), got
     assert set(want) <= {h & EVENT_HASH_MASK for h in cache_contents(mgr)["GPU"]}
+
+
+def _probe_copies(k_anonymity_k: int, victim_sent: bool) -> tuple[int, int]:
+    """A victim sends the secret (or a decoy as long), then an attacker computes the secret
+    in two chunks: (blocks copied to host while the attacker's request computes, blocks
+    copied once it has left), under write_through."""
+    mgr = _manager(k_anonymity_k, write_policy="write_through")
+    r = Runner(mgr)
+    decoy = [t + 1000 for t in PROMPT]
+    r.run("victim", PROMPT if victim_sent else decoy)
+    req = Request("probe", PROMPT, tenant="attacker")
+    mgr.match_prefix(req)
+    mgr.ensure_resident(req, len(PROMPT))
+    assert not req.cache_swap_metadata, "the attacker must not load the victim's blocks"
+    during = 0
+    for computed in (2 * BS, len(PROMPT)):  # two chunks, each committed as it is computed
+        req.num_computed_tokens = computed
+        mgr.commit_computed_blocks(req)
+        meta = mgr.issue_pending_backup_to_batch_request()
+        if meta is not None:
+            during += len(meta.dst_block_ids)
+            meta.mark_done(True)
+            mgr.complete_swap(meta)
+    mgr.request_finish(req)
+    meta = mgr.issue_pending_backup_to_batch_request()
+    after = 0 if meta is None else len(meta.dst_block_ids)
+    if meta is not None:
+        meta.mark_done(True)
+        mgr.complete_swap(meta)
+    mgr.check_invariants()
+    return during, after
+
+
+def test_a_request_copies_nothing_while_it_computes_whatever_other_tenants_sent() -> None:
+    """The timing attack's probe: under k-anonymity its blocks are fresh nodes (backed up)
+    when the victim did not send the secret, duplicates of the victim's private blocks (no
+    copy) when it did.  Copies made while the probe computes would slow it in the first case
+    only, so none is made before it leaves; the fresh blocks are backed up then."""
+    fresh = _probe_copies(2, victim_sent=False)
+    duplicate = _probe_copies(2, victim_sent=True)
+    assert fresh[0] == duplicate[0] == 0, (fresh, duplicate)
+    assert fresh[1] == FULL // BS, "the attacker's own fresh blocks are backed up once it leaves"
+    assert duplicate[1] == 0
+    # Without k-anonymity write_through backs each chunk up as it commits (what the rule
+    # above changes): the fresh blocks are copied while the request still computes.
+    assert _probe_copies(0, victim_sent=False)[0] > 0
