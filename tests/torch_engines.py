@@ -14,11 +14,9 @@ import pytest
 
 TORCH_REASON = ("needs PyTorch and transformers (the transformers model runner; CI does not install torch: "
                 "`pip install torch transformers`, or run `bash build.sh gpu-test` on a GPU machine)")
-
-
-
 CUDA_TORCH_REASON = "needs a CUDA GPU visible to torch (run `bash build.sh gpu-test` on a GPU machine)"
-TRITON_GPU_REASON = "needs Triton (bundled with CUDA builds of torch; pip install triton)"
+TRITON_GPU_REASON = ("needs Triton: `pip install triton` (CUDA builds of torch bring it), then run "
+                     "`bash build.sh gpu-test` on a GPU machine")
 
 
 def cuda_torch_or_skip(*, transformers: bool = True, triton: bool = False) -> Any:

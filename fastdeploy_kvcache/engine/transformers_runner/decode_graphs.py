@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from fastdeploy_kvcache.engine.attention import step_context
-from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import FP8_KV_QUANT
 from fastdeploy_kvcache.engine.transformers_runner.torch_attention import TorchStep
 
 logger = logging.getLogger(__name__)
@@ -82,8 +81,8 @@ class DecodeGraphs:
     """Static buffers and (on CUDA) one captured graph per batch size; see the module docstring."""
 
     def __init__(self, model: Any, kv_caches: Any, block_size: int, max_num_seqs: int, max_model_len: int,
-                 decode_kernel: Callable[..., Any], device: Any, capture: bool, fp8: bool = False,
-                 kv_quant: str = FP8_KV_QUANT) -> None:
+                 decode_kernel: Callable[..., Any], device: Any, capture: bool,
+                 kv_quant: Optional[str] = None) -> None:
         import torch
 
         self.torch = torch
@@ -101,7 +100,7 @@ class DecodeGraphs:
         self._slots = torch.zeros(top, dtype=torch.int64, device=device)
         self.buckets: dict[int, GraphBucket] = {}
         for b in self.sizes:
-            step = TorchStep(kv_caches, block_size, self._slots[:b], self._slots[:b], b, fp8=fp8, kv_quant=kv_quant)
+            step = TorchStep(kv_caches, block_size, self._slots[:b], self._slots[:b], b, kv_quant=kv_quant)
             step.decode_table = self._table[:b]
             step.decode_lens = self._ints[2, :b]
             step.decode_kernel = decode_kernel

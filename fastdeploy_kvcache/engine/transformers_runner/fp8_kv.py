@@ -46,16 +46,17 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional, Sequence
 
+from fastdeploy_kvcache.config import BLOCK_WISE_FP8, BLOCK_WISE_INT8, FP8_E4M3_MAX, INT8_MAX
+
 logger = logging.getLogger(__name__)
 
-# The CacheConfig.kv_cache_quant values this runner serves.
-FP8_KV_QUANT = "block_wise_fp8"
-INT8_KV_QUANT = "block_wise_int8"
+# The CacheConfig.kv_cache_quant values this runner serves, and each encoding's largest value
+# (E4M3: torch.float8_e4m3fn has no infinities, 0x7f/0xff are NaN; int8: symmetric, -128 is
+# never written): the config's, under this module's names.
+FP8_KV_QUANT = BLOCK_WISE_FP8
+INT8_KV_QUANT = BLOCK_WISE_INT8
 KV_QUANTS = (FP8_KV_QUANT, INT8_KV_QUANT)
-# Largest finite E4M3 (torch.float8_e4m3fn: no infinities, 0x7f/0xff are NaN).
-FP8_MAX = 448.0
-# block_wise_int8's largest byte value (symmetric: -128 is never written).
-INT8_MAX = 127.0
+FP8_MAX = FP8_E4M3_MAX
 
 
 def check_kv_cache_quant(kv_cache_quant: Optional[str]) -> bool:

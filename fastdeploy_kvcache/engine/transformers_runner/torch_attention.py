@@ -40,8 +40,8 @@ static buffers there), so a layer between two pieces dispatches only the work ab
 The cost of a read is the same whichever tier the blocks came from: by the time a layer
 attends, a host hit's blocks are device blocks like any other.
 
-With an 8-bit cache (``TorchStep.fp8``: ``kv_cache_quant`` ``block_wise_fp8`` or
-``block_wise_int8``, ``TorchStep.kv_quant``; each layer's caches ``[key, value, key_scale,
+With an 8-bit cache (``TorchStep.kv_quant``: ``block_wise_fp8`` or ``block_wise_int8``;
+each layer's caches ``[key, value, key_scale,
 value_scale]``, ``engine/transformers_runner/fp8_kv.py``) the
 step's K and V are quantized once per layer (one scale per token and KV head) before they
 are written; every read dequantizes in place: the per-token key scale multiplies the scores,
@@ -108,8 +108,14 @@ class TorchStep:
     # CUDA timing events around each load wait that was not already satisfied (None: not
     # timed, e.g. on the CPU); the runner reads them once the step has finished.
     wait_events: Optional[list[tuple[Any, Any]]] = None
-    fp8: bool = False  # the caches are 8-bit (uint8 bytes + float32 scales, fp8_kv.py)
-    kv_quant: str = FP8_KV_QUANT  # with fp8: what the bytes are (block_wise_fp8 E4M3, block_wise_int8)
+    # 8-bit caches (uint8 bytes + float32 scales, fp8_kv.py): what the bytes are
+    # (block_wise_fp8: E4M3, block_wise_int8); None: caches in a float dtype.
+    kv_quant: Optional[str] = None
+
+    @property
+    def fp8(self) -> bool:
+        """The caches are 8-bit (either encoding)."""
+        return self.kv_quant is not None
 
 
 def gather_blocks(cache: Any, table: Any) -> Any:
@@ -260,8 +266,7 @@ class StepRows:
     k_write: Any = None
     v_write: Any = None
     cast: Any = None  # the caches' dtype where it differs from the rows' (None: the same)
-    fp8: bool = False  # 8-bit caches: the rows are quantized per layer (no k_write / dec_k / dec_launch)
-    kv_quant: str = FP8_KV_QUANT  # with fp8: the bytes' encoding
+    kv_quant: Optional[str] = None  # 8-bit caches: the rows are quantized per layer (no k_write / dec_k / dec_launch)
     groups: int = 1  # query heads per KV head
     dec_q: Any = None  # [B, H, D]
     dec_k: Any = None  # [B, KVH, D] (None when cast: taken per layer)
@@ -290,7 +295,6 @@ def step_rows(step: TorchStep, q: Any, k: Any, v: Any, out: Any) -> StepRows:
             rows.k_write = k[w:] if w else k
             rows.v_write = v[w:] if w else v
     rows.cast = cast
-    rows.fp8 = step.fp8
     rows.kv_quant = step.kv_quant
     rows.groups = int(q.shape[1]) // int(k.shape[1])
     if b:
@@ -341,7 +345,7 @@ def attend_layer(step: TorchStep, rows: StepRows, layer: int, scale: float) -> N
     k_scale = v_scale = None
     scales: dict[str, Any] = {}  # the decode kernel's FP8 keywords
     fresh: Optional[tuple[Any, Any]] = None  # FP8: the rows' K/V as the cache holds them, [T, KVH, D]
-    if rows.fp8:
+    if rows.kv_quant is not None:
         k_scale, v_scale = caches[2], caches[3]
         k_new, ks_new, v_new, vs_new = quantize_kv(rows.k, rows.v, rows.kv_quant)
         w, b = rows.write_from, step.num_decodes

@@ -159,8 +159,8 @@ class TorchModelRunner:
         dtype), ``block_wise_fp8`` or ``block_wise_int8`` (``fp8_kv.py``); ValueError for any other."""
         import torch
 
-        self.fp8_kv = check_kv_cache_quant(kv_cache_quant)  # an 8-bit cache (either encoding)
-        self.kv_quant = kv_cache_quant if self.fp8_kv else FP8_KV_QUANT
+        # The 8-bit cache's encoding (block_wise_fp8, block_wise_int8), None for a float cache.
+        self.kv_quant: Optional[str] = kv_cache_quant if check_kv_cache_quant(kv_cache_quant) else None
         self._checked_caches: Optional[int] = None  # data_ptr of the last layer-0 key cache checked
 
         self.torch = torch
@@ -170,7 +170,7 @@ class TorchModelRunner:
         self.device = torch_device(device)
         self.on_gpu = self.device.type == "cuda"
         self.decode_kernel = decode_kernel_for(self.device, attention)
-        if self.kv_quant == FP8_KV_QUANT and self.fp8_kv and self.decode_kernel is not None and self.on_gpu \
+        if self.kv_quant == FP8_KV_QUANT and self.decode_kernel is not None and self.on_gpu \
                 and torch.cuda.get_device_capability(self.device) < (8, 9):
             # Triton converts E4M3 only on compute capability 8.9 and later (Ada, Hopper).
             cap = "%d.%d" % torch.cuda.get_device_capability(self.device)
@@ -217,6 +217,11 @@ class TorchModelRunner:
             logger.info("fused %d decoder layers (%s)", self.fused_layers,
                         "kernels compiled by torch.compile" if self.on_gpu else "eager elementwise pieces")
 
+    @property
+    def fp8_kv(self) -> bool:
+        """The caches are 8-bit (either encoding: :attr:`kv_quant`)."""
+        return self.kv_quant is not None
+
     # ------------------------------------------------------------------ CUDA graphs
     def enable_decode_graphs(self, kv_caches: Sequence[Sequence[Any]], max_num_seqs: int, max_model_len: int,
                              capture: Optional[bool] = None) -> bool:
@@ -244,7 +249,7 @@ class TorchModelRunner:
             return False
         self._check_caches(kv_caches)
         graphs = DecodeGraphs(self.model, kv_caches, self.block_size, max_num_seqs, max_model_len,
-                              self.decode_kernel, self.device, capture, fp8=self.fp8_kv, kv_quant=self.kv_quant)
+                              self.decode_kernel, self.device, capture, kv_quant=self.kv_quant)
         if capture:
             if not self._captured(graphs, "every step runs eagerly"):
                 return False
@@ -408,7 +413,7 @@ class TorchModelRunner:
         # One upload, then every part a view of it (one split, not a slice per part).
         views = self._upload(np.concatenate(parts)).split([a.size for a in parts])
         step = TorchStep(kv_caches, bs, views[2], views[3], num_dec, layer_done=layer_done,
-                         wait_events=[] if layer_done is not None and self.on_gpu else None, fp8=self.fp8_kv,
+                         wait_events=[] if layer_done is not None and self.on_gpu else None,
                          kv_quant=self.kv_quant)
         k = 4
         if num_dec:
