@@ -74,6 +74,7 @@ import itertools
 import logging
 import os
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -216,6 +217,9 @@ class FileBackend(StorageBackend):
             raise ValueError(f"kv_format must be an int >= 0 (file_format.kv_format_code), got {kv_format!r}")
         self.kv_format = kv_format
         self._blocked: set[str] = set()  # keys whose path holds a non-file (reported once)
+        # Keys whose bytes a put is writing now (a count per key: two puts may race on one).
+        # A read that finds no file for such a key does not forget it (see _forget_missing).
+        self._writing: Counter[str] = Counter()
         self._seed()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="fdkv-file-io") if io_threads > 1 else None
         # Python-level read slices only where the native read does not thread itself.
@@ -336,6 +340,17 @@ class FileBackend(StorageBackend):
     def _put_one(self, key: str, ptr: int, size: int) -> int:
         if key in self._blocked and self._still_blocked(key):
             return Status.IO
+        with self._lock:
+            self._writing[key] += 1
+        try:
+            return self._put_with_retry(key, ptr, size)
+        finally:
+            with self._lock:
+                self._writing[key] -= 1
+                if not self._writing[key]:
+                    del self._writing[key]
+
+    def _put_with_retry(self, key: str, ptr: int, size: int) -> int:
         try:
             return self._put_once(key, ptr, size)
         except _DiskFull:
@@ -374,7 +389,17 @@ class FileBackend(StorageBackend):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, self.file_path(key))
+            # NOTE: the rename and the index check are one step under the index's lock, as
+            # are eviction, delete and a read's forgetting: a concurrent put may have evicted
+            # this key's reservation while its bytes were written (a tiny cap), and an
+            # untracked file would escape the cap, so it is dropped instead of renamed.
+            with self._lock:
+                kept = key in self._index
+                if kept:
+                    os.rename(tmp, self.file_path(key))
+            if not kept:
+                os.unlink(tmp)
+                return Status.FULL
         except OSError as exc:
             try:
                 os.unlink(tmp)
@@ -382,14 +407,6 @@ class FileBackend(StorageBackend):
                 pass
             self._unreserve(key)
             return self._os_status("put", key, exc)
-        if key not in self._index:
-            # NOTE: a tiny cap let concurrent puts evict this key's reservation while its
-            # bytes were being written; an untracked file would escape the cap, so drop it.
-            try:
-                os.unlink(self.file_path(key))
-            except OSError:
-                pass
-            return Status.FULL
         return Status.OK
 
     def _get_slice(self, keys: Sequence[str], ptrs: Sequence[Any], sizes: Sequence[int],
@@ -516,12 +533,12 @@ class FileBackend(StorageBackend):
         if got < 0:
             err = -got
             if err == errno.ENOENT:
-                self._forget(key)
+                self._forget_missing(key)
                 return Status.MISSING
             return self._os_status("get", key, OSError(err, os.strerror(err), path))
         result, why = verdict(headers, at, got, size, digest, lambda n: _payload(ptr, n, seg_bytes))
         if why:
-            self._remove_bad(key, path, why)
+            self._remove_bad(key, why)
             return result
         return self._own_format(key, headers, at, result)
 
@@ -534,23 +551,31 @@ class FileBackend(StorageBackend):
         self._log.warning("foreign-kv-format", "file storage: object %s holds %s KV, this server's KV is %s: "
                           "deleted, counted as a miss (a store is never read as another KV dtype)", key,
                           describe_kv_format(other), describe_kv_format(self.kv_format))
-        try:
-            os.unlink(self.file_path(key))
-        except OSError:
-            pass
-        self._forget(key)
+        self._drop(key)
         return Status.MISSING
 
-    def _remove_bad(self, key: str, path: str, why: str) -> None:
+    def _remove_bad(self, key: str, why: str) -> None:
         self._log.warning("bad-object", "file storage: bad object %s (%s): deleted, counted as a miss", key, why)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        self._forget(key)
+        self._drop(key)
 
-    def _forget(self, key: str) -> None:
-        self._unreserve(key)
+    def _drop(self, key: str) -> None:
+        """Delete ``key``'s file and forget it, as one step under the index's lock (a put's
+        rename takes the same lock, so the index and the directory never disagree)."""
+        with self._lock:
+            try:
+                os.unlink(self.file_path(key))
+            except OSError:
+                pass
+            self._index.pop_locked(key)
+        self._report_lost([key])
+
+    def _forget_missing(self, key: str) -> None:
+        """A read found no file for ``key``: forget it, unless a put is writing it now or its
+        file appeared since the read looked (a put landed meanwhile)."""
+        with self._lock:
+            if key in self._writing or os.path.exists(self.file_path(key)):
+                return
+            self._index.pop_locked(key)
         self._report_lost([key])
 
     def _os_status(self, op: str, key: str, exc: OSError) -> int:

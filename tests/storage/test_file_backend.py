@@ -489,3 +489,34 @@ def test_a_put_that_cannot_fit_beside_held_objects_evicts_nothing(tmp_path: Path
     backend.keep_new_objects(False)
     assert backend.lru_keys() == [key(9), key(0)]
     backend.close()
+
+
+def test_a_read_that_misses_while_a_put_lands_never_forgets_the_object_put(tmp_path: Path) -> None:
+    """A reader that found no file, then a put of the same key that lands before the reader
+    files its miss: the object stays in the index (a file the index forgot escapes the cap and
+    is never evicted).  After each put the putter checks file and index agree."""
+    arena = HostArena(4, 4 << 10)
+    arena.fill(0, seed=3)
+    backend = FileBackend(tmp_path, capacity_bytes=0, min_free_bytes=0, io_threads=1)
+    backend.register_buffer(arena.ptr, arena.nbytes)
+    stop = threading.Event()
+    disagreements: list[str] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            backend.batch_get_into([key(1)], [arena.slot_ptr(1)], [arena.slot_bytes])
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for _ in range(3000):
+            backend.delete([key(1)])
+            assert backend.batch_put_from([key(1)], [arena.slot_ptr(0)], [arena.slot_bytes]) == [Status.OK]
+            on_disk = os.path.exists(backend.file_path(key(1)))
+            if on_disk and key(1) not in backend.lru_keys():
+                disagreements.append("file on disk, key forgotten")
+    finally:
+        stop.set()
+        thread.join()
+    assert on_disk and key(1) in backend.lru_keys()
+    assert not disagreements, disagreements[:3]
