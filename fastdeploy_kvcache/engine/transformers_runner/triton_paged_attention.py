@@ -370,10 +370,12 @@ def decode_tuning(quant: bool, block_size: int) -> DecodeTuning:
     """The default :class:`DecodeTuning` for a cache kind (``quant``: FP8) and block size:
     :data:`DEFAULT_TILES` with its positions rounded down to whole blocks (a power of two)."""
     positions, warps, f16, stages = DEFAULT_TILES[quant]
-    # At most 4 blocks a tile by default: the H200 measured 2 (blocks of 64), and in Triton's
-    # CPU interpreter (numpy 2.x) 8-block tiles of 16 moved the int8 reuse check's logits by
-    # 1.7e-4 against the torch path (1e-6 at 4 or fewer) while every kernel case against
-    # float64 passed; until that is understood, wider tiles are only taken when asked for.
+    # At most 4 blocks a tile by default: the H200 measured 2 (blocks of 64); wider default
+    # tiles of small blocks were never measured on a GPU.  (In Triton's CPU interpreter under
+    # numpy 2.x, 8-block tiles of 16 moved the int8 reuse check's logits by 1.7e-4 against the
+    # torch path.  Not a kernel error: the tiling's float order, 1e-6 apart with a float32
+    # cache, rounded 9 of 393,216 int8 codes to the neighbouring code, and one code step then
+    # carried through the later layers.  tests/engine_torch/test_fp8_kv.py keeps 1e-4.)
     per_tile = min(4, max(1, positions // max(1, block_size)))
     return DecodeTuning(blocks_per_tile=1 << (per_tile.bit_length() - 1), num_warps=warps, float16_dots=f16,
                         num_stages=stages)
