@@ -58,7 +58,8 @@ def main() -> int:
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
     from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams, StepSampling
     from fastdeploy_kvcache.engine.transformers_runner import triton_paged_attention as tpa
-    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import FP8_KV_QUANT, quantize_fp8
+    from fastdeploy_kvcache.config import BLOCK_WISE_FP8
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import quantize_fp8
     from fastdeploy_kvcache.engine.transformers_runner.torch_models import LLAMA3_8B_RANDOM, load_torch_model
     from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
@@ -84,7 +85,8 @@ def main() -> int:
     width = max(a.max_model_len, a.context + 1)
 
     def runner(name: str, fused: bool = False) -> Any:
-        return TorchModelRunner(lm, bs, "gpu", fused_layers=fused, kv_cache_quant=FP8_KV_QUANT if name == "fp8" else None)
+        return TorchModelRunner(lm, bs, "gpu", fused_layers=fused,
+                                kv_cache_quant=BLOCK_WISE_FP8 if name == "fp8" else None)
 
     q = torch.randn((a.batch, lm.num_heads, lm.head_dim), device=dev, dtype=torch.bfloat16, generator=gen)
     o = torch.empty_like(q)

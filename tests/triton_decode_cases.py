@@ -75,11 +75,11 @@ class _Caches:
     def __init__(self, gen: Any, shape: tuple[int, ...], dtype: str) -> None:
         import torch
 
-        from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import (FP8_KV_QUANT, INT8_KV_QUANT, dequantize_8bit,
-                                                                          quantize_8bit)
+        from fastdeploy_kvcache.config import BLOCK_WISE_FP8, BLOCK_WISE_INT8
+        from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import dequantize_8bit, quantize_8bit
 
         self.fp8 = dtype.startswith(("fp8-", "int8-"))  # 8-bit, either encoding
-        self.kv_quant = INT8_KV_QUANT if dtype.startswith("int8-") else FP8_KV_QUANT
+        self.kv_quant = BLOCK_WISE_INT8 if dtype.startswith("int8-") else BLOCK_WISE_FP8
         k = torch.randn(shape, generator=gen)
         v = torch.randn(shape, generator=gen)
         if self.fp8:
@@ -111,9 +111,9 @@ class _Caches:
 
     def flags(self) -> dict[str, Any]:
         """The kernels' keyword for int8 bytes (E4M3 and float caches: none)."""
-        from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import INT8_KV_QUANT
+        from fastdeploy_kvcache.config import BLOCK_WISE_INT8
 
-        return {"int8": True} if self.fp8 and self.kv_quant == INT8_KV_QUANT else {}
+        return {"int8": True} if self.fp8 and self.kv_quant == BLOCK_WISE_INT8 else {}
 SPLITS = (None, 1, 3)  # None: the kernel's own choice
 
 

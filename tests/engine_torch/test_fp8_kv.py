@@ -45,7 +45,8 @@ def test_round_trip_within_the_e4m3_bound() -> None:
     exact; a zero vector stays zero with scale 0 (no NaN)."""
     import torch
 
-    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import FP8_MAX, dequantize_fp8, quantize_fp8
+    from fastdeploy_kvcache.config import FP8_E4M3_MAX
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import dequantize_fp8, quantize_fp8
 
     # float16 tops out at 65504: its vectors stay below 10^2 (x 300 for the outliers).
     for dtype, top in ((torch.float32, 6), (torch.bfloat16, 6), (torch.float16, 2)):
@@ -65,7 +66,7 @@ def test_round_trip_within_the_e4m3_bound() -> None:
         top = x.abs().argmax(-1)
         rows = torch.arange(x.shape[0])
         assert torch.allclose(back[rows, top].abs(), amax, rtol=1e-6)
-        assert torch.allclose(scale, amax / FP8_MAX)
+        assert torch.allclose(scale, amax / FP8_E4M3_MAX)
         assert int(q[5].sum()) == 0 and float(scale[5]) == 0.0 and float(back[5].abs().sum()) == 0.0
 
 
@@ -78,15 +79,16 @@ def test_round_trip_within_the_int8_bound() -> None:
     0; int8's error on Gaussian-like vectors is well under E4M3's."""
     import torch
 
-    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import (INT8_KV_QUANT, INT8_MAX, dequantize_8bit,
-                                                                      dequantize_fp8, quantize_8bit, quantize_fp8)
+    from fastdeploy_kvcache.config import BLOCK_WISE_INT8, INT8_MAX
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import (dequantize_8bit, dequantize_fp8, quantize_8bit,
+                                                                      quantize_fp8)
 
     for dtype, top in ((torch.float32, 6), (torch.bfloat16, 6), (torch.float16, 2)):
         x = _vectors(torch, top).to(dtype).float()
-        q, scale = quantize_8bit(x.to(dtype), INT8_KV_QUANT)
+        q, scale = quantize_8bit(x.to(dtype), BLOCK_WISE_INT8)
         assert q.dtype == torch.uint8 and scale.dtype == torch.float32 and q.shape == x.shape
         assert int((q == 0x80).sum()) == 0  # -128
-        back = dequantize_8bit(q, scale, INT8_KV_QUANT)
+        back = dequantize_8bit(q, scale, BLOCK_WISE_INT8)
         err = (back - x).abs()
         bound = INT8_HALF_STEP * scale[:, None]
         assert bool((err <= bound * (1 + 1e-5) + 1e-30).all()), float((err - bound).max())
@@ -98,8 +100,8 @@ def test_round_trip_within_the_int8_bound() -> None:
         assert int(q[5].sum()) == 0 and float(scale[5]) == 0.0 and float(back[5].abs().sum()) == 0.0
     g = torch.randn((256, 64), generator=torch.Generator().manual_seed(3))
     rel = {}
-    for name, (qq, ss) in (("int8", quantize_8bit(g, INT8_KV_QUANT)), ("fp8", quantize_fp8(g))):
-        back = dequantize_8bit(qq, ss, INT8_KV_QUANT) if name == "int8" else dequantize_fp8(qq, ss)
+    for name, (qq, ss) in (("int8", quantize_8bit(g, BLOCK_WISE_INT8)), ("fp8", quantize_fp8(g))):
+        back = dequantize_8bit(qq, ss, BLOCK_WISE_INT8) if name == "int8" else dequantize_fp8(qq, ss)
         rel[name] = float((back - g).norm() / g.norm())
     assert rel["int8"] < rel["fp8"] / 2, rel
 
@@ -108,9 +110,10 @@ def test_bytes_are_int8() -> None:
     """block_wise_int8's bytes are two's complement int8: a vector's largest is 127 (0x7f)."""
     import torch
 
-    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import INT8_KV_QUANT, quantize_8bit
+    from fastdeploy_kvcache.config import BLOCK_WISE_INT8
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import quantize_8bit
 
-    q, scale = quantize_8bit(torch.tensor([[2.0, -1.0, 0.5, 0.0, -2.0]]), INT8_KV_QUANT)
+    q, scale = quantize_8bit(torch.tensor([[2.0, -1.0, 0.5, 0.0, -2.0]]), BLOCK_WISE_INT8)
     assert q.tolist() == [[0x7F, 0xC0, 0x20, 0x00, 0x81]]  # 127, -64 (-63.5 to even), 32 (31.75), 0, -127
     assert float(scale[0]) == pytest.approx(2.0 / 127)
 
@@ -248,7 +251,8 @@ def test_fused_layers_and_piecewise_path_over_fp8_caches(tiny_torch_model: Any) 
     import torch
 
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
-    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import FP8_KV_QUANT, quantize_fp8
+    from fastdeploy_kvcache.config import BLOCK_WISE_FP8
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import quantize_fp8
     from fastdeploy_kvcache.engine.transformers_runner.torch_models import load_torch_model
     from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
@@ -263,11 +267,11 @@ def test_fused_layers_and_piecewise_path_over_fp8_caches(tiny_torch_model: Any) 
     seqs.append(ScheduledSeq(list(range(30, 67)), 0, [20, 21, 22], True))  # nothing cached before it
     seqs.append(ScheduledSeq(list(range(90, 99)), 40, [30, 31, 32, 33], True))  # after cached context
     copies = [[[t.clone() for t in layer] for layer in base] for _ in range(3)]
-    want = TorchModelRunner(m, 16, "cpu", kv_cache_quant=FP8_KV_QUANT).forward(seqs, copies[0], None)
+    want = TorchModelRunner(m, 16, "cpu", kv_cache_quant=BLOCK_WISE_FP8).forward(seqs, copies[0], None)
     fused_model = load_torch_model("tiny-llama-random", seed=0, device=torch.device("cpu"), dtype="float32")
-    eager = TorchModelRunner(fused_model, 16, "cpu", fused_layers=True, kv_cache_quant=FP8_KV_QUANT)
+    eager = TorchModelRunner(fused_model, 16, "cpu", fused_layers=True, kv_cache_quant=BLOCK_WISE_FP8)
     got = eager.forward(seqs, copies[1], None)
-    pieces = TorchModelRunner(fused_model, 16, "cpu", fused_layers=True, kv_cache_quant=FP8_KV_QUANT)
+    pieces = TorchModelRunner(fused_model, 16, "cpu", fused_layers=True, kv_cache_quant=BLOCK_WISE_FP8)
     assert pieces.enable_piecewise_graphs(64, capture=False)
     through = pieces.forward(seqs, copies[2], None)
     assert pieces.piecewise_steps == 1

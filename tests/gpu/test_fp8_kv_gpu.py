@@ -108,17 +108,18 @@ def test_fused_layers_and_piecewise_graphs_over_fp8_caches(capi: Any) -> None:
     """A step mixing decodes, a fresh chunk and a chunk after cached context: fused eager and
     fused through the piecewise graphs give the unfused runner's logits, and write the same
     bytes and scales."""
-    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import FP8_KV_QUANT, dequantize_fp8
+    from fastdeploy_kvcache.config import BLOCK_WISE_FP8
+    from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import dequantize_fp8
     from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner
 
     plain, fused = _tiny(), _tiny()
     base = _fp8_caches(plain, 3)
     copies = [[[t.clone() for t in layer] for layer in base] for _ in range(3)]
-    want = TorchModelRunner(plain, 16, "gpu", kv_cache_quant=FP8_KV_QUANT).forward(_mixed_step(), copies[0], None)
-    eager = TorchModelRunner(fused, 16, "gpu", fused_layers=True, kv_cache_quant=FP8_KV_QUANT)
+    want = TorchModelRunner(plain, 16, "gpu", kv_cache_quant=BLOCK_WISE_FP8).forward(_mixed_step(), copies[0], None)
+    eager = TorchModelRunner(fused, 16, "gpu", fused_layers=True, kv_cache_quant=BLOCK_WISE_FP8)
     got = eager.forward(_mixed_step(), copies[1], None)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    pieces = TorchModelRunner(fused, 16, "gpu", fused_layers=True, kv_cache_quant=FP8_KV_QUANT)
+    pieces = TorchModelRunner(fused, 16, "gpu", fused_layers=True, kv_cache_quant=BLOCK_WISE_FP8)
     assert pieces.enable_piecewise_graphs(128)
     replayed = pieces.forward(_mixed_step(), copies[2], None)
     assert pieces.piecewise_steps == 1 and pieces.last_step_replayed

@@ -50,13 +50,10 @@ from fastdeploy_kvcache.config import BLOCK_WISE_FP8, BLOCK_WISE_INT8, FP8_E4M3_
 
 logger = logging.getLogger(__name__)
 
-# The CacheConfig.kv_cache_quant values this runner serves, and each encoding's largest value
-# (E4M3: torch.float8_e4m3fn has no infinities, 0x7f/0xff are NaN; int8: symmetric, -128 is
-# never written): the config's, under this module's names.
-FP8_KV_QUANT = BLOCK_WISE_FP8
-INT8_KV_QUANT = BLOCK_WISE_INT8
-KV_QUANTS = (FP8_KV_QUANT, INT8_KV_QUANT)
-FP8_MAX = FP8_E4M3_MAX
+# The CacheConfig.kv_cache_quant values this runner serves.  Each encoding's largest value is
+# the config's: FP8_E4M3_MAX (torch.float8_e4m3fn has no infinities, 0x7f/0xff are NaN) and
+# INT8_MAX (symmetric: -128 is never written).
+KV_QUANTS = (BLOCK_WISE_FP8, BLOCK_WISE_INT8)
 
 
 def check_kv_cache_quant(kv_cache_quant: Optional[str]) -> bool:
@@ -67,7 +64,7 @@ def check_kv_cache_quant(kv_cache_quant: Optional[str]) -> bool:
     if kv_cache_quant in KV_QUANTS:
         return True
     raise ValueError(f"kv_cache_quant {kv_cache_quant!r}: the transformers runner serves None (the cache in "
-                     f"the model's dtype), {FP8_KV_QUANT!r} or {INT8_KV_QUANT!r}")
+                     f"the model's dtype), {BLOCK_WISE_FP8!r} or {BLOCK_WISE_INT8!r}")
 
 
 def check_fp8_layer_caches(caches: Sequence[Any], layer: int = 0) -> None:
@@ -94,10 +91,10 @@ def quantize_fp8(x: Any) -> tuple[Any, Any]:
     import torch
 
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) / FP8_MAX
+    scale = xf.abs().amax(dim=-1) / FP8_E4M3_MAX
     # A zero vector (scale 0) divides by 1: zero bytes, not NaN (the Paddle runner's rule too).
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (xf / divisor.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+    q = (xf / divisor.unsqueeze(-1)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return q.to(torch.float8_e4m3fn).view(torch.uint8), scale
 
 
@@ -116,7 +113,7 @@ def quantize_int8(x: Any) -> tuple[Any, Any]:
 
 def quantize_8bit(x: Any, kv_quant: str) -> tuple[Any, Any]:
     """:func:`quantize_fp8` or :func:`quantize_int8`, by the cache's ``kv_quant``."""
-    return quantize_int8(x) if kv_quant == INT8_KV_QUANT else quantize_fp8(x)
+    return quantize_int8(x) if kv_quant == BLOCK_WISE_INT8 else quantize_fp8(x)
 
 
 def _quantize_pair_fp8(k: Any, v: Any) -> tuple[Any, Any, Any, Any]:
@@ -129,11 +126,11 @@ def _quantize_pair_int8(k: Any, v: Any) -> tuple[Any, Any, Any, Any]:
     return kq, ks, vq, vs
 
 
-_EAGER_PAIR: dict[str, Callable[..., Any]] = {FP8_KV_QUANT: _quantize_pair_fp8, INT8_KV_QUANT: _quantize_pair_int8}
+_EAGER_PAIR: dict[str, Callable[..., Any]] = {BLOCK_WISE_FP8: _quantize_pair_fp8, BLOCK_WISE_INT8: _quantize_pair_int8}
 _compiled_pair: dict[str, Callable[..., Any]] = {}
 
 
-def quantize_kv(k: Any, v: Any, kv_quant: str = FP8_KV_QUANT) -> tuple[Any, Any, Any, Any]:
+def quantize_kv(k: Any, v: Any, kv_quant: str = BLOCK_WISE_FP8) -> tuple[Any, Any, Any, Any]:
     """A step's K and V for the cache: ``(k bytes, k scales, v bytes, v scales)``
     (:func:`quantize_8bit` of each, ``kv_quant`` the cache's encoding).
 
@@ -177,12 +174,12 @@ def values_8bit(q: Any, dtype: Any, kv_quant: str) -> Any:
     int8 (exact in bfloat16, float16 and float32: |value| <= 127 < 2^8)."""
     import torch
 
-    return q.view(torch.int8).to(dtype) if kv_quant == INT8_KV_QUANT else fp8_values(q, dtype)
+    return q.view(torch.int8).to(dtype) if kv_quant == BLOCK_WISE_INT8 else fp8_values(q, dtype)
 
 
 def dequantize_fp8(q: Any, scale: Any, dtype: Any = None) -> Any:
     """uint8 E4M3 bytes ``[..., head_dim]`` and scales ``[...]`` -> values (float32, or ``dtype``)."""
-    return dequantize_8bit(q, scale, FP8_KV_QUANT, dtype)
+    return dequantize_8bit(q, scale, BLOCK_WISE_FP8, dtype)
 
 
 def dequantize_8bit(q: Any, scale: Any, kv_quant: str, dtype: Any = None) -> Any:
@@ -193,7 +190,7 @@ def dequantize_8bit(q: Any, scale: Any, kv_quant: str, dtype: Any = None) -> Any
     return out if dtype is None else out.to(dtype)
 
 
-def fake_quantize_fp8(x: Any, kv_quant: str = FP8_KV_QUANT) -> Any:
+def fake_quantize_fp8(x: Any, kv_quant: str = BLOCK_WISE_FP8) -> Any:
     """``x`` through the cache and back, in its own dtype: what any later read of it sees."""
     q, scale = quantize_8bit(x, kv_quant)
     return dequantize_8bit(q, scale, kv_quant, x.dtype)

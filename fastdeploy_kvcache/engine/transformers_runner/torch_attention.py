@@ -59,8 +59,8 @@ from typing import Any, Callable, Optional, Sequence
 
 # The step travels to the attention function the same way on both paths (thread-local).
 from fastdeploy_kvcache.engine.attention import current_context, select_attention, step_context  # noqa: F401
-from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import (FP8_KV_QUANT, INT8_KV_QUANT, dequantize_8bit, quantize_kv,
-                                                                  values_8bit)
+from fastdeploy_kvcache.config import BLOCK_WISE_FP8, BLOCK_WISE_INT8
+from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import dequantize_8bit, quantize_kv, values_8bit
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def decode_mask(lens: Any, width: int, block_size: int, positions: Any) -> Any:
 
 
 def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask: Any, scale: float,
-                           k_scale: Any = None, v_scale: Any = None, kv_quant: str = FP8_KV_QUANT) -> Any:
+                           k_scale: Any = None, v_scale: Any = None, kv_quant: str = BLOCK_WISE_FP8) -> Any:
     """One query token per seq over its blocks, in torch ops: q ``[B, H, D]`` -> float32 ``[B, H, D]``.
 
     The fallback of the Triton kernel (CPU, or no Triton): ``table`` ``[B, W]`` padded with
@@ -207,7 +207,7 @@ def decode_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, mask:
 
 
 def prefill_attention_torch(q: Any, k_cache: Any, v_cache: Any, table: Any, context_len: int, scale: float,
-                            k_scale: Any = None, v_scale: Any = None, kv_quant: str = FP8_KV_QUANT) -> Any:
+                            k_scale: Any = None, v_scale: Any = None, kv_quant: str = BLOCK_WISE_FP8) -> Any:
     """A chunk of ``n`` tokens after ``context_len`` cached ones: q ``[1, H, n, D]`` -> ``[1, H, n, D]``.
 
     Its blocks gathered (a copy; 8-bit blocks of ``kv_quant`` dequantized with ``k_scale`` / ``v_scale`` into
@@ -352,7 +352,7 @@ def attend_layer(step: TorchStep, rows: StepRows, layer: int, scale: float) -> N
         k_write, v_write = k_new[w:], v_new[w:]
         dec_k, dec_v = k_new[:b], v_new[:b]
         scales = dict(k_scale=k_scale, v_scale=v_scale, k_new_scale=ks_new[:b], v_new_scale=vs_new[:b],
-                      int8=rows.kv_quant == INT8_KV_QUANT)
+                      int8=rows.kv_quant == BLOCK_WISE_INT8)
         if rows.write_blocks is not None:
             k_scale[rows.write_blocks, :, rows.write_offsets] = ks_new[w:]
             v_scale[rows.write_blocks, :, rows.write_offsets] = vs_new[w:]
@@ -389,7 +389,7 @@ def attend_layer(step: TorchStep, rows: StepRows, layer: int, scale: float) -> N
                                                enable_gqa=groups > 1)
         elif p.kernel is not None:
             p.kernel(c.q_rows, k_cache, v_cache, p.table, p.context_len, c.out_rows, scale,
-                     k_scale=k_scale, v_scale=v_scale, int8=rows.kv_quant == INT8_KV_QUANT)
+                     k_scale=k_scale, v_scale=v_scale, int8=rows.kv_quant == BLOCK_WISE_INT8)
             continue
         else:
             o = prefill_attention_torch(c.q, k_cache, v_cache, p.table, p.context_len, scale, k_scale, v_scale,

@@ -46,8 +46,8 @@ from fastdeploy_kvcache.engine.model_loader import LoadedModel
 from fastdeploy_kvcache.engine.runner import ScheduledSeq
 from fastdeploy_kvcache.engine.attention import step_context
 from fastdeploy_kvcache.engine.transformers_runner.decode_graphs import DecodeGraphs, GraphBucket
-from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import (FP8_KV_QUANT, check_fp8_layer_caches,
-                                                                  check_kv_cache_quant)
+from fastdeploy_kvcache.config import BLOCK_WISE_FP8
+from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import check_fp8_layer_caches, check_kv_cache_quant
 from fastdeploy_kvcache.engine.transformers_runner.piecewise_graphs import PiecewiseGraphs, TokenBucket
 from fastdeploy_kvcache.engine.sampling import StepSampling
 from fastdeploy_kvcache.engine.transformers_runner.torch_sampling import sample_on_device
@@ -170,7 +170,7 @@ class TorchModelRunner:
         self.device = torch_device(device)
         self.on_gpu = self.device.type == "cuda"
         self.decode_kernel = decode_kernel_for(self.device, attention)
-        if self.kv_quant == FP8_KV_QUANT and self.decode_kernel is not None and self.on_gpu \
+        if self.kv_quant == BLOCK_WISE_FP8 and self.decode_kernel is not None and self.on_gpu \
                 and torch.cuda.get_device_capability(self.device) < (8, 9):
             # Triton converts E4M3 only on compute capability 8.9 and later (Ada, Hopper).
             cap = "%d.%d" % torch.cuda.get_device_capability(self.device)
