@@ -55,10 +55,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_fp8_decode: needs a CUDA GPU; skipped")
         return 0
+    from fastdeploy_kvcache.config import BLOCK_WISE_FP8
     from fastdeploy_kvcache.engine.runner import ScheduledSeq
     from fastdeploy_kvcache.engine.sampling import RequestSampler, SamplingParams, StepSampling
     from fastdeploy_kvcache.engine.transformers_runner import triton_paged_attention as tpa
-    from fastdeploy_kvcache.config import BLOCK_WISE_FP8
     from fastdeploy_kvcache.engine.transformers_runner.fp8_kv import quantize_fp8
     from fastdeploy_kvcache.engine.transformers_runner.torch_models import LLAMA3_8B_RANDOM, load_torch_model
     from fastdeploy_kvcache.engine.transformers_runner.torch_runner import TorchModelRunner

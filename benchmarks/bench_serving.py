@@ -106,6 +106,7 @@ import os
 import platform
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -801,7 +802,9 @@ def split_server_args(argv: Optional[list[str]]) -> tuple[list[str], list[str]]:
     return argv[:i], argv[i + 1:]
 
 
-def machine() -> dict[str, Any]:
+def machine(device: str = "cpu") -> dict[str, Any]:
+    """The machine, for a report.  On a GPU, its GPUs from ``nvidia-smi`` and no Paddle import
+    (the GPU machine has no Paddle, and the import costs seconds of a timed run)."""
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -811,14 +814,23 @@ def machine() -> dict[str, Any]:
                     break
     except OSError:
         pass
+    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+                            "platform": platform.platform()}
+    if device == "gpu":
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            info["gpus"] = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+        except (OSError, subprocess.SubprocessError) as exc:
+            info["gpus"] = f"nvidia-smi failed: {exc}"
+        return info
     try:
         import paddle  # noqa: F401  (version only)
 
-        paddle_version = paddle.__version__
+        info["paddle"] = paddle.__version__
     except Exception:  # noqa: BLE001
-        paddle_version = "?"
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "paddle": paddle_version, "platform": platform.platform()}
+        info["paddle"] = "?"
+    return info
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -1378,7 +1390,7 @@ def build_report(args: argparse.Namespace, results: dict[str, ConfigResult], pro
     return {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
         "time_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "machine": machine(),
+        "machine": machine(args.device),
         "loadavg_start": LOADAVG_START,
         "args": vars(args),
         "tokens_per_word": tokens_per_word,

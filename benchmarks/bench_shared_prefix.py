@@ -365,7 +365,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ratios["on_over_off_ttft_p50"] = on["ttft_p50_s"] / off["ttft_p50_s"]
     now = dt.datetime.now(dt.timezone.utc)
     report = {
-        "date": now.strftime("%Y-%m-%d"), "time_utc": now.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
+        "date": now.strftime("%Y-%m-%d"), "time_utc": now.strftime("%Y-%m-%d %H:%M"), "machine": machine(args.device),
         "device_name": gpu_name() if args.device == "gpu" else "CPU", "model": model, "args": vars(args),
         "server_flags": flags, "workload": asdict(wl), "forward_only": base, "summaries": summaries,
         "ratios": ratios, "target_off_over_forward_only": TARGET_OFF_OVER_FORWARD,

@@ -445,29 +445,11 @@ def measure_in_process(a: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- main
-def machine_of(device: str) -> dict[str, Any]:
-    """The machine, for the report; on a GPU without importing Paddle (seconds of the budget)."""
-    if device == "cpu":
-        return machine()
-    import platform
-    import subprocess
-
-    info: dict[str, Any] = {"cores": os.cpu_count(), "python": platform.python_version(),
-                            "platform": platform.platform()}
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        info["gpus"] = [line.strip() for line in out.stdout.splitlines() if line.strip()]
-    except (OSError, subprocess.SubprocessError) as exc:
-        info["gpus"] = f"nvidia-smi failed: {exc}"
-    return info
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     t_start = time.monotonic()
     a, extra = parse_args(argv)
     report: dict[str, Any] = {"bench": NAME, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                              "machine": machine_of(a.device), "device": a.device, "model": a.model,
+                              "machine": machine(a.device), "device": a.device, "model": a.model,
                               "model_impl": a.model_impl, "args": {k: v for k, v in vars(a).items() if k != "out_dir"}}
     # In process first (seconds): its figures print even if the servers' part cannot finish.
     report["in_process"] = inp = measure_in_process(a)

@@ -304,7 +304,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from tqdm import tqdm
 
     report: dict[str, Any] = {"bench": NAME, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                              "machine": machine(), "device": a.device, "model": model, "model_impl": impl,
+                              "machine": machine(a.device), "device": a.device, "model": model, "model_impl": impl,
                               "k": a.k_anonymity_k, "flags": flags,
                               "workload": {n: getattr(a, n) for n in defaults}}
     out_dir = Path(a.out_dir)
